@@ -1,0 +1,228 @@
+"""Backward flash-attention kernels: a row-sum preprocess, a dK/dV pass and a dQ pass.
+
+P is recomputed from the saved LSE; no (L, S) matrix is stored (except dS itself when the
+caller asks for the gradient of a float mask). dS = P∘(dP − Δ) stays fp32 until it meets
+the matrix unit, where ``ds_dot`` rounds it as the precision schedule says.
+
+Δ_i = rowsum(dO_i ∘ O_i) − dLSE_i: the LSE output's own gradient enters dS exactly as a
+shift of Δ, because ∂lse_i/∂s_ij = P_ij.
+
+The dK/dV pass owns one key block of one KV head and walks every query head of its GQA
+group, so grouped K/V gradients are summed in registers, without atomics or repeated K/V.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import LOG2E, add_attn_mask, dropout_keep, ds_dot
+
+
+@triton.jit
+def _attn_bwd_preprocess(
+    OUT, DO, DLSE, DELTA,
+    stride_ob, stride_oh, stride_om, stride_oe,
+    stride_db, stride_dh, stride_dm, stride_de,
+    H_Q, L,
+    HEAD_DIM_V: tl.constexpr, BLOCK_EV: tl.constexpr, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh = tl.program_id(1)
+    b = (bh // H_Q).to(tl.int64)
+    h = (bh % H_Q).to(tl.int64)
+    offs_ev = tl.arange(0, BLOCK_EV)
+    tile_ok = (offs_m[:, None] < L) & (offs_ev[None, :] < HEAD_DIM_V)
+    o = tl.load(OUT + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_ev[None, :] * stride_oe,
+                mask=tile_ok, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dm + offs_ev[None, :] * stride_de,
+                 mask=tile_ok, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, axis=1)
+    row_ids = bh.to(tl.int64) * L + offs_m
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + row_ids, mask=offs_m < L, other=0.0)
+    tl.store(DELTA + row_ids, delta, mask=offs_m < L)
+
+
+@triton.jit
+def _load_lse_log2(LSE, row_ids, row_ok):
+    """Saved natural-log LSE in base 2; rows with no visible key (-inf) become +inf so that
+    exp2(s - lse) is 0 there instead of NaN."""
+    lse = tl.load(LSE + row_ids, mask=row_ok, other=float("inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+    Q, K, V, MASK, SEED, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qm, stride_qe,
+    stride_kb, stride_kh, stride_kn, stride_ke,
+    stride_vb, stride_vh, stride_vn, stride_ve,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_dob, stride_doh, stride_dom, stride_doe,
+    stride_dkb, stride_dkh, stride_dkn, stride_dke,
+    stride_dvb, stride_dvh, stride_dvn, stride_dve,
+    H_Q, H_KV, GROUP, L, S, causal_offset, qk_scale_log2, sm_scale, dropout_p,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
+    DS_RESCALE: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    bh_kv = tl.program_id(1)
+    b = (bh_kv // H_KV).to(tl.int64)
+    h_kv = (bh_kv % H_KV).to(tl.int64)
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m_base = tl.arange(0, BLOCK_M)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_ev = tl.arange(0, BLOCK_EV)
+    kv_rows_ok = offs_n < S
+
+    k = tl.load(K + b * stride_kb + h_kv * stride_kh + offs_n[:, None] * stride_kn + offs_e[None, :] * stride_ke,
+                mask=kv_rows_ok[:, None] & (offs_e[None, :] < HEAD_DIM), other=0.0)
+    v = tl.load(V + b * stride_vb + h_kv * stride_vh + offs_n[:, None] * stride_vn + offs_ev[None, :] * stride_ve,
+                mask=kv_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_EV], dtype=tl.float32)
+
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+        keep_scale = 1.0 / (1.0 - dropout_p)
+    # Under causal masking, query rows before start_n - causal_offset see none of these keys.
+    lo = 0
+    if IS_CAUSAL:
+        lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
+
+    for g in range(GROUP):
+        h = h_kv * GROUP + g
+        bh = b * H_Q + h
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_dob + h * stride_doh
+        mask_base = MASK + b * stride_mb + h * stride_mh
+        for start_m in range(lo, L, BLOCK_M):
+            offs_m = start_m + offs_m_base
+            q_rows_ok = offs_m < L
+            q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_e[None, :] * stride_qe,
+                        mask=q_rows_ok[:, None] & (offs_e[None, :] < HEAD_DIM), other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_ev[None, :] * stride_doe,
+                         mask=q_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0)
+            row_ids = bh * L + offs_m
+            lse2 = _load_lse_log2(LSE, row_ids, q_rows_ok)
+            delta = tl.load(DELTA + row_ids, mask=q_rows_ok, other=0.0)
+
+            # Transposed tiles (keys x queries) so dK and dV come out of the dots directly.
+            s2_t = tl.dot(k, tl.trans(q), input_precision=FP32_DOT) * qk_scale_log2
+            tile_ok = kv_rows_ok[:, None] & q_rows_ok[None, :]
+            if HAS_MASK:
+                s2_t = add_attn_mask(
+                    s2_t, mask_base + offs_m[None, :] * stride_mm + offs_n[:, None] * stride_mn,
+                    tile_ok, MASK_IS_BOOL,
+                )
+            visible = tile_ok
+            if IS_CAUSAL:
+                visible = visible & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
+            s2_t = tl.where(visible, s2_t, float("-inf"))
+            p_t = tl.math.exp2(s2_t - lse2[None, :])
+
+            dp_t = tl.dot(v, tl.trans(do), input_precision=FP32_DOT)
+            p_used_t = p_t
+            if HAS_DROPOUT:
+                keep = dropout_keep(seed, row_ids[None, :], offs_n[:, None], S, dropout_p)
+                p_used_t = tl.where(keep, p_t * keep_scale, 0.0)
+                dp_t = tl.where(keep, dp_t * keep_scale, 0.0)
+            if P_IN_FP32:
+                dv += tl.dot(p_used_t, do.to(tl.float32), input_precision=FP32_DOT)
+            else:
+                dv += tl.dot(p_used_t.to(do.dtype), do, input_precision=FP32_DOT)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += ds_dot(ds_t, q, DS_IN_FP32, DS_RESCALE, FP32_DOT)
+
+    dk = dk * sm_scale
+    tl.store(DK + b * stride_dkb + h_kv * stride_dkh + offs_n[:, None] * stride_dkn + offs_e[None, :] * stride_dke,
+             dk.to(DK.dtype.element_ty), mask=kv_rows_ok[:, None] & (offs_e[None, :] < HEAD_DIM))
+    tl.store(DV + b * stride_dvb + h_kv * stride_dvh + offs_n[:, None] * stride_dvn + offs_ev[None, :] * stride_dve,
+             dv.to(DV.dtype.element_ty), mask=kv_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V))
+
+
+@triton.jit
+def _attn_bwd_dq(
+    Q, K, V, MASK, SEED, DO, LSE, DELTA, DQ, DMASK,
+    stride_qb, stride_qh, stride_qm, stride_qe,
+    stride_kb, stride_kh, stride_kn, stride_ke,
+    stride_vb, stride_vh, stride_vn, stride_ve,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_dob, stride_doh, stride_dom, stride_doe,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqe,
+    H_Q, GROUP, L, S, causal_offset, qk_scale_log2, sm_scale, dropout_p,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
+    WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // H_Q).to(tl.int64)
+    h = (bh % H_Q).to(tl.int64)
+    h_kv = h // GROUP
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n_base = tl.arange(0, BLOCK_N)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_ev = tl.arange(0, BLOCK_EV)
+    q_rows_ok = offs_m < L
+
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_e[None, :] * stride_qe,
+                mask=q_rows_ok[:, None] & (offs_e[None, :] < HEAD_DIM), other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_ev[None, :] * stride_doe,
+                 mask=q_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0)
+    row_ids = bh.to(tl.int64) * L + offs_m
+    lse2 = _load_lse_log2(LSE, row_ids, q_rows_ok)
+    delta = tl.load(DELTA + row_ids, mask=q_rows_ok, other=0.0)
+    k_base = K + b * stride_kb + h_kv * stride_kh
+    v_base = V + b * stride_vb + h_kv * stride_vh
+    mask_base = MASK + b * stride_mb + h * stride_mh
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+        keep_scale = 1.0 / (1.0 - dropout_p)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
+    hi = S
+    if IS_CAUSAL:
+        hi = tl.minimum(S, start_m + BLOCK_M + causal_offset)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + offs_n_base
+        kv_rows_ok = offs_n < S
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_e[None, :] * stride_ke,
+                    mask=kv_rows_ok[:, None] & (offs_e[None, :] < HEAD_DIM), other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_ev[None, :] * stride_ve,
+                    mask=kv_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0)
+        s2 = tl.dot(q, tl.trans(k), input_precision=FP32_DOT) * qk_scale_log2
+        tile_ok = q_rows_ok[:, None] & kv_rows_ok[None, :]
+        if HAS_MASK:
+            s2 = add_attn_mask(
+                s2, mask_base + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
+                tile_ok, MASK_IS_BOOL,
+            )
+        visible = tile_ok
+        if IS_CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+        s2 = tl.where(visible, s2, float("-inf"))
+        p = tl.math.exp2(s2 - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=FP32_DOT)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, row_ids[:, None], offs_n[None, :], S, dropout_p)
+            dp = tl.where(keep, dp * keep_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        if WRITE_DMASK:
+            # dL/d(additive mask) is dS itself; DMASK is a dense (B*Hq, L, S) fp32 buffer.
+            tl.store(DMASK + row_ids[:, None] * S + offs_n[None, :], ds, mask=tile_ok)
+        dq += ds_dot(ds, k, DS_IN_FP32, DS_RESCALE, FP32_DOT)
+
+    dq = dq * sm_scale
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_e[None, :] * stride_dqe,
+             dq.to(DQ.dtype.element_ty), mask=q_rows_ok[:, None] & (offs_e[None, :] < HEAD_DIM))

@@ -1,0 +1,57 @@
+"""Triton helpers shared by the forward and backward attention kernels.
+
+Everything here is ``@triton.jit`` code. Scores travel in base 2: ``s2 = log2(e) * s``,
+so ``exp(s - m) == exp2(s2 - m2)`` and the exponentials use the fast ``exp2`` unit.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634
+LN2: tl.constexpr = 0.6931471805599453
+# finfo(float32).min * log2(e) overflows to -inf, which would turn a row built from
+# `finfo.min` masks into a "fully masked" row. Clamping finite mask values here keeps them
+# finite in base 2; softmax is shift-invariant, so rows made only of such values keep
+# their exact result. -inf stays -inf (a real "do not attend").
+MASK_FLOOR: tl.constexpr = -1.0e38
+
+
+@triton.jit
+def add_attn_mask(s2, mask_ptrs, in_bounds, MASK_IS_BOOL: tl.constexpr):
+    """Apply a bool (True = attend) or additive float mask tile to base-2 scores, in fp32."""
+    if MASK_IS_BOOL:
+        keep = tl.load(mask_ptrs, mask=in_bounds, other=0)
+        s2 = tl.where(keep != 0, s2, float("-inf"))
+    else:
+        bias = tl.load(mask_ptrs, mask=in_bounds, other=0.0).to(tl.float32)
+        bias = tl.where(bias > float("-inf"), tl.maximum(bias, MASK_FLOOR), bias)
+        s2 = s2 + bias * LOG2E
+    return s2
+
+
+@triton.jit
+def dropout_keep(seed, rows, cols, S, dropout_p):
+    """Counter-based keep mask: element (row, col) of the (B*Hq*L, S) score matrix.
+
+    ``rows`` is the flattened (batch, query head, query row) index as int64, so the mask
+    depends only on the seed and the element's position: the backward regenerates it
+    exactly, with no stored bits, whatever tiling either pass uses.
+    """
+    return tl.rand(seed, rows * S + cols) >= dropout_p
+
+
+@triton.jit
+def ds_dot(ds, x, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr, FP32_DOT: tl.constexpr):
+    """Return ds @ x in fp32, rounding dS only as the precision schedule allows."""
+    if DS_IN_FP32:
+        return tl.dot(ds, x.to(tl.float32), input_precision=FP32_DOT)
+    elif DS_RESCALE:
+        # dS = P*(dP - delta) can exceed fp16's 65504 while the gradient it feeds is finite
+        # (|V| or |dO| ~ 1e4). Scale the tile by a power of two (exact) so its largest
+        # element stays below 2^14 when rounded, and undo the scale on the fp32 product.
+        amax = tl.max(tl.abs(ds))
+        shift = tl.where(amax > 16384.0, tl.ceil(tl.log2(amax)) - 14.0, 0.0)
+        factor = tl.math.exp2(shift)
+        return tl.dot((ds / factor).to(x.dtype), x, input_precision=FP32_DOT) * factor
+    else:
+        return tl.dot(ds.to(x.dtype), x, input_precision=FP32_DOT)

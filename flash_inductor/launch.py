@@ -1,0 +1,228 @@
+"""Launchers for the Triton attention kernels: allocate outputs, pick configs, launch.
+
+Inputs arrive normalised by ``flash_inductor.api`` (4-D, validated); this module checks
+only what the kernels themselves need. Kernels are launched through
+``torch.library.wrap_triton`` so that, inside our ``triton_op``, Inductor sees and inlines
+them; under the Triton interpreter (CPU tests) they are called directly.
+
+The contract of ``attention_forward`` / ``attention_backward`` is the same as that of the
+reference path in ``flash_inductor.ops.reference``; tests compare the two.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .tuning.configs import padded_head_dim, select_configs
+from .tuning.schedules import get_schedule
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEAD_DIM = 256
+# CUDA limits grid axis 1 (where batch x heads goes) to 65535 programs.
+_MAX_GRID_Y = 65535
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernel_supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the Triton kernels take these (normalised, 4-D) inputs; else the reference path runs."""
+    if query.device.type != "cuda" or not _triton_available():
+        return False
+    if query.dtype not in _KERNEL_DTYPES:
+        return False
+    batch, heads_q = query.shape[0], query.shape[1]
+    return (
+        query.shape[-1] <= _MAX_HEAD_DIM
+        and value.shape[-1] <= _MAX_HEAD_DIM
+        and batch * max(heads_q, key.shape[1]) <= _MAX_GRID_Y
+    )
+
+
+def _launcher(kernel):
+    if interpreter_enabled():
+        return kernel
+    from torch.library import wrap_triton
+
+    return wrap_triton(kernel)
+
+
+def _fp32_dot_precision(dtype: torch.dtype, accurate: bool) -> str:
+    """Precision of the dots whose operands are fp32 (16-bit operands ignore it).
+
+    fp32 inputs must not silently drop to tf32's 10-bit mantissa (PyTorch's fp32 attention
+    does not), so they get true fp32 products. The accurate schedule's fp32 P and dS with
+    16-bit inputs use "tf32x3", which splits each fp32 operand into tf32 parts: close to
+    fp32 accuracy, still on the tensor cores.
+    """
+    if dtype == torch.float32:
+        return "ieee"
+    return "tf32x3" if accurate else "tf32"
+
+
+def _mask_args(attn_mask: torch.Tensor | None, query: torch.Tensor):
+    if attn_mask is None:
+        return query, (0, 0, 0, 0), False, False
+    if attn_mask.dtype == torch.bool:
+        # Same bytes, plain integer loads: True (1) = attend.
+        return attn_mask.view(torch.uint8), attn_mask.stride(), True, True
+    return attn_mask, attn_mask.stride(), True, False
+
+
+def _common_meta(query, key, value, attn_mask, dropout_p, is_causal, schedule_name):
+    schedule = get_schedule(schedule_name)
+    head_dim, head_dim_v = query.shape[-1], value.shape[-1]
+    mask_arg, mask_strides, has_mask, mask_is_bool = _mask_args(attn_mask, query)
+    meta = dict(
+        HEAD_DIM=head_dim,
+        HEAD_DIM_V=head_dim_v,
+        BLOCK_E=padded_head_dim(head_dim),
+        BLOCK_EV=padded_head_dim(head_dim_v),
+        HAS_MASK=has_mask,
+        MASK_IS_BOOL=mask_is_bool,
+        HAS_DROPOUT=dropout_p > 0.0,
+        IS_CAUSAL=is_causal,
+        FP32_DOT=_fp32_dot_precision(query.dtype, accurate=schedule.p_in_fp32 or schedule.ds_in_fp32),
+    )
+    return schedule, mask_arg, mask_strides, meta
+
+
+_LOG2E = 1.4426950408889634
+
+
+def attention_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    rng_seed: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    causal_offset: int,
+    scale: float,
+    schedule: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the forward kernel. Returns (out (B, Hq, L, Ev) in the input dtype, lse (B, Hq, L) fp32)."""
+    from .kernels.attn_fwd import _attn_fwd
+
+    batch, heads_q, seq_q, _ = query.shape
+    heads_kv, seq_k = key.shape[1], key.shape[2]
+    head_dim_v = value.shape[-1]
+    out = torch.empty((batch, heads_q, seq_q, head_dim_v), dtype=query.dtype, device=query.device)
+    lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
+    if out.numel() == 0 and lse.numel() == 0:
+        return out, lse
+
+    sched, mask_arg, mask_strides, meta = _common_meta(
+        query, key, value, attn_mask, dropout_p, is_causal, schedule
+    )
+    cfg = select_configs(query, query.shape[-1], head_dim_v, interpreter_enabled()).forward
+    grid = (triton_cdiv(seq_q, cfg.block_m), batch * heads_q)
+    _launcher(_attn_fwd)[grid](
+        query, key, value, mask_arg, rng_seed if rng_seed is not None else query, out, lse,
+        *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(),
+        heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale * _LOG2E, dropout_p,
+        P_IN_FP32=sched.p_in_fp32,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **meta,
+    )
+    return out, lse
+
+
+def attention_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_lse: torch.Tensor | None,
+    rng_seed: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    causal_offset: int,
+    scale: float,
+    schedule: str,
+    compute_mask_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the backward kernels. Returns (dq, dk, dv, dmask); dmask is empty unless asked for."""
+    from .kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
+
+    batch, heads_q, seq_q, head_dim = query.shape
+    heads_kv, seq_k = key.shape[1], key.shape[2]
+    head_dim_v = value.shape[-1]
+    dq = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+    dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+    if compute_mask_grad:
+        # Positions the dQ pass never visits (beyond the causal diagonal) have dS = 0.
+        dmask = torch.zeros((batch, heads_q, seq_q, seq_k), dtype=torch.float32, device=query.device)
+    else:
+        dmask = query.new_empty(0)
+
+    if seq_q == 0 or seq_k == 0 or batch * heads_q == 0:
+        # No query row attends to anything: every gradient is zero.
+        dq.zero_(), dk.zero_(), dv.zero_()
+        return dq, dk, dv, dmask.to(attn_mask.dtype) if compute_mask_grad else dmask
+
+    sched, mask_arg, mask_strides, meta = _common_meta(
+        query, key, value, attn_mask, dropout_p, is_causal, schedule
+    )
+    configs = select_configs(query, head_dim, head_dim_v, interpreter_enabled())
+    ds_rescale = sched.ds_rescale and query.dtype == torch.float16
+    seed_arg = rng_seed if rng_seed is not None else query
+
+    delta = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
+    pre_block = configs.backward_dq.block_m
+    _launcher(_attn_bwd_preprocess)[(triton_cdiv(seq_q, pre_block), batch * heads_q)](
+        out, grad_out, grad_lse if grad_lse is not None else lse, delta,
+        *out.stride(), *grad_out.stride(), heads_q, seq_q,
+        HEAD_DIM_V=head_dim_v, BLOCK_EV=meta["BLOCK_EV"], HAS_DLSE=grad_lse is not None,
+        BLOCK_M=pre_block,
+    )
+
+    scale_log2 = scale * _LOG2E
+    cfg = configs.backward_dkdv
+    _launcher(_attn_bwd_dkdv)[(triton_cdiv(seq_k, cfg.block_n), batch * heads_kv)](
+        query, key, value, mask_arg, seed_arg, grad_out, lse, delta, dk, dv,
+        *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(),
+        *dk.stride(), *dv.stride(),
+        heads_q, heads_kv, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2, scale, dropout_p,
+        P_IN_FP32=sched.p_in_fp32, DS_IN_FP32=sched.ds_in_fp32, DS_RESCALE=ds_rescale,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **meta,
+    )
+    cfg = configs.backward_dq
+    _launcher(_attn_bwd_dq)[(triton_cdiv(seq_q, cfg.block_m), batch * heads_q)](
+        query, key, value, mask_arg, seed_arg, grad_out, lse, delta, dq,
+        dmask if compute_mask_grad else query,
+        *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(), *dq.stride(),
+        heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2, scale, dropout_p,
+        DS_IN_FP32=sched.ds_in_fp32, DS_RESCALE=ds_rescale, WRITE_DMASK=compute_mask_grad,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **meta,
+    )
+    if compute_mask_grad:
+        dmask = dmask.to(attn_mask.dtype)
+    return dq, dk, dv, dmask
+
+
+def triton_cdiv(a, b):
+    # Plain integer arithmetic (not triton.cdiv) so symbolic sizes under torch.compile trace.
+    return (a + b - 1) // b
