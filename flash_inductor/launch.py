@@ -189,6 +189,8 @@ def attention_backward(
     seed_arg = rng_seed if rng_seed is not None else query
 
     delta = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
+    if grad_lse is not None:
+        grad_lse = grad_lse.to(torch.float32).contiguous()  # read as a flat (B*Hq*L) row vector
     pre_block = configs.backward_dq.block_m
     _launcher(_attn_bwd_preprocess)[(triton_cdiv(seq_q, pre_block), batch * heads_q)](
         out, grad_out, grad_lse if grad_lse is not None else lse, delta,

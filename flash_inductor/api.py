@@ -1,0 +1,248 @@
+"""``flash_attention``: SDPA's signature and semantics on the stabilised attention op.
+
+This module validates and normalises arguments (every error names the argument and the
+fix), reshapes to the op's 4-D contract with views only, and draws the dropout seed. The
+numerics live in the op (``flash_inductor.ops``) and its kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .ops import attention as _attention_ops  # noqa: F401  (registers the ops)
+from .tuning.schedules import get_schedule
+
+try:  # CausalBias exists in every supported torch, but keep the import failure local.
+    from torch.nn.attention.bias import CausalBias, CausalVariant
+except ImportError:  # pragma: no cover
+    CausalBias = CausalVariant = None
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The reference path is plain PyTorch, but we only promise (and test) these devices.
+_SUPPORTED_DEVICES = ("cpu", "cuda", "meta")
+
+
+def flash_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    schedule: str | None = None,
+) -> Tensor:
+    r"""Scaled dot-product attention, numerically stabilised, with flash-attention memory.
+
+    A drop-in for :func:`torch.nn.functional.scaled_dot_product_attention`::
+
+        out = softmax(query @ key.transpose(-2, -1) * scale + mask) @ value
+
+    computed blockwise (O(L) extra memory) with fp32 accumulation, the scale applied in
+    fp32, and a log-space online softmax. Differentiable in ``query``, ``key``, ``value`` and
+    a float ``attn_mask``.
+
+    Args:
+        query: ``(N, ..., Hq, L, E)``; also ``(N, L, E)`` or ``(L, E)``. fp16, bf16, fp32 (Triton
+            kernel on CUDA) or fp64 / CPU tensors (blocked PyTorch path, same semantics).
+        key: ``(N, ..., Hkv, S, E)``, same leading dims and dtype as ``query``.
+        value: ``(N, ..., Hkv, S, Ev)``; ``Ev`` may differ from ``E``.
+        attn_mask: ``None``; a bool tensor (``True`` = attend); an additive float tensor; or
+            a :class:`torch.nn.attention.bias.CausalBias`. Any shape broadcastable to
+            ``(N, ..., Hq, L, S)``; broadcast dims are read with stride 0, never copied::
+
+                bool mask, L=2, S=3      additive mask
+                [[T, T, F],              [[0, 0, -inf],
+                 [T, T, T]]               [0, 0,  0  ]]
+
+        dropout_p: probability of dropping an attention weight, in ``[0, 1)``. Applied
+            whenever > 0 (as SDPA does); the mask is regenerated in backward from a seed drawn
+            from torch's generator, so ``torch.manual_seed`` reproduces forward and backward.
+        is_causal: query ``i`` attends to keys ``j <= i`` (top-left aligned, as SDPA; when
+            ``L != S`` use ``CausalBias`` for lower-right alignment). Excludes ``attn_mask``.
+        scale: softmax scale; default ``1 / sqrt(E)``.
+        enable_gqa: allow ``Hq`` to be a multiple of ``Hkv`` (grouped-query / multi-query
+            attention). K/V are indexed per group, never repeated in memory.
+        schedule: precision schedule name (``"stable"`` default, ``"fast"``, ``"accurate"``),
+            see ``flash_inductor.tuning.schedules``.
+
+    Returns:
+        ``(N, ..., Hq, L, Ev)`` in the input dtype.
+
+    A query row with no visible key (all-False mask row, all ``-inf`` row, causal row with
+    no key) returns 0 with zero gradients, where SDPA's math path returns NaN.
+    """
+    _check_qkv(query, key, value)
+    get_schedule(schedule)  # validates the name early, with the list of choices
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"flash_attention: dropout_p must be a float in [0, 1), got {dropout_p!r}.")
+    dropout_p = float(dropout_p)
+
+    seq_q, head_dim = query.shape[-2], query.shape[-1]
+    seq_k = key.shape[-2]
+    is_causal, causal_offset, attn_mask = _resolve_causal(attn_mask, is_causal, seq_q, seq_k)
+    scale = _resolve_scale(scale, head_dim)
+
+    heads_q, heads_kv = _check_heads(query, key, enable_gqa)
+    batch_shape = query.shape[:-3] if query.dim() >= 4 else query.shape[:-2]
+    q4, k4, v4 = (_as_4d(t) for t in (query, key, value))
+    mask4 = _broadcast_mask(attn_mask, query, batch_shape, heads_q, seq_q, seq_k)
+
+    rng_seed = None
+    if dropout_p > 0.0:
+        # Drawn from the device's default generator: manual_seed makes runs reproducible.
+        rng_seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=query.device)
+
+    out, _ = torch.ops.flash_inductor.attention_forward(
+        q4, k4, v4, mask4, rng_seed, dropout_p, bool(is_causal), causal_offset, scale,
+        get_schedule(schedule).name,
+    )
+    return out.reshape(*query.shape[:-1], value.shape[-1])
+
+
+# --------------------------------------------------------------------------------------
+# Validation and normalisation
+# --------------------------------------------------------------------------------------
+
+
+def _check_qkv(query, key, value) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"flash_attention: {name} must be a torch.Tensor, got {type(t).__name__}.")
+        if t.dim() < 2:
+            raise ValueError(
+                f"flash_attention: {name} must have at least 2 dims (..., seq, head_dim), got shape {tuple(t.shape)}."
+            )
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(
+                f"flash_attention: {name} has dtype {t.dtype}; supported are float16, bfloat16, float32, float64."
+            )
+        if t.device.type not in _SUPPORTED_DEVICES:
+            raise ValueError(
+                f"flash_attention: {name} is on unsupported device {t.device}; use one of {_SUPPORTED_DEVICES}."
+            )
+        if t.shape[-1] == 0:
+            raise ValueError(f"flash_attention: {name} has an empty last (head) dim, shape {tuple(t.shape)}.")
+    if not (query.dim() == key.dim() == value.dim()):
+        raise ValueError(
+            "flash_attention: query, key and value must have the same number of dims, got "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}."
+        )
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            f"flash_attention: query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}."
+        )
+    if not (query.device == key.device == value.device):
+        raise ValueError(
+            f"flash_attention: query, key and value must be on one device, got {query.device}, {key.device}, {value.device}."
+        )
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(
+            f"flash_attention: key's head dim ({key.shape[-1]}) must equal query's ({query.shape[-1]})."
+        )
+    if key.shape[:-1] != value.shape[:-1]:
+        raise ValueError(
+            "flash_attention: key and value must agree on every dim but the last, got "
+            f"key {tuple(key.shape)} and value {tuple(value.shape)}."
+        )
+    lead_q = query.shape[:-3] if query.dim() >= 4 else query.shape[:-2]
+    lead_k = key.shape[:-3] if key.dim() >= 4 else key.shape[:-2]
+    if lead_q != lead_k:
+        raise ValueError(
+            f"flash_attention: query and key must have the same batch dims, got {tuple(lead_q)} and {tuple(lead_k)}."
+        )
+
+
+def _check_heads(query, key, enable_gqa) -> tuple[int, int]:
+    if query.dim() < 4:
+        return 1, 1
+    heads_q, heads_kv = query.shape[-3], key.shape[-3]
+    if heads_q == heads_kv:
+        return heads_q, heads_kv
+    if not enable_gqa:
+        raise ValueError(
+            f"flash_attention: query has {heads_q} heads but key/value have {heads_kv}; for grouped-query "
+            "attention pass enable_gqa=True."
+        )
+    if heads_kv == 0 or heads_q % heads_kv != 0:
+        raise ValueError(
+            f"flash_attention: with enable_gqa=True the query heads ({heads_q}) must be a multiple of the "
+            f"key/value heads ({heads_kv})."
+        )
+    return heads_q, heads_kv
+
+
+def _resolve_causal(attn_mask, is_causal, seq_q, seq_k):
+    """Turn is_causal / CausalBias into (is_causal, causal_offset, remaining mask).
+
+    Key j is visible to query i iff j <= i + causal_offset: 0 is top-left (SDPA's is_causal,
+    CausalBias upper-left), seq_k - seq_q is lower-right.
+    """
+    if CausalBias is not None and isinstance(attn_mask, CausalBias):
+        if is_causal:
+            raise ValueError("flash_attention: pass either attn_mask=CausalBias(...) or is_causal=True, not both.")
+        if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (seq_q, seq_k):
+            raise ValueError(
+                f"flash_attention: attn_mask CausalBias is for (L, S) = ({attn_mask.seq_len_q}, "
+                f"{attn_mask.seq_len_kv}) but query/key have ({seq_q}, {seq_k})."
+            )
+        lower_right = attn_mask.variant == CausalVariant.LOWER_RIGHT
+        return True, (seq_k - seq_q if lower_right else 0), None
+    if attn_mask is not None and is_causal:
+        raise ValueError(
+            "flash_attention: attn_mask and is_causal=True are exclusive (as in SDPA); fold the causal "
+            "condition into the mask or drop one of them."
+        )
+    return bool(is_causal), 0, attn_mask
+
+
+def _resolve_scale(scale, head_dim) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, Tensor) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"flash_attention: scale must be a finite Python float or None, got {scale!r}.")
+    return float(scale)
+
+
+def _as_4d(t: Tensor) -> Tensor:
+    """(..., H, L, E) -> (B, H, L, E) with views: 3-D inputs get one head, 2-D one batch too."""
+    if t.dim() == 2:
+        return t[None, None]
+    if t.dim() == 3:
+        return t.unsqueeze(1)
+    if t.dim() == 4:
+        return t
+    return t.reshape(-1, *t.shape[-3:])
+
+
+def _broadcast_mask(attn_mask, query, batch_shape, heads_q, seq_q, seq_k):
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, Tensor):
+        raise TypeError(f"flash_attention: attn_mask must be a Tensor, CausalBias or None, got {type(attn_mask).__name__}.")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(
+            f"flash_attention: attn_mask must be bool (True = attend) or floating (additive), got {attn_mask.dtype}."
+        )
+    if attn_mask.device != query.device:
+        raise ValueError(f"flash_attention: attn_mask is on {attn_mask.device} but query is on {query.device}.")
+    full_shape = (*batch_shape, heads_q, seq_q, seq_k) if query.dim() >= 4 else (*batch_shape, seq_q, seq_k)
+    try:
+        expanded = attn_mask.expand(full_shape)  # a view: broadcast dims get stride 0
+    except RuntimeError:
+        raise ValueError(
+            f"flash_attention: attn_mask of shape {tuple(attn_mask.shape)} is not broadcastable to "
+            f"(batch..., heads, L, S) = {tuple(full_shape)}."
+        ) from None
+    if query.dim() == 3:
+        return expanded.unsqueeze(1)
+    if query.dim() == 2:
+        return expanded[None, None]
+    if query.dim() == 4:
+        return expanded
+    return expanded.reshape(-1, heads_q, seq_q, seq_k)

@@ -1,0 +1,157 @@
+"""The ``flash_inductor::`` attention ops: registration, fake kernels and autograd.
+
+Two public ops, both ``torch.library.triton_op`` so that under ``torch.compile`` on CUDA
+Inductor sees (and inlines) the Triton kernels they launch:
+
+* ``flash_inductor::attention_forward(q, k, v, mask?, seed?, dropout_p, is_causal,
+  causal_offset, scale, schedule) -> (out, lse)``
+* ``flash_inductor::attention_backward(dout, q, k, v, mask?, out, lse, dlse?, seed?, ...,
+  compute_mask_grad) -> (dq, dk, dv, dmask)``
+
+Inputs are the normalised 4-D tensors ``flash_inductor.api`` produces: query (B, Hq, L, E),
+key (B, Hkv, S, E), value (B, Hkv, S, Ev), mask a (B, Hq, L, S) view (possibly stride-0
+broadcast, bool or float). ``lse`` is natural log, -inf on rows with no visible key, fp32
+(fp64 for float64 inputs).
+
+What the kernels do not take (CPU tensors, float64, head dims over 256) goes to the blocked
+PyTorch reference path, registered as its own opaque ops so ``torch.compile`` on CPU calls
+it as one node rather than unrolling its key loop into the graph.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import launch
+from .reference import reference_backward, reference_forward
+
+# --------------------------------------------------------------------------------------
+# Reference path (CPU, float64, anything the kernels do not take)
+# --------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flash_inductor::attention_forward_reference", mutates_args=())
+def attention_forward_reference(
+    query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], rng_seed: Optional[Tensor],
+    dropout_p: float, is_causal: bool, causal_offset: int, scale: float,
+) -> tuple[Tensor, Tensor]:
+    out, lse = reference_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale)
+    return out.contiguous(), lse.contiguous()
+
+
+@torch.library.custom_op("flash_inductor::attention_backward_reference", mutates_args=())
+def attention_backward_reference(
+    grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
+    out: Tensor, lse: Tensor, grad_lse: Optional[Tensor], rng_seed: Optional[Tensor],
+    dropout_p: float, is_causal: bool, causal_offset: int, scale: float, compute_mask_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    grads = reference_backward(
+        grad_out, query, key, value, attn_mask, out, lse, rng_seed, dropout_p, is_causal,
+        causal_offset, scale, compute_mask_grad, grad_lse=grad_lse,
+    )
+    return tuple(g.contiguous() for g in grads)
+
+
+# --------------------------------------------------------------------------------------
+# Public ops
+# --------------------------------------------------------------------------------------
+
+
+@torch.library.triton_op("flash_inductor::attention_forward", mutates_args=())
+def attention_forward(
+    query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], rng_seed: Optional[Tensor],
+    dropout_p: float, is_causal: bool, causal_offset: int, scale: float, schedule: str,
+) -> tuple[Tensor, Tensor]:
+    if launch.kernel_supports(query, key, value):
+        return launch.attention_forward(
+            query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule
+        )
+    # The reference computes in fp32/fp64 throughout: the schedule has nothing to select there.
+    return attention_forward_reference(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale)
+
+
+@torch.library.triton_op("flash_inductor::attention_backward", mutates_args=())
+def attention_backward(
+    grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
+    out: Tensor, lse: Tensor, grad_lse: Optional[Tensor], rng_seed: Optional[Tensor],
+    dropout_p: float, is_causal: bool, causal_offset: int, scale: float, schedule: str,
+    compute_mask_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if launch.kernel_supports(query, key, value):
+        return launch.attention_backward(
+            grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
+            is_causal, causal_offset, scale, schedule, compute_mask_grad,
+        )
+    return attention_backward_reference(
+        grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
+        is_causal, causal_offset, scale, compute_mask_grad,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Fake kernels: from the contract above only, never from tile sizes or configs.
+# --------------------------------------------------------------------------------------
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    # fp32 for every kernel dtype; float64 inputs keep a float64 LSE so fp64 gradients
+    # (gradcheck) are not limited by an fp32 round trip.
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _forward_fake(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, *rest):
+    batch, heads_q, seq_q, _ = query.shape
+    out = query.new_empty((batch, heads_q, seq_q, value.shape[-1]))
+    lse = query.new_empty((batch, heads_q, seq_q), dtype=_lse_dtype(query.dtype))
+    return out, lse
+
+
+def _backward_fake(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
+                   is_causal, causal_offset, scale, *rest):
+    compute_mask_grad = rest[-1]
+    if compute_mask_grad:
+        batch, heads_q, seq_q, _ = query.shape
+        dmask = attn_mask.new_empty((batch, heads_q, seq_q, key.shape[2]))
+    else:
+        dmask = query.new_empty(0)
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dmask
+
+
+for _op in (attention_forward_reference, attention_forward):
+    _op.register_fake(_forward_fake)
+for _op in (attention_backward_reference, attention_backward):
+    _op.register_fake(_backward_fake)
+
+
+# --------------------------------------------------------------------------------------
+# Autograd: the forward op's backward is the backward op (which itself has no autograd;
+# double backward through attention is not supported).
+# --------------------------------------------------------------------------------------
+
+_MASK_INPUT = 3
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, attn_mask, rng_seed, out, lse)
+    ctx.options = (dropout_p, is_causal, causal_offset, scale, schedule)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    query, key, value, attn_mask, rng_seed, out, lse = ctx.saved_tensors
+    dropout_p, is_causal, causal_offset, scale, schedule = ctx.options
+    compute_mask_grad = bool(
+        attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[_MASK_INPUT]
+    )
+    dq, dk, dv, dmask = attention_backward(
+        grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed,
+        dropout_p, is_causal, causal_offset, scale, schedule, compute_mask_grad,
+    )
+    return dq, dk, dv, (dmask if compute_mask_grad else None), None, None, None, None, None, None
+
+
+attention_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,295 @@
+"""Blocked attention in plain PyTorch: the readable statement of what the Triton kernel computes.
+
+This is the CPU (and any-device) path of the attention op and the yardstick the kernels are
+tested against. It follows the same contract as the Triton launcher and the same algorithm
+as the kernels, written for clarity rather than speed:
+
+* keys are visited in chunks of :data:`KEY_CHUNK`, with a running row maximum and running
+  sum (online softmax), so memory is O(L * KEY_CHUNK) and never O(L * S);
+* the backward pass recomputes the probabilities of each key chunk from the saved
+  log-sum-exp instead of storing them;
+* grouped-query attention never repeats K/V: the query heads of one KV group are stacked
+  along the row axis, ``(B, Hq, L, E) -> (B, Hkv, G * L, E)``, so a plain matmul against that
+  group's keys scores all of them at once (query head ``h = hk * G + g``, row ``g * L + i``);
+* dropout keeps score ``(b, h, i, j)`` iff ``philox_uniform(seed, ((b*Hq + h)*L + i)*S + j) >=
+  dropout_p``, the same draw as ``tl.rand`` in the kernel.
+
+Arithmetic is float64 for float64 inputs and float32 otherwise; inputs are upcast chunk by
+chunk. Rows that see no key at all (all-False mask, all -inf mask, causal with no key, S == 0)
+give a zero output row, ``lse = -inf`` and zero gradients, never NaN.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .philox import philox_uniform
+
+__all__ = ["KEY_CHUNK", "reference_forward", "reference_backward"]
+
+# Keys per block: large enough that the matmuls dominate the Python overhead, small enough
+# that the (L, KEY_CHUNK) score block stays cheap for long sequences.
+KEY_CHUNK = 128
+
+# The kernel works in base 2, where finfo(float32).min * log2(e) overflows to -inf; it clamps
+# float mask values to this floor, and so do we. Softmax is shift-invariant, so a row masked
+# with finfo.min still gets the same (uniform) probabilities as with the unclamped value.
+_MASK_FLOOR = -1e38
+
+
+@dataclass
+class _GroupedProblem:
+    """Geometry shared by forward and backward, in the grouped (B, Hkv, G * L, ...) layout."""
+
+    batch: int
+    query_heads: int
+    kv_heads: int
+    group_size: int
+    query_len: int
+    key_len: int
+    compute_dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def grouped_rows(self) -> int:
+        return self.group_size * self.query_len
+
+    def group(self, per_query_head: torch.Tensor) -> torch.Tensor:
+        """(B, Hq, L, ...) -> (B, Hkv, G * L, ...) in the compute dtype."""
+        trailing = per_query_head.shape[3:]
+        grouped = per_query_head.reshape(self.batch, self.kv_heads, self.grouped_rows, *trailing)
+        return grouped.to(self.compute_dtype)
+
+    def ungroup(self, grouped: torch.Tensor) -> torch.Tensor:
+        """(B, Hkv, G * L, ...) -> (B, Hq, L, ...)."""
+        trailing = grouped.shape[3:]
+        return grouped.reshape(self.batch, self.query_heads, self.query_len, *trailing)
+
+    def query_positions(self) -> torch.Tensor:
+        """Position i inside its sequence of each grouped row (row g * L + i)."""
+        return torch.arange(self.grouped_rows, device=self.device) % max(self.query_len, 1)
+
+    def dropout_row_offsets(self) -> torch.Tensor:
+        """Philox offset of key 0 for each grouped row, shape (B, Hkv, G * L, 1), int64.
+
+        ``((b * Hq + h) * L + i) * S`` with ``h = hk * G + g``; because the heads of a group are
+        contiguous, ``(b * Hq + h) * L + i == (b * Hkv + hk) * G * L + (g * L + i)``.
+        """
+        rows = torch.arange(
+            self.batch * self.kv_heads * self.grouped_rows, dtype=torch.int64, device=self.device
+        )
+        return (rows * self.key_len).reshape(self.batch, self.kv_heads, self.grouped_rows, 1)
+
+
+def _describe_problem(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> _GroupedProblem:
+    batch, query_heads, query_len, _ = query.shape
+    _, kv_heads, key_len, _ = key.shape
+    if kv_heads == 0 or query_heads % kv_heads != 0:
+        raise ValueError(
+            f"reference attention: query heads ({query_heads}) must be a multiple of key/value "
+            f"heads ({kv_heads}); repeat the key/value heads or fix the head counts"
+        )
+    if value.shape[:3] != key.shape[:3]:
+        raise ValueError(
+            f"reference attention: value {tuple(value.shape)} must match key {tuple(key.shape)} "
+            "in batch, heads and sequence length"
+        )
+    compute_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    return _GroupedProblem(
+        batch=batch,
+        query_heads=query_heads,
+        kv_heads=kv_heads,
+        group_size=query_heads // kv_heads,
+        query_len=query_len,
+        key_len=key_len,
+        compute_dtype=compute_dtype,
+        device=query.device,
+    )
+
+
+def _key_chunks(key_len: int):
+    for start in range(0, key_len, KEY_CHUNK):
+        yield start, min(start + KEY_CHUNK, key_len)
+
+
+def _chunk_scores(
+    problem: _GroupedProblem,
+    grouped_query: torch.Tensor,
+    key_chunk: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    is_causal: bool,
+    causal_offset: int,
+    scale: float,
+    start: int,
+    stop: int,
+) -> torch.Tensor:
+    """Masked scores ``scale * q k^T + mask`` of one key chunk, (B, Hkv, G * L, stop - start).
+
+    Invisible keys are -inf.
+    """
+    scores = scale * (grouped_query @ key_chunk.to(problem.compute_dtype).transpose(-2, -1))
+    if attn_mask is not None:
+        # Slice before reshaping so a broadcast (stride-0) mask is only materialised per chunk.
+        mask_chunk = attn_mask[..., start:stop].reshape(scores.shape)
+        if mask_chunk.dtype == torch.bool:
+            scores = scores.masked_fill(~mask_chunk, float("-inf"))
+        else:
+            mask_chunk = mask_chunk.to(problem.compute_dtype)
+            clamped = torch.where(mask_chunk.isneginf(), mask_chunk, mask_chunk.clamp(min=_MASK_FLOOR))
+            scores = scores + clamped
+    if is_causal:
+        key_positions = torch.arange(start, stop, device=problem.device)
+        visible = key_positions[None, :] <= problem.query_positions()[:, None] + causal_offset
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return scores
+
+
+def _dropout_scale(
+    problem: _GroupedProblem,
+    rng_seed: Optional[torch.Tensor],
+    dropout_p: float,
+    start: int,
+    stop: int,
+) -> Optional[torch.Tensor]:
+    """keep / (1 - p) for one key chunk, or None without dropout."""
+    if dropout_p <= 0:
+        return None
+    if rng_seed is None:
+        raise ValueError("reference attention: dropout_p > 0 needs rng_seed, an int64 tensor of shape (1,)")
+    offsets = problem.dropout_row_offsets() + torch.arange(start, stop, device=problem.device)
+    keep = philox_uniform(int(rng_seed.item()), offsets) >= dropout_p
+    # dropout_p == 1 drops everything; 1 / (1 - p) would turn the zeros into 0 * inf = NaN.
+    rescale = 1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0
+    return keep.to(problem.compute_dtype) * rescale
+
+
+def reference_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    rng_seed: Optional[torch.Tensor],
+    dropout_p: float,
+    is_causal: bool,
+    causal_offset: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward; returns ``(out, lse)``.
+
+    Args:
+        query: (B, Hq, L, E); key: (B, Hkv, S, E); value: (B, Hkv, S, Ev); Hq % Hkv == 0.
+        attn_mask: None, or (B, Hq, L, S) bool (True = attend) or float (added to the scores);
+            may be an expanded view.
+        rng_seed: int64 tensor of shape (1,) when ``dropout_p > 0``.
+        dropout_p: probability of dropping each attention probability.
+        is_causal: key j is visible to query i iff ``j <= i + causal_offset``.
+        scale: multiplies ``q . k`` before the mask is added.
+
+    Returns:
+        out: (B, Hq, L, Ev) in the query dtype, ``dropout(softmax(s)) @ V``.
+        lse: (B, Hq, L) natural-log log-sum-exp of the undropped scores, -inf for rows without
+            a visible key; float32, or float64 for float64 inputs.
+    """
+    problem = _describe_problem(query, key, value)
+    grouped_query = problem.group(query)
+    rows_shape = grouped_query.shape[:3]
+    running_max = torch.full(rows_shape, float("-inf"), dtype=problem.compute_dtype, device=problem.device)
+    running_sum = torch.zeros(rows_shape, dtype=problem.compute_dtype, device=problem.device)
+    accumulator = torch.zeros(
+        (*rows_shape, value.shape[-1]), dtype=problem.compute_dtype, device=problem.device
+    )
+
+    for start, stop in _key_chunks(problem.key_len):
+        scores = _chunk_scores(
+            problem, grouped_query, key[..., start:stop, :], attn_mask, is_causal, causal_offset, scale, start, stop
+        )
+        new_max = torch.maximum(running_max, scores.amax(dim=-1))
+        # A row with no visible key so far has max -inf; shifting by it would give -inf - -inf = NaN.
+        shift = torch.where(new_max.isneginf(), torch.zeros_like(new_max), new_max)
+        correction = torch.exp(running_max - shift)
+        probs = torch.exp(scores - shift[..., None])
+        running_sum = running_sum * correction + probs.sum(dim=-1)
+        dropout_scale = _dropout_scale(problem, rng_seed, dropout_p, start, stop)
+        if dropout_scale is not None:
+            probs = probs * dropout_scale
+        value_chunk = value[..., start:stop, :].to(problem.compute_dtype)
+        accumulator = accumulator * correction[..., None] + probs @ value_chunk
+        running_max = new_max
+
+    has_visible_key = running_sum > 0
+    safe_sum = torch.where(has_visible_key, running_sum, torch.ones_like(running_sum))
+    out = torch.where(has_visible_key[..., None], accumulator / safe_sum[..., None], 0.0)
+    lse = torch.where(has_visible_key, running_max + torch.log(safe_sum), float("-inf"))
+    return problem.ungroup(out).to(query.dtype).contiguous(), problem.ungroup(lse).contiguous()
+
+
+def reference_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    rng_seed: Optional[torch.Tensor],
+    dropout_p: float,
+    is_causal: bool,
+    causal_offset: int,
+    scale: float,
+    compute_mask_grad: bool,
+    grad_lse: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention backward; returns ``(dq, dk, dv, dmask)``.
+
+    The arguments are those of :func:`reference_forward` plus ``grad_out`` (B, Hq, L, Ev) and its
+    outputs ``out`` / ``lse``; ``grad_lse`` (B, Hq, L), if given, is the gradient flowing into
+    ``lse`` (d lse / d s = P, so it enters as ``dS = P * (dP - Delta + grad_lse)``). dk and dv are summed over the query heads of each KV group.
+    ``dmask`` is the dense (B, Hq, L, S) gradient of a floating ``attn_mask`` in the mask's dtype
+    when ``compute_mask_grad`` is set (it equals dS, the gradient of the pre-softmax scores);
+    otherwise, and for None or bool masks, it is ``query.new_empty(0)``.
+    """
+    problem = _describe_problem(query, key, value)
+    grouped_query = problem.group(query)
+    grouped_grad_out = problem.group(grad_out)
+    # Delta = rowsum(dO * O) is the dot product of each row's dP with its probabilities, which
+    # the softmax backward subtracts; O is the dropped output, matching dP below.
+    delta = (grouped_grad_out * problem.group(out)).sum(dim=-1, keepdim=True)
+    if grad_lse is not None:
+        delta = delta - problem.group(grad_lse)[..., None]
+    # Rows with lse = -inf have no visible key; +inf makes exp(s - lse) = 0 there instead of NaN.
+    grouped_lse = problem.group(lse)
+    safe_lse = grouped_lse.masked_fill(grouped_lse.isneginf(), float("inf"))[..., None]
+
+    wants_mask_grad = compute_mask_grad and attn_mask is not None and attn_mask.is_floating_point()
+    grad_mask = (
+        torch.empty(attn_mask.shape, dtype=attn_mask.dtype, device=problem.device)
+        if wants_mask_grad
+        else query.new_empty(0)
+    )
+    grad_query = torch.zeros_like(grouped_query)
+    grad_key = torch.empty(key.shape, dtype=key.dtype, device=problem.device)
+    grad_value = torch.empty(value.shape, dtype=value.dtype, device=problem.device)
+
+    for start, stop in _key_chunks(problem.key_len):
+        key_chunk = key[..., start:stop, :].to(problem.compute_dtype)
+        value_chunk = value[..., start:stop, :].to(problem.compute_dtype)
+        scores = _chunk_scores(
+            problem, grouped_query, key_chunk, attn_mask, is_causal, causal_offset, scale, start, stop
+        )
+        probs = torch.exp(scores - safe_lse)
+        grad_probs = grouped_grad_out @ value_chunk.transpose(-2, -1)
+        dropped_probs = probs
+        dropout_scale = _dropout_scale(problem, rng_seed, dropout_p, start, stop)
+        if dropout_scale is not None:
+            grad_probs = grad_probs * dropout_scale
+            dropped_probs = probs * dropout_scale
+        grad_scores = probs * (grad_probs - delta)
+
+        grad_value[..., start:stop, :] = dropped_probs.transpose(-2, -1) @ grouped_grad_out
+        grad_key[..., start:stop, :] = scale * (grad_scores.transpose(-2, -1) @ grouped_query)
+        grad_query += scale * (grad_scores @ key_chunk)
+        if wants_mask_grad:
+            grad_mask[..., start:stop] = problem.ungroup(grad_scores)
+
+    return problem.ungroup(grad_query).to(query.dtype), grad_key, grad_value, grad_mask
