@@ -7,13 +7,13 @@ so ``exp(s - m) == exp2(s2 - m2)`` and the exponentials use the fast ``exp2`` un
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
-LN2: tl.constexpr = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 # finfo(float32).min * log2(e) overflows to -inf, which would turn a row built from
 # `finfo.min` masks into a "fully masked" row. Clamping finite mask values here keeps them
 # finite in base 2; softmax is shift-invariant, so rows made only of such values keep
 # their exact result. -inf stays -inf (a real "do not attend").
-MASK_FLOOR: tl.constexpr = -1.0e38
+MASK_FLOOR = tl.constexpr(-1.0e38)
 
 
 @triton.jit

@@ -1,0 +1,561 @@
+#!/usr/bin/env python
+"""Attention throughput: flash_inductor against SDPA's backends and FlexAttention, in one run.
+
+Shapes follow shared/ANCHORS.md: batch * seq = --tokens, heads = 2048 / E, L = S = seq.
+Each figure is the median of ``triton.testing.do_bench``; FLOPs are 4*B*H*L*S*E, x0.5 when
+causal, and backward / forward+backward count 2.5x / 3.5x the forward.
+
+    python benchmarks/bench_attention.py --quick          # first speed figure, < 2 min on an H200
+    python benchmarks/bench_attention.py                  # full grid, all providers
+    python benchmarks/bench_attention.py --memory --e2e   # plus peak memory and a GPT block
+    python benchmarks/bench_attention.py --selftest       # no GPU: writer, table and plot on fake data
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import datetime
+import importlib
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:  # the sibling plot_results.py, when this file is imported rather than run
+    sys.path.insert(0, _HERE)
+from plot_results import MODES, PROVIDERS as ALL_PROVIDERS, format_extras, format_table, plot_results  # noqa: E402
+
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                 "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MATH_MAX_SEQ = 4096  # the math backend materialises B*H*L*S scores; beyond this it only measures memory traffic
+HIDDEN = 2048  # heads * head_dim, as in ANCHORS.md
+MEMORY_SEQS, MEMORY_HEADS, MEMORY_E = (16384, 32768), 16, 128
+CSV_FIELDS = ("section", "provider", "dtype", "head_dim", "causal", "seq", "batch", "heads", "mode",
+              "status", "ms", "tflops", "max_abs_diff", "peak_extra_mib", "workspace_mib", "error")
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def _csv_list(kind):
+    return lambda s: [kind(x) for x in s.split(",") if x]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtypes", type=_csv_list(str), default=["bf16", "fp16"], help="comma list of bf16,fp16,fp32")
+    p.add_argument("--head-dims", type=_csv_list(int), default=[64, 128])
+    p.add_argument("--seqs", type=_csv_list(int), default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    p.add_argument("--modes", type=_csv_list(str), default=list(MODES), help="comma list of fwd,bwd,fwd_bwd")
+    p.add_argument("--providers", type=_csv_list(str), default=list(ALL_PROVIDERS),
+                   help="comma list of " + ",".join(ALL_PROVIDERS))
+    p.add_argument("--tokens", type=int, default=16384, help="batch * seq (default 16384)")
+    p.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
+    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
+    p.add_argument("--out", default=os.path.join("benchmarks", "results"), help="output folder")
+    p.add_argument("--tag", default=None, help="suffix of the output names (default 'quick' with --quick)")
+    p.add_argument("--quick", action="store_true",
+                   help="first speed figure: bf16, E=128, causal yes/no, seq 4096, fwd+fwd_bwd, ours/flash/cudnn/flex")
+    p.add_argument("--memory", action="store_true", help="also peak extra memory of fwd+bwd at seq 16k and 32k")
+    p.add_argument("--e2e", action="store_true", help="also a GPT-style block training step")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="import everything, print the grid, run nothing")
+    p.add_argument("--selftest", action="store_true", help="exercise table/CSV/JSON/plot on synthetic records")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.dtypes, args.head_dims, args.seqs, args.causal = ["bf16"], [128], [4096], "both"
+        args.modes, args.providers = ["fwd", "fwd_bwd"], ["ours", "flash", "cudnn", "flex"]
+        args.tag = args.tag or "quick"
+    for name, values, allowed in (("--dtypes", args.dtypes, DTYPES), ("--modes", args.modes, MODES),
+                                  ("--providers", args.providers, ALL_PROVIDERS)):
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            p.error(f"{name}: unknown {bad}; choose from {','.join(allowed)}")
+    bad_e = [e for e in args.head_dims if HIDDEN % e]
+    if bad_e:
+        p.error(f"--head-dims: {bad_e} do not divide {HIDDEN} (heads = {HIDDEN} / E)")
+    return args
+
+
+def causal_flags(choice):
+    return {"both": [False, True], "yes": [True], "no": [False]}[choice]
+
+
+def build_grid(args):
+    """One case per (dtype, E, causal, seq, mode); providers run inside a case."""
+    return [dict(dtype=d, head_dim=e, causal=c, seq=s, mode=m)
+            for d in args.dtypes for e in args.head_dims for c in causal_flags(args.causal)
+            for s in args.seqs for m in args.modes]
+
+
+# ----------------------------------------------------------------------------- FLOPs, timing
+
+def attention_flops(batch, heads, seq_q, seq_k, head_dim, causal, mode):
+    fwd = 4.0 * batch * heads * seq_q * seq_k * head_dim * (0.5 if causal else 1.0)
+    return fwd * MODE_FLOP_FACTOR[mode]
+
+
+def tflops(flops, ms):
+    return flops / (ms * 1e-3) / 1e12
+
+
+def bench_ms(fn, warmup, rep, grad_to_none=None):
+    from triton.testing import do_bench
+    return float(do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median"))
+
+
+class ProviderError(RuntimeError):
+    """A provider's failure, its message already the one line we record."""
+
+
+def first_line(exc):
+    if isinstance(exc, ProviderError):
+        return str(exc)
+    lines = [x.strip() for x in (str(exc).strip() or type(exc).__name__).splitlines() if x.strip()]
+    text = lines[0][:300]
+    if text.endswith(":") and len(lines) > 1:  # Triton's CompilationError: 'at 76:76:', source, then the error
+        text += " ... " + lines[-1][:300]
+    return f"{type(exc).__name__}: {text}"
+
+
+def is_fatal(record):
+    """A CUDA fault (illegal address, device assert) poisons the context: every later measurement would fail."""
+    err = record.get("error") or ""
+    return "CUDA error" in err and "out of memory" not in err
+
+
+# ----------------------------------------------------------------------------- providers
+
+@contextlib.contextmanager
+def dynamo_limits(limit=4096):
+    """Raise dynamo's recompile limits for our run only: past the default 8 recompiles of one
+    code object, FlexAttention silently runs an eager ~10 TFLOP/s path."""
+    cfg = torch._dynamo.config
+    patch = {}
+    for new, old in (("recompile_limit", "cache_size_limit"),
+                     ("accumulated_recompile_limit", "accumulated_cache_size_limit")):
+        name = new if hasattr(cfg, new) else old if hasattr(cfg, old) else None
+        if name:
+            patch[name] = limit
+    with cfg.patch(patch):
+        yield
+
+
+@contextlib.contextmanager
+def no_donated_buffers():
+    """Compiled graphs that donate saved buffers refuse backward(retain_graph=True), which the 'bwd' mode
+    needs; donation only lets backward reuse memory, so the grid turns it off (the memory section keeps it)."""
+    cfg = torch._functorch.config
+    with cfg.patch(donated_buffer=False) if hasattr(cfg, "donated_buffer") else contextlib.nullcontext():
+        yield
+
+
+def _causal_mask_mod(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+_COMPILED_FLEX = None
+
+
+def _compiled_flex():
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+        # Static shapes: every benchmark shape gets its own specialised kernel, as a user's would.
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
+def make_attention(provider, causal, seq_q, seq_k, device):
+    """Return attn(q, k, v) -> out for a provider; anything shape-specific is built here, untimed."""
+    if provider == "ours":
+        flash_inductor = import_flash_inductor()
+        return lambda q, k, v: flash_inductor.flash_attention(q, k, v, is_causal=causal)
+    if provider == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
+        flex = _compiled_flex()
+        mask = (create_block_mask(_causal_mask_mod, B=None, H=None, Q_LEN=seq_q, KV_LEN=seq_k, device=device)
+                if causal else None)
+        return lambda q, k, v: flex(q, k, v, block_mask=mask)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = getattr(SDPBackend, SDPA_BACKENDS[provider])
+
+    def attn(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return attn
+
+
+def import_flash_inductor():
+    """The installed package, else the checkout this script sits in (a plain `python benchmarks/...`)."""
+    try:
+        import flash_inductor
+    except ImportError:
+        sys.path.insert(0, os.path.dirname(_HERE))
+        import flash_inductor
+    return flash_inductor
+
+
+def make_inputs(batch, heads, seq, head_dim, dtype, device):
+    shape = (batch, heads, seq, head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    return q, k, v, torch.randn(shape, device=device, dtype=dtype)
+
+
+def make_step(attn, mode, q, k, v, dout):
+    """The callable that do_bench times for a mode (backward-only keeps one graph alive)."""
+    if mode == "fwd":
+        return lambda: attn(q, k, v)
+    if mode == "fwd_bwd":
+        return lambda: torch.autograd.grad(attn(q, k, v), (q, k, v), dout)
+    out = attn(q, k, v)
+    return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+
+def call_recorded(fn):
+    """Run fn; when it fails, append the warnings it raised (SDPA gives its reasons only as warnings)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            return fn()
+        except Exception as exc:
+            reasons = [re.sub(r"\s*\(Triggered internally at [^)]*\)", "", " ".join(str(w.message).split()))
+                       for w in caught]
+            reasons = list(dict.fromkeys(r[:160] for r in reasons if r and not r.endswith(("because:", "runtime disabled."))))
+            raise ProviderError(first_line(exc) + "".join(" | " + r for r in reasons[:3])) from exc
+
+
+# ----------------------------------------------------------------------------- measurements
+
+def release_memory():
+    with contextlib.suppress(Exception):  # after a CUDA fault this raises too; the record says why already
+        torch.cuda.empty_cache()
+
+
+def run_case(case, provider, args, device="cuda"):
+    dtype, e, causal, seq, mode = (case[k] for k in ("dtype", "head_dim", "causal", "seq", "mode"))
+    batch, heads = max(1, args.tokens // seq), HIDDEN // e
+    rec = dict(section="attention", provider=provider, batch=batch, heads=heads, **case)
+    if provider == "math" and seq > MATH_MAX_SEQ:
+        return dict(rec, status="skipped", error=f"math backend only up to seq {MATH_MAX_SEQ}")
+    try:
+        q, k, v, dout = make_inputs(batch, heads, seq, e, DTYPES[dtype], device)
+        attn = make_attention(provider, causal, seq, seq, device)
+        out = call_recorded(lambda: attn(q, k, v))  # compiles, and surfaces unsupported shapes
+        if mode == "fwd":
+            ref = F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), is_causal=causal)
+            rec["max_abs_diff"] = (out.detach().float() - ref.float()).abs().max().item()
+        del out
+        step = make_step(attn, mode, q, k, v, dout)
+        step()
+        ms = bench_ms(step, args.warmup, args.rep)
+        flops = attention_flops(batch, heads, seq, seq, e, causal, mode)
+        return dict(rec, status="ok", ms=ms, tflops=tflops(flops, ms))
+    except Exception as exc:
+        return dict(rec, status="unsupported", error=first_line(exc))
+    finally:
+        release_memory()
+
+
+def run_memory(provider, dtype, causal, seq, device="cuda"):
+    """Peak allocation of one fwd+bwd above the live inputs (q, k, v, dout), after a warm run."""
+    rec = dict(section="memory", provider=provider, dtype=dtype, head_dim=MEMORY_E, causal=causal, seq=seq,
+               batch=1, heads=MEMORY_HEADS, mode="fwd_bwd")
+    if provider == "math" and seq > MATH_MAX_SEQ:
+        return dict(rec, status="skipped", error=f"math backend only up to seq {MATH_MAX_SEQ}")
+    try:
+        q, k, v, dout = make_inputs(1, MEMORY_HEADS, seq, MEMORY_E, DTYPES[dtype], device)
+        attn = make_attention(provider, causal, seq, seq, device)
+        step = lambda: torch.autograd.grad(attn(q, k, v), (q, k, v), dout)  # noqa: E731
+        call_recorded(step)  # warm: compile and autotune outside the measurement; result freed at once
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        grads = step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        del grads
+        unavoidable = 4 * q.numel() * q.element_size()  # out, dq, dk, dv
+        mib = 2.0 ** 20
+        return dict(rec, status="ok", peak_extra_mib=peak / mib, workspace_mib=(peak - unavoidable) / mib)
+    except Exception as exc:
+        return dict(rec, status="unsupported", error=first_line(exc))
+    finally:
+        release_memory()
+
+
+class GPTBlock(torch.nn.Module):
+    """nanoGPT's Block with its hand-written CausalSelfAttention (the tril-buffer pattern)."""
+
+    def __init__(self, d_model=1024, n_head=16, max_seq=2048):
+        super().__init__()
+        self.n_head = n_head
+        self.ln_1, self.ln_2 = torch.nn.LayerNorm(d_model), torch.nn.LayerNorm(d_model)
+        self.c_attn = torch.nn.Linear(d_model, 3 * d_model)
+        self.c_proj = torch.nn.Linear(d_model, d_model)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d_model, 4 * d_model), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * d_model, d_model))
+        self.register_buffer("bias", torch.tril(torch.ones(max_seq, max_seq)).view(1, 1, max_seq, max_seq))
+
+    def attention(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        y = F.softmax(att, dim=-1) @ v
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+    def forward(self, x):
+        x = x + self.attention(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+def _flash_inductor_backend():
+    backend = getattr(import_flash_inductor(), "backend", None)
+    if backend is not None and not callable(backend):  # the submodule, not the backend function
+        backend = getattr(backend, "backend", None)
+    return backend if callable(backend) else None
+
+
+def run_e2e(args, device="cuda", batch=8, seq=2048, d_model=1024, n_head=16):
+    torch.manual_seed(0)
+    model = GPTBlock(d_model, n_head, seq).to(device=device, dtype=torch.bfloat16)
+    x = torch.randn(batch, seq, d_model, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    params = [x, *model.parameters()]
+    with torch.no_grad():
+        ref = model(x).float()
+    variants = {"eager": lambda: model, "compile": lambda: torch.compile(model)}
+    fi_backend = _flash_inductor_backend()
+    variants["flash_inductor"] = (lambda: torch.compile(model, backend=fi_backend)) if fi_backend else None
+    records = []
+    for name, build in variants.items():
+        rec = dict(section="e2e", provider=name, dtype="bf16", head_dim=d_model // n_head, causal=True, seq=seq,
+                   batch=batch, heads=n_head, mode="fwd_bwd")
+        if build is None:
+            records.append(dict(rec, status="unavailable", error="flash_inductor.backend is not available"))
+            continue
+        try:
+            torch._dynamo.reset()
+            fn = build()
+            step = lambda: fn(x).backward(dy)  # noqa: E731
+            y = call_recorded(lambda: fn(x))  # compiles the training graph
+            y.backward(dy)
+            diff = float((y.detach().float() - ref).abs().max())
+            del y
+            for t in params:
+                t.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            step()
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - before) / 2.0 ** 20
+            ms = bench_ms(step, args.warmup, args.rep, grad_to_none=params)
+            records.append(dict(rec, status="ok", ms=ms, max_abs_diff=diff, peak_extra_mib=peak))
+        except Exception as exc:
+            records.append(dict(rec, status="unsupported", error=first_line(exc)))
+    return records
+
+
+# ----------------------------------------------------------------------------- environment, output
+
+def environment(argv):
+    env = dict(gpu=None, compute_capability=None, sm_count=None, torch=torch.__version__, triton=None,
+               cuda=torch.version.cuda, python=sys.version.split()[0],
+               date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+               command=" ".join(shlex.quote(a) for a in [sys.executable, *argv]))
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=torch.cuda.get_device_name(0), compute_capability=list(torch.cuda.get_device_capability(0)),
+                   sm_count=props.multi_processor_count)
+    try:
+        commit = subprocess.run(["git", "-C", _HERE, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        env["git_commit"] = commit if re.fullmatch(r"[0-9a-f]{40}", commit) else None
+        env["git_dirty"] = bool(subprocess.run(["git", "-C", _HERE, "status", "--porcelain", "--untracked-files=no"],
+                                               capture_output=True, text=True, timeout=10).stdout.strip())
+    except Exception:
+        env["git_commit"] = None
+    return env
+
+
+def slug(text):
+    return re.sub(r"[^a-z0-9]+", "-", (text or "unknown-gpu").lower()).strip("-")
+
+
+def output_stem(out_dir, env, tag=None):
+    date = env["date"][:10].replace("-", "")
+    return os.path.join(out_dir, f"bench_{slug(env['gpu'])}_{date}" + (f"_{slug(tag)}" if tag else ""))
+
+
+def write_results(stem, env, records):
+    """<stem>.json: {"header": env, "results": [...]}; <stem>.csv: '# key: value' header lines, then rows."""
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+    with open(stem + ".json", "w") as f:
+        json.dump({"header": env, "results": records}, f, indent=1)
+    with open(stem + ".csv", "w", newline="") as f:
+        for key, value in env.items():
+            f.write(f"# {key}: {value}\n")
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(records)
+    return [stem + ".json", stem + ".csv"]
+
+
+# ----------------------------------------------------------------------------- driver
+
+def progress(items, desc):
+    try:
+        from tqdm import tqdm
+        return tqdm(items, desc=desc, dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 10.0)
+    except ImportError:
+        return _plain_progress(items, desc)
+
+
+def _plain_progress(items, desc):
+    items = list(items)
+    for i, item in enumerate(items, 1):
+        print(f"[{desc} {i}/{len(items)}] {item}", file=sys.stderr, flush=True)
+        yield item
+
+
+def run_all(args):
+    records = []
+    grid = [(c, p) for c in build_grid(args) for p in args.providers]
+    with dynamo_limits():
+        with no_donated_buffers():
+            for case, provider in progress(grid, "attention"):
+                records.append(run_case(case, provider, args))
+                if is_fatal(records[-1]):
+                    print(f"\nstopping: {records[-1]['error']}; results so far are written", file=sys.stderr)
+                    return records
+        if args.memory:
+            torch._dynamo.reset()  # recompile FlexAttention with buffer donation, as a user would get it
+            mem = [(p, c, s) for p in args.providers for c in causal_flags(args.causal) for s in MEMORY_SEQS]
+            for provider, causal, seq in progress(mem, "memory"):
+                records.append(run_memory(provider, args.dtypes[0], causal, seq))
+        if args.e2e:
+            records.extend(run_e2e(args))
+    return records
+
+
+def finish(records, env, args):
+    print(format_table(records))
+    extras = format_extras(records)
+    if extras:
+        print(extras)
+    files = write_results(output_stem(args.out, env, args.tag), env, records)
+    if not args.no_plot:
+        title = f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  {env['date']}"
+        try:
+            png = plot_results(records, files[0][:-len(".json")] + ".png", title)
+            files += [png] if png else []
+        except ImportError as exc:
+            print(f"no plot ({exc}); redraw later with benchmarks/plot_results.py", file=sys.stderr)
+    print("wrote " + ", ".join(files))
+    return files
+
+
+def dry_run(args):
+    checks = {"triton": lambda: __import__("triton").__version__,
+              "triton.testing.do_bench": lambda: __import__("triton.testing").testing.do_bench,
+              "matplotlib": lambda: __import__("matplotlib").__version__,
+              "tqdm (optional)": lambda: __import__("tqdm").__version__,
+              "flex_attention": lambda: importlib.import_module("torch.nn.attention.flex_attention").flex_attention,
+              "sdpa_kernel": lambda: __import__("torch.nn.attention").nn.attention.sdpa_kernel,
+              "flash_inductor.flash_attention": lambda: import_flash_inductor().flash_attention,
+              "flash_inductor.backend (optional)": lambda: _flash_inductor_backend() or "absent"}
+    failed = 0
+    for name, check in checks.items():
+        try:
+            print(f"  ok      {name}: {check()!r:.80}")
+        except Exception as exc:
+            failed += "optional" not in name
+            print(f"  FAILED  {name}: {first_line(exc)}")
+    grid = build_grid(args)
+    print(f"{len(grid)} cases x {len(args.providers)} providers ({','.join(args.providers)}); "
+          f"batch = {args.tokens} // seq, heads = {HIDDEN} // E")
+    for case in grid:
+        print("  ", case)
+    return 1 if failed else 0
+
+
+def synthetic_records(args):
+    """Plausible fake results (and every failure status) for --selftest."""
+    records, speed = [], {"ours": 1.1, "flash": 0.55, "cudnn": 0.95, "efficient": 0.3, "flex": 0.8, "math": 0.1}
+    for case in build_grid(args):
+        for p in args.providers:
+            rec = dict(section="attention", provider=p, batch=args.tokens // case["seq"],
+                       heads=HIDDEN // case["head_dim"], **case)
+            if p == "math" and case["seq"] > MATH_MAX_SEQ:
+                records.append(dict(rec, status="skipped", error="math backend only up to seq 4096"))
+            elif p == "flash" and case["dtype"] == "fp32":
+                records.append(dict(rec, status="unsupported", error="RuntimeError: No available kernel."))
+            else:
+                tf = 500 * speed[p] * (1 - 0.5 / math.log2(case["seq"]))
+                ms = attention_flops(rec["batch"], rec["heads"], case["seq"], case["seq"], case["head_dim"],
+                                     case["causal"], case["mode"]) / (tf * 1e12) * 1e3
+                records.append(dict(rec, status="ok", ms=ms, tflops=tf, max_abs_diff=0.0039))
+    records.append(dict(section="memory", provider="ours", dtype="bf16", head_dim=128, causal=False, seq=32768,
+                        batch=1, heads=16, mode="fwd_bwd", status="ok", peak_extra_mib=514.0, workspace_mib=2.0))
+    records += [dict(section="e2e", provider="eager", status="ok", ms=9.0, max_abs_diff=0.0, peak_extra_mib=6000.0),
+                dict(section="e2e", provider="flash_inductor", status="unavailable",
+                     error="flash_inductor.backend is not available")]
+    return records
+
+
+def selftest(args):
+    args.dtypes, args.head_dims, args.seqs, args.modes = ["bf16", "fp32"], [128], [1024, 8192], ["fwd", "fwd_bwd"]
+    records = synthetic_records(args)
+    env = dict(environment(sys.argv), gpu="NVIDIA H200 (synthetic)", compute_capability=[9, 0], sm_count=132)
+    with tempfile.TemporaryDirectory() as tmp:
+        args.out, args.tag = tmp, "selftest"
+        files = finish(records, env, args)
+        loaded = json.load(open(files[0]))
+        assert loaded["header"]["gpu"] == env["gpu"] and len(loaded["results"]) == len(records)
+        with open(files[1]) as f:
+            rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
+        assert len(rows) == len(records) and set(rows[0]) == set(CSV_FIELDS)
+        assert os.path.basename(files[0]).startswith("bench_nvidia-h200-synthetic_")
+        assert len(files) == 2 or os.path.getsize(files[2]) > 10_000
+    assert abs(attention_flops(1, 1, 2, 2, 1, True, "fwd_bwd") - 4 * 4 * 0.5 * 3.5) < 1e-12
+    print("selftest ok")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.selftest:
+        return selftest(args)
+    if args.dry_run:
+        sys.exit(dry_run(args))
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention.py needs a CUDA GPU (torch.cuda.is_available() is False); "
+                 "use --dry-run or --selftest on a machine without one.")
+    env = environment([sys.argv[0], *argv])
+    finish(run_all(args), env, args)
+    return None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Compile every attention kernel variant for sm_90 without a GPU (catches Triton frontend
+and codegen errors before spending device time): `python tools/compile_check.py`."""
+
+import itertools
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from flash_inductor.kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
+from flash_inductor.kernels.attn_fwd import _attn_fwd
+
+_POINTERS = {"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"}
+
+
+def signature(fn, dtype, constexprs):
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in _POINTERS:
+            sig[name] = f"*{dtype}"
+        elif name in ("LSE", "DELTA", "DLSE", "DMASK"):
+            sig[name] = "*fp32"
+        elif name == "MASK":
+            sig[name] = "*u8" if constexprs.get("MASK_IS_BOOL") else f"*{dtype}"
+        elif name == "SEED":
+            sig[name] = "*i64"
+        elif name in ("qk_scale_log2", "sm_scale", "dropout_p"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def compile_one(fn, dtype, constexprs, num_warps=4, num_stages=2):
+    src = ASTSource(fn, signature(fn, dtype, constexprs), constexprs)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def main() -> int:
+    failures = 0
+    common = dict(HEAD_DIM=80, HEAD_DIM_V=64, BLOCK_E=128, BLOCK_EV=64)
+    for dtype, mask, dropout, causal in itertools.product(("fp16", "bf16", "fp32"), ("none", "bool", "float"), (False, True), (False, True)):
+        flags = dict(HAS_MASK=mask != "none", MASK_IS_BOOL=mask == "bool", HAS_DROPOUT=dropout, IS_CAUSAL=causal,
+                     FP32_DOT="ieee" if dtype == "fp32" else "tf32")
+        jobs = [
+            (_attn_fwd, dict(**common, **flags, P_IN_FP32=False, BLOCK_M=64, BLOCK_N=32)),
+            (_attn_bwd_dkdv, dict(**common, **flags, P_IN_FP32=False, DS_IN_FP32=False, DS_RESCALE=dtype == "fp16", BLOCK_M=32, BLOCK_N=64)),
+            (_attn_bwd_dq, dict(**common, **flags, DS_IN_FP32=False, DS_RESCALE=dtype == "fp16", WRITE_DMASK=mask == "float", BLOCK_M=64, BLOCK_N=32)),
+        ]
+        if not dropout and mask == "none" and not causal:
+            jobs.append((_attn_bwd_preprocess, dict(HEAD_DIM_V=64, BLOCK_EV=64, HAS_DLSE=True, BLOCK_M=64)))
+            jobs.append((_attn_fwd, dict(**common, **flags, P_IN_FP32=True, BLOCK_M=64, BLOCK_N=32)))
+            jobs.append((_attn_bwd_dkdv, dict(**common, **flags, P_IN_FP32=True, DS_IN_FP32=True, DS_RESCALE=False, BLOCK_M=32, BLOCK_N=64)))
+        for fn, constexprs in jobs:
+            try:
+                compile_one(fn, dtype, constexprs)
+            except Exception as exc:  # report every failing variant, not just the first
+                failures += 1
+                print(f"FAIL {fn.__name__} {dtype} mask={mask} dropout={dropout} causal={causal}: {str(exc)[-600:]}")
+    print(f"compile check: {failures} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
