@@ -1,0 +1,39 @@
+"""Test environment: the Triton interpreter when there is no GPU, and the device / dtype fixtures.
+
+Triton decides between interpreter and compiler when a function is decorated with @triton.jit,
+and that includes Triton's own library (triton.language.standard), which is decorated when
+triton.language is first imported -- importing flash_inductor does that. So TRITON_INTERPRET is
+set here, before any test module (and hence flash_inductor) is imported, and this file imports
+nothing that imports flash_inductor or triton.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from helpers import DEVICE, KERNEL_DTYPES, dtype_id
+
+
+def pytest_configure(config):
+    if not torch.cuda.is_available():
+        if "triton.language" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            raise pytest.UsageError(
+                "triton.language was imported before conftest could set TRITON_INTERPRET=1; "
+                "the kernels would not run under the interpreter. Set TRITON_INTERPRET=1 in the environment."
+            )
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture
+def device() -> str:
+    """Where the package's kernels run: "cuda" when available, else "cpu" (the interpreter)."""
+    return DEVICE
+
+
+@pytest.fixture(params=KERNEL_DTYPES, ids=dtype_id)
+def kernel_dtype(request) -> torch.dtype:
+    """fp16, bf16 and fp32 on CUDA; fp16 and fp32 under the interpreter, whose NumPy-emulated
+    bf16 is unreliable (an environment limitation, see helpers.KERNEL_DTYPES)."""
+    return request.param

@@ -1,0 +1,184 @@
+"""The torch.library ops: opcheck, torch.compile through the public function, and no global
+config changes on import.
+
+On CPU the public ops dispatch to the reference path; on CUDA to the Triton kernels. The reference
+ops are checked directly as well.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.nn.attention.bias import causal_lower_right
+
+import flash_inductor
+from flash_inductor import flash_attention
+from helpers import DEVICE, assert_close_to_ref, attention_ref, make_mask, make_qkv, randn
+
+DEVICES = [pytest.param(d, id=d) for d in dict.fromkeys([DEVICE, "cpu"])]
+
+pytestmark = pytest.mark.filterwarnings("ignore:Lower right causal bias will produce NaNs")
+
+# (B, Hq, Hkv, L, S, E, Ev, mask kind, causal offset or None, dropout_p)
+SAMPLES = {
+    "plain": (1, 2, 2, 9, 13, 8, 8, "none", None, 0.0),
+    "bool_mask": (2, 2, 2, 9, 13, 8, 4, "bool", None, 0.0),
+    "float_mask_broadcast": (2, 2, 2, 9, 13, 8, 8, "float_bcast", None, 0.0),
+    "causal_lower_right_dead_rows": (1, 2, 2, 13, 9, 8, 8, "none", -4, 0.0),
+    "gqa_causal": (1, 4, 2, 9, 13, 8, 8, "none", 0, 0.0),
+    "dropout_float_mask": (1, 2, 2, 9, 13, 8, 8, "float", None, 0.2),
+}
+
+
+def _forward_args(sample, dtype, device, requires_grad):
+    batch, hq, hkv, seq_q, seq_k, e, ev, mask_kind, offset, p = sample
+    q, k, v = make_qkv(batch, hq, hkv, seq_q, seq_k, e, ev, dtype, device, seed=3)
+    mask = make_mask(mask_kind, batch, hq, seq_q, seq_k, dtype, device, seed=4)
+    if requires_grad:
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        if mask is not None and mask.is_floating_point():
+            mask = mask.detach().clone().requires_grad_()
+    seed = torch.tensor([987654321], dtype=torch.int64, device=device) if p > 0 else None
+    return (q, k, v, mask, seed, p, offset is not None, offset or 0, e**-0.5)
+
+
+def _dtype_for(device):
+    return torch.float16 if device == "cuda" else torch.float32
+
+
+@pytest.mark.parametrize("sample", [pytest.param(s, id=n) for n, s in SAMPLES.items()])
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_forward(sample, device):
+    dtype = _dtype_for(device)
+    for requires_grad in (False, True):
+        args = _forward_args(sample, dtype, device, requires_grad)
+        torch.library.opcheck(torch.ops.flash_inductor.attention_forward.default, (*args, "stable"))
+    # The reference op is the public op's CPU implementation, called inside it: it has no autograd
+    # formula of its own (the public op's is used), so it is checked without requires_grad.
+    args = _forward_args(sample, dtype, device, False)
+    torch.library.opcheck(torch.ops.flash_inductor.attention_forward_reference.default, args)
+
+
+@pytest.mark.parametrize("sample", [pytest.param(s, id=n) for n, s in SAMPLES.items()])
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_backward(sample, device):
+    dtype = _dtype_for(device)
+    q, k, v, mask, seed, p, is_causal, offset, scale = _forward_args(sample, dtype, device, False)
+    out, lse = torch.ops.flash_inductor.attention_forward(q, k, v, mask, seed, p, is_causal, offset, scale, "stable")
+    dout = randn(out.shape, dtype, device, 5)
+    mask_grad = mask is not None and mask.is_floating_point()
+    for grad_lse in (None, randn(lse.shape, torch.float32, device, 6)):
+        common = (dout, q, k, v, mask, out, lse, grad_lse, seed, p, is_causal, offset, scale)
+        torch.library.opcheck(torch.ops.flash_inductor.attention_backward.default, (*common, "stable", mask_grad))
+        torch.library.opcheck(torch.ops.flash_inductor.attention_backward_reference.default, (*common, mask_grad))
+
+
+# ------------------------------------------------------------------------------------------
+# torch.compile
+# ------------------------------------------------------------------------------------------
+
+
+def _compile_inputs(device, dtype, seq_q, seq_k, seed=0):
+    q, k, v = make_qkv(2, 4, 2, seq_q, seq_k, 16, 8, dtype, device, seed=seed)
+    mask = randn((2, 1, 1, seq_k), dtype, device, seed + 7)
+    dout = randn((2, 4, seq_q, 8), dtype, device, seed + 8)
+    return [t.detach().requires_grad_() for t in (q, k, v, mask)], dout
+
+
+def _attention_block(q, k, v, mask, bias):
+    # A little model code around the op, so the graph is more than the op alone. (The CausalBias is
+    # built outside: Dynamo cannot construct that tensor subclass inside the compiled region.)
+    out = flash_attention(q * 0.5, k, v, attn_mask=mask, enable_gqa=True)
+    causal = flash_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+    return out + causal
+
+
+def _run_block(fn, device, dtype, seq_q, seq_k):
+    leaves, dout = _compile_inputs(device, dtype, seq_q, seq_k)
+    out = fn(*leaves, causal_lower_right(seq_q, seq_k))
+    out.backward(dout)
+    return dict(out=out.detach(), dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad, dmask=leaves[3].grad)
+
+
+def _block_fp64(device, dtype, seq_q, seq_k):
+    leaves, dout = _compile_inputs(device, dtype, seq_q, seq_k)
+    q, k, v, mask = (t.detach().double().requires_grad_() for t in leaves)
+    out = (attention_ref(q * 0.5, k, v, mask)[0]
+           + attention_ref(q, k, v, causal_offset=seq_k - seq_q)[0])
+    out.backward(dout.double())
+    return dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad, dmask=mask.grad)
+
+
+def _check_compiled(compiled, device, seq_q, seq_k):
+    """Three-way check: fp64 golden, eager in the dtype, compiled. Compiled must be within 2x the
+    eager error of the golden (plus the rounding floor); Inductor may reorder the surrounding
+    arithmetic (e.g. the broadcast mask's gradient sum), so bitwise equality is not expected."""
+    dtype = _dtype_for(device)
+    eager = _run_block(_attention_block, device, dtype, seq_q, seq_k)
+    comp = _run_block(compiled, device, dtype, seq_q, seq_k)
+    golden = _block_fp64(device, dtype, seq_q, seq_k)
+    for name in eager:
+        assert comp[name].dtype == eager[name].dtype and comp[name].shape == eager[name].shape, name
+        assert_close_to_ref(f"{name} (L={seq_q}, S={seq_k}) compiled", comp[name], golden[name], eager[name])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_matches_eager(device):
+    torch._dynamo.reset()
+    compiled = torch.compile(_attention_block, fullgraph=True)
+    _check_compiled(compiled, device, 9, 13)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_dynamic(device):
+    torch._dynamo.reset()
+    compiled = torch.compile(_attention_block, fullgraph=True, dynamic=True)
+    for seq_q, seq_k in ((9, 13), (17, 11), (5, 30)):
+        _check_compiled(compiled, device, seq_q, seq_k)
+
+
+# ------------------------------------------------------------------------------------------
+# No import-time side effects
+# ------------------------------------------------------------------------------------------
+
+_CONFIG_SNAPSHOT = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    def snapshot():
+        return {name: repr(value) for module in (dynamo_config, inductor_config)
+                for name, value in sorted(module.get_config_copy().items())
+                for name in [module.__name__ + "." + name]}
+
+    before = snapshot()
+    import flash_inductor
+    flash_inductor.flash_attention(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8))
+    after = snapshot()
+    changed = {k: (before[k], after.get(k)) for k in before if before[k] != after.get(k)}
+    print(json.dumps({"changed": changed, "n": len(before)}))
+    """
+)
+
+
+def test_import_does_not_change_global_configs():
+    completed = subprocess.run([sys.executable, "-c", _CONFIG_SNAPSHOT], capture_output=True, text=True,
+                               timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert result["n"] > 100  # the snapshot really covers both configs
+    assert result["changed"] == {}, f"importing flash_inductor changed: {result['changed']}"
+
+
+def test_public_api():
+    assert flash_inductor.__all__ == ["flash_attention", "SCHEDULES", "DEFAULT_SCHEDULE", "PrecisionSchedule",
+                                      "__version__"]
+    assert sorted(flash_inductor.SCHEDULES) == ["accurate", "fast", "stable"]
+    assert flash_inductor.DEFAULT_SCHEDULE == "stable"
