@@ -37,3 +37,24 @@ def kernel_dtype(request) -> torch.dtype:
     """fp16, bf16 and fp32 on CUDA; fp16 and fp32 under the interpreter, whose NumPy-emulated
     bf16 is unreliable (an environment limitation, see helpers.KERNEL_DTYPES)."""
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _cuda_error_isolation(request):
+    """A kernel fault (illegal memory access) is reported asynchronously and poisons the process's
+    CUDA context: every later CUDA call in the process fails. Synchronise after each test so the
+    fault is charged to the test that caused it, then stop this process: under pytest-xdist the
+    worker exits and is replaced by a fresh one; in a plain run the session stops with the name
+    of the culprit instead of failing every later test."""
+    yield
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    try:
+        torch.cuda.synchronize()
+    except Exception as error:  # torch.AcceleratorError (RuntimeError on older torch)
+        message = f"CUDA context poisoned during {request.node.nodeid}: {error}"
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            sys.stderr.write(message + "\n")
+            sys.stderr.flush()
+            os._exit(3)
+        pytest.exit(message, returncode=3)

@@ -18,7 +18,6 @@ import math
 import warnings
 from typing import Optional
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -33,7 +32,6 @@ ON_CUDA = DEVICE == "cuda"
 # its results are not reliable. This is a limitation of the environment, not of the kernels, so
 # interpreter runs cover fp16 and fp32 and the GPU run adds bf16.
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32) if ON_CUDA else (torch.float16, torch.float32)
-ALL_LOW_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Rounding floor of the tolerance: FLOOR_ULPS ulps of the result's dtype at the result's magnitude,
 # plus ARITH_ULPS ulps of the compute dtype (fp32 in the kernels) at the magnitude of the terms the
@@ -51,10 +49,6 @@ _DTYPE_IDS = {
 
 def dtype_id(dtype: torch.dtype) -> str:
     return _DTYPE_IDS[dtype]
-
-
-def dtype_params(dtypes) -> list:
-    return [pytest.param(d, id=dtype_id(d)) for d in dtypes]
 
 
 # ------------------------------------------------------------------------------------------

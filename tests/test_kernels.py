@@ -20,7 +20,6 @@ import torch
 from flash_inductor import launch
 from flash_inductor.ops.reference import reference_backward, reference_forward
 from helpers import (
-    DEVICE,
     ON_CUDA,
     assert_close_to_ref,
     assert_dead_rows_exact,
@@ -140,6 +139,7 @@ if ON_CUDA:
         "L300_S129_E256": Case(1, 2, 2, 300, 129, 256, 256),
         "L1025_S1025_E256_Ev128": Case(1, 2, 2, 1025, 1025, 256, 128),
         "L97_S97_E59_Ev8": Case(2, 2, 2, 97, 97, 59, 8),
+        "L33_S50_E40_Ev24": Case(2, 2, 2, 33, 50, 40, 24),
     }
 else:
     SHAPES = {
