@@ -83,15 +83,26 @@ def _mask_args(attn_mask: torch.Tensor | None, query: torch.Tensor):
     return attn_mask, attn_mask.stride(), True, False
 
 
+def _head_dims(query: torch.Tensor, value: torch.Tensor) -> tuple[int, int]:
+    # Head dims are kernel constexprs: under torch.compile(dynamic=True) they arrive as SymInts,
+    # and int() specialises the graph on them (a guard), which is what a constexpr needs.
+    return int(query.shape[-1]), int(value.shape[-1])
+
+
 def _common_meta(query, key, value, attn_mask, dropout_p, is_causal, schedule_name):
     schedule = get_schedule(schedule_name)
-    head_dim, head_dim_v = query.shape[-1], value.shape[-1]
+    head_dim, head_dim_v = _head_dims(query, value)
+    # One padded width for both head dims. On sm_90 with Triton 3.6, fp16/bf16 kernels whose
+    # value tile was narrower than a padded query/key tile (E=40 with Ev=24, E=59 with Ev=8)
+    # computed wrong results or faulted, while equal widths were correct; the extra columns
+    # cost only when E != Ev, which is rare.
+    block_width = max(padded_head_dim(head_dim), padded_head_dim(head_dim_v))
     mask_arg, mask_strides, has_mask, mask_is_bool = _mask_args(attn_mask, query)
     meta = dict(
         HEAD_DIM=head_dim,
         HEAD_DIM_V=head_dim_v,
-        BLOCK_E=padded_head_dim(head_dim),
-        BLOCK_EV=padded_head_dim(head_dim_v),
+        BLOCK_E=block_width,
+        BLOCK_EV=block_width,
         HAS_MASK=has_mask,
         MASK_IS_BOOL=mask_is_bool,
         HAS_DROPOUT=dropout_p > 0.0,
@@ -130,7 +141,7 @@ def attention_forward(
     sched, mask_arg, mask_strides, meta = _common_meta(
         query, key, value, attn_mask, dropout_p, is_causal, schedule
     )
-    cfg = select_configs(query, query.shape[-1], head_dim_v, interpreter_enabled()).forward
+    cfg = select_configs(query, *_head_dims(query, value), interpreter_enabled()).forward
     grid = (triton_cdiv(seq_q, cfg.block_m), batch * heads_q)
     _launcher(_attn_fwd)[grid](
         query, key, value, mask_arg, rng_seed if rng_seed is not None else query, out, lse,
@@ -164,9 +175,9 @@ def attention_backward(
     """Run the backward kernels. Returns (dq, dk, dv, dmask); dmask is empty unless asked for."""
     from .kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
 
-    batch, heads_q, seq_q, head_dim = query.shape
+    batch, heads_q, seq_q, _ = query.shape
     heads_kv, seq_k = key.shape[1], key.shape[2]
-    head_dim_v = value.shape[-1]
+    head_dim, head_dim_v = _head_dims(query, value)
     dq = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)

@@ -171,3 +171,11 @@ def test_mismatched_devices():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=r"query, key and value must be on one device, got cpu, meta, cpu"):
         flash_attention(q, k.to("meta"), v)
+
+
+def test_double_backward_is_refused_with_a_clear_error():
+    q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = flash_attention(q, k, v)
+    (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        dq.sum().backward()

@@ -155,3 +155,16 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _refuse_double_backward(ctx, *grads):
+    raise RuntimeError(
+        "flash_inductor: double backward through attention (create_graph=True, e.g. gradient "
+        "penalties) is not supported; use torch.nn.functional.scaled_dot_product_attention's math "
+        "backend for that computation."
+    )
+
+
+# Registered so that a second differentiation fails with the message above instead of
+# torch's generic "no autograd formula" error.
+attention_backward.register_autograd(_refuse_double_backward, setup_context=lambda ctx, inputs, output: None)
