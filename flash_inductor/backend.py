@@ -1,0 +1,63 @@
+"""``flash_inductor.backend``: TorchInductor with the attention rewrite added.
+
+    model = torch.compile(model, backend=flash_inductor.backend)
+    model = torch.compile(model, backend=flash_inductor.make_backend(schedule="accurate"))
+
+Inductor config changes are scoped to our own compilation (``compile_fx(config_patches=)``):
+nothing leaks into a later plain ``torch.compile``. A pre-grad pass the user already set is
+kept and runs after ours.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .passes.graph_pass import ChainedPass, FlashAttentionPass, RewriteOptions
+
+
+class FlashInductorBackend:
+    """A torch.compile backend callable: ``backend(gm, example_inputs, mode=None, options=None)``."""
+
+    def __init__(self, options: RewriteOptions = RewriteOptions()):
+        self.options = options
+        self.graph_pass = FlashAttentionPass(options)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str] = None,
+                 options: Optional[dict] = None):
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import compile_fx
+
+        patches: dict[str, Any] = {}
+        if mode is not None:
+            # torch.compile hands custom backends its mode/options untranslated; map them as
+            # it would for Inductor itself.
+            patches.update(torch._inductor.list_mode_options(mode))
+        if options:
+            patches.update(options)
+        user_pass = patches.get("pre_grad_custom_pass", inductor_config.pre_grad_custom_pass)
+        chained = [self.graph_pass]
+        if user_pass is not None:
+            chained.extend(user_pass if isinstance(user_pass, (list, tuple)) else [user_pass])
+        patches["pre_grad_custom_pass"] = ChainedPass(chained) if len(chained) > 1 else self.graph_pass
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+    def __repr__(self) -> str:
+        return f"flash_inductor.make_backend({self.options})"
+
+
+def make_backend(*, schedule: Optional[str] = None, devices: Sequence[str] = ("cuda", "cpu"),
+                 report: bool = False) -> FlashInductorBackend:
+    """A configured backend.
+
+    Args:
+        schedule: precision schedule of the rewritten attention (None = the default, "stable").
+        devices: device types whose attention is rewritten; others keep Inductor's lowering.
+        report: log which sites were rewritten or kept (and why) at INFO level on the
+            "flash_inductor" logger. ``flash_inductor.last_report()`` returns it either way.
+    """
+    return FlashInductorBackend(RewriteOptions(schedule=schedule, devices=tuple(devices), report=report))
+
+
+backend = make_backend()

@@ -1,0 +1,252 @@
+"""``flash_inductor.backend``: what torch.compile hands it, what it leaves behind, its cache key.
+
+Covers: ``mode=`` / ``options=`` accepted; no leak of our pre-grad pass into Inductor's global
+config or a later plain ``torch.compile``; a user's own pre-grad pass still runs, after ours;
+``FlashAttentionPass.uuid()`` (options, instances, pickling, sources); ``devices=``; training,
+``no_grad``, ``dynamic=True`` and activation checkpointing through the SDPA family; the report's
+format (an expecttest inline expectation).
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import expecttest
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch.utils.checkpoint import checkpoint
+
+import flash_inductor
+from flash_inductor.passes import graph_pass
+from flash_inductor.passes.graph_pass import FlashAttentionPass, RewriteOptions
+from flash_inductor.passes.report import REPORTS
+from flash_inductor.passes.site import rewritten_attention
+from helpers import randn
+
+E, H, L = 16, 2, 11
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compiler():
+    """A clean dynamo, and Inductor's graph caches off: on a cache hit the pre-grad pass does not
+    run, so the report these tests read would not be written."""
+    torch._dynamo.reset()
+    REPORTS.clear()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+def _records():
+    return [(r.pattern, r.rewritten) for report in REPORTS for r in report.records]
+
+
+def _sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True) * 2.0
+
+
+def _qkv(seq=L, dtype=torch.float64, requires_grad=False):
+    return [randn((2, H, seq, 8), dtype, "cpu", seed).requires_grad_(requires_grad) for seed in (1, 2, 3)]
+
+
+class _Block(nn.Module):
+    """qkv projection -> causal SDPA -> out projection, the shape of nanoGPT's attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(E, 3 * E), nn.Linear(E, E)
+
+    def forward(self, x):
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, H, E // H).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(y.transpose(1, 2).reshape(batch, seq, E))
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _Block()
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=False).sum(-1, keepdim=True) * x
+
+
+def _out_and_grads(module, x):
+    out = module(x)
+    grads = torch.autograd.grad(out, [x, *module.parameters()], randn(out.shape, out.dtype, "cpu", 9))
+    return [out.detach(), *grads]
+
+
+def _assert_all_close(ours, ref):
+    for i, (o, r) in enumerate(zip(ours, ref)):
+        torch.testing.assert_close(o, r, rtol=1e-10, atol=1e-12, msg=lambda m: f"result {i}: {m}")
+
+
+# ------------------------------------------------------------------------------------------
+# What torch.compile hands the backend, and what the backend leaves behind
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "compile_kwargs",
+    [dict(mode="max-autotune-no-cudagraphs"), dict(options={"epilogue_fusion": False, "max_autotune": False})],
+    ids=["mode", "options"],
+)
+def test_mode_and_options_are_accepted(compile_kwargs):
+    q, k, v = _qkv()
+    out = torch.compile(_sdpa, backend=flash_inductor.backend, **compile_kwargs)(q, k, v)
+    torch.testing.assert_close(out, _sdpa(q, k, v))
+    assert _records() == [("sdpa", True)]
+
+
+def test_nothing_leaks_into_a_later_plain_compile():
+    before = torch._inductor.config.pre_grad_custom_pass
+    q, k, v = _qkv()
+    torch.compile(_sdpa, backend=flash_inductor.backend)(q, k, v)
+    assert _records() == [("sdpa", True)]
+    assert torch._inductor.config.pre_grad_custom_pass is before
+
+    torch._dynamo.reset()
+    REPORTS.clear()
+    rewrites = dict(counters["flash_inductor"])
+    torch.testing.assert_close(torch.compile(_sdpa)(q, k, v), _sdpa(q, k, v))
+    assert REPORTS == [] and dict(counters["flash_inductor"]) == rewrites
+
+
+def test_user_pre_grad_pass_still_runs_after_ours():
+    seen = []
+
+    def user_pass(graph: torch.fx.Graph) -> None:
+        seen.append([n.target for n in graph.nodes if n.op == "call_function"])
+
+    q, k, v = _qkv()
+    with torch._inductor.config.patch(pre_grad_custom_pass=user_pass):
+        torch.compile(_sdpa, backend=flash_inductor.backend)(q, k, v)
+        assert torch._inductor.config.pre_grad_custom_pass is user_pass
+    assert len(seen) == 1, "the user's pass did not run"
+    # It ran after ours: it saw the rewritten graph.
+    assert rewritten_attention in seen[0] and F.scaled_dot_product_attention not in seen[0]
+
+
+# ------------------------------------------------------------------------------------------
+# The pass's cache key
+# ------------------------------------------------------------------------------------------
+
+
+def test_uuid_depends_on_options_not_on_the_instance():
+    default = FlashAttentionPass(RewriteOptions()).uuid()
+    assert FlashAttentionPass(RewriteOptions()).uuid() == default
+    assert FlashAttentionPass(RewriteOptions(devices=("cpu", "cuda"))).uuid() == default  # order-free
+    others = {FlashAttentionPass(o).uuid() for o in (RewriteOptions(schedule="accurate"), RewriteOptions(devices=("cuda",)))}
+    assert default not in others and len(others) == 2
+
+
+def test_pickled_pass_is_its_uuid():
+    """torch 2.11 pickles the pass into the FX graph cache key: the pickle must carry the uuid,
+    not the pass's identity."""
+    p = FlashAttentionPass(RewriteOptions(schedule="fast"))
+    assert p.__getstate__()["uuid"] == p.uuid()
+    restored = pickle.loads(pickle.dumps(p))
+    assert restored.uuid() == p.uuid() and restored.options == p.options
+    assert pickle.dumps(FlashAttentionPass(RewriteOptions(schedule="fast"))) == pickle.dumps(p)
+
+
+def test_uuid_changes_when_a_source_changes(tmp_path, monkeypatch):
+    source = tmp_path / "kernel.py"
+    monkeypatch.setattr(graph_pass, "_source_files", lambda: [source])
+    source.write_text("BLOCK = 64\n")
+    first = FlashAttentionPass().uuid()
+    assert FlashAttentionPass().uuid() == first
+    source.write_text("BLOCK = 128\n")
+    assert FlashAttentionPass().uuid() != first
+
+
+# ------------------------------------------------------------------------------------------
+# Options and compile modes through the SDPA family
+# ------------------------------------------------------------------------------------------
+
+
+def test_devices_option_keeps_sites_on_other_devices():
+    q, k, v = _qkv()
+    out = torch.compile(_sdpa, backend=flash_inductor.make_backend(devices=("cuda",)))(q, k, v)
+    torch.testing.assert_close(out, _sdpa(q, k, v))
+    report = flash_inductor.last_report()
+    assert [(r.pattern, r.rewritten) for r in report.records] == [("sdpa", False)]
+    assert "device cpu is not in devices=('cuda',)" in report.records[0].detail
+
+
+def test_training_gradients_match_eager():
+    torch.manual_seed(0)
+    block = _Block().double()
+    x = randn((2, L, E), torch.float64, "cpu", 4).requires_grad_()
+    ours = _out_and_grads(torch.compile(block, backend=flash_inductor.backend), x)
+    assert _records() == [("sdpa", True)]
+    _assert_all_close(ours, _out_and_grads(block, x))
+
+
+def test_no_grad_matches_eager():
+    torch.manual_seed(0)
+    block = _Block().double()
+    x = randn((2, L, E), torch.float64, "cpu", 4)
+    with torch.no_grad():
+        ours, ref = torch.compile(block, backend=flash_inductor.backend)(x), block(x)
+    assert _records() == [("sdpa", True)]
+    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_dynamic_shapes_one_graph_for_every_length():
+    torch.manual_seed(0)
+    block = _Block().double()
+    compiled = torch.compile(block, backend=flash_inductor.backend, dynamic=True)
+    for seq in (7, 13, 20):
+        x = randn((2, seq, E), torch.float64, "cpu", seq).requires_grad_()
+        _assert_all_close(_out_and_grads(compiled, x), _out_and_grads(block, x))
+    assert _records() == [("sdpa", True)], "expected one compilation, rewritten"
+
+
+def test_activation_checkpointing_inside_the_compiled_module():
+    """The checkpointed block is a subgraph (tag_activation_checkpoint): Inductor runs pre-grad
+    passes on it too, so the attention inside is rewritten (reported for the subgraph)."""
+    torch.manual_seed(0)
+    model = _Checkpointed().double()
+    x = randn((2, L, E), torch.float64, "cpu", 4).requires_grad_()
+    ours = _out_and_grads(torch.compile(model, backend=flash_inductor.backend), x)
+    assert ("sdpa", True) in _records()
+    _assert_all_close(ours, _out_and_grads(model, x))
+
+
+# ------------------------------------------------------------------------------------------
+# The report
+# ------------------------------------------------------------------------------------------
+
+
+class _Mixed(nn.Module):
+    """One site of each kind: SDPA rewritten, MHA rewritten, MHA kept (its weights are used)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(E, H, batch_first=True)
+
+    def forward(self, x):
+        q = x.view(2, L, H, E // H).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, q, q).transpose(1, 2).reshape(2, L, E)
+        y = self.mha(y, y, y, need_weights=False)[0]
+        out, weights = self.mha(y, y, y)
+        return out * weights.mean()
+
+
+class TestReport(expecttest.TestCase):
+    def test_report_format(self):
+        model = _Mixed().double()
+        x = randn((2, L, E), torch.float64, "cpu", 4)
+        with torch.no_grad():
+            torch.testing.assert_close(torch.compile(model, backend=flash_inductor.backend)(x), model(x))
+        self.assertExpectedInline(flash_inductor.last_report().format(), """\
+flash_inductor: 2 attention site(s) rewritten, 1 kept
+  rewrote sdpa         at scaled_dot_product_attention: -> flash_inductor::attention_forward
+  rewrote mha          at attn_output: -> flash_inductor::attention_forward
+  kept    mha          at multi_head_attention_forward_1: attention weights are used (need_weights=True and getitem 1 has users); the op never forms the L x S weights""")
