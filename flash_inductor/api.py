@@ -78,7 +78,7 @@ def flash_attention(
     no key) returns 0 with zero gradients, where SDPA's math path returns NaN.
     """
     _check_qkv(query, key, value)
-    get_schedule(schedule)  # validates the name early, with the list of choices
+    schedule_name = get_schedule(schedule).name  # validates early, listing the choices
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"flash_attention: dropout_p must be a float in [0, 1), got {dropout_p!r}.")
     dropout_p = float(dropout_p)
@@ -99,8 +99,7 @@ def flash_attention(
         rng_seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=query.device)
 
     out, _ = torch.ops.flash_inductor.attention_forward(
-        q4, k4, v4, mask4, rng_seed, dropout_p, bool(is_causal), causal_offset, scale,
-        get_schedule(schedule).name,
+        q4, k4, v4, mask4, rng_seed, dropout_p, bool(is_causal), causal_offset, scale, schedule_name,
     )
     return out.reshape(*query.shape[:-1], value.shape[-1])
 

@@ -142,7 +142,7 @@ def attention_forward(
         query, key, value, attn_mask, dropout_p, is_causal, schedule
     )
     cfg = select_configs(query, *_head_dims(query, value), interpreter_enabled()).forward
-    grid = (triton_cdiv(seq_q, cfg.block_m), batch * heads_q)
+    grid = (_cdiv(seq_q, cfg.block_m), batch * heads_q)
     _launcher(_attn_fwd)[grid](
         query, key, value, mask_arg, rng_seed if rng_seed is not None else query, out, lse,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(),
@@ -189,7 +189,8 @@ def attention_backward(
 
     if seq_q == 0 or seq_k == 0 or batch * heads_q == 0:
         # No query row attends to anything: every gradient is zero.
-        dq.zero_(), dk.zero_(), dv.zero_()
+        for grad in (dq, dk, dv):
+            grad.zero_()
         return dq, dk, dv, dmask.to(attn_mask.dtype) if compute_mask_grad else dmask
 
     sched, mask_arg, mask_strides, meta = _common_meta(
@@ -203,7 +204,7 @@ def attention_backward(
     if grad_lse is not None:
         grad_lse = grad_lse.to(torch.float32).contiguous()  # read as a flat (B*Hq*L) row vector
     pre_block = configs.backward_dq.block_m
-    _launcher(_attn_bwd_preprocess)[(triton_cdiv(seq_q, pre_block), batch * heads_q)](
+    _launcher(_attn_bwd_preprocess)[(_cdiv(seq_q, pre_block), batch * heads_q)](
         out, grad_out, grad_lse if grad_lse is not None else lse, delta,
         *out.stride(), *grad_out.stride(), heads_q, seq_q,
         HEAD_DIM_V=head_dim_v, BLOCK_EV=meta["BLOCK_EV"], HAS_DLSE=grad_lse is not None,
@@ -212,7 +213,7 @@ def attention_backward(
 
     scale_log2 = scale * _LOG2E
     cfg = configs.backward_dkdv
-    _launcher(_attn_bwd_dkdv)[(triton_cdiv(seq_k, cfg.block_n), batch * heads_kv)](
+    _launcher(_attn_bwd_dkdv)[(_cdiv(seq_k, cfg.block_n), batch * heads_kv)](
         query, key, value, mask_arg, seed_arg, grad_out, lse, delta, dk, dv,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(),
         *dk.stride(), *dv.stride(),
@@ -222,7 +223,7 @@ def attention_backward(
         **meta,
     )
     cfg = configs.backward_dq
-    _launcher(_attn_bwd_dq)[(triton_cdiv(seq_q, cfg.block_m), batch * heads_q)](
+    _launcher(_attn_bwd_dq)[(_cdiv(seq_q, cfg.block_m), batch * heads_q)](
         query, key, value, mask_arg, seed_arg, grad_out, lse, delta, dq,
         dmask if compute_mask_grad else query,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(), *dq.stride(),
@@ -236,6 +237,6 @@ def attention_backward(
     return dq, dk, dv, dmask
 
 
-def triton_cdiv(a, b):
+def _cdiv(a, b):
     # Plain integer arithmetic (not triton.cdiv) so symbolic sizes under torch.compile trace.
     return (a + b - 1) // b

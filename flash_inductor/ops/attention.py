@@ -102,7 +102,7 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _forward_fake(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, *rest):
+def _forward_fake(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule=None):
     batch, heads_q, seq_q, _ = query.shape
     out = query.new_empty((batch, heads_q, seq_q, value.shape[-1]))
     lse = query.new_empty((batch, heads_q, seq_q), dtype=_lse_dtype(query.dtype))
@@ -110,8 +110,9 @@ def _forward_fake(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, 
 
 
 def _backward_fake(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
-                   is_causal, causal_offset, scale, *rest):
-    compute_mask_grad = rest[-1]
+                   is_causal, causal_offset, scale, *schedule_and_flag):
+    # The public op has a `schedule` argument before the flag; the reference op does not.
+    compute_mask_grad = schedule_and_flag[-1]
     if compute_mask_grad:
         batch, heads_q, seq_q, _ = query.shape
         dmask = attn_mask.new_empty((batch, heads_q, seq_q, key.shape[2]))
