@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .passes.graph_pass import ChainedPass, FlashAttentionPass, RewriteOptions
+from .passes.report import one_report_per_compile
 
 
 class FlashInductorBackend:
@@ -41,7 +42,8 @@ class FlashInductorBackend:
         if user_pass is not None:
             chained.extend(user_pass if isinstance(user_pass, (list, tuple)) else [user_pass])
         patches["pre_grad_custom_pass"] = ChainedPass(chained) if len(chained) > 1 else self.graph_pass
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        with one_report_per_compile():
+            return compile_fx(gm, example_inputs, config_patches=patches)
 
     def __repr__(self) -> str:
         return f"flash_inductor.make_backend({self.options})"

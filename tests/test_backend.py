@@ -250,3 +250,32 @@ flash_inductor: 2 attention site(s) rewritten, 1 kept
   rewrote sdpa         at scaled_dot_product_attention: -> flash_inductor::attention_forward
   rewrote mha          at attn_output: -> flash_inductor::attention_forward
   kept    mha          at multi_head_attention_forward_1: attention weights are used (need_weights=True and getitem 1 has users); the op never forms the L x S weights""")
+
+
+def test_attention_over_attention_rewrites_both_sites():
+    """A site whose input is an earlier site's output must read the replacement, not the erased node."""
+    import torch.nn.functional as F
+
+    q = torch.randn(2, 2, 8, 4, dtype=torch.float64)
+
+    def nested(q):
+        return F.scaled_dot_product_attention(F.scaled_dot_product_attention(q, q, q), q, q)
+
+    out = torch.compile(nested, backend=flash_inductor.backend)(q)
+    torch.testing.assert_close(out, nested(q), rtol=1e-10, atol=1e-12)
+    assert flash_inductor.last_report().rewritten == 2
+
+
+def test_one_report_per_compile_even_on_a_cache_hit():
+    import torch.nn.functional as F
+
+    from flash_inductor.passes.report import one_report_per_compile
+
+    with one_report_per_compile() as report:
+        pass  # no pass ran: what a cache hit looks like to the backend
+    assert flash_inductor.last_report() is report
+    assert "cache" in report.note
+
+    q = torch.randn(1, 2, 8, 4)
+    torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q), backend=flash_inductor.backend)(q)
+    assert flash_inductor.last_report().note is None and flash_inductor.last_report().rewritten == 1

@@ -5,10 +5,13 @@ Three levels, cheapest first:
 * the replacement functions called eagerly against the PyTorch functions they replace, over
   every mask / projection / need_weights combination (fp64, exact up to rounding);
 * the pass alone on dynamo's graph, run eagerly (``_pass_only``: no Inductor), for the module
-  variants, their gradients and what must NOT be rewritten;
-* end to end through ``torch.compile(backend=flash_inductor.make_backend())``: a torchvision-like
-  ViT block, MHA with separate projections and both masks, the Transformer encoder layer
-  (training, eval, eval without grad = its fused fast path) and decoder layer.
+  variants (batch_first, self / cross / separate kdim-vdim projections, masks, need_weights,
+  Transformer encoder and decoder layers in train and eval), their gradients, and what must
+  NOT be rewritten;
+* end to end through ``torch.compile(backend=flash_inductor.make_backend())``, kept to a few
+  graphs because each Inductor compile costs seconds on the CPU: a torchvision-like ViT block
+  (fp32), the decoder layer (fp64), the encoder layer in training with dropout and in eval
+  without grad (its fused fast path), and dynamic shapes.
 
 Compiled fp64 results must match eager tightly; compiled fp32 within twice eager fp32's own
 error against fp64 plus the rounding floor (tests/helpers.py). Masks here never mask a whole
@@ -156,12 +159,12 @@ def _three_way(build, inputs64, dtype, device, backend, **fwd_kwargs):
 @pytest.mark.parametrize("projection", ["self", "cross", "separate"])
 def test_function_matches_multi_head_attention_forward(projection, kpm, attn, need_weights):
     torch.manual_seed(0)
-    kdim = vdim = None if projection != "separate" else 5
-    m = nn.MultiheadAttention(E, H, kdim=kdim, vdim=7 if kdim else None, dtype=torch.float64)
+    kdim, vdim = (5, 7) if projection == "separate" else (None, None)
+    m = nn.MultiheadAttention(E, H, kdim=kdim, vdim=vdim, dtype=torch.float64)
     seq_q = S if projection == "self" else L
     q = randn((seq_q, B, E), torch.float64, "cpu", 1)
     k = q if projection == "self" else randn((S, B, kdim or E), torch.float64, "cpu", 2)
-    v = k if projection != "separate" else randn((S, B, 7), torch.float64, "cpu", 3)
+    v = k if projection != "separate" else randn((S, B, vdim), torch.float64, "cpu", 3)
     masks = _masks(torch.float64, seq_q)
     kwargs = _mha_call_kwargs(m, key_padding_mask=masks["kpm"][kpm], attn_mask=masks["attn"][attn],
                               need_weights=need_weights)
@@ -253,22 +256,19 @@ def test_function_matches_fused_encoder_layer(masks, norm_first, activation, mon
 
 
 class _MHABlock(nn.Module):
-    """Calls one nn.MultiheadAttention the way the test parameters say, returns the output only
-    (or output + weights when ``use_weights``)."""
+    """Calls one nn.MultiheadAttention the way the test parameters say; returns the output only."""
 
-    def __init__(self, batch_first, projection, need_weights, use_weights=False, **mha_kwargs):
+    def __init__(self, batch_first, projection, need_weights):
         super().__init__()
-        kdim = 5 if projection == "separate" else None
-        self.mha = nn.MultiheadAttention(E, H, batch_first=batch_first, kdim=kdim, vdim=7 if kdim else None,
-                                         **mha_kwargs)
-        self.projection, self.need_weights, self.use_weights = projection, need_weights, use_weights
+        kdim, vdim = (5, 7) if projection == "separate" else (None, None)
+        self.mha = nn.MultiheadAttention(E, H, batch_first=batch_first, kdim=kdim, vdim=vdim)
+        self.projection, self.need_weights = projection, need_weights
 
     def forward(self, q, k, v, key_padding_mask=None, attn_mask=None):
         k = q if self.projection == "self" else k
         v = k if self.projection != "separate" else v
-        out, weights = self.mha(q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-                                need_weights=self.need_weights)
-        return out + weights.sum() if self.use_weights else out
+        return self.mha(q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                        need_weights=self.need_weights)[0]
 
 
 def _block_inputs(batch_first, projection):
@@ -287,7 +287,7 @@ def _block_inputs(batch_first, projection):
         (True, "cross", False, "bool", "bool2d"),
         (False, "cross", True, "float", "float3d"),  # weights requested but unused
         (True, "separate", False, "none", "bool3d"),
-        (False, "separate", True, "bool", "none"),
+        (False, "separate", True, "bool", "bool3d"),  # both masks merged; weights unused
         (True, "self", False, "none", "none"),
     ],
 )
@@ -302,6 +302,31 @@ def test_pass_rewrites_mha_and_gradients_match(batch_first, projection, need_wei
     ref = _forward_backward(lambda *a: block(*a, **kwargs), inputs, list(block.parameters()))
     assert _records() == [("mha", True)]
     _assert_matches("mha", ours, ref)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_pass_transformer_layers_gradients_match(kind, training):
+    """nn.TransformerEncoderLayer / DecoderLayer (dropout 0) with grad enabled: every attention goes
+    through F.multi_head_attention_forward, in training and in eval."""
+    torch.manual_seed(0)
+    kpm = _masks(torch.float64, S)["kpm"]["bool"]
+    if kind == "encoder":
+        layer = nn.TransformerEncoderLayer(E, H, 20, dropout=0.0, norm_first=True, dtype=torch.float64)
+        inputs = [randn((S, B, E), torch.float64, "cpu", 1).requires_grad_()]
+        kwargs, sites = dict(src_key_padding_mask=kpm), 1
+    else:
+        layer = nn.TransformerDecoderLayer(E, H, 20, dropout=0.0, batch_first=True, dtype=torch.float64)
+        inputs = [randn((B, L, E), torch.float64, "cpu", 1).requires_grad_(),
+                  randn((B, S, E), torch.float64, "cpu", 2).requires_grad_()]
+        causal = nn.Transformer.generate_square_subsequent_mask(L, dtype=torch.float64)
+        kwargs, sites = dict(tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=kpm), 2
+    layer.train(training)
+    compiled = torch.compile(layer, backend=_pass_only)
+    ours = _forward_backward(lambda *a: compiled(*a, **kwargs), inputs, list(layer.parameters()))
+    ref = _forward_backward(lambda *a: layer(*a, **kwargs), inputs, list(layer.parameters()))
+    assert _records() == [("mha", True)] * sites
+    _assert_matches(kind, ours, ref)
 
 
 def test_pass_rewritten_graph_is_one_attention_call_between_projections():
@@ -431,29 +456,6 @@ def test_compiled_vit_block_matches_eager_fp32(device):
     _assert_matches("vit block", ours, ref, eager)
 
 
-def test_compiled_mha_separate_projections_both_masks_weights_unused():
-    """kdim/vdim != embed_dim (separate projection weights), bool key padding + 3-D bool attn
-    mask merged, need_weights=True whose weights nobody reads: rewritten."""
-    masks = _masks(torch.float64)
-    inputs = _block_inputs(False, "separate")
-    build = lambda: _MHABlock(False, "separate", need_weights=True)
-    ours, ref, _ = _three_way(build, inputs, torch.float64, "cpu", flash_inductor.make_backend(),
-                              key_padding_mask=masks["kpm"]["bool"], attn_mask=masks["attn"]["bool3d"])
-    assert _records() == [("mha", True)]
-    _assert_matches("mha separate", ours, ref)
-
-
-def test_compiled_mha_weights_used_is_kept_and_correct():
-    torch.manual_seed(0)
-    block = _MHABlock(True, "cross", need_weights=True, use_weights=True).double()
-    inputs = _block_inputs(True, "cross")
-    with torch.no_grad():
-        ours = torch.compile(block, backend=flash_inductor.make_backend())(*inputs)
-        ref = block(*inputs)
-    assert _records() == [("mha", False)]
-    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-12)
-
-
 def test_compiled_encoder_layer_training_with_dropout():
     """Dropout inside the op: a different random stream than eager, so shape and finiteness only."""
     torch.manual_seed(0)
@@ -465,18 +467,17 @@ def test_compiled_encoder_layer_training_with_dropout():
     assert _records() == [("mha", True)]
 
 
-@pytest.mark.parametrize("grad", [True, False], ids=["eval", "eval_no_grad"])
-def test_compiled_encoder_layer_eval_matches(grad):
-    """Eval with grad goes through F.multi_head_attention_forward; eval without grad through the
-    layer's fused fast path, torch._transformer_encoder_layer_fwd, which is rewritten as a whole."""
+def test_compiled_encoder_layer_eval_no_grad_fast_path():
+    """Eval without grad: the layer's fused fast path, torch._transformer_encoder_layer_fwd, is one
+    node in dynamo's graph and is rewritten as a whole."""
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(E, H + 1, 20, batch_first=True, norm_first=True, dtype=torch.float64).eval()
     x = randn((B, S, E), torch.float64, "cpu", 1)
     kpm = _masks(torch.float64)["kpm"]["bool"]
-    compiled = torch.compile(layer, backend=flash_inductor.make_backend())
-    with torch.set_grad_enabled(grad):
-        ours, ref = compiled(x, src_key_padding_mask=kpm), layer(x, src_key_padding_mask=kpm)
-    assert _records() == [("mha" if grad else "mha_encoder", True)]
+    with torch.no_grad():
+        ours = torch.compile(layer, backend=flash_inductor.make_backend())(x, src_key_padding_mask=kpm)
+        ref = layer(x, src_key_padding_mask=kpm)
+    assert _records() == [("mha_encoder", True)]
     torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-12)
 
 

@@ -20,13 +20,12 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ..tuning.schedules import get_schedule
 from . import handwritten, mha, sdpa
-from .report import REPORTS, RewriteReport, SiteRecord, log
+from .report import RewriteReport, SiteRecord, count_pass_run, log, publish
 from .site import AttentionSite, KeptSite, example_value, rewrite_site
 
 # Order matters only where families could see the same nodes: MHA nodes contain no SDPA call
 # in the pre-grad graph, and hand-written attention never contains either.
 _FAMILIES: tuple[Callable[[fx.Graph], Iterable], ...] = (sdpa.find_sites, mha.find_sites, handwritten.find_sites)
-_MAX_REPORTS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,16 +71,19 @@ class FlashAttentionPass(CustomGraphPass):
         self._uuid: Optional[str] = None
 
     def __call__(self, graph: fx.Graph) -> None:
+        count_pass_run()
         report = RewriteReport()
+        # A site found before an earlier rewrite may take that rewrite's (now erased) output
+        # as an input, e.g. attention over attention: map old outputs to their replacements.
+        replaced: dict[fx.Node, fx.Node] = {}
         for find_sites in _FAMILIES:
             for found in list(find_sites(graph)):
-                self._handle(graph, found, report)
-        REPORTS.append(report)
-        del REPORTS[:-_MAX_REPORTS]
+                self._handle(graph, found, report, replaced)
+        publish(report)
         if self.options.report or report.kept:
             (log.info if self.options.report else log.debug)("%s", report.format())
 
-    def _handle(self, graph: fx.Graph, found, report: RewriteReport) -> None:
+    def _handle(self, graph: fx.Graph, found, report: RewriteReport, replaced: dict) -> None:
         if isinstance(found, KeptSite):
             report.records.append(SiteRecord(found.pattern, found.node.name, False, found.reason))
             counters["flash_inductor"][f"kept_{found.pattern}"] += 1
@@ -94,7 +96,9 @@ class FlashAttentionPass(CustomGraphPass):
                                              f"device {device} is not in devices={self.options.devices}"))
             return
         name = site.output.name
-        rewrite_site(graph, site, self.options.schedule)
+        for field in ("query", "key", "value", "attn_mask"):
+            setattr(site, field, replaced.get(getattr(site, field), getattr(site, field)))
+        replaced[site.output] = rewrite_site(graph, site, self.options.schedule)
         report.records.append(SiteRecord(site.pattern, name, True, "-> flash_inductor::attention_forward"))
         counters["flash_inductor"][site.pattern] += 1
 

@@ -1,6 +1,6 @@
 """Pattern family: ``nn.MultiheadAttention`` and the ``nn.Transformer*Layer`` modules built on it.
 
-What dynamo records (torch 2.11 to 2.13):
+What dynamo records (seen on torch 2.13; the folding below dates from 2.5, so 2.11 is the same):
 
 * ``nn.MultiheadAttention`` -- and so ``nn.TransformerEncoderLayer`` (training, or eval with
   grad) and ``nn.TransformerDecoderLayer`` (always) -- is ONE node,
@@ -14,7 +14,9 @@ What dynamo records (torch 2.11 to 2.13):
 Both are rewritten into projections in plain PyTorch (see ``mha_replacement.py``) around one
 ``rewritten_attention`` call. Kept, with the reason in the report: used attention weights
 (the op never forms the L x S matrix), ``bias_k``/``bias_v``, ``add_zero_attn``,
-``static_k``/``static_v``, and arguments that are traced values instead of constants.
+``static_k``/``static_v``, and arguments that are traced values instead of constants -- notably
+``dropout_p`` in training under ``dynamic=True``, where dynamo makes the module's float
+attribute a graph input (out of training it is ignored, so those sites are rewritten).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ _MHA_CONSTANTS = ("embed_dim_to_check", "num_heads", "add_zero_attn", "dropout_p
                   "use_separate_proj_weight", "average_attn_weights", "is_causal")
 _MHA_TENSORS = ("query", "key", "value", "in_proj_weight", "in_proj_bias", "out_proj_weight", "out_proj_bias",
                 "key_padding_mask", "attn_mask", "q_proj_weight", "k_proj_weight", "v_proj_weight")
-# Extensions of MHA the op has no counterpart for; each appends keys MHA's masks must be padded for.
+# Extensions of MHA that change the key/value set after the projection; the op has no counterpart.
 _MHA_UNSUPPORTED = {
     "bias_k": "bias_k/bias_v (add_bias_kv=True) append a learned key/value row",
     "bias_v": "bias_k/bias_v (add_bias_kv=True) append a learned key/value row",
@@ -89,9 +91,9 @@ def _not_a_graph_tensor(args: dict, names) -> Optional[str]:
 def _unsupported_mha_feature(args: dict) -> Optional[str]:
     for name, why in _MHA_UNSUPPORTED.items():
         if args[name] is not None:
-            return f"{why}; the op has no counterpart"
+            return f"{why}; not supported"
     if args["add_zero_attn"]:
-        return "add_zero_attn=True appends a zero key/value; the op has no counterpart"
+        return "add_zero_attn=True appends a zero key/value; not supported"
     if args["is_causal"] and args["attn_mask"] is None:
         return "is_causal=True without attn_mask: F.multi_head_attention_forward raises, kept so it does"
     return None
