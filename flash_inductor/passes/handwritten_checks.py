@@ -46,7 +46,7 @@ def bind(node: fx.Node, params: Sequence[str], defaults: dict) -> dict:
 
 
 def describe(node: fx.Node) -> str:
-    """``target`` of a node as the report prints it (e.g. ``masked_fill_``, ``torch.tanh``)."""
+    """A node's target as the report prints it (``.masked_fill_()``, ``torch.tanh``, ``F.gelu``)."""
     if node.op == "call_method":
         return f".{node.target}()"
     target = getattr(node.target, "__name__", str(node.target))
@@ -103,7 +103,8 @@ def mutates(user: fx.Node, node: fx.Node) -> bool:
         name = str(user.target)
         return name.endswith("_") and not name.startswith("__")
     if user.op == "call_function" and first is node:
-        return user.target in _INPLACE_OPERATORS or user.kwargs.get("inplace") is True
+        dropout_inplace = user.target is torch.nn.functional.dropout and user.args[3:4] == (True,)
+        return user.target in _INPLACE_OPERATORS or user.kwargs.get("inplace") is True or dropout_inplace
     return user.kwargs.get("out") is node
 
 
@@ -114,7 +115,8 @@ def check_only_user(node: fx.Node, user: fx.Node, what: str) -> None:
         return
     mutated = [u for u in others if mutates(u, node)]
     if mutated:
-        raise Keep(f"the {what} ({node.name}) are modified in place by {describe(mutated[0])} at {mutated[0].name}")
+        first = mutated[0]
+        raise Keep(f"the {what} ({node.name}) are modified in place by {describe(first)} at {first.name}")
     names = ", ".join(u.name for u in others[:3])
     raise Keep(f"the {what} ({node.name}) are also used by {names}")
 
@@ -214,16 +216,20 @@ def _tensor_scalar(node: fx.Node, head_dim: Any) -> Optional[Scale]:
 
 
 def fill_value(value: Any) -> Optional[float]:
-    """A masked_fill / where fill as a float (``-inf``, ``finfo.min``, ``torch.full([], ...)``)."""
+    """A masked_fill / where fill as a float (``-inf``, ``finfo.min``, ``torch.full([], ...)``),
+    rounded to the fill tensor's dtype as eager sees it; None if not a constant."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    if is_function(value, *_SCALAR_FACTORIES):
-        ev = tensor_value(value)
-        raw = value.args[1] if value.target is torch.full and len(value.args) > 1 else (
-            value.args[0] if value.target is not torch.full and value.args else value.kwargs.get("fill_value"))
-        if isinstance(raw, (int, float)) and ev is not None and ev.numel() == 1:
-            return torch.tensor(float(raw), dtype=ev.dtype).item()
-    return None
+    if not is_function(value, *_SCALAR_FACTORIES):
+        return None
+    if value.target is torch.full:
+        raw = value.args[1] if len(value.args) > 1 else value.kwargs.get("fill_value")
+    else:
+        raw = value.args[0] if value.args else value.kwargs.get("data")
+    ev = tensor_value(value)
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or ev is None or ev.numel() != 1:
+        return None
+    return torch.tensor(float(raw), dtype=ev.dtype).item()
 
 
 # A finite fill this low contributes exactly nothing next to any visible score above -9e3:
@@ -336,14 +342,17 @@ def triangle(node: Any) -> Optional[tuple[str, bool]]:
     return None
 
 
-def triangle_nodes(node: fx.Node) -> list[fx.Node]:
-    """The call nodes that build a recognised causal mask (erased with the pattern once unused)."""
+def call_ancestors(node: fx.Node) -> list[fx.Node]:
+    """``node`` and the call nodes it is computed from (a causal mask's tril/ones/slice, a scale's
+    sqrt): erased with the pattern once nothing else uses them. In-place calls are never listed:
+    erasing one would drop its write."""
     found, stack = [], [node]
     while stack:
         n = stack.pop()
-        if isinstance(n, fx.Node) and n.op in ("call_function", "call_method") and n not in found:
+        if isinstance(n, fx.Node) and n.op in ("call_function", "call_method") and n not in found \
+                and not any(mutates(n, a) for a in n.all_input_nodes):
             found.append(n)
-            stack.extend(a for a in n.args if isinstance(a, fx.Node))
+            stack.extend(n.all_input_nodes)
     return found
 
 

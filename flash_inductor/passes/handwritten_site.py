@@ -1,9 +1,11 @@
-"""Building the rewrite of a recognised hand-written attention site (see ``handwritten.py``).
+"""Turning a recognised hand-written attention site into the op call (see ``handwritten.py``).
 
-Recognition decides *what* the site computes, as a :class:`Plan`; this module turns the plan
-into an :class:`AttentionSite` whose prologue lays q, k, v and the masks out for the op and
-whose epilogue lays the result out as the model expects. All layout changes are views
-(permute, unflatten, flatten, new size-1 dims), never copies of q/k/v.
+Recognition produces a :class:`Match` (what each piece of the site is); :func:`assemble` checks
+that the pieces line up (dtypes, batch dims, masks) and decides the op's arguments as a
+:class:`Plan`; :func:`make_site` turns the plan into an :class:`AttentionSite` whose prologue
+lays q, k, v and the masks out for the op and whose epilogue lays the result out as the model
+expects. All layout changes are views (permute, unflatten, flatten, new size-1 dims), never
+copies of q/k/v.
 
 Layouts: the scores may be viewed between the Q·Kᵀ product, the masks and the P·V product
 (Bloom and fairseq compute on (B*H, L, S) and add a (B, 1, L, S) mask on a (B, H, L, S) view).
@@ -21,7 +23,79 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .handwritten_checks import (
+    Keep, Scale, check_dtypes, describe, group_dims, known_equal, mutates, tensor_value, call_ancestors,
+)
 from .site import AttentionSite
+
+# ------------------------------------------------------------------------------------------
+# What recognition found
+# ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Product:
+    """The Q·Kᵀ product, canonicalised: q ``(..., L, E)`` and k ``(..., S, E)`` after the permutes."""
+
+    node: fx.Node
+    query: fx.Node
+    key: fx.Node
+    query_perm: Optional[tuple[int, ...]] = None
+    key_perm: Optional[tuple[int, ...]] = None  # for matmul: (..., -1, -2) when k must be transposed
+    scale: Scale = Scale()
+    bias: Optional[fx.Node] = None  # baddbmm's input, an additive mask times beta
+    beta: float = 1.0
+    consumed: list = dataclasses.field(default_factory=list)  # peeled scales and transposes
+
+
+@dataclasses.dataclass
+class Step:
+    """One node between the product and the softmax."""
+
+    kind: str  # "scale" | "add" | "fill" | "cast" | "view"
+    node: fx.Node
+    input: fx.Node
+    scale: Scale = Scale()
+    mask: Optional[fx.Node] = None  # add: the additive tensor; fill: the condition
+    attend_if: bool = False  # fill: keys are visible where cond == attend_if
+    value: float = 0.0  # fill: the fill value
+    causal: Optional[bool] = None  # fill: provably top-left causal (True: from a constant buffer)
+    extra: tuple = ()  # constant-building nodes, erased with the pattern once unused
+
+
+@dataclasses.dataclass
+class Match:
+    """A whole site: product -> steps -> softmax -> probability nodes -> P·V product."""
+
+    product: Product
+    steps: list[Step]
+    softmax: fx.Node
+    probs: list[fx.Node]  # casts, dropout and views after the softmax
+    prob_views: list[fx.Node]
+    dropout_p: float
+    output: fx.Node  # the P·V product
+    key: fx.Node  # after repeat_kv / repeat_interleave were peeled off
+    value: fx.Node
+    value_perm: Optional[tuple[int, ...]]  # value permuted to (..., S, Ev)
+    out_perm: Optional[tuple[int, ...]]  # (..., L, Ev) permuted to the P·V product's layout
+    is_einsum: bool = False
+    repeats: int = 1
+    repeat_nodes: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Context:
+    """Per-graph state: node order (to sort erasures) and what earlier sites replaced (a later
+    site may read an earlier one's output, which the earlier rewrite erased)."""
+
+    order: dict
+    replaced: dict = dataclasses.field(default_factory=dict)
+
+    def resolve(self, node: Any) -> Any:
+        while isinstance(node, fx.Node) and node in self.replaced:
+            node = self.replaced[node]
+        return node
+
 
 Groups = list  # for each batch dim of a tensor: the [start, stop) range of op-layout dims it spans
 
@@ -53,6 +127,8 @@ class MaskTerm:
 
 @dataclasses.dataclass
 class Plan:
+    """The decided rewrite: the op's arguments and how to lay tensors out for it."""
+
     pattern: str
     output: fx.Node
     query: Operand
@@ -73,6 +149,173 @@ class Plan:
     consumed: list
     resolve: Callable[[Any], Any]
     replaced: dict
+
+
+# ------------------------------------------------------------------------------------------
+# Deciding the op's arguments
+# ------------------------------------------------------------------------------------------
+
+
+def _permuted(shape, perm: Optional[tuple]) -> tuple:
+    return tuple(shape) if perm is None else tuple(shape[i] for i in perm)
+
+
+def _heads_line_up(kv: tuple, batch: tuple, repeats: int) -> Optional[bool]:
+    """None if ``kv`` batch dims do not line up with ``batch``; else whether they are grouped
+    (GQA: fewer heads in dim -3, repeated by ``repeats`` or broadcast from 1 by matmul)."""
+    if known_equal(kv, batch):
+        return False
+    if len(batch) >= 2 and known_equal(kv[:-1], batch[:-1]) and (
+            known_equal([kv[-1]], [1]) or (repeats > 1 and known_equal([kv[-1] * repeats], [batch[-1]]))):
+        return True
+    return None
+
+
+def _dynamic_sizes(fine: tuple, groups: list, views: list) -> list:
+    """The op layout's sizes for unflatten: ints, one None (-1) per group, or the size arguments
+    of a view in the pattern that produced that layout (Bloom's view(batch_size, num_heads, ...))."""
+    sizes = [s if isinstance(s, int) else None for s in fine]
+    for view in views:
+        ev = tensor_value(view)
+        if ev is not None and known_equal(ev.shape[:-2], fine):
+            given = view.args[1:]
+            if len(given) == 1 and isinstance(given[0], (tuple, list)):  # view((b, h, l, s))
+                given = given[0]
+            sizes = [s if s is not None else (g if isinstance(g, (fx.Node, int)) and g != -1 else None)
+                     for s, g in zip(sizes, given)]
+            break
+    for start, stop in groups:
+        if stop - start > 1 and sum(s is None for s in sizes[start:stop]) > 1:
+            raise Keep("the batch dims of the reshaped scores are dynamic and cannot be rebuilt")
+    return sizes
+
+
+def _check_not_mutated(nodes: list, output: fx.Node, order: dict) -> None:
+    """The op reads q, k, v and the masks where the P·V product was: none of them (nor the nodes
+    peeled off them) may be written in place in between. Conservative: any in-place write after
+    the node's definition and before the P·V product keeps the site."""
+    for node in nodes:
+        for user in node.users:
+            if mutates(user, node) and order.get(node, -1) < order.get(user, -1) < order[output]:
+                raise Keep(f"{node.name} is modified in place by {describe(user)} at {user.name} "
+                           "before the P·V product")
+
+
+def _masks(match: Match, groups_of: Callable) -> tuple[list["MaskTerm"], Scale, list[Step]]:
+    """The mask terms in order, the total scale, and the fill steps; a scale after a mask keeps."""
+    product, masks, fills, scale = match.product, [], [], match.product.scale
+    if product.bias is not None:
+        masks.append(MaskTerm(product.bias, False, tuple(tensor_value(product.bias).shape),
+                              groups_of(tensor_value(product.node).shape[:-2]), factor=product.beta))
+    for step in match.steps:
+        if step.kind == "scale":
+            if masks:
+                raise Keep(f"the scores are scaled at {step.node.name} after a mask was applied")
+            scale = scale * step.scale
+        elif step.kind in ("add", "fill"):
+            mask_ev = tensor_value(step.mask)
+            if step.kind == "add" and (mask_ev is None or not mask_ev.is_floating_point()):
+                raise Keep(f"the additive mask {step.mask.name} has dtype "
+                           f"{mask_ev.dtype if mask_ev is not None else 'unknown'}, not a float dtype")
+            masks.append(MaskTerm(step.mask, step.kind == "fill", tuple(mask_ev.shape),
+                                  groups_of(tensor_value(step.node).shape[:-2]), attend_if=step.attend_if))
+            if step.kind == "fill":
+                fills.append(step)
+    return masks, scale, fills
+
+
+def assemble(match: Match, context: Context) -> AttentionSite:
+    product, output = match.product, match.output
+    q_shape = _permuted(tensor_value(product.query).shape, product.query_perm)
+    k_shape = _permuted(tensor_value(match.key).shape, product.key_perm)
+    v_shape = _permuted(tensor_value(match.value).shape, match.value_perm)
+    scores = tensor_value(product.node).shape
+    probs = tensor_value(match.probs[-1] if match.probs else match.softmax).shape
+    q_ev = tensor_value(product.query)
+    check_dtypes(q_ev, tensor_value(match.key), tensor_value(match.value),
+                 [product.node, *(s.node for s in match.steps), match.softmax, *match.probs])
+    if tensor_value(output).dtype != q_ev.dtype:
+        raise Keep(f"the P·V product returns {tensor_value(output).dtype} for {q_ev.dtype} inputs")
+    if not known_equal(q_shape[:-2], scores[:-2]):
+        raise Keep(f"query batch dims {tuple(q_shape[:-2])} do not line up with the scores {tuple(scores[:-2])}")
+    k_grouped = _heads_line_up(k_shape[:-2], tuple(scores[:-2]), match.repeats)
+    v_grouped = _heads_line_up(v_shape[:-2], tuple(probs[:-2]), match.repeats)
+    if k_grouped is None or v_grouped is None or k_grouped != v_grouped \
+            or (k_grouped and not known_equal(k_shape[:-2], v_shape[:-2])):
+        raise Keep(f"key/value batch dims {tuple(k_shape[:-2])}, {tuple(v_shape[:-2])} do not line up with "
+                   f"the query's {tuple(q_shape[:-2])}")
+
+    # The op layout: the finest batch layout the scores take between the two products.
+    levels = [scores[:-2], probs[:-2], *(tensor_value(s.node).shape[:-2] for s in match.steps
+                                          if s.kind in ("add", "fill"))]
+    fine = max(levels, key=len)
+    if k_grouped and any(not known_equal(level, fine) for level in levels):
+        raise Keep("grouped K/V heads with reshaped scores are not supported")
+
+    def groups_of(level):
+        found = group_dims(fine, level)
+        if found is None:
+            raise Keep(f"the views of the scores {tuple(level)} and {tuple(fine)} do not line up")
+        return found
+
+    masks, scale, fills = _masks(match, groups_of)
+    _check_not_mutated([product.query, match.key, match.value, *product.consumed, *match.repeat_nodes,
+                        *(t.node for t in masks)], output, context.order)
+    is_causal = bool(fills) and len(fills) == len(masks) and all(f.causal is not None for f in fills)
+    finite = [f for f in fills if f.value != float("-inf")]
+    if finite and len(masks) > 1:
+        # Eager replaces hidden scores by the fill and then adds or fills more: a row that the
+        # masks hide together can mix fill values in ways one op mask cannot express.
+        raise Keep(f"a finite fill ({finite[0].value:g}) combined with other masks would change rows "
+                   "that all of them hide")
+    row_fixup = bool(finite) and not is_causal
+    if row_fixup and match.dropout_p > 0:
+        raise Keep(f"a finite fill ({finite[0].value:g}) with dropout: rows it hides entirely are "
+                   "dropped in eager")
+    extra = [a for s in match.steps for a in s.extra if isinstance(a, fx.Node)]
+    if is_causal:
+        extra += [f.mask for f in fills]
+        masks = []
+    q_groups, out_groups = groups_of(scores[:-2]), groups_of(probs[:-2])
+    views = [s.node for s in match.steps if s.kind == "view"] + match.prob_views
+    sizes = _dynamic_sizes(fine, [g for m in masks for g in m.groups] + q_groups + out_groups, views)
+
+    consumed = {*product.consumed, product.node, *match.repeat_nodes, *(s.node for s in match.steps),
+                match.softmax, *match.probs}
+    for node in extra:
+        consumed.update(call_ancestors(node))
+    plan = Plan(
+        pattern=_pattern_name(match, is_causal, fills, bool(k_grouped), masks),
+        output=output, query=Operand(product.query, product.query_perm, q_shape, q_groups),
+        key=Operand(match.key, product.key_perm, k_shape, q_groups),
+        value=Operand(match.value, match.value_perm, v_shape, out_groups),
+        masks=masks, is_causal=is_causal, scale=scale.as_argument(), dropout_p=match.dropout_p,
+        enable_gqa=bool(k_grouped), gqa_repeats=match.repeats, sizes=sizes, out_groups=out_groups,
+        out_perm=match.out_perm, row_fixup=row_fixup,
+        consumed=sorted(consumed, key=lambda n: context.order.get(n, -1)),
+        resolve=context.resolve, replaced=context.replaced,
+    )
+    return make_site(plan)
+
+
+def _pattern_name(match: Match, is_causal: bool, fills: list, grouped: bool, masks: list) -> str:
+    """The counter / report name: the site's most distinctive feature."""
+    if is_causal:
+        return "handwritten_causal_buffer" if any(f.causal for f in fills) else "handwritten_causal_tril"
+    if match.product.bias is not None:
+        return "handwritten_alibi"
+    if grouped:
+        return "handwritten_gqa"
+    if any(m.is_bool for m in masks):
+        return "handwritten_bool_mask"
+    if masks:
+        return "handwritten_additive_mask"
+    return "handwritten_einsum" if match.is_einsum else "handwritten_plain"
+
+
+# ------------------------------------------------------------------------------------------
+# Building the rewrite
+# ------------------------------------------------------------------------------------------
 
 
 def _to_layout(graph: fx.Graph, node: fx.Node, shape: tuple, groups: Groups, sizes: list) -> fx.Node:
@@ -132,9 +375,12 @@ def _mask(graph: fx.Graph, plan: Plan) -> tuple[Optional[fx.Node], Optional[fx.N
 
 
 def make_site(plan: Plan) -> AttentionSite:
+    """The site for ``rewrite_site``: its prologue and epilogue build the layouts and masks."""
     state: dict[str, Any] = {}
 
     def prologue(graph, q, k, v, mask):
+        # Built from the plan, whose nodes (masks and conditions too) resolve through earlier
+        # rewrites of this graph; the site's own query/key/value fields are only its summary.
         q, k, v = (_operand(graph, o, plan) for o in (plan.query, plan.key, plan.value))
         mask, state["visible"] = _mask(graph, plan)
         state["value"] = v
