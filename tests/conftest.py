@@ -58,3 +58,17 @@ def _cuda_error_isolation(request):
             sys.stderr.flush()
             os._exit(3)
         pytest.exit(message, returncode=3)
+
+
+@pytest.fixture
+def fresh_compiler():
+    """A fresh dynamo per test, and no AOTAutograd cache: on a cache hit (a graph compiled by an
+    earlier run) Inductor skips the pre-grad passes, so the pass would record no report. The
+    FX graph cache (after the pass) still spares recompiling the C++ kernels."""
+    from flash_inductor.passes.report import REPORTS
+
+    torch._dynamo.reset()
+    REPORTS.clear()
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+    torch._dynamo.reset()

@@ -29,15 +29,8 @@ from helpers import randn
 E, H, L = 16, 2, 11
 
 
-@pytest.fixture(autouse=True)
-def _fresh_compiler():
-    """A clean dynamo, and Inductor's graph caches off: on a cache hit the pre-grad pass does not
-    run, so the report these tests read would not be written."""
-    torch._dynamo.reset()
-    REPORTS.clear()
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
-    torch._dynamo.reset()
+# Fresh dynamo and no AOTAutograd cache per test (conftest.py says why).
+pytestmark = pytest.mark.usefixtures("fresh_compiler")
 
 
 def _records():

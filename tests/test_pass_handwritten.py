@@ -32,15 +32,8 @@ B, H, HKV, L, S, E = 2, 4, 2, 7, 9, 8
 FP32_FLOOR_ULPS = 16
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """A fresh dynamo per test, and no AOTAutograd cache: on a cache hit (a graph compiled by an
-    earlier run) Inductor skips the pre-grad passes, so the pass would record no report. The
-    FX graph cache (after the pass) still spares recompiling the C++ kernels."""
-    torch._dynamo.reset()
-    with torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
-    torch._dynamo.reset()
+# Fresh dynamo and no AOTAutograd cache per test (conftest.py says why).
+pytestmark = pytest.mark.usefixtures("fresh_compiler")
 
 
 def _randn(*shape, dtype=torch.float32, seed=0):

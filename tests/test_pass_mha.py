@@ -38,22 +38,15 @@ from helpers import DEVICE, assert_close_to_ref, randn
 
 E, H, L, S, B = 12, 3, 7, 9, 2  # head dim 4; L != S so that transposed shapes cannot pass by accident
 DEVICES = [pytest.param(d, id=d) for d in dict.fromkeys(["cpu", DEVICE])]
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:Support for mismatched key_padding_mask and attn_mask is deprecated",
-    "ignore:enable_nested_tensor is True",
-    "ignore:Converting mask without torch.bool dtype to bool",
-)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_compiler():
-    """A clean dynamo, and Inductor's graph caches off: on a cache hit the pre-grad pass does not
-    run, so the report these tests read would not be written."""
-    torch._dynamo.reset()
-    REPORTS.clear()
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
-    torch._dynamo.reset()
+pytestmark = [
+    pytest.mark.filterwarnings(
+        "ignore:Support for mismatched key_padding_mask and attn_mask is deprecated",
+        "ignore:enable_nested_tensor is True",
+        "ignore:Converting mask without torch.bool dtype to bool",
+    ),
+    # Fresh dynamo and no AOTAutograd cache per test (conftest.py says why).
+    pytest.mark.usefixtures("fresh_compiler"),
+]
 
 
 # ------------------------------------------------------------------------------------------
