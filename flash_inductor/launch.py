@@ -89,7 +89,7 @@ def _head_dims(query: torch.Tensor, value: torch.Tensor) -> tuple[int, int]:
     return int(query.shape[-1]), int(value.shape[-1])
 
 
-def _common_meta(query, key, value, attn_mask, dropout_p, is_causal, schedule_name):
+def _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule_name):
     schedule = get_schedule(schedule_name)
     head_dim, head_dim_v = _head_dims(query, value)
     # One padded width for both head dims. On sm_90 with Triton 3.6, fp16/bf16 kernels whose
@@ -138,9 +138,7 @@ def attention_forward(
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
 
-    sched, mask_arg, mask_strides, meta = _common_meta(
-        query, key, value, attn_mask, dropout_p, is_causal, schedule
-    )
+    sched, mask_arg, mask_strides, meta = _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule)
     cfg = select_configs(query, *_head_dims(query, value), interpreter_enabled()).forward
     grid = (_cdiv(seq_q, cfg.block_m), batch * heads_q)
     _launcher(_attn_fwd)[grid](
@@ -193,9 +191,7 @@ def attention_backward(
             grad.zero_()
         return dq, dk, dv, dmask.to(attn_mask.dtype) if compute_mask_grad else dmask
 
-    sched, mask_arg, mask_strides, meta = _common_meta(
-        query, key, value, attn_mask, dropout_p, is_causal, schedule
-    )
+    sched, mask_arg, mask_strides, meta = _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule)
     configs = select_configs(query, head_dim, head_dim_v, interpreter_enabled())
     ds_rescale = sched.ds_rescale and query.dtype == torch.float16
     seed_arg = rng_seed if rng_seed is not None else query
