@@ -171,7 +171,7 @@ def attention_backward(
     compute_mask_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the backward kernels. Returns (dq, dk, dv, dmask); dmask is empty unless asked for."""
-    from .kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
+    from .kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _attn_bwd_row_reference
 
     batch, heads_q, seq_q, _ = query.shape
     heads_kv, seq_k = key.shape[1], key.shape[2]
@@ -208,9 +208,20 @@ def attention_backward(
     )
 
     scale_log2 = scale * _LOG2E
+    cfg = configs.backward_dq
+    row_ref = torch.empty_like(delta)
+    row_shift = torch.empty_like(delta)
+    _launcher(_attn_bwd_row_reference)[(_cdiv(seq_q, cfg.block_m), batch * heads_q)](
+        query, key, mask_arg, lse, row_ref, row_shift,
+        *query.stride(), *key.stride(), *mask_strides,
+        heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2,
+        HEAD_DIM=head_dim, BLOCK_E=meta["BLOCK_E"], HAS_MASK=meta["HAS_MASK"], MASK_IS_BOOL=meta["MASK_IS_BOOL"],
+        IS_CAUSAL=is_causal, FP32_DOT=meta["FP32_DOT"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
     cfg = configs.backward_dkdv
     _launcher(_attn_bwd_dkdv)[(_cdiv(seq_k, cfg.block_n), batch * heads_kv)](
-        query, key, value, mask_arg, seed_arg, grad_out, lse, delta, dk, dv,
+        query, key, value, mask_arg, seed_arg, grad_out, row_ref, row_shift, delta, dk, dv,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(),
         *dk.stride(), *dv.stride(),
         heads_q, heads_kv, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2, scale, dropout_p,
@@ -220,7 +231,7 @@ def attention_backward(
     )
     cfg = configs.backward_dq
     _launcher(_attn_bwd_dq)[(_cdiv(seq_q, cfg.block_m), batch * heads_q)](
-        query, key, value, mask_arg, seed_arg, grad_out, lse, delta, dq,
+        query, key, value, mask_arg, seed_arg, grad_out, row_ref, row_shift, delta, dq,
         dmask if compute_mask_grad else query,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(), *dq.stride(),
         heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2, scale, dropout_p,

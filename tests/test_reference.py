@@ -249,9 +249,10 @@ def _floor_rows(mask: Optional[torch.Tensor]) -> torch.Tensor:
     """(B, Hq, L) rows whose every key is masked at or below the -1e38 clamp (finfo.min rows).
 
     Their output is exact (uniform over the keys), but their lse is about -1e38, where a float
-    has no room left for log(number of keys); the backward recomputes P = exp(s - lse) and so
-    gets P = 1 per key instead of 1 / S. The main tests give such rows a zero grad_out, as
-    padded query rows get in practice; test_floor_row_gradient_needs_more_than_lse shows the gap.
+    has no room left for log(number of keys), so P = exp(s - lse) would be 1 per key instead of
+    1 / S; the backward recovers each such row's max and log-sum in an extra pass. The main tests
+    give such rows a zero grad_out, as padded query rows get in practice;
+    test_floor_row_gradient_is_exact checks them with a real one.
     """
     if mask is None or not mask.is_floating_point():
         return torch.zeros(mask.shape[:3] if mask is not None else (0,), dtype=torch.bool)
@@ -409,8 +410,9 @@ def test_lse_gradient(case_name: str):
         _assert_close(name, grad, expected, expected, torch.float64)
 
 
-@pytest.mark.xfail(strict=True, reason="lse of a row at the -1e38 mask clamp cannot hold log(S); see _floor_rows")
-def test_floor_row_gradient_needs_more_than_lse():
+def test_floor_row_gradient_is_exact():
+    """Rows at the mask clamp: lse alone cannot give P (see _floor_rows); the backward's extra
+    pass over those rows' keys must recover the uniform P = 1 / S and so the exact gradient."""
     case = CASES["finfo_min_fp32_mask"]
     problem = _make_problem(case, torch.float32, zero_grad_on_floor_rows=False)
     _, _, (dq, _, _, _) = _run_reference(problem, case)

@@ -12,7 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flash_inductor.kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
+from flash_inductor.kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _attn_bwd_row_reference
 from flash_inductor.kernels.attn_fwd import _attn_fwd
 
 _POINTERS = {"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"}
@@ -25,7 +25,7 @@ def signature(fn, dtype, constexprs):
             sig[name] = "constexpr"
         elif name in _POINTERS:
             sig[name] = f"*{dtype}"
-        elif name in ("LSE", "DELTA", "DLSE", "DMASK"):
+        elif name in ("LSE", "DELTA", "DLSE", "DMASK", "ROW_REF", "ROW_SHIFT"):
             sig[name] = "*fp32"
         elif name == "MASK":
             sig[name] = "*u8" if constexprs.get("MASK_IS_BOOL") else f"*{dtype}"
@@ -62,6 +62,8 @@ def main() -> int:
             (_attn_fwd, dict(**common, **flags, P_IN_FP32=False, BLOCK_M=64, BLOCK_N=32)),
             (_attn_bwd_dkdv, dict(**common, **flags, P_IN_FP32=False, DS_IN_FP32=False, DS_RESCALE=dtype == "fp16", BLOCK_M=32, BLOCK_N=64)),
             (_attn_bwd_dq, dict(**common, **flags, DS_IN_FP32=False, DS_RESCALE=dtype == "fp16", WRITE_DMASK=mask == "float", BLOCK_M=64, BLOCK_N=32)),
+            (_attn_bwd_row_reference, dict(HEAD_DIM=80, BLOCK_E=128, HAS_MASK=flags["HAS_MASK"], MASK_IS_BOOL=flags["MASK_IS_BOOL"],
+                                           IS_CAUSAL=causal, FP32_DOT=flags["FP32_DOT"], BLOCK_M=64, BLOCK_N=32)),
         ]
         if not dropout and mask == "none" and not causal:
             jobs.append((_attn_bwd_preprocess, dict(HEAD_DIM_V=64, BLOCK_EV=64, HAS_DLSE=True, BLOCK_M=64)))

@@ -1,6 +1,7 @@
 """Backward flash-attention kernels: a row-sum preprocess, a dK/dV pass and a dQ pass.
 
-P is recomputed from the saved LSE; no (L, S) matrix is stored (except dS itself when the
+P is recomputed from the saved LSE (through a per-row reference and shift, see
+``_attn_bwd_row_reference``); no (L, S) matrix is stored (except dS itself when the
 caller asks for the gradient of a float mask). dS = P∘(dP − Δ) stays fp32 until it meets
 the matrix unit, where ``ds_dot`` rounds it as the precision schedule says.
 
@@ -15,6 +16,10 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, add_attn_mask, dropout_keep, ds_dot
+
+# LSEs below this (natural log) only come from rows whose every visible key sits at the
+# -1e38 mask clamp; see _attn_bwd_row_reference.
+LSE_SATURATED = tl.constexpr(-1.0e37)
 
 
 @triton.jit
@@ -43,16 +48,74 @@ def _attn_bwd_preprocess(
 
 
 @triton.jit
-def _load_lse_log2(LSE, row_ids, row_ok):
-    """Saved natural-log LSE in base 2; rows with no visible key (-inf) become +inf so that
-    exp2(s - lse) is 0 there instead of NaN."""
-    lse = tl.load(LSE + row_ids, mask=row_ok, other=float("inf"))
-    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+def _attn_bwd_row_reference(
+    Q, K, MASK, LSE, ROW_REF, ROW_SHIFT,
+    stride_qb, stride_qh, stride_qm, stride_qe,
+    stride_kb, stride_kh, stride_kn, stride_ke,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    H_Q, GROUP, L, S, causal_offset, qk_scale_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Per query row, the base-2 (reference, shift) the backward recomputes P with:
+    P = exp2((s2 - reference) - shift).
+
+    Normally reference = lse * log2(e) and shift = 0. Rows with no visible key get
+    reference = +inf, so P is 0 rather than NaN. Rows whose every visible key sits at the mask
+    clamp (finfo(fp32/bf16).min masks) have lse ~ -1e38, where fp32 cannot also hold log(l):
+    for those alone, one more pass over the keys recovers the row max (reference) and the
+    log-sum (shift) separately. Other blocks skip that pass.
+    """
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < L
+    row_ids = bh.to(tl.int64) * L + offs_m
+    lse = tl.load(LSE + row_ids, mask=row_ok, other=0.0)
+    reference = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    shift = tl.zeros([BLOCK_M], dtype=tl.float32)
+    saturated = (lse < LSE_SATURATED) & (lse > float("-inf"))
+    if tl.max(saturated.to(tl.int32)) > 0:
+        b = (bh // H_Q).to(tl.int64)
+        h = (bh % H_Q).to(tl.int64)
+        offs_e = tl.arange(0, BLOCK_E)
+        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_e[None, :] * stride_qe,
+                    mask=row_ok[:, None] & (offs_e[None, :] < HEAD_DIM), other=0.0)
+        k_base = K + b * stride_kb + (h // GROUP) * stride_kh
+        mask_base = MASK + b * stride_mb + h * stride_mh
+        row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        hi = S
+        if IS_CAUSAL:
+            hi = tl.minimum(S, start_m + BLOCK_M + causal_offset)
+        for start_n in range(0, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            kv_rows_ok = offs_n < S
+            k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_e[:, None] * stride_ke,
+                        mask=kv_rows_ok[None, :] & (offs_e[:, None] < HEAD_DIM), other=0.0)
+            s2 = tl.dot(q, k, input_precision=FP32_DOT) * qk_scale_log2
+            tile_ok = row_ok[:, None] & kv_rows_ok[None, :]
+            if HAS_MASK:
+                s2 = add_attn_mask(s2, mask_base + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
+                                   tile_ok, MASK_IS_BOOL)
+            visible = tile_ok
+            if IS_CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+            s2 = tl.where(visible, s2, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(s2, 1))
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            row_sum = row_sum * tl.math.exp2(row_max - safe_max) + tl.sum(tl.math.exp2(s2 - safe_max[:, None]), 1)
+            row_max = new_max
+        reference = tl.where(saturated, row_max, reference)
+        shift = tl.where(saturated, tl.math.log2(tl.where(saturated, row_sum, 1.0)), 0.0)
+    tl.store(ROW_REF + row_ids, reference, mask=row_ok)
+    tl.store(ROW_SHIFT + row_ids, shift, mask=row_ok)
 
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, MASK, SEED, DO, LSE, DELTA, DK, DV,
+    Q, K, V, MASK, SEED, DO, ROW_REF, ROW_SHIFT, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qm, stride_qe,
     stride_kb, stride_kh, stride_kn, stride_ke,
     stride_vb, stride_vh, stride_vn, stride_ve,
@@ -109,7 +172,8 @@ def _attn_bwd_dkdv(
             do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_ev[None, :] * stride_doe,
                          mask=q_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0)
             row_ids = bh * L + offs_m
-            lse2 = _load_lse_log2(LSE, row_ids, q_rows_ok)
+            row_ref = tl.load(ROW_REF + row_ids, mask=q_rows_ok, other=float("inf"))
+            row_shift = tl.load(ROW_SHIFT + row_ids, mask=q_rows_ok, other=0.0)
             delta = tl.load(DELTA + row_ids, mask=q_rows_ok, other=0.0)
 
             # Transposed tiles (keys x queries) so dK and dV come out of the dots directly.
@@ -124,7 +188,7 @@ def _attn_bwd_dkdv(
             if IS_CAUSAL:
                 visible = visible & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
             s2_t = tl.where(visible, s2_t, float("-inf"))
-            p_t = tl.math.exp2(s2_t - lse2[None, :])
+            p_t = tl.math.exp2((s2_t - row_ref[None, :]) - row_shift[None, :])
 
             dp_t = tl.dot(v, tl.trans(do), input_precision=FP32_DOT)
             p_used_t = p_t
@@ -148,7 +212,7 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, MASK, SEED, DO, LSE, DELTA, DQ, DMASK,
+    Q, K, V, MASK, SEED, DO, ROW_REF, ROW_SHIFT, DELTA, DQ, DMASK,
     stride_qb, stride_qh, stride_qm, stride_qe,
     stride_kb, stride_kh, stride_kn, stride_ke,
     stride_vb, stride_vh, stride_vn, stride_ve,
@@ -180,7 +244,8 @@ def _attn_bwd_dq(
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_ev[None, :] * stride_doe,
                  mask=q_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0)
     row_ids = bh.to(tl.int64) * L + offs_m
-    lse2 = _load_lse_log2(LSE, row_ids, q_rows_ok)
+    row_ref = tl.load(ROW_REF + row_ids, mask=q_rows_ok, other=float("inf"))
+    row_shift = tl.load(ROW_SHIFT + row_ids, mask=q_rows_ok, other=0.0)
     delta = tl.load(DELTA + row_ids, mask=q_rows_ok, other=0.0)
     k_base = K + b * stride_kb + h_kv * stride_kh
     v_base = V + b * stride_vb + h_kv * stride_vh
@@ -212,7 +277,7 @@ def _attn_bwd_dq(
         if IS_CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
         s2 = tl.where(visible, s2, float("-inf"))
-        p = tl.math.exp2(s2 - lse2[:, None])
+        p = tl.math.exp2((s2 - row_ref[:, None]) - row_shift[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=FP32_DOT)
         if HAS_DROPOUT:
             keep = dropout_keep(seed, row_ids[:, None], offs_n[None, :], S, dropout_p)

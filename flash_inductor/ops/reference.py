@@ -224,6 +224,38 @@ def reference_forward(
     return problem.ungroup(out).to(query.dtype).contiguous(), problem.ungroup(lse).contiguous()
 
 
+# LSEs below this only come from rows whose every visible key sits at the mask clamp.
+_LSE_SATURATED = -1e37
+
+
+def _row_reference(problem, grouped_query, key, attn_mask, is_causal, causal_offset, scale, grouped_lse):
+    """Per row, the (reference, shift) the backward recomputes P with: P = exp((s - reference) - shift).
+
+    Normally reference = lse and shift = 0; rows with no visible key get reference = +inf, so P
+    is 0 there instead of NaN. A row whose every visible key sits at the -1e38 mask clamp
+    (finfo(fp32/bf16).min masks) has lse ~ -1e38, which cannot also hold log(l) in fp32 (nor
+    fp64): for such rows one more pass over the keys recovers the max and log-sum separately,
+    exactly as the kernel's _attn_bwd_row_reference does.
+    """
+    reference = grouped_lse.masked_fill(grouped_lse.isneginf(), float("inf"))
+    shift = torch.zeros_like(reference)
+    saturated = (grouped_lse < _LSE_SATURATED) & grouped_lse.isfinite()
+    if saturated.any():
+        row_max = torch.full_like(reference, float("-inf"))
+        row_sum = torch.zeros_like(reference)
+        for start, stop in _key_chunks(problem.key_len):
+            scores = _chunk_scores(
+                problem, grouped_query, key[..., start:stop, :], attn_mask, is_causal, causal_offset, scale, start, stop
+            )
+            new_max = torch.maximum(row_max, scores.amax(dim=-1))
+            safe_max = torch.where(new_max.isneginf(), torch.zeros_like(new_max), new_max)
+            row_sum = row_sum * torch.exp(row_max - safe_max) + torch.exp(scores - safe_max[..., None]).sum(dim=-1)
+            row_max = new_max
+        reference = torch.where(saturated, row_max, reference)
+        shift = torch.where(saturated, torch.log(torch.where(saturated, row_sum, torch.ones_like(row_sum))), shift)
+    return reference[..., None], shift[..., None]
+
+
 def reference_backward(
     grad_out: torch.Tensor,
     query: torch.Tensor,
@@ -257,9 +289,9 @@ def reference_backward(
     delta = (grouped_grad_out * problem.group(out)).sum(dim=-1, keepdim=True)
     if grad_lse is not None:
         delta = delta - problem.group(grad_lse)[..., None]
-    # Rows with lse = -inf have no visible key; +inf makes exp(s - lse) = 0 there instead of NaN.
-    grouped_lse = problem.group(lse)
-    safe_lse = grouped_lse.masked_fill(grouped_lse.isneginf(), float("inf"))[..., None]
+    row_reference, row_shift = _row_reference(
+        problem, grouped_query, key, attn_mask, is_causal, causal_offset, scale, problem.group(lse)
+    )
 
     wants_mask_grad = compute_mask_grad and attn_mask is not None and attn_mask.is_floating_point()
     grad_mask = (
@@ -277,7 +309,7 @@ def reference_backward(
         scores = _chunk_scores(
             problem, grouped_query, key_chunk, attn_mask, is_causal, causal_offset, scale, start, stop
         )
-        probs = torch.exp(scores - safe_lse)
+        probs = torch.exp((scores - row_reference) - row_shift)
         grad_probs = grouped_grad_out @ value_chunk.transpose(-2, -1)
         dropped_probs = probs
         dropout_scale = _dropout_scale(problem, rng_seed, dropout_p, start, stop)
