@@ -15,7 +15,7 @@ group, so grouped K/V gradients are summed in registers, without atomics or repe
 import triton
 import triton.language as tl
 
-from .common import LOG2E, add_attn_mask, dropout_keep, ds_dot
+from .common import LOG2E, dropout_keep, ds_dot, mask_scores
 
 # LSEs below this (natural log) only come from rows whose every visible key sits at the
 # -1e38 mask clamp; see _attn_bwd_row_reference.
@@ -95,14 +95,8 @@ def _attn_bwd_row_reference(
             k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_e[:, None] * stride_ke,
                         mask=kv_rows_ok[None, :] & (offs_e[:, None] < HEAD_DIM), other=0.0)
             s2 = tl.dot(q, k, input_precision=FP32_DOT) * qk_scale_log2
-            tile_ok = row_ok[:, None] & kv_rows_ok[None, :]
-            if HAS_MASK:
-                s2 = add_attn_mask(s2, mask_base + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
-                                   tile_ok, MASK_IS_BOOL)
-            visible = tile_ok
-            if IS_CAUSAL:
-                visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-            s2 = tl.where(visible, s2, float("-inf"))
+            s2 = mask_scores(s2, mask_base, offs_m[:, None], offs_n[None, :], row_ok[:, None] & kv_rows_ok[None, :],
+                             stride_mm, stride_mn, causal_offset, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL)
             new_max = tl.maximum(row_max, tl.max(s2, 1))
             safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
             row_sum = row_sum * tl.math.exp2(row_max - safe_max) + tl.sum(tl.math.exp2(s2 - safe_max[:, None]), 1)
@@ -178,16 +172,8 @@ def _attn_bwd_dkdv(
 
             # Transposed tiles (keys x queries) so dK and dV come out of the dots directly.
             s2_t = tl.dot(k, tl.trans(q), input_precision=FP32_DOT) * qk_scale_log2
-            tile_ok = kv_rows_ok[:, None] & q_rows_ok[None, :]
-            if HAS_MASK:
-                s2_t = add_attn_mask(
-                    s2_t, mask_base + offs_m[None, :] * stride_mm + offs_n[:, None] * stride_mn,
-                    tile_ok, MASK_IS_BOOL,
-                )
-            visible = tile_ok
-            if IS_CAUSAL:
-                visible = visible & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
-            s2_t = tl.where(visible, s2_t, float("-inf"))
+            s2_t = mask_scores(s2_t, mask_base, offs_m[None, :], offs_n[:, None], kv_rows_ok[:, None] & q_rows_ok[None, :],
+                               stride_mm, stride_mn, causal_offset, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL)
             p_t = tl.math.exp2((s2_t - row_ref[None, :]) - row_shift[None, :])
 
             dp_t = tl.dot(v, tl.trans(do), input_precision=FP32_DOT)
@@ -268,15 +254,8 @@ def _attn_bwd_dq(
                     mask=kv_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0)
         s2 = tl.dot(q, tl.trans(k), input_precision=FP32_DOT) * qk_scale_log2
         tile_ok = q_rows_ok[:, None] & kv_rows_ok[None, :]
-        if HAS_MASK:
-            s2 = add_attn_mask(
-                s2, mask_base + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
-                tile_ok, MASK_IS_BOOL,
-            )
-        visible = tile_ok
-        if IS_CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-        s2 = tl.where(visible, s2, float("-inf"))
+        s2 = mask_scores(s2, mask_base, offs_m[:, None], offs_n[None, :], tile_ok,
+                         stride_mm, stride_mn, causal_offset, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL)
         p = tl.math.exp2((s2 - row_ref[:, None]) - row_shift[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=FP32_DOT)
         if HAS_DROPOUT:

@@ -30,6 +30,24 @@ def add_attn_mask(s2, mask_ptrs, in_bounds, MASK_IS_BOOL: tl.constexpr):
 
 
 @triton.jit
+def mask_scores(s2, mask_base, q_idx, k_idx, in_bounds, stride_mm, stride_mn, causal_offset,
+                HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """Scores with the attention mask applied and every invisible key at -inf.
+
+    ``q_idx``/``k_idx`` are the query-row and key index tiles, already broadcast to the scores'
+    orientation ((rows, 1)/(1, keys), or transposed in the dK/dV pass), so one helper states the
+    visibility rule for every pass that recomputes P: in bounds, allowed by the mask, and
+    j <= i + causal_offset under causal masking.
+    """
+    if HAS_MASK:
+        s2 = add_attn_mask(s2, mask_base + q_idx * stride_mm + k_idx * stride_mn, in_bounds, MASK_IS_BOOL)
+    visible = in_bounds
+    if IS_CAUSAL:
+        visible = visible & (k_idx <= q_idx + causal_offset)
+    return tl.where(visible, s2, float("-inf"))
+
+
+@triton.jit
 def dropout_keep(seed, rows, cols, S, dropout_p):
     """Counter-based keep mask: element (row, col) of the (B*Hq*L, S) score matrix.
 
