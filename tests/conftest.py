@@ -72,3 +72,13 @@ def fresh_compiler():
     with torch._functorch.config.patch(enable_autograd_cache=False):
         yield
     torch._dynamo.reset()
+
+
+def pytest_runtest_logreport(report):
+    """With FLASH_INDUCTOR_FAILURE_LOG set (device runs), append each failure to that file the
+    moment it happens: a run cut off by a time limit still says what failed and why."""
+    path = os.environ.get("FLASH_INDUCTOR_FAILURE_LOG")
+    if not path or not report.failed:
+        return
+    with open(path, "a") as log:
+        log.write(f"=== FAILED {report.nodeid} ({report.when}, {report.duration:.1f}s)\n{report.longreprtext[-4000:]}\n\n")
