@@ -78,8 +78,10 @@ def _mask_args(attn_mask: torch.Tensor | None, query: torch.Tensor):
     if attn_mask is None:
         return query, (0, 0, 0, 0), False, False
     if attn_mask.dtype == torch.bool:
-        # Same bytes, plain integer loads: True (1) = attend.
-        return attn_mask.view(torch.uint8), attn_mask.stride(), True, True
+        # Passed as is (Triton loads bool pointers as bytes): a .view(torch.uint8) here would be
+        # traced into the graph under torch.compile, and Inductor 2.11 cannot lower a bool
+        # dtype-view. True = attend.
+        return attn_mask, attn_mask.stride(), True, True
     return attn_mask, attn_mask.stride(), True, False
 
 

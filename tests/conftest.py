@@ -78,7 +78,8 @@ def pytest_runtest_logreport(report):
     """With FLASH_INDUCTOR_FAILURE_LOG set (device runs), append each failure to that file the
     moment it happens: a run cut off by a time limit still says what failed and why."""
     path = os.environ.get("FLASH_INDUCTOR_FAILURE_LOG")
-    if not path or not report.failed:
+    # Under pytest-xdist the controller replays each worker's report: log it once, there.
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
         return
     with open(path, "a") as log:
-        log.write(f"=== FAILED {report.nodeid} ({report.when}, {report.duration:.1f}s)\n{report.longreprtext[-4000:]}\n\n")
+        log.write(f"=== FAILED {report.nodeid} ({report.when}, {report.duration:.1f}s)\n{report.longreprtext[-20000:]}\n\n")

@@ -725,3 +725,23 @@ def forward(self, L_key_ : torch.Tensor, L_value_ : torch.Tensor, L_query_ : tor
     causal_mask = l_attention_mask_[(slice(None, None, None), slice(None, None, None), slice(None, None, None), slice(None, 9, None))];  l_attention_mask_ = None
     rewritten_attention = flash_inductor_passes_site_rewritten_attention(l_query_, l_key_, l_value_, attn_mask = causal_mask, dropout_p = 0.0, is_causal = False, scale = 0.3535533905932738, enable_gqa = True, schedule = None);  l_query_ = l_key_ = l_value_ = causal_mask = None
     return (rewritten_attention,)""")
+
+
+@pytest.mark.parametrize("spelling", ["operator", "dunder_method"])
+def test_causal_tril_recognised_in_either_comparison_spelling(spelling):
+    """Dynamo 2.11 records ``mask == 0`` as ``mask.__eq__(0)``, later versions as ``operator.eq``:
+    both must read as the same causal mask (the GPU machine's torch 2.11 found this)."""
+    import operator
+
+    import torch.fx as fx
+
+    from flash_inductor.passes.handwritten_checks import LOWER, UPPER, triangle
+
+    graph = fx.Graph()
+    tril = graph.call_function(torch.tril, (graph.call_function(torch.ones, (5, 5)),))
+    if spelling == "operator":
+        hidden, visible = graph.call_function(operator.eq, (tril, 0)), graph.call_function(operator.ne, (tril, 0))
+    else:
+        hidden, visible = graph.call_method("__eq__", (tril, 0)), graph.call_method("__ne__", (tril, 0))
+    assert triangle(hidden) == (UPPER, False)
+    assert triangle(visible) == (LOWER, False)

@@ -28,11 +28,12 @@ def signature(fn, dtype, constexprs):
         elif name in ("LSE", "DELTA", "DLSE", "DMASK", "ROW_REF", "ROW_SHIFT"):
             sig[name] = "*fp32"
         elif name == "MASK":
-            sig[name] = "*u8" if constexprs.get("MASK_IS_BOOL") else f"*{dtype}"
+            sig[name] = "*i1" if constexprs.get("MASK_IS_BOOL") else f"*{dtype}"
         elif name == "SEED":
             sig[name] = "*i64"
         elif name in ("qk_scale_log2", "sm_scale", "dropout_p"):
-            sig[name] = "fp32"
+            # Inductor (torch 2.11) passes Python floats as fp64 scalars; plain launches as fp32.
+            sig[name] = "fp64" if constexprs.get("FP32_DOT") == "tf32" else "fp32"
         else:
             sig[name] = "i32"
     return sig

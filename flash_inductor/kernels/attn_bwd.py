@@ -67,6 +67,9 @@ def _attn_bwd_row_reference(
     for those alone, one more pass over the keys recovers the row max (reference) and the
     log-sum (shift) separately. Other blocks skip that pass.
     """
+    # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
+    # with them would promote the fp32 accumulators, so fix them at fp32 first.
+    qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -125,6 +128,11 @@ def _attn_bwd_dkdv(
     DS_RESCALE: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
+    # with them would promote the fp32 accumulators, so fix them at fp32 first.
+    qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    dropout_p = tl.cast(dropout_p, tl.float32)
     start_n = tl.program_id(0) * BLOCK_N
     bh_kv = tl.program_id(1)
     b = (bh_kv // H_KV).to(tl.int64)
@@ -213,6 +221,11 @@ def _attn_bwd_dq(
     WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
+    # with them would promote the fp32 accumulators, so fix them at fp32 first.
+    qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    dropout_p = tl.cast(dropout_p, tl.float32)
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = (bh // H_Q).to(tl.int64)

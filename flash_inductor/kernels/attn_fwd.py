@@ -89,6 +89,10 @@ def _attn_fwd(
     IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
+    # with them would promote the fp32 accumulators, so fix them at fp32 first.
+    qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
+    dropout_p = tl.cast(dropout_p, tl.float32)
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = (bh // H_Q).to(tl.int64)

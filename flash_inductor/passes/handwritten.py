@@ -32,7 +32,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .handwritten_checks import (
-    Keep, Scale, bind, check_only_user, describe, fill_value, is_function, is_mask_fill, is_method,
+    Keep, Scale, bind, check_only_user, describe, fill_value, is_function, is_mask_fill, is_method, method_name,
     known_equal, scalar, tensor_value, triangle, value_users,
 )
 from .handwritten_site import Context, Match, Product, Step, assemble
@@ -64,7 +64,8 @@ def _scale_kind(node: Any) -> Optional[tuple[bool, bool]]:
     if is_function(node, *_MULS, *_DIVS):
         return node.target in _DIVS, node.target in (operator.imul, operator.itruediv)
     if is_method(node, "mul", "mul_", "div", "div_", "true_divide"):
-        return node.target in ("div", "div_", "true_divide"), node.target.endswith("_")
+        name = method_name(node)
+        return name in ("div", "div_", "true_divide"), name.endswith("_")
     return None
 
 

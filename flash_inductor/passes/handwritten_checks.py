@@ -33,8 +33,24 @@ def is_function(node: Any, *targets) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
 
 
+# Dynamo on some torch versions (2.11) records ``mask == 0`` on a tensor as the method call
+# ``mask.__eq__(0)`` where later versions record ``operator.eq``; the dunder forms below mean
+# exactly their named methods (the reflected ``__r*__`` forms do not, and are not listed).
+_DUNDER_METHODS = {
+    "__eq__": "eq", "__ne__": "ne", "__mul__": "mul", "__truediv__": "div", "__add__": "add",
+    "__sub__": "sub", "__matmul__": "matmul",
+}
+
+
+def method_name(node: Any) -> Optional[str]:
+    """The method a call_method node calls, dunder operator forms normalised to their names."""
+    if not (isinstance(node, fx.Node) and node.op == "call_method"):
+        return None
+    return _DUNDER_METHODS.get(node.target, node.target)
+
+
 def is_method(node: Any, *names: str) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_method" and node.target in names
+    return method_name(node) in names
 
 
 def bind(node: fx.Node, params: Sequence[str], defaults: dict) -> dict:
@@ -96,12 +112,17 @@ def value_users(node: fx.Node) -> list[fx.Node]:
     return [u for u in node.users if not reads_only_metadata(u, node)]
 
 
+# ``x += y`` recorded as a method call (as dynamo may on some versions).
+_INPLACE_DUNDERS = frozenset(f"__i{op}__" for op in (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift", "rshift"))
+
+
 def mutates(user: fx.Node, node: fx.Node) -> bool:
     """Whether ``user`` writes into ``node``'s memory (``x.masked_fill_``, ``x += y``, ``inplace=True``)."""
     first = user.args[0] if user.args else None
     if user.op == "call_method" and first is node:
         name = str(user.target)
-        return name.endswith("_") and not name.startswith("__")
+        return (name.endswith("_") and not name.startswith("__")) or name in _INPLACE_DUNDERS
     if user.op == "call_function" and first is node:
         dropout_inplace = user.target is torch.nn.functional.dropout and user.args[3:4] == (True,)
         return user.target in _INPLACE_OPERATORS or user.kwargs.get("inplace") is True or dropout_inplace
@@ -329,7 +350,7 @@ def triangle(node: Any) -> Optional[tuple[str, bool]]:
     if (is_function(node, operator.eq, torch.eq, operator.ne, torch.ne) or is_method(node, "eq", "ne")) \
             and len(args) == 2 and args[1] == 0 and not isinstance(args[1], bool):
         inner = triangle(args[0])
-        flip = node.target in (operator.eq, torch.eq, "eq")
+        flip = node.target in (operator.eq, torch.eq) or method_name(node) == "eq"
         return (_FLIP[inner[0]] if flip else inner[0], inner[1]) if inner else None
     if is_function(node, torch.logical_not, operator.invert) or is_method(node, "logical_not", "__invert__"):
         ev = tensor_value(node)
