@@ -16,7 +16,8 @@ import os
 
 import torch
 
-from .tuning.configs import padded_head_dim, select_configs
+from .tuning.buckets import mask_kind
+from .tuning.configs import AttentionConfigs, padded_head_dim, select_configs
 from .tuning.schedules import get_schedule
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -112,6 +113,18 @@ def _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule_name):
     return schedule, mask_arg, mask_strides, meta
 
 
+def _configs(query, key, value, attn_mask, is_causal, schedule_name, configs):
+    """Launch configs: the caller's (the autotuner times candidates this way), else the table's
+    entry for this problem's bucket, else the heuristic."""
+    if configs is not None:
+        return configs
+    return select_configs(
+        query, *_head_dims(query, value), interpreter_enabled(),
+        seq_q=query.shape[2], seq_k=key.shape[2], mask_kind=mask_kind(attn_mask, is_causal),
+        schedule=get_schedule(schedule_name).name,
+    )
+
+
 _LOG2E = 1.4426950408889634
 
 
@@ -126,8 +139,12 @@ def attention_forward(
     causal_offset: int,
     scale: float,
     schedule: str,
+    *,
+    configs: AttentionConfigs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the forward kernel. Returns (out (B, Hq, L, Ev) in the input dtype, lse (B, Hq, L) fp32)."""
+    """Run the forward kernel. Returns (out (B, Hq, L, Ev) in the input dtype, lse (B, Hq, L) fp32).
+
+    ``configs`` forces the launch configs (the autotuner's candidates); None looks them up."""
     from .kernels.attn_fwd import _attn_fwd
 
     batch, heads_q, seq_q, _ = query.shape
@@ -139,7 +156,7 @@ def attention_forward(
         return out, lse
 
     sched, mask_arg, mask_strides, meta = _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule)
-    cfg = select_configs(query, *_head_dims(query, value), interpreter_enabled()).forward
+    cfg = _configs(query, key, value, attn_mask, is_causal, schedule, configs).forward
     grid = (_cdiv(seq_q, cfg.block_m), batch * heads_q)
     _launcher(_attn_fwd)[grid](
         query, key, value, mask_arg, rng_seed if rng_seed is not None else query, out, lse,
@@ -169,8 +186,12 @@ def attention_backward(
     scale: float,
     schedule: str,
     compute_mask_grad: bool,
+    *,
+    configs: AttentionConfigs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run the backward kernels. Returns (dq, dk, dv, dmask); dmask is empty unless asked for."""
+    """Run the backward kernels. Returns (dq, dk, dv, dmask); dmask is empty unless asked for.
+
+    ``configs`` forces the launch configs (the autotuner's candidates); None looks them up."""
     from .kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _attn_bwd_row_reference
 
     batch, heads_q, seq_q, _ = query.shape
@@ -192,7 +213,7 @@ def attention_backward(
         return dq, dk, dv, dmask.to(attn_mask.dtype) if compute_mask_grad else dmask
 
     sched, mask_arg, mask_strides, meta = _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule)
-    configs = select_configs(query, head_dim, head_dim_v, interpreter_enabled())
+    configs = _configs(query, key, value, attn_mask, is_causal, schedule, configs)
     ds_rescale = sched.ds_rescale and query.dtype == torch.float16
     seed_arg = rng_seed if rng_seed is not None else query
 
