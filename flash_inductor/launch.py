@@ -75,6 +75,19 @@ def _fp32_dot_precision(dtype: torch.dtype, accurate: bool) -> str:
     return "tf32x3" if accurate else "tf32"
 
 
+def schedule_switches(dtype: torch.dtype, schedule_name: str | None) -> dict:
+    """The kernels' constexpr precision switches for a dtype under a schedule. Two problems with
+    equal switches (e.g. fast and stable in bf16) run the very same compiled kernels."""
+    sched = get_schedule(schedule_name)
+    return dict(
+        P_IN_FP32=sched.p_in_fp32,
+        DS_IN_FP32=sched.ds_in_fp32,
+        # Only fp16 can overflow dS; bf16 and fp32 have fp32's range.
+        DS_RESCALE=sched.ds_rescale and dtype == torch.float16,
+        FP32_DOT=_fp32_dot_precision(dtype, accurate=sched.p_in_fp32 or sched.ds_in_fp32),
+    )
+
+
 def _mask_args(attn_mask: torch.Tensor | None, query: torch.Tensor):
     if attn_mask is None:
         return query, (0, 0, 0, 0), False, False
@@ -91,7 +104,7 @@ def _head_dims(query: torch.Tensor, value: torch.Tensor) -> tuple[int, int]:
 
 
 def _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule_name):
-    schedule = get_schedule(schedule_name)
+    switches = schedule_switches(query.dtype, schedule_name)
     head_dim, head_dim_v = _head_dims(query, value)
     # One padded width for both head dims. On sm_90 with Triton 3.6, fp16/bf16 kernels whose
     # value tile was narrower than a padded query/key tile (E=40 with Ev=24, E=59 with Ev=8)
@@ -108,9 +121,9 @@ def _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule_name):
         MASK_IS_BOOL=mask_is_bool,
         HAS_DROPOUT=dropout_p > 0.0,
         IS_CAUSAL=is_causal,
-        FP32_DOT=_fp32_dot_precision(query.dtype, accurate=schedule.p_in_fp32 or schedule.ds_in_fp32),
+        FP32_DOT=switches["FP32_DOT"],
     )
-    return schedule, mask_arg, mask_strides, meta
+    return switches, mask_arg, mask_strides, meta
 
 
 def _configs(query, key, value, attn_mask, is_causal, schedule_name, configs):
@@ -155,14 +168,14 @@ def attention_forward(
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
 
-    sched, mask_arg, mask_strides, meta = _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule)
+    switches, mask_arg, mask_strides, meta = _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule)
     cfg = _configs(query, key, value, attn_mask, is_causal, schedule, configs).forward
     grid = (_cdiv(seq_q, cfg.block_m), batch * heads_q)
     _launcher(_attn_fwd)[grid](
         query, key, value, mask_arg, rng_seed if rng_seed is not None else query, out, lse,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(),
         heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale * _LOG2E, dropout_p,
-        P_IN_FP32=sched.p_in_fp32,
+        P_IN_FP32=switches["P_IN_FP32"],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **meta,
@@ -212,9 +225,9 @@ def attention_backward(
             grad.zero_()
         return dq, dk, dv, dmask.to(attn_mask.dtype) if compute_mask_grad else dmask
 
-    sched, mask_arg, mask_strides, meta = _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule)
+    switches, mask_arg, mask_strides, meta = _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule)
     configs = _configs(query, key, value, attn_mask, is_causal, schedule, configs)
-    ds_rescale = sched.ds_rescale and query.dtype == torch.float16
+    p_in_fp32, ds_in_fp32, ds_rescale = switches["P_IN_FP32"], switches["DS_IN_FP32"], switches["DS_RESCALE"]
     seed_arg = rng_seed if rng_seed is not None else query
 
     delta = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
@@ -246,7 +259,7 @@ def attention_backward(
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(),
         *dk.stride(), *dv.stride(),
         heads_q, heads_kv, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2, scale, dropout_p,
-        P_IN_FP32=sched.p_in_fp32, DS_IN_FP32=sched.ds_in_fp32, DS_RESCALE=ds_rescale,
+        P_IN_FP32=p_in_fp32, DS_IN_FP32=ds_in_fp32, DS_RESCALE=ds_rescale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **meta,
     )
@@ -256,7 +269,7 @@ def attention_backward(
         dmask if compute_mask_grad else query,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(), *dq.stride(),
         heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2, scale, dropout_p,
-        DS_IN_FP32=sched.ds_in_fp32, DS_RESCALE=ds_rescale, WRITE_DMASK=compute_mask_grad,
+        DS_IN_FP32=ds_in_fp32, DS_RESCALE=ds_rescale, WRITE_DMASK=compute_mask_grad,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **meta,
     )
