@@ -72,31 +72,41 @@ class Problem:
 
 
 def make_problem(bucket: Bucket, shape: Shape, device, seed: int, *, qk_mult: float = 1.0, v_mult: float = 1.0,
-                 dead_rows: bool = False) -> Problem:
-    """Random inputs of ``bucket``'s dtype, width and mask kind (drawn in fp64 on the CPU, so
-    runs on different devices see the same values). A causal problem is bottom-right aligned
-    (offset S - L): with L > S its first L - S rows see no key. Bool/float masks keep key 0
-    visible to every row, except the ``dead_rows`` (0, L // 2, L - 1), which see nothing."""
+                 dead_rows: bool = False, on_device: bool = False, shared_mask: bool = False) -> Problem:
+    """Random inputs of ``bucket``'s dtype, width and mask kind.
+
+    Drawn in fp64 on the CPU by default, so runs on different devices see the same values;
+    ``on_device`` draws there instead (timing problems: large, and their values do not matter).
+    ``shared_mask`` draws one (L, S) mask read by every batch and head through stride 0, as
+    padding and causal-style masks are in practice; a per-head mask of a long timing problem
+    would need gigabytes.
+    A causal problem is bottom-right aligned (offset S - L): with L > S its first L - S rows see
+    no key. Bool/float masks keep key 0 visible to every row, except the ``dead_rows``
+    (0, L // 2, L - 1), which see nothing.
+    """
     dtype = torch_dtype(bucket.dtype)
-    g = torch.Generator().manual_seed(seed)
+    draw_on = torch.device(device) if on_device else torch.device("cpu")
+    g = torch.Generator(device=draw_on).manual_seed(seed)
     b, h, lq, lk, e = shape.batch, shape.heads, shape.seq_q, shape.seq_k, bucket.width
 
-    def rand(*size, mult=1.0):
-        return (torch.randn(size, generator=g, dtype=torch.float64) * mult).to(dtype).to(device)
+    def randn(*size, mult=1.0):
+        draw_dtype = dtype if on_device else torch.float64
+        return (torch.randn(size, generator=g, dtype=draw_dtype, device=draw_on) * mult).to(dtype).to(device)
 
-    q, k, v = rand(b, h, lq, e, mult=qk_mult), rand(b, h, lk, e, mult=qk_mult), rand(b, h, lk, e, mult=v_mult)
-    dout = rand(b, h, lq, e)
+    q, k, v = randn(b, h, lq, e, mult=qk_mult), randn(b, h, lk, e, mult=qk_mult), randn(b, h, lk, e, mult=v_mult)
+    dout = randn(b, h, lq, e)
     mask = None
     if bucket.mask in ("bool", "float"):
-        hidden = torch.rand((b, h, lq, lk), generator=g) < (0.25 if bucket.mask == "bool" else 0.15)
+        mb, mh = (1, 1) if shared_mask else (b, h)
+        hidden = torch.rand((mb, mh, lq, lk), generator=g, device=draw_on) < (0.25 if bucket.mask == "bool" else 0.15)
         hidden[..., 0] = False
         if dead_rows:
             hidden[:, :, sorted({0, lq // 2, lq - 1}), :] = True
         if bucket.mask == "bool":
             mask = (~hidden).to(device)
         else:
-            bias = torch.randn((b, h, lq, lk), generator=g, dtype=torch.float64).masked_fill(hidden, float("-inf"))
-            mask = bias.to(dtype).to(device)
+            mask = randn(mb, mh, lq, lk).masked_fill(hidden.to(device), float("-inf"))
+        mask = mask.expand(b, h, lq, lk)
     return Problem(q, k, v, mask, bucket.mask == "causal", lk - lq, 1.0 / math.sqrt(e), dout)
 
 
@@ -228,6 +238,20 @@ class _Probe:
     reference: dict
 
 
+def check_problems(bucket: Bucket, shape: Shape, device, seed: int = 0) -> list[tuple[str, Problem]]:
+    """The random check problem, then the stability probes that apply to this bucket kind."""
+    problems = [("check", make_problem(bucket, shape, device, seed)),
+                ("large_logits", make_problem(bucket, shape, device, seed + 1, qk_mult=math.sqrt(LOGIT_GAIN)))]
+    if bucket.pass_name == "backward" and bucket.dtype == "fp16":
+        problems.append(("large_values", make_problem(bucket, shape, device, seed + 2, v_mult=LARGE_VALUE)))
+    if bucket.mask != "none":  # no row can lose every key otherwise
+        dead_shape = shape
+        if bucket.mask == "causal":  # L > S, bottom-right: the first L - S rows see nothing
+            dead_shape = dataclasses.replace(shape, seq_k=max(shape.seq_q - 16, 1))
+        problems.append(("dead_rows", make_problem(bucket, dead_shape, device, seed + 3, dead_rows=True)))
+    return problems
+
+
 class AccuracyCheck:
     """A bucket kind's check problem, its fp64 reference, PyTorch's budget and the probes.
 
@@ -238,7 +262,7 @@ class AccuracyCheck:
     def __init__(self, bucket: Bucket, shape: Shape, device, seed: int = 0):
         self.pass_name = bucket.pass_name
         self.dtype = torch_dtype(bucket.dtype)
-        self.problem = make_problem(bucket, shape, device, seed)
+        (_, self.problem), *probes = check_problems(bucket, shape, device, seed)
         self.reference = reference_fp64(self.problem, self.pass_name)
         baseline = sdpa_same_dtype(self.problem, self.pass_name)
         self.budgets = {}
@@ -246,20 +270,7 @@ class AccuracyCheck:
             magnitude = self.reference[name].abs().max().item()
             floor = (FLOOR_ULPS * torch.finfo(self.dtype).eps + ARITH_ULPS * torch.finfo(torch.float32).eps) * magnitude
             self.budgets[name] = 2.0 * max_error(baseline[name], self.reference[name]) + floor
-        self.probes = [self._probe("large_logits", make_problem(bucket, shape, device, seed + 1,
-                                                                qk_mult=math.sqrt(LOGIT_GAIN)))]
-        if self.pass_name == "backward" and self.dtype == torch.float16:
-            self.probes.append(self._probe("large_values", make_problem(bucket, shape, device, seed + 2,
-                                                                        v_mult=LARGE_VALUE)))
-        if bucket.mask != "none":
-            dead_shape = shape
-            if bucket.mask == "causal":  # L > S, bottom-right: the first L - S rows see nothing
-                dead_shape = dataclasses.replace(shape, seq_k=max(shape.seq_q - 16, 1))
-            self.probes.append(self._probe("dead_rows", make_problem(bucket, dead_shape, device, seed + 3,
-                                                                     dead_rows=True)))
-
-    def _probe(self, name: str, problem: Problem) -> _Probe:
-        return _Probe(name, problem, reference_fp64(problem, self.pass_name))
+        self.probes = [_Probe(name, p, reference_fp64(p, self.pass_name)) for name, p in probes]
 
     @property
     def outputs(self) -> tuple[str, ...]:
