@@ -97,15 +97,19 @@ def table_filename(gpu: str) -> str:
 # ------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def kernel_source_hash() -> str:
-    """sha256 over the kernel sources (flash_inductor/kernels/*.py), names included."""
+def hash_sources(directory: pathlib.Path) -> str:
+    """sha256 over the ``*.py`` files of ``directory``, names included."""
     hasher = hashlib.sha256()
-    kernels = pathlib.Path(__file__).resolve().parent.parent / "kernels"
-    for path in sorted(kernels.glob("*.py")):
+    for path in sorted(pathlib.Path(directory).glob("*.py")):
         hasher.update(path.name.encode())
         hasher.update(path.read_bytes())
     return hasher.hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_source_hash() -> str:
+    """The hash of flash_inductor/kernels/*.py: a table tuned for other kernels is stale."""
+    return hash_sources(pathlib.Path(__file__).resolve().parent.parent / "kernels")
 
 
 def runtime_versions() -> dict[str, str]:
