@@ -26,7 +26,7 @@ from flash_inductor.tuning.buckets import Bucket, bucket_for, length_hint, mask_
 from flash_inductor.tuning.configs import AttentionConfigs, KernelConfig, select_configs
 from flash_inductor.tuning.measure import LaunchRunner, Shape, Verdict
 from flash_inductor.tuning.plan import COPY, SHORTLIST, SWEEP, Grid, PlannedBucket, make_plan
-from flash_inductor.tuning.precompile import _encode, warm
+from flash_inductor.tuning.precompile import ParallelPrecompiler, _encode, warm
 from flash_inductor.tuning.schedules import SCHEDULES, schedules_markdown_table
 from flash_inductor.tuning.search import BucketTask, Measurement, Settings, Tuner
 from flash_inductor.tuning.search_space import DeviceLimits, SearchSpace, TileBytes, fits, shape_candidates
@@ -169,9 +169,16 @@ def test_backward_tunes_dkdv_then_dq_and_shortlists_follow_the_sweep():
 def test_precompile_worker_runs_every_problem_shape():
     bucket = Bucket("stable", "fp16", 16, "causal", 128, "forward")
     settings = _tiny_settings(None)
-    configs = AttentionConfigs(KernelConfig(32, 16, 4, 1), *(KernelConfig(16, 16, 1, 1),) * 2)
+    configs = dataclasses.replace(INTERPRETER_CONFIGS, forward=KernelConfig(32, 16, 4, 1))
     assert warm(bucket.key(), _encode(INTERPRETER_CONFIGS), _encode(configs), (1, 2, 37, 37),
                 dataclasses.astuple(settings.timing_shape(bucket)), "cpu") is None
+    # Through the pool (spawned processes, as on the GPU): the same job, deduplicated across lengths.
+    pool = ParallelPrecompiler(1, "cpu", settings)
+    try:
+        errors = pool([(bucket, INTERPRETER_CONFIGS, configs), (bucket.replace(seq=256), INTERPRETER_CONFIGS, configs)])
+        assert errors == [None] and not pool.broken
+    finally:
+        pool.close()
 
 
 # ------------------------------------------------------------------------------------------

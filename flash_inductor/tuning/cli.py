@@ -71,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--time-budget", type=float, default=0.0,
                    help="seconds; stop before a round that would overrun (0: no limit). Resume later")
     p.add_argument("--compile-workers", type=int, default=None,
-                   help="processes compiling candidates in parallel (default: min(8, CPUs - 2) on CUDA)")
+                   help="processes compiling candidates in parallel (default: min(12, CPUs - 2) on CUDA)")
     p.add_argument("--warmup-ms", type=int, default=5)
     p.add_argument("--rep-ms", type=int, default=25)
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
@@ -243,7 +243,7 @@ def main(argv=None, *, settings: Optional[Settings] = None, device: Optional[tor
 
     workers = args.compile_workers
     if workers is None:
-        workers = min(8, max((os.cpu_count() or 1) - 2, 0)) if device.type == "cuda" else 0
+        workers = min(12, max((os.cpu_count() or 1) - 2, 0)) if device.type == "cuda" else 0
     precompiler = None
     if workers > 0:
         from .precompile import ParallelPrecompiler

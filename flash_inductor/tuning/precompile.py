@@ -24,6 +24,7 @@ from typing import Optional
 from .buckets import Bucket
 from .configs import AttentionConfigs, KernelConfig
 from .measure import LaunchRunner, Shape, check_problems, make_problem, run_pass
+from .plan import kernel_signature
 
 _ROLE_NAMES = ("forward", "backward_dkdv", "backward_dq")
 
@@ -68,26 +69,34 @@ class ParallelPrecompiler:
         self._pool: Optional[concurrent.futures.ProcessPoolExecutor] = None
         self.broken = False
 
-    def __call__(self, jobs: list[tuple[Bucket, AttentionConfigs, AttentionConfigs]]) -> None:
+    def __call__(self, jobs: list[tuple[Bucket, AttentionConfigs, AttentionConfigs]]) -> list[Optional[str]]:
+        """Warm the cache for (bucket, heuristic, candidate) jobs; returns each distinct job's
+        error line (None: compiled and ran)."""
         if self.broken or not jobs:
-            return
+            return []
         if self._pool is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"))
         check = dataclasses.astuple(self.settings.check_shape)
+        unique = {}
+        for bucket, heuristic, configs in jobs:
+            # Lengths are powers of two and widths multiples of 16, so every timing problem of a
+            # bucket family specialises the kernels alike: one job per family and candidate.
+            key = (kernel_signature(bucket.replace(seq=0)), heuristic, configs)
+            unique.setdefault(key, (bucket, heuristic, configs))
         futures = [
             self._pool.submit(warm, bucket.key(), _encode(heuristic), _encode(configs), check,
                               dataclasses.astuple(self.settings.timing_shape(bucket)), self.device)
-            for bucket, heuristic, configs in jobs
+            for bucket, heuristic, configs in unique.values()
         ]
         try:
-            for future in futures:
-                future.result()
+            return [future.result() for future in futures]
         except Exception as exc:  # a dead worker (BrokenProcessPool) or a pickling problem
             warnings.warn(f"autotune: parallel compilation disabled ({type(exc).__name__}: {exc}); "
                           "compiling in the main process instead")
             self.broken = True
             self.close()
+            return []
 
     def close(self) -> None:
         if self._pool is not None:
