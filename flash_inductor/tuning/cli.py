@@ -32,7 +32,7 @@ from .measure import do_bench_timer
 from .plan import COPY, SWEEP, Grid, PlannedBucket, make_plan, seq_buckets
 from .schedules import SCHEDULES
 from .search import BucketTask, Settings, Tuner, task_from_entry
-from .search_space import FULL_SPACE, QUICK_SPACE, ROLES
+from .search_space import FULL_SPACE, QUICK_SPACE, ROLES, DeviceLimits
 
 INTERPRETER_GPU_KEY = "triton-interpreter"
 _DTYPES = ("bf16", "fp16", "fp32")
@@ -103,25 +103,18 @@ def output_path(args, gpu: str) -> pathlib.Path:
 
 
 def current_gpu(device: torch.device) -> tuple[str, str]:
+    from ..launch import interpreter_enabled
+
     if device.type == "cuda":
         return cache.device_gpu_key(device), torch.cuda.get_device_name(device)
-    return INTERPRETER_GPU_KEY, "Triton interpreter (CPU)"
+    if interpreter_enabled():
+        return INTERPRETER_GPU_KEY, "Triton interpreter (CPU)"
+    return "no-gpu", "no GPU (dry run)"
 
 
 # ------------------------------------------------------------------------------------------
 # Progress and summary
 # ------------------------------------------------------------------------------------------
-
-
-def _estimate_candidates(planned: PlannedBucket, settings: Settings) -> int:
-    roles = len(ROLES[planned.bucket.pass_name])
-    space = settings.space
-    if planned.kind == COPY:
-        return 0
-    if planned.kind == SWEEP:
-        shapes = len(space.blocks_m) * len(space.blocks_n) * len(space.warps)
-        return roles * (shapes + len(space.stages) - 1)
-    return 2 + roles * settings.top_k
 
 
 class _Progress:
@@ -235,10 +228,17 @@ def main(argv=None, *, settings: Optional[Settings] = None, device: Optional[tor
     print(f"autotune: {gpu} ({device_name}); {len(plan)} buckets "
           f"({sum(p.kind == SWEEP for p in plan)} sweeps, {sum(p.kind == COPY for p in plan)} copies) -> {path}")
     if args.dry_run:
+        from ..launch import interpreter_enabled
+
+        simulate = None
+        if device.type != "cuda" and not interpreter_enabled():
+            print("autotune: no GPU here: candidates estimated as on an H200 (sm_90, 227 KiB shared memory)")
+            simulate = ((9, 0), DeviceLimits(smem_bytes=232448))
+        estimator = Tuner(device, settings, simulate=simulate)
         for planned in plan:
-            print(f"  {planned.kind:9s} ~{_estimate_candidates(planned, settings):3d} candidates  "
+            print(f"  {planned.kind:9s} ~{estimator.estimate_candidates(planned):3d} candidates  "
                   f"{planned.bucket.key()}  {planned.source.key() if planned.source else ''}")
-        print(f"  ~{sum(_estimate_candidates(p, settings) for p in plan)} candidates in all (before pruning)")
+        print(f"  ~{sum(estimator.estimate_candidates(p) for p in plan)} candidates in all")
         return 0
 
     workers = args.compile_workers
@@ -291,7 +291,7 @@ def main(argv=None, *, settings: Optional[Settings] = None, device: Optional[tor
             cache.update_table(path, cache.TuningTable.for_current_code(gpu, {task.bucket.key(): task.entry}, **meta))
         write_summary([t for t in tasks if not t.done])  # a run killed mid-way still leaves its summary
 
-    progress = _Progress(sum(_estimate_candidates(t, settings) for t in plan if t.bucket not in done), len(tasks))
+    progress = _Progress(sum(tuner.estimate_candidates(t) for t in plan if t.bucket not in done), len(tasks))
     deadline = started + args.time_budget if args.time_budget > 0 else None
     try:
         remaining = tuner.run(tasks, done, on_done=on_done, on_candidate=progress.candidate, deadline=deadline)

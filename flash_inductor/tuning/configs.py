@@ -61,7 +61,7 @@ _INTERPRETER_CONFIGS = AttentionConfigs(
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_configs(capability: tuple[int, int], itemsize: int, head_dim: int, head_dim_v: int) -> AttentionConfigs:
+def cuda_heuristic_configs(capability: tuple[int, int], itemsize: int, head_dim: int, head_dim_v: int) -> AttentionConfigs:
     width = max(padded_head_dim(head_dim), padded_head_dim(head_dim_v))
     wide = itemsize >= 4  # fp32 tiles take twice the shared memory and registers
     if width <= 64 and not wide:
@@ -89,7 +89,7 @@ def heuristic_configs(query: torch.Tensor, head_dim: int, head_dim_v: int, inter
     if interpreted:
         return _INTERPRETER_CONFIGS
     capability = torch.cuda.get_device_capability(query.device)
-    return _cuda_configs(capability, query.element_size(), head_dim, head_dim_v)
+    return cuda_heuristic_configs(capability, query.element_size(), head_dim, head_dim_v)
 
 
 def select_configs(

@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from .buckets import Bucket
-from .configs import AttentionConfigs, KernelConfig, heuristic_configs
+from .configs import AttentionConfigs, KernelConfig, cuda_heuristic_configs, heuristic_configs
 from .measure import (
     AccuracyCheck,
     KernelRunner,
@@ -127,27 +127,45 @@ class BucketTask:
 class Tuner:
     """Runs planned buckets to table entries on one device."""
 
-    def __init__(self, device, settings: Settings, precompile: Optional[Callable[[list], None]] = None):
+    def __init__(self, device, settings: Settings, precompile: Optional[Callable[[list], None]] = None,
+                 simulate: Optional[tuple[tuple[int, int], DeviceLimits]] = None):
+        """``simulate`` = (capability, limits) plans for a GPU this machine lacks (--dry-run)."""
         self.device = torch.device(device)
         self.settings = settings
         self.timer = settings.timer or do_bench_timer()
         self.runner = settings.runner or LaunchRunner()
-        self.limits = DeviceLimits.for_device(self.device)
+        self.simulated_capability = simulate[0] if simulate else None
+        self.limits = simulate[1] if simulate else DeviceLimits.for_device(self.device)
         self.precompile = precompile
         self._checks: dict[tuple, AccuracyCheck] = {}
         self._timing: dict[Bucket, tuple] = {}
-        self.stats = {"candidates": 0, "rejected": 0, "timed": 0, "seconds_measuring": 0.0}
+        self.stats = {"candidates": 0, "rejected": 0, "timed": 0, "seconds_measuring": 0.0,
+                      "seconds_precompiling": 0.0, "precompile_errors": 0}
 
     # --- per bucket ----------------------------------------------------------------------
 
     def heuristic(self, bucket: Bucket) -> AttentionConfigs:
         from ..launch import interpreter_enabled
 
-        probe = torch.empty(0, dtype=torch_dtype(bucket.dtype), device=self.device)
+        dtype = torch_dtype(bucket.dtype)
+        if self.simulated_capability is not None:
+            return cuda_heuristic_configs(self.simulated_capability, dtype.itemsize, bucket.width, bucket.width)
+        probe = torch.empty(0, dtype=dtype, device=self.device)
         return heuristic_configs(probe, bucket.width, bucket.width, interpreter_enabled())
 
     def task(self, planned: PlannedBucket) -> BucketTask:
         return BucketTask(planned, self.heuristic(planned.bucket))
+
+    def estimate_candidates(self, planned: PlannedBucket) -> int:
+        """About how many candidates a planned bucket measures (for progress and --dry-run)."""
+        roles = ROLES[planned.bucket.pass_name]
+        if planned.kind == COPY:
+            return 0
+        if planned.kind == SHORTLIST:  # the heuristic, the best, and the runners-up of each role
+            return 2 + len(roles) * (self.settings.top_k - 1)
+        heuristic, tiles = self.heuristic(planned.bucket), self._tiles(planned.bucket)
+        return 1 + sum(len(shape_candidates(r, self.settings.space, getattr(heuristic, r).num_stages, tiles,
+                                            self.limits)) + len(self.settings.space.stages) - 1 for r in roles)
 
     def _tiles(self, bucket: Bucket) -> TileBytes:
         sched = get_schedule(bucket.schedule)
@@ -264,6 +282,9 @@ class Tuner:
         active: list[BucketTask] = []
         per_candidate_s = None
         while waiting or active:
+            for task in [t for t in waiting if t.kind == COPY and t.source in done]:  # no measuring: now
+                waiting.remove(task)
+                self._finish(task, done, on_done)
             for task in list(waiting):
                 if len(active) >= self.settings.tasks_per_round:
                     break
@@ -287,7 +308,9 @@ class Tuner:
                 return active + waiting
             started = time.monotonic()
             if self.precompile is not None:
-                self.precompile([(task.bucket, task.heuristic, c) for task, c in round_jobs])
+                errors = self.precompile([(task.bucket, task.heuristic, c) for task, c in round_jobs])
+                self.stats["precompile_errors"] += sum(e is not None for e in errors or [])
+                self.stats["seconds_precompiling"] += time.monotonic() - started
             for task, configs in round_jobs:
                 on_candidate(task, self.measure(task, configs))
             self._timing.clear()  # large problems live for one round only

@@ -8,8 +8,9 @@ deliberately simple estimate of each kernel's shared memory and registers:
 * shared memory: the tiles a kernel keeps for its whole loop, plus ``num_stages`` copies of the
   tiles its loop streams in (Triton's software pipelining buffers one set per stage), plus the
   P or dS tile that feeds the second dot;
-* registers: the fp32 accumulators and the fp32 score tiles alive across an iteration, spread
-  over ``num_warps * 32`` threads. Past about 192 per thread Triton spills, which is slow.
+* registers: the fp32 accumulators and two fp32 score-sized tiles (S and P, or dP and dS) alive
+  across an iteration, spread over ``num_warps * 32`` threads. A thread has at most 255
+  registers; past that Triton spills to local memory, which is slow.
 
 The estimates err on the generous side: a config that fits on paper but spills is merely slow,
 and the timing rejects it; the heuristic's own configs are always candidates whatever the
@@ -26,7 +27,7 @@ import torch
 from .configs import KernelConfig
 
 ROLES = {"forward": ("forward",), "backward": ("backward_dkdv", "backward_dq")}
-MAX_FP32_REGS_PER_THREAD = 192
+MAX_FP32_REGS_PER_THREAD = 256
 # Eight warps need a tile big enough to give each warp its own MMA rows and columns.
 MIN_TILE_FOR_8_WARPS = 64 * 64
 
@@ -88,10 +89,10 @@ def fp32_regs_per_thread(role: str, cfg: KernelConfig, width: int) -> float:
     bm, bn, threads = cfg.block_m, cfg.block_n, cfg.num_warps * 32
     if role == "forward":  # O accumulator; S and P
         return (bm * width + 2 * bm * bn) / threads
-    if role == "backward_dkdv":  # dK, dV accumulators; S, P, dP/dS
-        return (2 * bn * width + 3 * bm * bn) / threads
-    if role == "backward_dq":  # dQ accumulator; S, P, dP/dS
-        return (bm * width + 3 * bm * bn) / threads
+    if role == "backward_dkdv":  # dK, dV accumulators; P and dS (S and dP die into them)
+        return (2 * bn * width + 2 * bm * bn) / threads
+    if role == "backward_dq":  # dQ accumulator; P and dS
+        return (bm * width + 2 * bm * bn) / threads
     raise ValueError(f"unknown kernel role {role!r}")
 
 
