@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing
-import os
 import pathlib
 import warnings
 
@@ -63,7 +62,7 @@ def _bwd_entry(dkdv, dq):
     return {"configs": {"backward_dkdv": _cfg(*dkdv), "backward_dq": _cfg(*dq)}}
 
 
-def _tiny_settings(timer, space=SearchSpace((16, 32), (16, 32), (4,), (1,)), **changes) -> Settings:
+def _tiny_settings(timer, space=SearchSpace("tiny", (16, 32), (16, 32), (4,), (1,)), **changes) -> Settings:
     base = dict(space=space, tokens=32, hidden=16, check_shape=Shape(1, 2, 37, 37), max_timing_seq=32, top_k=2,
                 timer=timer)
     return Settings(**{**base, **changes})
@@ -144,7 +143,7 @@ class _BrokenRunner(LaunchRunner):
 def test_accuracy_filter_rejects_a_broken_fast_candidate(mode, reason):
     bucket = Bucket("stable", "fp16", 16, "none", 128, "forward")
     timer = _timer_from({("forward", 32, 16, 4): 1.0, ("forward", 16, 32, 4): 3.0})
-    settings = _tiny_settings(timer, space=SearchSpace((16, 32), (16, 32), (4,), (1,)), runner=_BrokenRunner(mode))
+    settings = _tiny_settings(timer, runner=_BrokenRunner(mode))
     task = _run_plan([PlannedBucket(bucket, SWEEP)], settings)[bucket]
     assert task.entry["configs"] == {"forward": _cfg(16, 32)}  # the broken, "fastest" one lost
     rejected = [r for r in task.entry["rejected"] if r["configs"] == {"forward": _cfg(32, 16)}]
@@ -157,7 +156,7 @@ def test_backward_tunes_dkdv_then_dq_and_shortlists_follow_the_sweep():
     causal = sweep.replace(mask="causal")
     timer = _timer_from({("backward_dkdv", 16, 32, 4): 1.0, ("backward_dq", 16, 32, 4): 1.0,
                          ("backward_dkdv", 16, 16, 1): 5.0, ("backward_dq", 16, 16, 1): 5.0})
-    settings = _tiny_settings(timer, space=SearchSpace((16,), (16, 32), (4,), (1,)),
+    settings = _tiny_settings(timer, space=SearchSpace("tiny", (16,), (16, 32), (4,), (1,)),
                               check_shape=Shape(1, 1, 33, 33), max_timing_seq=16)
     done = _run_plan([PlannedBucket(sweep, SWEEP), PlannedBucket(causal, SHORTLIST, sweep)], settings)
     want = {"backward_dkdv": _cfg(16, 32), "backward_dq": _cfg(16, 32)}
@@ -524,7 +523,7 @@ def test_pass_uuid_follows_the_active_table():
 def test_cli_writes_table_and_summary_and_resumes(tmp_path, capsys):
     calls = []
     timer = _timer_from({("forward", 32, 16, 4): 2.0}, calls=calls)
-    settings = _tiny_settings(timer, space=SearchSpace((16, 32), (16,), (4,), (1,)), tasks_per_round=1)
+    settings = _tiny_settings(timer, space=SearchSpace("tiny", (16, 32), (16,), (4,), (1,)), tasks_per_round=1)
     out = tmp_path / "tables"
     argv = ["--dtypes", "fp16", "--head-dims", "16", "--masks", "none,causal", "--schedules", "stable",
             "--passes", "forward", "--seqs", "4096", "--output", str(out), "--summary", str(tmp_path / "s.json")]
@@ -546,6 +545,12 @@ def test_cli_writes_table_and_summary_and_resumes(tmp_path, capsys):
     assert summary["complete"] is True and all(r["tuned"] for r in summary["rows"])
     printed = capsys.readouterr().out
     assert "stable/fp16/e16/causal/s4096/forward" in printed and "TFLOP/s" in printed
+    # Entries tuned in another search space (e.g. a --quick run) are tuned again, not resumed.
+    measured_before = len(calls)
+    other = dataclasses.replace(settings, space=dataclasses.replace(settings.space, name="other"))
+    assert cli.main(argv + ["--resume"], settings=other, device=torch.device("cpu")) == 0
+    assert len(calls) - measured_before >= 3
+    assert {e["space"] for e in cache.read_table(out / "triton-interpreter.json").entries.values()} == {"other"}
     assert not list(pathlib.Path.cwd().glob("triton-interpreter*.json"))  # never the working directory
 
 

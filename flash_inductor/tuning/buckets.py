@@ -103,7 +103,8 @@ def seq_bucket(seq_q, seq_k) -> int:
     return min(max(bucket, MIN_SEQ_BUCKET), MAX_SEQ_BUCKET)
 
 
-def bucket_for(schedule: str, dtype: torch.dtype, width: int, kind: str, seq_q, seq_k, pass_name: str) -> Optional[Bucket]:
+def bucket_for(schedule: str, dtype: torch.dtype, width: int, kind: str, seq_q, seq_k,
+               pass_name: str) -> Optional[Bucket]:
     """The bucket of a launch, or None for a dtype the tables never hold."""
     name = DTYPE_NAMES.get(dtype)
     if name is None:

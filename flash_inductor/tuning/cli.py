@@ -177,15 +177,15 @@ def summary_rows(plan: list[PlannedBucket], entries: dict) -> list[dict]:
 
 
 def format_summary(rows: list[dict]) -> str:
-    header = ("bucket", "winner", "TFLOP/s", "err/budget", "runner-up", "vs heuristic")
+    header = ("bucket", "winner", "TFLOP/s", "error", "err/budget", "runner-up", "vs heuristic")
     lines = [header]
     for r in rows:
         if not r["tuned"]:
-            lines.append((r["bucket"], "not tuned", "-", "-", "-", "-"))
+            lines.append((r["bucket"], "not tuned", "-", "-", "-", "-", "-"))
             continue
         ratio = r["speedup_vs_heuristic"]
-        lines.append((r["bucket"], r["winner"], f"{r['tflops']:.1f}", f"{r['error_ratio']:.2f}", r["runner_up"],
-                      "heuristic rejected" if ratio is None else f"{ratio:.3f}x"))
+        lines.append((r["bucket"], r["winner"], f"{r['tflops']:.1f}", f"{r['error']:.1e}", f"{r['error_ratio']:.2f}",
+                      r["runner_up"], "heuristic rejected" if ratio is None else f"{ratio:.3f}x"))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
 
@@ -264,7 +264,7 @@ def main(argv=None, *, settings: Optional[Settings] = None, device: Optional[tor
     tasks = []
     for planned in plan:
         entry = entries.get(planned.bucket.key())
-        if entry is not None:
+        if entry is not None and entry.get("space") == settings.space.name:
             done[planned.bucket] = task_from_entry(planned, tuner.heuristic(planned.bucket), entry)
         else:
             tasks.append(tuner.task(planned))

@@ -61,7 +61,8 @@ _INTERPRETER_CONFIGS = AttentionConfigs(
 
 
 @functools.lru_cache(maxsize=None)
-def cuda_heuristic_configs(capability: tuple[int, int], itemsize: int, head_dim: int, head_dim_v: int) -> AttentionConfigs:
+def cuda_heuristic_configs(capability: tuple[int, int], itemsize: int, head_dim: int,
+                           head_dim_v: int) -> AttentionConfigs:
     width = max(padded_head_dim(head_dim), padded_head_dim(head_dim_v))
     wide = itemsize >= 4  # fp32 tiles take twice the shared memory and registers
     if width <= 64 and not wide:

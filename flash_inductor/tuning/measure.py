@@ -203,7 +203,10 @@ def sdpa_same_dtype(p: Problem, pass_name: str) -> dict:
     mask = p.mask
     if p.is_causal:
         vis = _visible(p)
-        mask = vis if mask is None else (mask & vis if mask.dtype == torch.bool else mask.masked_fill(~vis, float("-inf")))
+        if mask is None:
+            mask = vis
+        else:
+            mask = mask & vis if mask.dtype == torch.bool else mask.masked_fill(~vis, float("-inf"))
     with sdpa_kernel(SDPBackend.MATH):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=p.scale)
     result = {"out": out.detach()}
@@ -286,7 +289,8 @@ class AccuracyCheck:
                 return Verdict(False, error, ratio, "non-finite on the random check problem")
             if ratio > 1.0:
                 worst = max(self.outputs, key=lambda n: _ratio(errors[n], self.budgets[n]))
-                return Verdict(False, error, ratio, f"{worst} error {errors[worst]:.3e} > budget {self.budgets[worst]:.3e}")
+                return Verdict(False, error, ratio,
+                               f"{worst} error {errors[worst]:.3e} > budget {self.budgets[worst]:.3e}")
             for probe in self.probes:
                 if probe.name == "large_values" and not get_schedule(schedule).fp16_backward_finite:
                     continue  # the schedule promises nothing there (fp16 dS may overflow by design)

@@ -260,7 +260,8 @@ class Tuner:
                 if not math.isfinite(ms) or ms <= 0:
                     raise ValueError(f"timer returned {ms}")
             except Exception as exc:
-                verdict = Verdict(False, verdict.error, verdict.error_ratio, f"timing failed: {type(exc).__name__}: {exc}"[:200])
+                reason = f"timing failed: {type(exc).__name__}: {exc}"[:200]
+                verdict = Verdict(False, verdict.error, verdict.error_ratio, reason)
                 ms = None
         measurement = Measurement(configs, verdict, ms)
         task.measured[task.key(configs)] = measurement
@@ -361,6 +362,7 @@ def make_entry(task: BucketTask, settings: Settings) -> Optional[dict]:
                      for m in rejected][:8],
         "mode": task.kind,
         "source": None if task.source is None else task.source.key(),
+        "space": settings.space.name,
     }
 
 

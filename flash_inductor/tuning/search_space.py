@@ -34,6 +34,7 @@ MIN_TILE_FOR_8_WARPS = 64 * 64
 
 @dataclasses.dataclass(frozen=True)
 class SearchSpace:
+    name: str = "full"  # recorded in each entry: --resume re-tunes entries from another space
     blocks_m: tuple[int, ...] = (32, 64, 128)
     blocks_n: tuple[int, ...] = (32, 64, 128)
     warps: tuple[int, ...] = (4, 8)
@@ -42,7 +43,7 @@ class SearchSpace:
 
 FULL_SPACE = SearchSpace()
 # --quick: the tiles and depths that win most often on Hopper-class parts, to finish in minutes.
-QUICK_SPACE = SearchSpace(blocks_m=(64, 128), blocks_n=(64, 128), warps=(4, 8), stages=(2, 3))
+QUICK_SPACE = SearchSpace(name="quick", blocks_m=(64, 128), blocks_n=(64, 128), warps=(4, 8), stages=(2, 3))
 
 
 @dataclasses.dataclass(frozen=True)
