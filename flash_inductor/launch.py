@@ -16,7 +16,8 @@ import os
 
 import torch
 
-from .tuning.configs import padded_head_dim, select_configs
+from .tuning.buckets import mask_kind
+from .tuning.configs import AttentionConfigs, padded_head_dim, select_configs
 from .tuning.schedules import get_schedule
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -74,6 +75,19 @@ def _fp32_dot_precision(dtype: torch.dtype, accurate: bool) -> str:
     return "tf32x3" if accurate else "tf32"
 
 
+def schedule_switches(dtype: torch.dtype, schedule_name: str | None) -> dict:
+    """The kernels' constexpr precision switches for a dtype under a schedule. Two problems with
+    equal switches (e.g. fast and stable in bf16) run the very same compiled kernels."""
+    sched = get_schedule(schedule_name)
+    return dict(
+        P_IN_FP32=sched.p_in_fp32,
+        DS_IN_FP32=sched.ds_in_fp32,
+        # Only fp16 can overflow dS; bf16 and fp32 have fp32's range.
+        DS_RESCALE=sched.ds_rescale and dtype == torch.float16,
+        FP32_DOT=_fp32_dot_precision(dtype, accurate=sched.p_in_fp32 or sched.ds_in_fp32),
+    )
+
+
 def _mask_args(attn_mask: torch.Tensor | None, query: torch.Tensor):
     if attn_mask is None:
         return query, (0, 0, 0, 0), False, False
@@ -92,7 +106,7 @@ def _head_dims(query: torch.Tensor, value: torch.Tensor) -> tuple[int, int]:
 
 
 def _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule_name):
-    schedule = get_schedule(schedule_name)
+    switches = schedule_switches(query.dtype, schedule_name)
     head_dim, head_dim_v = _head_dims(query, value)
     # One padded width for both head dims. On sm_90 with Triton 3.6, fp16/bf16 kernels whose
     # value tile was narrower than a padded query/key tile (E=40 with Ev=24, E=59 with Ev=8)
@@ -109,9 +123,21 @@ def _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule_name):
         MASK_IS_BOOL=mask_is_bool,
         HAS_DROPOUT=dropout_p > 0.0,
         IS_CAUSAL=is_causal,
-        FP32_DOT=_fp32_dot_precision(query.dtype, accurate=schedule.p_in_fp32 or schedule.ds_in_fp32),
+        FP32_DOT=switches["FP32_DOT"],
     )
-    return schedule, mask_arg, mask_strides, meta
+    return switches, mask_arg, mask_strides, meta
+
+
+def _configs(query, key, value, attn_mask, is_causal, schedule_name, configs):
+    """Launch configs: the caller's (the autotuner times candidates this way), else the table's
+    entry for this problem's bucket, else the heuristic."""
+    if configs is not None:
+        return configs
+    return select_configs(
+        query, *_head_dims(query, value), interpreter_enabled(),
+        seq_q=query.shape[2], seq_k=key.shape[2], mask_kind=mask_kind(attn_mask, is_causal),
+        schedule=get_schedule(schedule_name).name,
+    )
 
 
 _LOG2E = 1.4426950408889634
@@ -128,8 +154,12 @@ def attention_forward(
     causal_offset: int,
     scale: float,
     schedule: str,
+    *,
+    configs: AttentionConfigs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the forward kernel. Returns (out (B, Hq, L, Ev) in the input dtype, lse (B, Hq, L) fp32)."""
+    """Run the forward kernel. Returns (out (B, Hq, L, Ev) in the input dtype, lse (B, Hq, L) fp32).
+
+    ``configs`` forces the launch configs (the autotuner's candidates); None looks them up."""
     from .kernels.attn_fwd import _attn_fwd
 
     batch, heads_q, seq_q, _ = query.shape
@@ -140,14 +170,14 @@ def attention_forward(
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
 
-    sched, mask_arg, mask_strides, meta = _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule)
-    cfg = select_configs(query, *_head_dims(query, value), interpreter_enabled()).forward
+    switches, mask_arg, mask_strides, meta = _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule)
+    cfg = _configs(query, key, value, attn_mask, is_causal, schedule, configs).forward
     grid = (_cdiv(seq_q, cfg.block_m), batch * heads_q)
     _launcher(_attn_fwd)[grid](
         query, key, value, mask_arg, rng_seed if rng_seed is not None else query, out, lse,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(),
         heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale * _LOG2E, dropout_p,
-        P_IN_FP32=sched.p_in_fp32,
+        P_IN_FP32=switches["P_IN_FP32"],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **meta,
@@ -171,8 +201,12 @@ def attention_backward(
     scale: float,
     schedule: str,
     compute_mask_grad: bool,
+    *,
+    configs: AttentionConfigs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run the backward kernels. Returns (dq, dk, dv, dmask); dmask is empty unless asked for."""
+    """Run the backward kernels. Returns (dq, dk, dv, dmask); dmask is empty unless asked for.
+
+    ``configs`` forces the launch configs (the autotuner's candidates); None looks them up."""
     from .kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _attn_bwd_row_reference
 
     batch, heads_q, seq_q, _ = query.shape
@@ -193,9 +227,9 @@ def attention_backward(
             grad.zero_()
         return dq, dk, dv, dmask.to(attn_mask.dtype) if compute_mask_grad else dmask
 
-    sched, mask_arg, mask_strides, meta = _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule)
-    configs = select_configs(query, head_dim, head_dim_v, interpreter_enabled())
-    ds_rescale = sched.ds_rescale and query.dtype == torch.float16
+    switches, mask_arg, mask_strides, meta = _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule)
+    configs = _configs(query, key, value, attn_mask, is_causal, schedule, configs)
+    p_in_fp32, ds_in_fp32, ds_rescale = switches["P_IN_FP32"], switches["DS_IN_FP32"], switches["DS_RESCALE"]
     seed_arg = rng_seed if rng_seed is not None else query
 
     delta = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
@@ -227,7 +261,7 @@ def attention_backward(
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(),
         *dk.stride(), *dv.stride(),
         heads_q, heads_kv, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2, scale, dropout_p,
-        P_IN_FP32=sched.p_in_fp32, DS_IN_FP32=sched.ds_in_fp32, DS_RESCALE=ds_rescale,
+        P_IN_FP32=p_in_fp32, DS_IN_FP32=ds_in_fp32, DS_RESCALE=ds_rescale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **meta,
     )
@@ -237,7 +271,7 @@ def attention_backward(
         dmask if compute_mask_grad else query,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(), *dq.stride(),
         heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2, scale, dropout_p,
-        DS_IN_FP32=sched.ds_in_fp32, DS_RESCALE=ds_rescale, WRITE_DMASK=compute_mask_grad,
+        DS_IN_FP32=ds_in_fp32, DS_RESCALE=ds_rescale, WRITE_DMASK=compute_mask_grad,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **meta,
     )

@@ -16,8 +16,8 @@ orig = cfgmod.select_configs
 
 
 def run(e, ev, dtype, stages=None, block=None, poison=False):
-    def patched(q, hd, hdv, interp):
-        c = orig(q, hd, hdv, interp)
+    def patched(q, hd, hdv, interp, **bucket):
+        c = orig(q, hd, hdv, interp, **bucket)
         f = c.forward
         if stages is not None:
             f = dataclasses.replace(f, num_stages=stages)

@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from ..tuning import cache as tuning_cache
 from ..tuning.schedules import get_schedule
 from . import handwritten, mha, sdpa
 from .report import RewriteReport, SiteRecord, count_pass_run, log, publish
@@ -68,7 +69,8 @@ class FlashAttentionPass(CustomGraphPass):
 
     def __init__(self, options: RewriteOptions = RewriteOptions()):
         self.options = options
-        self._uuid: Optional[str] = None
+        self._source_uuid: Optional[str] = None
+        self._pickled_uuid: Optional[str] = None  # set on an unpickled pass: a snapshot of the key
 
     def __call__(self, graph: fx.Graph) -> None:
         count_pass_run()
@@ -103,16 +105,21 @@ class FlashAttentionPass(CustomGraphPass):
         counters["flash_inductor"][site.pattern] += 1
 
     def uuid(self) -> str:
-        """Hash of our sources, torch/triton versions and options: a cache key that never serves stale code."""
-        if self._uuid is None:
+        """Hash of our sources, torch/triton versions, options and the active tuning tables: a
+        cache key that never serves stale code, nor graphs with an old table's configs baked in
+        (configs are chosen while the graph compiles)."""
+        if self._pickled_uuid is not None:
+            return self._pickled_uuid
+        if self._source_uuid is None:
             hasher = hashlib.sha256()
             hasher.update(_versions().encode())
             hasher.update(repr(self.options).encode())
             for path in _source_files():
                 hasher.update(path.name.encode())
                 hasher.update(path.read_bytes())
-            self._uuid = hasher.hexdigest()
-        return self._uuid
+            self._source_uuid = hasher.hexdigest()
+        # Not cached: a table written later in this process (the autotuner) must change the key.
+        return hashlib.sha256(f"{self._source_uuid}|{tuning_cache.tables_digest()}".encode()).hexdigest()
 
     # torch 2.11 pickles the pass object into the FX graph cache key: make that pickle be the uuid.
     def __getstate__(self):
@@ -120,7 +127,8 @@ class FlashAttentionPass(CustomGraphPass):
 
     def __setstate__(self, state):
         self.options = state["options"]
-        self._uuid = state["uuid"]
+        self._source_uuid = None
+        self._pickled_uuid = state["uuid"]
 
 
 class ChainedPass(CustomGraphPass):

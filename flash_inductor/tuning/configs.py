@@ -1,17 +1,24 @@
 """Launch configurations (block sizes, warps, pipeline stages) for the attention kernels.
 
-Today these come from a heuristic on the head dimension and the device; the per-GPU
-autotuning cache will replace the heuristic, behind the same functions. Configs depend only
-on static facts (dtype, head dims, device), never on sequence lengths, so a compiled graph
-with dynamic sequence lengths does not specialise on them.
+A launch reads its GPU model's tuning table (``tuning/cache.py``, written by
+``python -m flash_inductor.autotune``) at its bucket (``tuning/buckets.py``: schedule, dtype,
+padded head width, mask kind, sequence-length bucket, pass); where the table has no entry, a
+heuristic on the head dimension and the device decides. Configs change speed, never results,
+so a symbolic sequence length under ``torch.compile(dynamic=True)`` is bucketed by its hint
+without a guard: the compiled graph does not specialise on it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 import torch
+
+from . import cache
+from .buckets import bucket_for
+from .schedules import DEFAULT_SCHEDULE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +27,16 @@ class KernelConfig:
     block_n: int
     num_warps: int
     num_stages: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "KernelConfig":
+        return cls(int(data["block_m"]), int(data["block_n"]), int(data["num_warps"]), int(data["num_stages"]))
+
+    def label(self) -> str:
+        return f"{self.block_m}x{self.block_n}/w{self.num_warps}/s{self.num_stages}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +61,8 @@ _INTERPRETER_CONFIGS = AttentionConfigs(
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_configs(capability: tuple[int, int], itemsize: int, head_dim: int, head_dim_v: int) -> AttentionConfigs:
+def cuda_heuristic_configs(capability: tuple[int, int], itemsize: int, head_dim: int,
+                           head_dim_v: int) -> AttentionConfigs:
     width = max(padded_head_dim(head_dim), padded_head_dim(head_dim_v))
     wide = itemsize >= 4  # fp32 tiles take twice the shared memory and registers
     if width <= 64 and not wide:
@@ -67,8 +85,45 @@ def _cuda_configs(capability: tuple[int, int], itemsize: int, head_dim: int, hea
     return AttentionConfigs(fwd, dkdv, dq)
 
 
-def select_configs(query: torch.Tensor, head_dim: int, head_dim_v: int, interpreted: bool) -> AttentionConfigs:
+def heuristic_configs(query: torch.Tensor, head_dim: int, head_dim_v: int, interpreted: bool) -> AttentionConfigs:
+    """The built-in configs: what runs where no tuning table has an entry."""
     if interpreted:
         return _INTERPRETER_CONFIGS
     capability = torch.cuda.get_device_capability(query.device)
-    return _cuda_configs(capability, query.element_size(), head_dim, head_dim_v)
+    return cuda_heuristic_configs(capability, query.element_size(), head_dim, head_dim_v)
+
+
+def select_configs(
+    query: torch.Tensor,
+    head_dim: int,
+    head_dim_v: int,
+    interpreted: bool,
+    *,
+    seq_q=None,
+    seq_k=None,
+    mask_kind: str = "none",
+    schedule: Optional[str] = None,
+) -> AttentionConfigs:
+    """The configs a launch uses: its tuned table entry where there is one, else the heuristic.
+
+    ``seq_q``/``seq_k`` may be SymInts; they are bucketed by their hint, never guarded on
+    (default: the query's own lengths). Forward and backward entries are looked up separately,
+    so a table holding only one of them still improves that one.
+    """
+    heuristic = heuristic_configs(query, head_dim, head_dim_v, interpreted)
+    table = cache.active_table(query.device, interpreted)
+    if table is None:
+        return heuristic
+    seq_q = query.shape[-2] if seq_q is None else seq_q
+    seq_k = seq_q if seq_k is None else seq_k
+    width = max(padded_head_dim(head_dim), padded_head_dim(head_dim_v))
+    bucket = bucket_for(schedule or DEFAULT_SCHEDULE, query.dtype, width, mask_kind, seq_q, seq_k, "forward")
+    if bucket is None:
+        return heuristic
+    forward = table.lookup(bucket)
+    backward = table.lookup(bucket.replace(pass_name="backward"))
+    return AttentionConfigs(
+        forward=KernelConfig.from_dict(forward["forward"]) if forward else heuristic.forward,
+        backward_dkdv=KernelConfig.from_dict(backward["backward_dkdv"]) if backward else heuristic.backward_dkdv,
+        backward_dq=KernelConfig.from_dict(backward["backward_dq"]) if backward else heuristic.backward_dq,
+    )

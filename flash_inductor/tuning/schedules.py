@@ -1,14 +1,14 @@
 """Precision schedules: which dtype each stage of the attention kernels computes in.
 
-A schedule is a contract, not a hint: the kernels read these fields as ``tl.constexpr``
-switches, so every cast in the kernels is traceable to one named field here.
+A schedule is a contract, not a hint: the kernels read three fields (``p_in_fp32``,
+``ds_in_fp32``, ``ds_rescale``) as ``tl.constexpr`` switches, so every cast in the kernels is
+traceable to one named field here, and :meth:`PrecisionSchedule.stages` states the dtype of
+every stage, forward and backward, in the order the kernels run them. The README's schedule
+table is rendered from it (:func:`schedules_markdown_table`), so the prose cannot drift from
+the switches.
 
-Stages that never change across schedules (and therefore have no field):
-  * S = QK^T is accumulated in fp32 from input-dtype operands.
-  * The softmax scale is applied to S in fp32 (folded with log2(e) for exp2), never by
-    pre-scaling Q in fp16/bf16, which would round Q a second time.
-  * Running max, running sum and the LSE are fp32; masks are applied in fp32 on S.
-  * O, dQ, dK, dV are accumulated in fp32.
+"Input dtype" below means fp16 or bf16. With fp32 inputs every schedule is the same: no stage
+rounds to 16 bits, and every fp32 dot runs as true fp32 ("ieee"), never tf32.
 """
 
 from __future__ import annotations
@@ -17,18 +17,43 @@ import dataclasses
 
 
 @dataclasses.dataclass(frozen=True)
+class Stage:
+    """One row of a schedule's contract: a stage of the computation, its dtype, and why."""
+
+    name: str
+    dtype: str
+    why: str = ""
+
+
+# Stages that no schedule changes, forward then backward.
+_QK = Stage("S = QKᵀ", "operands: input dtype, accumulator: fp32",
+            "|q·k| overflows fp16 long before the scaled score does")
+_SCALE = Stage("softmax scale", "fp32, on S",
+               "folded with log2 e into one multiply for exp2; pre-scaling Q in 16 bits would round Q twice")
+_MASK = Stage("mask", "fp32, on S", "finite values are clamped at -1e38 so finfo.min masks survive base 2")
+_STATS = Stage("running max, running sum, LSE", "fp32", "the online softmax's rescaling needs fp32 range")
+_O_ACC = Stage("O accumulator", "fp32", "rounded to the input dtype once, after the 1/l normalisation")
+_P_RECOMPUTE = Stage("bwd: P recomputed", "fp32, from the LSE", "no (L, S) matrix is stored")
+_DP = Stage("bwd: dP = dO·Vᵀ", "operands: input dtype, accumulator: fp32")
+_DS = Stage("bwd: dS = P∘(dP − Δ)", "fp32", "dS can exceed fp16's range before the gradient does")
+_DKDV_ACC = Stage("bwd: dK, dV accumulators", "fp32", "summed over the GQA group in registers")
+_DQ_ACC = Stage("bwd: dQ accumulator", "fp32, separate pass", "a pass over key blocks per query block: no atomics")
+
+
+@dataclasses.dataclass(frozen=True)
 class PrecisionSchedule:
     """Dtype choices for the stages that trade accuracy or range against speed.
 
     Attributes:
         name: the name users pass as ``schedule=``.
-        p_in_fp32: forward P·V and backward Pᵀ·dO use P in fp32 (tf32/ieee dot) instead of
+        p_in_fp32: forward P·V and backward Pᵀ·dO use P in fp32 (tf32x3 dot) instead of
             rounding P to the input dtype. P is in [0, 1], so rounding costs precision only.
-        ds_in_fp32: backward dS·K and dSᵀ·Q use dS in fp32 instead of the input dtype.
+        ds_in_fp32: backward dS·K and dSᵀ·Q use dS in fp32 (tf32x3 dot) instead of the input dtype.
         ds_rescale: before dS is rounded to fp16, divide each tile by a power of two so its
             largest element fits; the fp32 product is multiplied back. This is what keeps
             the fp16 backward finite when |V| or |dO| is large (dS can exceed 65504 long
-            before the true gradient does). Power-of-two factors are exact.
+            before the true gradient does). Power-of-two factors are exact. bf16 has fp32's
+            range, so bf16 dS is cast directly.
         description: one line for documentation and reports.
     """
 
@@ -37,6 +62,38 @@ class PrecisionSchedule:
     ds_in_fp32: bool
     ds_rescale: bool
     description: str
+
+    @property
+    def fp16_backward_finite(self) -> bool:
+        """Whether the fp16 backward stays finite wherever the exact gradient is representable
+        (the autotuner's |V| = 1e4 probe applies to exactly these schedules)."""
+        return self.ds_rescale or self.ds_in_fp32
+
+    def _p_stage(self, label: str) -> Stage:
+        if self.p_in_fp32:
+            return Stage(label, "fp32 (tf32x3)", "tf32x3 splits fp32 into tf32 parts: near-fp32 on the tensor cores")
+        return Stage(label, "input dtype", "P is in [0, 1]: rounding costs precision, never range")
+
+    def _ds_stage(self) -> Stage:
+        label = "bwd: dS for dS·K, dSᵀ·Q"
+        if self.ds_in_fp32:
+            return Stage(label, "fp32 (tf32x3)", "never rounded to 16 bits")
+        if self.ds_rescale:
+            return Stage(label, "fp16: scaled by 2⁻ᵏ, then cast; bf16: cast",
+                         "power-of-two factors are exact; the fp32 product is scaled back")
+        return Stage(label, "input dtype, cast directly", "fp16 dS overflows when |V| or |dO| is large")
+
+    def stages(self) -> tuple[Stage, ...]:
+        """The whole contract, in the order the kernels run: forward, then backward."""
+        return (
+            _QK, _SCALE, _MASK, _STATS,
+            self._p_stage("P for P·V"),
+            _O_ACC,
+            _P_RECOMPUTE, _DP, _DS,
+            self._p_stage("bwd: P for Pᵀ·dO"),
+            self._ds_stage(),
+            _DKDV_ACC, _DQ_ACC,
+        )
 
 
 FAST = PrecisionSchedule(
@@ -78,3 +135,27 @@ def get_schedule(name: str | None) -> PrecisionSchedule:
             f"choose one of {sorted(SCHEDULES)} (or None for {DEFAULT_SCHEDULE!r})."
         )
     return SCHEDULES[name]
+
+
+MEASURED_NOTE = "measured: see benchmarks/results/"
+
+
+def schedules_markdown_table(results_note: str = MEASURED_NOTE) -> str:
+    """The README's schedule table: one row per stage, one column per schedule.
+
+    Stages every schedule shares are listed too, so the table is the whole contract. The last
+    two rows (error, speed) point at the measured results rather than quoting numbers here.
+    """
+    schedules = list(SCHEDULES.values())
+    header = ["stage"] + [f"`{s.name}`" + (" (default)" if s.name == DEFAULT_SCHEDULE else "") for s in schedules]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    per_schedule = [s.stages() for s in schedules]
+    for row in zip(*per_schedule):
+        cells = [row[0].name] + [stage.dtype for stage in row]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("| " + " | ".join(["fp16 backward, \\|V\\| or \\|dO\\| ≈ 1e4"] + [
+        "finite wherever the exact gradient is" if s.fp16_backward_finite else "may overflow" for s in schedules
+    ]) + " |")
+    for label in ("error vs fp64", "speed"):
+        lines.append("| " + " | ".join([label] + [results_note] * len(schedules)) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,309 @@
+"""``python -m flash_inductor.autotune``: tune the launch configs of this GPU, write its table.
+
+    python -m flash_inductor.autotune --quick            # a few minutes: bf16, E=128, L=4096
+    python -m flash_inductor.autotune                    # the default grid (see --help)
+    python -m flash_inductor.autotune --resume --time-budget 450   # continue a partial run
+
+The table goes to the user cache (``$FLASH_INDUCTOR_CACHE_DIR``, else
+``$XDG_CACHE_HOME/flash_inductor``, else ``~/.cache/flash_inductor``), or to ``--output``, or
+into the package with ``--ship``; it is rewritten atomically after every finished bucket, so an
+interrupted run loses at most the buckets in flight and ``--resume`` skips the rest. A summary
+(winner, TFLOP/s, error, runner-up, gain over the heuristic per bucket) is printed and written
+as JSON beside the table (or to ``--summary``) for committing under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import sys
+import time
+from typing import Optional
+
+import torch
+
+from . import cache
+from .buckets import MASK_KINDS, Bucket
+from .configs import KernelConfig, padded_head_dim
+from .measure import do_bench_timer
+from .plan import COPY, SWEEP, Grid, PlannedBucket, make_plan, seq_buckets
+from .schedules import SCHEDULES
+from .search import BucketTask, Settings, Tuner, task_from_entry
+from .search_space import FULL_SPACE, QUICK_SPACE, ROLES, DeviceLimits
+
+INTERPRETER_GPU_KEY = "triton-interpreter"
+_DTYPES = ("bf16", "fp16", "fp32")
+
+
+def _csv(kind, allowed=None):
+    def parse(text):
+        values = [kind(x) for x in text.split(",") if x]
+        bad = [v for v in values if allowed is not None and v not in allowed]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {','.join(map(str, allowed or ()))}")
+        return tuple(values)
+    return parse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m flash_inductor.autotune", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtypes", type=_csv(str, _DTYPES), default=("bf16", "fp16"))
+    p.add_argument("--head-dims", type=_csv(int), default=(64, 128),
+                   help="head dims to tune; each tunes its padded width (e.g. 96 -> 128)")
+    p.add_argument("--masks", type=_csv(str, MASK_KINDS), default=("none", "causal"),
+                   help="mask kinds (none,causal,bool,float); untuned kinds use the heuristic")
+    p.add_argument("--schedules", type=_csv(str, tuple(SCHEDULES)), default=("stable", "fast", "accurate"))
+    p.add_argument("--passes", type=_csv(str, tuple(ROLES)), default=("forward", "backward"))
+    p.add_argument("--max-seq", type=int, default=16384,
+                   help="tune lengths 1024, 4096, ... up to this; lookups use the nearest tuned length")
+    p.add_argument("--seqs", type=_csv(int), default=None, help="explicit length buckets (powers of two)")
+    p.add_argument("--quick", action="store_true",
+                   help="a tiny grid (bf16, E=128, none/causal, L=4096, stable, small search space)")
+    p.add_argument("--exhaustive", action="store_true", help="sweep the whole search space in every bucket")
+    p.add_argument("--output", default=None, help="table file or folder (default: the user cache)")
+    p.add_argument("--ship", action="store_true", help="write into flash_inductor/tuning/tables/")
+    p.add_argument("--summary", default=None, help="summary JSON path (default: beside the table)")
+    p.add_argument("--resume", action="store_true", help="skip buckets already in the output table")
+    p.add_argument("--time-budget", type=float, default=0.0,
+                   help="seconds; stop before a round that would overrun (0: no limit). Resume later")
+    p.add_argument("--compile-workers", type=int, default=None,
+                   help="processes compiling candidates in parallel (default: min(12, CPUs - 2) on CUDA)")
+    p.add_argument("--warmup-ms", type=int, default=5)
+    p.add_argument("--rep-ms", type=int, default=25)
+    p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.dtypes, args.head_dims, args.masks, args.schedules = ("bf16",), (128,), ("none", "causal"), ("stable",)
+        args.seqs = args.seqs or (4096,)
+    bad = [e for e in args.head_dims if not 1 <= e <= 256]
+    if bad:
+        p.error(f"--head-dims: {bad} outside the kernels' 1..256")
+    if args.seqs is not None and any(n < 1 or n & (n - 1) for n in args.seqs):
+        p.error("--seqs: powers of two only (a length bucket is the power of two at or above max(L, S))")
+    return args
+
+
+def make_grid(args) -> Grid:
+    widths = tuple(dict.fromkeys(padded_head_dim(e) for e in args.head_dims))
+    seqs = tuple(args.seqs) if args.seqs else seq_buckets(args.max_seq)
+    return Grid(tuple(args.schedules), tuple(args.dtypes), widths, tuple(args.masks), seqs, tuple(args.passes))
+
+
+def output_path(args, gpu: str) -> pathlib.Path:
+    if args.ship:
+        return cache.shipped_tables_dir() / cache.table_filename(gpu)
+    if args.output:
+        path = pathlib.Path(args.output).expanduser()
+        return path if path.suffix == ".json" else path / cache.table_filename(gpu)
+    return cache.user_cache_dir() / cache.table_filename(gpu)
+
+
+def current_gpu(device: torch.device) -> tuple[str, str]:
+    from ..launch import interpreter_enabled
+
+    if device.type == "cuda":
+        return cache.device_gpu_key(device), torch.cuda.get_device_name(device)
+    if interpreter_enabled():
+        return INTERPRETER_GPU_KEY, "Triton interpreter (CPU)"
+    return "no-gpu", "no GPU (dry run)"
+
+
+# ------------------------------------------------------------------------------------------
+# Progress and summary
+# ------------------------------------------------------------------------------------------
+
+
+class _Progress:
+    """tqdm when installed (with its ETA), plain lines otherwise."""
+
+    def __init__(self, total: int, buckets: int):
+        self.buckets, self.finished = buckets, 0
+        self.started = time.monotonic()
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="cand", desc="autotune", dynamic_ncols=True)
+        except ImportError:
+            self.bar = None
+
+    def candidate(self, task, measurement) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def bucket(self, task: BucketTask) -> None:
+        self.finished += 1
+        label = _winner_label(task.entry)
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{self.finished}/{self.buckets} buckets; {task.bucket.key()} -> {label}")
+        else:
+            elapsed = time.monotonic() - self.started
+            print(f"[{self.finished}/{self.buckets} {elapsed:6.0f}s] {task.bucket.key()} -> {label}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _label(configs: Optional[dict]) -> str:
+    if not configs:
+        return "-"
+    return " + ".join(KernelConfig.from_dict(c).label() for c in configs.values())
+
+
+def _winner_label(entry: Optional[dict]) -> str:
+    return "no candidate passed" if entry is None else _label(entry["configs"])
+
+
+def summary_rows(plan: list[PlannedBucket], entries: dict) -> list[dict]:
+    rows = []
+    for planned in plan:
+        entry = entries.get(planned.bucket.key())
+        row = {"bucket": planned.bucket.key(), "mode": planned.kind, "tuned": entry is not None}
+        if entry is not None:
+            runner_up = entry.get("runner_up") or {}
+            row.update(
+                winner=_label(entry["configs"]), ms=entry["ms"], tflops=entry["tflops"], error=entry["error"],
+                error_ratio=entry["error_ratio"], runner_up=_label(runner_up.get("configs")),
+                runner_up_ms=runner_up.get("ms"), heuristic=_label(entry["heuristic"]["configs"]),
+                heuristic_ms=entry["heuristic"]["ms"], speedup_vs_heuristic=entry["speedup_vs_heuristic"],
+                candidates=entry.get("candidates"), source=entry.get("source"),
+            )
+        rows.append(row)
+    return rows
+
+
+def format_summary(rows: list[dict]) -> str:
+    header = ("bucket", "winner", "TFLOP/s", "error", "err/budget", "runner-up", "vs heuristic")
+    lines = [header]
+    for r in rows:
+        if not r["tuned"]:
+            lines.append((r["bucket"], "not tuned", "-", "-", "-", "-", "-"))
+            continue
+        ratio = r["speedup_vs_heuristic"]
+        lines.append((r["bucket"], r["winner"], f"{r['tflops']:.1f}", f"{r['error']:.1e}", f"{r['error_ratio']:.2f}",
+                      r["runner_up"], "heuristic rejected" if ratio is None else f"{ratio:.3f}x"))
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def _write_json(path: pathlib.Path, data: dict) -> None:
+    cache._atomic_write_text(path, json.dumps(data, indent=1, allow_nan=False, default=str) + "\n")
+
+
+# ------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------
+
+
+def _default_settings(args, device: torch.device) -> Settings:
+    return Settings(space=QUICK_SPACE if args.quick else FULL_SPACE,
+                    timer=do_bench_timer(args.warmup_ms, args.rep_ms))
+
+
+def _device(dry_run: bool) -> torch.device:
+    from ..launch import interpreter_enabled
+
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if interpreter_enabled() or dry_run:
+        return torch.device("cpu")
+    raise SystemExit("flash_inductor.autotune: no CUDA GPU (set TRITON_INTERPRET=1 to exercise the tuner on CPU)")
+
+
+def main(argv=None, *, settings: Optional[Settings] = None, device: Optional[torch.device] = None) -> int:
+    args = parse_args(argv)
+    device = device or _device(args.dry_run)
+    settings = settings or _default_settings(args, device)
+    gpu, device_name = current_gpu(device)
+    grid = make_grid(args)
+    plan = make_plan(grid, exhaustive=args.exhaustive)
+    path = output_path(args, gpu)
+    quick = "_quick" if args.quick else ""
+    summary_path = pathlib.Path(args.summary) if args.summary else \
+        path.parent / f"autotune_{gpu}_{datetime.date.today():%Y%m%d}{quick}.json"
+    print(f"autotune: {gpu} ({device_name}); {len(plan)} buckets "
+          f"({sum(p.kind == SWEEP for p in plan)} sweeps, {sum(p.kind == COPY for p in plan)} copies) -> {path}")
+    if args.dry_run:
+        from ..launch import interpreter_enabled
+
+        simulate = None
+        if device.type != "cuda" and not interpreter_enabled():
+            print("autotune: no GPU here: candidates estimated as on an H200 (sm_90, 227 KiB shared memory)")
+            simulate = ((9, 0), DeviceLimits(smem_bytes=232448))
+        estimator = Tuner(device, settings, simulate=simulate)
+        for planned in plan:
+            print(f"  {planned.kind:9s} ~{estimator.estimate_candidates(planned):3d} candidates  "
+                  f"{planned.bucket.key()}  {planned.source.key() if planned.source else ''}")
+        print(f"  ~{sum(estimator.estimate_candidates(p) for p in plan)} candidates in all")
+        return 0
+
+    workers = args.compile_workers
+    if workers is None:
+        workers = min(12, max((os.cpu_count() or 1) - 2, 0)) if device.type == "cuda" else 0
+    precompiler = None
+    if workers > 0:
+        from .precompile import ParallelPrecompiler
+
+        precompiler = ParallelPrecompiler(workers, str(device), settings)
+    tuner = Tuner(device, settings, precompile=precompiler)
+
+    entries: dict[str, dict] = {}
+    done: dict[Bucket, BucketTask] = {}
+    if args.resume:
+        existing = cache.read_table(path) if path.exists() else None
+        reason = None if existing is None else (existing.stale_reason() or
+                                                (None if existing.gpu == gpu else f"it is for {existing.gpu}"))
+        if existing is not None and reason is None:
+            entries.update(existing.entries)
+        elif existing is not None:
+            print(f"autotune: not resuming from {path}: {reason}")
+    tasks = []
+    for planned in plan:
+        entry = entries.get(planned.bucket.key())
+        if entry is not None and entry.get("space") == settings.space.name:
+            done[planned.bucket] = task_from_entry(planned, tuner.heuristic(planned.bucket), entry)
+        else:
+            tasks.append(tuner.task(planned))
+    if args.resume:
+        print(f"autotune: resuming: {len(done)} of {len(plan)} buckets already tuned")
+
+    started = time.monotonic()
+    meta = dict(device_name=device_name, date=datetime.datetime.now().isoformat(timespec="seconds"),
+                command=" ".join(sys.argv if argv is None else ["python -m flash_inductor.autotune", *argv]))
+
+    def write_summary(remaining: list) -> None:
+        _write_json(summary_path, {
+            "gpu": gpu, **meta, **cache.runtime_versions(), "kernel_source_hash": cache.kernel_source_hash(),
+            "table": str(path), "complete": not remaining, "remaining": [t.bucket.key() for t in remaining],
+            "wall_s": time.monotonic() - started, "stats": tuner.stats,
+            "timing_shape": {"tokens": settings.tokens, "hidden": settings.hidden},
+            "rows": summary_rows(plan, entries),
+        })
+
+    def on_done(task: BucketTask) -> None:
+        progress.bucket(task)
+        if task.entry is not None:
+            entries[task.bucket.key()] = task.entry
+            cache.update_table(path, cache.TuningTable.for_current_code(gpu, {task.bucket.key(): task.entry}, **meta))
+        write_summary([t for t in tasks if not t.done])  # a run killed mid-way still leaves its summary
+
+    progress = _Progress(sum(tuner.estimate_candidates(t) for t in plan if t.bucket not in done), len(tasks))
+    deadline = started + args.time_budget if args.time_budget > 0 else None
+    try:
+        remaining = tuner.run(tasks, done, on_done=on_done, on_candidate=progress.candidate, deadline=deadline)
+    finally:
+        progress.close()
+        if precompiler is not None:
+            precompiler.close()
+    write_summary(remaining)
+    print(format_summary(summary_rows(plan, entries)))
+    print(f"autotune: table {path}\nautotune: summary {summary_path}")
+    if remaining:
+        print(f"autotune: stopped by --time-budget with {len(remaining)} buckets left; "
+              "run the same command with --resume to continue")
+    return 0
+

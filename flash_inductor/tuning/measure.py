@@ -1,0 +1,342 @@
+"""What the autotuner measures for one candidate: is it accurate, is it stable, how fast is it.
+
+Accuracy: on a small random problem with ragged lengths (several tiles and a partial one), the
+candidate's error against a float64 reference must stay within the budget PyTorch itself sets:
+
+    max|ours - fp64| <= 2 * max|SDPA math backend, same dtype - fp64| + floor
+
+(FlashAttention's test rule; the floor is a few ulps of the result's dtype and of fp32 at the
+result's magnitude). Stability: the candidate must stay finite on the probes its precision
+schedule promises to survive:
+
+* ``large_logits``: Q and K scaled so the logits are x50, forward (and backward);
+* ``large_values``: |V| = 1e4 in fp16, backward, for schedules that keep the fp16 backward
+  finite (dS rescaled or fp32); finite wherever the fp64 gradient fits in fp16;
+* ``dead_rows``: rows that see no key (only bucket kinds where that can happen: a mask, or a
+  causal problem with more queries than keys): output and dQ exactly 0 there, finite elsewhere.
+
+Launch configs change no arithmetic a schedule promises, so a candidate failing these is a
+miscompile or a kernel bug at that tile shape: exactly what the tuner must never ship.
+
+Speed: the median of ``triton.testing.do_bench`` on a larger random problem (the timer is
+injectable so the search can be tested on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .buckets import Bucket
+from .configs import AttentionConfigs
+from .schedules import get_schedule
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+FLOOR_ULPS = 2  # of the result's dtype, for its final rounding
+ARITH_ULPS = 16  # of fp32, for the accumulations a different tiling reorders
+LOGIT_GAIN = 50.0
+LARGE_VALUE = 1.0e4
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+# ------------------------------------------------------------------------------------------
+# Problems
+# ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    batch: int
+    heads: int
+    seq_q: int
+    seq_k: int
+
+
+@dataclasses.dataclass
+class Problem:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: Optional[torch.Tensor]
+    is_causal: bool
+    causal_offset: int
+    scale: float
+    dout: torch.Tensor
+
+
+def make_problem(bucket: Bucket, shape: Shape, device, seed: int, *, qk_mult: float = 1.0, v_mult: float = 1.0,
+                 dead_rows: bool = False, on_device: bool = False, shared_mask: bool = False) -> Problem:
+    """Random inputs of ``bucket``'s dtype, width and mask kind.
+
+    Drawn in fp64 on the CPU by default, so runs on different devices see the same values;
+    ``on_device`` draws there instead (timing problems: large, and their values do not matter).
+    ``shared_mask`` draws one (L, S) mask read by every batch and head through stride 0, as
+    padding and causal-style masks are in practice; a per-head mask of a long timing problem
+    would need gigabytes.
+    A causal problem is bottom-right aligned (offset S - L): with L > S its first L - S rows see
+    no key. Bool/float masks keep key 0 visible to every row, except the ``dead_rows``
+    (0, L // 2, L - 1), which see nothing.
+    """
+    dtype = torch_dtype(bucket.dtype)
+    draw_on = torch.device(device) if on_device else torch.device("cpu")
+    g = torch.Generator(device=draw_on).manual_seed(seed)
+    b, h, lq, lk, e = shape.batch, shape.heads, shape.seq_q, shape.seq_k, bucket.width
+
+    def randn(*size, mult=1.0):
+        draw_dtype = dtype if on_device else torch.float64
+        return (torch.randn(size, generator=g, dtype=draw_dtype, device=draw_on) * mult).to(dtype).to(device)
+
+    q, k, v = randn(b, h, lq, e, mult=qk_mult), randn(b, h, lk, e, mult=qk_mult), randn(b, h, lk, e, mult=v_mult)
+    dout = randn(b, h, lq, e)
+    mask = None
+    if bucket.mask in ("bool", "float"):
+        mb, mh = (1, 1) if shared_mask else (b, h)
+        hidden = torch.rand((mb, mh, lq, lk), generator=g, device=draw_on) < (0.25 if bucket.mask == "bool" else 0.15)
+        hidden[..., 0] = False
+        if dead_rows:
+            hidden[:, :, sorted({0, lq // 2, lq - 1}), :] = True
+        if bucket.mask == "bool":
+            mask = (~hidden).to(device)
+        else:
+            mask = randn(mb, mh, lq, lk).masked_fill(hidden.to(device), float("-inf"))
+        mask = mask.expand(b, h, lq, lk)
+    return Problem(q, k, v, mask, bucket.mask == "causal", lk - lq, 1.0 / math.sqrt(e), dout)
+
+
+def attention_flops(bucket: Bucket, shape: Shape) -> float:
+    """The standard model: 4·B·H·L·S·E, x0.5 causal, x2.5 backward."""
+    flops = 4.0 * shape.batch * shape.heads * shape.seq_q * shape.seq_k * bucket.width
+    if bucket.mask == "causal":
+        flops *= 0.5
+    return flops * (2.5 if bucket.pass_name == "backward" else 1.0)
+
+
+# ------------------------------------------------------------------------------------------
+# Running a candidate
+# ------------------------------------------------------------------------------------------
+
+
+class KernelRunner(Protocol):
+    """How the tuner runs the kernels with forced configs (tests inject broken ones)."""
+
+    def forward(self, p: Problem, configs: AttentionConfigs, schedule: str) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def backward(self, p: Problem, out: torch.Tensor, lse: torch.Tensor, configs: AttentionConfigs,
+                 schedule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+class LaunchRunner:
+    """The package's launchers, exactly as the op calls them, with the configs forced."""
+
+    def forward(self, p, configs, schedule):
+        from .. import launch
+
+        return launch.attention_forward(p.q, p.k, p.v, p.mask, None, 0.0, p.is_causal, p.causal_offset, p.scale,
+                                        schedule, configs=configs)
+
+    def backward(self, p, out, lse, configs, schedule):
+        from .. import launch
+
+        dq, dk, dv, _ = launch.attention_backward(p.dout, p.q, p.k, p.v, p.mask, out, lse, None, None, 0.0,
+                                                  p.is_causal, p.causal_offset, p.scale, schedule, False,
+                                                  configs=configs)
+        return dq, dk, dv
+
+
+def run_pass(runner: KernelRunner, p: Problem, configs: AttentionConfigs, schedule: str, pass_name: str) -> dict:
+    out, lse = runner.forward(p, configs, schedule)
+    result = {"out": out}
+    if pass_name == "backward":
+        result.update(zip(("dq", "dk", "dv"), runner.backward(p, out, lse, configs, schedule)))
+    return result
+
+
+# ------------------------------------------------------------------------------------------
+# Ground truth and PyTorch's same-dtype error
+# ------------------------------------------------------------------------------------------
+
+
+def _visible(p: Problem) -> torch.Tensor:
+    lq, lk = p.q.shape[-2], p.k.shape[-2]
+    vis = torch.ones((*p.q.shape[:-1], lk), dtype=torch.bool, device=p.q.device)
+    if p.mask is not None:
+        vis = vis & (p.mask if p.mask.dtype == torch.bool else ~p.mask.isneginf())
+    if p.is_causal:
+        i = torch.arange(lq, device=p.q.device)[:, None]
+        j = torch.arange(lk, device=p.q.device)[None, :]
+        vis = vis & (j <= i + p.causal_offset)
+    return vis
+
+
+def reference_fp64(p: Problem, pass_name: str) -> dict:
+    """Naive materialised attention in float64 (rows with no visible key give 0), by autograd."""
+    q, k, v = (t.detach().double().requires_grad_(pass_name == "backward") for t in (p.q, p.k, p.v))
+    scores = (q @ k.transpose(-2, -1)) * p.scale
+    if p.mask is not None and p.mask.dtype != torch.bool:
+        scores = scores + p.mask.double()
+    vis = _visible(p)
+    scores = scores.masked_fill(~vis, float("-inf"))
+    # A row with no visible key shifts by 0 instead of forming -inf - -inf.
+    row_max = scores.detach().amax(-1, keepdim=True).nan_to_num(neginf=0.0)
+    unnorm = torch.exp(scores - row_max)
+    total = unnorm.sum(-1, keepdim=True)
+    out = (unnorm / total.clamp_min(torch.finfo(torch.float64).tiny)) @ v
+    result = {"out": out.detach(), "dead": ~vis.any(-1)}
+    if pass_name == "backward":
+        out.backward(p.dout.double())
+        result.update(dq=q.grad, dk=k.grad, dv=v.grad)
+    return result
+
+
+def sdpa_same_dtype(p: Problem, pass_name: str) -> dict:
+    """PyTorch's math backend in the input dtype: the error budget's yardstick."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (t.detach().clone().requires_grad_(pass_name == "backward") for t in (p.q, p.k, p.v))
+    mask = p.mask
+    if p.is_causal:
+        vis = _visible(p)
+        if mask is None:
+            mask = vis
+        else:
+            mask = mask & vis if mask.dtype == torch.bool else mask.masked_fill(~vis, float("-inf"))
+    with sdpa_kernel(SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=p.scale)
+    result = {"out": out.detach()}
+    if pass_name == "backward":
+        out.backward(p.dout)
+        result.update(dq=q.grad, dk=k.grad, dv=v.grad)
+    return result
+
+
+def max_error(actual: torch.Tensor, truth: torch.Tensor) -> float:
+    diff = (actual.double() - truth.double().to(actual.device)).abs()
+    return diff.max().item() if diff.numel() else 0.0
+
+
+# ------------------------------------------------------------------------------------------
+# The accuracy check and the probes
+# ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Verdict:
+    ok: bool
+    error: float = float("nan")  # max abs error vs fp64 over the checked outputs
+    error_ratio: float = float("nan")  # max over outputs of error / budget (<= 1 passes)
+    reason: str = ""
+
+
+@dataclasses.dataclass
+class _Probe:
+    name: str
+    problem: Problem
+    reference: dict
+
+
+def check_problems(bucket: Bucket, shape: Shape, device, seed: int = 0) -> list[tuple[str, Problem]]:
+    """The random check problem, then the stability probes that apply to this bucket kind."""
+    problems = [("check", make_problem(bucket, shape, device, seed)),
+                ("large_logits", make_problem(bucket, shape, device, seed + 1, qk_mult=math.sqrt(LOGIT_GAIN)))]
+    if bucket.pass_name == "backward" and bucket.dtype == "fp16":
+        problems.append(("large_values", make_problem(bucket, shape, device, seed + 2, v_mult=LARGE_VALUE)))
+    if bucket.mask != "none":  # no row can lose every key otherwise
+        dead_shape = shape
+        if bucket.mask == "causal":  # L > S, bottom-right: the first L - S rows see nothing
+            dead_shape = dataclasses.replace(shape, seq_k=max(shape.seq_q - 16, 1))
+        problems.append(("dead_rows", make_problem(bucket, dead_shape, device, seed + 3, dead_rows=True)))
+    return problems
+
+
+class AccuracyCheck:
+    """A bucket kind's check problem, its fp64 reference, PyTorch's budget and the probes.
+
+    Built once per (dtype, width, mask kind, pass) and shared by every schedule and length:
+    the check runs at a fixed small ragged shape.
+    """
+
+    def __init__(self, bucket: Bucket, shape: Shape, device, seed: int = 0):
+        self.pass_name = bucket.pass_name
+        self.dtype = torch_dtype(bucket.dtype)
+        (_, self.problem), *probes = check_problems(bucket, shape, device, seed)
+        self.reference = reference_fp64(self.problem, self.pass_name)
+        baseline = sdpa_same_dtype(self.problem, self.pass_name)
+        self.budgets = {}
+        for name in self.outputs:
+            magnitude = self.reference[name].abs().max().item()
+            floor = (FLOOR_ULPS * torch.finfo(self.dtype).eps + ARITH_ULPS * torch.finfo(torch.float32).eps) * magnitude
+            self.budgets[name] = 2.0 * max_error(baseline[name], self.reference[name]) + floor
+        self.probes = [_Probe(name, p, reference_fp64(p, self.pass_name)) for name, p in probes]
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return ("dq", "dk", "dv") if self.pass_name == "backward" else ("out",)
+
+    def verify(self, runner: KernelRunner, configs: AttentionConfigs, schedule: str) -> Verdict:
+        try:
+            ours = run_pass(runner, self.problem, configs, schedule, self.pass_name)
+            errors = {name: max_error(ours[name], self.reference[name]) for name in self.outputs}
+            error = max(errors.values())
+            ratio = max(_ratio(errors[n], self.budgets[n]) for n in self.outputs)
+            if not math.isfinite(error) or any(not ours[n].isfinite().all() for n in self.outputs):
+                return Verdict(False, error, ratio, "non-finite on the random check problem")
+            if ratio > 1.0:
+                worst = max(self.outputs, key=lambda n: _ratio(errors[n], self.budgets[n]))
+                return Verdict(False, error, ratio,
+                               f"{worst} error {errors[worst]:.3e} > budget {self.budgets[worst]:.3e}")
+            for probe in self.probes:
+                if probe.name == "large_values" and not get_schedule(schedule).fp16_backward_finite:
+                    continue  # the schedule promises nothing there (fp16 dS may overflow by design)
+                failure = _probe_failure(probe, run_pass(runner, probe.problem, configs, schedule, self.pass_name))
+                if failure:
+                    return Verdict(False, error, ratio, f"probe {probe.name}: {failure}")
+        except Exception as exc:  # a config that fails to compile or launch is simply not a candidate
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            return Verdict(False, reason=f"{type(exc).__name__}: {first}")
+        return Verdict(True, error, ratio)
+
+
+def _ratio(error: float, budget: float) -> float:
+    if budget > 0:
+        return error / budget
+    return 0.0 if error == 0 else math.inf
+
+
+def _probe_failure(probe: _Probe, ours: dict) -> str:
+    ref = probe.reference
+    for name, value in ours.items():
+        representable = ref[name].abs() <= torch.finfo(value.dtype).max
+        if not value[representable.to(value.device)].isfinite().all():
+            return f"{name} non-finite where the fp64 value is representable"
+    dead = ref["dead"].to(ours["out"].device)
+    if dead.any():
+        if not (ours["out"][dead] == 0).all():
+            return "rows with no visible key: output is not exactly 0"
+        if "dq" in ours and not (ours["dq"][dead] == 0).all():
+            return "rows with no visible key: dq is not exactly 0"
+    return ""
+
+
+# ------------------------------------------------------------------------------------------
+# Timing
+# ------------------------------------------------------------------------------------------
+
+Timer = Callable[[Callable[[], object], object], float]  # (run, candidate) -> milliseconds
+
+
+def do_bench_timer(warmup_ms: int = 5, rep_ms: int = 25) -> Timer:
+    """Median of ``triton.testing.do_bench`` (which flushes L2 between runs)."""
+
+    def timer(run, candidate) -> float:
+        from triton.testing import do_bench
+
+        return float(do_bench(run, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+    return timer

@@ -1,0 +1,374 @@
+"""The autotuner's search: candidates per bucket, measured in rounds, winners as table entries.
+
+Each planned bucket (``plan.py``) is a small state machine that proposes candidate lists:
+
+* a sweep, per kernel role (the backward tunes dK/dV with dQ at its heuristic config, then dQ
+  with the best dK/dV: the two kernels run back to back, so their times add): first every tile
+  shape and warp count at the heuristic's pipeline depth, then the other depths of the best
+  shape;
+* a shortlist: the heuristic and the sweep's best few configs per role, in one race;
+* a copy: the entry of a bucket with identical kernels.
+
+Every candidate list contains the heuristic's configs, and a candidate replaces the heuristic
+only when it is faster by more than ``min_gain``: timing noise never makes the table slower
+than the default. A candidate is timed only after it passes the accuracy check and the stability
+probes (``measure.py``).
+
+Rounds: each round takes the next candidate list of several buckets, optionally compiles all of
+them in parallel worker processes (``precompile.py``; compiling dominates the run time), then
+checks and times them one at a time in this process, with the GPU otherwise idle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from .buckets import Bucket
+from .configs import AttentionConfigs, KernelConfig, cuda_heuristic_configs, heuristic_configs
+from .measure import (
+    AccuracyCheck,
+    KernelRunner,
+    LaunchRunner,
+    Problem,
+    Shape,
+    Timer,
+    Verdict,
+    attention_flops,
+    do_bench_timer,
+    make_problem,
+    torch_dtype,
+)
+from .plan import COPY, SHORTLIST, SWEEP, PlannedBucket
+from .search_space import FULL_SPACE, ROLES, DeviceLimits, SearchSpace, TileBytes, depth_candidates, shape_candidates
+from .schedules import get_schedule
+
+
+@dataclasses.dataclass
+class Settings:
+    """How a run measures. The defaults are the GPU run's; tests shrink every shape."""
+
+    space: SearchSpace = FULL_SPACE
+    tokens: int = 16384  # timing problem: batch * seq
+    hidden: int = 2048  # timing problem: heads * head width
+    check_shape: Shape = Shape(batch=2, heads=4, seq_q=509, seq_k=509)  # ragged on purpose
+    top_k: int = 3  # configs per role a shortlist takes from its sweep
+    depth_shapes: int = 1  # best shapes whose pipeline depths a sweep then tries
+    min_gain: float = 0.01  # a candidate must beat the heuristic by this fraction to replace it
+    tasks_per_round: int = 8
+    max_timing_seq: Optional[int] = None  # tests: cap the timing problem's length
+    timer: Optional[Timer] = None
+    runner: Optional[KernelRunner] = None
+
+    def timing_shape(self, bucket: Bucket) -> Shape:
+        seq = bucket.seq if self.max_timing_seq is None else min(bucket.seq, self.max_timing_seq)
+        return Shape(max(1, self.tokens // seq), max(1, self.hidden // bucket.width), seq, seq)
+
+
+@dataclasses.dataclass
+class Measurement:
+    configs: AttentionConfigs
+    verdict: Verdict
+    ms: Optional[float] = None  # None when rejected
+
+
+def _roles_key(configs: AttentionConfigs, roles) -> tuple:
+    return tuple(getattr(configs, r) for r in roles)
+
+
+class BucketTask:
+    """One planned bucket's search state."""
+
+    def __init__(self, planned: PlannedBucket, heuristic: AttentionConfigs):
+        self.bucket = planned.bucket
+        self.kind = planned.kind
+        self.source = planned.source
+        self.heuristic = heuristic
+        self.roles = ROLES[self.bucket.pass_name]
+        self.measured: dict[tuple, Measurement] = {}
+        self.saved_ranking: Optional[dict] = None  # a resumed run's finished bucket
+        self.entry: Optional[dict] = None
+        self.done = False
+        self._steps: Optional[Iterator[list[AttentionConfigs]]] = None
+
+    def key(self, configs: AttentionConfigs) -> tuple:
+        return _roles_key(configs, self.roles)
+
+    def ok(self) -> list[Measurement]:
+        return sorted((m for m in self.measured.values() if m.ms is not None), key=lambda m: m.ms)
+
+    def heuristic_measurement(self) -> Optional[Measurement]:
+        return self.measured.get(self.key(self.heuristic))
+
+    def best(self, min_gain: float) -> Optional[Measurement]:
+        ranked = self.ok()
+        if not ranked:
+            return None
+        base = self.heuristic_measurement()
+        if base is not None and base.ms is not None and ranked[0].ms > base.ms * (1.0 - min_gain):
+            return base
+        return ranked[0]
+
+    def ranking(self, role: str, limit: int) -> list[KernelConfig]:
+        """This role's configs, fastest first (each at its best time with the other roles)."""
+        if self.saved_ranking is not None:
+            return [KernelConfig.from_dict(c) for c in self.saved_ranking.get(role, [])][:limit]
+        best: dict[KernelConfig, float] = {}
+        for m in self.ok():
+            cfg = getattr(m.configs, role)
+            best[cfg] = min(best.get(cfg, math.inf), m.ms)
+        return sorted(best, key=best.get)[:limit]
+
+
+class Tuner:
+    """Runs planned buckets to table entries on one device."""
+
+    def __init__(self, device, settings: Settings, precompile: Optional[Callable[[list], None]] = None,
+                 simulate: Optional[tuple[tuple[int, int], DeviceLimits]] = None):
+        """``simulate`` = (capability, limits) plans for a GPU this machine lacks (--dry-run)."""
+        self.device = torch.device(device)
+        self.settings = settings
+        self.timer = settings.timer or do_bench_timer()
+        self.runner = settings.runner or LaunchRunner()
+        self.simulated_capability = simulate[0] if simulate else None
+        self.limits = simulate[1] if simulate else DeviceLimits.for_device(self.device)
+        self.precompile = precompile
+        self._checks: dict[tuple, AccuracyCheck] = {}
+        self._timing: dict[Bucket, tuple] = {}
+        self.stats = {"candidates": 0, "rejected": 0, "timed": 0, "seconds_measuring": 0.0,
+                      "seconds_precompiling": 0.0, "precompile_errors": 0}
+
+    # --- per bucket ----------------------------------------------------------------------
+
+    def heuristic(self, bucket: Bucket) -> AttentionConfigs:
+        from ..launch import interpreter_enabled
+
+        dtype = torch_dtype(bucket.dtype)
+        if self.simulated_capability is not None:
+            return cuda_heuristic_configs(self.simulated_capability, dtype.itemsize, bucket.width, bucket.width)
+        probe = torch.empty(0, dtype=dtype, device=self.device)
+        return heuristic_configs(probe, bucket.width, bucket.width, interpreter_enabled())
+
+    def task(self, planned: PlannedBucket) -> BucketTask:
+        return BucketTask(planned, self.heuristic(planned.bucket))
+
+    def estimate_candidates(self, planned: PlannedBucket) -> int:
+        """About how many candidates a planned bucket measures (for progress and --dry-run)."""
+        roles = ROLES[planned.bucket.pass_name]
+        if planned.kind == COPY:
+            return 0
+        if planned.kind == SHORTLIST:  # the heuristic, the best, and the runners-up of each role
+            return 2 + len(roles) * (self.settings.top_k - 1)
+        heuristic, tiles = self.heuristic(planned.bucket), self._tiles(planned.bucket)
+        return 1 + sum(len(shape_candidates(r, self.settings.space, getattr(heuristic, r).num_stages, tiles,
+                                            self.limits)) + len(self.settings.space.stages) - 1 for r in roles)
+
+    def _tiles(self, bucket: Bucket) -> TileBytes:
+        sched = get_schedule(bucket.schedule)
+        size = torch_dtype(bucket.dtype).itemsize
+        mask = {"none": 0, "causal": 0, "bool": 1, "float": size}[bucket.mask]
+        return TileBytes(bucket.width, size, 4 if sched.p_in_fp32 else size, 4 if sched.ds_in_fp32 else size, mask)
+
+    def _sweep(self, task: BucketTask) -> Iterator[list[AttentionConfigs]]:
+        tiles, space = self._tiles(task.bucket), self.settings.space
+        for role in task.roles:
+            current = task.best(self.settings.min_gain)
+            base = current.configs if current is not None else task.heuristic
+            ref_stages = getattr(task.heuristic, role).num_stages
+            shapes = shape_candidates(role, space, ref_stages, tiles, self.limits)
+            yield [base] + [dataclasses.replace(base, **{role: c}) for c in shapes]
+            others = {r: getattr(base, r) for r in task.roles if r != role}
+            top = [getattr(m.configs, role) for m in task.ok()
+                   if all(getattr(m.configs, r) == c for r, c in others.items())][: self.settings.depth_shapes]
+            deeper = depth_candidates(role, top, space, tiles, self.limits)
+            if deeper:
+                yield [dataclasses.replace(base, **{role: c}) for c in deeper]
+
+    def _shortlist(self, task: BucketTask, source: BucketTask) -> Iterator[list[AttentionConfigs]]:
+        k = self.settings.top_k
+        ranked = {role: source.ranking(role, k) for role in task.roles}
+        candidates = [task.heuristic]
+        best = {role: (ranked[role][0] if ranked[role] else getattr(task.heuristic, role)) for role in task.roles}
+        candidates.append(dataclasses.replace(task.heuristic, **best))
+        for role in task.roles:
+            for cfg in ranked[role]:
+                candidates.append(dataclasses.replace(task.heuristic, **{**best, role: cfg}))
+        yield candidates
+
+    def start(self, task: BucketTask, done: dict[Bucket, BucketTask]) -> bool:
+        """Prepare ``task``'s steps; False while the bucket it depends on is not finished."""
+        if task.kind == SWEEP:
+            task._steps = self._sweep(task)
+        elif task.source not in done:
+            return False
+        elif task.kind == SHORTLIST:
+            task._steps = self._shortlist(task, done[task.source])
+        else:
+            assert task.kind == COPY
+            task._steps = iter(())
+        return True
+
+    def next_candidates(self, task: BucketTask) -> Optional[list[AttentionConfigs]]:
+        """The next list of unmeasured candidates, or None when the search is over."""
+        for candidates in task._steps:
+            fresh, seen = [], set()
+            for c in candidates:
+                if task.key(c) not in task.measured and task.key(c) not in seen:
+                    seen.add(task.key(c))
+                    fresh.append(c)
+            if fresh:
+                return fresh
+        return None
+
+    # --- measuring -----------------------------------------------------------------------
+
+    def check_for(self, bucket: Bucket) -> AccuracyCheck:
+        kind = (bucket.dtype, bucket.width, bucket.mask, bucket.pass_name)
+        if kind not in self._checks:
+            self._checks[kind] = AccuracyCheck(bucket, self.settings.check_shape, self.device)
+        return self._checks[kind]
+
+    def _timing_problem(self, task: BucketTask) -> tuple[Problem, Optional[tuple]]:
+        if task.bucket not in self._timing:
+            problem = make_problem(task.bucket, self.settings.timing_shape(task.bucket), self.device, seed=7,
+                                   on_device=True, shared_mask=True)
+            saved = None
+            if task.bucket.pass_name == "backward":  # the backward times against the heuristic's forward
+                saved = self.runner.forward(problem, task.heuristic, task.bucket.schedule)
+            self._timing[task.bucket] = (problem, saved)
+        return self._timing[task.bucket]
+
+    def measure(self, task: BucketTask, configs: AttentionConfigs) -> Measurement:
+        started = time.perf_counter()
+        schedule = task.bucket.schedule
+        verdict = self.check_for(task.bucket).verify(self.runner, configs, schedule)
+        ms = None
+        if verdict.ok:
+            try:
+                problem, saved = self._timing_problem(task)
+                if saved is None:
+                    def run():
+                        return self.runner.forward(problem, configs, schedule)
+                else:
+                    def run():
+                        return self.runner.backward(problem, *saved, configs, schedule)
+                ms = float(self.timer(run, configs))
+                if not math.isfinite(ms) or ms <= 0:
+                    raise ValueError(f"timer returned {ms}")
+            except Exception as exc:
+                reason = f"timing failed: {type(exc).__name__}: {exc}"[:200]
+                verdict = Verdict(False, verdict.error, verdict.error_ratio, reason)
+                ms = None
+        measurement = Measurement(configs, verdict, ms)
+        task.measured[task.key(configs)] = measurement
+        self.stats["candidates"] += 1
+        self.stats["rejected" if ms is None else "timed"] += 1
+        self.stats["seconds_measuring"] += time.perf_counter() - started
+        return measurement
+
+    # --- the run -------------------------------------------------------------------------
+
+    def run(self, tasks: list[BucketTask], done: dict[Bucket, BucketTask], *,
+            on_done: Callable[[BucketTask], None] = lambda task: None,
+            on_candidate: Callable[[BucketTask, Measurement], None] = lambda task, m: None,
+            deadline: Optional[float] = None) -> list[BucketTask]:
+        """Search ``tasks`` in rounds until all are done or ``deadline`` (time.monotonic) would
+        be passed by the next round; ``done`` holds finished tasks (a resumed run's too) and is
+        updated. Returns the tasks left unfinished."""
+        waiting = [t for t in tasks if not t.done]
+        active: list[BucketTask] = []
+        per_candidate_s = None
+        while waiting or active:
+            for task in [t for t in waiting if t.kind == COPY and t.source in done]:  # no measuring: now
+                waiting.remove(task)
+                self._finish(task, done, on_done)
+            for task in list(waiting):
+                if len(active) >= self.settings.tasks_per_round:
+                    break
+                if self.start(task, done):
+                    waiting.remove(task)
+                    active.append(task)
+            round_jobs = []
+            for task in list(active):
+                candidates = self.next_candidates(task)
+                if candidates is None:
+                    self._finish(task, done, on_done)
+                    active.remove(task)
+                else:
+                    round_jobs.extend((task, c) for c in candidates)
+            if not round_jobs:
+                if waiting and not any(t.kind == SWEEP or t.source in done for t in waiting):
+                    raise RuntimeError(f"autotune plan: {waiting[0].bucket.key()} waits on a bucket not in the plan")
+                continue
+            if deadline is not None and per_candidate_s is not None \
+                    and time.monotonic() + per_candidate_s * len(round_jobs) > deadline:
+                return active + waiting
+            started = time.monotonic()
+            if self.precompile is not None:
+                errors = self.precompile([(task.bucket, task.heuristic, c) for task, c in round_jobs])
+                self.stats["precompile_errors"] += sum(e is not None for e in errors or [])
+                self.stats["seconds_precompiling"] += time.monotonic() - started
+            for task, configs in round_jobs:
+                on_candidate(task, self.measure(task, configs))
+            self._timing.clear()  # large problems live for one round only
+            elapsed = (time.monotonic() - started) / len(round_jobs)
+            per_candidate_s = elapsed if per_candidate_s is None else max(elapsed, 0.5 * (per_candidate_s + elapsed))
+        return []
+
+    def _finish(self, task: BucketTask, done: dict, on_done) -> None:
+        if task.kind == COPY:
+            source = done[task.source]
+            task.entry = None if source.entry is None else {**source.entry, "mode": COPY, "source": task.source.key()}
+        else:
+            task.entry = make_entry(task, self.settings)
+        task.done = True
+        done[task.bucket] = task
+        on_done(task)
+
+
+def _configs_json(configs: AttentionConfigs, roles) -> dict:
+    return {role: getattr(configs, role).to_dict() for role in roles}
+
+
+def make_entry(task: BucketTask, settings: Settings) -> Optional[dict]:
+    """The table entry of a finished search (None when every candidate was rejected)."""
+    best = task.best(settings.min_gain)
+    if best is None:
+        return None
+    flops = attention_flops(task.bucket, settings.timing_shape(task.bucket))
+    ranked = task.ok()
+    runner_up = next((m for m in ranked if m is not best), None)
+    base = task.heuristic_measurement()
+    rejected = [m for m in task.measured.values() if m.ms is None]
+    return {
+        "configs": _configs_json(best.configs, task.roles),
+        "ms": best.ms,
+        "tflops": flops / (best.ms * 1e-3) / 1e12,
+        "error": best.verdict.error,
+        "error_ratio": best.verdict.error_ratio,
+        "runner_up": None if runner_up is None else {"configs": _configs_json(runner_up.configs, task.roles),
+                                                      "ms": runner_up.ms},
+        "heuristic": {"configs": _configs_json(task.heuristic, task.roles),
+                      "ms": None if base is None else base.ms,
+                      "rejected": None if base is None or base.ms is not None else base.verdict.reason},
+        "speedup_vs_heuristic": None if base is None or base.ms is None else base.ms / best.ms,
+        "ranking": {role: [c.to_dict() for c in task.ranking(role, settings.top_k)] for role in task.roles},
+        "candidates": len(task.measured),
+        "rejected": [{"configs": _configs_json(m.configs, task.roles), "reason": m.verdict.reason}
+                     for m in rejected][:8],
+        "mode": task.kind,
+        "source": None if task.source is None else task.source.key(),
+        "space": settings.space.name,
+    }
+
+
+def task_from_entry(planned: PlannedBucket, heuristic: AttentionConfigs, entry: Optional[dict]) -> BucketTask:
+    """A finished task rebuilt from a saved entry (``--resume``): enough for the shortlists it seeds."""
+    task = BucketTask(planned, heuristic)
+    task.saved_ranking = (entry or {}).get("ranking", {})
+    task.entry, task.done = entry, True
+    return task

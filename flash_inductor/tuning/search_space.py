@@ -1,0 +1,135 @@
+"""The configs the autotuner may try, pruned by what fits on the chip.
+
+Each kernel role ("forward", "backward_dkdv", "backward_dq") draws from the same grid of tile
+shapes (BLOCK_M x BLOCK_N), warp counts and pipeline depths. Compiling a config costs far more
+than timing it, so configs that cannot fit are dropped before they are compiled, using a
+deliberately simple estimate of each kernel's shared memory and registers:
+
+* shared memory: the tiles a kernel keeps for its whole loop, plus ``num_stages`` copies of the
+  tiles its loop streams in (Triton's software pipelining buffers one set per stage), plus the
+  P or dS tile that feeds the second dot;
+* registers: the fp32 accumulators and two fp32 score-sized tiles (S and P, or dP and dS) alive
+  across an iteration, spread over ``num_warps * 32`` threads. A thread has at most 255
+  registers; past that Triton spills to local memory, which is slow.
+
+The estimates err on the generous side: a config that fits on paper but spills is merely slow,
+and the timing rejects it; the heuristic's own configs are always candidates whatever the
+estimate says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Optional
+
+import torch
+
+from .configs import KernelConfig
+
+ROLES = {"forward": ("forward",), "backward": ("backward_dkdv", "backward_dq")}
+MAX_FP32_REGS_PER_THREAD = 256
+# Eight warps need a tile big enough to give each warp its own MMA rows and columns.
+MIN_TILE_FOR_8_WARPS = 64 * 64
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSpace:
+    name: str = "full"  # recorded in each entry: --resume re-tunes entries from another space
+    blocks_m: tuple[int, ...] = (32, 64, 128)
+    blocks_n: tuple[int, ...] = (32, 64, 128)
+    warps: tuple[int, ...] = (4, 8)
+    stages: tuple[int, ...] = (1, 2, 3, 4)
+
+
+FULL_SPACE = SearchSpace()
+# --quick: the tiles and depths that win most often on Hopper-class parts, to finish in minutes.
+QUICK_SPACE = SearchSpace(name="quick", blocks_m=(64, 128), blocks_n=(64, 128), warps=(4, 8), stages=(2, 3))
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceLimits:
+    smem_bytes: Optional[int]  # per block (opt-in maximum); None = no limit (the interpreter)
+    max_fp32_regs: Optional[int] = MAX_FP32_REGS_PER_THREAD
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> "DeviceLimits":
+        if device.type != "cuda":
+            return cls(smem_bytes=None, max_fp32_regs=None)
+        props = torch.cuda.get_device_properties(device)
+        smem = getattr(props, "shared_memory_per_block_optin", 0)
+        if not smem:  # older torch: the opt-in maxima of the architectures we run on
+            smem = {(9, 0): 232448, (8, 0): 166912, (8, 7): 166912}.get((props.major, props.minor), 101376)
+        return cls(smem_bytes=int(smem))
+
+
+@dataclasses.dataclass(frozen=True)
+class TileBytes:
+    """Element sizes that decide a kernel's footprint (see PrecisionSchedule for p and ds)."""
+
+    width: int  # padded head width (BLOCK_E == BLOCK_EV)
+    itemsize: int  # Q, K, V, dO
+    p_itemsize: int  # P as the second dot's operand
+    ds_itemsize: int  # dS as the dQ/dK dot's operand
+    mask_itemsize: int  # 0 without a mask
+
+
+def smem_bytes(role: str, cfg: KernelConfig, t: TileBytes) -> int:
+    bm, bn, stages, w = cfg.block_m, cfg.block_n, cfg.num_stages, t.width
+    mask_tile = bm * bn * t.mask_itemsize
+    if role == "forward":  # Q stays; K, V (and the mask tile) stream; P feeds P·V
+        return bm * w * t.itemsize + stages * (2 * bn * w * t.itemsize + mask_tile) + bm * bn * t.p_itemsize
+    if role == "backward_dkdv":  # K, V stay; Q, dO (and the mask) stream; Pᵀ and dSᵀ feed dots
+        return 2 * bn * w * t.itemsize + stages * (2 * bm * w * t.itemsize + mask_tile) \
+            + bm * bn * (t.p_itemsize + t.ds_itemsize)
+    if role == "backward_dq":  # Q, dO stay; K, V (and the mask) stream; dS feeds dS·K
+        return 2 * bm * w * t.itemsize + stages * (2 * bn * w * t.itemsize + mask_tile) + bm * bn * t.ds_itemsize
+    raise ValueError(f"unknown kernel role {role!r}")
+
+
+def fp32_regs_per_thread(role: str, cfg: KernelConfig, width: int) -> float:
+    bm, bn, threads = cfg.block_m, cfg.block_n, cfg.num_warps * 32
+    if role == "forward":  # O accumulator; S and P
+        return (bm * width + 2 * bm * bn) / threads
+    if role == "backward_dkdv":  # dK, dV accumulators; P and dS (S and dP die into them)
+        return (2 * bn * width + 2 * bm * bn) / threads
+    if role == "backward_dq":  # dQ accumulator; P and dS
+        return (bm * width + 2 * bm * bn) / threads
+    raise ValueError(f"unknown kernel role {role!r}")
+
+
+def fits(role: str, cfg: KernelConfig, tiles: TileBytes, limits: DeviceLimits) -> bool:
+    if cfg.num_warps == 8 and cfg.block_m * cfg.block_n < MIN_TILE_FOR_8_WARPS:
+        return False
+    if limits.smem_bytes is not None and smem_bytes(role, cfg, tiles) > limits.smem_bytes:
+        return False
+    if limits.max_fp32_regs is not None and fp32_regs_per_thread(role, cfg, tiles.width) > limits.max_fp32_regs:
+        return False
+    return True
+
+
+def shape_candidates(role: str, space: SearchSpace, reference_stages: int, tiles: TileBytes,
+                     limits: DeviceLimits) -> list[KernelConfig]:
+    """First round of a sweep: every tile shape and warp count, at the reference depth (or the
+    deepest shallower one that fits)."""
+    found = []
+    for bm in space.blocks_m:
+        for bn in space.blocks_n:
+            for warps in space.warps:
+                for stages in sorted((s for s in space.stages if s <= reference_stages), reverse=True) or [1]:
+                    cfg = KernelConfig(bm, bn, warps, stages)
+                    if fits(role, cfg, tiles, limits):
+                        found.append(cfg)
+                        break
+    return found
+
+
+def depth_candidates(role: str, shapes: Iterable[KernelConfig], space: SearchSpace, tiles: TileBytes,
+                     limits: DeviceLimits) -> list[KernelConfig]:
+    """Second round: the other pipeline depths of the best shapes."""
+    found = []
+    for shape in shapes:
+        for stages in space.stages:
+            cfg = dataclasses.replace(shape, num_stages=stages)
+            if cfg != shape and fits(role, cfg, tiles, limits):
+                found.append(cfg)
+    return found

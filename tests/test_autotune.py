@@ -1,0 +1,586 @@
+"""Tuning tables and the autotuner, on CPU.
+
+The search runs the real kernels under the Triton interpreter on tiny problems, with an injected
+timer (the interpreter's speed says nothing about a GPU's): what is tested is the logic — the
+fastest accurate candidate wins, a wrong or unstable candidate never does, the heuristic stays
+unless beaten, tables are keyed, versioned, written atomically and looked up without guards —
+and that a table really changes the configs the launcher passes to the kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import pathlib
+import warnings
+
+import pytest
+import torch
+
+from flash_inductor import launch
+from flash_inductor.passes.graph_pass import FlashAttentionPass
+from flash_inductor.tuning import cache, cli
+from flash_inductor.tuning.buckets import Bucket, bucket_for, length_hint, mask_kind, seq_bucket
+from flash_inductor.tuning.configs import AttentionConfigs, KernelConfig, select_configs
+from flash_inductor.tuning.measure import LaunchRunner, Shape, Verdict
+from flash_inductor.tuning.plan import COPY, SHORTLIST, SWEEP, Grid, PlannedBucket, make_plan
+from flash_inductor.tuning.precompile import ParallelPrecompiler, _encode, warm
+from flash_inductor.tuning.schedules import SCHEDULES, schedules_markdown_table
+from flash_inductor.tuning.search import BucketTask, Measurement, Settings, Tuner
+from flash_inductor.tuning.search_space import DeviceLimits, SearchSpace, TileBytes, fits, shape_candidates
+from helpers import make_qkv, randn
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+INTERPRETER_CONFIGS = AttentionConfigs(*(KernelConfig(16, 16, 1, 1),) * 3)
+
+
+@pytest.fixture(autouse=True)
+def isolated_tables(tmp_path, monkeypatch):
+    """Every test gets empty user and shipped table folders and a cold in-memory cache."""
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path / "user"))
+    monkeypatch.setattr(cache, "shipped_tables_dir", lambda: tmp_path / "shipped")
+    cache.clear_cache()
+    yield
+    cache.clear_cache()
+
+
+def _cfg(bm, bn, warps=4, stages=1) -> dict:
+    return KernelConfig(bm, bn, warps, stages).to_dict()
+
+
+def _table(gpu="fake-gpu_sm90_132sm", **entries) -> cache.TuningTable:
+    """A current-code table; keyword names are bucket keys with '/' written as '__'."""
+    return cache.TuningTable.for_current_code(gpu, {k.replace("__", "/"): v for k, v in entries.items()})
+
+
+def _fwd_entry(bm, bn):
+    return {"configs": {"forward": _cfg(bm, bn)}}
+
+
+def _bwd_entry(dkdv, dq):
+    return {"configs": {"backward_dkdv": _cfg(*dkdv), "backward_dq": _cfg(*dq)}}
+
+
+def _tiny_settings(timer, space=SearchSpace("tiny", (16, 32), (16, 32), (4,), (1,)), **changes) -> Settings:
+    base = dict(space=space, tokens=32, hidden=16, check_shape=Shape(1, 2, 37, 37), max_timing_seq=32, top_k=2,
+                timer=timer)
+    return Settings(**{**base, **changes})
+
+
+def _timer_from(costs: dict, default: float = 10.0, calls: list | None = None):
+    """Fake milliseconds: costs maps (role, block_m, block_n, num_warps) -> ms, summed over the
+    roles it names (default for configs it does not list). Runs the candidate once, so the
+    timing path itself is exercised."""
+    roles = sorted({role for role, *_ in costs})
+
+    def timer(run, configs: AttentionConfigs) -> float:
+        run()
+        if calls is not None:
+            calls.append(configs)
+        return sum(costs.get((role, c.block_m, c.block_n, c.num_warps), default)
+                   for role, c in ((r, getattr(configs, r)) for r in roles))
+
+    return timer
+
+
+def _run_plan(planned: list[PlannedBucket], settings: Settings) -> dict[Bucket, BucketTask]:
+    tuner = Tuner("cpu", settings)
+    done: dict[Bucket, BucketTask] = {}
+    assert tuner.run([tuner.task(p) for p in planned], done) == []
+    return done
+
+
+# ------------------------------------------------------------------------------------------
+# The search
+# ------------------------------------------------------------------------------------------
+
+
+def test_search_picks_the_fastest_candidate():
+    bucket = Bucket("stable", "fp16", 16, "none", 128, "forward")
+    timer = _timer_from({("forward", 32, 16, 4): 2.0, ("forward", 16, 32, 4): 3.0, ("forward", 16, 16, 1): 8.0})
+    task = _run_plan([PlannedBucket(bucket, SWEEP)], _tiny_settings(timer))[bucket]
+    entry = task.entry
+    assert entry["configs"] == {"forward": _cfg(32, 16)}
+    assert entry["runner_up"]["configs"] == {"forward": _cfg(16, 32)}
+    assert entry["heuristic"]["configs"] == {"forward": KernelConfig(16, 16, 1, 1).to_dict()}
+    assert entry["speedup_vs_heuristic"] == pytest.approx(8.0 / 2.0)
+    assert 0 <= entry["error_ratio"] <= 1 and entry["candidates"] == 5  # 4 shapes + the heuristic
+    # FLOP model: 4·B·H·L·S·E at the (capped) timing shape, per second.
+    shape = _tiny_settings(timer).timing_shape(bucket)
+    assert entry["tflops"] == pytest.approx(4 * shape.batch * shape.heads * 32 * 32 * 16 / 2e-3 / 1e12)
+    assert [c["block_m"] for c in entry["ranking"]["forward"]] == [32, 16]
+
+
+def test_heuristic_kept_unless_beaten_by_min_gain():
+    bucket = Bucket("stable", "fp16", 16, "none", 128, "forward")
+    task = BucketTask(PlannedBucket(bucket, SWEEP), INTERPRETER_CONFIGS)
+    faster = dataclasses.replace(INTERPRETER_CONFIGS, forward=KernelConfig(32, 16, 4, 1))
+    task.measured[task.key(INTERPRETER_CONFIGS)] = Measurement(INTERPRETER_CONFIGS, Verdict(True), 1.000)
+    task.measured[task.key(faster)] = Measurement(faster, Verdict(True), 0.995)  # 0.5%: noise
+    assert task.best(min_gain=0.01).configs == INTERPRETER_CONFIGS
+    task.measured[task.key(faster)].ms = 0.95  # 5%: a real gain
+    assert task.best(min_gain=0.01).configs == faster
+
+
+class _BrokenRunner(LaunchRunner):
+    """Kernels that go wrong for one tile shape: off by a little, or non-finite on large logits."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+
+    def forward(self, p, configs, schedule):
+        out, lse = super().forward(p, configs, schedule)
+        if configs.forward.block_m == 32 and configs.forward.block_n == 16:
+            if self.mode == "inaccurate":
+                out = out + 0.01 * out.abs().max()  # a few fp16 ulps at |out| ~ 1: past the budget
+            elif self.mode == "unstable" and p.q.abs().max() > 20:  # only the x50-logit probe
+                out = out.masked_fill(torch.ones_like(out, dtype=torch.bool), float("nan"))
+        return out, lse
+
+
+@pytest.mark.parametrize("mode,reason", [("inaccurate", "out error"), ("unstable", "probe large_logits")])
+def test_accuracy_filter_rejects_a_broken_fast_candidate(mode, reason):
+    bucket = Bucket("stable", "fp16", 16, "none", 128, "forward")
+    timer = _timer_from({("forward", 32, 16, 4): 1.0, ("forward", 16, 32, 4): 3.0})
+    settings = _tiny_settings(timer, runner=_BrokenRunner(mode))
+    task = _run_plan([PlannedBucket(bucket, SWEEP)], settings)[bucket]
+    assert task.entry["configs"] == {"forward": _cfg(16, 32)}  # the broken, "fastest" one lost
+    rejected = [r for r in task.entry["rejected"] if r["configs"] == {"forward": _cfg(32, 16)}]
+    assert len(rejected) == 1 and reason in rejected[0]["reason"], task.entry["rejected"]
+
+
+def test_backward_tunes_dkdv_then_dq_and_shortlists_follow_the_sweep():
+    """Backward coordinate search (fp32 keeps the probes few), then a causal shortlist seeded by it."""
+    sweep = Bucket("stable", "fp32", 16, "none", 128, "backward")
+    causal = sweep.replace(mask="causal")
+    timer = _timer_from({("backward_dkdv", 16, 32, 4): 1.0, ("backward_dq", 16, 32, 4): 1.0,
+                         ("backward_dkdv", 16, 16, 1): 5.0, ("backward_dq", 16, 16, 1): 5.0})
+    settings = _tiny_settings(timer, space=SearchSpace("tiny", (16,), (16, 32), (4,), (1,)),
+                              check_shape=Shape(1, 1, 33, 33), max_timing_seq=16)
+    done = _run_plan([PlannedBucket(sweep, SWEEP), PlannedBucket(causal, SHORTLIST, sweep)], settings)
+    want = {"backward_dkdv": _cfg(16, 32), "backward_dq": _cfg(16, 32)}
+    assert done[sweep].entry["configs"] == want
+    assert done[causal].entry["configs"] == want and done[causal].entry["mode"] == SHORTLIST
+    assert done[sweep].entry["speedup_vs_heuristic"] == pytest.approx(10.0 / 2.0)
+
+
+def test_precompile_worker_runs_every_problem_shape():
+    bucket = Bucket("stable", "fp16", 16, "causal", 128, "forward")
+    settings = _tiny_settings(None)
+    configs = dataclasses.replace(INTERPRETER_CONFIGS, forward=KernelConfig(32, 16, 4, 1))
+    assert warm(bucket.key(), _encode(INTERPRETER_CONFIGS), _encode(configs), (1, 2, 37, 37),
+                dataclasses.astuple(settings.timing_shape(bucket)), "cpu") is None
+    # Through the pool (spawned processes, as on the GPU): the same job, deduplicated across lengths.
+    pool = ParallelPrecompiler(1, "cpu", settings)
+    try:
+        errors = pool([(bucket, INTERPRETER_CONFIGS, configs), (bucket.replace(seq=256), INTERPRETER_CONFIGS, configs)])
+        assert errors == [None] and not pool.broken
+    finally:
+        pool.close()
+
+
+# ------------------------------------------------------------------------------------------
+# Plan and search space
+# ------------------------------------------------------------------------------------------
+
+
+def test_plan_sweeps_once_per_width_and_pass_and_copies_identical_kernels():
+    grid = Grid(("stable", "fast", "accurate"), ("bf16", "fp16"), (64, 128), ("none", "causal"), (1024, 4096))
+    plan = make_plan(grid)
+    by_key = {p.bucket.key(): p for p in plan}
+    sweeps = [p.bucket.key() for p in plan if p.kind == SWEEP]
+    assert sweeps == ["stable/bf16/e64/none/s4096/forward", "stable/bf16/e64/none/s4096/backward",
+                      "stable/bf16/e128/none/s4096/forward", "stable/bf16/e128/none/s4096/backward"]
+    assert plan[: len(sweeps)] == [by_key[k] for k in sweeps]  # sweeps first: they seed the rest
+    # fast == stable in the forward, and in the bf16 backward (no dS rescale outside fp16).
+    assert by_key["fast/fp16/e64/causal/s1024/forward"].kind == COPY
+    assert by_key["fast/bf16/e64/none/s4096/backward"].kind == COPY
+    assert by_key["fast/fp16/e64/none/s4096/backward"].kind == SHORTLIST
+    assert by_key["accurate/bf16/e64/none/s4096/forward"].source == Bucket.parse(sweeps[0])
+    assert len(plan) == len(grid.buckets())
+    order = [p.bucket for p in plan]
+    for p in plan:
+        if p.source is not None:
+            assert order.index(p.source) < order.index(p.bucket)
+
+
+def test_search_space_prunes_what_cannot_fit():
+    h200 = DeviceLimits(smem_bytes=232448)
+    bf16 = TileBytes(width=128, itemsize=2, p_itemsize=2, ds_itemsize=2, mask_itemsize=0)
+    assert fits("forward", KernelConfig(128, 64, 8, 3), bf16, h200)  # the heuristic's own config
+    assert not fits("forward", KernelConfig(128, 128, 8, 4), bf16, h200)  # 4 stages of 128-key K/V tiles
+    assert not fits("forward", KernelConfig(128, 128, 4, 1), bf16, h200)  # 384 fp32 registers a thread
+    assert not fits("forward", KernelConfig(32, 32, 8, 1), bf16, h200)  # 8 warps on a 32 x 32 tile
+    space = SearchSpace()
+    unlimited = shape_candidates("forward", space, 3, bf16, DeviceLimits(None, None))
+    assert len(unlimited) == 3 * 3 * 2 - 3  # every shape but the 8-warp ones on tiles < 64 x 64
+    pruned = shape_candidates("backward_dkdv", space, 2, bf16, h200)
+    assert 0 < len(pruned) < len(unlimited)
+    assert all(fits("backward_dkdv", c, bf16, h200) for c in pruned)
+
+
+# ------------------------------------------------------------------------------------------
+# Buckets
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seq_q,seq_k,bucket", [(1, 1, 128), (128, 64, 128), (129, 1, 256), (4096, 4096, 4096),
+                                                (100, 5000, 8192), (10**6, 1, 65536)])
+def test_seq_bucket(seq_q, seq_k, bucket):
+    assert seq_bucket(seq_q, seq_k) == bucket
+
+
+def test_bucket_mapping():
+    q = torch.empty(0, dtype=torch.float16)
+    assert mask_kind(None, False) == "none" and mask_kind(None, True) == "causal"
+    assert mask_kind(torch.ones(2, dtype=torch.bool), False) == "bool"
+    assert mask_kind(torch.zeros(2, dtype=q.dtype), True) == "float"  # an explicit mask decides
+    b = bucket_for("accurate", torch.bfloat16, 128, "causal", 3000, 17, "backward")
+    assert b.key() == "accurate/bf16/e128/causal/s4096/backward" and Bucket.parse(b.key()) == b
+    assert bucket_for("stable", torch.float64, 64, "none", 8, 8, "forward") is None  # never tuned
+    for bad in ("stable/fp16/128/none/s128/forward", "stable/fp8/e128/none/s128/forward", "x"):
+        with pytest.raises(ValueError, match="bucket key|unknown"):
+            Bucket.parse(bad)
+
+
+class _Node:
+    def __init__(self, hint):
+        self._hint = hint
+
+    def has_hint(self):
+        return self._hint is not None
+
+    @property
+    def hint(self):
+        return self._hint
+
+
+class _SymIntLike:
+    def __init__(self, hint):
+        self.node = _Node(hint)
+
+
+def test_symbolic_lengths_use_their_hint_without_a_guard():
+    assert length_hint(_SymIntLike(3000)) == 3000
+    assert length_hint(_SymIntLike(None), default=4096) == 4096  # unbacked: the default bucket
+    assert seq_bucket(_SymIntLike(3000), _SymIntLike(None)) == 4096
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    seen = []
+
+    def bucketed(x, y):
+        seen.append(seq_bucket(x.shape[0], y.shape[0]))
+        return x.sum() + y.sum()
+
+    def guarded(x, y):
+        seen.append(int(x.shape[0]))  # control: int() on a SymInt does install a guard
+        return x.sum()
+
+    def guards(fn):
+        gm = make_fx(fn, tracing_mode="symbolic")(torch.randn(3000), torch.randn(100))
+        size = next(n for n in gm.graph.nodes if n.op == "placeholder").meta["val"].shape[0]
+        assert isinstance(size, torch.SymInt)
+        return size.node.shape_env.guards
+
+    assert guards(bucketed) == [] and seen[0] == 4096
+    assert guards(guarded) != []
+
+
+# ------------------------------------------------------------------------------------------
+# The cache: keys, files, validity, lookup
+# ------------------------------------------------------------------------------------------
+
+
+def test_gpu_key_normalisation():
+    assert cache.gpu_key("NVIDIA H200", (9, 0), 132) == "nvidia-h200_sm90_132sm"
+    assert cache.gpu_key("NVIDIA H100 80GB HBM3", (9, 0), 132) == "nvidia-h100-80gb-hbm3_sm90_132sm"
+    assert cache.gpu_key("  Tesla V100-SXM2-16GB ", (7, 0), 80) == "tesla-v100-sxm2-16gb_sm70_80sm"
+    assert cache.gpu_key("NVIDIA GeForce RTX 5090", (12, 0), 170) == "nvidia-geforce-rtx-5090_sm120_170sm"
+
+
+def test_user_cache_dir_precedence(monkeypatch, tmp_path):
+    assert cache.user_cache_dir() == tmp_path / "user"
+    monkeypatch.delenv(cache.CACHE_DIR_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache.user_cache_dir() == tmp_path / "xdg" / "flash_inductor"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache.user_cache_dir() == tmp_path / "home" / ".cache" / "flash_inductor"
+
+
+def test_table_round_trip_and_validation(tmp_path):
+    table = _table(**{"stable__fp16__e64__none__s1024__forward": _fwd_entry(64, 32)})
+    path = tmp_path / "t.json"
+    cache.update_table(path, table)
+    data = json.loads(path.read_text())
+    assert data["schema"] == cache.SCHEMA_VERSION and data["kernel_source_hash"] == cache.kernel_source_hash()
+    assert {"torch", "triton", "gpu", "entries"} <= set(data)
+    assert cache.read_table(path).entries == table.entries
+    bad = dict(data, entries={"stable/fp16/e64/none/s1024/forward": {"configs": {"forward": _cfg(48, 32)}}})
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="power of two"):
+        cache.read_table(path)
+
+
+def test_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    path = tmp_path / "tables" / "gpu.json"
+    cache.update_table(path, _table(**{"stable__fp16__e64__none__s1024__forward": _fwd_entry(64, 32)}))
+    before = path.read_bytes()
+
+    def crash(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(cache.os, "fsync", crash)
+    with pytest.raises(OSError, match="disk full"):
+        cache.update_table(path, _table(**{"stable__fp16__e64__none__s2048__forward": _fwd_entry(32, 32)}))
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in path.parent.iterdir()) == ["gpu.json", "gpu.json.lock"]
+
+
+def _write_entries(path: str, worker: int, count: int) -> None:
+    for i in range(count):
+        key = f"stable/fp16/e{16 << worker}/none/s{128 << i}/forward"
+        cache.update_table(path, cache.TuningTable.for_current_code("fake-gpu_sm90_132sm", {key: _fwd_entry(64, 32)}))
+
+
+def test_concurrent_writers_keep_every_entry(tmp_path):
+    """Four processes each add five entries to one file at once: the lock and the merge under it
+    keep all twenty (without them, read-modify-write loses updates)."""
+    path = str(tmp_path / "gpu.json")
+    ctx = multiprocessing.get_context("fork")
+    workers = [ctx.Process(target=_write_entries, args=(path, w, 5)) for w in range(4)]
+    for p in workers:
+        p.start()
+    for p in workers:
+        p.join(60)
+        assert p.exitcode == 0
+    assert len(cache.read_table(path).entries) == 20
+
+
+def _install(table: cache.TuningTable, where: pathlib.Path) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    (where / cache.table_filename(table.gpu)).write_text(json.dumps(table.to_json()))
+
+
+@pytest.mark.parametrize("change", ["triton", "torch", "kernel_source_hash", "schema", "gpu"])
+def test_stale_tables_are_ignored_with_one_warning(tmp_path, change):
+    gpu = "fake-gpu_sm90_132sm"
+    table = _table(gpu, **{"stable__fp16__e64__none__s1024__forward": _fwd_entry(64, 32)})
+    stale = {"triton": dict(triton="0.0.1"), "torch": dict(torch="1.0.0"), "schema": dict(schema=0),
+             "kernel_source_hash": dict(kernel_source_hash="0" * 64), "gpu": dict(gpu="other_sm80_108sm")}[change]
+    bad = cache.TuningTable(**{**vars(table), **stale})
+    (tmp_path / "user").mkdir()
+    (tmp_path / "user" / cache.table_filename(gpu)).write_text(json.dumps(bad.to_json()))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert cache.load_tables(gpu) is None
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 2 and "ignoring the user tuning table" in messages[0]  # then: no table at all
+    assert all("python -m flash_inductor.autotune" in m for m in messages)
+    _install(table, tmp_path / "user")  # the current table is used again after a reload
+    cache.clear_cache()
+    assert cache.load_tables(gpu).lookup(Bucket.parse("stable/fp16/e64/none/s1024/forward")) is not None
+
+
+def test_kernel_source_hash_changes_with_any_kernel_file(tmp_path):
+    kernels = ROOT / "flash_inductor" / "kernels"
+    copy = tmp_path / "kernels"
+    copy.mkdir()
+    for path in kernels.glob("*.py"):
+        (copy / path.name).write_bytes(path.read_bytes())
+    assert cache.hash_sources(copy) == cache.kernel_source_hash()
+    source = copy / "attn_bwd.py"
+    source.write_text(source.read_text() + "\n# a comment\n")
+    assert cache.hash_sources(copy) != cache.kernel_source_hash()
+
+
+def test_user_entries_shadow_shipped_ones(tmp_path):
+    gpu = "fake-gpu_sm90_132sm"
+    _install(_table(gpu, **{"stable__fp16__e64__none__s1024__forward": _fwd_entry(64, 64),
+                            "stable__fp16__e64__none__s1024__backward": _bwd_entry((32, 64), (64, 32))}),
+             tmp_path / "shipped")
+    _install(_table(gpu, **{"stable__fp16__e64__none__s1024__forward": _fwd_entry(128, 32)}), tmp_path / "user")
+    view = cache.load_tables(gpu)
+    fwd = Bucket.parse("stable/fp16/e64/none/s1024/forward")
+    assert view.lookup(fwd) == {"forward": _cfg(128, 32)}
+    assert view.lookup(fwd.replace(pass_name="backward"))["backward_dq"] == _cfg(64, 32)
+    assert cache.load_tables(gpu) is view  # read once: later lookups do no file I/O
+
+
+def test_lookup_uses_the_nearest_tuned_length():
+    view = cache.TableView([_table(**{"stable__fp16__e64__none__s1024__forward": _fwd_entry(32, 32),
+                                      "stable__fp16__e64__none__s16384__forward": _fwd_entry(128, 64)})])
+    fwd = Bucket.parse("stable/fp16/e64/none/s1024/forward")
+    assert view.lookup(fwd.replace(seq=2048)) == {"forward": _cfg(32, 32)}
+    assert view.lookup(fwd.replace(seq=4096)) == {"forward": _cfg(128, 64)}  # a tie goes to the longer
+    assert view.lookup(fwd.replace(seq=65536)) == {"forward": _cfg(128, 64)}
+    assert view.lookup(fwd.replace(mask="causal")) is None  # another family: the heuristic decides
+
+
+def test_no_table_on_a_gpu_warns_once_naming_the_command(monkeypatch):
+    monkeypatch.setattr(cache, "device_gpu_key", lambda device: "fake-gpu_sm90_132sm")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert cache.active_table(torch.device("cuda"), interpreted=False) is None
+    assert len(record) == 1 and "python -m flash_inductor.autotune" in str(record[0].message)
+    # The interpreter keeps its fixed tiles and reads nothing.
+    assert cache.active_table(torch.device("cpu"), interpreted=True) is None
+
+
+# ------------------------------------------------------------------------------------------
+# Tables reach the launcher and the compile cache key
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def launch_spy(monkeypatch):
+    """Records (kernel name, BLOCK_M, BLOCK_N) of every kernel launch."""
+    calls = []
+    real = launch._launcher
+
+    def spy(kernel):
+        launcher = real(kernel)
+
+        class Spied:
+            def __getitem__(self, grid):
+                def call(*args, **kwargs):
+                    calls.append((kernel.__name__, kwargs.get("BLOCK_M"), kwargs.get("BLOCK_N")))
+                    return launcher[grid](*args, **kwargs)
+                return call
+
+        return Spied()
+
+    monkeypatch.setattr(launch, "_launcher", spy)
+    return calls
+
+
+def _forward_backward(device="cpu"):
+    q, k, v = make_qkv(1, 2, 2, 37, 45, 24, 24, torch.float16, device, seed=0)
+    dout = randn((1, 2, 37, 24), torch.float16, device, 2)
+    out, lse = launch.attention_forward(q, k, v, None, None, 0.0, True, 8, 24**-0.5, "stable")
+    dq, dk, dv, _ = launch.attention_backward(dout, q, k, v, None, out, lse, None, None, 0.0, True, 8, 24**-0.5,
+                                              "stable", False)
+    return out, dq, dk, dv
+
+
+def test_a_table_changes_the_launched_configs(launch_spy):
+    baseline = _forward_backward()
+    heuristic_launches = set(launch_spy)
+    blocks = {name: (bm, bn) for name, bm, bn in launch_spy}
+    assert blocks["_attn_fwd"] == (16, 16) and blocks["_attn_bwd_dkdv"] == (16, 16)  # interpreter tiles
+
+    # E=24 pads to width 32; L=37, S=45 -> length bucket 128; causal.
+    table = _table(**{"stable__fp16__e32__causal__s128__forward": _fwd_entry(32, 16),
+                      "stable__fp16__e32__causal__s128__backward": _bwd_entry((16, 32), (32, 16))})
+    launch_spy.clear()
+    with cache.override_table(table):
+        tuned = _forward_backward()
+    launched = {name: (bm, bn) for name, bm, bn in launch_spy}
+    assert launched["_attn_fwd"] == (32, 16)
+    assert launched["_attn_bwd_dkdv"] == (16, 32) and launched["_attn_bwd_dq"] == (32, 16)
+    # Configs change the order of fp32 sums only: results agree to fp16 rounding.
+    for a, b in zip(baseline, tuned):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+
+    # A table for another schedule or mask kind leaves this launch on the heuristic.
+    launch_spy.clear()
+    with cache.override_table(_table(**{"accurate__fp16__e32__causal__s128__forward": _fwd_entry(32, 32)})):
+        _forward_backward()
+    assert set(launch_spy) == heuristic_launches
+
+
+def test_select_configs_reads_the_table_per_pass():
+    q = torch.empty(1, 2, 5000, 64, dtype=torch.float16)
+    table = _table(**{"stable__fp16__e64__none__s8192__backward": _bwd_entry((32, 64), (64, 32))})
+    with cache.override_table(table):
+        got = select_configs(q, 64, 64, True)  # the query's own lengths: bucket 8192
+    assert got.forward == KernelConfig(16, 16, 1, 1)  # no forward entry: heuristic
+    assert got.backward_dkdv == KernelConfig(32, 64, 4, 1) and got.backward_dq == KernelConfig(64, 32, 4, 1)
+
+
+def test_pass_uuid_follows_the_active_table():
+    base = FlashAttentionPass().uuid()
+    first = _table(**{"stable__fp16__e64__none__s1024__forward": _fwd_entry(64, 32)})
+    second = _table(**{"stable__fp16__e64__none__s1024__forward": _fwd_entry(32, 32)})
+    with cache.override_table(first):
+        with_first = FlashAttentionPass().uuid()
+        p = FlashAttentionPass()
+    with cache.override_table(second):
+        with_second = p.uuid()  # the same pass object sees the new table
+    assert len({base, with_first, with_second}) == 3
+    with cache.override_table(first):
+        assert FlashAttentionPass().uuid() == with_first
+
+
+# ------------------------------------------------------------------------------------------
+# The command line: table, summary, time budget and resume
+# ------------------------------------------------------------------------------------------
+
+
+def test_cli_writes_table_and_summary_and_resumes(tmp_path, capsys):
+    calls = []
+    timer = _timer_from({("forward", 32, 16, 4): 2.0}, calls=calls)
+    settings = _tiny_settings(timer, space=SearchSpace("tiny", (16, 32), (16,), (4,), (1,)), tasks_per_round=1)
+    out = tmp_path / "tables"
+    argv = ["--dtypes", "fp16", "--head-dims", "16", "--masks", "none,causal", "--schedules", "stable",
+            "--passes", "forward", "--seqs", "4096", "--output", str(out), "--summary", str(tmp_path / "s.json")]
+    # A budget this small stops after the first round: the sweep is saved, the shortlist is not.
+    assert cli.main(argv + ["--time-budget", "1e-6"], settings=settings, device=torch.device("cpu")) == 0
+    table = cache.read_table(out / "triton-interpreter.json")
+    assert list(table.entries) == ["stable/fp16/e16/none/s4096/forward"]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["complete"] is False and summary["remaining"] == ["stable/fp16/e16/causal/s4096/forward"]
+
+    measured_before = len(calls)
+    assert cli.main(argv + ["--resume"], settings=settings, device=torch.device("cpu")) == 0
+    # Only the causal shortlist ran: the heuristic and the sweep's two best, not the sweep again.
+    assert 1 <= len(calls) - measured_before <= 1 + 2
+    table = cache.read_table(out / "triton-interpreter.json")
+    assert set(table.entries) == {"stable/fp16/e16/none/s4096/forward", "stable/fp16/e16/causal/s4096/forward"}
+    assert table.entries["stable/fp16/e16/causal/s4096/forward"]["configs"] == {"forward": _cfg(32, 16)}
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["complete"] is True and all(r["tuned"] for r in summary["rows"])
+    printed = capsys.readouterr().out
+    assert "stable/fp16/e16/causal/s4096/forward" in printed and "TFLOP/s" in printed
+    # Entries tuned in another search space (e.g. a --quick run) are tuned again, not resumed.
+    measured_before = len(calls)
+    other = dataclasses.replace(settings, space=dataclasses.replace(settings.space, name="other"))
+    assert cli.main(argv + ["--resume"], settings=other, device=torch.device("cpu")) == 0
+    assert len(calls) - measured_before >= 3
+    assert {e["space"] for e in cache.read_table(out / "triton-interpreter.json").entries.values()} == {"other"}
+    assert not list(pathlib.Path.cwd().glob("triton-interpreter*.json"))  # never the working directory
+
+
+def test_cli_quick_grid_and_default_output():
+    args = cli.parse_args(["--quick"])
+    grid = cli.make_grid(args)
+    assert grid.dtypes == ("bf16",) and grid.widths == (128,) and grid.seqs == (4096,)
+    assert cli.output_path(args, "g") == cache.user_cache_dir() / "g.json"
+    assert cli.output_path(cli.parse_args(["--ship"]), "g") == cache.shipped_tables_dir() / "g.json"
+    assert cli.make_grid(cli.parse_args(["--head-dims", "96,128,80"])).widths == (128,)
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--seqs", "1000"])
+
+
+# ------------------------------------------------------------------------------------------
+# Precision schedules: the documented contract
+# ------------------------------------------------------------------------------------------
+
+
+def test_schedule_stages_follow_the_kernel_switches():
+    tables = {name: s.stages() for name, s in SCHEDULES.items()}
+    names = {tuple(stage.name for stage in stages) for stages in tables.values()}
+    assert len(names) == 1  # the same stages, in the same order, for every schedule
+    for name, schedule in SCHEDULES.items():
+        rows = {stage.name: stage.dtype for stage in tables[name]}
+        assert rows["P for P·V"].startswith("fp32") == schedule.p_in_fp32
+        assert rows["bwd: dS for dS·K, dSᵀ·Q"].startswith("fp32") == schedule.ds_in_fp32
+        assert ("scaled by 2⁻ᵏ" in rows["bwd: dS for dS·K, dSᵀ·Q"]) == schedule.ds_rescale
+        assert rows["S = QKᵀ"].endswith("accumulator: fp32") and rows["softmax scale"] == "fp32, on S"
+
+
+def test_readme_schedule_table_is_generated_from_schedules_py():
+    assert schedules_markdown_table() in (ROOT / "README.md").read_text()
