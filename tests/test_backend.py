@@ -239,10 +239,11 @@ class TestReport(expecttest.TestCase):
         with torch.no_grad():
             torch.testing.assert_close(torch.compile(model, backend=flash_inductor.backend)(x), model(x))
         self.assertExpectedInline(flash_inductor.last_report().format(), """\
-flash_inductor: 2 attention site(s) rewritten, 1 kept
-  rewrote sdpa         at scaled_dot_product_attention: -> flash_inductor::attention_forward
-  rewrote mha          at attn_output: -> flash_inductor::attention_forward
-  kept    mha          at multi_head_attention_forward_1: attention weights are used (need_weights=True and getitem 1 has users); the op never forms the L x S weights""")
+flash_inductor: rewrote 2 of 3 attention sites
+  module  node                            pattern  status     reason
+  -       scaled_dot_product_attention    sdpa     rewritten  no mask
+  mha     attn_output                     mha      rewritten  no mask
+  mha     multi_head_attention_forward_1  mha      kept       attention weights are used (need_weights=True and getitem 1 has users); the op never forms the L x S weights""")
 
 
 def test_attention_over_attention_rewrites_both_sites():
