@@ -62,7 +62,11 @@ class TestReportTable(expecttest.TestCase):
         model = _Stack()
         with torch.no_grad():
             report = flash_inductor.explain(model, _x())
-        self.assertExpectedInline(str(report), """""")
+        self.assertExpectedInline(str(report), """\
+flash_inductor: rewrote 1 of 2 attention sites
+  module    node                          pattern      status     reason
+  blocks.0  scaled_dot_product_attention  sdpa         rewritten  causal
+  blocks.1  probs                         handwritten  kept       the attention probabilities (probs) are also used by output (e.g. returned as attention weights)""")
         self.assertEqual([(s.module, s.status) for s in report.sites], [("blocks.0", "rewritten"), ("blocks.1", "kept")])
         self.assertEqual(report.rewritten, 1)
         self.assertIs(report.sites, report.records)
@@ -75,7 +79,11 @@ class TestReportTable(expecttest.TestCase):
         model = CASES["gpt2"].build("eager").eval()
         with torch.no_grad():
             report = flash_inductor.explain(model, **CASES["gpt2"].inputs(padded=True, device="cpu"))
-        self.assertExpectedInline(str(report), """""")
+        self.assertExpectedInline(str(report), """\
+flash_inductor: rewrote 2 of 2 attention sites
+  module    node           pattern                    status     reason
+  h.0.attn  attn_output    handwritten_additive_mask  rewritten  float mask, scale 0.3536
+  h.1.attn  attn_output_4  handwritten_additive_mask  rewritten  float mask, scale 0.3536""")
 
 
 def test_explain_recompiles_even_when_caches_could_serve_it():
