@@ -138,24 +138,33 @@ def encoder_inputs(padded: bool, seed: int = 0, device: str = DEVICE) -> dict:
 @dataclasses.dataclass(frozen=True)
 class ModelCase:
     """A model family: ``build(impl, **config_overrides)``, ``inputs(padded, seed, device)``, the
-    attention modules (in report order) and the pattern each implementation is reported under."""
+    attention modules (in report order) and the pattern each implementation is reported under.
+    ``inference_modules`` where inference (eval, no_grad) reports other modules."""
 
     build: Callable[..., nn.Module]
     inputs: Callable[..., dict]
     modules: tuple[str, ...]
-    patterns: dict  # impl -> pattern name, or (training pattern, eval-without-grad pattern)
+    patterns: dict  # impl -> pattern name, or (training pattern, inference pattern)
     impls: tuple[str, ...] = ("eager", "sdpa")
+    inference_modules: Optional[tuple[str, ...]] = None
 
     def pattern(self, impl: str, training: bool) -> str:
         found = self.patterns[impl]
         return found if isinstance(found, str) else found[0 if training else 1]
+
+    def sites(self, impl: str, training: bool) -> list[tuple[str, str]]:
+        """(module, pattern) of every site, in report order."""
+        modules = self.modules if training or self.inference_modules is None else self.inference_modules
+        return [(module, self.pattern(impl, training)) for module in modules]
 
 
 def _layers(template: str, n: int = LAYERS) -> tuple[str, ...]:
     return tuple(template.format(i) for i in range(n))
 
 
-_HF_DECODER = dict(eager="handwritten_gqa", sdpa="sdpa")
+# HF's GQA models call SDPA with enable_gqa=True only without a mask; under torch.compile they
+# always build one (even unpadded), so K/V are repeated first: "sdpa_repeat_kv".
+_HF_DECODER = dict(eager="handwritten_gqa", sdpa="sdpa_repeat_kv")
 CASES = {
     "gpt2": ModelCase(_gpt2, token_inputs, _layers("h.{}.attn"), dict(eager="handwritten_additive_mask", sdpa="sdpa")),
     "llama": ModelCase(_decoder("LlamaConfig", "LlamaModel"), token_inputs, _layers("layers.{}.self_attn"), _HF_DECODER),
@@ -167,10 +176,12 @@ CASES = {
     "t5": ModelCase(_t5, t5_inputs, ("encoder.block.0.layer.0.SelfAttention", "decoder.block.0.layer.0.SelfAttention",
                                      "decoder.block.0.layer.1.EncDecAttention"),
                     dict(eager="handwritten_additive_mask", sdpa="sdpa")),
-    "vit": ModelCase(_vit, image_inputs, _layers("encoder.layer.{}.attention.attention"),
+    "vit": ModelCase(_vit, image_inputs, _layers("layers.{}.attention"),
                      dict(eager="handwritten_additive_mask", sdpa="sdpa")),
+    # Inference takes the fused layer, one node per encoder layer.
     "torch_encoder": ModelCase(TorchEncoder, encoder_inputs, _layers("encoder.layers.{}.self_attn"),
-                               dict(torch=("mha", "mha_encoder")), impls=("torch",)),
+                               dict(torch=("mha", "mha_encoder")), impls=("torch",),
+                               inference_modules=_layers("encoder.layers.{}")),
 }
 
 

@@ -71,8 +71,7 @@ def _sites():
 
 
 def _expected_sites(name, impl, training):
-    case = CASES[name]
-    return [(module, case.pattern(impl, training), "rewritten") for module in case.modules]
+    return [(module, pattern, "rewritten") for module, pattern in CASES[name].sites(impl, training)]
 
 
 def _report_text():
@@ -86,15 +85,30 @@ def _forward_backward(model, inputs, params, grad_seed=7):
     return [out.detach()] + [p.grad for p in params]
 
 
-def _assert_rel_close(name, ours, eager):
-    """max|ours - eager| <= RTOL * max|eager|; an all-zero eager gradient must be zero."""
+def _assert_rel_close(name, ours, eager, scale=None):
+    """max|ours - eager| <= RTOL * scale, scale = max|eager| unless given."""
     if eager is None or ours is None:
         assert ours is None and eager is None, f"{name}: gradient is None on one side only"
         return
     assert ours.shape == eager.shape, f"{name}: shape {tuple(ours.shape)} != {tuple(eager.shape)}"
     err = (ours.double() - eager.double()).abs().max().item()
-    scale = eager.double().abs().max().item()
-    assert err <= RTOL * scale, f"{name}: max error {err:.3e} > {RTOL} x max|eager| {scale:.3e}"
+    scale = eager.double().abs().max().item() if scale is None else scale
+    assert err <= RTOL * scale, f"{name}: max error {err:.3e} > {RTOL} x {scale:.3e}"
+
+
+def _layer_scales(names, grads):
+    """Per parameter, the largest eager gradient entry of its layer (the parameters of one module).
+
+    A tensor's own largest entry is no scale for a gradient that is exactly zero in exact
+    arithmetic: a key projection's bias (BERT's ``key.bias``) adds the same q·b to every key of a
+    row, which the softmax ignores, so both sides hold only rounding noise (~1e-9). Measured
+    against its layer, it is compared with the weight gradient built from the same dK terms."""
+    layer_max = {}
+    for name, grad in zip(names, grads):
+        if grad is not None:
+            layer = name.rpartition(".")[0]
+            layer_max[layer] = max(layer_max.get(layer, 0.0), grad.double().abs().max().item())
+    return [layer_max.get(name.rpartition(".")[0]) for name in names]
 
 
 # ------------------------------------------------------------------------------------------
@@ -111,9 +125,10 @@ def test_training_every_site_rewritten_and_gradients_match(name, impl):
     got = _forward_backward(compiled, inputs, list(ours.parameters()))
     want = _forward_backward(eager, inputs, list(eager.parameters()))
     assert _sites() == _expected_sites(name, impl, training=True), _report_text()
-    names = ["output"] + [n for n, _ in eager.named_parameters()]
-    for param_name, a, b in zip(names, got, want):
-        _assert_rel_close(param_name, a, b)
+    _assert_rel_close("output", got[0], want[0])
+    names = [n for n, _ in eager.named_parameters()]
+    for param_name, a, b, scale in zip(names, got[1:], want[1:], _layer_scales(names, want[1:])):
+        _assert_rel_close(param_name, a, b, scale)
 
 
 @pytest.mark.parametrize("name, impl", _params())
@@ -127,15 +142,12 @@ def test_inference_every_site_rewritten_and_output_matches(name, impl):
     _assert_rel_close("output", got, want)
 
 
-_DROPOUT = {"gpt2": dict(attn_pdrop=0.1), "llama": dict(attention_dropout=0.1)}
-
-
-@pytest.mark.parametrize("name, impl", _params(_DROPOUT))
+@pytest.mark.parametrize("name, impl", _params(["llama"]))
 def test_attention_dropout_in_training_becomes_dropout_p(name, impl):
     """With attention dropout the sites are still rewritten, the op drawing the dropout (its RNG
     differs from eager's, so only the report and finiteness are checked here; test_dropout.py
     checks the op's dropout itself)."""
-    model = _build(name, impl, **_DROPOUT[name]).train()
+    model = _build(name, impl, attention_dropout=0.1).train()
     out = output_tensor(torch.compile(model, backend=_backend(name, impl, "training"))(**CASES[name].inputs(True)))
     assert out.isfinite().all()
     assert _sites() == _expected_sites(name, impl, training=True), _report_text()
@@ -195,7 +207,8 @@ def test_fp16_where_eager_overflows(name, impl):
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, impl", [p for p in _params(("gpt2", "llama")) if p.values[1] == "eager"])
+@needs_transformers
+@pytest.mark.parametrize("name, impl", [("llama", "eager")])
 def test_output_attentions_keeps_every_site(name, impl):
     """output_attentions=True returns each layer's probabilities: the op never forms them, so
     every site stays as written, and the model computes exactly what eager does."""
