@@ -10,6 +10,7 @@ from its caches the pass does not run. ``explain`` therefore always compiles afr
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -61,4 +62,26 @@ def explain_with(options: RewriteOptions, fn_or_module: Callable, args: tuple, k
     merged = RewriteReport()
     for report in backend.reports:
         merged.extend(report)
+    root = getattr(fn_or_module, "_orig_mod", fn_or_module)  # an already compiled module
+    if isinstance(root, torch.nn.Module):
+        _paths_from_root(merged, root)
     return merged
+
+
+def _paths_from_root(report: RewriteReport, root: torch.nn.Module) -> None:
+    """Make module paths relative to ``root``. After a graph break, dynamo traces the rest of the
+    call from an inner module's frame (HF's ``LlamaForCausalLM`` resuming in ``self.model``) and
+    records paths relative to that module; a path that names a module of that class under exactly
+    one submodule of ``root`` is completed with that submodule's path."""
+    modules = dict(root.named_modules())
+
+    def fits(path: str, cls) -> bool:
+        return path in modules and (cls is None or type(modules[path]) is cls)
+
+    for i, site in enumerate(report.sites):
+        if site.module is None or fits(site.module, site.module_type):
+            continue
+        owners = [prefix for prefix in modules if prefix and fits(f"{prefix}.{site.module}", site.module_type)]
+        if len(owners) == 1:
+            # A copy: the per-compile reports in REPORTS keep what their frame recorded.
+            report.records[i] = dataclasses.replace(site, module=f"{owners[0]}.{site.module}")

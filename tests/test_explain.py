@@ -143,3 +143,31 @@ def test_report_true_logs_the_table(caplog):
         torch.compile(model, backend=flash_inductor.make_backend(report=True))(_x())
     (message,) = [r.getMessage() for r in caplog.records if r.name == "flash_inductor" and r.levelno == logging.INFO]
     assert message == flash_inductor.last_report().format() and "blocks.1" in message
+
+
+class _Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = _Attention(returns_probs=False)
+
+    def forward(self, x):
+        torch._dynamo.graph_break()  # dynamo traces the rest from this module's own frame
+        return self.attn(x)[0]
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.inner = nn.Linear(E, E), _Inner()
+
+    def forward(self, x):
+        return self.inner(self.proj(x))
+
+
+def test_module_paths_after_a_graph_break_are_from_the_model_given():
+    model = _Outer()
+    with torch.no_grad():
+        report = flash_inductor.explain(model, _x())
+        plain = [s.module for r in REPORTS[-2:] for s in r.sites]  # what the frames themselves recorded
+    assert [(s.module, s.status) for s in report.sites] == [("inner.attn", "rewritten")], report
+    assert plain == ["attn"]

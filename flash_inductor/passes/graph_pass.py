@@ -85,7 +85,7 @@ class FlashAttentionPass(CustomGraphPass):
     def _handle(self, graph: fx.Graph, found, report: RewriteReport, replaced: dict) -> None:
         if isinstance(found, KeptSite):
             module = module_path([found.node, *found.related])
-            report.records.append(SiteRecord(found.pattern, found.node.name, False, found.reason, module))
+            report.records.append(SiteRecord(found.pattern, found.node.name, False, found.reason, *module))
             counters["flash_inductor"][f"kept_{found.pattern}"] += 1
             return
         site: AttentionSite = found
@@ -95,12 +95,12 @@ class FlashAttentionPass(CustomGraphPass):
         device = query.device.type if query is not None else None
         if device not in self.options.devices:
             report.records.append(SiteRecord(site.pattern, name, False,
-                                             f"device {device} is not in devices={self.options.devices}", module))
+                                             f"device {device} is not in devices={self.options.devices}", *module))
             return
         for field in ("query", "key", "value", "attn_mask"):
             setattr(site, field, replaced.get(getattr(site, field), getattr(site, field)))
         replaced[site.output] = rewrite_site(graph, site, self.options.schedule)
-        report.records.append(SiteRecord(site.pattern, name, True, detail, module))
+        report.records.append(SiteRecord(site.pattern, name, True, detail, *module))
         counters["flash_inductor"][site.pattern] += 1
 
     def uuid(self) -> str:

@@ -36,9 +36,12 @@ class SiteRecord:
         detail: for a rewritten site the op's arguments (mask, causal, GQA, dropout, scale); for a
             kept site why it was left as written.
         module: the path of the innermost module containing the whole site, relative to the
-            compiled module (``transformer.h.3.attn``); None when the graph carries no module
-            stack (a compiled function, a symbolically traced graph) or the site sits in the
-            root module itself.
+            module whose forward the graph was traced from (``transformer.h.3.attn``; after a
+            graph break that is the module of the resumed frame, and ``explain`` turns it into
+            the path from the model it was given); None when the graph carries no module stack
+            (a compiled function, a symbolically traced graph) or the site sits in that module's
+            own forward.
+        module_type: the class of that module, if known.
     """
 
     pattern: str
@@ -46,6 +49,7 @@ class SiteRecord:
     rewritten: bool
     detail: str
     module: Optional[str] = None
+    module_type: Optional[type] = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def status(self) -> str:

@@ -118,8 +118,8 @@ def _relative_path(dynamo_path: str) -> Optional[str]:
     return path or None
 
 
-def module_path(nodes: Iterable[Any]) -> Optional[str]:
-    """The innermost module whose forward contains all ``nodes``, from dynamo's
+def module_path(nodes: Iterable[Any]) -> tuple[Optional[str], Optional[type]]:
+    """(path, class) of the innermost module whose forward contains all ``nodes``, from dynamo's
     ``meta["nn_module_stack"]`` (outermost first); nodes without one (placeholders) are skipped."""
     common: Optional[list] = None
     for node in nodes:
@@ -134,8 +134,9 @@ def module_path(nodes: Iterable[Any]) -> Optional[str]:
             keep += 1
         common = common[:keep]
     if not common:
-        return None
-    return _relative_path(str(common[-1][0]))
+        return None, None
+    path, cls = common[-1][0], common[-1][1] if len(common[-1]) > 1 else None
+    return _relative_path(str(path)), cls if isinstance(cls, type) else None
 
 
 def rewrite_site(graph: fx.Graph, site: AttentionSite, schedule: Optional[str]) -> fx.Node:
