@@ -25,7 +25,8 @@ def explain(fn_or_module: Callable, *args: Any, **kwargs: Any) -> RewriteReport:
     ``**kwargs``, and return the report of every attention site the pass saw.
 
     Args:
-        fn_or_module: a function or an ``nn.Module``, as you would pass to ``torch.compile``.
+        fn_or_module: a function or an ``nn.Module``, as you would pass to ``torch.compile`` (a
+            module ``torch.compile`` already returned is explained from its original).
         *args, **kwargs: its inputs. The call runs as is: in the caller's grad mode and with the
             module's own ``training`` flag, which decide what is compiled (dropout is only a
             site argument in training; ``no_grad`` may select other module paths).
@@ -47,8 +48,11 @@ def explain(fn_or_module: Callable, *args: Any, **kwargs: Any) -> RewriteReport:
 
 
 def explain_with(options: RewriteOptions, fn_or_module: Callable, args: tuple, kwargs: dict) -> RewriteReport:
+    # An already compiled module is explained from its original: compiling the wrapper would nest
+    # its own dynamo context inside ours.
+    root = getattr(fn_or_module, "_orig_mod", fn_or_module)
     backend = FlashInductorBackend(options, without_caches=True)
-    compiled = torch.compile(fn_or_module, backend=backend)
+    compiled = torch.compile(root, backend=backend)
     # The AOTAutograd cache is looked up before the pre-grad passes run: a hit would skip ours.
     with torch._functorch.config.patch(enable_autograd_cache=False):
         compiled(*args, **kwargs)
@@ -62,7 +66,6 @@ def explain_with(options: RewriteOptions, fn_or_module: Callable, args: tuple, k
     merged = RewriteReport()
     for report in backend.reports:
         merged.extend(report)
-    root = getattr(fn_or_module, "_orig_mod", fn_or_module)  # an already compiled module
     if isinstance(root, torch.nn.Module):
         _paths_from_root(merged, root)
     return merged

@@ -110,12 +110,12 @@ def _module_entries(node: fx.Node) -> list[tuple[str, Any]]:
 
 
 def _relative_path(dynamo_path: str) -> Optional[str]:
-    """``L['self'].transformer.h[3].attn`` (or ``...h.3.attn``) -> ``transformer.h.3.attn``:
-    the path relative to the compiled module; None for the root itself."""
+    """``L['self'].transformer.h[3].attn``, ``...h.3.attn`` or ``..._modules['h']._modules['3']...``
+    -> ``transformer.h.3.attn``: the path relative to the traced module; None for that module."""
     path = re.sub(r"^L\[['\"][^'\"]+['\"]\]", "", dynamo_path)
     path = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", path)
-    path = path.strip(".")
-    return path or None
+    parts = [p for p in path.split(".") if p and p not in ("_modules", "_parameters", "_buffers")]
+    return ".".join(parts) or None
 
 
 def module_path(nodes: Iterable[Any]) -> tuple[Optional[str], Optional[type]]:
