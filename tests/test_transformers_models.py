@@ -29,7 +29,6 @@ import importlib.util
 import pytest
 import torch
 
-import flash_inductor
 from flash_inductor.passes.report import REPORTS
 from helpers import DEVICE, FLOOR_ULPS, randn
 from model_zoo import (

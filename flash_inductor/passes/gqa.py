@@ -17,8 +17,6 @@ import torch.fx as fx
 from .handwritten_checks import bind, is_function, is_method, known_equal, tensor_value
 
 
-
-
 def _pattern_gqa_1(node: Any) -> Optional[tuple[fx.Node, int, list]]:
     # HF Llama / Mistral / Qwen repeat_kv: x[:, :, None, :, :].expand(b, h, n_rep, s, d)
     # .reshape(b, h * n_rep, s, d). Head h of the result is head h // n_rep of x, as enable_gqa.

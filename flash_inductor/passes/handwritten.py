@@ -31,11 +31,11 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .gqa import peel_repeats
 from .handwritten_checks import (
     Keep, Scale, bind, check_only_user, describe, fill_value, is_function, is_mask_fill, is_method,
     known_equal, scalar, tensor_value, triangle, value_users,
 )
-from .gqa import peel_repeats
 from .handwritten_site import Context, Match, Product, Step, assemble
 from .site import AttentionSite, KeptSite
 
