@@ -719,7 +719,7 @@ class TestPrintouts(expecttest.TestCase):
         self.assertExpectedInline(flash_inductor.last_report().format(), """\
 flash_inductor: rewrote 1 of 2 attention sites
   module  node   pattern            status     reason
-  -       x      handwritten_plain  rewritten  scale 0.3536
+  -       x      handwritten_plain  rewritten  no mask, scale 0.3536
   -       probs  handwritten        kept       the attention probabilities (probs) are also used by output (e.g. returned as attention weights)""")
 
     def test_rewritten_llama_graph(self):

@@ -93,15 +93,14 @@ def describe_rewrite(site: AttentionSite) -> str:
     elif site.attn_mask is not None:
         mask = example_value(site.attn_mask)
         parts.append("bool mask" if mask is not None and mask.dtype == torch.bool else "float mask")
-    if site.is_causal:
-        parts.append("causal")
+    parts.append("causal" if site.is_causal else "no mask" if not parts else None)
     if site.enable_gqa:
         parts.append("GQA")
     if site.dropout_p:
         parts.append(f"dropout {site.dropout_p:g}")
     if site.scale is not None:
         parts.append(f"scale {site.scale:.4g}")
-    return ", ".join(parts) if parts else "no mask"
+    return ", ".join(p for p in parts if p)
 
 
 def _module_entries(node: fx.Node) -> list[tuple[str, Any]]:
