@@ -4,6 +4,8 @@ Public API:
   * :func:`flash_attention` -- SDPA's signature and semantics on the stabilised Triton op.
   * :data:`backend` / :func:`make_backend` -- ``torch.compile(model, backend=flash_inductor.backend)``
     rewrites the model's attention onto the op; :func:`last_report` says which sites it rewrote.
+  * :func:`explain` -- ``print(flash_inductor.explain(model, *inputs))``: a fresh compile's table of
+    every attention site, rewritten or kept (and why), with its module path.
   * :data:`SCHEDULES` -- the precision schedules ``flash_attention(..., schedule=)`` accepts.
 
 Importing registers the ``flash_inductor::`` torch.library ops; it changes no global config.
@@ -11,9 +13,11 @@ Importing registers the ``flash_inductor::`` torch.library ops; it changes no gl
 
 from .api import flash_attention
 from .backend import backend, make_backend
+from .explanation import explain
 from .passes.report import last_report
 from .tuning.schedules import DEFAULT_SCHEDULE, SCHEDULES, PrecisionSchedule
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attention", "backend", "make_backend", "last_report", "SCHEDULES", "DEFAULT_SCHEDULE", "PrecisionSchedule", "__version__"]
+__all__ = ["flash_attention", "backend", "make_backend", "explain", "last_report", "SCHEDULES", "DEFAULT_SCHEDULE",
+           "PrecisionSchedule", "__version__"]

@@ -10,20 +10,26 @@ kept and runs after ours.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from .passes.graph_pass import ChainedPass, FlashAttentionPass, RewriteOptions
-from .passes.report import one_report_per_compile
+from .passes.report import RewriteReport, one_report_per_compile
 
 
 class FlashInductorBackend:
-    """A torch.compile backend callable: ``backend(gm, example_inputs, mode=None, options=None)``."""
+    """A torch.compile backend callable: ``backend(gm, example_inputs, mode=None, options=None)``.
 
-    def __init__(self, options: RewriteOptions = RewriteOptions()):
+    ``without_caches`` (used by :func:`flash_inductor.explain`) turns Inductor's FX graph cache
+    off for this backend's compiles, and ``reports`` collects the report of each of them.
+    """
+
+    def __init__(self, options: RewriteOptions = RewriteOptions(), *, without_caches: bool = False):
         self.options = options
         self.graph_pass = FlashAttentionPass(options)
+        self.without_caches = without_caches
+        self.reports: Optional[list[RewriteReport]] = [] if without_caches else None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str] = None,
                  options: Optional[dict] = None):
@@ -42,8 +48,18 @@ class FlashInductorBackend:
         if user_pass is not None:
             chained.extend(user_pass if isinstance(user_pass, (list, tuple)) else [user_pass])
         patches["pre_grad_custom_pass"] = ChainedPass(chained) if len(chained) > 1 else self.graph_pass
-        with one_report_per_compile():
+        if self.without_caches:
+            patches["fx_graph_cache"] = False
+        with one_report_per_compile(verbose=self.options.report) as report:
+            if self.reports is not None:
+                self.reports.append(report)
             return compile_fx(gm, example_inputs, config_patches=patches)
+
+    def explain(self, fn_or_module: Callable, *args: Any, **kwargs: Any) -> RewriteReport:
+        """:func:`flash_inductor.explain` with this backend's options."""
+        from .explanation import explain_with
+
+        return explain_with(self.options, fn_or_module, args, kwargs)
 
     def __repr__(self) -> str:
         return f"flash_inductor.make_backend({self.options})"
@@ -56,8 +72,9 @@ def make_backend(*, schedule: Optional[str] = None, devices: Sequence[str] = ("c
     Args:
         schedule: precision schedule of the rewritten attention (None = the default, "stable").
         devices: device types whose attention is rewritten; others keep Inductor's lowering.
-        report: log which sites were rewritten or kept (and why) at INFO level on the
-            "flash_inductor" logger. ``flash_inductor.last_report()`` returns it either way.
+        report: log the table of sites rewritten or kept (and why) at INFO level on the
+            "flash_inductor" logger; without it only the one-line summary is logged at INFO (the
+            table at DEBUG). ``flash_inductor.last_report()`` returns it either way.
     """
     return FlashInductorBackend(RewriteOptions(schedule=schedule, devices=tuple(devices), report=report))
 

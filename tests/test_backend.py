@@ -3,8 +3,9 @@
 Covers: ``mode=`` / ``options=`` accepted; no leak of our pre-grad pass into Inductor's global
 config or a later plain ``torch.compile``; a user's own pre-grad pass still runs, after ours;
 ``FlashAttentionPass.uuid()`` (options, instances, pickling, sources); ``devices=``; training,
-``no_grad``, ``dynamic=True`` and activation checkpointing through the SDPA family; the report's
-format (an expecttest inline expectation).
+``no_grad``, ``dynamic=True`` and activation checkpointing through the SDPA family; SDPA over
+``repeat_kv``'d K/V folded into ``enable_gqa`` (and not when K is written after the repeat); the
+report's format (an expecttest inline expectation).
 """
 
 from __future__ import annotations
@@ -239,10 +240,11 @@ class TestReport(expecttest.TestCase):
         with torch.no_grad():
             torch.testing.assert_close(torch.compile(model, backend=flash_inductor.backend)(x), model(x))
         self.assertExpectedInline(flash_inductor.last_report().format(), """\
-flash_inductor: 2 attention site(s) rewritten, 1 kept
-  rewrote sdpa         at scaled_dot_product_attention: -> flash_inductor::attention_forward
-  rewrote mha          at attn_output: -> flash_inductor::attention_forward
-  kept    mha          at multi_head_attention_forward_1: attention weights are used (need_weights=True and getitem 1 has users); the op never forms the L x S weights""")
+flash_inductor: rewrote 2 of 3 attention sites
+  module  node                            pattern  status     reason
+  -       scaled_dot_product_attention    sdpa     rewritten  no mask
+  mha     attn_output                     mha      rewritten  no mask
+  mha     multi_head_attention_forward_1  mha      kept       attention weights are used (need_weights=True and getitem 1 has users); the op never forms the L x S weights""")
 
 
 def test_attention_over_attention_rewrites_both_sites():
@@ -272,3 +274,58 @@ def test_one_report_per_compile_even_on_a_cache_hit():
     q = torch.randn(1, 2, 8, 4)
     torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q), backend=flash_inductor.backend)(q)
     assert flash_inductor.last_report().note is None and flash_inductor.last_report().rewritten == 1
+
+
+# ------------------------------------------------------------------------------------------
+# The SDPA family over repeated K/V (HF Llama / Mistral / Qwen2 "sdpa" with a mask)
+# ------------------------------------------------------------------------------------------
+
+
+def _repeat_kv(x, n_rep):  # transformers' repeat_kv, verbatim
+    batch, heads, seq, dim = x.shape
+    return x[:, :, None, :, :].expand(batch, heads, n_rep, seq, dim).reshape(batch, heads * n_rep, seq, dim)
+
+
+def _hf_sdpa_gqa(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, _repeat_kv(k, 2), _repeat_kv(v, 2), attn_mask=mask, scale=0.3)
+
+
+def _hf_sdpa_gqa_mutated(q, k, v, mask):
+    k = k * 1.0
+    repeated = _repeat_kv(k, 2)
+    k.add_(1.0)  # after the repeat copied k: the op must not read k instead
+    return F.scaled_dot_product_attention(q, repeated, _repeat_kv(v, 2), attn_mask=mask, scale=0.3), k
+
+
+def _gqa_inputs(requires_grad=False):
+    q = randn((2, 4, L, 8), torch.float64, "cpu", 1).requires_grad_(requires_grad)
+    k, v = (randn((2, 2, L, 8), torch.float64, "cpu", s).requires_grad_(requires_grad) for s in (2, 3))
+    mask = randn((2, 1, L, L), torch.float64, "cpu", 4) > -1.0
+    mask[..., 0] = True
+    return q, k, v, mask
+
+
+def test_sdpa_over_repeat_kv_reads_unrepeated_kv_with_enable_gqa():
+    seen = []
+
+    def after_ours(graph):
+        seen.extend(n for n in graph.nodes if n.target is rewritten_attention)
+
+    inputs = _gqa_inputs(requires_grad=True)
+    with torch._inductor.config.patch(pre_grad_custom_pass=after_ours):
+        out = torch.compile(_hf_sdpa_gqa, backend=flash_inductor.backend)(*inputs)
+    assert _records() == [("sdpa_repeat_kv", True)]
+    (call,) = seen
+    assert call.kwargs["enable_gqa"] and [a.op for a in call.args] == ["placeholder"] * 3  # no repeat left
+    ref_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    ref = _hf_sdpa_gqa(*ref_inputs)
+    _assert_all_close([out, *torch.autograd.grad(out.sum(), inputs[:3])],
+                      [ref, *torch.autograd.grad(ref.sum(), ref_inputs[:3])])
+
+
+def test_sdpa_over_repeat_kv_of_a_tensor_written_afterwards_keeps_the_repeat():
+    inputs = _gqa_inputs()
+    out, k = torch.compile(_hf_sdpa_gqa_mutated, backend=flash_inductor.backend)(*inputs)
+    assert _records() == [("sdpa", True)]
+    ref, ref_k = _hf_sdpa_gqa_mutated(*inputs)
+    _assert_all_close([out, k], [ref, ref_k])

@@ -587,6 +587,11 @@ class IntegerMask(nn.Module):
         return torch.softmax(_scores(q, k) + mask.long(), dim=-1) @ v
 
 
+class WiderMask(nn.Module):  # an fp64 mask on fp32 scores: type promotion makes the softmax fp64
+    def forward(self, q, k, v, mask):
+        return torch.softmax(_scores(q, k) + mask, dim=-1).to(q.dtype) @ v
+
+
 class ZeroFill(nn.Module):  # masked_fill with 0.0 zeroes scores, it does not hide keys
     def forward(self, q, k, v, mask):
         return torch.softmax(_scores(q, k).masked_fill(mask, 0.0), dim=-1) @ v
@@ -641,6 +646,8 @@ KEPT = {
     "inplace_masked_fill": (InPlaceMaskedFill, lambda dt: (*_qkv(dt), _bool_mask()),
                             "modified in place by .masked_fill_()"),
     "integer_mask": (IntegerMask, lambda dt: (*_qkv(dt), _bool_mask()), "not a float dtype"),
+    "mask_dtype_promotes_scores": (WiderMask, lambda dt: (*_qkv(dt), _padding_mask(torch.float64)),
+                                   "computes in torch.float64 for torch.float32 inputs"),
     "zero_fill": (ZeroFill, lambda dt: (*_qkv(dt), _bool_mask()), "does not hide keys"),
     "softmax_dim": (SoftmaxOverQueries, lambda dt: _qkv(dt), "not the last (key) dim"),
     "learned_scale": (LearnedScale, lambda dt: _qkv(dt), "not a compile-time constant"),
@@ -710,9 +717,10 @@ class TestPrintouts(expecttest.TestCase):
         for a, b in zip((out, probs), TwoLayers()(*inputs)):
             torch.testing.assert_close(a, b)
         self.assertExpectedInline(flash_inductor.last_report().format(), """\
-flash_inductor: 1 attention site(s) rewritten, 1 kept
-  rewrote handwritten_plain at x: -> flash_inductor::attention_forward
-  kept    handwritten  at probs: the attention probabilities (probs) are also used by output (e.g. returned as attention weights)""")
+flash_inductor: rewrote 1 of 2 attention sites
+  module  node   pattern            status     reason
+  -       x      handwritten_plain  rewritten  no mask, scale 0.3536
+  -       probs  handwritten        kept       the attention probabilities (probs) are also used by output (e.g. returned as attention weights)""")
 
     def test_rewritten_llama_graph(self):
         gm = _rewritten_graph(Llama(), *_qkv(torch.float32, heads_kv=HKV), _padding_mask(torch.float32))

@@ -21,8 +21,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from ..tuning import cache as tuning_cache
 from ..tuning.schedules import get_schedule
 from . import handwritten, mha, sdpa
-from .report import RewriteReport, SiteRecord, count_pass_run, log, publish
-from .site import AttentionSite, KeptSite, example_value, rewrite_site
+from .report import RewriteReport, SiteRecord, count_pass_run, publish
+from .site import AttentionSite, KeptSite, describe_rewrite, example_value, module_path, rewrite_site
 
 # Order matters only where families could see the same nodes: MHA nodes contain no SDPA call
 # in the pre-grad graph, and hand-written attention never contains either.
@@ -36,7 +36,8 @@ class RewriteOptions:
     Attributes:
         schedule: precision schedule for rewritten sites (None = default).
         devices: device types whose attention is rewritten ("cuda", "cpu").
-        report: log the per-site report at INFO level (it is always kept in ``REPORTS``).
+        report: log the per-site table at INFO level, not only the one-line summary (the report
+            is always kept in ``REPORTS``).
     """
 
     schedule: Optional[str] = None
@@ -82,26 +83,26 @@ class FlashAttentionPass(CustomGraphPass):
             for found in list(find_sites(graph)):
                 self._handle(graph, found, report, replaced)
         publish(report)
-        if self.options.report or report.kept:
-            (log.info if self.options.report else log.debug)("%s", report.format())
 
     def _handle(self, graph: fx.Graph, found, report: RewriteReport, replaced: dict) -> None:
         if isinstance(found, KeptSite):
-            report.records.append(SiteRecord(found.pattern, found.node.name, False, found.reason))
+            module = module_path([found.node, *found.related])
+            report.records.append(SiteRecord(found.pattern, found.node.name, False, found.reason, *module))
             counters["flash_inductor"][f"kept_{found.pattern}"] += 1
             return
         site: AttentionSite = found
+        # Read before the rewrite erases the site's nodes.
+        name, module, detail = site.output.name, module_path([site.output, *site.anchors]), describe_rewrite(site)
         query = example_value(site.query)
         device = query.device.type if query is not None else None
         if device not in self.options.devices:
-            report.records.append(SiteRecord(site.pattern, site.output.name, False,
-                                             f"device {device} is not in devices={self.options.devices}"))
+            report.records.append(SiteRecord(site.pattern, name, False,
+                                             f"device {device} is not in devices={self.options.devices}", *module))
             return
-        name = site.output.name
         for field in ("query", "key", "value", "attn_mask"):
             setattr(site, field, replaced.get(getattr(site, field), getattr(site, field)))
         replaced[site.output] = rewrite_site(graph, site, self.options.schedule)
-        report.records.append(SiteRecord(site.pattern, name, True, "-> flash_inductor::attention_forward"))
+        report.records.append(SiteRecord(site.pattern, name, True, detail, *module))
         counters["flash_inductor"][site.pattern] += 1
 
     def uuid(self) -> str:

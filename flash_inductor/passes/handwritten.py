@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .gqa import peel_repeats
 from .handwritten_checks import (
     Keep, Scale, bind, check_only_user, describe, fill_value, is_function, is_mask_fill, is_method, method_name,
     known_equal, scalar, tensor_value, triangle, value_users,
@@ -391,53 +392,6 @@ def _pattern_pv_2(node: fx.Node, probs: fx.Node) -> Optional[tuple[fx.Node, Opti
 
 
 # ------------------------------------------------------------------------------------------
-# Grouped-query K/V
-# ------------------------------------------------------------------------------------------
-
-
-def _pattern_gqa_1(node: Any) -> Optional[tuple[fx.Node, int, list]]:
-    # HF Llama / Mistral / Qwen repeat_kv: x[:, :, None, :, :].expand(b, h, n_rep, s, d)
-    # .reshape(b, h * n_rep, s, d). Head h of the result is head h // n_rep of x, as enable_gqa.
-    if not (is_method(node, "reshape", "view") or is_function(node, torch.reshape)):
-        return None
-    expand = node.args[0]
-    if not is_method(expand, "expand") or not is_function(expand.args[0], operator.getitem):
-        return None
-    index = expand.args[0].args[1]
-    x = expand.args[0].args[0]
-    full = slice(None)
-    if not isinstance(index, tuple) or list(index[:3]) != [full, full, None] \
-            or any(i != full for i in index[3:]) and index[3:] != (Ellipsis,):
-        return None
-    xs, es, rs = (tensor_value(n) for n in (x, expand, node))
-    if any(t is None for t in (xs, es, rs)) or xs.dim() != 4 or es.dim() != 5:
-        return None
-    n_rep = es.shape[2]
-    if not (known_equal(es.shape[:2], xs.shape[:2]) and known_equal(es.shape[3:], xs.shape[2:])
-            and known_equal(rs.shape, (xs.shape[0], xs.shape[1] * n_rep, *xs.shape[2:]))):
-        return None
-    return x, n_rep, [expand.args[0], expand, node]
-
-
-def _pattern_gqa_2(node: Any) -> Optional[tuple[fx.Node, int, list]]:
-    # Falcon, Gemma, many GQA ports: k.repeat_interleave(n_rep, dim=1).
-    if not (is_method(node, "repeat_interleave") or is_function(node, torch.repeat_interleave)):
-        return None
-    args = bind(node, ("input", "repeats", "dim"), dict(dim=None))
-    ev = tensor_value(args["input"])
-    if ev is None or ev.dim() != 4 or not isinstance(args["repeats"], int) or args["dim"] not in (1, -3):
-        return None
-    return args["input"], args["repeats"], [node]
-
-
-def _peel_repeats(node: fx.Node) -> tuple[fx.Node, int, list]:
-    for pattern in (_pattern_gqa_1, _pattern_gqa_2):
-        if (found := pattern(node)) is not None:
-            return found
-    return node, 1, []
-
-
-# ------------------------------------------------------------------------------------------
 # Causal masks
 # ------------------------------------------------------------------------------------------
 
@@ -551,7 +505,7 @@ def _match_site(softmax: fx.Node, context: Context) -> Union[AttentionSite, Kept
         _peel_gqa(match)
         return assemble(match, context)
     except Keep as keep:
-        return KeptSite("handwritten", softmax, str(keep))
+        return KeptSite("handwritten", softmax, str(keep), related=[product])
 
 
 def _keeps_heads(perm: Optional[tuple]) -> bool:
@@ -560,9 +514,9 @@ def _keeps_heads(perm: Optional[tuple]) -> bool:
 
 def _peel_gqa(match: Match) -> None:
     """K/V with repeat_kv / repeat_interleave peeled off, when both repeat the same heads."""
-    k_src, k_rep, k_nodes = (_peel_repeats(match.key) if _keeps_heads(match.product.key_perm)
+    k_src, k_rep, k_nodes = (peel_repeats(match.key) if _keeps_heads(match.product.key_perm)
                              else (match.key, 1, []))
-    v_src, v_rep, v_nodes = (_peel_repeats(match.value) if _keeps_heads(match.value_perm)
+    v_src, v_rep, v_nodes = (peel_repeats(match.value) if _keeps_heads(match.value_perm)
                              else (match.value, 1, []))
     if (k_rep, v_rep) == (1, 1) or k_rep != v_rep:
         return

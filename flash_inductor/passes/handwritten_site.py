@@ -149,6 +149,7 @@ class Plan:
     consumed: list
     resolve: Callable[[Any], Any]
     replaced: dict
+    anchors: list  # the product and the softmax, for the report's module path
 
 
 # ------------------------------------------------------------------------------------------
@@ -293,7 +294,7 @@ def assemble(match: Match, context: Context) -> AttentionSite:
         enable_gqa=bool(k_grouped), gqa_repeats=match.repeats, sizes=sizes, out_groups=out_groups,
         out_perm=match.out_perm, row_fixup=row_fixup,
         consumed=sorted(consumed, key=lambda n: context.order.get(n, -1)),
-        resolve=context.resolve, replaced=context.replaced,
+        resolve=context.resolve, replaced=context.replaced, anchors=[product.node, match.softmax],
     )
     return make_site(plan)
 
@@ -406,5 +407,14 @@ def make_site(plan: Plan) -> AttentionSite:
         pattern=plan.pattern, output=plan.output, query=plan.query.node, key=plan.key.node,
         value=plan.value.node, attn_mask=None, dropout_p=plan.dropout_p, is_causal=plan.is_causal,
         scale=plan.scale, enable_gqa=plan.enable_gqa, consumed=plan.consumed, prologue=prologue,
-        epilogue=epilogue,
+        epilogue=epilogue, mask_description=_describe_masks(plan), anchors=plan.anchors,
     )
+
+
+def _describe_masks(plan: Plan) -> Optional[str]:
+    kinds = [kind for kind, present in (("float", any(not m.is_bool for m in plan.masks)),
+                                        ("bool", any(m.is_bool for m in plan.masks))) if present]
+    if not kinds:
+        return None
+    fixup = " (rows it hides entirely: mean of v, as eager)" if plan.row_fixup else ""
+    return " + ".join(kinds) + " mask" + fixup

@@ -1,4 +1,16 @@
-"""What the pass did: one line per attention site, rewritten or kept (with the reason)."""
+"""What the pass did: one record per attention site, rewritten or kept (with the reason).
+
+A :class:`RewriteReport` is what ``flash_inductor.explain()`` and ``flash_inductor.last_report()``
+return. ``str(report)`` is a table::
+
+    flash_inductor: rewrote 2 of 3 attention sites
+      module    pattern                    status     reason
+      h.0.attn  handwritten_additive_mask  rewritten  float mask, scale 0.3536
+      ...
+
+Every backend compile also logs its one-line summary (``report.summary()``) at INFO on the
+"flash_inductor" logger, and the table at DEBUG (INFO with ``make_backend(report=True)``).
+"""
 
 from __future__ import annotations
 
@@ -9,13 +21,43 @@ from typing import Iterator, Optional
 
 log = logging.getLogger("flash_inductor")
 
+REWRITTEN, KEPT = "rewritten", "kept"
+
 
 @dataclasses.dataclass
 class SiteRecord:
+    """One attention site.
+
+    Attributes:
+        pattern: the pattern (family) that recognised it, e.g. ``sdpa``, ``handwritten_gqa``.
+        node: the FX node the site is reported at (the output when rewritten; for a kept site the
+            node the reason is about), as in ``TORCH_LOGS=pre_grad_graphs`` printouts.
+        rewritten: whether it now runs on ``flash_inductor::attention_forward``.
+        detail: for a rewritten site the op's arguments (mask, causal, GQA, dropout, scale); for a
+            kept site why it was left as written.
+        module: the path of the innermost module containing the whole site, relative to the
+            module whose forward the graph was traced from (``transformer.h.3.attn``; after a
+            graph break that is the module of the resumed frame, and ``explain`` turns it into
+            the path from the model it was given); None when the graph carries no module stack
+            (a compiled function, a symbolically traced graph) or the site sits in that module's
+            own forward.
+        module_type: the class of that module, if known.
+    """
+
     pattern: str
     node: str
     rewritten: bool
     detail: str
+    module: Optional[str] = None
+    module_type: Optional[type] = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def status(self) -> str:
+        return REWRITTEN if self.rewritten else KEPT
+
+    @property
+    def reason(self) -> str:
+        return self.detail
 
 
 @dataclasses.dataclass
@@ -25,6 +67,10 @@ class RewriteReport:
     note: Optional[str] = None
 
     @property
+    def sites(self) -> list[SiteRecord]:
+        return self.records
+
+    @property
     def rewritten(self) -> int:
         return sum(r.rewritten for r in self.records)
 
@@ -32,14 +78,33 @@ class RewriteReport:
     def kept(self) -> int:
         return len(self.records) - self.rewritten
 
-    def format(self) -> str:
-        lines = [f"flash_inductor: {self.rewritten} attention site(s) rewritten, {self.kept} kept"]
+    def summary(self) -> str:
+        """One line: ``flash_inductor: rewrote 12 of 12 attention sites``."""
         if self.note:
-            lines.append(f"  ({self.note})")
-        for r in self.records:
-            verb = "rewrote" if r.rewritten else "kept   "
-            lines.append(f"  {verb} {r.pattern:<12} at {r.node}: {r.detail}")
+            return f"flash_inductor: {self.note}"
+        noun = "site" if len(self.records) == 1 else "sites"
+        return f"flash_inductor: rewrote {self.rewritten} of {len(self.records)} attention {noun}"
+
+    def format(self) -> str:
+        """The summary and a table with one row per site."""
+        lines = [self.summary()]
+        if not self.records:
+            return lines[0]
+        header = ("module", "node", "pattern", "status", "reason")
+        rows = [(r.module or "-", r.node, r.pattern, r.status, r.detail) for r in self.records]
+        widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header) - 1)]
+        for row in (header, *rows):
+            cells = [cell.ljust(width) for cell, width in zip(row, widths)]
+            lines.append("  " + "  ".join([*cells, row[-1]]).rstrip())
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+    def extend(self, other: "RewriteReport") -> None:
+        self.records.extend(other.records)
+        if other.note and not self.note:
+            self.note = other.note
 
 
 # Reports of the compilations in this process, newest last, so tests and users can inspect them.
@@ -63,9 +128,14 @@ def _append(report: RewriteReport) -> None:
     del REPORTS[:-_MAX_REPORTS]
 
 
+CACHE_NOTE = ("compiled graph served from Inductor's cache: the pass did not run "
+              "(flash_inductor.explain() recompiles and reports every site)")
+
+
 @contextlib.contextmanager
-def one_report_per_compile() -> Iterator[RewriteReport]:
-    """Merge what the pass reports during one backend call into one report."""
+def one_report_per_compile(verbose: bool = False) -> Iterator[RewriteReport]:
+    """Merge what the pass reports during one backend call into one report, and log it: the
+    summary at INFO, the table at DEBUG (at INFO when ``verbose``)."""
     merged = RewriteReport()
     _collecting.append(merged)
     ran_before = _PASS_RUNS[0]
@@ -74,8 +144,14 @@ def one_report_per_compile() -> Iterator[RewriteReport]:
     finally:
         _collecting.pop()
         if _PASS_RUNS[0] == ran_before:
-            merged.note = "served from Inductor's cache: the pass did not run for this compile"
+            merged.note = CACHE_NOTE
         _append(merged)
+        if verbose and merged.records:
+            log.info("%s", merged.format())
+        else:
+            log.info("%s", merged.summary())
+            if merged.records:
+                log.debug("%s", merged.format())
 
 
 # Incremented by the pass on every run, so a backend call can tell a cache hit from a graph

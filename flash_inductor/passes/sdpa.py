@@ -2,7 +2,9 @@
 
 Covers every model that already calls SDPA (HF transformers' "sdpa" attention, nanoGPT's
 flash path, torch.nn.MultiheadAttention with need_weights=False in recent torch, diffusers).
-In a dynamo graph the call is a single node, so every argument maps one to one.
+In a dynamo graph the call is a single node, so every argument maps one to one. HF's GQA models
+repeat K/V heads before the call whenever they pass a mask (``repeat_kv``, see ``gqa.py``); that
+repeat is folded into ``enable_gqa=True``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .site import AttentionSite, KeptSite
+from .gqa import peel_repeats
+from .handwritten_checks import known_equal, mutates
+from .site import AttentionSite, KeptSite, example_value
 
 _SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -46,7 +50,31 @@ def _pattern_sdpa_1(node: fx.Node) -> Union[AttentionSite, KeptSite]:
     )
 
 
+def _pattern_sdpa_2(site: AttentionSite) -> AttentionSite:
+    """HF Llama / Mistral / Qwen2 "sdpa" with a mask: SDPA(q, repeat_kv(k), repeat_kv(v)).
+
+    The op gets the un-repeated K/V with ``enable_gqa=True``. Left as matched when K and V are not
+    repeated alike, or when an un-repeated tensor is written in place (the repeat copied its
+    values before the write; the op would read them after it).
+    """
+    if site.enable_gqa:
+        return site
+    key, k_rep, k_nodes = peel_repeats(site.key)
+    value, v_rep, v_nodes = peel_repeats(site.value)
+    if k_rep == 1 or k_rep != v_rep:
+        return site
+    if any(mutates(user, source) for source in (key, value) for user in source.users):
+        return site
+    query, repeated = example_value(site.query), example_value(site.key)
+    if query is None or repeated is None or query.dim() != 4 or not known_equal(query.shape[:2], repeated.shape[:2]):
+        return site  # SDPA would broadcast q over the repeated heads: not GQA's pairing
+    site.pattern, site.key, site.value, site.enable_gqa = "sdpa_repeat_kv", key, value, True
+    site.consumed = [*k_nodes, *v_nodes]
+    return site
+
+
 def find_sites(graph: fx.Graph) -> Iterator[Union[AttentionSite, KeptSite]]:
     for node in graph.nodes:
         if node.op == "call_function" and node.target in _SDPA_TARGETS:
-            yield _pattern_sdpa_1(node)
+            found = _pattern_sdpa_1(node)
+            yield _pattern_sdpa_2(found) if isinstance(found, AttentionSite) else found

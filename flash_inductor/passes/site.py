@@ -9,7 +9,8 @@ semantics) in place of the site's output and erases only the nodes the pattern c
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+import re
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.fx as fx
@@ -57,6 +58,11 @@ class AttentionSite:
     consumed: list[fx.Node] = dataclasses.field(default_factory=list)
     prologue: Optional[Any] = None
     epilogue: Optional[Any] = None
+    # For the report when ``attn_mask`` is built by the prologue: "float mask", "bool mask", ...
+    mask_description: Optional[str] = None
+    # Nodes besides ``output`` that the site spans (its Q·Kᵀ product, its softmax): the report
+    # names the innermost module containing all of them.
+    anchors: list[fx.Node] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -66,6 +72,8 @@ class KeptSite:
     pattern: str
     node: fx.Node
     reason: str
+    # Other nodes of the site (e.g. the Q·Kᵀ product), so the report can name its module.
+    related: list[fx.Node] = dataclasses.field(default_factory=list)
 
 
 def example_value(node: Any) -> Optional[torch.Tensor]:
@@ -75,6 +83,59 @@ def example_value(node: Any) -> Optional[torch.Tensor]:
         if isinstance(value, torch.Tensor):
             return value
     return None
+
+
+def describe_rewrite(site: AttentionSite) -> str:
+    """The op arguments of a rewritten site, as the report prints them."""
+    parts = []
+    if site.mask_description:
+        parts.append(site.mask_description)
+    elif site.attn_mask is not None:
+        mask = example_value(site.attn_mask)
+        parts.append("bool mask" if mask is not None and mask.dtype == torch.bool else "float mask")
+    parts.append("causal" if site.is_causal else "no mask" if not parts else None)
+    if site.enable_gqa:
+        parts.append("GQA")
+    if site.dropout_p:
+        parts.append(f"dropout {site.dropout_p:g}")
+    if site.scale is not None:
+        parts.append(f"scale {site.scale:.4g}")
+    return ", ".join(p for p in parts if p)
+
+
+def _module_entries(node: fx.Node) -> list[tuple[str, Any]]:
+    stack = node.meta.get("nn_module_stack") or {}
+    return [tuple(entry) for entry in stack.values()]
+
+
+def _relative_path(dynamo_path: str) -> Optional[str]:
+    """``L['self'].transformer.h[3].attn``, ``...h.3.attn`` or ``..._modules['h']._modules['3']...``
+    -> ``transformer.h.3.attn``: the path relative to the traced module; None for that module."""
+    path = re.sub(r"^L\[['\"][^'\"]+['\"]\]", "", dynamo_path)
+    path = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", path)
+    parts = [p for p in path.split(".") if p and p not in ("_modules", "_parameters", "_buffers")]
+    return ".".join(parts) or None
+
+
+def module_path(nodes: Iterable[Any]) -> tuple[Optional[str], Optional[type]]:
+    """(path, class) of the innermost module whose forward contains all ``nodes``, from dynamo's
+    ``meta["nn_module_stack"]`` (outermost first); nodes without one (placeholders) are skipped."""
+    common: Optional[list] = None
+    for node in nodes:
+        if not isinstance(node, fx.Node) or not node.meta.get("nn_module_stack"):
+            continue
+        entries = _module_entries(node)
+        if common is None:
+            common = entries
+            continue
+        keep = 0
+        while keep < min(len(common), len(entries)) and common[keep][0] == entries[keep][0]:
+            keep += 1
+        common = common[:keep]
+    if not common:
+        return None, None
+    path, cls = common[-1][0], common[-1][1] if len(common[-1]) > 1 else None
+    return _relative_path(str(path)), cls if isinstance(cls, type) else None
 
 
 def rewrite_site(graph: fx.Graph, site: AttentionSite, schedule: Optional[str]) -> fx.Node:

@@ -1,0 +1,90 @@
+"""``flash_inductor.explain``: which attention sites a model has, and what the backend does with each.
+
+    report = flash_inductor.explain(model, input_ids)
+    print(report)                 # one row per site: module, pattern, rewritten or kept, why
+    report.rewritten              # how many now run on flash_inductor's op
+
+A report from ``flash_inductor.last_report()`` can be incomplete: when Inductor serves a graph
+from its caches the pass does not run. ``explain`` therefore always compiles afresh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from .backend import FlashInductorBackend
+from .passes.graph_pass import RewriteOptions
+from .passes.report import RewriteReport
+
+
+def explain(fn_or_module: Callable, *args: Any, **kwargs: Any) -> RewriteReport:
+    """Compile ``fn_or_module`` with ``flash_inductor.backend``, call it once with ``*args`` and
+    ``**kwargs``, and return the report of every attention site the pass saw.
+
+    Args:
+        fn_or_module: a function or an ``nn.Module``, as you would pass to ``torch.compile`` (a
+            module ``torch.compile`` already returned is explained from its original).
+        *args, **kwargs: its inputs. The call runs as is: in the caller's grad mode and with the
+            module's own ``training`` flag, which decide what is compiled (dropout is only a
+            site argument in training; ``no_grad`` may select other module paths).
+
+    Returns:
+        A :class:`~flash_inductor.passes.report.RewriteReport`: ``.sites`` (each with
+        ``.pattern``, ``.status`` "rewritten" / "kept", ``.reason``, ``.module``), ``.rewritten``
+        (the count), and ``str(report)``, a table. With graph breaks, the sites of every compiled
+        graph are listed in order.
+
+    The compile is fresh, never served from a cache: a new backend instance (so dynamo's cache,
+    whose entries are guarded on the backend, cannot serve an earlier compile of the same code)
+    with the AOTAutograd and FX graph caches turned off for this compile only. The new dynamo
+    cache entry stays on the function's code like any other compile; a later
+    ``torch.compile(model, backend=flash_inductor.backend)`` is unaffected by it.
+    Use ``flash_inductor.make_backend(...).explain(...)`` to explain a configured backend.
+    """
+    return explain_with(RewriteOptions(), fn_or_module, args, kwargs)
+
+
+def explain_with(options: RewriteOptions, fn_or_module: Callable, args: tuple, kwargs: dict) -> RewriteReport:
+    # An already compiled module is explained from its original: compiling the wrapper would nest
+    # its own dynamo context inside ours.
+    root = getattr(fn_or_module, "_orig_mod", fn_or_module)
+    backend = FlashInductorBackend(options, without_caches=True)
+    compiled = torch.compile(root, backend=backend)
+    # The AOTAutograd cache is looked up before the pre-grad passes run: a hit would skip ours.
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled(*args, **kwargs)
+    if not backend.reports:
+        raise RuntimeError(
+            "flash_inductor.explain: torch.compile handed no graph to the backend, so there is nothing "
+            "to report. Either the call ran no tensor operations, or dynamo fell back to eager for "
+            "this code (e.g. torch._dynamo.config.recompile_limit was reached by earlier compiles: "
+            "call torch._dynamo.reset() first)."
+        )
+    merged = RewriteReport()
+    for report in backend.reports:
+        merged.extend(report)
+    if isinstance(root, torch.nn.Module):
+        _paths_from_root(merged, root)
+    return merged
+
+
+def _paths_from_root(report: RewriteReport, root: torch.nn.Module) -> None:
+    """Make module paths relative to ``root``. After a graph break, dynamo traces the rest of the
+    call from an inner module's frame (HF's ``LlamaForCausalLM`` resuming in ``self.model``) and
+    records paths relative to that module; a path that names a module of that class under exactly
+    one submodule of ``root`` is completed with that submodule's path."""
+    modules = dict(root.named_modules())
+
+    def fits(path: str, cls) -> bool:
+        return path in modules and (cls is None or type(modules[path]) is cls)
+
+    for i, site in enumerate(report.sites):
+        if site.module is None or fits(site.module, site.module_type):
+            continue
+        owners = [prefix for prefix in modules if prefix and fits(f"{prefix}.{site.module}", site.module_type)]
+        if len(owners) == 1:
+            # A copy: the per-compile reports in REPORTS keep what their frame recorded.
+            report.records[i] = dataclasses.replace(site, module=f"{owners[0]}.{site.module}")

@@ -1,0 +1,282 @@
+"""Real models for the pass tests: HF ``transformers`` models from tiny random configs (nothing is
+downloaded) and ``nn.TransformerEncoder``, their inputs, and the backend the tests compile with.
+
+Each :class:`ModelCase` knows how to build its model for an attention implementation ("eager":
+HF's hand-written ``eager_attention_forward``; "sdpa": HF's call of
+``F.scaled_dot_product_attention``), how to make inputs, which module paths hold attention
+and the pattern the pass should report for each.
+
+No import of ``transformers`` or ``flash_inductor`` at module level: conftest imports the helpers
+first, and ``transformers`` is optional (the test module skips without it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from helpers import DEVICE
+
+VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS, SEQ, BATCH = 64, 32, 4, 2, 2, 16, 2
+# Ids inside the tiny vocabulary, so HF's config validation stays quiet.
+_TOKEN_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+# ------------------------------------------------------------------------------------------
+# Configs
+# ------------------------------------------------------------------------------------------
+
+
+def _gpt2(impl: str, **overrides) -> nn.Module:
+    import transformers as T
+
+    config = dict(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=2 * SEQ, vocab_size=VOCAB,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)
+    return T.GPT2Model(T.GPT2Config(**{**config, **overrides}, attn_implementation=impl))
+
+
+def _decoder(config_class: str, model_class: str) -> Callable[..., nn.Module]:
+    """Llama, Mistral, Qwen2: GQA (num_key_value_heads < num_attention_heads), RoPE, RMSNorm."""
+
+    def build(impl: str, **overrides) -> nn.Module:
+        import transformers as T
+
+        config = dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB,
+                      max_position_embeddings=2 * SEQ, attention_dropout=0.0, **_TOKEN_IDS)
+        config.update(overrides)
+        return getattr(T, model_class)(getattr(T, config_class)(**config, attn_implementation=impl))
+
+    return build
+
+
+def _bert(impl: str, **overrides) -> nn.Module:
+    import transformers as T
+
+    config = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                  intermediate_size=2 * HIDDEN, vocab_size=VOCAB, max_position_embeddings=2 * SEQ,
+                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)
+    return T.BertModel(T.BertConfig(**{**config, **overrides}, attn_implementation=impl), add_pooling_layer=False)
+
+
+def _t5(impl: str, **overrides) -> nn.Module:
+    import transformers as T
+
+    # One encoder and one decoder layer hold all three kinds of T5 attention: encoder self,
+    # decoder causal self, decoder cross; the relative position bias is a float mask with a gradient.
+    config = dict(d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=2 * HIDDEN, num_layers=1, num_decoder_layers=1,
+                  num_heads=HEADS, vocab_size=VOCAB, dropout_rate=0.0, relative_attention_num_buckets=8,
+                  relative_attention_max_distance=16, decoder_start_token_id=0, **_TOKEN_IDS)
+    return T.T5Model(T.T5Config(**{**config, **overrides}, attn_implementation=impl))
+
+
+def _vit(impl: str, **overrides) -> nn.Module:
+    import transformers as T
+
+    config = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                  intermediate_size=2 * HIDDEN, image_size=16, patch_size=4, num_channels=3,
+                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return T.ViTModel(T.ViTConfig(**{**config, **overrides}, attn_implementation=impl), add_pooling_layer=False)
+
+
+class TorchEncoder(nn.Module):
+    """``nn.TransformerEncoder`` (batch_first): one ``F.multi_head_attention_forward`` per layer in
+    training, the fused ``_transformer_encoder_layer_fwd`` in eval without grad."""
+
+    def __init__(self, impl: str = "torch", **overrides):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        layer = nn.TransformerEncoderLayer(HIDDEN, HEADS, dim_feedforward=2 * HIDDEN, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
+
+    def forward(self, input_ids):
+        return self.encoder(self.embed(input_ids))
+
+
+# ------------------------------------------------------------------------------------------
+# Inputs
+# ------------------------------------------------------------------------------------------
+
+
+def token_inputs(padded: bool, seed: int = 0, device: str = DEVICE) -> dict:
+    """``input_ids`` and, when ``padded``, an ``attention_mask`` that right-pads the second
+    sequence by 5 tokens (every query still sees key 0, so no row is fully masked)."""
+    g = torch.Generator().manual_seed(seed)
+    inputs = dict(input_ids=torch.randint(3, VOCAB, (BATCH, SEQ), generator=g).to(device))
+    if padded:
+        mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+        mask[1, -5:] = 0
+        inputs["attention_mask"] = mask.to(device)
+    return inputs
+
+
+def t5_inputs(padded: bool, seed: int = 0, device: str = DEVICE) -> dict:
+    inputs = token_inputs(padded, seed, device)
+    g = torch.Generator().manual_seed(seed + 1)
+    inputs["decoder_input_ids"] = torch.randint(3, VOCAB, (BATCH, SEQ - 3), generator=g).to(device)
+    return inputs
+
+
+def image_inputs(padded: bool, seed: int = 0, device: str = DEVICE) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return dict(pixel_values=torch.randn(BATCH, 3, 16, 16, generator=g).to(device))
+
+
+def encoder_inputs(padded: bool, seed: int = 0, device: str = DEVICE) -> dict:
+    return {"input_ids": token_inputs(False, seed, device)["input_ids"]}
+
+
+# ------------------------------------------------------------------------------------------
+# The cases
+# ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCase:
+    """A model family: ``build(impl, **config_overrides)``, ``inputs(padded, seed, device)``, the
+    attention modules (in report order) and the pattern each implementation is reported under.
+    ``inference_modules`` where inference (eval, no_grad) reports other modules."""
+
+    build: Callable[..., nn.Module]
+    inputs: Callable[..., dict]
+    modules: tuple[str, ...]
+    patterns: dict  # impl -> pattern name, or (training pattern, inference pattern)
+    impls: tuple[str, ...] = ("eager", "sdpa")
+    inference_modules: Optional[tuple[str, ...]] = None
+
+    def pattern(self, impl: str, training: bool) -> str:
+        found = self.patterns[impl]
+        return found if isinstance(found, str) else found[0 if training else 1]
+
+    def sites(self, impl: str, training: bool) -> list[tuple[str, str]]:
+        """(module, pattern) of every site, in report order."""
+        modules = self.modules if training or self.inference_modules is None else self.inference_modules
+        return [(module, self.pattern(impl, training)) for module in modules]
+
+
+def _layers(template: str, n: int = LAYERS) -> tuple[str, ...]:
+    return tuple(template.format(i) for i in range(n))
+
+
+# HF's GQA models call SDPA with enable_gqa=True only without a mask; under torch.compile they
+# always build one (even unpadded), so K/V are repeated first: "sdpa_repeat_kv".
+_HF_DECODER = dict(eager="handwritten_gqa", sdpa="sdpa_repeat_kv")
+CASES = {
+    "gpt2": ModelCase(_gpt2, token_inputs, _layers("h.{}.attn"), dict(eager="handwritten_additive_mask", sdpa="sdpa")),
+    "llama": ModelCase(_decoder("LlamaConfig", "LlamaModel"), token_inputs, _layers("layers.{}.self_attn"), _HF_DECODER),
+    "mistral": ModelCase(_decoder("MistralConfig", "MistralModel"), token_inputs, _layers("layers.{}.self_attn"),
+                         _HF_DECODER),
+    "qwen2": ModelCase(_decoder("Qwen2Config", "Qwen2Model"), token_inputs, _layers("layers.{}.self_attn"), _HF_DECODER),
+    "bert": ModelCase(_bert, token_inputs, _layers("encoder.layer.{}.attention.self"),
+                      dict(eager="handwritten_additive_mask", sdpa="sdpa")),
+    "t5": ModelCase(_t5, t5_inputs, ("encoder.block.0.layer.0.SelfAttention", "decoder.block.0.layer.0.SelfAttention",
+                                     "decoder.block.0.layer.1.EncDecAttention"),
+                    dict(eager="handwritten_additive_mask", sdpa="sdpa")),
+    "vit": ModelCase(_vit, image_inputs, _layers("layers.{}.attention"),
+                     dict(eager="handwritten_additive_mask", sdpa="sdpa")),
+    # Inference takes the fused layer, one node per encoder layer.
+    "torch_encoder": ModelCase(TorchEncoder, encoder_inputs, _layers("encoder.layers.{}.self_attn"),
+                               dict(torch=("mha", "mha_encoder")), impls=("torch",),
+                               inference_modules=_layers("encoder.layers.{}")),
+}
+
+
+def output_tensor(out) -> torch.Tensor:
+    """The hidden states a model returns (HF output object or a plain tensor)."""
+    return out if isinstance(out, torch.Tensor) else out.last_hidden_state
+
+
+# ------------------------------------------------------------------------------------------
+# The backend the tests compile with
+# ------------------------------------------------------------------------------------------
+
+
+def full_inductor_everywhere() -> bool:
+    """Full Inductor code generation for every model test: on CUDA by default; on CPU only when
+    FLASH_INDUCTOR_TEST_FULL_INDUCTOR=1 (generating and compiling C++ for a training graph takes
+    ~30 s on a small CPU machine, so CPU runs compile one representative model fully)."""
+    setting = os.environ.get("FLASH_INDUCTOR_TEST_FULL_INDUCTOR")
+    if setting is not None:
+        return setting not in ("", "0")
+    return torch.cuda.is_available()
+
+
+def pass_then_aot_eager():
+    """Inductor's pre-grad passes with ours, then AOTAutograd with the graphs run as traced: what
+    ``flash_inductor.backend`` does up to Inductor's code generation. The rewrite, the report and the
+    op's autograd are the backend's own; only Inductor's lowering of the surrounding model is left
+    out (the full-Inductor tests cover it)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._inductor import compile_fx
+
+    from flash_inductor.passes.graph_pass import FlashAttentionPass
+    from flash_inductor.passes.report import one_report_per_compile
+
+    our_pass = FlashAttentionPass()
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        with torch._inductor.config.patch(pre_grad_custom_pass=our_pass), one_report_per_compile():
+            gm = compile_fx._recursive_pre_grad_passes(gm, example_inputs)
+        return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop)(gm, example_inputs)
+
+    return backend
+
+
+def compile_backend(full: Optional[bool] = None):
+    """``flash_inductor.backend`` when full Inductor is wanted (see above), else the pass with
+    AOTAutograd run eagerly."""
+    import flash_inductor
+
+    full = full_inductor_everywhere() if full is None else full
+    return flash_inductor.backend if full else pass_then_aot_eager()
+
+
+# ------------------------------------------------------------------------------------------
+# fp16 overflow of QKᵀ
+# ------------------------------------------------------------------------------------------
+
+# Every query gets a component Q_BIG and every key K_BIG on the last dim of each head, from the
+# projection biases (the weights of that dim are zeroed). Their product, 2**18, is the same for
+# every key of a row, so the softmax does not see it (it is shift-invariant) and the attention
+# stays as well-conditioned as without it; but QKᵀ in fp16 overflows (> 65504), so eager fp16
+# attention turns into inf - inf = NaN. Powers of two keep q and k exact in fp16.
+Q_BIG, K_BIG = 512.0, 512.0
+OVERFLOW_CONFIG = {
+    # attention_bias gives q_proj/k_proj biases; rope_theta = 1e12 makes the rotation of the last
+    # dim of each head (RoPE's lowest frequency, 1e12**-0.75 per position) negligible, so K_BIG
+    # stays the same for every key instead of turning into a position-dependent score.
+    "llama": dict(attention_bias=True, rope_parameters=dict(rope_type="default", rope_theta=1e12)),
+    "gpt2": {},
+}
+
+
+def _set_overflow_rows(weight_rows: torch.Tensor, bias: torch.Tensor, rows, value: float) -> None:
+    weight_rows[rows] = 0.0
+    bias[rows] = value
+
+
+@torch.no_grad()
+def make_qk_overflow(name: str, model: nn.Module) -> None:
+    """Set the q/k projections of every layer as described at ``Q_BIG``."""
+    head_dim = HIDDEN // HEADS
+    if name == "gpt2":
+        for block in model.h:
+            # Conv1D: weight (in, 3 * hidden) with output columns [q | k | v].
+            weight, bias = block.attn.c_attn.weight, block.attn.c_attn.bias
+            last = [h * head_dim + head_dim - 1 for h in range(HEADS)]
+            _set_overflow_rows(weight.T, bias, last, Q_BIG)
+            _set_overflow_rows(weight.T, bias, [HIDDEN + j for j in last], K_BIG)
+    elif name == "llama":
+        for layer in model.layers:
+            attn = layer.self_attn
+            _set_overflow_rows(attn.q_proj.weight, attn.q_proj.bias,
+                               [h * head_dim + head_dim - 1 for h in range(HEADS)], Q_BIG)
+            _set_overflow_rows(attn.k_proj.weight, attn.k_proj.bias,
+                               [h * head_dim + head_dim - 1 for h in range(KV_HEADS)], K_BIG)
+    else:
+        raise ValueError(f"no fp16 overflow construction for {name!r}")
