@@ -5,15 +5,20 @@ Public API:
   * :data:`backend` / :func:`make_backend` -- ``torch.compile(model, backend=flash_inductor.backend)``
     rewrites the model's attention onto the op; :func:`last_report` says which sites it rewrote.
   * :data:`SCHEDULES` -- the precision schedules ``flash_attention(..., schedule=)`` accepts.
+  * :func:`monitor` -- ``with flash_inductor.monitor() as m:`` records per-call attention statistics.
 
 Importing registers the ``flash_inductor::`` torch.library ops; it changes no global config.
 """
 
 from .api import flash_attention
 from .backend import backend, make_backend
+from .monitoring import monitor
 from .passes.report import last_report
 from .tuning.schedules import DEFAULT_SCHEDULE, SCHEDULES, PrecisionSchedule
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attention", "backend", "make_backend", "last_report", "SCHEDULES", "DEFAULT_SCHEDULE", "PrecisionSchedule", "__version__"]
+__all__ = [
+    "flash_attention", "backend", "make_backend", "last_report", "monitor", "SCHEDULES", "DEFAULT_SCHEDULE",
+    "PrecisionSchedule", "__version__",
+]

@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from ..monitoring.naming import graph_site_name
 from ..tuning.schedules import get_schedule
 from . import handwritten, mha, sdpa
 from .report import RewriteReport, SiteRecord, count_pass_run, log, publish
@@ -36,11 +37,13 @@ class RewriteOptions:
         schedule: precision schedule for rewritten sites (None = default).
         devices: device types whose attention is rewritten ("cuda", "cpu").
         report: log the per-site report at INFO level (it is always kept in ``REPORTS``).
+        monitor: insert ``flash_inductor.monitoring``'s recording ops at every rewritten site.
     """
 
     schedule: Optional[str] = None
     devices: tuple[str, ...] = ("cuda", "cpu")
     report: bool = False
+    monitor: bool = False
 
     def __post_init__(self):
         get_schedule(self.schedule)  # fail early on a bad name
@@ -98,7 +101,8 @@ class FlashAttentionPass(CustomGraphPass):
         name = site.output.name
         for field in ("query", "key", "value", "attn_mask"):
             setattr(site, field, replaced.get(getattr(site, field), getattr(site, field)))
-        replaced[site.output] = rewrite_site(graph, site, self.options.schedule)
+        monitor_site = graph_site_name(site.output, site.pattern) if self.options.monitor else None
+        replaced[site.output] = rewrite_site(graph, site, self.options.schedule, monitor_site)
         report.records.append(SiteRecord(site.pattern, name, True, "-> flash_inductor::attention_forward"))
         counters["flash_inductor"][site.pattern] += 1
 

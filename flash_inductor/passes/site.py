@@ -14,21 +14,23 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from ..api import flash_attention
+from ..api import attention
 
 
 def rewritten_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-    schedule=None,
+    schedule=None, monitor_site=None,
 ):
     """The call the pass inserts: flash_attention with SDPA's argument order.
 
     A separate module-level function (not a lambda) so rewritten graphs print readably and
     pickle; AOTAutograd traces through it into ``flash_inductor::attention_forward``.
+    ``monitor_site`` (set only by ``make_backend(monitor=True)``) adds the recording ops of
+    ``flash_inductor.monitoring``; whether a session is active while compiling plays no part.
     """
-    return flash_attention(
+    return attention(
         query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-        scale=scale, enable_gqa=enable_gqa, schedule=schedule,
+        scale=scale, enable_gqa=enable_gqa, schedule=schedule, monitor_site=monitor_site,
     )
 
 
@@ -77,21 +79,25 @@ def example_value(node: Any) -> Optional[torch.Tensor]:
     return None
 
 
-def rewrite_site(graph: fx.Graph, site: AttentionSite, schedule: Optional[str]) -> fx.Node:
-    """Replace ``site.output`` with a call of :func:`rewritten_attention`; erase dead pattern nodes."""
+def rewrite_site(graph: fx.Graph, site: AttentionSite, schedule: Optional[str],
+                 monitor_site: Optional[str] = None) -> fx.Node:
+    """Replace ``site.output`` with a call of :func:`rewritten_attention`; erase dead pattern nodes.
+
+    ``monitor_site``: name under which the call records monitoring statistics; None (the
+    default) leaves the call exactly as without monitoring.
+    """
     with graph.inserting_before(site.output):
         q, k, v, mask = site.query, site.key, site.value, site.attn_mask
         if site.prologue is not None:
             q, k, v, mask = site.prologue(graph, q, k, v, mask)
-        call = graph.call_function(
-            rewritten_attention,
-            (q, k, v),
-            dict(
-                attn_mask=mask, dropout_p=float(site.dropout_p), is_causal=bool(site.is_causal),
-                scale=None if site.scale is None else float(site.scale), enable_gqa=bool(site.enable_gqa),
-                schedule=schedule,
-            ),
+        kwargs = dict(
+            attn_mask=mask, dropout_p=float(site.dropout_p), is_causal=bool(site.is_causal),
+            scale=None if site.scale is None else float(site.scale), enable_gqa=bool(site.enable_gqa),
+            schedule=schedule,
         )
+        if monitor_site is not None:
+            kwargs["monitor_site"] = monitor_site
+        call = graph.call_function(rewritten_attention, (q, k, v), kwargs)
         replacement = site.epilogue(graph, call) if site.epilogue is not None else call
     if "example_value" in site.output.meta:
         replacement.meta["example_value"] = site.output.meta["example_value"]
