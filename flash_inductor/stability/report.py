@@ -120,8 +120,7 @@ def plot_heatmap(results: list[Result], path: pathlib.Path, title: str = "") -> 
                 values[i][j] = math.log10(max(worst, 1e-12)) if math.isfinite(worst) else math.nan
     fig, ax = plt.subplots(figsize=(1.1 * len(impls) + 3, 0.32 * len(rows) + 1.8))
     finite = [v for row in values for v in row if not math.isnan(v)]
-    cmap = matplotlib.colormaps["viridis"].copy()
-    cmap.set_bad("#d9d9d9")
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#d9d9d9")  # grey: n/a, skipped, non-finite
     image = ax.imshow(values, cmap=cmap, aspect="auto", vmin=min(finite, default=-6), vmax=max(finite, default=0))
     for i, (case, dtype) in enumerate(rows):
         for j, impl in enumerate(impls):
@@ -135,7 +134,7 @@ def plot_heatmap(results: list[Result], path: pathlib.Path, title: str = "") -> 
                 label = "NaN/inf"
             else:
                 label = f"{r.worst_rel():.0e}"
-            ax.text(j, i, label, ha="center", va="center", fontsize=6, color="black" if r.status != "ok" else "white")
+            ax.text(j, i, label, ha="center", va="center", fontsize=6, color="white" if r.finite else "black")
     ax.set_xticks(range(len(impls)), impls, rotation=35, ha="right", fontsize=8)
     ax.set_yticks(range(len(rows)), [f"{c} {d}" for c, d in rows], fontsize=7)
     fig.colorbar(image, ax=ax, label="log10 relative error vs fp64 (worst of out/dq/dk/dv)")
