@@ -73,6 +73,22 @@ def test_cli_prints_and_writes_json_and_png(tmp_path, capsys):
     assert json_path.with_suffix(".png").stat().st_size > 10_000
 
 
+def test_cli_merges_runs_into_one_report(tmp_path, capsys):
+    common = ["--quick", "--device", DEVICE, "--seq", "32", "--head-dim", "16", "--impls", "ours:stable,sdpa:math",
+              "--out", str(tmp_path), "--no-progress", "--no-plot"]
+    cli.main([*common, "--cases", "qk_x1", "--tag", "a"])
+    cli.main([*common, "--cases", "scale_1e-4", "--dtypes", "fp16", "--tag", "b"])
+    parts = sorted(str(p) for p in tmp_path.glob("stability_*.json"))
+    capsys.readouterr()
+    assert cli.main(["--merge", *parts, "--out", str(tmp_path), "--tag", "all"]) == 0
+    printed = capsys.readouterr().out
+    assert "qk_x1 " in printed and "scale_1e-4" in printed and "PASS" in printed
+    (merged,) = tmp_path.glob("stability_*_all.json")
+    payload = json.loads(merged.read_text())
+    assert len(payload["results"]) == 2 * 2 + 2 and payload["environment"]["merged_from"] == parts
+    assert merged.with_suffix(".png").exists()
+
+
 def test_cli_lists_cases_and_rejects_unknown_ones(capsys):
     assert cli.main(["--list", "--quick"]) == 0
     listed = capsys.readouterr().out

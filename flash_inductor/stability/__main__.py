@@ -3,6 +3,7 @@
     python -m flash_inductor.stability                      # full sizes on CUDA
     python -m flash_inductor.stability --cases qk_x,left_padding --dtypes fp16
     python -m flash_inductor.stability --quick --device cpu --seq 48 --long-seqs 256   # CI size
+    python -m flash_inductor.stability --merge a.json b.json --tag all   # one table/heat-map from several runs
 
 Prints the table and the requirement verdict, writes ``stability_<device>_<date>[_tag].json`` and
 ``.png`` to ``--out``; exits 1 when the default schedule misses the requirement.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import pathlib
 import re
 import sys
@@ -43,6 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--list", action="store_true", help="list cases and implementations, then exit")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="combine the results of earlier runs; runs nothing")
     return p.parse_args(argv)
 
 
@@ -68,9 +71,8 @@ def _progress(disabled: bool):
     return lambda items: tqdm(items, desc="stability", unit="case", dynamic_ncols=True)
 
 
-def output_stem(out_dir: pathlib.Path, device: str, tag: Optional[str]) -> pathlib.Path:
-    name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+def output_stem(out_dir: pathlib.Path, device_name: str, tag: Optional[str]) -> pathlib.Path:
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
     stem = f"stability_{slug}_{datetime.date.today():%Y%m%d}" + (f"_{tag}" if tag else "")
     return out_dir / stem
 
@@ -85,6 +87,8 @@ def main(argv=None) -> int:
             print(f"{c.name:18s} {','.join(runner.DTYPE_NAMES[d] for d in c.dtypes):10s} {c.description}")
         print("implementations:", ", ".join(i.name for i in impls))
         return 0
+    if args.merge:
+        return merge(args)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("CUDA is not available; use --device cpu (our op then runs its PyTorch reference path).")
         return 2
@@ -94,16 +98,33 @@ def main(argv=None) -> int:
     dtypes = [by_name[n] for n in dtype_names] if dtype_names else None
 
     results = runner.run_suite(chosen, impls, args.device, sizes, dtypes, args.seed, _progress(args.no_progress))
+    env = report.environment(argv, args.device)
+    env["sizes"] = dataclasses.asdict(sizes)
+    return finish(args, results, env, {c.name: c.description for c in chosen})
+
+
+def merge(args) -> int:
+    """One table, verdict, JSON and heat-map from several runs' JSON files (later files win)."""
+    results: dict[tuple, runner.Result] = {}
+    envs, case_info = [], {}
+    for path in args.merge:
+        payload = json.loads(pathlib.Path(path).read_text())
+        envs.append(payload["environment"])
+        case_info.update(payload["cases"])
+        for r in report.results_from_json(payload):
+            results[(r.case, r.dtype, r.impl)] = r
+    env = dict(envs[-1], merged_from=[str(p) for p in args.merge])
+    return finish(args, list(results.values()), env, case_info)
+
+
+def finish(args, results, env, case_info) -> int:
     requirement = runner.check_requirements(results)
     print(report.format_table(results))
     print(requirement.format())
 
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = output_stem(out_dir, args.device, args.tag)
-    env = report.environment(argv, args.device)
-    env["sizes"] = dataclasses.asdict(sizes)
-    case_info = {c.name: c.description for c in chosen}
+    stem = output_stem(out_dir, env["device"], args.tag)
     report.write_json(stem.with_suffix(".json"), report.to_json(results, requirement, env, case_info))
     print(f"wrote {stem.with_suffix('.json')}")
     if not args.no_plot:

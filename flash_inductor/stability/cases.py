@@ -214,12 +214,15 @@ def all_cases(sizes: Sizes) -> list[Case]:
 
 
 def select(cases: list[Case], patterns: Optional[str]) -> list[Case]:
-    """Cases whose name equals or starts with one of the comma-separated patterns (None = all)."""
+    """Cases named by the comma-separated patterns (None = all): a pattern that is a case's full
+    name selects that case only ("qk_x1"), any other selects the cases it starts ("qk_")."""
     if not patterns:
         return cases
-    wanted = [p.strip() for p in patterns.split(",") if p.strip()]
-    chosen = [c for c in cases if any(c.name == w or c.name.startswith(w) for w in wanted)]
-    unknown = [w for w in wanted if not any(c.name == w or c.name.startswith(w) for c in cases)]
-    if unknown:
-        raise ValueError(f"--cases: no case matches {unknown}; known cases: {', '.join(c.name for c in cases)}")
-    return chosen
+    names = {c.name for c in cases}
+    chosen: set[str] = set()
+    for pattern in (p.strip() for p in patterns.split(",") if p.strip()):
+        matches = {pattern} if pattern in names else {n for n in names if n.startswith(pattern)}
+        if not matches:
+            raise ValueError(f"--cases: no case matches {pattern!r}; known cases: {', '.join(c.name for c in cases)}")
+        chosen |= matches
+    return [c for c in cases if c.name in chosen]

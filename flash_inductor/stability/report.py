@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .runner import Requirement, Result
+from .runner import Metric, Requirement, Result
 
 NONFINITE = "NaN/inf"
 
@@ -66,7 +66,8 @@ def environment(argv: Optional[list[str]] = None, device: str = "cpu") -> dict:
         triton_version = None
     return dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        device=torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu",
+        device=torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        processor=platform.processor(),
         torch=torch.__version__, triton=triton_version, python=sys.version.split()[0],
         argv=list(argv) if argv is not None else sys.argv[1:],
         triton_interpret=os.environ.get("TRITON_INTERPRET", "0"),
@@ -91,6 +92,16 @@ def to_json(results: list[Result], requirement: Requirement, env: dict, cases: d
         requirement=dict(schedule=requirement.schedule, passed=requirement.passed, violations=requirement.violations,
                          checks=[dataclasses.asdict(c) for c in requirement.checks]),
     )
+
+
+def results_from_json(payload: dict) -> list[Result]:
+    """The results of a JSON written by :func:`to_json` (None stands for a non-finite number)."""
+    results = []
+    for d in payload["results"]:
+        metrics = {name: Metric(**{f: (math.inf if v is None else v) for f, v in m.items()})
+                   for name, m in d["metrics"].items()}
+        results.append(Result(**{**d, "metrics": metrics}))
+    return results
 
 
 def write_json(path: pathlib.Path, payload: dict) -> None:
