@@ -23,7 +23,7 @@ from flash_inductor.monitoring import ops as monitor_ops
 from flash_inductor.monitoring.naming import clean_module_path
 from flash_inductor.monitoring.stats import FIELDS
 from flash_inductor.monitoring.summary import summarise
-from helpers import attention_ref, make_mask, make_qkv, randn
+from helpers import DEVICE, attention_ref, make_mask, make_qkv, randn
 
 B, H, L, S, E = 2, 3, 13, 17, 8
 
@@ -40,8 +40,9 @@ def _one_site(summary):
 
 @pytest.mark.parametrize("mask_kind", ["none", "bool_dead_rows", "finfo_min_rows"])
 def test_forward_statistics_match_fp64(mask_kind):
-    q, k, v = make_qkv(B, H, H, L, S, E, E, torch.float32, "cpu", seed=3, q_mult=3.0)
-    mask = make_mask(mask_kind, B, H, L, S, torch.float32, "cpu")
+    """On CUDA the statistics come from the kernel's LSE, on CPU from the reference path's."""
+    q, k, v = make_qkv(B, H, H, L, S, E, E, torch.float32, DEVICE, seed=3, q_mult=3.0)
+    mask = make_mask(mask_kind, B, H, L, S, torch.float32, DEVICE)
     with flash_inductor.monitor() as m:
         flash_inductor.flash_attention(q, k, v, attn_mask=mask)
     site = _one_site(m.summary())
@@ -67,8 +68,8 @@ def test_forward_statistics_match_fp64(mask_kind):
 
 
 def test_backward_counts_nonfinite_gradients():
-    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, L, L, E, E, torch.float32, "cpu", seed=5))
-    grad = randn((1, 2, L, E), torch.float32, "cpu", 6)
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, L, L, E, E, torch.float32, DEVICE, seed=5))
+    grad = randn((1, 2, L, E), torch.float32, DEVICE, 6)
     grad[0, 1, 4, 0] = float("nan")  # one bad upstream gradient entry, in head 1, row 4
     with flash_inductor.monitor() as m:
         out = flash_inductor.flash_attention(q, k, v, is_causal=True)

@@ -90,7 +90,8 @@ def to_json(results: list[Result], requirement: Requirement, env: dict, cases: d
         cases=cases,
         results=[result_dict(r) for r in results],
         requirement=dict(schedule=requirement.schedule, passed=requirement.passed, violations=requirement.violations,
-                         checks=[dataclasses.asdict(c) for c in requirement.checks]),
+                         checks=[{k: _finite_or_none(v) if isinstance(v, float) else v
+                                  for k, v in dataclasses.asdict(c).items()} for c in requirement.checks]),
     )
 
 
