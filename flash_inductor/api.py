@@ -96,9 +96,10 @@ def _eager_monitor_site() -> str | None:
     Code that dynamo traces sees None without reading the session list (is_compiling() is a
     constant there), so compiled graphs carry no guard on monitoring and never change with it.
     """
-    if torch.compiler.is_compiling() or not _monitor_session._ACTIVE:
+    if torch.compiler.is_compiling():
         return None
-    return _monitor_naming.eager_site_name(_monitor_session._ACTIVE[-1])
+    session = _monitor_session.active_monitor()
+    return None if session is None else _monitor_naming.eager_site_name(session)
 
 
 def attention(
