@@ -77,6 +77,9 @@ def test_backward_counts_nonfinite_gradients():
     summary = m.summary()
     site = _one_site(summary)
     assert (site.calls, site.backward_calls, site.out_nonfinite) == (1, 1, 0)
+    forward, backward = m.records()
+    assert (forward["phase"], backward["phase"], forward["rows"]) == ("forward", "backward", 2 * L)
+    assert "dq_nonfinite" not in forward and backward["dq_nonfinite"] == site.dq_nonfinite
     assert site.dq_nonfinite == int((~q.grad.isfinite()).sum()) > 0
     assert site.dk_nonfinite == int((~k.grad.isfinite()).sum()) > 0
     assert site.dv_nonfinite == int((~v.grad.isfinite()).sum()) > 0

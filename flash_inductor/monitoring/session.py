@@ -8,11 +8,13 @@ call order; ``summary()`` copies them to the host once.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from .stats import FIELDS
 from .summary import MonitorSummary, summarise
 
 # Sessions currently entered, innermost last; records go to the innermost.
@@ -88,6 +90,15 @@ class Monitor:
         if not host:
             return []
         return torch.cat([h.to(torch.float64) for h in host]).tolist()
+
+    def records(self) -> list[dict]:
+        """One dict per recorded call, in call order: site, phase and the ``stats.FIELDS`` that
+        apply to the phase (forward: output and LSE statistics; backward: gradient counts)."""
+        out = []
+        for (site, phase), row in zip(self._events, self.rows()):
+            fields = {f: v for f, v in zip(FIELDS, row) if not math.isnan(v)}
+            out.append(dict(site=site, phase=phase, **fields))
+        return out
 
     def summary(self) -> MonitorSummary:
         """Per-site aggregates and the first site that produced a non-finite value.
