@@ -133,7 +133,10 @@ def plot_heatmap(results: list[Result], path: pathlib.Path, title: str = "") -> 
     fig, ax = plt.subplots(figsize=(1.1 * len(impls) + 3, 0.32 * len(rows) + 1.8))
     finite = [v for row in values for v in row if not math.isnan(v)]
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#d9d9d9")  # grey: n/a, skipped, non-finite
-    image = ax.imshow(values, cmap=cmap, aspect="auto", vmin=min(finite, default=-6), vmax=max(finite, default=0))
+    # Errors of 100% and more all mean "wrong": the scale stops there and keeps its resolution below.
+    vmin = min(finite, default=-6)
+    vmax = max(min(max(finite, default=0), 0.0), vmin + 1)
+    image = ax.imshow(values, cmap=cmap, aspect="auto", vmin=vmin, vmax=vmax)
     for i, (case, dtype) in enumerate(rows):
         for j, impl in enumerate(impls):
             r = index.get((case, dtype, impl))
@@ -149,7 +152,7 @@ def plot_heatmap(results: list[Result], path: pathlib.Path, title: str = "") -> 
             ax.text(j, i, label, ha="center", va="center", fontsize=6, color="white" if r.finite else "black")
     ax.set_xticks(range(len(impls)), impls, rotation=35, ha="right", fontsize=8)
     ax.set_yticks(range(len(rows)), [f"{c} {d}" for c, d in rows], fontsize=7)
-    fig.colorbar(image, ax=ax, label="log10 relative error vs fp64 (worst of out/dq/dk/dv)")
+    fig.colorbar(image, ax=ax, extend="max", label="log10 relative error vs fp64 (worst of out/dq/dk/dv)")
     ax.set_title(title or "flash_inductor stability suite", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
