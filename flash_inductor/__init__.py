@@ -7,6 +7,7 @@ Public API:
   * :func:`explain` -- ``print(flash_inductor.explain(model, *inputs))``: a fresh compile's table of
     every attention site, rewritten or kept (and why), with its module path.
   * :data:`SCHEDULES` -- the precision schedules ``flash_attention(..., schedule=)`` accepts.
+  * :func:`monitor` -- ``with flash_inductor.monitor() as m:`` records per-call attention statistics.
 
 Importing registers the ``flash_inductor::`` torch.library ops; it changes no global config.
 """
@@ -14,10 +15,13 @@ Importing registers the ``flash_inductor::`` torch.library ops; it changes no gl
 from .api import flash_attention
 from .backend import backend, make_backend
 from .explanation import explain
+from .monitoring import monitor
 from .passes.report import last_report
 from .tuning.schedules import DEFAULT_SCHEDULE, SCHEDULES, PrecisionSchedule
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attention", "backend", "make_backend", "explain", "last_report", "SCHEDULES", "DEFAULT_SCHEDULE",
-           "PrecisionSchedule", "__version__"]
+__all__ = [
+    "flash_attention", "backend", "make_backend", "explain", "last_report", "monitor", "SCHEDULES",
+    "DEFAULT_SCHEDULE", "PrecisionSchedule", "__version__",
+]

@@ -12,6 +12,9 @@ import math
 import torch
 from torch import Tensor
 
+from .monitoring import naming as _monitor_naming
+from .monitoring import ops as _monitor_ops  # registers the recording ops
+from .monitoring import session as _monitor_session
 from .ops import attention as _attention_ops  # noqa: F401  (registers the ops)
 from .tuning.schedules import get_schedule
 
@@ -76,6 +79,47 @@ def flash_attention(
 
     A query row with no visible key (all-False mask row, all ``-inf`` row, causal row with
     no key) returns 0 with zero gradients, where SDPA's math path returns NaN.
+
+    Inside ``with flash_inductor.monitor() as m:`` each call also records its statistics
+    (largest logit, LSE range, fully-masked rows, non-finite outputs and gradients); outside
+    one, monitoring costs a single check.
+    """
+    return attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+        schedule=schedule, monitor_site=_eager_monitor_site(),
+    )
+
+
+def _eager_monitor_site() -> str | None:
+    """The site name to record under, or None (the common case) when nothing is monitored.
+
+    Code that dynamo traces sees None without reading the session list (is_compiling() is a
+    constant there), so compiled graphs carry no guard on monitoring and never change with it.
+    """
+    if torch.compiler.is_compiling():
+        return None
+    session = _monitor_session.active_monitor()
+    return None if session is None else _monitor_naming.eager_site_name(session)
+
+
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    schedule: str | None = None,
+    monitor_site: str | None = None,
+) -> Tensor:
+    """:func:`flash_attention` with the monitoring decision made by the caller.
+
+    ``monitor_site`` names the site for the recording ops (``flash_inductor.monitoring.ops``);
+    None inserts none. The pass's rewritten calls come here with the name it chose, so what
+    the backend was asked for, not whether a session was active while compiling, decides.
     """
     _check_qkv(query, key, value)
     schedule_name = get_schedule(schedule).name  # validates early, listing the choices
@@ -98,9 +142,13 @@ def flash_attention(
         # Drawn from the device's default generator: manual_seed makes runs reproducible.
         rng_seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=query.device)
 
-    out, _ = torch.ops.flash_inductor.attention_forward(
+    if monitor_site is not None:
+        q4, k4, v4 = _monitor_ops.watch_inputs(q4, k4, v4, monitor_site)
+    out, lse = torch.ops.flash_inductor.attention_forward(
         q4, k4, v4, mask4, rng_seed, dropout_p, bool(is_causal), causal_offset, scale, schedule_name,
     )
+    if monitor_site is not None:
+        out = _monitor_ops.watch_output(out, lse, monitor_site, seq_k)
     return out.reshape(*query.shape[:-1], value.shape[-1])
 
 

@@ -66,7 +66,7 @@ class FlashInductorBackend:
 
 
 def make_backend(*, schedule: Optional[str] = None, devices: Sequence[str] = ("cuda", "cpu"),
-                 report: bool = False) -> FlashInductorBackend:
+                 report: bool = False, monitor: bool = False) -> FlashInductorBackend:
     """A configured backend.
 
     Args:
@@ -75,8 +75,13 @@ def make_backend(*, schedule: Optional[str] = None, devices: Sequence[str] = ("c
         report: log the table of sites rewritten or kept (and why) at INFO level on the
             "flash_inductor" logger; without it only the one-line summary is logged at INFO (the
             table at DEBUG). ``flash_inductor.last_report()`` returns it either way.
+        monitor: compile the recording ops of ``flash_inductor.monitor()`` into every rewritten
+            site (named by its module path); calls record into the session active when they run,
+            and into nothing outside one. Off by default: the graph is then exactly as without
+            monitoring, even when compiled inside a session.
     """
-    return FlashInductorBackend(RewriteOptions(schedule=schedule, devices=tuple(devices), report=report))
+    return FlashInductorBackend(RewriteOptions(schedule=schedule, devices=tuple(devices), report=report,
+                                               monitor=monitor))
 
 
 backend = make_backend()

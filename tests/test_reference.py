@@ -419,3 +419,14 @@ def test_floor_row_gradient_is_exact():
     _, _, (truth_dq, *_) = _run_naive(problem, case, torch.float64)
     floor = _floor_rows(problem.mask)
     torch.testing.assert_close(dq[floor].double(), truth_dq[floor], rtol=1e-4, atol=1e-5)
+
+
+def test_nan_input_propagates_instead_of_passing_for_a_masked_row():
+    """A NaN score makes the row's running sum NaN; the row must come out NaN (as in the kernel and
+    in SDPA), not be mistaken for a row with no visible key and silently return 0."""
+    generator = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn((1, 1, 5, 4), generator=generator) for _ in range(3))
+    query[0, 0, 2, 1] = float("nan")
+    out, lse = reference_forward(query, key, value, None, None, 0.0, False, 0, 0.5)
+    assert out[0, 0, 2].isnan().all() and lse[0, 0, 2].isnan()
+    assert out[0, 0, [0, 1, 3, 4]].isfinite().all()

@@ -217,7 +217,9 @@ def reference_forward(
         accumulator = accumulator * correction[..., None] + probs @ value_chunk
         running_max = new_max
 
-    has_visible_key = running_sum > 0
+    # l == 0 exactly when no key was visible (the kernel's test too). Not "l > 0": a NaN score
+    # makes l NaN, and that row must come out NaN, not pass for a fully-masked row with output 0.
+    has_visible_key = running_sum != 0
     safe_sum = torch.where(has_visible_key, running_sum, torch.ones_like(running_sum))
     out = torch.where(has_visible_key[..., None], accumulator / safe_sum[..., None], 0.0)
     lse = torch.where(has_visible_key, running_max + torch.log(safe_sum), float("-inf"))

@@ -19,6 +19,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ..tuning import cache as tuning_cache
+from ..monitoring.naming import graph_site_name
 from ..tuning.schedules import get_schedule
 from . import handwritten, mha, sdpa
 from .report import RewriteReport, SiteRecord, count_pass_run, publish
@@ -38,11 +39,13 @@ class RewriteOptions:
         devices: device types whose attention is rewritten ("cuda", "cpu").
         report: log the per-site table at INFO level, not only the one-line summary (the report
             is always kept in ``REPORTS``).
+        monitor: insert ``flash_inductor.monitoring``'s recording ops at every rewritten site.
     """
 
     schedule: Optional[str] = None
     devices: tuple[str, ...] = ("cuda", "cpu")
     report: bool = False
+    monitor: bool = False
 
     def __post_init__(self):
         get_schedule(self.schedule)  # fail early on a bad name
@@ -101,7 +104,8 @@ class FlashAttentionPass(CustomGraphPass):
             return
         for field in ("query", "key", "value", "attn_mask"):
             setattr(site, field, replaced.get(getattr(site, field), getattr(site, field)))
-        replaced[site.output] = rewrite_site(graph, site, self.options.schedule)
+        monitor_site = graph_site_name(module[0], site.pattern, name) if self.options.monitor else None
+        replaced[site.output] = rewrite_site(graph, site, self.options.schedule, monitor_site)
         report.records.append(SiteRecord(site.pattern, name, True, detail, *module))
         counters["flash_inductor"][site.pattern] += 1
 

@@ -15,21 +15,23 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.fx as fx
 
-from ..api import flash_attention
+from ..api import attention
 
 
 def rewritten_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-    schedule=None,
+    schedule=None, monitor_site=None,
 ):
     """The call the pass inserts: flash_attention with SDPA's argument order.
 
     A separate module-level function (not a lambda) so rewritten graphs print readably and
     pickle; AOTAutograd traces through it into ``flash_inductor::attention_forward``.
+    ``monitor_site`` (set only by ``make_backend(monitor=True)``) adds the recording ops of
+    ``flash_inductor.monitoring``; whether a session is active while compiling plays no part.
     """
-    return flash_attention(
+    return attention(
         query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-        scale=scale, enable_gqa=enable_gqa, schedule=schedule,
+        scale=scale, enable_gqa=enable_gqa, schedule=schedule, monitor_site=monitor_site,
     )
 
 
@@ -108,9 +110,16 @@ def _module_entries(node: fx.Node) -> list[tuple[str, Any]]:
     return [tuple(entry) for entry in stack.values()]
 
 
-def _relative_path(dynamo_path: str) -> Optional[str]:
-    """``L['self'].transformer.h[3].attn``, ``...h.3.attn`` or ``..._modules['h']._modules['3']...``
-    -> ``transformer.h.3.attn``: the path relative to the traced module; None for that module."""
+_GETATTR = re.compile(r"getattr\((.+?), ['\"]([^'\"]+)['\"]\)")
+
+
+def relative_module_path(dynamo_path: str) -> Optional[str]:
+    """``L['self'].transformer.h[3].attn``, ``...h.3.attn``, ``getattr(L['self'].h, '3').attn`` or
+    ``..._modules['h']._modules['3']...`` -> ``transformer.h.3.attn``: the path relative to the
+    traced module; None for that module itself."""
+    previous = None
+    while previous != dynamo_path:  # nested getattr(getattr(...), '0')
+        previous, dynamo_path = dynamo_path, _GETATTR.sub(r"\1.\2", dynamo_path)
     path = re.sub(r"^L\[['\"][^'\"]+['\"]\]", "", dynamo_path)
     path = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", path)
     parts = [p for p in path.split(".") if p and p not in ("_modules", "_parameters", "_buffers")]
@@ -135,24 +144,28 @@ def module_path(nodes: Iterable[Any]) -> tuple[Optional[str], Optional[type]]:
     if not common:
         return None, None
     path, cls = common[-1][0], common[-1][1] if len(common[-1]) > 1 else None
-    return _relative_path(str(path)), cls if isinstance(cls, type) else None
+    return relative_module_path(str(path)), cls if isinstance(cls, type) else None
 
 
-def rewrite_site(graph: fx.Graph, site: AttentionSite, schedule: Optional[str]) -> fx.Node:
-    """Replace ``site.output`` with a call of :func:`rewritten_attention`; erase dead pattern nodes."""
+def rewrite_site(graph: fx.Graph, site: AttentionSite, schedule: Optional[str],
+                 monitor_site: Optional[str] = None) -> fx.Node:
+    """Replace ``site.output`` with a call of :func:`rewritten_attention`; erase dead pattern nodes.
+
+    ``monitor_site``: name under which the call records monitoring statistics; None (the
+    default) leaves the call exactly as without monitoring.
+    """
     with graph.inserting_before(site.output):
         q, k, v, mask = site.query, site.key, site.value, site.attn_mask
         if site.prologue is not None:
             q, k, v, mask = site.prologue(graph, q, k, v, mask)
-        call = graph.call_function(
-            rewritten_attention,
-            (q, k, v),
-            dict(
-                attn_mask=mask, dropout_p=float(site.dropout_p), is_causal=bool(site.is_causal),
-                scale=None if site.scale is None else float(site.scale), enable_gqa=bool(site.enable_gqa),
-                schedule=schedule,
-            ),
+        kwargs = dict(
+            attn_mask=mask, dropout_p=float(site.dropout_p), is_causal=bool(site.is_causal),
+            scale=None if site.scale is None else float(site.scale), enable_gqa=bool(site.enable_gqa),
+            schedule=schedule,
         )
+        if monitor_site is not None:
+            kwargs["monitor_site"] = monitor_site
+        call = graph.call_function(rewritten_attention, (q, k, v), kwargs)
         replacement = site.epilogue(graph, call) if site.epilogue is not None else call
     if "example_value" in site.output.meta:
         replacement.meta["example_value"] = site.output.meta["example_value"]

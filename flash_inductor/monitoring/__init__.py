@@ -1,0 +1,11 @@
+"""Opt-in attention statistics: ``with flash_inductor.monitor() as m: ...; print(m.summary())``.
+
+``session.py`` is the context manager and where records go; ``ops.py`` the recording ops that
+eager calls and monitored compiled graphs insert; ``stats.py`` what one call records;
+``summary.py`` the per-site table; ``naming.py`` how sites are named.
+"""
+
+from .session import Monitor, monitor
+from .summary import MonitorSummary, NonFiniteEvent, SiteStats
+
+__all__ = ["monitor", "Monitor", "MonitorSummary", "SiteStats", "NonFiniteEvent"]

@@ -1,0 +1,138 @@
+"""``python -m flash_inductor.stability``: the adversarial precision suite.
+
+    python -m flash_inductor.stability                      # full sizes on CUDA
+    python -m flash_inductor.stability --cases qk_x,left_padding --dtypes fp16
+    python -m flash_inductor.stability --quick --device cpu --seq 48 --long-seqs 256   # CI size
+    python -m flash_inductor.stability --merge a.json b.json --tag all   # one table/heat-map from several runs
+
+Prints the table and the requirement verdict, writes ``stability_<device>_<date>[_tag].json`` and
+``.png`` to ``--out``; exits 1 when the default schedule misses the requirement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import pathlib
+import re
+import sys
+from typing import Optional
+
+import torch
+
+from . import anchors, cases as case_module, report, runner
+
+
+def _csv(text: Optional[str]) -> Optional[list[str]]:
+    return [t.strip() for t in text.split(",") if t.strip()] if text else None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m flash_inductor.stability", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--quick", action="store_true", help="small sizes (B=1, H=2, L=256, E=64, long 2k/4k)")
+    p.add_argument("--cases", help="comma-separated case names or prefixes (default: all; see --list)")
+    p.add_argument("--dtypes", help="comma-separated, from fp16,bf16 (default: each case's own)")
+    p.add_argument("--impls", help="comma-separated implementations (default: all; see --list)")
+    p.add_argument("--seq", type=int, help="override L = S of the ordinary cases")
+    p.add_argument("--head-dim", type=int, help="override E")
+    p.add_argument("--long-seqs", help="override the long-sequence lengths, e.g. 32768,65536")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results", help="directory for the JSON and PNG")
+    p.add_argument("--tag", help="suffix of the output file names")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--list", action="store_true", help="list cases and implementations, then exit")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="combine the results of earlier runs; runs nothing")
+    return p.parse_args(argv)
+
+
+def sizes_from(args) -> case_module.Sizes:
+    sizes = case_module.QUICK if args.quick else case_module.FULL
+    overrides = {}
+    if args.seq:
+        overrides["seq"] = args.seq
+    if args.head_dim:
+        overrides["head_dim"] = args.head_dim
+    if args.long_seqs:
+        overrides["long_seqs"] = tuple(int(s) for s in args.long_seqs.split(","))
+    return dataclasses.replace(sizes, **overrides)
+
+
+def _progress(disabled: bool):
+    if disabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return lambda items: tqdm(items, desc="stability", unit="case", dynamic_ncols=True)
+
+
+def output_stem(out_dir: pathlib.Path, device_name: str, tag: Optional[str]) -> pathlib.Path:
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+    stem = f"stability_{slug}_{datetime.date.today():%Y%m%d}" + (f"_{tag}" if tag else "")
+    return out_dir / stem
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    sizes = sizes_from(args)
+    all_cases = case_module.all_cases(sizes)
+    impls = anchors.implementations(_csv(args.impls))
+    if args.list:
+        for c in all_cases:
+            print(f"{c.name:18s} {','.join(runner.DTYPE_NAMES[d] for d in c.dtypes):10s} {c.description}")
+        print("implementations:", ", ".join(i.name for i in impls))
+        return 0
+    if args.merge:
+        return merge(args)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("CUDA is not available; use --device cpu (our op then runs its PyTorch reference path).")
+        return 2
+    chosen = case_module.select(all_cases, args.cases)
+    dtype_names = _csv(args.dtypes)
+    by_name = {v: k for k, v in runner.DTYPE_NAMES.items()}
+    dtypes = [by_name[n] for n in dtype_names] if dtype_names else None
+
+    results = runner.run_suite(chosen, impls, args.device, sizes, dtypes, args.seed, _progress(args.no_progress))
+    env = report.environment(argv, args.device)
+    env["sizes"] = dataclasses.asdict(sizes)
+    return finish(args, results, env, {c.name: c.description for c in chosen})
+
+
+def merge(args) -> int:
+    """One table, verdict, JSON and heat-map from several runs' JSON files (later files win)."""
+    results: dict[tuple, runner.Result] = {}
+    envs, case_info = [], {}
+    for path in args.merge:
+        payload = json.loads(pathlib.Path(path).read_text())
+        envs.append(payload["environment"])
+        case_info.update(payload["cases"])
+        for r in report.results_from_json(payload):
+            results[(r.case, r.dtype, r.impl)] = r
+    env = dict(envs[-1], merged_from=[str(p) for p in args.merge])
+    return finish(args, list(results.values()), env, case_info)
+
+
+def finish(args, results, env, case_info) -> int:
+    requirement = runner.check_requirements(results)
+    print(report.format_table(results))
+    print(requirement.format())
+
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = output_stem(out_dir, env["device"], args.tag)
+    report.write_json(stem.with_suffix(".json"), report.to_json(results, requirement, env, case_info))
+    print(f"wrote {stem.with_suffix('.json')}")
+    if not args.no_plot:
+        png = report.plot_heatmap(results, stem.with_suffix(".png"),
+                                  f"flash_inductor stability: {env['device']}, torch {env['torch']}")
+        print(f"wrote {png}" if png else "matplotlib is not installed: no heat-map")
+    return 0 if requirement.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""``flash_inductor.monitor()``: per-call statistics in eager and compiled code, and nothing when off.
+
+Covers: the recorded numbers against an fp64 reference (largest-logit interval, LSE range,
+fully-masked rows including rows at the finfo.min clamp, non-finite outputs and gradients);
+nothing recorded, and no recording op run, without a session; ``make_backend(monitor=True)``
+recording every rewritten site, named by module path, in the forward and backward graphs under
+torch.compile on CPU; the default backend and dynamo-traced direct calls staying unmonitored;
+the first non-finite site; the summary table (expecttest); opcheck of the recording ops.
+"""
+
+from __future__ import annotations
+
+import math
+
+import expecttest
+import pytest
+import torch
+import torch.nn as nn
+
+import flash_inductor
+from flash_inductor import api
+from flash_inductor.monitoring import ops as monitor_ops
+from flash_inductor.passes.site import relative_module_path
+from flash_inductor.monitoring.stats import FIELDS
+from flash_inductor.monitoring.summary import summarise
+from helpers import DEVICE, attention_ref, make_mask, make_qkv, randn
+
+B, H, L, S, E = 2, 3, 13, 17, 8
+
+
+def _one_site(summary):
+    assert len(summary.sites) == 1, summary.format()
+    return next(iter(summary.sites.values()))
+
+
+# ------------------------------------------------------------------------------------------
+# Eager calls: what one call records
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool_dead_rows", "finfo_min_rows"])
+def test_forward_statistics_match_fp64(mask_kind):
+    """On CUDA the statistics come from the kernel's LSE, on CPU from the reference path's."""
+    q, k, v = make_qkv(B, H, H, L, S, E, E, torch.float32, DEVICE, seed=3, q_mult=3.0)
+    mask = make_mask(mask_kind, B, H, L, S, torch.float32, DEVICE)
+    with flash_inductor.monitor() as m:
+        flash_inductor.flash_attention(q, k, v, attn_mask=mask)
+    site = _one_site(m.summary())
+
+    ref_out, ref_lse = attention_ref(q, k, v, mask)
+    scores = (q.double() @ k.double().transpose(-2, -1)) / math.sqrt(E)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.double()
+    dead = ref_lse.isneginf() | (ref_lse < -1e37)
+    if mask_kind == "finfo_min_rows":
+        assert dead.sum() == B * H * 2  # rows 0 and L // 2 sit entirely at the clamp
+    live_lse = ref_lse[~dead]
+    true_max_logit = scores.masked_fill(dead[..., None], float("-inf")).max().item()
+
+    assert site.calls == 1 and site.backward_calls == 0
+    assert site.masked_rows_max == int(dead.sum())
+    assert site.out_nonfinite == 0 and site.lse_nonfinite == 0
+    assert site.lse_min == pytest.approx(live_lse.min().item(), rel=1e-5, abs=1e-5)
+    assert site.lse_max == pytest.approx(live_lse.max().item(), rel=1e-5, abs=1e-5)
+    # The interval the LSE gives for the largest logit contains it, and is at most log S wide.
+    assert site.max_logit_low - 1e-5 <= true_max_logit <= site.max_logit_high + 1e-5
+    assert site.max_logit_high - site.max_logit_low == pytest.approx(math.log(S))
+
+
+def test_backward_counts_nonfinite_gradients():
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, L, L, E, E, torch.float32, DEVICE, seed=5))
+    grad = randn((1, 2, L, E), torch.float32, DEVICE, 6)
+    grad[0, 1, 4, 0] = float("nan")  # one bad upstream gradient entry, in head 1, row 4
+    with flash_inductor.monitor() as m:
+        out = flash_inductor.flash_attention(q, k, v, is_causal=True)
+        out.backward(grad)
+    summary = m.summary()
+    site = _one_site(summary)
+    assert (site.calls, site.backward_calls, site.out_nonfinite) == (1, 1, 0)
+    forward, backward = m.records()
+    assert (forward["phase"], backward["phase"], forward["rows"]) == ("forward", "backward", 2 * L)
+    assert "dq_nonfinite" not in forward and backward["dq_nonfinite"] == site.dq_nonfinite
+    assert site.dq_nonfinite == int((~q.grad.isfinite()).sum()) > 0
+    assert site.dk_nonfinite == int((~k.grad.isfinite()).sum()) > 0
+    assert site.dv_nonfinite == int((~v.grad.isfinite()).sum()) > 0
+    assert summary.first_nonfinite.phase == "backward" and summary.first_nonfinite.call == 1
+
+
+def test_monitoring_does_not_change_results():
+    q, k, v = (t.requires_grad_() for t in make_qkv(B, H, 1, L, S, E, E, torch.float32, "cpu", seed=7))
+    grad = randn((B, H, L, E), torch.float32, "cpu", 8)
+
+    def run():
+        out = flash_inductor.flash_attention(q, k, v, enable_gqa=True)
+        return [out.detach(), *torch.autograd.grad(out, (q, k, v), grad)]
+
+    plain = run()
+    with flash_inductor.monitor() as m:
+        watched = run()
+    assert len(m) == 2
+    for a, b in zip(plain, watched):
+        assert torch.equal(a, b)
+
+
+def test_off_runs_no_recording_op(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("a recording op ran without a monitoring session")
+
+    monkeypatch.setattr(api._monitor_ops, "watch_inputs", fail)
+    monkeypatch.setattr(api._monitor_ops, "watch_output", fail)
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 1, 1, L, L, E, E, torch.float32, "cpu"))
+    flash_inductor.flash_attention(q, k, v).sum().backward()
+
+
+def test_records_go_to_the_innermost_session_only_while_it_is_active():
+    q, k, v = make_qkv(1, 1, 1, L, L, E, E, torch.float32, "cpu")
+    with flash_inductor.monitor() as outer:
+        flash_inductor.flash_attention(q, k, v)
+        with flash_inductor.monitor() as inner:
+            flash_inductor.flash_attention(q, k, v)
+    flash_inductor.flash_attention(q, k, v)
+    assert (len(outer), len(inner)) == (1, 1)
+
+
+# ------------------------------------------------------------------------------------------
+# Models: site names, compiled graphs, the first non-finite site
+# ------------------------------------------------------------------------------------------
+
+
+class _HandwrittenAttention(nn.Module):
+    """nanoGPT's slow path; ``poison`` puts a NaN into this layer's queries."""
+
+    def __init__(self, width=16, heads=2, poison=False):
+        super().__init__()
+        self.heads, self.poison = heads, poison
+        self.qkv = nn.Linear(width, 3 * width)
+        self.register_buffer("bias", torch.tril(torch.ones(32, 32)).view(1, 1, 32, 32))
+
+    def split(self, x):
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        if self.poison:
+            q = q + torch.nn.functional.pad(q.new_full((1, 1, 1), float("nan")), (0, width - 1, 0, seq - 1, 0, batch - 1))
+        return [t.view(batch, seq, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v)]
+
+    def forward(self, x):
+        q, k, v = self.split(x)
+        seq = x.shape[1]
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :seq, :seq] == 0, float("-inf"))
+        y = att.softmax(dim=-1) @ v
+        return y.transpose(1, 2).reshape(x.shape)
+
+
+class _EagerAttention(_HandwrittenAttention):
+    def forward(self, x):
+        q, k, v = self.split(x)
+        return flash_inductor.flash_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(x.shape)
+
+
+class _Model(nn.Module):
+    def __init__(self, attention, poison_layer=None):
+        super().__init__()
+        self.blocks = nn.ModuleList([attention(poison=i == poison_layer) for i in range(3)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def _x(requires_grad=True):
+    return randn((2, 9, 16), torch.float32, "cpu", 11).requires_grad_(requires_grad)
+
+
+def test_eager_sites_are_named_by_module_path():
+    torch.manual_seed(0)
+    model = _Model(_EagerAttention)
+    with flash_inductor.monitor(model) as m:
+        model(_x()).sum().backward()
+    names = list(m.summary().sites)
+    assert [n.split(" ")[0] for n in names] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert all("test_monitor.py:" in n for n in names)
+    with flash_inductor.monitor() as anonymous:  # without the model: class name and first-seen order
+        model(_x())
+    assert [n.split(" ")[0] for n in anonymous.summary().sites] == [f"_EagerAttention#{i}" for i in range(3)]
+
+
+def test_first_nonfinite_site_is_the_poisoned_layer():
+    torch.manual_seed(0)
+    model = _Model(_EagerAttention, poison_layer=1)
+    with flash_inductor.monitor(model) as m:
+        model(_x()).sum().backward()
+    first = m.summary().first_nonfinite
+    assert first is not None and first.site.startswith("blocks.1 ") and first.phase == "forward"
+    assert first.counts == {"out_nonfinite": 8, "lse_nonfinite": 1}  # row 0 of head 0: out and LSE
+    assert "first non-finite: blocks.1 " in m.summary().format()
+
+
+@pytest.mark.usefixtures("fresh_compiler")
+def test_compiled_with_monitor_records_every_site_forward_and_backward():
+    torch.manual_seed(0)
+    model = _Model(_HandwrittenAttention)
+    compiled = torch.compile(model, backend=flash_inductor.make_backend(monitor=True))
+    x = _x()
+    with flash_inductor.monitor() as m:
+        out = compiled(x)
+        out.sum().backward()
+    assert flash_inductor.last_report().rewritten == 3
+    summary = m.summary()
+    assert [n.split(" ")[0] for n in summary.sites] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert all("(compiled handwritten" in n for n in summary.sites)
+    assert all((s.calls, s.backward_calls) == (1, 1) for s in summary.sites.values())
+    assert summary.first_nonfinite is None
+    torch.testing.assert_close(out, model(x))
+
+    # The same statistics as eager flash_attention on the same weights.
+    eager = _Model(_EagerAttention)
+    eager.load_state_dict(model.state_dict())
+    with flash_inductor.monitor() as e:
+        eager(x)
+    for c, s in zip(summary.sites.values(), e.summary().sites.values()):
+        assert c.lse_max == pytest.approx(s.lse_max, rel=1e-5) and c.lse_min == pytest.approx(s.lse_min, rel=1e-5)
+
+    # Outside a session the monitored graph runs and records nothing.
+    compiled(x).sum().backward()
+    assert len(m) == 6
+
+
+@pytest.mark.usefixtures("fresh_compiler")
+def test_compiled_first_nonfinite_names_the_layer():
+    torch.manual_seed(0)
+    compiled = torch.compile(_Model(_HandwrittenAttention, poison_layer=2),
+                             backend=flash_inductor.make_backend(monitor=True))
+    with flash_inductor.monitor() as m:
+        compiled(_x()).sum().backward()
+    first = m.summary().first_nonfinite
+    assert first is not None and first.site.startswith("blocks.2 ") and first.phase == "forward"
+
+
+@pytest.mark.usefixtures("fresh_compiler")
+def test_default_backend_inside_a_session_is_not_monitored():
+    """The default backend inserts nothing, even when compiling inside a session."""
+    torch.manual_seed(0)
+    compiled = torch.compile(_Model(_HandwrittenAttention), backend=flash_inductor.backend)
+    with flash_inductor.monitor() as m:
+        compiled(_x()).sum().backward()
+    assert flash_inductor.last_report().rewritten == 3 and len(m) == 0
+
+
+@pytest.mark.usefixtures("fresh_compiler")
+def test_direct_calls_traced_by_dynamo_are_not_monitored():
+    torch.manual_seed(0)
+    model = _Model(_EagerAttention)
+    compiled = torch.compile(model, backend="aot_eager")
+    with flash_inductor.monitor() as m:
+        out = compiled(_x())
+    assert len(m) == 0
+    torch.testing.assert_close(out, model(_x()))
+
+
+# ------------------------------------------------------------------------------------------
+# Pieces
+# ------------------------------------------------------------------------------------------
+
+
+def test_recording_ops_pass_opcheck():
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, 5, 7, 4, 4, torch.float32, "cpu"))
+    torch.library.opcheck(monitor_ops.monitor_inputs, (q, k, v, "site"))
+    out = randn((1, 2, 5, 4), torch.float32, "cpu", 1).requires_grad_()
+    lse = randn((1, 2, 5), torch.float32, "cpu", 2)
+    torch.library.opcheck(monitor_ops.monitor_output, (out, lse, "site", 7))
+    torch.library.opcheck(monitor_ops.monitor_grads, (q.detach(), k.detach(), v.detach(), "site"))
+
+
+@pytest.mark.parametrize("dynamo_path, clean", [
+    ("L['self'].blocks[0].attn", "blocks.0.attn"),
+    ("L['self'].blocks.0.attn", "blocks.0.attn"),
+    ("getattr(L['self'].blocks, '0').attn", "blocks.0.attn"),
+    ("L['self']._modules['blocks']._modules['0'].attn", "blocks.0.attn"),
+    ("L['mod']", None),
+])
+def test_module_paths_are_cleaned(dynamo_path, clean):
+    assert relative_module_path(dynamo_path) == clean
+
+
+class TestSummaryFormat(expecttest.TestCase):
+    def test_table(self):
+        nan = float("nan")
+
+        def row(**values):
+            return [values.get(f, nan) for f in FIELDS]
+
+        events = [("blocks.0", "forward"), ("blocks.1", "forward"), ("blocks.1", "backward"), ("blocks.0", "backward")]
+        rows = [
+            row(rows=64, masked_rows=8, lse_nonfinite=0, lse_min=-1.5, lse_max=12.25, max_logit_low=8.09, out_nonfinite=0),
+            row(rows=64, masked_rows=0, lse_nonfinite=0, lse_min=0.5, lse_max=3.0, max_logit_low=-1.16, out_nonfinite=0),
+            row(dq_nonfinite=0, dk_nonfinite=0, dv_nonfinite=0),
+            row(dq_nonfinite=5, dk_nonfinite=0, dv_nonfinite=2),
+        ]
+        self.assertExpectedInline(summarise(events, rows).format(), """\
+flash_inductor monitor: 4 record(s), 2 site(s)
+  site      calls  bwd   max logit in  LSE min..max  masked rows  NaN/inf out  dq  dk  dv
+  --------  -----  ---  -------------  ------------  -----------  -----------  --  --  --
+  blocks.0      1    1  [8.09, 12.25]   -1.5..12.25            8            0   5   0   2
+  blocks.1      1    1     [-1.16, 3]        0.5..3            0            0   0   0   0
+first non-finite: blocks.0 (backward, record 3): non-finite 5 dq, 2 dv""")
