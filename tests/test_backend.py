@@ -10,9 +10,11 @@ report's format (an expecttest inline expectation).
 
 from __future__ import annotations
 
+import copy
 import pickle
 
 import expecttest
+
 import pytest
 import torch
 import torch.nn as nn
@@ -25,7 +27,7 @@ from flash_inductor.passes import graph_pass
 from flash_inductor.passes.graph_pass import FlashAttentionPass, RewriteOptions
 from flash_inductor.passes.report import REPORTS
 from flash_inductor.passes.site import rewritten_attention
-from helpers import randn
+from helpers import assert_close_to_ref, randn
 
 E, H, L = 16, 2, 11
 
@@ -329,3 +331,27 @@ def test_sdpa_over_repeat_kv_of_a_tensor_written_afterwards_keeps_the_repeat():
     assert _records() == [("sdpa", True)]
     ref, ref_k = _hf_sdpa_gqa_mutated(*inputs)
     _assert_all_close([out, k], [ref, ref_k])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (runs in the GPU suite)")
+def test_reduce_overhead_training_on_cuda():
+    """mode="reduce-overhead" records CUDA graphs around the compiled forward and backward: our op
+    (Triton kernels launched from inside Inductor's graph) must replay correctly step after step,
+    as close to an fp64 run as eager fp32 is."""
+    torch.manual_seed(0)
+    block = _Block().cuda()
+    eager, golden = copy.deepcopy(block), copy.deepcopy(block).double()
+    compiled = torch.compile(block, backend=flash_inductor.backend, mode="reduce-overhead")
+    for step in range(4):  # warm-up, recording, then replays
+        x = randn((2, 64, E), torch.float32, "cuda", 10 + step)
+        results = []
+        for module, inputs in ((compiled, x), (eager, x), (golden, x.double())):
+            out = module(inputs)
+            out.square().sum().backward()
+            grads = [p.grad.clone() for p in module.parameters()]
+            module.zero_grad(set_to_none=True)
+            results.append([out.detach().clone(), *grads])
+        names = ["out", *(name for name, _ in block.named_parameters())]
+        for name, ours, ref32, ref64 in zip(names, *results):
+            assert_close_to_ref(f"step {step} {name}", ours, ref64, ref32)
+    assert ("sdpa", True) in _records()
