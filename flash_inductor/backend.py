@@ -16,6 +16,7 @@ import torch
 
 from .passes.graph_pass import ChainedPass, FlashAttentionPass, RewriteOptions
 from .passes.report import RewriteReport, one_report_per_compile
+from .passes.site import relative_module_path
 
 
 class FlashInductorBackend:
@@ -30,6 +31,9 @@ class FlashInductorBackend:
         self.graph_pass = FlashAttentionPass(options)
         self.without_caches = without_caches
         self.reports: Optional[list[RewriteReport]] = [] if without_caches else None
+        # Per report: (parameter path relative to the compiled frame, the parameter itself) pairs,
+        # which tell explain() where in the model a frame resumed after a graph break.
+        self.frame_anchors: list[list[tuple[str, torch.Tensor]]] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str] = None,
                  options: Optional[dict] = None):
@@ -53,6 +57,7 @@ class FlashInductorBackend:
         with one_report_per_compile(verbose=self.options.report) as report:
             if self.reports is not None:
                 self.reports.append(report)
+                self.frame_anchors.append(_parameter_anchors(gm, example_inputs))
             return compile_fx(gm, example_inputs, config_patches=patches)
 
     def explain(self, fn_or_module: Callable, *args: Any, **kwargs: Any) -> RewriteReport:
@@ -63,6 +68,27 @@ class FlashInductorBackend:
 
     def __repr__(self) -> str:
         return f"flash_inductor.make_backend({self.options})"
+
+
+def _parameter_anchors(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                       limit: int = 8) -> list[tuple[str, torch.Tensor]]:
+    """Up to ``limit`` graph inputs that dynamo lifted from module attributes, as (path relative to
+    the traced frame's module, the real tensor passed in). Sources are dynamo's, read defensively:
+    a graph without them just yields no anchors."""
+    anchors = []
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        name = getattr(source, "name", None)
+        name = name() if callable(name) else name
+        if not isinstance(name, str) or not isinstance(value, torch.Tensor) or "_parameters" not in name:
+            continue
+        path = relative_module_path(name)
+        if path:
+            anchors.append((path, value))
+        if len(anchors) >= limit:
+            break
+    return anchors
 
 
 def make_backend(*, schedule: Optional[str] = None, devices: Sequence[str] = ("cuda", "cpu"),

@@ -64,11 +64,46 @@ def explain_with(options: RewriteOptions, fn_or_module: Callable, args: tuple, k
             "call torch._dynamo.reset() first)."
         )
     merged = RewriteReport()
-    for report in backend.reports:
+    for report, anchors in zip(backend.reports, backend.frame_anchors):
+        if isinstance(root, torch.nn.Module):
+            report = _paths_from_frame(report, root, anchors)
         merged.extend(report)
     if isinstance(root, torch.nn.Module):
         _paths_from_root(merged, root)
     return merged
+
+
+def _frame_prefix(root: torch.nn.Module, anchors: list[tuple[str, torch.Tensor]]) -> str | None:
+    """Where in ``root`` the compiled frame's module sits: the prefix P with
+    ``root.get_parameter(P + "." + path) is tensor`` for every anchor; None when unknown."""
+    by_identity: dict[int, list[str]] = {}
+    for name, parameter in root.named_parameters(remove_duplicate=False):
+        by_identity.setdefault(id(parameter), []).append(name)
+    prefixes = None
+    for path, tensor in anchors:
+        found = {name[: -len(path)].rstrip(".") for name in by_identity.get(id(tensor), [])
+                 if name == path or name.endswith("." + path)}
+        prefixes = found if prefixes is None else prefixes & found
+    return next(iter(prefixes)) if prefixes is not None and len(prefixes) == 1 else None
+
+
+def _paths_from_frame(report: RewriteReport, root: torch.nn.Module,
+                      anchors: list[tuple[str, torch.Tensor]]) -> RewriteReport:
+    """After a graph break, dynamo (torch 2.11) traces the rest of the call from an inner module's
+    frame (T5's ``decoder``) and records module paths relative to it. The frame's own parameters,
+    passed in as graph inputs, say which module that is, also when its class appears in several
+    places of the model. Returns a copy: the per-compile reports in REPORTS keep what was recorded."""
+    prefix = _frame_prefix(root, anchors)
+    if not prefix:
+        return report
+    modules = dict(root.named_modules())
+    copy = RewriteReport(note=report.note)
+    for site in report.sites:
+        full = f"{prefix}.{site.module}" if site.module else None
+        if full in modules and site.module not in modules:
+            site = dataclasses.replace(site, module=full)
+        copy.records.append(site)
+    return copy
 
 
 def _paths_from_root(report: RewriteReport, root: torch.nn.Module) -> None:
