@@ -96,6 +96,7 @@ def _run_plan(planned: list[PlannedBucket], settings: Settings) -> dict[Bucket, 
 # ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.launches_kernels
 def test_search_picks_the_fastest_candidate():
     bucket = Bucket("stable", "fp16", 16, "none", 128, "forward")
     timer = _timer_from({("forward", 32, 16, 4): 2.0, ("forward", 16, 32, 4): 3.0, ("forward", 16, 16, 1): 8.0})
@@ -139,6 +140,7 @@ class _BrokenRunner(LaunchRunner):
         return out, lse
 
 
+@pytest.mark.launches_kernels
 @pytest.mark.parametrize("mode,reason", [("inaccurate", "out error"), ("unstable", "probe large_logits")])
 def test_accuracy_filter_rejects_a_broken_fast_candidate(mode, reason):
     bucket = Bucket("stable", "fp16", 16, "none", 128, "forward")
@@ -150,6 +152,7 @@ def test_accuracy_filter_rejects_a_broken_fast_candidate(mode, reason):
     assert len(rejected) == 1 and reason in rejected[0]["reason"], task.entry["rejected"]
 
 
+@pytest.mark.launches_kernels
 def test_backward_tunes_dkdv_then_dq_and_shortlists_follow_the_sweep():
     """Backward coordinate search (fp32 keeps the probes few), then a causal shortlist seeded by it."""
     sweep = Bucket("stable", "fp32", 16, "none", 128, "backward")
@@ -165,6 +168,7 @@ def test_backward_tunes_dkdv_then_dq_and_shortlists_follow_the_sweep():
     assert done[sweep].entry["speedup_vs_heuristic"] == pytest.approx(10.0 / 2.0)
 
 
+@pytest.mark.launches_kernels
 def test_precompile_worker_runs_every_problem_shape():
     bucket = Bucket("stable", "fp16", 16, "causal", 128, "forward")
     settings = _tiny_settings(None)
@@ -466,6 +470,7 @@ def _forward_backward(device="cpu"):
     return out, dq, dk, dv
 
 
+@pytest.mark.launches_kernels
 def test_a_table_changes_the_launched_configs(launch_spy):
     baseline = _forward_backward()
     heuristic_launches = set(launch_spy)
@@ -520,6 +525,7 @@ def test_pass_uuid_follows_the_active_table():
 # ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.launches_kernels
 def test_cli_writes_table_and_summary_and_resumes(tmp_path, capsys):
     calls = []
     timer = _timer_from({("forward", 32, 16, 4): 2.0}, calls=calls)

@@ -32,6 +32,9 @@ from helpers import (
     sdpa_baseline,
 )
 
+# Every test here launches the kernels (on CPU through Triton's interpreter).
+pytestmark = pytest.mark.launches_kernels
+
 SCHEDULES = ("fast", "stable", "accurate")
 
 
