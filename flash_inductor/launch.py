@@ -77,7 +77,7 @@ def _fp32_dot_precision(dtype: torch.dtype, accurate: bool) -> str:
 
 def schedule_switches(dtype: torch.dtype, schedule_name: str | None) -> dict:
     """The kernels' constexpr precision switches for a dtype under a schedule. Two problems with
-    equal switches (e.g. fast and stable in bf16) run the very same compiled kernels."""
+    equal switches (e.g. fast and stable with fp32 inputs) run the very same compiled kernels."""
     sched = get_schedule(schedule_name)
     return dict(
         P_IN_FP32=sched.p_in_fp32,
