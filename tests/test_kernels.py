@@ -30,6 +30,7 @@ from helpers import (
     make_mask,
     make_qkv,
     max_abs_error,
+    near_tied_qkv,
     randn,
     ref_forward_backward,
     sdpa_baseline,
@@ -303,25 +304,13 @@ def test_large_values_backward_fp16(schedule, device):
 # ------------------------------------------------------------------------------------------
 
 
-def _near_tied_inputs(device, seed=0):
-    """fp16 (B, H, 64, 16) q, k, v, dO whose keys are one shared vector c (|c_e| ~ 50) plus a 0.05
-    perturbation: logits of order 50 within a few fp16 ulps of each other (the stability suite's
-    near_tied case)."""
-    shape = (1, 2, 64, 16)
-    g = torch.Generator().manual_seed(seed)
-    shared = torch.randn((*shape[:2], 1, shape[3]), generator=g, dtype=torch.float64) * 50.0
-    key = (shared + 0.05 * torch.randn(shape, generator=g, dtype=torch.float64)).to(torch.float16).to(device)
-    query, value, grad_out = (randn(shape, torch.float16, device, 0, generator=g) for _ in range(3))
-    return query, key, value, grad_out
-
-
 def test_near_tied_keys_need_exact_delta_fp16(device):
     """dq_i = scale Σ_j dS_ij k_j, and keys sharing a large component c turn whatever a row's dS
     has in common into an error along c. FA2's Δ = rowsum(dO∘O) from the fp16 O (``fast``) is such
     an error, u·|dO_i|·|O_i| on every P_ij of the row. With exact Δ, dq and dk meet the tolerance
     rule against SDPA's math backend (which keeps P in fp32 and has no Δ); ``fast`` misses it on dq
     by orders of magnitude, which is the case for paying the extra GEMM."""
-    q, k, v, dout = _near_tied_inputs(device)
+    q, k, v, dout = near_tied_qkv((1, 2, 64, 16), torch.float16, device)
     scale = q.shape[-1] ** -0.5
     ref = ref_forward_backward(q, k, v, scale=scale, grad_out=dout)
     with sdpa_kernel(SDPBackend.MATH):

@@ -262,22 +262,6 @@ def _row_reference(problem, grouped_query, key, attn_mask, is_causal, causal_off
     return reference[..., None], shift[..., None]
 
 
-def _chunk_probs_and_grads(problem, grouped_query, grouped_grad_out, key_chunk, value_chunk, attn_mask,
-                           is_causal, causal_offset, scale, start, stop, row_reference, row_shift,
-                           rng_seed, dropout_p):
-    """One key chunk's probabilities P, the gradient dP of the loss w.r.t. P (through dropout),
-    and the dropout scale (None without dropout)."""
-    scores = _chunk_scores(
-        problem, grouped_query, key_chunk, attn_mask, is_causal, causal_offset, scale, start, stop
-    )
-    probs = torch.exp((scores - row_reference) - row_shift)
-    grad_probs = grouped_grad_out @ value_chunk.transpose(-2, -1)
-    dropout_scale = _dropout_scale(problem, rng_seed, dropout_p, start, stop)
-    if dropout_scale is not None:
-        grad_probs = grad_probs * dropout_scale
-    return probs, grad_probs, dropout_scale
-
-
 def reference_backward(
     grad_out: torch.Tensor,
     query: torch.Tensor,
@@ -316,15 +300,20 @@ def reference_backward(
     row_reference, row_shift = _row_reference(
         problem, grouped_query, key, attn_mask, is_causal, causal_offset, scale, problem.group(lse)
     )
-    grouped_grad_lse = problem.group(grad_lse)[..., None] if grad_lse is not None else None
 
     def chunk(start, stop):
+        """Keys [start, stop): K, V, the probabilities P, dP (through dropout), the dropout scale."""
         key_chunk = key[..., start:stop, :].to(problem.compute_dtype)
         value_chunk = value[..., start:stop, :].to(problem.compute_dtype)
-        return key_chunk, value_chunk, *_chunk_probs_and_grads(
-            problem, grouped_query, grouped_grad_out, key_chunk, value_chunk, attn_mask, is_causal,
-            causal_offset, scale, start, stop, row_reference, row_shift, rng_seed, dropout_p,
+        scores = _chunk_scores(
+            problem, grouped_query, key_chunk, attn_mask, is_causal, causal_offset, scale, start, stop
         )
+        probs = torch.exp((scores - row_reference) - row_shift)
+        grad_probs = grouped_grad_out @ value_chunk.transpose(-2, -1)
+        dropout_scale = _dropout_scale(problem, rng_seed, dropout_p, start, stop)
+        if dropout_scale is not None:
+            grad_probs = grad_probs * dropout_scale
+        return key_chunk, value_chunk, probs, grad_probs, dropout_scale
 
     # Delta_i = sum_j P_ij dP_ij is what the softmax backward subtracts; rowsum(dO * O) equals it
     # (O is the dropped output, matching dP) as long as O is not rounded.
@@ -341,8 +330,8 @@ def reference_backward(
             total += probs.sum(dim=-1, keepdim=True)
         # Rows that see no key have P = 0 (so dS = 0 whatever Delta is): keep theirs.
         delta = torch.where(total > 0, weighted / torch.where(total > 0, total, 1.0), delta)
-    if grouped_grad_lse is not None:
-        delta = delta - grouped_grad_lse
+    if grad_lse is not None:
+        delta = delta - problem.group(grad_lse)[..., None]
 
     wants_mask_grad = compute_mask_grad and attn_mask is not None and attn_mask.is_floating_point()
     grad_mask = (
