@@ -582,7 +582,13 @@ def test_schedule_stages_follow_the_kernel_switches():
         assert rows["P for P·V"].startswith("fp32") == schedule.p_in_fp32
         assert rows["bwd: dS for dS·K, dSᵀ·Q"].startswith("fp32") == schedule.ds_in_fp32
         assert ("scaled by 2⁻ᵏ" in rows["bwd: dS for dS·K, dSᵀ·Q"]) == schedule.ds_rescale
+        assert ("corrected in the dQ pass" in rows["bwd: Δ = rowsum(dO∘O)"]) == schedule.exact_delta
+        # Exact Δ corrects a 16-bit O; an fp32 O needs nothing, so fp32 kernels never pay for it.
+        for dtype in (torch.float16, torch.bfloat16):
+            assert launch.schedule_switches(dtype, name)["EXACT_DELTA"] == schedule.exact_delta
+        assert not launch.schedule_switches(torch.float32, name)["EXACT_DELTA"]
         assert rows["S = QKᵀ"].endswith("accumulator: fp32") and rows["softmax scale"] == "fp32, on S"
+    assert not SCHEDULES["fast"].exact_delta and SCHEDULES["stable"].exact_delta
 
 
 def test_readme_schedule_table_is_generated_from_schedules_py():
