@@ -77,13 +77,15 @@ def _fp32_dot_precision(dtype: torch.dtype, accurate: bool) -> str:
 
 def schedule_switches(dtype: torch.dtype, schedule_name: str | None) -> dict:
     """The kernels' constexpr precision switches for a dtype under a schedule. Two problems with
-    equal switches (e.g. fast and stable in bf16) run the very same compiled kernels."""
+    equal switches (e.g. fast and stable with fp32 inputs) run the very same compiled kernels."""
     sched = get_schedule(schedule_name)
     return dict(
         P_IN_FP32=sched.p_in_fp32,
         DS_IN_FP32=sched.ds_in_fp32,
         # Only fp16 can overflow dS; bf16 and fp32 have fp32's range.
         DS_RESCALE=sched.ds_rescale and dtype == torch.float16,
+        # Only a 16-bit O makes rowsum(dO * O) inexact; an fp32 O is as good as the fp32 sum.
+        EXACT_DELTA=sched.exact_delta and dtype != torch.float32,
         FP32_DOT=_fp32_dot_precision(dtype, accurate=sched.p_in_fp32 or sched.ds_in_fp32),
     )
 
@@ -216,7 +218,7 @@ def attention_backward(
     dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     if compute_mask_grad:
-        # Positions the dQ pass never visits (beyond the causal diagonal) have dS = 0.
+        # Positions no pass visits (beyond the causal diagonal) have dS = 0.
         dmask = torch.zeros((batch, heads_q, seq_q, seq_k), dtype=torch.float32, device=query.device)
     else:
         dmask = query.new_empty(0)
@@ -230,6 +232,7 @@ def attention_backward(
     switches, mask_arg, mask_strides, meta = _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule)
     configs = _configs(query, key, value, attn_mask, is_causal, schedule, configs)
     p_in_fp32, ds_in_fp32, ds_rescale = switches["P_IN_FP32"], switches["DS_IN_FP32"], switches["DS_RESCALE"]
+    exact_delta = switches["EXACT_DELTA"]
     seed_arg = rng_seed if rng_seed is not None else query
 
     delta = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
@@ -255,23 +258,29 @@ def attention_backward(
         IS_CAUSAL=is_causal, FP32_DOT=meta["FP32_DOT"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    # The dQ pass runs first: under exact Δ it replaces each row's Δ in `delta` with the corrected
+    # one, which the dK/dV pass then reads; dS is final only in that second pass, so it writes
+    # dmask. Without exact Δ the two passes are independent and the dQ pass writes dmask.
+    dmask_arg = dmask if compute_mask_grad else query
+    cfg = configs.backward_dq
+    _launcher(_attn_bwd_dq)[(_cdiv(seq_q, cfg.block_m), batch * heads_q)](
+        query, key, value, mask_arg, seed_arg, grad_out, row_ref, row_shift,
+        grad_lse if grad_lse is not None else lse, delta, dq, dmask_arg,
+        *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(), *dq.stride(),
+        heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2, scale, dropout_p,
+        P_IN_FP32=p_in_fp32, DS_IN_FP32=ds_in_fp32, DS_RESCALE=ds_rescale,
+        EXACT_DELTA=exact_delta, HAS_DLSE=grad_lse is not None, WRITE_DMASK=compute_mask_grad and not exact_delta,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **meta,
+    )
     cfg = configs.backward_dkdv
     _launcher(_attn_bwd_dkdv)[(_cdiv(seq_k, cfg.block_n), batch * heads_kv)](
-        query, key, value, mask_arg, seed_arg, grad_out, row_ref, row_shift, delta, dk, dv,
+        query, key, value, mask_arg, seed_arg, grad_out, row_ref, row_shift, delta, dk, dv, dmask_arg,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(),
         *dk.stride(), *dv.stride(),
         heads_q, heads_kv, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2, scale, dropout_p,
         P_IN_FP32=p_in_fp32, DS_IN_FP32=ds_in_fp32, DS_RESCALE=ds_rescale,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **meta,
-    )
-    cfg = configs.backward_dq
-    _launcher(_attn_bwd_dq)[(_cdiv(seq_q, cfg.block_m), batch * heads_q)](
-        query, key, value, mask_arg, seed_arg, grad_out, row_ref, row_shift, delta, dq,
-        dmask if compute_mask_grad else query,
-        *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(), *dq.stride(),
-        heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2, scale, dropout_p,
-        DS_IN_FP32=ds_in_fp32, DS_RESCALE=ds_rescale, WRITE_DMASK=compute_mask_grad,
+        WRITE_DMASK=compute_mask_grad and exact_delta,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **meta,
     )

@@ -83,6 +83,18 @@ def make_qkv(batch, heads_q, heads_kv, seq_q, seq_k, head_dim, head_dim_v, dtype
     )
 
 
+def near_tied_qkv(shape, dtype, device, seed=0):
+    """q, k, v, dO of ``shape`` (B, H, L, E), the keys one shared vector c (|c_e| ~ 50) plus a
+    perturbation of a few ulps of the dtype at 50 (0.05 in fp16, 0.5 in bf16 and wider): logits
+    of order 50 within a few 16-bit ulps of each other (the stability suite's near_tied case)."""
+    g = torch.Generator().manual_seed(seed)
+    spread = 0.05 if dtype == torch.float16 else 0.5
+    shared = torch.randn((*shape[:2], 1, shape[3]), generator=g, dtype=torch.float64) * 50.0
+    key = (shared + spread * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype).to(device)
+    query, value, grad_out = (randn(shape, dtype, device, 0, generator=g) for _ in range(3))
+    return query, key, value, grad_out
+
+
 def make_mask(kind: str, batch, heads_q, seq_q, seq_k, dtype, device, seed=1):
     """A (B, Hq, L, S)-broadcastable mask; ``*_bcast`` kinds return a stride-0 expanded view.
 

@@ -197,9 +197,9 @@ def test_plan_sweeps_once_per_width_and_pass_and_copies_identical_kernels():
     assert sweeps == ["stable/bf16/e64/none/s4096/forward", "stable/bf16/e64/none/s4096/backward",
                       "stable/bf16/e128/none/s4096/forward", "stable/bf16/e128/none/s4096/backward"]
     assert plan[: len(sweeps)] == [by_key[k] for k in sweeps]  # sweeps first: they seed the rest
-    # fast == stable in the forward, and in the bf16 backward (no dS rescale outside fp16).
+    # fast == stable in the forward; their 16-bit backwards differ (exact Δ, and the fp16 dS rescale).
     assert by_key["fast/fp16/e64/causal/s1024/forward"].kind == COPY
-    assert by_key["fast/bf16/e64/none/s4096/backward"].kind == COPY
+    assert by_key["fast/bf16/e64/none/s4096/backward"].kind == SHORTLIST
     assert by_key["fast/fp16/e64/none/s4096/backward"].kind == SHORTLIST
     assert by_key["accurate/bf16/e64/none/s4096/forward"].source == Bucket.parse(sweeps[0])
     assert len(plan) == len(grid.buckets())
@@ -216,6 +216,9 @@ def test_search_space_prunes_what_cannot_fit():
     assert not fits("forward", KernelConfig(128, 128, 8, 4), bf16, h200)  # 4 stages of 128-key K/V tiles
     assert not fits("forward", KernelConfig(128, 128, 4, 1), bf16, h200)  # 384 fp32 registers a thread
     assert not fits("forward", KernelConfig(32, 32, 8, 1), bf16, h200)  # 8 warps on a 32 x 32 tile
+    exact_delta = dataclasses.replace(bf16, exact_delta=True)
+    assert fits("backward_dq", KernelConfig(128, 64, 4, 1), bf16, h200)
+    assert not fits("backward_dq", KernelConfig(128, 64, 4, 1), exact_delta, h200)  # + P·K's accumulator: 384
     space = SearchSpace()
     unlimited = shape_candidates("forward", space, 3, bf16, DeviceLimits(None, None))
     assert len(unlimited) == 3 * 3 * 2 - 3  # every shape but the 8-warp ones on tiles < 64 x 64
@@ -585,7 +588,13 @@ def test_schedule_stages_follow_the_kernel_switches():
         assert rows["P for P·V"].startswith("fp32") == schedule.p_in_fp32
         assert rows["bwd: dS for dS·K, dSᵀ·Q"].startswith("fp32") == schedule.ds_in_fp32
         assert ("scaled by 2⁻ᵏ" in rows["bwd: dS for dS·K, dSᵀ·Q"]) == schedule.ds_rescale
+        assert ("corrected in the dQ pass" in rows["bwd: Δ = rowsum(dO∘O)"]) == schedule.exact_delta
+        # Exact Δ corrects a 16-bit O; an fp32 O needs nothing, so fp32 kernels never pay for it.
+        for dtype in (torch.float16, torch.bfloat16):
+            assert launch.schedule_switches(dtype, name)["EXACT_DELTA"] == schedule.exact_delta
+        assert not launch.schedule_switches(torch.float32, name)["EXACT_DELTA"]
         assert rows["S = QKᵀ"].endswith("accumulator: fp32") and rows["softmax scale"] == "fp32, on S"
+    assert not SCHEDULES["fast"].exact_delta and SCHEDULES["stable"].exact_delta
 
 
 def test_readme_schedule_table_is_generated_from_schedules_py():

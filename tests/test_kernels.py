@@ -17,6 +17,8 @@ from typing import Optional
 import pytest
 import torch
 
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
 from flash_inductor import launch
 from flash_inductor.ops.reference import reference_backward, reference_forward
 from helpers import (
@@ -27,6 +29,8 @@ from helpers import (
     lse_baseline,
     make_mask,
     make_qkv,
+    max_abs_error,
+    near_tied_qkv,
     randn,
     ref_forward_backward,
     sdpa_baseline,
@@ -48,6 +52,7 @@ class Case:
     head_dim: int = 24
     head_dim_v: int = 24
     mask: str = "none"  # a helpers.make_mask kind
+    mask_dtype: Optional[torch.dtype] = None  # a float mask's dtype; None: the inputs' dtype
     causal: str = "none"  # none | top_left (offset 0) | bottom_right (offset S - L)
     noncontig: bool = False
     dropout_p: float = 0.0
@@ -73,7 +78,8 @@ def run_case(case: Case, dtype: torch.dtype, device: str, schedule: str = "stabl
     q, k, v = make_qkv(case.batch, case.heads_q, case.heads_kv, case.seq_q, case.seq_k, case.head_dim,
                        case.head_dim_v, dtype, device, seed=seed, noncontig=case.noncontig,
                        q_mult=case.q_mult, k_mult=case.k_mult, v_mult=case.v_mult)
-    mask = make_mask(case.mask, case.batch, case.heads_q, case.seq_q, case.seq_k, dtype, device, seed=seed + 1)
+    mask = make_mask(case.mask, case.batch, case.heads_q, case.seq_q, case.seq_k, case.mask_dtype or dtype, device,
+                     seed=seed + 1)
     dout = randn((case.batch, case.heads_q, case.seq_q, case.head_dim_v), dtype, device, seed + 2, case.dout_mult)
     dlse = randn((case.batch, case.heads_q, case.seq_q), torch.float32, device, seed + 3) if case.grad_lse else None
     scale = case.scale if case.scale is not None else case.head_dim**-0.5
@@ -294,6 +300,66 @@ def test_large_values_backward_fp16(schedule, device):
     for name in ("dq", "dk"):
         representable = ref[name].abs() < torch.finfo(torch.float16).max
         assert representable.float().mean() > 0.5, name
+
+
+# ------------------------------------------------------------------------------------------
+# Exact Δ (the schedules' exact_delta)
+# ------------------------------------------------------------------------------------------
+
+
+def test_near_tied_keys_need_exact_delta_fp16(device):
+    """dq_i = scale Σ_j dS_ij k_j, and keys sharing a large component c turn whatever a row's dS
+    has in common into an error along c. FA2's Δ = rowsum(dO∘O) from the fp16 O (``fast``) is such
+    an error, u·|dO_i|·|O_i| on every P_ij of the row. With exact Δ, dq and dk meet the tolerance
+    rule against SDPA's math backend (which keeps P in fp32 and has no Δ); ``fast`` misses it on dq
+    by orders of magnitude, which is the case for paying the extra GEMM."""
+    q, k, v, dout = near_tied_qkv((1, 2, 64, 16), torch.float16, device)
+    scale = q.shape[-1] ** -0.5
+    ref = ref_forward_backward(q, k, v, scale=scale, grad_out=dout)
+    with sdpa_kernel(SDPBackend.MATH):
+        base = sdpa_baseline(q, k, v, scale=scale, grad_out=dout)
+    grads = {}
+    for schedule in SCHEDULES:
+        common = (None, 0.0, False, 0, scale, schedule)
+        out, lse = launch.attention_forward(q, k, v, None, *common)
+        grads[schedule] = dict(zip(("dq", "dk", "dv"), launch.attention_backward(
+            dout, q, k, v, None, out, lse, None, *common, False)))
+    for schedule in ("stable", "accurate"):
+        for name in ("dq", "dk", "dv"):
+            assert_close_to_ref(f"{schedule} {name}", grads[schedule][name], ref[name], base[name],
+                                terms=ref["terms"][name])
+    for name in ("dk", "dv"):  # Δ's error reaches dk only through q, which shares no large component
+        assert_close_to_ref(f"fast {name}", grads["fast"][name], ref[name], base[name], terms=ref["terms"][name])
+    with pytest.raises(AssertionError, match="fast dq: max error"):
+        assert_close_to_ref("fast dq", grads["fast"]["dq"], ref["dq"], base["dq"], terms=ref["terms"]["dq"])
+    assert max_abs_error(grads["fast"]["dq"], ref["dq"]) > 10 * max_abs_error(grads["stable"]["dq"], ref["dq"])
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_mask_gradient_rows_sum_to_the_lse_gradient(schedule, kernel_dtype, device):
+    """Σ_j ∂L/∂s_ij = dLSE_i: softmax's own gradient sums to zero over a row, and dropout enters only
+    through dP. dmask is dS, so its row sums keep that identity up to fp32 rounding wherever the
+    backward's Δ is exact: always with fp32 inputs (O is not rounded), and with 16-bit inputs under
+    exact_delta, whose correction is the row sum of the very dS computed. FA2's Δ from a 16-bit O
+    (``fast``) leaves each row off by about u·|dO_i·O_i|. GQA, causal masking, dropout and an LSE
+    gradient all on; the mask is fp32 so that dmask is not rounded to 16 bits on the way out."""
+    case = _f(heads_q=4, heads_kv=2, causal="bottom_right", mask="float", mask_dtype=torch.float32, mask_grad=True,
+              dropout_p=0.3, grad_lse=True)
+    ours, x = run_case(case, kernel_dtype, device, schedule)
+    kwargs = dict(causal_offset=x["offset"], scale=x["scale"], dropout_mask=x["keep"], dropout_p=case.dropout_p)
+    ref = ref_forward_backward(x["q"], x["k"], x["v"], x["mask"], grad_out=x["dout"], grad_lse=x["dlse"],
+                               mask_grad=True, **kwargs)
+    # Rounding of the fp32 arithmetic is relative to the terms: Σ_j P_ij |dP_ij| <= |dO_i| · (P̃ |V|)_i
+    # (P̃ the dropped probabilities), Σ_j |dS_ij| and |dLSE_i|.
+    weighted_abs_v = ref_forward_backward(x["q"], x["k"], x["v"].abs(), x["mask"], **kwargs)["out"]
+    terms = ((x["dout"].double().abs() * weighted_abs_v).sum(-1) + ref["dmask"].abs().sum(-1)
+             + x["dlse"].double().abs())
+    error = (ours["dmask"].double().sum(-1) - ref["dmask"].sum(-1)).abs()
+    within = error <= 16 * torch.finfo(torch.float32).eps * terms
+    if schedule == "fast" and kernel_dtype != torch.float32:
+        assert not within.all(), "FA2's Delta from a 16-bit O should break the identity"
+    else:
+        assert within.all(), f"row sums of dS off by up to {(error / terms).max().item():.2e} x their terms"
 
 
 # ------------------------------------------------------------------------------------------

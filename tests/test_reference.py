@@ -17,9 +17,12 @@ from typing import Optional
 import pytest
 import torch
 
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
 from flash_inductor.ops import reference
 from flash_inductor.ops.philox import philox_uniform
 from flash_inductor.ops.reference import reference_backward, reference_forward
+from helpers import assert_close_to_ref, near_tied_qkv, ref_forward_backward, sdpa_baseline
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -419,6 +422,29 @@ def test_floor_row_gradient_is_exact():
     _, _, (truth_dq, *_) = _run_naive(problem, case, torch.float64)
     floor = _floor_rows(problem.mask)
     torch.testing.assert_close(dq[floor].double(), truth_dq[floor], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_exact_delta_on_near_tied_keys(dtype):
+    """With 16-bit inputs the stored O is rounded, so rowsum(dO * O) is off by u |dO| |O| per row,
+    and keys sharing a large component (near-tied logits) carry that into dq. The reference path
+    forms Delta from P and dP instead: dq, dk and dv meet the tolerance rule against SDPA's math
+    backend (fp32 P, no Delta), while exact_delta=False (FlashAttention-2's Delta) misses it on dq."""
+    q, k, v, dout = near_tied_qkv((1, 2, 48, 16), dtype, "cpu")
+    scale = q.shape[-1] ** -0.5
+    truth = ref_forward_backward(q, k, v, scale=scale, grad_out=dout)
+    with sdpa_kernel(SDPBackend.MATH):
+        base = sdpa_baseline(q, k, v, scale=scale, grad_out=dout)
+    out, lse = reference_forward(q, k, v, None, None, 0.0, False, 0, scale)
+    grads = {}
+    for exact in (True, False):
+        dq, dk, dv, _ = reference_backward(dout, q, k, v, None, out, lse, None, 0.0, False, 0, scale, False,
+                                           exact_delta=exact)
+        grads[exact] = dict(dq=dq, dk=dk, dv=dv)
+    for name in ("dq", "dk", "dv"):
+        assert_close_to_ref(name, grads[True][name], truth[name], base[name], terms=truth["terms"][name])
+    with pytest.raises(AssertionError, match="dq: max error"):
+        assert_close_to_ref("dq", grads[False]["dq"], truth["dq"], base["dq"], terms=truth["terms"]["dq"])
 
 
 def test_nan_input_propagates_instead_of_passing_for_a_masked_row():

@@ -1,4 +1,4 @@
-"""Backward flash-attention kernels: a row-sum preprocess, a dK/dV pass and a dQ pass.
+"""Backward flash-attention kernels: a row-sum preprocess, a dQ pass, then a dK/dV pass.
 
 P is recomputed from the saved LSE (through a per-row reference and shift, see
 ``_attn_bwd_row_reference``); no (L, S) matrix is stored (except dS itself when the
@@ -8,6 +8,26 @@ the matrix unit, where ``ds_dot`` rounds it as the precision schedule says.
 Δ_i = rowsum(dO_i ∘ O_i) − dLSE_i: the LSE output's own gradient enters dS exactly as a
 shift of Δ, because ∂lse_i/∂s_ij = P_ij.
 
+Exact Δ (``EXACT_DELTA``, the schedule's ``exact_delta``). rowsum(dO_i ∘ O_i) stands for
+Σ_j P_ij dP_ij, but O is stored rounded to the input dtype, so it is off by
+δ_i ≈ u·|dO_i|·|O_i|, and each dS_ij carries −P_ij·δ_i; dq_i = scale·Σ_j dS_ij k_j multiplies
+that by Σ_j P_ij k_j, which is large when the keys share a large component. The dQ pass, which
+runs first, therefore also sums per row σ_i = Σ_j dS_ij, Λ_i = Σ_j P_ij and
+K̄_i = Σ_j P_ij k_j (one more dot per tile). As Σ_j P_ij dP_ij = σ_i + Λ_i·Δ_i, the Δ this row's
+P and dP imply is Δ*_i = Δ_i + c_i with c_i = σ_i / Λ_i − dLSE_i, and
+Σ_j P_ij (dP_ij − Δ*_i) k_j = Σ_j dS_ij k_j − c_i·K̄_i. Dividing by Λ_i (1 up to the LSE's own
+rounding) keeps Δ* consistent with the P the backward recomputes, which matters once |s| is
+large enough for an fp32 LSE to be off by more than a 16-bit ulp. Rows that see no key have
+Λ_i = 0 and keep their Δ (their P, hence dS, is 0 anyway).
+
+dq is corrected with σ̃_i, the sum of dS as the dQ dot saw it (rounded to the input dtype
+unless the schedule keeps dS in fp32), rather than with σ_i. With e_ij the rounding error of
+dS_ij, the computed dq then misses the exact one by scale·Σ_j e_ij (k_j − K̄_i/Λ_i): the
+rounding meets only the keys' spread around their P-weighted mean. With σ_i it would meet k_j
+itself, shared component included, which on near-tied keys costs as much as the Δ error did.
+Δ* itself comes from σ_i, unrounded; the dQ pass stores it in place of Δ, and the dK/dV pass,
+launched after it, reads it.
+
 The dK/dV pass owns one key block of one KV head and walks every query head of its GQA
 group, so grouped K/V gradients are summed in registers, without atomics or repeated K/V.
 """
@@ -15,7 +35,7 @@ group, so grouped K/V gradients are summed in registers, without atomics or repe
 import triton
 import triton.language as tl
 
-from .common import LOG2E, dropout_keep, ds_dot, mask_scores
+from .common import LOG2E, dropout_keep, ds_dot, ds_operand, mask_scores, operand_dot
 
 # LSEs below this (natural log) only come from rows whose every visible key sits at the
 # -1e38 mask clamp; see _attn_bwd_row_reference.
@@ -112,7 +132,7 @@ def _attn_bwd_row_reference(
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, MASK, SEED, DO, ROW_REF, ROW_SHIFT, DELTA, DK, DV,
+    Q, K, V, MASK, SEED, DO, ROW_REF, ROW_SHIFT, DELTA, DK, DV, DMASK,
     stride_qb, stride_qh, stride_qm, stride_qe,
     stride_kb, stride_kh, stride_kn, stride_ke,
     stride_vb, stride_vh, stride_vn, stride_ve,
@@ -125,7 +145,7 @@ def _attn_bwd_dkdv(
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
-    DS_RESCALE: tl.constexpr, FP32_DOT: tl.constexpr,
+    DS_RESCALE: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
@@ -195,6 +215,11 @@ def _attn_bwd_dkdv(
             else:
                 dv += tl.dot(p_used_t.to(do.dtype), do, input_precision=FP32_DOT)
             ds_t = p_t * (dp_t - delta[None, :])
+            if WRITE_DMASK:
+                # dL/d(additive mask) is dS itself; DMASK is a dense (B*Hq, L, S) fp32 buffer. Written
+                # here under exact Δ: the dQ pass knows a row's correction only after its last tile.
+                tl.store(DMASK + row_ids[None, :] * S + offs_n[:, None], ds_t,
+                         mask=kv_rows_ok[:, None] & q_rows_ok[None, :])
             dk += ds_dot(ds_t, q, DS_IN_FP32, DS_RESCALE, FP32_DOT)
 
     dk = dk * sm_scale
@@ -206,7 +231,7 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, MASK, SEED, DO, ROW_REF, ROW_SHIFT, DELTA, DQ, DMASK,
+    Q, K, V, MASK, SEED, DO, ROW_REF, ROW_SHIFT, DLSE, DELTA, DQ, DMASK,
     stride_qb, stride_qh, stride_qm, stride_qe,
     stride_kb, stride_kh, stride_kn, stride_ke,
     stride_vb, stride_vh, stride_vn, stride_ve,
@@ -217,8 +242,8 @@ def _attn_bwd_dq(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
-    WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
+    EXACT_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
@@ -255,6 +280,11 @@ def _attn_bwd_dq(
         keep_scale = 1.0 / (1.0 - dropout_p)
 
     dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
+    if EXACT_DELTA:
+        ds_sum = tl.zeros([BLOCK_M], dtype=tl.float32)  # σ
+        ds_seen_sum = tl.zeros([BLOCK_M], dtype=tl.float32)  # σ̃
+        p_sum = tl.zeros([BLOCK_M], dtype=tl.float32)  # Λ
+        p_k = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)  # K̄
     hi = S
     if IS_CAUSAL:
         hi = tl.minimum(S, start_m + BLOCK_M + causal_offset)
@@ -276,10 +306,36 @@ def _attn_bwd_dq(
             dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if WRITE_DMASK:
-            # dL/d(additive mask) is dS itself; DMASK is a dense (B*Hq, L, S) fp32 buffer.
+            # dL/d(additive mask) is dS itself; DMASK is a dense (B*Hq, L, S) fp32 buffer. Only
+            # without exact Δ: with it, this dS still lacks the row's correction (see the dK/dV pass).
             tl.store(DMASK + row_ids[:, None] * S + offs_n[None, :], ds, mask=tile_ok)
-        dq += ds_dot(ds, k, DS_IN_FP32, DS_RESCALE, FP32_DOT)
+        ds_tile, ds_factor = ds_operand(ds, k.dtype, DS_IN_FP32, DS_RESCALE)
+        dq += operand_dot(ds_tile, ds_factor, k, FP32_DOT)
+        if EXACT_DELTA:
+            # σ from the fp32 dS gives the dK/dV pass its Δ; σ̃ from dS as the dot above saw it
+            # (rounded) corrects dq, so that the rounding's common part goes too (see the module
+            # docstring). P is rounded for P·K as for Pᵀ·dO: K̄ only multiplies corrections of
+            # order u, so its own rounding enters at second order.
+            ds_sum += tl.sum(ds, 1)
+            ds_seen_sum += tl.sum(ds_tile.to(tl.float32), 1) * ds_factor
+            p_sum += tl.sum(p, 1)
+            if P_IN_FP32:
+                p_k += tl.dot(p, k.to(tl.float32), input_precision=FP32_DOT)
+            else:
+                p_k += tl.dot(p.to(k.dtype), k, input_precision=FP32_DOT)
 
+    if EXACT_DELTA:
+        # The corrections c = σ/Λ − dLSE and c̃ = σ̃/Λ − dLSE of the module docstring; 0 on rows
+        # that see no key.
+        has_key = p_sum > 0.0
+        inv_p_sum = 1.0 / tl.where(has_key, p_sum, 1.0)
+        dlse = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_DLSE:
+            dlse = tl.load(DLSE + row_ids, mask=q_rows_ok, other=0.0)
+        correction = tl.where(has_key, ds_sum * inv_p_sum - dlse, 0.0)
+        seen_correction = tl.where(has_key, ds_seen_sum * inv_p_sum - dlse, 0.0)
+        dq -= seen_correction[:, None] * p_k
+        tl.store(DELTA + row_ids, delta + correction, mask=q_rows_ok)
     dq = dq * sm_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_e[None, :] * stride_dqe,
              dq.to(DQ.dtype.element_ty), mask=q_rows_ok[:, None] & (offs_e[None, :] < HEAD_DIM))

@@ -59,10 +59,11 @@ def dropout_keep(seed, rows, cols, S, dropout_p):
 
 
 @triton.jit
-def ds_dot(ds, x, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr, FP32_DOT: tl.constexpr):
-    """Return ds @ x in fp32, rounding dS only as the precision schedule allows."""
+def ds_operand(ds, dtype, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr):
+    """dS as the matrix unit receives it: (tile, factor), tile * factor being dS rounded only as the
+    precision schedule allows (factor 1 unless the tile was rescaled)."""
     if DS_IN_FP32:
-        return tl.dot(ds, x.to(tl.float32), input_precision=FP32_DOT)
+        return ds, 1.0
     elif DS_RESCALE:
         # dS = P*(dP - delta) can exceed fp16's 65504 while the gradient it feeds is finite
         # (|V| or |dO| ~ 1e4). Scale the tile by a power of two (exact) so its largest
@@ -70,6 +71,19 @@ def ds_dot(ds, x, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr, FP32_DOT: 
         amax = tl.max(tl.abs(ds))
         shift = tl.where(amax > 16384.0, tl.ceil(tl.log2(amax)) - 14.0, 0.0)
         factor = tl.math.exp2(shift)
-        return tl.dot((ds / factor).to(x.dtype), x, input_precision=FP32_DOT) * factor
+        return (ds / factor).to(dtype), factor
     else:
-        return tl.dot(ds.to(x.dtype), x, input_precision=FP32_DOT)
+        return ds.to(dtype), 1.0
+
+
+@triton.jit
+def operand_dot(tile, factor, x, FP32_DOT: tl.constexpr):
+    """(tile * factor) @ x in fp32, for a (tile, factor) from ``ds_operand``."""
+    return tl.dot(tile, x.to(tile.dtype), input_precision=FP32_DOT) * factor
+
+
+@triton.jit
+def ds_dot(ds, x, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr, FP32_DOT: tl.constexpr):
+    """Return ds @ x in fp32, rounding dS only as the precision schedule allows."""
+    tile, factor = ds_operand(ds, x.dtype, DS_IN_FP32, DS_RESCALE)
+    return operand_dot(tile, factor, x, FP32_DOT)

@@ -69,7 +69,8 @@ def attention_forward(
         return launch.attention_forward(
             query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule
         )
-    # The reference computes in fp32/fp64 throughout: the schedule has nothing to select there.
+    # The reference computes in fp32/fp64 throughout, Delta included (the `accurate` schedule's
+    # stages): the schedule has nothing to select there.
     return attention_forward_reference(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale)
 
 

@@ -12,7 +12,11 @@ as the kernels, written for clarity rather than speed:
   along the row axis, ``(B, Hq, L, E) -> (B, Hkv, G * L, E)``, so a plain matmul against that
   group's keys scores all of them at once (query head ``h = hk * G + g``, row ``g * L + i``);
 * dropout keeps score ``(b, h, i, j)`` iff ``philox_uniform(seed, ((b*Hq + h)*L + i)*S + j) >=
-  dropout_p``, the same draw as ``tl.rand`` in the kernel.
+  dropout_p``, the same draw as ``tl.rand`` in the kernel;
+* when ``out`` is rounded below the compute dtype (fp16/bf16 inputs), the backward's
+  Delta_i is the P-weighted mean of row i's dP, summed over the keys in one extra pass, rather
+  than rowsum(dO * O) from the rounded O: the Delta that the kernels' ``exact_delta``
+  correction arrives at (see ``flash_inductor.kernels.attn_bwd``).
 
 Arithmetic is float64 for float64 inputs and float32 otherwise; inputs are upcast chunk by
 chunk. Rows that see no key at all (all-False mask, all -inf mask, causal with no key, S == 0)
@@ -273,27 +277,61 @@ def reference_backward(
     scale: float,
     compute_mask_grad: bool,
     grad_lse: Optional[torch.Tensor] = None,
+    exact_delta: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward; returns ``(dq, dk, dv, dmask)``.
 
     The arguments are those of :func:`reference_forward` plus ``grad_out`` (B, Hq, L, Ev) and its
     outputs ``out`` / ``lse``; ``grad_lse`` (B, Hq, L), if given, is the gradient flowing into
-    ``lse`` (d lse / d s = P, so it enters as ``dS = P * (dP - Delta + grad_lse)``). dk and dv are summed over the query heads of each KV group.
+    ``lse`` (d lse / d s = P, so it enters as ``dS = P * (dP - Delta + grad_lse)``). dk and dv are
+    summed over the query heads of each KV group.
     ``dmask`` is the dense (B, Hq, L, S) gradient of a floating ``attn_mask`` in the mask's dtype
     when ``compute_mask_grad`` is set (it equals dS, the gradient of the pre-softmax scores);
     otherwise, and for None or bool masks, it is ``query.new_empty(0)``.
+
+    ``exact_delta``: when ``out`` is rounded below the compute dtype, form Delta from P and dP
+    (one more pass over the keys) instead of from that ``out``; False gives FlashAttention-2's
+    Delta, whose error peaked or near-tied attention amplifies in dq. The attention ops always
+    use True: this path keeps P and dS in fp32 under every schedule too.
     """
     problem = _describe_problem(query, key, value)
     grouped_query = problem.group(query)
     grouped_grad_out = problem.group(grad_out)
-    # Delta = rowsum(dO * O) is the dot product of each row's dP with its probabilities, which
-    # the softmax backward subtracts; O is the dropped output, matching dP below.
-    delta = (grouped_grad_out * problem.group(out)).sum(dim=-1, keepdim=True)
-    if grad_lse is not None:
-        delta = delta - problem.group(grad_lse)[..., None]
     row_reference, row_shift = _row_reference(
         problem, grouped_query, key, attn_mask, is_causal, causal_offset, scale, problem.group(lse)
     )
+
+    def chunk(start, stop):
+        """Keys [start, stop): K, V, the probabilities P, dP (through dropout), the dropout scale."""
+        key_chunk = key[..., start:stop, :].to(problem.compute_dtype)
+        value_chunk = value[..., start:stop, :].to(problem.compute_dtype)
+        scores = _chunk_scores(
+            problem, grouped_query, key_chunk, attn_mask, is_causal, causal_offset, scale, start, stop
+        )
+        probs = torch.exp((scores - row_reference) - row_shift)
+        grad_probs = grouped_grad_out @ value_chunk.transpose(-2, -1)
+        dropout_scale = _dropout_scale(problem, rng_seed, dropout_p, start, stop)
+        if dropout_scale is not None:
+            grad_probs = grad_probs * dropout_scale
+        return key_chunk, value_chunk, probs, grad_probs, dropout_scale
+
+    # Delta_i = sum_j P_ij dP_ij is what the softmax backward subtracts; rowsum(dO * O) equals it
+    # (O is the dropped output, matching dP) as long as O is not rounded.
+    delta = (grouped_grad_out * problem.group(out)).sum(dim=-1, keepdim=True)
+    if exact_delta and torch.finfo(out.dtype).bits < torch.finfo(problem.compute_dtype).bits:
+        # O stored in 16 bits puts u |dO| |O| into Delta and so into every dS of the row. Sum
+        # P * dP instead, divided by sum P: the mean under the P this backward recomputes, which
+        # an LSE rounded in fp32 can make sum to 1 - 1e-3 at large logits.
+        weighted = torch.zeros_like(delta)
+        total = torch.zeros_like(delta)
+        for start, stop in _key_chunks(problem.key_len):
+            _, _, probs, grad_probs, _ = chunk(start, stop)
+            weighted += (probs * grad_probs).sum(dim=-1, keepdim=True)
+            total += probs.sum(dim=-1, keepdim=True)
+        # Rows that see no key have P = 0 (so dS = 0 whatever Delta is): keep theirs.
+        delta = torch.where(total > 0, weighted / torch.where(total > 0, total, 1.0), delta)
+    if grad_lse is not None:
+        delta = delta - problem.group(grad_lse)[..., None]
 
     wants_mask_grad = compute_mask_grad and attn_mask is not None and attn_mask.is_floating_point()
     grad_mask = (
@@ -306,18 +344,8 @@ def reference_backward(
     grad_value = torch.empty(value.shape, dtype=value.dtype, device=problem.device)
 
     for start, stop in _key_chunks(problem.key_len):
-        key_chunk = key[..., start:stop, :].to(problem.compute_dtype)
-        value_chunk = value[..., start:stop, :].to(problem.compute_dtype)
-        scores = _chunk_scores(
-            problem, grouped_query, key_chunk, attn_mask, is_causal, causal_offset, scale, start, stop
-        )
-        probs = torch.exp((scores - row_reference) - row_shift)
-        grad_probs = grouped_grad_out @ value_chunk.transpose(-2, -1)
-        dropped_probs = probs
-        dropout_scale = _dropout_scale(problem, rng_seed, dropout_p, start, stop)
-        if dropout_scale is not None:
-            grad_probs = grad_probs * dropout_scale
-            dropped_probs = probs * dropout_scale
+        key_chunk, value_chunk, probs, grad_probs, dropout_scale = chunk(start, stop)
+        dropped_probs = probs if dropout_scale is None else probs * dropout_scale
         grad_scores = probs * (grad_probs - delta)
 
         grad_value[..., start:stop, :] = dropped_probs.transpose(-2, -1) @ grouped_grad_out

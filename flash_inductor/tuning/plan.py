@@ -12,7 +12,7 @@ race a shortlist:
   Within a width, the ranking of tiles moves little with the mask, the schedule, the 16-bit
   dtype or the length; what does move, the race settles. ``--exhaustive`` sweeps everywhere.
 * ``copy``: a bucket whose kernels are identical to an earlier one's (the same constexprs, e.g.
-  the fast and stable schedules in the forward, or in bf16) reuses its entry unmeasured.
+  the fast and stable schedules in the forward, or with fp32 inputs) reuses its entry unmeasured.
 
 Order: sweeps first (they seed the rest), then the default schedule before the others, no mask
 and causal before explicit masks, and lengths nearest the representative first, so that a run

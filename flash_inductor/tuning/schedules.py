@@ -1,9 +1,9 @@
 """Precision schedules: which dtype each stage of the attention kernels computes in.
 
-A schedule is a contract, not a hint: the kernels read three fields (``p_in_fp32``,
-``ds_in_fp32``, ``ds_rescale``) as ``tl.constexpr`` switches, so every cast in the kernels is
-traceable to one named field here, and :meth:`PrecisionSchedule.stages` states the dtype of
-every stage, forward and backward, in the order the kernels run them. The README's schedule
+A schedule is a contract, not a hint: the kernels read four fields (``p_in_fp32``,
+``ds_in_fp32``, ``ds_rescale``, ``exact_delta``) as ``tl.constexpr`` switches, so every cast
+in the kernels is traceable to one named field here, and :meth:`PrecisionSchedule.stages`
+states the dtype of every stage, forward and backward, in the order the kernels run them. The README's schedule
 table is rendered from it (:func:`schedules_markdown_table`), so the prose cannot drift from
 the switches.
 
@@ -36,8 +36,8 @@ _O_ACC = Stage("O accumulator", "fp32", "rounded to the input dtype once, after 
 _P_RECOMPUTE = Stage("bwd: P recomputed", "fp32, from the LSE", "no (L, S) matrix is stored")
 _DP = Stage("bwd: dP = dO·Vᵀ", "operands: input dtype, accumulator: fp32")
 _DS = Stage("bwd: dS = P∘(dP − Δ)", "fp32", "dS can exceed fp16's range before the gradient does")
-_DKDV_ACC = Stage("bwd: dK, dV accumulators", "fp32", "summed over the GQA group in registers")
-_DQ_ACC = Stage("bwd: dQ accumulator", "fp32, separate pass", "a pass over key blocks per query block: no atomics")
+_DQ_ACC = Stage("bwd: dQ accumulator", "fp32, first pass", "a pass over key blocks per query block: no atomics")
+_DKDV_ACC = Stage("bwd: dK, dV accumulators", "fp32, second pass", "summed over the GQA group in registers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +54,15 @@ class PrecisionSchedule:
             the fp16 backward finite when |V| or |dO| is large (dS can exceed 65504 long
             before the true gradient does). Power-of-two factors are exact. bf16 has fp32's
             range, so bf16 dS is cast directly.
+        exact_delta: the backward's Δᵢ = rowsum(dOᵢ∘Oᵢ) is formed from O as stored, rounded to
+            the input dtype, so it is off by δᵢ ≈ u·|dOᵢ|·|Oᵢ|, and every dSᵢⱼ = Pᵢⱼ(dPᵢⱼ − Δᵢ) of
+            the row carries −Pᵢⱼ·δᵢ. Summed into dqᵢ through Σⱼ Pᵢⱼ kⱼ, that error dominates dq
+            when the keys share a large component (near-tied logits) or attention is nearly
+            one-hot (dq → 0). With this switch the dQ pass, which runs first, also sums each
+            row's dS (σᵢ, which is −δᵢ as computed) and Σⱼ Pᵢⱼ kⱼ (one more GEMM per tile: about
+            1/7 more backward FLOPs), removes σᵢ·Σⱼ Pᵢⱼ kⱼ from dq, and stores the corrected Δ
+            for the dK/dV pass. Off: FlashAttention-2's Δ and no extra GEMM. fp32 inputs never
+            use it: their O is not rounded, so their Δ is already as good as the fp32 sum.
         description: one line for documentation and reports.
     """
 
@@ -61,6 +70,7 @@ class PrecisionSchedule:
     p_in_fp32: bool
     ds_in_fp32: bool
     ds_rescale: bool
+    exact_delta: bool
     description: str
 
     @property
@@ -83,16 +93,24 @@ class PrecisionSchedule:
                          "power-of-two factors are exact; the fp32 product is scaled back")
         return Stage(label, "input dtype, cast directly", "fp16 dS overflows when |V| or |dO| is large")
 
+    def _delta_stage(self) -> Stage:
+        label = "bwd: Δ = rowsum(dO∘O)"
+        if self.exact_delta:
+            return Stage(label, "fp32; corrected in the dQ pass to Σⱼ Pᵢⱼ dPᵢⱼ (one more GEMM, P·K)",
+                         "O rounded to 16 bits puts u·|dO|·|O| into every dS of the row")
+        return Stage(label, "fp32, from O in the input dtype", "FlashAttention-2's Δ")
+
     def stages(self) -> tuple[Stage, ...]:
         """The whole contract, in the order the kernels run: forward, then backward."""
         return (
             _QK, _SCALE, _MASK, _STATS,
             self._p_stage("P for P·V"),
             _O_ACC,
+            self._delta_stage(),
             _P_RECOMPUTE, _DP, _DS,
             self._p_stage("bwd: P for Pᵀ·dO"),
             self._ds_stage(),
-            _DKDV_ACC, _DQ_ACC,
+            _DQ_ACC, _DKDV_ACC,
         )
 
 
@@ -101,7 +119,8 @@ FAST = PrecisionSchedule(
     p_in_fp32=False,
     ds_in_fp32=False,
     ds_rescale=False,
-    description="FA2's choices: P and dS rounded to the input dtype; fp16 dS may overflow.",
+    exact_delta=False,
+    description="FA2's choices: P and dS rounded to the input dtype, Δ from the rounded O; fp16 dS may overflow.",
 )
 
 STABLE = PrecisionSchedule(
@@ -109,8 +128,9 @@ STABLE = PrecisionSchedule(
     p_in_fp32=False,
     ds_in_fp32=False,
     ds_rescale=True,
+    exact_delta=True,
     description="P rounded to the input dtype; dS rescaled by a power of two before rounding "
-    "so the fp16 backward stays finite wherever the exact gradient is.",
+    "so the fp16 backward stays finite wherever the exact gradient is; Δ corrected in the dQ pass.",
 )
 
 ACCURATE = PrecisionSchedule(
@@ -118,7 +138,8 @@ ACCURATE = PrecisionSchedule(
     p_in_fp32=True,
     ds_in_fp32=True,
     ds_rescale=False,
-    description="P and dS never rounded to 16 bits: their products run in fp32.",
+    exact_delta=True,
+    description="P and dS never rounded to 16 bits: their products run in fp32; Δ corrected in the dQ pass.",
 )
 
 SCHEDULES: dict[str, PrecisionSchedule] = {s.name: s for s in (FAST, STABLE, ACCURATE)}

@@ -168,10 +168,14 @@ class Tuner:
                                             self.limits)) + len(self.settings.space.stages) - 1 for r in roles)
 
     def _tiles(self, bucket: Bucket) -> TileBytes:
+        from ..launch import schedule_switches
+
         sched = get_schedule(bucket.schedule)
         size = torch_dtype(bucket.dtype).itemsize
         mask = {"none": 0, "causal": 0, "bool": 1, "float": size}[bucket.mask]
-        return TileBytes(bucket.width, size, 4 if sched.p_in_fp32 else size, 4 if sched.ds_in_fp32 else size, mask)
+        exact_delta = schedule_switches(torch_dtype(bucket.dtype), bucket.schedule)["EXACT_DELTA"]
+        return TileBytes(bucket.width, size, 4 if sched.p_in_fp32 else size, 4 if sched.ds_in_fp32 else size, mask,
+                         exact_delta=exact_delta)
 
     def _sweep(self, task: BucketTask) -> Iterator[list[AttentionConfigs]]:
         tiles, space = self._tiles(task.bucket), self.settings.space

@@ -71,6 +71,7 @@ class TileBytes:
     p_itemsize: int  # P as the second dot's operand
     ds_itemsize: int  # dS as the dQ/dK dot's operand
     mask_itemsize: int  # 0 without a mask
+    exact_delta: bool = False  # the dQ pass also feeds P to a P·K dot and keeps its accumulator
 
 
 def smem_bytes(role: str, cfg: KernelConfig, t: TileBytes) -> int:
@@ -81,19 +82,20 @@ def smem_bytes(role: str, cfg: KernelConfig, t: TileBytes) -> int:
     if role == "backward_dkdv":  # K, V stay; Q, dO (and the mask) stream; Pᵀ and dSᵀ feed dots
         return 2 * bn * w * t.itemsize + stages * (2 * bm * w * t.itemsize + mask_tile) \
             + bm * bn * (t.p_itemsize + t.ds_itemsize)
-    if role == "backward_dq":  # Q, dO stay; K, V (and the mask) stream; dS feeds dS·K
-        return 2 * bm * w * t.itemsize + stages * (2 * bn * w * t.itemsize + mask_tile) + bm * bn * t.ds_itemsize
+    if role == "backward_dq":  # Q, dO stay; K, V (and the mask) stream; dS feeds dS·K (and P feeds P·K)
+        operands = t.ds_itemsize + (t.p_itemsize if t.exact_delta else 0)
+        return 2 * bm * w * t.itemsize + stages * (2 * bn * w * t.itemsize + mask_tile) + bm * bn * operands
     raise ValueError(f"unknown kernel role {role!r}")
 
 
-def fp32_regs_per_thread(role: str, cfg: KernelConfig, width: int) -> float:
+def fp32_regs_per_thread(role: str, cfg: KernelConfig, width: int, exact_delta: bool = False) -> float:
     bm, bn, threads = cfg.block_m, cfg.block_n, cfg.num_warps * 32
     if role == "forward":  # O accumulator; S and P
         return (bm * width + 2 * bm * bn) / threads
     if role == "backward_dkdv":  # dK, dV accumulators; P and dS (S and dP die into them)
         return (2 * bn * width + 2 * bm * bn) / threads
-    if role == "backward_dq":  # dQ accumulator; P and dS
-        return (bm * width + 2 * bm * bn) / threads
+    if role == "backward_dq":  # dQ accumulator (and P·K's under exact Δ); P and dS
+        return ((2 if exact_delta else 1) * bm * width + 2 * bm * bn) / threads
     raise ValueError(f"unknown kernel role {role!r}")
 
 
@@ -102,7 +104,8 @@ def fits(role: str, cfg: KernelConfig, tiles: TileBytes, limits: DeviceLimits) -
         return False
     if limits.smem_bytes is not None and smem_bytes(role, cfg, tiles) > limits.smem_bytes:
         return False
-    if limits.max_fp32_regs is not None and fp32_regs_per_thread(role, cfg, tiles.width) > limits.max_fp32_regs:
+    if limits.max_fp32_regs is not None and \
+            fp32_regs_per_thread(role, cfg, tiles.width, tiles.exact_delta) > limits.max_fp32_regs:
         return False
     return True
 
