@@ -97,7 +97,9 @@ def test_explain_recompiles_even_when_caches_could_serve_it():
             compiled = torch.compile(model, backend=flash_inductor.backend)
             compiled(x)
             compiled(x)  # dynamo's cache: no second compile
-            assert len(REPORTS) == 1 and REPORTS[0].rewritten == 1
+            # One compile. Its pass may not have run: the on-disk caches outlive the process, so an
+            # earlier run (or test) can serve this graph. Either way the caches now hold it.
+            assert len(REPORTS) == 1
             first = flash_inductor.explain(model, x)
             second = flash_inductor.explain(compiled, x)  # the compiled module itself: its original
     for report in (first, second):
