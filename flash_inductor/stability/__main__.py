@@ -40,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, help="override E")
     p.add_argument("--long-seqs", help="override the long-sequence lengths, e.g. 32768,65536")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-budget", type=float, metavar="SECONDS",
+                   help="start no new case after this many seconds; what ran is still reported and written")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON and PNG")
     p.add_argument("--tag", help="suffix of the output file names")
     p.add_argument("--no-plot", action="store_true")
@@ -97,9 +99,14 @@ def main(argv=None) -> int:
     by_name = {v: k for k, v in runner.DTYPE_NAMES.items()}
     dtypes = [by_name[n] for n in dtype_names] if dtype_names else None
 
-    results = runner.run_suite(chosen, impls, args.device, sizes, dtypes, args.seed, _progress(args.no_progress))
+    not_run: list[str] = []
+    results = runner.run_suite(chosen, impls, args.device, sizes, dtypes, args.seed, _progress(args.no_progress),
+                               time_budget=args.time_budget, not_run=not_run)
     env = report.environment(argv, args.device)
     env["sizes"] = dataclasses.asdict(sizes)
+    if not_run:
+        env["not_run"] = not_run
+        print(f"time budget of {args.time_budget:g} s spent; not run: {', '.join(not_run)}")
     return finish(args, results, env, {c.name: c.description for c in chosen})
 
 
