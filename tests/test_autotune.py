@@ -22,14 +22,14 @@ from flash_inductor import launch
 from flash_inductor.passes.graph_pass import FlashAttentionPass
 from flash_inductor.tuning import cache, cli
 from flash_inductor.tuning.buckets import Bucket, bucket_for, length_hint, mask_kind, seq_bucket
-from flash_inductor.tuning.configs import AttentionConfigs, KernelConfig, select_configs
+from flash_inductor.tuning.configs import AttentionConfigs, KernelConfig, heuristic_configs, select_configs
 from flash_inductor.tuning.measure import LaunchRunner, Shape, Verdict
 from flash_inductor.tuning.plan import COPY, SHORTLIST, SWEEP, Grid, PlannedBucket, make_plan
 from flash_inductor.tuning.precompile import ParallelPrecompiler, _encode, warm
 from flash_inductor.tuning.schedules import SCHEDULES, schedules_markdown_table
 from flash_inductor.tuning.search import BucketTask, Measurement, Settings, Tuner
 from flash_inductor.tuning.search_space import DeviceLimits, SearchSpace, TileBytes, fits, shape_candidates
-from helpers import make_qkv, randn
+from helpers import DEVICE, make_qkv, randn
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 INTERPRETER_CONFIGS = AttentionConfigs(*(KernelConfig(16, 16, 1, 1),) * 3)
@@ -68,6 +68,23 @@ def _tiny_settings(timer, space=SearchSpace("tiny", (16, 32), (16, 32), (4,), (1
     return Settings(**{**base, **changes})
 
 
+def _heuristic(dtype: torch.dtype, width: int) -> AttentionConfigs:
+    """The built-in configs the tuner starts from on the suite's device (the interpreter's fixed
+    tiles on CPU, the capability-based ones on a GPU): the baseline every tuned entry must beat."""
+    probe = torch.empty(1, 1, 1, width, dtype=dtype, device=DEVICE)
+    return heuristic_configs(probe, width, width, launch.interpreter_enabled())
+
+
+def _cost_key(role: str, configs: AttentionConfigs) -> tuple:
+    c = getattr(configs, role)
+    return (role, c.block_m, c.block_n, c.num_warps)
+
+
+def _table_file(out: pathlib.Path) -> pathlib.Path:
+    name = "triton-interpreter" if launch.interpreter_enabled() else cache.device_gpu_key(torch.device(DEVICE))
+    return out / f"{name}.json"
+
+
 def _timer_from(costs: dict, default: float = 10.0, calls: list | None = None):
     """Fake milliseconds: costs maps (role, block_m, block_n, num_warps) -> ms, summed over the
     roles it names (default for configs it does not list). Runs the candidate once, so the
@@ -85,7 +102,7 @@ def _timer_from(costs: dict, default: float = 10.0, calls: list | None = None):
 
 
 def _run_plan(planned: list[PlannedBucket], settings: Settings) -> dict[Bucket, BucketTask]:
-    tuner = Tuner("cpu", settings)
+    tuner = Tuner(DEVICE, settings)
     done: dict[Bucket, BucketTask] = {}
     assert tuner.run([tuner.task(p) for p in planned], done) == []
     return done
@@ -99,12 +116,14 @@ def _run_plan(planned: list[PlannedBucket], settings: Settings) -> dict[Bucket, 
 @pytest.mark.launches_kernels
 def test_search_picks_the_fastest_candidate():
     bucket = Bucket("stable", "fp16", 16, "none", 128, "forward")
-    timer = _timer_from({("forward", 32, 16, 4): 2.0, ("forward", 16, 32, 4): 3.0, ("forward", 16, 16, 1): 8.0})
+    heuristic = _heuristic(torch.float16, 16)
+    timer = _timer_from({("forward", 32, 16, 4): 2.0, ("forward", 16, 32, 4): 3.0,
+                         _cost_key("forward", heuristic): 8.0})
     task = _run_plan([PlannedBucket(bucket, SWEEP)], _tiny_settings(timer))[bucket]
     entry = task.entry
     assert entry["configs"] == {"forward": _cfg(32, 16)}
     assert entry["runner_up"]["configs"] == {"forward": _cfg(16, 32)}
-    assert entry["heuristic"]["configs"] == {"forward": KernelConfig(16, 16, 1, 1).to_dict()}
+    assert entry["heuristic"]["configs"] == {"forward": heuristic.forward.to_dict()}
     assert entry["speedup_vs_heuristic"] == pytest.approx(8.0 / 2.0)
     assert 0 <= entry["error_ratio"] <= 1 and entry["candidates"] == 5  # 4 shapes + the heuristic
     # FLOP model: 4·B·H·L·S·E at the (capped) timing shape, per second.
@@ -157,8 +176,9 @@ def test_backward_tunes_dkdv_then_dq_and_shortlists_follow_the_sweep():
     """Backward coordinate search (fp32 keeps the probes few), then a causal shortlist seeded by it."""
     sweep = Bucket("stable", "fp32", 16, "none", 128, "backward")
     causal = sweep.replace(mask="causal")
+    heuristic = _heuristic(torch.float32, 16)
     timer = _timer_from({("backward_dkdv", 16, 32, 4): 1.0, ("backward_dq", 16, 32, 4): 1.0,
-                         ("backward_dkdv", 16, 16, 1): 5.0, ("backward_dq", 16, 16, 1): 5.0})
+                         _cost_key("backward_dkdv", heuristic): 5.0, _cost_key("backward_dq", heuristic): 5.0})
     settings = _tiny_settings(timer, space=SearchSpace("tiny", (16,), (16, 32), (4,), (1,)),
                               check_shape=Shape(1, 1, 33, 33), max_timing_seq=16)
     done = _run_plan([PlannedBucket(sweep, SWEEP), PlannedBucket(causal, SHORTLIST, sweep)], settings)
@@ -174,9 +194,9 @@ def test_precompile_worker_runs_every_problem_shape():
     settings = _tiny_settings(None)
     configs = dataclasses.replace(INTERPRETER_CONFIGS, forward=KernelConfig(32, 16, 4, 1))
     assert warm(bucket.key(), _encode(INTERPRETER_CONFIGS), _encode(configs), (1, 2, 37, 37),
-                dataclasses.astuple(settings.timing_shape(bucket)), "cpu") is None
+                dataclasses.astuple(settings.timing_shape(bucket)), DEVICE) is None
     # Through the pool (spawned processes, as on the GPU): the same job, deduplicated across lengths.
-    pool = ParallelPrecompiler(1, "cpu", settings)
+    pool = ParallelPrecompiler(1, DEVICE, settings)
     try:
         errors = pool([(bucket, INTERPRETER_CONFIGS, configs), (bucket.replace(seq=256), INTERPRETER_CONFIGS, configs)])
         assert errors == [None] and not pool.broken
@@ -464,7 +484,7 @@ def launch_spy(monkeypatch):
     return calls
 
 
-def _forward_backward(device="cpu"):
+def _forward_backward(device=DEVICE):
     q, k, v = make_qkv(1, 2, 2, 37, 45, 24, 24, torch.float16, device, seed=0)
     dout = randn((1, 2, 37, 24), torch.float16, device, 2)
     out, lse = launch.attention_forward(q, k, v, None, None, 0.0, True, 8, 24**-0.5, "stable")
@@ -478,7 +498,9 @@ def test_a_table_changes_the_launched_configs(launch_spy):
     baseline = _forward_backward()
     heuristic_launches = set(launch_spy)
     blocks = {name: (bm, bn) for name, bm, bn in launch_spy}
-    assert blocks["_attn_fwd"] == (16, 16) and blocks["_attn_bwd_dkdv"] == (16, 16)  # interpreter tiles
+    heuristic = _heuristic(torch.float16, 32)
+    assert blocks["_attn_fwd"] == (heuristic.forward.block_m, heuristic.forward.block_n)
+    assert blocks["_attn_bwd_dkdv"] == (heuristic.backward_dkdv.block_m, heuristic.backward_dkdv.block_n)
 
     # E=24 pads to width 32; L=37, S=45 -> length bucket 128; causal.
     table = _table(**{"stable__fp16__e32__causal__s128__forward": _fwd_entry(32, 16),
@@ -537,17 +559,17 @@ def test_cli_writes_table_and_summary_and_resumes(tmp_path, capsys):
     argv = ["--dtypes", "fp16", "--head-dims", "16", "--masks", "none,causal", "--schedules", "stable",
             "--passes", "forward", "--seqs", "4096", "--output", str(out), "--summary", str(tmp_path / "s.json")]
     # A budget this small stops after the first round: the sweep is saved, the shortlist is not.
-    assert cli.main(argv + ["--time-budget", "1e-6"], settings=settings, device=torch.device("cpu")) == 0
-    table = cache.read_table(out / "triton-interpreter.json")
+    assert cli.main(argv + ["--time-budget", "1e-6"], settings=settings, device=torch.device(DEVICE)) == 0
+    table = cache.read_table(_table_file(out))
     assert list(table.entries) == ["stable/fp16/e16/none/s4096/forward"]
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["complete"] is False and summary["remaining"] == ["stable/fp16/e16/causal/s4096/forward"]
 
     measured_before = len(calls)
-    assert cli.main(argv + ["--resume"], settings=settings, device=torch.device("cpu")) == 0
+    assert cli.main(argv + ["--resume"], settings=settings, device=torch.device(DEVICE)) == 0
     # Only the causal shortlist ran: the heuristic and the sweep's two best, not the sweep again.
     assert 1 <= len(calls) - measured_before <= 1 + 2
-    table = cache.read_table(out / "triton-interpreter.json")
+    table = cache.read_table(_table_file(out))
     assert set(table.entries) == {"stable/fp16/e16/none/s4096/forward", "stable/fp16/e16/causal/s4096/forward"}
     assert table.entries["stable/fp16/e16/causal/s4096/forward"]["configs"] == {"forward": _cfg(32, 16)}
     summary = json.loads((tmp_path / "s.json").read_text())
@@ -557,9 +579,9 @@ def test_cli_writes_table_and_summary_and_resumes(tmp_path, capsys):
     # Entries tuned in another search space (e.g. a --quick run) are tuned again, not resumed.
     measured_before = len(calls)
     other = dataclasses.replace(settings, space=dataclasses.replace(settings.space, name="other"))
-    assert cli.main(argv + ["--resume"], settings=other, device=torch.device("cpu")) == 0
+    assert cli.main(argv + ["--resume"], settings=other, device=torch.device(DEVICE)) == 0
     assert len(calls) - measured_before >= 3
-    assert {e["space"] for e in cache.read_table(out / "triton-interpreter.json").entries.values()} == {"other"}
+    assert {e["space"] for e in cache.read_table(_table_file(out)).entries.values()} == {"other"}
     assert not list(pathlib.Path.cwd().glob("triton-interpreter*.json"))  # never the working directory
 
 

@@ -18,7 +18,7 @@ import torch
 
 from . import cache
 from .buckets import bucket_for
-from .schedules import DEFAULT_SCHEDULE
+from .schedules import DEFAULT_SCHEDULE, SCHEDULES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ _INTERPRETER_CONFIGS = AttentionConfigs(
 
 @functools.lru_cache(maxsize=None)
 def cuda_heuristic_configs(capability: tuple[int, int], itemsize: int, head_dim: int,
-                           head_dim_v: int) -> AttentionConfigs:
+                           head_dim_v: int, schedule: Optional[str] = None, mask_kind: str = "none") -> AttentionConfigs:
     width = max(padded_head_dim(head_dim), padded_head_dim(head_dim_v))
     wide = itemsize >= 4  # fp32 tiles take twice the shared memory and registers
     if width <= 64 and not wide:
@@ -82,15 +82,23 @@ def cuda_heuristic_configs(capability: tuple[int, int], itemsize: int, head_dim:
         fwd = KernelConfig(64, 32, 4, 2) if not wide else KernelConfig(32, 32, 4, 1)
         dkdv = KernelConfig(32, 32, 4, 1) if not wide else KernelConfig(16, 32, 4, 1)
         dq = KernelConfig(32, 32, 4, 1) if not wide else KernelConfig(16, 32, 4, 1)
+    p_in_fp32 = SCHEDULES[schedule or DEFAULT_SCHEDULE].p_in_fp32
+    if p_in_fp32 and mask_kind in ("bool", "float") and fwd.num_stages > 2:
+        # A schedule that keeps P in fp32 stages P and V's fp32 split for its P·V; a pipelined mask
+        # tile on top of that (fp32 float masks: 32 KiB a stage at 128x64) took 240 KiB of shared
+        # memory at three stages on an H200, past its 227 KiB. Two stages fit.
+        fwd = dataclasses.replace(fwd, num_stages=2)
     return AttentionConfigs(fwd, dkdv, dq)
 
 
-def heuristic_configs(query: torch.Tensor, head_dim: int, head_dim_v: int, interpreted: bool) -> AttentionConfigs:
-    """The built-in configs: what runs where no tuning table has an entry."""
-    if interpreted:
+def heuristic_configs(query: torch.Tensor, head_dim: int, head_dim_v: int, interpreted: bool,
+                      schedule: Optional[str] = None, mask_kind: str = "none") -> AttentionConfigs:
+    """The built-in configs: what runs where no tuning table has an entry. A tensor that is not
+    on a GPU can only reach a kernel through the interpreter, so it gets the interpreter's tiles."""
+    if interpreted or query.device.type != "cuda":
         return _INTERPRETER_CONFIGS
     capability = torch.cuda.get_device_capability(query.device)
-    return cuda_heuristic_configs(capability, query.element_size(), head_dim, head_dim_v)
+    return cuda_heuristic_configs(capability, query.element_size(), head_dim, head_dim_v, schedule, mask_kind)
 
 
 def select_configs(
@@ -110,7 +118,7 @@ def select_configs(
     (default: the query's own lengths). Forward and backward entries are looked up separately,
     so a table holding only one of them still improves that one.
     """
-    heuristic = heuristic_configs(query, head_dim, head_dim_v, interpreted)
+    heuristic = heuristic_configs(query, head_dim, head_dim_v, interpreted, schedule, mask_kind)
     table = cache.active_table(query.device, interpreted)
     if table is None:
         return heuristic

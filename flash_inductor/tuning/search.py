@@ -149,9 +149,10 @@ class Tuner:
 
         dtype = torch_dtype(bucket.dtype)
         if self.simulated_capability is not None:
-            return cuda_heuristic_configs(self.simulated_capability, dtype.itemsize, bucket.width, bucket.width)
+            return cuda_heuristic_configs(self.simulated_capability, dtype.itemsize, bucket.width, bucket.width,
+                                          bucket.schedule, bucket.mask)
         probe = torch.empty(0, dtype=dtype, device=self.device)
-        return heuristic_configs(probe, bucket.width, bucket.width, interpreter_enabled())
+        return heuristic_configs(probe, bucket.width, bucket.width, interpreter_enabled(), bucket.schedule, bucket.mask)
 
     def task(self, planned: PlannedBucket) -> BucketTask:
         return BucketTask(planned, self.heuristic(planned.bucket))
