@@ -158,14 +158,15 @@ def get_schedule(name: str | None) -> PrecisionSchedule:
     return SCHEDULES[name]
 
 
-MEASURED_NOTE = "measured: see benchmarks/results/"
+MEASURED_NOTE = "measured on the H200: next table"
 
 
 def schedules_markdown_table(results_note: str = MEASURED_NOTE) -> str:
     """The README's schedule table: one row per stage, one column per schedule.
 
     Stages every schedule shares are listed too, so the table is the whole contract. The last
-    two rows (error, speed) point at the measured results rather than quoting numbers here.
+    two rows (error, speed) point at the measured table (``tools/schedule_results.py``, from
+    committed GPU results) rather than quoting numbers here.
     """
     schedules = list(SCHEDULES.values())
     header = ["stage"] + [f"`{s.name}`" + (" (default)" if s.name == DEFAULT_SCHEDULE else "") for s in schedules]
