@@ -102,6 +102,82 @@ def test_monitoring_does_not_change_results():
         assert torch.equal(a, b)
 
 
+# ------------------------------------------------------------------------------------------
+# The monitoring kernels (one pass for the copy and the counts) against the PyTorch statistics
+# ------------------------------------------------------------------------------------------
+
+
+def _poisoned(shape, dtype, seed):
+    """Random values with NaN, +inf and -inf scattered in, across several copy blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.randn(shape, generator=gen).to(dtype)
+    flat = t.view(-1)
+    picks = torch.randperm(flat.numel(), generator=gen)[:7]
+    flat[picks[:3]] = float("nan")
+    flat[picks[3:5]] = float("inf")
+    flat[picks[5:]] = float("-inf")
+    return t.to(DEVICE)
+
+
+def _assert_same_record(got, want):
+    got, want = got.cpu(), want.cpu()
+    assert got.shape == want.shape == (len(FIELDS),)
+    for name, g, w in zip(FIELDS, got.tolist(), want.tolist()):
+        assert (math.isnan(g) and math.isnan(w)) or g == pytest.approx(w, rel=1e-6, abs=0), (name, g, w)
+
+
+@pytest.mark.launches_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("lse_kind", ["mixed", "no_live_row", "single_row"])
+def test_forward_kernel_record_matches_pytorch_statistics(dtype, lse_kind):
+    from flash_inductor.monitoring import device_stats
+    from flash_inductor.monitoring.stats import forward_stats
+
+    rows = 1 if lse_kind == "single_row" else 2 * 3 * 700  # > REDUCE_BLOCK: the reduction loops
+    out = _poisoned((rows, 5), dtype, seed=1) if rows > 1 else torch.randn(1, 5, dtype=dtype, device=DEVICE)
+    gen = torch.Generator().manual_seed(2)
+    lse = (torch.randn(rows, generator=gen) * 30).to(DEVICE)
+    if lse_kind == "mixed":  # masked (-inf, the -1e38 clamp), broken (NaN, +inf) and live rows
+        lse[[3, 900, 2000]] = float("-inf")
+        lse[[5, 1500]] = -1e38
+        lse[7] = float("nan")
+        lse[4000] = float("inf")
+    elif lse_kind == "no_live_row":
+        lse[:] = float("-inf")
+    assert device_stats.supports(out, lse)
+    copy, record = device_stats.copy_and_forward_record(out, lse, seq_k=300)
+    assert torch.equal(copy.view(-1).isnan(), out.view(-1).isnan())
+    assert torch.equal(torch.nan_to_num(copy), torch.nan_to_num(out)) and copy.data_ptr() != out.data_ptr()
+    _assert_same_record(record, forward_stats(out, lse, 300))
+
+
+@pytest.mark.launches_kernels
+def test_backward_kernel_record_matches_pytorch_statistics():
+    from flash_inductor.monitoring import device_stats
+    from flash_inductor.monitoring.stats import backward_stats
+
+    dq = _poisoned((3, 4100), torch.float16, seed=3)  # more than one copy block
+    dk = torch.randn(2, 7, dtype=torch.float32, device=DEVICE)  # all finite
+    dv = _poisoned((5, 9), torch.float32, seed=4)
+    (cq, ck, cv), record = device_stats.copy_and_backward_record(dq, dk, dv)
+    for copy, grad in ((cq, dq), (ck, dk), (cv, dv)):
+        assert torch.equal(torch.nan_to_num(copy), torch.nan_to_num(grad))
+    _assert_same_record(record, backward_stats(dq, dk, dv))
+
+
+def test_monitoring_kernels_do_not_change_the_tuning_tables_hash(tmp_path):
+    from flash_inductor.tuning import cache
+
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    (kernels / "attn_fwd.py").write_text("# attention\n")
+    before = cache.hash_sources(kernels, cache.UNTUNED_KERNEL_FILES)
+    (kernels / "monitor_stats.py").write_text("# monitoring\n")
+    assert cache.hash_sources(kernels, cache.UNTUNED_KERNEL_FILES) == before
+    (kernels / "attn_bwd.py").write_text("# attention\n")
+    assert cache.hash_sources(kernels, cache.UNTUNED_KERNEL_FILES) != before
+
+
 def test_off_runs_no_recording_op(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("a recording op ran without a monitoring session")
@@ -305,3 +381,32 @@ flash_inductor monitor: 4 record(s), 2 site(s)
   blocks.0      1    1  [8.09, 12.25]   -1.5..12.25            8            0   5   0   2
   blocks.1      1    1     [-1.16, 3]        0.5..3            0            0   0   0   0
 first non-finite: blocks.0 (backward, record 3): non-finite 5 dq, 2 dv""")
+
+
+# ------------------------------------------------------------------------------------------
+# benchmarks/bench_monitor.py: the overhead measurement runs and writes its result
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("fresh_compiler")
+def test_overhead_benchmark_writes_both_settings(tmp_path, capsys):
+    import importlib.util
+    import json
+    import pathlib
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_monitor.py"
+    spec = importlib.util.spec_from_file_location("bench_monitor", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        assert module.main(["--quick", "--device", DEVICE, "--dtype", "fp32", "--seq", "64", "--out", str(tmp_path)]) == 0
+    finally:
+        sys.modules.pop(spec.name, None)
+    (written,) = tmp_path.glob("monitor_overhead_*.json")
+    payload = json.loads(written.read_text())
+    got = {(r["setting"], r["mode"]) for r in payload["results"]}
+    assert got == {("op", "fwd"), ("op", "fwd_bwd"), ("compiled", "fwd"), ("compiled", "fwd_bwd")}
+    assert all(r["off_ms"] > 0 and r["on_ms"] > 0 for r in payload["results"])
+    assert payload["header"]["torch"] == torch.__version__ and "forward overhead within 5%" in capsys.readouterr().out

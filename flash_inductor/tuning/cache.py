@@ -97,10 +97,17 @@ def table_filename(gpu: str) -> str:
 # ------------------------------------------------------------------------------------------
 
 
-def hash_sources(directory: pathlib.Path) -> str:
-    """sha256 over the ``*.py`` files of ``directory``, names included."""
+# Kernels in flash_inductor/kernels/ that launch configs do not depend on: changing them must
+# not invalidate tuned tables (the monitoring kernels launch with fixed, untuned sizes).
+UNTUNED_KERNEL_FILES = frozenset({"monitor_stats.py"})
+
+
+def hash_sources(directory: pathlib.Path, exclude: frozenset[str] = frozenset()) -> str:
+    """sha256 over the ``*.py`` files of ``directory`` except ``exclude``, names included."""
     hasher = hashlib.sha256()
     for path in sorted(pathlib.Path(directory).glob("*.py")):
+        if path.name in exclude:
+            continue
         hasher.update(path.name.encode())
         hasher.update(path.read_bytes())
     return hasher.hexdigest()
@@ -108,8 +115,8 @@ def hash_sources(directory: pathlib.Path) -> str:
 
 @functools.lru_cache(maxsize=None)
 def kernel_source_hash() -> str:
-    """The hash of flash_inductor/kernels/*.py: a table tuned for other kernels is stale."""
-    return hash_sources(pathlib.Path(__file__).resolve().parent.parent / "kernels")
+    """The hash of the attention kernels' sources: a table tuned for other kernels is stale."""
+    return hash_sources(pathlib.Path(__file__).resolve().parent.parent / "kernels", UNTUNED_KERNEL_FILES)
 
 
 def runtime_versions() -> dict[str, str]:

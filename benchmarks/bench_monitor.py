@@ -1,0 +1,160 @@
+"""What ``flash_inductor.monitor()`` costs: forward (and forward+backward) time with it on vs off.
+
+    python benchmarks/bench_monitor.py                        # GPU: bf16, B=4, H=16, L=S=4096, E=128
+    python benchmarks/bench_monitor.py --quick --device cpu   # smoke size on a CPU
+
+Two settings, each timed off and on in the same process:
+
+* ``op``: ``flash_attention(q, k, v, is_causal=True)`` called eagerly, inside and outside a
+  ``flash_inductor.monitor()`` session;
+* ``compiled``: a GPT block with hand-written attention compiled with ``flash_inductor.backend``
+  (off) and with ``flash_inductor.make_backend(monitor=True)`` inside a session (on).
+
+The target (the monitoring issue): at most 5 % of forward time at seq 4k. The overhead is
+``on / off - 1`` of the medians (``triton.testing.do_bench`` on CUDA, a timer loop on CPU).
+Writes ``monitor_overhead_<gpu>_<date>.json`` beside the other benchmark results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_attention import GPTBlock, environment, import_flash_inductor, slug  # noqa: E402
+
+TARGET_OVERHEAD = 0.05
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--settings", default="op,compiled", help="comma list of op,compiled")
+    p.add_argument("--quick", action="store_true", help="B=1, H=2, L=256, E=32 (a CPU smoke run)")
+    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch, args.heads, args.seq, args.head_dim = 1, 2, 256, 32
+        if args.device == "cpu":
+            args.dtype = "fp32"
+    return args
+
+
+def median_ms(fn, device: str) -> float:
+    if device.startswith("cuda"):
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(15):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def op_cases(fi, args, dtype):
+    shape = (args.batch, args.heads, args.seq, args.head_dim)
+    q, k, v = (torch.randn(shape, device=args.device, dtype=dtype, requires_grad=True) for _ in range(3))
+    dout = torch.randn(shape, device=args.device, dtype=dtype)
+
+    def forward():
+        with torch.no_grad():
+            fi.flash_attention(q, k, v, is_causal=True)
+
+    def forward_backward():
+        torch.autograd.grad(fi.flash_attention(q, k, v, is_causal=True), (q, k, v), dout)
+
+    yield "fwd", forward, forward
+    yield "fwd_bwd", forward_backward, forward_backward
+
+
+def compiled_cases(fi, args, dtype):
+    d_model = args.heads * args.head_dim
+    torch.manual_seed(0)
+    block = GPTBlock(d_model, args.heads, args.seq).to(device=args.device, dtype=dtype)
+    x = torch.randn(args.batch, args.seq, d_model, device=args.device, dtype=dtype, requires_grad=True)
+    dy = torch.randn_like(x)
+    torch._dynamo.reset()
+    plain = torch.compile(block, backend=fi.backend)
+    watched = torch.compile(block, backend=fi.make_backend(monitor=True))
+
+    def forward(model):
+        def run():
+            with torch.no_grad():
+                model(x)
+        return run
+
+    def forward_backward(model):
+        def run():
+            model(x).backward(dy)
+            x.grad = None
+            for p in block.parameters():
+                p.grad = None
+        return run
+
+    yield "fwd", forward(plain), forward(watched)
+    yield "fwd_bwd", forward_backward(plain), forward_backward(watched)
+
+
+def measure(fi, args) -> list[dict]:
+    dtype = DTYPES[args.dtype]
+    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    builders = {"op": op_cases, "compiled": compiled_cases}
+    records = []
+    for setting in settings:
+        for mode, off_fn, on_fn in builders[setting](fi, args, dtype):
+            off_ms = median_ms(off_fn, args.device)
+            with fi.monitor() as session:
+                on_fn()  # compiles (compiled setting) and records at least once
+                assert len(session) > 0, f"{setting}/{mode}: monitoring recorded nothing"
+                session.clear()
+                on_ms = median_ms(lambda: (on_fn(), session.clear()), args.device)
+            records.append(dict(setting=setting, mode=mode, dtype=args.dtype, batch=args.batch, heads=args.heads,
+                                seq=args.seq, head_dim=args.head_dim, off_ms=off_ms, on_ms=on_ms,
+                                overhead=on_ms / off_ms - 1.0))
+    return records
+
+
+def format_table(records) -> str:
+    lines = [f"{'setting':9s} {'mode':8s} {'off ms':>9s} {'on ms':>9s} {'overhead':>9s}"]
+    for r in records:
+        lines.append(f"{r['setting']:9s} {r['mode']:8s} {r['off_ms']:9.3f} {r['on_ms']:9.3f} {r['overhead']:+9.1%}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    fi = import_flash_inductor()
+    records = measure(fi, args)
+    print(format_table(records))
+    forward = [r for r in records if r["mode"] == "fwd"]
+    within = all(r["overhead"] <= TARGET_OVERHEAD for r in forward)
+    print(f"forward overhead within {TARGET_OVERHEAD:.0%}: {'yes' if within else 'no'}")
+    if not args.no_write:
+        env = environment(sys.argv if argv is None else ["bench_monitor.py", *argv])
+        os.makedirs(args.out, exist_ok=True)
+        name = f"monitor_overhead_{slug(env['gpu'] or args.device)}_{env['date'][:10].replace('-', '')}.json"
+        path = os.path.join(args.out, name)
+        with open(path, "w") as f:
+            json.dump({"header": env, "target_forward_overhead": TARGET_OVERHEAD, "results": records}, f, indent=1)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Triton kernels of ``flash_inductor.monitor()``: one call's statistics in a few launches.
+
+The recording ops must return copies of the tensors they watch (``monitoring/ops.py`` says
+why), so the copy and the non-finite count share one pass over the data: each program copies
+its block and writes its block's count, with no atomics and no zero-initialised buffer. One
+single-program kernel then reduces the (small) LSE and the per-block counts and writes the
+whole float64 record. Done with PyTorch reductions the same record took about twenty
+launches, which is what made monitoring cost more than the copy itself.
+
+These kernels are not part of the tuned attention kernels: ``tuning/cache.py`` leaves this
+file out of the kernel-source hash, so changing it does not invalidate tuning tables.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _copy_count_nonfinite(src_ptr, dst_ptr, numel, counts_ptr, BLOCK: tl.constexpr):
+    """dst = src over one contiguous block; counts[program] = NaN/inf entries in that block."""
+    pid = tl.program_id(0)
+    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_bounds = offsets < numel
+    x = tl.load(src_ptr + offsets, mask=in_bounds, other=0.0)
+    tl.store(dst_ptr + offsets, x, mask=in_bounds)
+    value = x.to(tl.float32)
+    bad = in_bounds & ((value != value) | (tl.abs(value) == float("inf")))
+    tl.store(counts_ptr + pid, tl.sum(bad.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _sum_counts(counts_ptr, n_counts, BLOCK: tl.constexpr):
+    total = tl.zeros([BLOCK], dtype=tl.int64)
+    for start in range(0, n_counts, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        total += tl.load(counts_ptr + offsets, mask=offsets < n_counts, other=0).to(tl.int64)
+    return tl.sum(total, axis=0)
+
+
+# Sizes equal to 1 would otherwise be specialised into constants, which have no ``.to``.
+@triton.jit(do_not_specialize=["n_rows", "n_counts"])
+def _forward_record(lse_ptr, n_rows, counts_ptr, n_counts, record_ptr, log_seq_k, masked_below,
+                    BLOCK: tl.constexpr):
+    """One program. The record follows ``monitoring/stats.py``'s FIELDS: rows, masked_rows,
+    lse_nonfinite, lse_min, lse_max, max_logit_low, out_nonfinite, then three backward-only
+    fields left NaN. A row is masked when its LSE is -inf or at the mask clamp, broken when it
+    is NaN or +inf, live otherwise; the LSE range covers live rows and is NaN without any."""
+    masked = tl.zeros([BLOCK], dtype=tl.int64)
+    broken = tl.zeros([BLOCK], dtype=tl.int64)
+    lowest = tl.full([BLOCK], float("inf"), tl.float32)
+    highest = tl.full([BLOCK], float("-inf"), tl.float32)
+    live_rows = tl.zeros([BLOCK], dtype=tl.int64)
+    for start in range(0, n_rows, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        in_bounds = offsets < n_rows
+        lse = tl.load(lse_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
+        is_nan = lse != lse
+        is_masked = in_bounds & (~is_nan) & (lse <= masked_below)  # -inf is below the clamp too
+        is_broken = in_bounds & (is_nan | (lse == float("inf")))
+        is_live = in_bounds & (~is_nan) & (~is_masked) & (~is_broken)
+        masked += is_masked.to(tl.int64)
+        broken += is_broken.to(tl.int64)
+        live_rows += is_live.to(tl.int64)
+        lowest = tl.minimum(lowest, tl.where(is_live, lse, float("inf")))
+        highest = tl.maximum(highest, tl.where(is_live, lse, float("-inf")))
+    any_live = tl.sum(live_rows, axis=0) > 0
+    lse_min = tl.where(any_live, tl.min(lowest, axis=0).to(tl.float64), float("nan"))
+    lse_max = tl.where(any_live, tl.max(highest, axis=0).to(tl.float64), float("nan"))
+    tl.store(record_ptr + 0, tl.cast(n_rows, tl.float64))
+    tl.store(record_ptr + 1, tl.sum(masked, axis=0).to(tl.float64))
+    tl.store(record_ptr + 2, tl.sum(broken, axis=0).to(tl.float64))
+    tl.store(record_ptr + 3, lse_min)
+    tl.store(record_ptr + 4, lse_max)
+    tl.store(record_ptr + 5, lse_max - tl.cast(log_seq_k, tl.float64))
+    tl.store(record_ptr + 6, _sum_counts(counts_ptr, n_counts, BLOCK).to(tl.float64))
+    nan = tl.full([], float("nan"), tl.float64)
+    tl.store(record_ptr + 7, nan)
+    tl.store(record_ptr + 8, nan)
+    tl.store(record_ptr + 9, nan)
+
+
+@triton.jit
+def _backward_record(dq_counts_ptr, n_dq, dk_counts_ptr, n_dk, dv_counts_ptr, n_dv, record_ptr, n_fields,
+                     BLOCK: tl.constexpr):
+    """One program: NaN in every forward field, then the non-finite counts of dq, dk, dv."""
+    fields = tl.arange(0, 16)
+    tl.store(record_ptr + fields, tl.full([16], float("nan"), tl.float64), mask=fields < n_fields - 3)
+    tl.store(record_ptr + n_fields - 3, _sum_counts(dq_counts_ptr, n_dq, BLOCK).to(tl.float64))
+    tl.store(record_ptr + n_fields - 2, _sum_counts(dk_counts_ptr, n_dk, BLOCK).to(tl.float64))
+    tl.store(record_ptr + n_fields - 1, _sum_counts(dv_counts_ptr, n_dv, BLOCK).to(tl.float64))

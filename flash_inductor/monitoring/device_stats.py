@@ -1,0 +1,71 @@
+"""Launchers of the monitoring kernels (``kernels/monitor_stats.py``): validate, allocate, launch.
+
+``copy_and_forward_record`` and ``copy_and_backward_record`` return what the recording ops
+return (copies of the watched tensors) together with the call's float64 record, in two to
+four launches and without synchronising. They take CUDA tensors (or CPU tensors under the
+Triton interpreter) that are contiguous; ``supports`` says when, and the recording ops fall
+back to the PyTorch statistics of ``stats.py`` otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..kernels.monitor_stats import _backward_record, _copy_count_nonfinite, _forward_record
+from .stats import FIELDS, LSE_MASKED_BELOW
+
+# The kernels write the record by position.
+_KERNEL_FIELDS = ("rows", "masked_rows", "lse_nonfinite", "lse_min", "lse_max", "max_logit_low",
+                  "out_nonfinite", "dq_nonfinite", "dk_nonfinite", "dv_nonfinite")
+assert FIELDS == _KERNEL_FIELDS, "monitoring/stats.py's FIELDS and the monitoring kernels disagree"
+
+COPY_BLOCK = 4096       # elements per program of the copy-and-count pass
+REDUCE_BLOCK = 1024     # lanes of the single-program reductions
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _interpreted() -> bool:
+    from ..launch import interpreter_enabled
+
+    return interpreter_enabled()
+
+
+def supports(*tensors: Tensor) -> bool:
+    """Whether the kernels can take these tensors (else use the PyTorch statistics)."""
+    on_device = all(t.is_cuda for t in tensors) or (_interpreted() and all(t.device.type == "cpu" for t in tensors))
+    return on_device and all(t.is_contiguous() and t.dtype in _DTYPES for t in tensors)
+
+
+def _copy_counting(t: Tensor) -> tuple[Tensor, Tensor]:
+    """A copy of ``t`` and one int32 non-finite count per block of it."""
+    copy = torch.empty_like(t)
+    blocks = max(1, math.ceil(t.numel() / COPY_BLOCK))
+    counts = torch.empty(blocks, dtype=torch.int32, device=t.device)
+    if t.numel() == 0:
+        counts.zero_()
+        return copy, counts
+    _copy_count_nonfinite[(blocks,)](t, copy, t.numel(), counts, BLOCK=COPY_BLOCK, num_warps=4)
+    return copy, counts
+
+
+def copy_and_forward_record(out: Tensor, lse: Tensor, seq_k: int) -> tuple[Tensor, Tensor]:
+    """(copy of ``out``, forward record): see ``stats.forward_stats`` for the fields."""
+    lse = lse.detach()
+    copy, counts = _copy_counting(out.detach())
+    record = torch.empty(len(FIELDS), dtype=torch.float64, device=lse.device)
+    _forward_record[(1,)](lse, lse.numel(), counts, counts.numel(), record, math.log(max(int(seq_k), 1)),
+                          LSE_MASKED_BELOW, BLOCK=REDUCE_BLOCK, num_warps=4)
+    return copy, record
+
+
+def copy_and_backward_record(dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor], Tensor]:
+    """((copies of dq, dk, dv), backward record): NaN forward fields, then non-finite counts."""
+    (dq_copy, dq_counts), (dk_copy, dk_counts), (dv_copy, dv_counts) = (
+        _copy_counting(g.detach()) for g in (dq, dk, dv))
+    record = torch.empty(len(FIELDS), dtype=torch.float64, device=dq.device)
+    _backward_record[(1,)](dq_counts, dq_counts.numel(), dk_counts, dk_counts.numel(), dv_counts, dv_counts.numel(),
+                           record, len(FIELDS), BLOCK=REDUCE_BLOCK, num_warps=4)
+    return (dq_copy, dk_copy, dv_copy), record
