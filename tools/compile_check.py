@@ -14,7 +14,7 @@ from triton.compiler import ASTSource
 
 from flash_inductor.kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _attn_bwd_row_reference
 from flash_inductor.kernels.attn_fwd import _attn_fwd
-from flash_inductor.kernels.monitor_stats import _backward_record, _copy_count_nonfinite, _forward_record
+from flash_inductor.kernels.monitor_stats import _backward_record, _copy_count_nonfinite, _forward_record, _lse_partials
 
 _POINTERS = {"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"}
 
@@ -59,8 +59,10 @@ def monitoring_jobs():
     for dtype in ("fp16", "bf16", "fp32"):
         yield _copy_count_nonfinite, {"src_ptr": f"*{dtype}", "dst_ptr": f"*{dtype}", "numel": "i32",
                                       "counts_ptr": "*i32", "BLOCK": "constexpr"}, {"BLOCK": 4096}
-    yield _forward_record, {"lse_ptr": "*fp32", "n_rows": "i32", "counts_ptr": "*i32", "n_counts": "i32",
-                            "record_ptr": "*fp64", "log_seq_k": "fp32", "masked_below": "fp32",
+    yield _lse_partials, {"lse_ptr": "*fp32", "n_rows": "i32", "partials_ptr": "*fp32", "n_blocks": "i32",
+                          "BLOCK": "constexpr"}, {"BLOCK": 1024}
+    yield _forward_record, {"partials_ptr": "*fp32", "n_blocks": "i32", "n_rows": "i32", "counts_ptr": "*i32",
+                            "n_counts": "i32", "record_ptr": "*fp64", "log_seq_k": "fp32",
                             "BLOCK": "constexpr"}, {"BLOCK": 1024}
     yield _backward_record, {"dq_counts_ptr": "*i32", "n_dq": "i32", "dk_counts_ptr": "*i32", "n_dk": "i32",
                              "dv_counts_ptr": "*i32", "n_dv": "i32", "record_ptr": "*fp64", "n_fields": "i32",

@@ -2,9 +2,9 @@
 
 The recording ops must return copies of the tensors they watch (``monitoring/ops.py`` says
 why), so the copy and the non-finite count share one pass over the data: each program copies
-its block and writes its block's count, with no atomics and no zero-initialised buffer. One
-single-program kernel then reduces the (small) LSE and the per-block counts and writes the
-whole float64 record. Done with PyTorch reductions the same record took about twenty
+its block and writes its block's count, with no atomics and no zero-initialised buffer; the
+LSE is reduced per block the same way; one single-program kernel then combines the per-block
+results and writes the whole float64 record. Done with PyTorch reductions the same record took about twenty
 launches, which is what made monitoring cost more than the copy itself.
 
 These kernels are not part of the tuned attention kernels: ``tuning/cache.py`` leaves this
@@ -13,6 +13,11 @@ file out of the kernel-source hash, so changing it does not invalidate tuning ta
 
 import triton
 import triton.language as tl
+
+# Natural-log LSEs at or below this come from rows whose every visible key sits at the -1e38
+# mask clamp (or from rows with no visible key, -inf): monitoring counts both as masked. The
+# same threshold as monitoring/stats.py's LSE_MASKED_BELOW (checked by device_stats.py).
+MASKED_BELOW = tl.constexpr(-1.0e37)
 
 
 @triton.jit
@@ -37,32 +42,49 @@ def _sum_counts(counts_ptr, n_counts, BLOCK: tl.constexpr):
     return tl.sum(total, axis=0)
 
 
+@triton.jit
+def _lse_partials(lse_ptr, n_rows, partials_ptr, n_blocks, BLOCK: tl.constexpr):
+    """Per block of LSE rows: masked, broken and live row counts, and the live rows' min and
+    max, stored as the five rows of a (5, n_blocks) fp32 buffer (counts up to BLOCK are exact).
+    A row is masked when its LSE is -inf or at the mask clamp, broken when it is NaN or +inf,
+    live otherwise. Many programs, so a large LSE does not serialise on one SM."""
+    pid = tl.program_id(0)
+    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_bounds = offsets < n_rows
+    lse = tl.load(lse_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
+    is_nan = lse != lse
+    is_masked = in_bounds & (~is_nan) & (lse <= MASKED_BELOW)  # -inf is below the clamp too
+    is_broken = in_bounds & (is_nan | (lse == float("inf")))
+    is_live = in_bounds & (~is_nan) & (~is_masked) & (~is_broken)
+    tl.store(partials_ptr + pid, tl.sum(is_masked.to(tl.float32), axis=0))
+    tl.store(partials_ptr + n_blocks + pid, tl.sum(is_broken.to(tl.float32), axis=0))
+    tl.store(partials_ptr + 2 * n_blocks + pid, tl.sum(is_live.to(tl.float32), axis=0))
+    tl.store(partials_ptr + 3 * n_blocks + pid, tl.min(tl.where(is_live, lse, float("inf")), axis=0))
+    tl.store(partials_ptr + 4 * n_blocks + pid, tl.max(tl.where(is_live, lse, float("-inf")), axis=0))
+
+
 # Sizes equal to 1 would otherwise be specialised into constants, which have no ``.to``.
-@triton.jit(do_not_specialize=["n_rows", "n_counts"])
-def _forward_record(lse_ptr, n_rows, counts_ptr, n_counts, record_ptr, log_seq_k, masked_below,
+@triton.jit(do_not_specialize=["n_rows", "n_blocks", "n_counts"])
+def _forward_record(partials_ptr, n_blocks, n_rows, counts_ptr, n_counts, record_ptr, log_seq_k,
                     BLOCK: tl.constexpr):
-    """One program. The record follows ``monitoring/stats.py``'s FIELDS: rows, masked_rows,
-    lse_nonfinite, lse_min, lse_max, max_logit_low, out_nonfinite, then three backward-only
-    fields left NaN. A row is masked when its LSE is -inf or at the mask clamp, broken when it
-    is NaN or +inf, live otherwise; the LSE range covers live rows and is NaN without any."""
+    """One program: reduces ``_lse_partials`` and the copy's non-finite counts into the record,
+    which follows ``monitoring/stats.py``'s FIELDS: rows, masked_rows, lse_nonfinite, lse_min,
+    lse_max, max_logit_low, out_nonfinite, then three backward-only fields left NaN. The LSE
+    range covers live rows and is NaN without any."""
     masked = tl.zeros([BLOCK], dtype=tl.int64)
     broken = tl.zeros([BLOCK], dtype=tl.int64)
+    live_rows = tl.zeros([BLOCK], dtype=tl.int64)
     lowest = tl.full([BLOCK], float("inf"), tl.float32)
     highest = tl.full([BLOCK], float("-inf"), tl.float32)
-    live_rows = tl.zeros([BLOCK], dtype=tl.int64)
-    for start in range(0, n_rows, BLOCK):
+    for start in range(0, n_blocks, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
-        in_bounds = offsets < n_rows
-        lse = tl.load(lse_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
-        is_nan = lse != lse
-        is_masked = in_bounds & (~is_nan) & (lse <= masked_below)  # -inf is below the clamp too
-        is_broken = in_bounds & (is_nan | (lse == float("inf")))
-        is_live = in_bounds & (~is_nan) & (~is_masked) & (~is_broken)
-        masked += is_masked.to(tl.int64)
-        broken += is_broken.to(tl.int64)
-        live_rows += is_live.to(tl.int64)
-        lowest = tl.minimum(lowest, tl.where(is_live, lse, float("inf")))
-        highest = tl.maximum(highest, tl.where(is_live, lse, float("-inf")))
+        in_bounds = offsets < n_blocks
+        masked += tl.load(partials_ptr + offsets, mask=in_bounds, other=0.0).to(tl.int64)
+        broken += tl.load(partials_ptr + n_blocks + offsets, mask=in_bounds, other=0.0).to(tl.int64)
+        live_rows += tl.load(partials_ptr + 2 * n_blocks + offsets, mask=in_bounds, other=0.0).to(tl.int64)
+        lowest = tl.minimum(lowest, tl.load(partials_ptr + 3 * n_blocks + offsets, mask=in_bounds, other=float("inf")))
+        highest = tl.maximum(highest, tl.load(partials_ptr + 4 * n_blocks + offsets, mask=in_bounds,
+                                              other=float("-inf")))
     any_live = tl.sum(live_rows, axis=0) > 0
     lse_min = tl.where(any_live, tl.min(lowest, axis=0).to(tl.float64), float("nan"))
     lse_max = tl.where(any_live, tl.max(highest, axis=0).to(tl.float64), float("nan"))

@@ -1,7 +1,7 @@
 """Launchers of the monitoring kernels (``kernels/monitor_stats.py``): validate, allocate, launch.
 
 ``copy_and_forward_record`` and ``copy_and_backward_record`` return what the recording ops
-return (copies of the watched tensors) together with the call's float64 record, in two to
+return (copies of the watched tensors) together with the call's float64 record, in three and
 four launches and without synchronising. They take CUDA tensors (or CPU tensors under the
 Triton interpreter) that are contiguous; ``supports`` says when, and the recording ops fall
 back to the PyTorch statistics of ``stats.py`` otherwise.
@@ -14,15 +14,17 @@ import math
 import torch
 from torch import Tensor
 
-from ..kernels.monitor_stats import _backward_record, _copy_count_nonfinite, _forward_record
+from ..kernels.monitor_stats import MASKED_BELOW, _backward_record, _copy_count_nonfinite, _forward_record, _lse_partials
 from .stats import FIELDS, LSE_MASKED_BELOW
 
 # The kernels write the record by position.
 _KERNEL_FIELDS = ("rows", "masked_rows", "lse_nonfinite", "lse_min", "lse_max", "max_logit_low",
                   "out_nonfinite", "dq_nonfinite", "dk_nonfinite", "dv_nonfinite")
 assert FIELDS == _KERNEL_FIELDS, "monitoring/stats.py's FIELDS and the monitoring kernels disagree"
+assert MASKED_BELOW.value == LSE_MASKED_BELOW, "the kernels and stats.py disagree on masked rows"
 
 COPY_BLOCK = 4096       # elements per program of the copy-and-count pass
+LSE_BLOCK = 1024        # LSE rows per program of the per-block LSE reduction
 REDUCE_BLOCK = 1024     # lanes of the single-program reductions
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -55,9 +57,18 @@ def copy_and_forward_record(out: Tensor, lse: Tensor, seq_k: int) -> tuple[Tenso
     """(copy of ``out``, forward record): see ``stats.forward_stats`` for the fields."""
     lse = lse.detach()
     copy, counts = _copy_counting(out.detach())
+    n_rows = lse.numel()
+    n_blocks = max(1, math.ceil(n_rows / LSE_BLOCK))
+    partials = torch.empty((5, n_blocks), dtype=torch.float32, device=lse.device)
+    if n_rows == 0:
+        partials[:3].zero_()
+        partials[3].fill_(float("inf"))
+        partials[4].fill_(float("-inf"))
+    else:
+        _lse_partials[(n_blocks,)](lse, n_rows, partials, n_blocks, BLOCK=LSE_BLOCK, num_warps=4)
     record = torch.empty(len(FIELDS), dtype=torch.float64, device=lse.device)
-    _forward_record[(1,)](lse, lse.numel(), counts, counts.numel(), record, math.log(max(int(seq_k), 1)),
-                          LSE_MASKED_BELOW, BLOCK=REDUCE_BLOCK, num_warps=4)
+    _forward_record[(1,)](partials, n_blocks, n_rows, counts, counts.numel(), record, math.log(max(int(seq_k), 1)),
+                          BLOCK=REDUCE_BLOCK, num_warps=4)
     return copy, record
 
 
