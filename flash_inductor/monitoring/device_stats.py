@@ -14,6 +14,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..launch import interpreter_enabled
 from ..kernels.monitor_stats import MASKED_BELOW, _backward_record, _copy_count_nonfinite, _forward_record, _lse_partials
 from .stats import FIELDS, LSE_MASKED_BELOW
 
@@ -29,18 +30,12 @@ REDUCE_BLOCK = 1024     # lanes of the single-program reductions
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _interpreted() -> bool:
-    from ..launch import interpreter_enabled
-
-    return interpreter_enabled()
-
-
 def supports(*tensors: Tensor) -> bool:
     """Whether the kernels can take these tensors (else use the PyTorch statistics). On CPU only
     under the Triton interpreter, and not in bf16 there: its NumPy emulation of bf16 is unreliable."""
     if all(t.is_cuda for t in tensors):
         dtypes = _DTYPES
-    elif _interpreted() and all(t.device.type == "cpu" for t in tensors):
+    elif interpreter_enabled() and all(t.device.type == "cpu" for t in tensors):
         dtypes = tuple(d for d in _DTYPES if d != torch.bfloat16)
     else:
         return False

@@ -99,11 +99,13 @@ def main(argv=None) -> int:
     by_name = {v: k for k, v in runner.DTYPE_NAMES.items()}
     dtypes = [by_name[n] for n in dtype_names] if dtype_names else None
 
-    not_run: list[str] = []
     results = runner.run_suite(chosen, impls, args.device, sizes, dtypes, args.seed, _progress(args.no_progress),
-                               time_budget=args.time_budget, not_run=not_run)
+                               time_budget=args.time_budget)
     env = report.environment(argv, args.device)
     env["sizes"] = dataclasses.asdict(sizes)
+    ran = {(r.case, r.dtype) for r in results}
+    not_run = [f"{c.name} {runner.DTYPE_NAMES[d]}" for c, d in runner.work_items(chosen, dtypes)
+               if (c.name, runner.DTYPE_NAMES[d]) not in ran]
     if not_run:
         env["not_run"] = not_run
         print(f"time budget of {args.time_budget:g} s spent; not run: {', '.join(not_run)}")

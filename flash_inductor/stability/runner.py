@@ -167,13 +167,12 @@ def work_items(cases: list[Case], dtypes: Optional[list[torch.dtype]]) -> list[t
 
 def run_suite(cases: list[Case], impls: list[Implementation], device: str, sizes: Sizes,
               dtypes: Optional[list[torch.dtype]] = None, seed: int = 0, progress=None,
-              time_budget: Optional[float] = None, not_run: Optional[list[str]] = None) -> list[Result]:
+              time_budget: Optional[float] = None) -> list[Result]:
     """Every case × dtype (a case lists its dtypes; ``dtypes`` filters them) × implementation.
 
     ``progress`` wraps the iterable of (case, dtype) items (e.g. tqdm) when given. With
     ``time_budget`` (seconds), no new item starts once it is spent, so a bounded run still returns
-    (and its caller writes) what it measured; the items left out are appended to ``not_run`` as
-    "case dtype" strings.
+    (and its caller writes) what it measured.
     """
     items = work_items(cases, dtypes)
     iterator: Iterable = progress(items) if progress is not None else items
@@ -181,9 +180,7 @@ def run_suite(cases: list[Case], impls: list[Implementation], device: str, sizes
     start = time.monotonic()
     for case, dtype in iterator:
         if time_budget is not None and time.monotonic() - start > time_budget:
-            if not_run is not None:
-                not_run.append(f"{case.name} {DTYPE_NAMES[dtype]}")
-            continue
+            break
         if hasattr(iterator, "set_postfix_str"):
             iterator.set_postfix_str(f"{case.name} {DTYPE_NAMES[dtype]}")
         results.extend(run_case(case, dtype, impls, device, sizes, seed))
