@@ -246,6 +246,9 @@ def attention_backward(
         BLOCK_M=pre_block,
     )
 
+    # Read by the kernels only under a rescaling schedule (fp16 `stable`); else any pointer.
+    ds_bound = _ds_bound(grad_out, value, grad_lse, dropout_p) if ds_rescale else delta
+
     scale_log2 = scale * _LOG2E
     cfg = configs.backward_dq
     row_ref = torch.empty_like(delta)
@@ -265,7 +268,7 @@ def attention_backward(
     cfg = configs.backward_dq
     _launcher(_attn_bwd_dq)[(_cdiv(seq_q, cfg.block_m), batch * heads_q)](
         query, key, value, mask_arg, seed_arg, grad_out, row_ref, row_shift,
-        grad_lse if grad_lse is not None else lse, delta, dq, dmask_arg,
+        grad_lse if grad_lse is not None else lse, delta, ds_bound, dq, dmask_arg,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(), *dq.stride(),
         heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2, scale, dropout_p,
         P_IN_FP32=p_in_fp32, DS_IN_FP32=ds_in_fp32, DS_RESCALE=ds_rescale,
@@ -275,7 +278,7 @@ def attention_backward(
     )
     cfg = configs.backward_dkdv
     _launcher(_attn_bwd_dkdv)[(_cdiv(seq_k, cfg.block_n), batch * heads_kv)](
-        query, key, value, mask_arg, seed_arg, grad_out, row_ref, row_shift, delta, dk, dv, dmask_arg,
+        query, key, value, mask_arg, seed_arg, grad_out, row_ref, row_shift, delta, ds_bound, dk, dv, dmask_arg,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(),
         *dk.stride(), *dv.stride(),
         heads_q, heads_kv, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2, scale, dropout_p,
@@ -287,6 +290,25 @@ def attention_backward(
     if compute_mask_grad:
         dmask = dmask.to(attn_mask.dtype)
     return dq, dk, dv, dmask
+
+
+def _ds_bound(grad_out: torch.Tensor, value: torch.Tensor, grad_lse: torch.Tensor | None,
+              dropout_p: float) -> torch.Tensor:
+    """An upper bound on |dS| over the whole call, as a one-element fp32 device tensor (no sync).
+
+    dS_ij = P_ij (dP_ij - Δ_i) with 0 <= P_ij <= 1, dP_ij = k dO_i·v_j (k = 1/(1-p) under
+    dropout, else 1) and Δ_i = dO_i·O_i - dLSE_i, where O_i, a k-scaled convex combination of the
+    v_j, has ‖O_i‖ <= k max_j ‖v_j‖. So |dS_ij| <= 2 k max‖dO_i‖ max‖v_j‖ + max|dLSE_i|. The
+    kernels compare it with DS_RESCALE_ABOVE (2^14, a quarter of fp16's range) to choose between
+    the plain and the per-tile rescaling loop; a non-finite input gives inf or NaN and the
+    rescaling loop. Costs one read of dO and V (two norms, two maxima)."""
+    keep_scale = 1.0 / (1.0 - dropout_p)
+    do_norm = torch.linalg.vector_norm(grad_out, dim=-1, dtype=torch.float32).amax()
+    v_norm = torch.linalg.vector_norm(value, dim=-1, dtype=torch.float32).amax()
+    bound = (2.0 * keep_scale) * do_norm * v_norm
+    if grad_lse is not None:
+        bound = bound + grad_lse.abs().amax()
+    return bound.reshape(1)
 
 
 def _cdiv(a, b):

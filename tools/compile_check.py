@@ -26,7 +26,7 @@ def signature(fn, dtype, constexprs):
             sig[name] = "constexpr"
         elif name in _POINTERS:
             sig[name] = f"*{dtype}"
-        elif name in ("LSE", "DELTA", "DLSE", "DMASK", "ROW_REF", "ROW_SHIFT"):
+        elif name in ("LSE", "DELTA", "DLSE", "DMASK", "ROW_REF", "ROW_SHIFT", "DS_BOUND"):
             sig[name] = "*fp32"
         elif name == "MASK":
             sig[name] = "*i1" if constexprs.get("MASK_IS_BOOL") else f"*{dtype}"

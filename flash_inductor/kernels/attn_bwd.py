@@ -30,16 +30,32 @@ launched after it, reads it.
 
 The dK/dV pass owns one key block of one KV head and walks every query head of its GQA
 group, so grouped K/V gradients are summed in registers, without atomics or repeated K/V.
+
+Both passes split their loop as the forward does: tiles whose keys all lie inside S and are all
+visible to every row under causal masking skip the visibility select (``mask_scores``'s
+CHECK=False); the causal diagonal and a ragged last key block keep it. The last key block must:
+its zero-padded keys score 0, and against a row whose LSE is very negative exp2(0 - LSE) is
+inf, which the select is what turns into 0.
+
+fp16 dS rescaling (the ``stable`` schedule's ``ds_rescale``) is decided once per program: the
+launcher bounds |dS| over the whole call on the device (``launch._ds_bound``), and only a call
+whose bound passes ``DS_RESCALE_ABOVE`` runs the per-tile rescaling loop; every other call runs
+the plain loop, with no per-tile max reduction and the products accumulated inside the dots.
 """
 
 import triton
 import triton.language as tl
 
-from .common import LOG2E, dropout_keep, ds_dot, ds_operand, mask_scores, operand_dot
+from .common import LOG2E, accumulate_ds_dot, dropout_keep, ds_operand, mask_scores
 
 # LSEs below this (natural log) only come from rows whose every visible key sits at the
 # -1e38 mask clamp; see _attn_bwd_row_reference.
 LSE_SATURATED = tl.constexpr(-1.0e37)
+# Under the fp16 schedules that rescale dS, a program takes the rescaling loop only when the
+# launcher's bound on |dS| (``launch._ds_bound``) passes this; below it no tile can reach fp16's
+# 65504 (a 4x margin for the rounding of the recomputed P and of Δ), so the plain loop, which
+# accumulates inside the dot, gives the same gradients. A NaN bound takes the rescaling loop.
+DS_RESCALE_ABOVE = tl.constexpr(16384.0)
 
 
 @triton.jit
@@ -130,9 +146,103 @@ def _attn_bwd_row_reference(
     tl.store(ROW_SHIFT + row_ids, shift, mask=row_ok)
 
 
+
+@triton.jit
+def _dkdv_tiles(
+    dk, dv, k, v, q_base, do_base, mask_base, seed, keep_scale, bh,
+    ROW_REF, ROW_SHIFT, DELTA, DMASK,
+    offs_n, offs_m_base, offs_e, offs_ev, kv_rows_ok, lo, hi,
+    stride_qm, stride_qe, stride_mm, stride_mn, stride_dom, stride_doe,
+    L, S, causal_offset, qk_scale_log2, dropout_p,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
+    RESCALE: tl.constexpr, CHECK: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Fold query blocks [lo, hi) of one query head into this key block's (dk, dv)."""
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_m_base
+        q_rows_ok = offs_m < L
+        q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_e[None, :] * stride_qe,
+                    mask=q_rows_ok[:, None] & (offs_e[None, :] < HEAD_DIM), other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_ev[None, :] * stride_doe,
+                     mask=q_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0)
+        row_ids = bh * L + offs_m
+        row_ref = tl.load(ROW_REF + row_ids, mask=q_rows_ok, other=float("inf"))
+        row_shift = tl.load(ROW_SHIFT + row_ids, mask=q_rows_ok, other=0.0)
+        delta = tl.load(DELTA + row_ids, mask=q_rows_ok, other=0.0)
+
+        # Transposed tiles (keys x queries) so dK and dV come out of the dots directly.
+        s2_t = tl.dot(k, tl.trans(q), input_precision=FP32_DOT) * qk_scale_log2
+        s2_t = mask_scores(s2_t, mask_base, offs_m[None, :], offs_n[:, None], kv_rows_ok[:, None] & q_rows_ok[None, :],
+                           stride_mm, stride_mn, causal_offset, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, CHECK)
+        p_t = tl.math.exp2((s2_t - row_ref[None, :]) - row_shift[None, :])
+
+        dp_t = tl.dot(v, tl.trans(do), input_precision=FP32_DOT)
+        p_used_t = p_t
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, row_ids[None, :], offs_n[:, None], S, dropout_p)
+            p_used_t = tl.where(keep, p_t * keep_scale, 0.0)
+            dp_t = tl.where(keep, dp_t * keep_scale, 0.0)
+        if P_IN_FP32:
+            dv = tl.dot(p_used_t, do.to(tl.float32), dv, input_precision=FP32_DOT)
+        else:
+            dv = tl.dot(p_used_t.to(do.dtype), do, dv, input_precision=FP32_DOT)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if WRITE_DMASK:
+            # dL/d(additive mask) is dS itself; DMASK is a dense (B*Hq, L, S) fp32 buffer. Written
+            # here under exact Δ: the dQ pass knows a row's correction only after its last tile.
+            tl.store(DMASK + row_ids[None, :] * S + offs_n[:, None], ds_t,
+                     mask=kv_rows_ok[:, None] & q_rows_ok[None, :])
+        ds_tile, ds_factor = ds_operand(ds_t, q.dtype, DS_IN_FP32, RESCALE)
+        dk = accumulate_ds_dot(dk, ds_tile, ds_factor, q, RESCALE, FP32_DOT)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_heads(
+    dk, dv, k, v, Q, DO, MASK, seed, keep_scale, b, h_kv,
+    ROW_REF, ROW_SHIFT, DELTA, DMASK,
+    offs_n, offs_m_base, offs_e, offs_ev, kv_rows_ok, lo, mid,
+    stride_qb, stride_qh, stride_qm, stride_qe, stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_dob, stride_doh, stride_dom, stride_doe,
+    H_Q, GROUP, L, S, causal_offset, qk_scale_log2, dropout_p,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
+    RESCALE: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Every query head of the GQA group: blocks [lo, mid) with the visibility select, [mid, L) without."""
+    for g in range(GROUP):
+        h = h_kv * GROUP + g
+        bh = b * H_Q + h
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_dob + h * stride_doh
+        mask_base = MASK + b * stride_mb + h * stride_mh
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_base, do_base, mask_base, seed, keep_scale, bh, ROW_REF, ROW_SHIFT, DELTA, DMASK,
+            offs_n, offs_m_base, offs_e, offs_ev, kv_rows_ok, lo, mid,
+            stride_qm, stride_qe, stride_mm, stride_mn, stride_dom, stride_doe,
+            L, S, causal_offset, qk_scale_log2, dropout_p,
+            HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
+            RESCALE, True, WRITE_DMASK, FP32_DOT, BLOCK_M,
+        )
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_base, do_base, mask_base, seed, keep_scale, bh, ROW_REF, ROW_SHIFT, DELTA, DMASK,
+            offs_n, offs_m_base, offs_e, offs_ev, kv_rows_ok, mid, L,
+            stride_qm, stride_qe, stride_mm, stride_mn, stride_dom, stride_doe,
+            L, S, causal_offset, qk_scale_log2, dropout_p,
+            HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
+            RESCALE, False, WRITE_DMASK, FP32_DOT, BLOCK_M,
+        )
+    return dk, dv
+
+
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, MASK, SEED, DO, ROW_REF, ROW_SHIFT, DELTA, DK, DV, DMASK,
+    Q, K, V, MASK, SEED, DO, ROW_REF, ROW_SHIFT, DELTA, DS_BOUND, DK, DV, DMASK,
     stride_qb, stride_qh, stride_qm, stride_qe,
     stride_kb, stride_kh, stride_kn, stride_ke,
     stride_vb, stride_vh, stride_vn, stride_ve,
@@ -172,55 +282,48 @@ def _attn_bwd_dkdv(
     dv = tl.zeros([BLOCK_N, BLOCK_EV], dtype=tl.float32)
 
     seed = 0
+    keep_scale = 1.0
     if HAS_DROPOUT:
         seed = tl.load(SEED)
         keep_scale = 1.0 / (1.0 - dropout_p)
-    # Under causal masking, query rows before start_n - causal_offset see none of these keys.
-    lo = 0
+    # Under causal masking, query rows before start_n - causal_offset see none of these keys, and
+    # query blocks from `mid` on see all of them. A ragged last key block is checked throughout.
     if IS_CAUSAL:
         lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
+        mid = tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0)
+        mid = (mid + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    else:
+        lo = 0
+        mid = 0
+    mid = tl.where(start_n + BLOCK_N > S, L, mid)
+    mid = tl.minimum(tl.maximum(mid, lo), L)
 
-    for g in range(GROUP):
-        h = h_kv * GROUP + g
-        bh = b * H_Q + h
-        q_base = Q + b * stride_qb + h * stride_qh
-        do_base = DO + b * stride_dob + h * stride_doh
-        mask_base = MASK + b * stride_mb + h * stride_mh
-        for start_m in range(lo, L, BLOCK_M):
-            offs_m = start_m + offs_m_base
-            q_rows_ok = offs_m < L
-            q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_e[None, :] * stride_qe,
-                        mask=q_rows_ok[:, None] & (offs_e[None, :] < HEAD_DIM), other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_ev[None, :] * stride_doe,
-                         mask=q_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0)
-            row_ids = bh * L + offs_m
-            row_ref = tl.load(ROW_REF + row_ids, mask=q_rows_ok, other=float("inf"))
-            row_shift = tl.load(ROW_SHIFT + row_ids, mask=q_rows_ok, other=0.0)
-            delta = tl.load(DELTA + row_ids, mask=q_rows_ok, other=0.0)
-
-            # Transposed tiles (keys x queries) so dK and dV come out of the dots directly.
-            s2_t = tl.dot(k, tl.trans(q), input_precision=FP32_DOT) * qk_scale_log2
-            s2_t = mask_scores(s2_t, mask_base, offs_m[None, :], offs_n[:, None], kv_rows_ok[:, None] & q_rows_ok[None, :],
-                               stride_mm, stride_mn, causal_offset, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL)
-            p_t = tl.math.exp2((s2_t - row_ref[None, :]) - row_shift[None, :])
-
-            dp_t = tl.dot(v, tl.trans(do), input_precision=FP32_DOT)
-            p_used_t = p_t
-            if HAS_DROPOUT:
-                keep = dropout_keep(seed, row_ids[None, :], offs_n[:, None], S, dropout_p)
-                p_used_t = tl.where(keep, p_t * keep_scale, 0.0)
-                dp_t = tl.where(keep, dp_t * keep_scale, 0.0)
-            if P_IN_FP32:
-                dv += tl.dot(p_used_t, do.to(tl.float32), input_precision=FP32_DOT)
-            else:
-                dv += tl.dot(p_used_t.to(do.dtype), do, input_precision=FP32_DOT)
-            ds_t = p_t * (dp_t - delta[None, :])
-            if WRITE_DMASK:
-                # dL/d(additive mask) is dS itself; DMASK is a dense (B*Hq, L, S) fp32 buffer. Written
-                # here under exact Δ: the dQ pass knows a row's correction only after its last tile.
-                tl.store(DMASK + row_ids[None, :] * S + offs_n[:, None], ds_t,
-                         mask=kv_rows_ok[:, None] & q_rows_ok[None, :])
-            dk += ds_dot(ds_t, q, DS_IN_FP32, DS_RESCALE, FP32_DOT)
+    # Decided once for the whole program; a compile-time False unless the schedule rescales, so
+    # the other kernels hold the plain loop alone.
+    needs_rescale = False
+    if DS_RESCALE:
+        bound = tl.load(DS_BOUND)
+        needs_rescale = (bound > DS_RESCALE_ABOVE) | (bound != bound)
+    if needs_rescale:
+        dk, dv = _dkdv_heads(
+            dk, dv, k, v, Q, DO, MASK, seed, keep_scale, b, h_kv, ROW_REF, ROW_SHIFT, DELTA, DMASK,
+            offs_n, offs_m_base, offs_e, offs_ev, kv_rows_ok, lo, mid,
+            stride_qb, stride_qh, stride_qm, stride_qe, stride_mb, stride_mh, stride_mm, stride_mn,
+            stride_dob, stride_doh, stride_dom, stride_doe,
+            H_Q, GROUP, L, S, causal_offset, qk_scale_log2, dropout_p,
+            HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
+            True, WRITE_DMASK, FP32_DOT, BLOCK_M,
+        )
+    else:
+        dk, dv = _dkdv_heads(
+            dk, dv, k, v, Q, DO, MASK, seed, keep_scale, b, h_kv, ROW_REF, ROW_SHIFT, DELTA, DMASK,
+            offs_n, offs_m_base, offs_e, offs_ev, kv_rows_ok, lo, mid,
+            stride_qb, stride_qh, stride_qm, stride_qe, stride_mb, stride_mh, stride_mm, stride_mn,
+            stride_dob, stride_doh, stride_dom, stride_doe,
+            H_Q, GROUP, L, S, causal_offset, qk_scale_log2, dropout_p,
+            HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
+            False, WRITE_DMASK, FP32_DOT, BLOCK_M,
+        )
 
     dk = dk * sm_scale
     tl.store(DK + b * stride_dkb + h_kv * stride_dkh + offs_n[:, None] * stride_dkn + offs_e[None, :] * stride_dke,
@@ -228,10 +331,95 @@ def _attn_bwd_dkdv(
     tl.store(DV + b * stride_dvb + h_kv * stride_dvh + offs_n[:, None] * stride_dvn + offs_ev[None, :] * stride_dve,
              dv.to(DV.dtype.element_ty), mask=kv_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V))
 
+@triton.jit
+def _dq_tiles(
+    dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, delta, row_ids,
+    k_base, v_base, mask_base, seed, keep_scale, DMASK,
+    offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, lo, hi,
+    stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
+    S, causal_offset, qk_scale_log2, dropout_p,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
+    RESCALE: tl.constexpr, CHECK: tl.constexpr, EXACT_DELTA: tl.constexpr,
+    WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Fold key blocks [lo, hi) into this query block's dq (and, under exact Δ, σ, σ̃, Λ, K̄)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n_base
+        kv_rows_ok = offs_n < S
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_e[None, :] * stride_ke,
+                    mask=kv_rows_ok[:, None] & (offs_e[None, :] < HEAD_DIM), other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_ev[None, :] * stride_ve,
+                    mask=kv_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0)
+        s2 = tl.dot(q, tl.trans(k), input_precision=FP32_DOT) * qk_scale_log2
+        tile_ok = q_rows_ok[:, None] & kv_rows_ok[None, :]
+        s2 = mask_scores(s2, mask_base, offs_m[:, None], offs_n[None, :], tile_ok,
+                         stride_mm, stride_mn, causal_offset, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, CHECK)
+        p = tl.math.exp2((s2 - row_ref[:, None]) - row_shift[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=FP32_DOT)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, row_ids[:, None], offs_n[None, :], S, dropout_p)
+            dp = tl.where(keep, dp * keep_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        if WRITE_DMASK:
+            # dL/d(additive mask) is dS itself; DMASK is a dense (B*Hq, L, S) fp32 buffer. Only
+            # without exact Δ: with it, this dS still lacks the row's correction (see the dK/dV pass).
+            tl.store(DMASK + row_ids[:, None] * S + offs_n[None, :], ds, mask=tile_ok)
+        ds_tile, ds_factor = ds_operand(ds, k.dtype, DS_IN_FP32, RESCALE)
+        dq = accumulate_ds_dot(dq, ds_tile, ds_factor, k, RESCALE, FP32_DOT)
+        if EXACT_DELTA:
+            # σ from the fp32 dS gives the dK/dV pass its Δ; σ̃ from dS as the dot above saw it
+            # (rounded) corrects dq, so that the rounding's common part goes too (see the module
+            # docstring). P is rounded for P·K as for Pᵀ·dO: K̄ only multiplies corrections of
+            # order u, so its own rounding enters at second order.
+            ds_sum += tl.sum(ds, 1)
+            ds_seen_sum += tl.sum(ds_tile.to(tl.float32), 1) * ds_factor
+            p_sum += tl.sum(p, 1)
+            if P_IN_FP32:
+                p_k = tl.dot(p, k.to(tl.float32), p_k, input_precision=FP32_DOT)
+            else:
+                p_k = tl.dot(p.to(k.dtype), k, p_k, input_precision=FP32_DOT)
+    return dq, ds_sum, ds_seen_sum, p_sum, p_k
+
+
+@triton.jit
+def _dq_blocks(
+    dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, delta, row_ids,
+    k_base, v_base, mask_base, seed, keep_scale, DMASK,
+    offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, split, hi,
+    stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
+    S, causal_offset, qk_scale_log2, dropout_p,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
+    RESCALE: tl.constexpr, EXACT_DELTA: tl.constexpr,
+    WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Key blocks [0, split) without the visibility select, then [split, hi) with it."""
+    dq, ds_sum, ds_seen_sum, p_sum, p_k = _dq_tiles(
+        dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, delta, row_ids,
+        k_base, v_base, mask_base, seed, keep_scale, DMASK,
+        offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, 0, split,
+        stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
+        S, causal_offset, qk_scale_log2, dropout_p,
+        HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
+        RESCALE, False, EXACT_DELTA, WRITE_DMASK, FP32_DOT, BLOCK_N,
+    )
+    return _dq_tiles(
+        dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, delta, row_ids,
+        k_base, v_base, mask_base, seed, keep_scale, DMASK,
+        offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, split, hi,
+        stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
+        S, causal_offset, qk_scale_log2, dropout_p,
+        HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
+        RESCALE, True, EXACT_DELTA, WRITE_DMASK, FP32_DOT, BLOCK_N,
+    )
+
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, MASK, SEED, DO, ROW_REF, ROW_SHIFT, DLSE, DELTA, DQ, DMASK,
+    Q, K, V, MASK, SEED, DO, ROW_REF, ROW_SHIFT, DLSE, DELTA, DS_BOUND, DQ, DMASK,
     stride_qb, stride_qh, stride_qm, stride_qe,
     stride_kb, stride_kh, stride_kn, stride_ke,
     stride_vb, stride_vh, stride_vn, stride_ve,
@@ -275,54 +463,53 @@ def _attn_bwd_dq(
     v_base = V + b * stride_vb + h_kv * stride_vh
     mask_base = MASK + b * stride_mb + h * stride_mh
     seed = 0
+    keep_scale = 1.0
     if HAS_DROPOUT:
         seed = tl.load(SEED)
         keep_scale = 1.0 / (1.0 - dropout_p)
 
     dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
-    if EXACT_DELTA:
-        ds_sum = tl.zeros([BLOCK_M], dtype=tl.float32)  # σ
-        ds_seen_sum = tl.zeros([BLOCK_M], dtype=tl.float32)  # σ̃
-        p_sum = tl.zeros([BLOCK_M], dtype=tl.float32)  # Λ
-        p_k = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)  # K̄
-    hi = S
+    # Exact Δ's sums (unused, and compiled away, without it).
+    ds_sum = tl.zeros([BLOCK_M], dtype=tl.float32)  # σ
+    ds_seen_sum = tl.zeros([BLOCK_M], dtype=tl.float32)  # σ̃
+    p_sum = tl.zeros([BLOCK_M], dtype=tl.float32)  # Λ
+    p_k = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)  # K̄
+    # Key blocks [0, split) are whole and visible to every row of this query block; [split, hi)
+    # holds the causal diagonal and the ragged last key block.
     if IS_CAUSAL:
         hi = tl.minimum(S, start_m + BLOCK_M + causal_offset)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + offs_n_base
-        kv_rows_ok = offs_n < S
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_e[None, :] * stride_ke,
-                    mask=kv_rows_ok[:, None] & (offs_e[None, :] < HEAD_DIM), other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_ev[None, :] * stride_ve,
-                    mask=kv_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0)
-        s2 = tl.dot(q, tl.trans(k), input_precision=FP32_DOT) * qk_scale_log2
-        tile_ok = q_rows_ok[:, None] & kv_rows_ok[None, :]
-        s2 = mask_scores(s2, mask_base, offs_m[:, None], offs_n[None, :], tile_ok,
-                         stride_mm, stride_mn, causal_offset, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL)
-        p = tl.math.exp2((s2 - row_ref[:, None]) - row_shift[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=FP32_DOT)
-        if HAS_DROPOUT:
-            keep = dropout_keep(seed, row_ids[:, None], offs_n[None, :], S, dropout_p)
-            dp = tl.where(keep, dp * keep_scale, 0.0)
-        ds = p * (dp - delta[:, None])
-        if WRITE_DMASK:
-            # dL/d(additive mask) is dS itself; DMASK is a dense (B*Hq, L, S) fp32 buffer. Only
-            # without exact Δ: with it, this dS still lacks the row's correction (see the dK/dV pass).
-            tl.store(DMASK + row_ids[:, None] * S + offs_n[None, :], ds, mask=tile_ok)
-        ds_tile, ds_factor = ds_operand(ds, k.dtype, DS_IN_FP32, DS_RESCALE)
-        dq += operand_dot(ds_tile, ds_factor, k, FP32_DOT)
-        if EXACT_DELTA:
-            # σ from the fp32 dS gives the dK/dV pass its Δ; σ̃ from dS as the dot above saw it
-            # (rounded) corrects dq, so that the rounding's common part goes too (see the module
-            # docstring). P is rounded for P·K as for Pᵀ·dO: K̄ only multiplies corrections of
-            # order u, so its own rounding enters at second order.
-            ds_sum += tl.sum(ds, 1)
-            ds_seen_sum += tl.sum(ds_tile.to(tl.float32), 1) * ds_factor
-            p_sum += tl.sum(p, 1)
-            if P_IN_FP32:
-                p_k += tl.dot(p, k.to(tl.float32), input_precision=FP32_DOT)
-            else:
-                p_k += tl.dot(p.to(k.dtype), k, input_precision=FP32_DOT)
+        split = tl.minimum(S, start_m + causal_offset + 1)
+    else:
+        hi = S
+        split = S
+    split = tl.maximum(split // BLOCK_N * BLOCK_N, 0)
+
+    # Decided once for the whole program; a compile-time False unless the schedule rescales, so
+    # the other kernels hold the plain loop alone.
+    needs_rescale = False
+    if DS_RESCALE:
+        bound = tl.load(DS_BOUND)
+        needs_rescale = (bound > DS_RESCALE_ABOVE) | (bound != bound)
+    if needs_rescale:
+        dq, ds_sum, ds_seen_sum, p_sum, p_k = _dq_blocks(
+            dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, delta, row_ids,
+            k_base, v_base, mask_base, seed, keep_scale, DMASK,
+            offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, split, hi,
+            stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
+            S, causal_offset, qk_scale_log2, dropout_p,
+            HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
+            True, EXACT_DELTA, WRITE_DMASK, FP32_DOT, BLOCK_N,
+        )
+    else:
+        dq, ds_sum, ds_seen_sum, p_sum, p_k = _dq_blocks(
+            dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, delta, row_ids,
+            k_base, v_base, mask_base, seed, keep_scale, DMASK,
+            offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, split, hi,
+            stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
+            S, causal_offset, qk_scale_log2, dropout_p,
+            HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
+            False, EXACT_DELTA, WRITE_DMASK, FP32_DOT, BLOCK_N,
+        )
 
     if EXACT_DELTA:
         # The corrections c = σ/Λ − dLSE and c̃ = σ̃/Λ − dLSE of the module docstring; 0 on rows

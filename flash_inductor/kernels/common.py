@@ -31,20 +31,28 @@ def add_attn_mask(s2, mask_ptrs, in_bounds, MASK_IS_BOOL: tl.constexpr):
 
 @triton.jit
 def mask_scores(s2, mask_base, q_idx, k_idx, in_bounds, stride_mm, stride_mn, causal_offset,
-                HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr):
+                HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                CHECK: tl.constexpr = True):
     """Scores with the attention mask applied and every invisible key at -inf.
 
     ``q_idx``/``k_idx`` are the query-row and key index tiles, already broadcast to the scores'
     orientation ((rows, 1)/(1, keys), or transposed in the dK/dV pass), so one helper states the
     visibility rule for every pass that recomputes P: in bounds, allowed by the mask, and
     j <= i + causal_offset under causal masking.
+
+    ``CHECK=False`` is for tiles the caller knows are whole (every key inside S) and fully
+    visible under causal masking: only the mask is applied (its load still bounded, since query
+    rows past L are zero-padded, not visible). Such rows need no select: the backward recomputes
+    their P against a reference of +inf, which makes it 0.
     """
     if HAS_MASK:
         s2 = add_attn_mask(s2, mask_base + q_idx * stride_mm + k_idx * stride_mn, in_bounds, MASK_IS_BOOL)
-    visible = in_bounds
-    if IS_CAUSAL:
-        visible = visible & (k_idx <= q_idx + causal_offset)
-    return tl.where(visible, s2, float("-inf"))
+    if CHECK:
+        visible = in_bounds
+        if IS_CAUSAL:
+            visible = visible & (k_idx <= q_idx + causal_offset)
+        s2 = tl.where(visible, s2, float("-inf"))
+    return s2
 
 
 @triton.jit
@@ -59,12 +67,12 @@ def dropout_keep(seed, rows, cols, S, dropout_p):
 
 
 @triton.jit
-def ds_operand(ds, dtype, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr):
+def ds_operand(ds, dtype, DS_IN_FP32: tl.constexpr, RESCALE: tl.constexpr):
     """dS as the matrix unit receives it: (tile, factor), tile * factor being dS rounded only as the
     precision schedule allows (factor 1 unless the tile was rescaled)."""
     if DS_IN_FP32:
         return ds, 1.0
-    elif DS_RESCALE:
+    elif RESCALE:
         # dS = P*(dP - delta) can exceed fp16's 65504 while the gradient it feeds is finite
         # (|V| or |dO| ~ 1e4). Scale the tile by a power of two (exact) so its largest
         # element stays below 2^14 when rounded, and undo the scale on the fp32 product.
@@ -77,13 +85,13 @@ def ds_operand(ds, dtype, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr):
 
 
 @triton.jit
-def operand_dot(tile, factor, x, FP32_DOT: tl.constexpr):
-    """(tile * factor) @ x in fp32, for a (tile, factor) from ``ds_operand``."""
-    return tl.dot(tile, x.to(tile.dtype), input_precision=FP32_DOT) * factor
+def accumulate_ds_dot(acc, tile, factor, x, RESCALE: tl.constexpr, FP32_DOT: tl.constexpr):
+    """acc + (tile * factor) @ x in fp32, for a (tile, factor) from ``ds_operand``.
 
-
-@triton.jit
-def ds_dot(ds, x, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr, FP32_DOT: tl.constexpr):
-    """Return ds @ x in fp32, rounding dS only as the precision schedule allows."""
-    tile, factor = ds_operand(ds, x.dtype, DS_IN_FP32, DS_RESCALE)
-    return operand_dot(tile, factor, x, FP32_DOT)
+    Without a rescale the product accumulates into ``acc`` inside the dot, which lets the
+    matrix unit keep the accumulator in its own registers; a rescaled tile's product must be
+    multiplied by its factor first, so it takes a separate result and an add."""
+    if RESCALE:
+        return acc + tl.dot(tile, x.to(tile.dtype), input_precision=FP32_DOT) * factor
+    else:
+        return tl.dot(tile, x.to(tile.dtype), acc, input_precision=FP32_DOT)
