@@ -103,7 +103,7 @@ def test_monitoring_does_not_change_results():
 
 
 # ------------------------------------------------------------------------------------------
-# The monitoring kernels (one pass for the copy and the counts) against the PyTorch statistics
+# The monitoring kernels (counts alone, or counts and the copy in one pass) against the PyTorch statistics
 # ------------------------------------------------------------------------------------------
 
 
@@ -117,6 +117,19 @@ def _poisoned(shape, dtype, seed):
     flat[picks[3:5]] = float("inf")
     flat[picks[5:]] = float("-inf")
     return t.to(DEVICE)
+
+
+def _lse(rows, kind):
+    gen = torch.Generator().manual_seed(2)
+    lse = (torch.randn(rows, generator=gen) * 30).to(DEVICE)
+    if kind == "mixed":  # masked (-inf, the -1e38 clamp), broken (NaN, +inf) and live rows
+        lse[[3, 900, 2000]] = float("-inf")
+        lse[[5, 1500]] = -1e38
+        lse[7] = float("nan")
+        lse[4000] = float("inf")
+    elif kind == "no_live_row":
+        lse[:] = float("-inf")
+    return lse
 
 
 def _assert_same_record(got, want):
@@ -135,15 +148,7 @@ def test_forward_kernel_record_matches_pytorch_statistics(dtype, lse_kind):
 
     rows = 1 if lse_kind == "single_row" else 2 * 3 * 700  # > REDUCE_BLOCK: the reduction loops
     out = _poisoned((rows, 5), dtype, seed=1) if rows > 1 else torch.randn(1, 5, dtype=dtype, device=DEVICE)
-    gen = torch.Generator().manual_seed(2)
-    lse = (torch.randn(rows, generator=gen) * 30).to(DEVICE)
-    if lse_kind == "mixed":  # masked (-inf, the -1e38 clamp), broken (NaN, +inf) and live rows
-        lse[[3, 900, 2000]] = float("-inf")
-        lse[[5, 1500]] = -1e38
-        lse[7] = float("nan")
-        lse[4000] = float("inf")
-    elif lse_kind == "no_live_row":
-        lse[:] = float("-inf")
+    lse = _lse(rows, lse_kind)
     assert device_stats.supports(out, lse)
     copy, record = device_stats.copy_and_forward_record(out, lse, seq_k=300)
     assert torch.equal(copy.view(-1).isnan(), out.view(-1).isnan())
@@ -163,6 +168,47 @@ def test_backward_kernel_record_matches_pytorch_statistics():
     for copy, grad in ((cq, dq), (ck, dk), (cv, dv)):
         assert torch.equal(torch.nan_to_num(copy), torch.nan_to_num(grad))
     _assert_same_record(record, backward_stats(dq, dk, dv))
+
+
+@pytest.mark.launches_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("lse_kind", ["mixed", "no_live_row", "single_row"])
+@pytest.mark.parametrize("width", [5, 1], ids=["more_output_blocks", "more_lse_blocks"])
+def test_count_only_forward_record_matches_pytorch_statistics_and_writes_nothing(dtype, lse_kind, width):
+    """What eager monitoring runs: the same record as the PyTorch statistics, from reads only.
+    ``width`` 1 gives the LSE more blocks than the output, so both halves of the launch run alone."""
+    from flash_inductor.monitoring import device_stats
+    from flash_inductor.monitoring.stats import forward_stats
+
+    rows = 1 if lse_kind == "single_row" else 2 * 3 * 700
+    out = _poisoned((rows, width), dtype, seed=1) if rows > 1 else torch.randn(1, width, dtype=dtype, device=DEVICE)
+    lse = _lse(rows, lse_kind)
+    out_before, lse_before = out.clone(), lse.clone()
+    assert device_stats.supports(out, lse)
+    record = device_stats.forward_record(out, lse, seq_k=300)
+    assert isinstance(record, torch.Tensor)  # just the record: no copy of out comes back
+    _assert_same_record(record, forward_stats(out, lse, 300))
+    assert torch.equal(out.isnan(), out_before.isnan()) and torch.equal(torch.nan_to_num(out), torch.nan_to_num(out_before))
+    assert torch.equal(lse.isnan(), lse_before.isnan()) and torch.equal(torch.nan_to_num(lse), torch.nan_to_num(lse_before))
+
+
+@pytest.mark.launches_kernels
+def test_count_only_backward_record_matches_pytorch_statistics_and_writes_nothing():
+    from flash_inductor.monitoring import device_stats
+    from flash_inductor.monitoring.stats import backward_stats
+
+    dq = _poisoned((3, 4100), torch.float16, seed=3)
+    dk = torch.randn(2, 7, dtype=torch.float32, device=DEVICE)
+    dv = _poisoned((5, 9), torch.float32, seed=4)
+    before = [g.clone() for g in (dq, dk, dv)]
+    record = device_stats.backward_record(dq, dk, dv)
+    assert isinstance(record, torch.Tensor)
+    _assert_same_record(record, backward_stats(dq, dk, dv))
+    for grad, old in zip((dq, dk, dv), before):
+        assert torch.equal(torch.nan_to_num(grad), torch.nan_to_num(old)) and torch.equal(grad.isnan(), old.isnan())
+    # A gradient the backward did not compute counts as no non-finite entry.
+    _assert_same_record(device_stats.backward_record(None, dk, dv), backward_stats(None, dk, dv))
+    _assert_same_record(device_stats.backward_record(dq, None, None), backward_stats(dq, None, None))
 
 
 def test_monitoring_kernels_do_not_change_the_tuning_tables_hash(tmp_path):
