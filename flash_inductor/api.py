@@ -82,8 +82,9 @@ def flash_attention(
     no key) returns 0 with zero gradients, where SDPA's math path returns NaN.
 
     Inside ``with flash_inductor.monitor() as m:`` each call also records its statistics
-    (largest logit, LSE range, fully-masked rows, non-finite outputs and gradients); outside
-    one, monitoring costs a single check.
+    (largest logit, LSE range, fully-masked rows, non-finite outputs and gradients), reading
+    the output, the LSE and the gradients without copying them; outside one, monitoring costs
+    a single check.
     """
     return attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
