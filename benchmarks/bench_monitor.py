@@ -6,9 +6,11 @@
 Two settings, each timed off and on in the same process:
 
 * ``op``: ``flash_attention(q, k, v, is_causal=True)`` called eagerly, inside and outside a
-  ``flash_inductor.monitor()`` session;
+  ``flash_inductor.monitor()`` session; monitored eager calls copy nothing (they read the
+  output, the LSE and, in ``fwd_bwd``, the gradients);
 * ``compiled``: a GPT block with hand-written attention compiled with ``flash_inductor.backend``
-  (off) and with ``flash_inductor.make_backend(monitor=True)`` inside a session (on).
+  (off) and with ``flash_inductor.make_backend(monitor=True)`` inside a session (on); its
+  recording ops are identities that copy the output (and q, k, v and the gradients).
 
 The target (the monitoring issue): at most 5 % of forward time at seq 4k. The overhead is
 ``on / off - 1`` of the medians (``triton.testing.do_bench`` on CUDA, a timer loop on CPU).

@@ -12,6 +12,7 @@ import math
 import torch
 from torch import Tensor
 
+from .monitoring import eager as _monitor_eager
 from .monitoring import naming as _monitor_naming
 from .monitoring import ops as _monitor_ops  # registers the recording ops
 from .monitoring import session as _monitor_session
@@ -81,12 +82,13 @@ def flash_attention(
     no key) returns 0 with zero gradients, where SDPA's math path returns NaN.
 
     Inside ``with flash_inductor.monitor() as m:`` each call also records its statistics
-    (largest logit, LSE range, fully-masked rows, non-finite outputs and gradients); outside
-    one, monitoring costs a single check.
+    (largest logit, LSE range, fully-masked rows, non-finite outputs and gradients), reading
+    the output, the LSE and the gradients without copying them; outside one, monitoring costs
+    a single check.
     """
     return attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-        schedule=schedule, monitor_site=_eager_monitor_site(),
+        schedule=schedule, eager_monitor_site=_eager_monitor_site(),
     )
 
 
@@ -114,13 +116,22 @@ def attention(
     *,
     schedule: str | None = None,
     monitor_site: str | None = None,
+    eager_monitor_site: str | None = None,
 ) -> Tensor:
     """:func:`flash_attention` with the monitoring decision made by the caller.
 
-    ``monitor_site`` names the site for the recording ops (``flash_inductor.monitoring.ops``);
-    None inserts none. The pass's rewritten calls come here with the name it chose, so what
-    the backend was asked for, not whether a session was active while compiling, decides.
+    Two ways to record a call, one per kind of caller (None for both records nothing):
+
+    * ``monitor_site``: for a graph. The pass's rewritten calls come here with the name it
+      chose (so what the backend was asked for, not whether a session was active while
+      compiling, decides) and get the identity ops of ``flash_inductor.monitoring.ops``, which
+      copy q, k, v and the output: a compiler would drop an op whose result nobody reads.
+    * ``eager_monitor_site``: for eager code, where no compiler drops anything, so nothing is
+      copied (``flash_inductor.monitoring.eager``): the statistics are read from the output,
+      the LSE and, through a backward hook, the gradients.
     """
+    if monitor_site is not None and eager_monitor_site is not None:
+        raise ValueError("attention: pass monitor_site (a compiled graph) or eager_monitor_site (eager code), not both.")
     _check_qkv(query, key, value)
     schedule_name = get_schedule(schedule).name  # validates early, listing the choices
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
@@ -144,11 +155,15 @@ def attention(
 
     if monitor_site is not None:
         q4, k4, v4 = _monitor_ops.watch_inputs(q4, k4, v4, monitor_site)
+    elif eager_monitor_site is not None:
+        q4, k4, v4 = _monitor_eager.watch_gradients(q4, k4, v4, eager_monitor_site)
     out, lse = torch.ops.flash_inductor.attention_forward(
         q4, k4, v4, mask4, rng_seed, dropout_p, bool(is_causal), causal_offset, scale, schedule_name,
     )
     if monitor_site is not None:
         out = _monitor_ops.watch_output(out, lse, monitor_site, seq_k)
+    elif eager_monitor_site is not None:
+        _monitor_eager.record_forward(out, lse, eager_monitor_site, seq_k)
     return out.reshape(*query.shape[:-1], value.shape[-1])
 
 

@@ -2,9 +2,12 @@
 
 Covers: the recorded numbers against an fp64 reference (largest-logit interval, LSE range,
 fully-masked rows including rows at the finfo.min clamp, non-finite outputs and gradients);
-nothing recorded, and no recording op run, without a session; ``make_backend(monitor=True)``
-recording every rewritten site, named by module path, in the forward and backward graphs under
-torch.compile on CPU; the default backend and dynamo-traced direct calls staying unmonitored;
+eager calls recording without the identity ops or any copy, their backward hook neither
+accumulating on leaves nor changing gradients; the count-only and copying kernels against
+the PyTorch statistics; nothing recorded, and no recording op run, without a session;
+``make_backend(monitor=True)`` recording every rewritten site through the identity ops, named
+by module path, in the forward and backward graphs under torch.compile on CPU; the default
+backend and dynamo-traced direct calls staying unmonitored;
 the first non-finite site; the summary table (expecttest); opcheck of the recording ops.
 """
 
@@ -28,6 +31,24 @@ from helpers import DEVICE, attention_ref, make_mask, make_qkv, randn
 B, H, L, S, E = 2, 3, 13, 17, 8
 
 
+def _forbid(monkeypatch, module, names, why):
+    def fail(*args, **kwargs):
+        raise AssertionError(why)
+
+    for name in names:
+        monkeypatch.setattr(module, name, fail)
+
+
+_IDENTITY_OPS = (api._monitor_ops, ("watch_inputs", "watch_output"))
+_EAGER_RECORDING = (api._monitor_eager, ("watch_gradients", "record_forward"))
+
+
+@pytest.fixture
+def no_identity_ops(monkeypatch):
+    """Fail if a call goes through the recording ops: eager monitoring must read, not copy."""
+    _forbid(monkeypatch, *_IDENTITY_OPS, "an eager call went through the copying identity ops")
+
+
 def _one_site(summary):
     assert len(summary.sites) == 1, summary.format()
     return next(iter(summary.sites.values()))
@@ -38,6 +59,7 @@ def _one_site(summary):
 # ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("no_identity_ops")
 @pytest.mark.parametrize("mask_kind", ["none", "bool_dead_rows", "finfo_min_rows"])
 def test_forward_statistics_match_fp64(mask_kind):
     """On CUDA the statistics come from the kernel's LSE, on CPU from the reference path's."""
@@ -67,6 +89,7 @@ def test_forward_statistics_match_fp64(mask_kind):
     assert site.max_logit_high - site.max_logit_low == pytest.approx(math.log(S))
 
 
+@pytest.mark.usefixtures("no_identity_ops")
 def test_backward_counts_nonfinite_gradients():
     q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, L, L, E, E, torch.float32, DEVICE, seed=5))
     grad = randn((1, 2, L, E), torch.float32, DEVICE, 6)
@@ -102,8 +125,109 @@ def test_monitoring_does_not_change_results():
         assert torch.equal(a, b)
 
 
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every op dispatched inside it: (name, elements of its first tensor result)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        first = next((t for t in torch.utils._pytree.tree_leaves(result) if isinstance(t, torch.Tensor)), None)
+        self.ops.append((str(func), -1 if first is None else first.numel()))
+        return result
+
+
+def test_eager_calls_record_without_identity_ops_or_copies(monkeypatch):
+    """The ops a monitored call adds to an unmonitored one: none copies (the attention itself
+    may copy, e.g. on the CPU reference path, and does so either way). The Triton interpreter
+    copies every kernel argument to emulate device memory, so on CPU the statistics come from
+    the PyTorch reductions here (the count-only kernel tests show the kernels write nothing)."""
+    from collections import Counter
+
+    from flash_inductor.monitoring import device_stats
+
+    if DEVICE == "cpu":
+        monkeypatch.setattr(device_stats, "supports", lambda *tensors: False)
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, L, L, E, E, torch.float32, DEVICE, seed=5))
+
+    def ops_of_one_call():
+        with _OpLog() as log:
+            flash_inductor.flash_attention(q, k, v, is_causal=True).sum().backward()
+        return Counter(log.ops)
+
+    plain = ops_of_one_call()
+    with flash_inductor.monitor() as m:
+        added = ops_of_one_call() - plain
+    assert [r["phase"] for r in m.records()] == ["forward", "backward"]
+    # Copies of a few elements fill in the record; none is as large as q, k, v, out or a gradient.
+    copies = [(name, size) for name, size in added if "monitor_" in name
+              or (any(word in name for word in ("clone", "copy")) and size >= q.numel())]
+    assert added and not copies
+
+
+def test_a_leaf_used_by_many_calls_collects_no_hooks():
+    """The backward hook sits on a per-call view: N calls with a backward each record N
+    backwards, and a forward whose graph is dropped leaves nothing behind on the leaves."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, L, L, E, E, torch.float32, DEVICE, seed=5))
+    with flash_inductor.monitor() as m:
+        for call in range(4):
+            out = flash_inductor.flash_attention(q, k, v, is_causal=True)
+            if call != 1:  # call 1's graph is dropped without a backward
+                out.sum().backward()
+        del out
+    assert [r["phase"] for r in m.records()].count("backward") == 3 and len(m) == 7
+    assert all(not t._backward_hooks for t in (q, k, v))
+    # Outside the session the same leaves run a backward that records nothing anywhere.
+    flash_inductor.flash_attention(q, k, v, is_causal=True).sum().backward()
+    assert len(m) == 7
+
+
+@pytest.mark.usefixtures("no_identity_ops")
+@pytest.mark.parametrize("needs_grad, asked", [
+    ("qkv", "qkv"), ("q", "q"), ("kv", "kv"), ("qkv", "q"), ("qkv", "v"),
+], ids=["all", "q_only", "kv_only", "grad_of_q_only", "grad_of_v_only"])
+def test_monitoring_leaves_gradients_unchanged(needs_grad, asked):
+    """Also when only some inputs need a gradient, or ``autograd.grad`` asks for one input:
+    the gradients nobody computed count as no non-finite entry."""
+    tensors = dict(zip("qkv", make_qkv(B, H, H, L, S, E, E, torch.float32, DEVICE, seed=9)))
+    for name in needs_grad:
+        tensors[name].requires_grad_()
+    grad = randn((B, H, L, E), torch.float32, DEVICE, 10)
+    grad[0, 0, 3, 1] = float("inf")  # non-finite in every computed gradient
+
+    def run():
+        out = flash_inductor.flash_attention(*tensors.values())
+        return torch.autograd.grad(out, [tensors[name] for name in asked], grad)
+
+    plain = run()
+    with flash_inductor.monitor() as m:
+        watched = run()
+    assert len(plain) == len(watched) == len(asked)
+    for a, b in zip(plain, watched):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+    backward = m.records()[1]
+    for name in "qkv":
+        want = int((~plain[asked.index(name)].isfinite()).sum()) if name in asked else 0
+        assert backward[f"d{name}_nonfinite"] == want, name
+    assert all(backward[f"d{name}_nonfinite"] > 0 for name in asked)
+
+
+def test_backward_hook_falls_back_to_pytorch_for_non_contiguous_gradients():
+    from flash_inductor.monitoring import eager
+    from flash_inductor.monitoring.stats import backward_stats
+
+    dq = _poisoned((6, 5), torch.float32, seed=12).t()  # non-contiguous: the kernels do not take it
+    dv = randn((3, 4), torch.float32, DEVICE, 13)
+    with flash_inductor.monitor() as m:
+        eager._record_backward("site", (True, False, True), [dq, dv])
+    (row,) = m.rows()
+    _assert_same_record(torch.tensor(row, dtype=torch.float64), backward_stats(dq, None, dv))
+
+
 # ------------------------------------------------------------------------------------------
-# The monitoring kernels (one pass for the copy and the counts) against the PyTorch statistics
+# The monitoring kernels (counts alone, or counts and the copy in one pass) against the PyTorch statistics
 # ------------------------------------------------------------------------------------------
 
 
@@ -117,6 +241,19 @@ def _poisoned(shape, dtype, seed):
     flat[picks[3:5]] = float("inf")
     flat[picks[5:]] = float("-inf")
     return t.to(DEVICE)
+
+
+def _lse(rows, kind):
+    gen = torch.Generator().manual_seed(2)
+    lse = (torch.randn(rows, generator=gen) * 30).to(DEVICE)
+    if kind == "mixed":  # masked (-inf, the -1e38 clamp), broken (NaN, +inf) and live rows
+        lse[[3, 900, 2000]] = float("-inf")
+        lse[[5, 1500]] = -1e38
+        lse[7] = float("nan")
+        lse[4000] = float("inf")
+    elif kind == "no_live_row":
+        lse[:] = float("-inf")
+    return lse
 
 
 def _assert_same_record(got, want):
@@ -135,15 +272,7 @@ def test_forward_kernel_record_matches_pytorch_statistics(dtype, lse_kind):
 
     rows = 1 if lse_kind == "single_row" else 2 * 3 * 700  # > REDUCE_BLOCK: the reduction loops
     out = _poisoned((rows, 5), dtype, seed=1) if rows > 1 else torch.randn(1, 5, dtype=dtype, device=DEVICE)
-    gen = torch.Generator().manual_seed(2)
-    lse = (torch.randn(rows, generator=gen) * 30).to(DEVICE)
-    if lse_kind == "mixed":  # masked (-inf, the -1e38 clamp), broken (NaN, +inf) and live rows
-        lse[[3, 900, 2000]] = float("-inf")
-        lse[[5, 1500]] = -1e38
-        lse[7] = float("nan")
-        lse[4000] = float("inf")
-    elif lse_kind == "no_live_row":
-        lse[:] = float("-inf")
+    lse = _lse(rows, lse_kind)
     assert device_stats.supports(out, lse)
     copy, record = device_stats.copy_and_forward_record(out, lse, seq_k=300)
     assert torch.equal(copy.view(-1).isnan(), out.view(-1).isnan())
@@ -165,6 +294,47 @@ def test_backward_kernel_record_matches_pytorch_statistics():
     _assert_same_record(record, backward_stats(dq, dk, dv))
 
 
+@pytest.mark.launches_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("lse_kind", ["mixed", "no_live_row", "single_row"])
+@pytest.mark.parametrize("width", [5, 1], ids=["more_output_blocks", "more_lse_blocks"])
+def test_count_only_forward_record_matches_pytorch_statistics_and_writes_nothing(dtype, lse_kind, width):
+    """What eager monitoring runs: the same record as the PyTorch statistics, from reads only.
+    ``width`` 1 gives the LSE more blocks than the output, so both halves of the launch run alone."""
+    from flash_inductor.monitoring import device_stats
+    from flash_inductor.monitoring.stats import forward_stats
+
+    rows = 1 if lse_kind == "single_row" else 2 * 3 * 700
+    out = _poisoned((rows, width), dtype, seed=1) if rows > 1 else torch.randn(1, width, dtype=dtype, device=DEVICE)
+    lse = _lse(rows, lse_kind)
+    out_before, lse_before = out.clone(), lse.clone()
+    assert device_stats.supports(out, lse)
+    record = device_stats.forward_record(out, lse, seq_k=300)
+    assert isinstance(record, torch.Tensor)  # just the record: no copy of out comes back
+    _assert_same_record(record, forward_stats(out, lse, 300))
+    assert torch.equal(out.isnan(), out_before.isnan()) and torch.equal(torch.nan_to_num(out), torch.nan_to_num(out_before))
+    assert torch.equal(lse.isnan(), lse_before.isnan()) and torch.equal(torch.nan_to_num(lse), torch.nan_to_num(lse_before))
+
+
+@pytest.mark.launches_kernels
+def test_count_only_backward_record_matches_pytorch_statistics_and_writes_nothing():
+    from flash_inductor.monitoring import device_stats
+    from flash_inductor.monitoring.stats import backward_stats
+
+    dq = _poisoned((3, 4100), torch.float16, seed=3)
+    dk = torch.randn(2, 7, dtype=torch.float32, device=DEVICE)
+    dv = _poisoned((5, 9), torch.float32, seed=4)
+    before = [g.clone() for g in (dq, dk, dv)]
+    record = device_stats.backward_record(dq, dk, dv)
+    assert isinstance(record, torch.Tensor)
+    _assert_same_record(record, backward_stats(dq, dk, dv))
+    for grad, old in zip((dq, dk, dv), before):
+        assert torch.equal(torch.nan_to_num(grad), torch.nan_to_num(old)) and torch.equal(grad.isnan(), old.isnan())
+    # A gradient the backward did not compute counts as no non-finite entry.
+    _assert_same_record(device_stats.backward_record(None, dk, dv), backward_stats(None, dk, dv))
+    _assert_same_record(device_stats.backward_record(dq, None, None), backward_stats(dq, None, None))
+
+
 def test_monitoring_kernels_do_not_change_the_tuning_tables_hash(tmp_path):
     from flash_inductor.tuning import cache
 
@@ -179,11 +349,8 @@ def test_monitoring_kernels_do_not_change_the_tuning_tables_hash(tmp_path):
 
 
 def test_off_runs_no_recording_op(monkeypatch):
-    def fail(*args, **kwargs):
-        raise AssertionError("a recording op ran without a monitoring session")
-
-    monkeypatch.setattr(api._monitor_ops, "watch_inputs", fail)
-    monkeypatch.setattr(api._monitor_ops, "watch_output", fail)
+    for module, names in (_IDENTITY_OPS, _EAGER_RECORDING):
+        _forbid(monkeypatch, module, names, "a recording op ran without a monitoring session")
     q, k, v = (t.requires_grad_() for t in make_qkv(1, 1, 1, L, L, E, E, torch.float32, "cpu"))
     flash_inductor.flash_attention(q, k, v).sum().backward()
 
@@ -304,7 +471,9 @@ def test_compiled_with_monitor_records_every_site_forward_and_backward():
 
 
 @pytest.mark.usefixtures("fresh_compiler")
-def test_compiled_first_nonfinite_names_the_layer():
+def test_compiled_first_nonfinite_names_the_layer(monkeypatch):
+    """Compiled graphs record through the identity ops, never the eager hooks."""
+    _forbid(monkeypatch, *_EAGER_RECORDING, "a compiled site used eager recording")
     torch.manual_seed(0)
     compiled = torch.compile(_Model(_HandwrittenAttention, poison_layer=2),
                              backend=flash_inductor.make_backend(monitor=True))

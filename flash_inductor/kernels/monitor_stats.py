@@ -1,11 +1,13 @@
 """Triton kernels of ``flash_inductor.monitor()``: one call's statistics in a few launches.
 
-The recording ops must return copies of the tensors they watch (``monitoring/ops.py`` says
-why), so the copy and the non-finite count share one pass over the data: each program copies
-its block and writes its block's count, with no atomics and no zero-initialised buffer; the
-LSE is reduced per block the same way; one single-program kernel then combines the per-block
-results and writes the whole float64 record. Done with PyTorch reductions the same record took about twenty
-launches, which is what made monitoring cost more than the copy itself.
+Each kernel reads the watched tensors once. Eager calls only read them (``COPY`` off): the
+output and the LSE in the forward, the gradients in the backward. Compiled graphs record through
+identity ops that must return copies (``monitoring/ops.py`` says why); there the copy shares the
+same pass (``COPY`` on). Every program handles one block and writes that block's non-finite
+count (and, in the forward, the partial reduction of one block of LSE rows) with no atomics and
+no zero-initialised buffer; one single-program kernel then combines the per-block results and
+writes the whole float64 record: two launches forward, four backward. Done with PyTorch
+reductions the same record took about twenty launches.
 
 These kernels are not part of the tuned attention kernels: ``tuning/cache.py`` leaves this
 file out of the kernel-source hash, so changing it does not invalidate tuning tables.
@@ -21,16 +23,43 @@ MASKED_BELOW = tl.constexpr(-1.0e37)
 
 
 @triton.jit
-def _copy_count_nonfinite(src_ptr, dst_ptr, numel, counts_ptr, BLOCK: tl.constexpr):
-    """dst = src over one contiguous block; counts[program] = NaN/inf entries in that block."""
-    pid = tl.program_id(0)
-    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _count_block(src_ptr, dst_ptr, numel, counts_ptr, block, BLOCK: tl.constexpr, COPY: tl.constexpr):
+    """counts[block] = NaN/inf entries of one contiguous block of src; with COPY, dst = src there
+    too (the recording ops' copy shares the read). Without COPY, dst_ptr is never touched."""
+    offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_bounds = offsets < numel
     x = tl.load(src_ptr + offsets, mask=in_bounds, other=0.0)
-    tl.store(dst_ptr + offsets, x, mask=in_bounds)
+    if COPY:
+        tl.store(dst_ptr + offsets, x, mask=in_bounds)
     value = x.to(tl.float32)
     bad = in_bounds & ((value != value) | (tl.abs(value) == float("inf")))
-    tl.store(counts_ptr + pid, tl.sum(bad.to(tl.int32), axis=0))
+    tl.store(counts_ptr + block, tl.sum(bad.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _lse_block(lse_ptr, n_rows, partials_ptr, n_blocks, block, BLOCK: tl.constexpr):
+    """Per block of LSE rows: masked, broken and live row counts, and the live rows' min and
+    max, stored as the five rows of a (5, n_blocks) fp32 buffer (counts up to BLOCK are exact).
+    A row is masked when its LSE is -inf or at the mask clamp, broken when it is NaN or +inf,
+    live otherwise."""
+    offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_bounds = offsets < n_rows
+    lse = tl.load(lse_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
+    is_nan = lse != lse
+    is_masked = in_bounds & (~is_nan) & (lse <= MASKED_BELOW)  # -inf is below the clamp too
+    is_broken = in_bounds & (is_nan | (lse == float("inf")))
+    is_live = in_bounds & (~is_nan) & (~is_masked) & (~is_broken)
+    tl.store(partials_ptr + block, tl.sum(is_masked.to(tl.float32), axis=0))
+    tl.store(partials_ptr + n_blocks + block, tl.sum(is_broken.to(tl.float32), axis=0))
+    tl.store(partials_ptr + 2 * n_blocks + block, tl.sum(is_live.to(tl.float32), axis=0))
+    tl.store(partials_ptr + 3 * n_blocks + block, tl.min(tl.where(is_live, lse, float("inf")), axis=0))
+    tl.store(partials_ptr + 4 * n_blocks + block, tl.max(tl.where(is_live, lse, float("-inf")), axis=0))
+
+
+@triton.jit
+def _count_nonfinite(src_ptr, dst_ptr, numel, counts_ptr, BLOCK: tl.constexpr, COPY: tl.constexpr):
+    """One program per block of src: its non-finite count (and, with COPY, its copy)."""
+    _count_block(src_ptr, dst_ptr, numel, counts_ptr, tl.program_id(0), BLOCK, COPY)
 
 
 @triton.jit
@@ -43,31 +72,23 @@ def _sum_counts(counts_ptr, n_counts, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _lse_partials(lse_ptr, n_rows, partials_ptr, n_blocks, BLOCK: tl.constexpr):
-    """Per block of LSE rows: masked, broken and live row counts, and the live rows' min and
-    max, stored as the five rows of a (5, n_blocks) fp32 buffer (counts up to BLOCK are exact).
-    A row is masked when its LSE is -inf or at the mask clamp, broken when it is NaN or +inf,
-    live otherwise. Many programs, so a large LSE does not serialise on one SM."""
+def _forward_partials(out_ptr, copy_ptr, numel, counts_ptr, n_count_blocks, lse_ptr, n_rows, partials_ptr,
+                      n_lse_blocks, COUNT_BLOCK: tl.constexpr, LSE_BLOCK: tl.constexpr, COPY: tl.constexpr):
+    """The per-block half of a forward record in one launch: program i counts block i of the
+    output (when there is one) and reduces block i of the LSE (when there is one). The output
+    has far more blocks than the LSE, so the LSE rides along instead of costing a launch."""
     pid = tl.program_id(0)
-    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    in_bounds = offsets < n_rows
-    lse = tl.load(lse_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
-    is_nan = lse != lse
-    is_masked = in_bounds & (~is_nan) & (lse <= MASKED_BELOW)  # -inf is below the clamp too
-    is_broken = in_bounds & (is_nan | (lse == float("inf")))
-    is_live = in_bounds & (~is_nan) & (~is_masked) & (~is_broken)
-    tl.store(partials_ptr + pid, tl.sum(is_masked.to(tl.float32), axis=0))
-    tl.store(partials_ptr + n_blocks + pid, tl.sum(is_broken.to(tl.float32), axis=0))
-    tl.store(partials_ptr + 2 * n_blocks + pid, tl.sum(is_live.to(tl.float32), axis=0))
-    tl.store(partials_ptr + 3 * n_blocks + pid, tl.min(tl.where(is_live, lse, float("inf")), axis=0))
-    tl.store(partials_ptr + 4 * n_blocks + pid, tl.max(tl.where(is_live, lse, float("-inf")), axis=0))
+    if pid < n_count_blocks:
+        _count_block(out_ptr, copy_ptr, numel, counts_ptr, pid, COUNT_BLOCK, COPY)
+    if pid < n_lse_blocks:
+        _lse_block(lse_ptr, n_rows, partials_ptr, n_lse_blocks, pid, LSE_BLOCK)
 
 
 # Sizes equal to 1 would otherwise be specialised into constants, which have no ``.to``.
 @triton.jit(do_not_specialize=["n_rows", "n_blocks", "n_counts"])
 def _forward_record(partials_ptr, n_blocks, n_rows, counts_ptr, n_counts, record_ptr, log_seq_k,
                     BLOCK: tl.constexpr):
-    """One program: reduces ``_lse_partials`` and the copy's non-finite counts into the record,
+    """One program: reduces ``_forward_partials``' LSE partials and output counts into the record,
     which follows ``monitoring/stats.py``'s FIELDS: rows, masked_rows, lse_nonfinite, lse_min,
     lse_max, max_logit_low, out_nonfinite, then three backward-only fields left NaN. The LSE
     range covers live rows and is NaN without any."""

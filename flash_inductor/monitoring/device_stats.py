@@ -1,21 +1,27 @@
 """Launchers of the monitoring kernels (``kernels/monitor_stats.py``): validate, allocate, launch.
 
-``copy_and_forward_record`` and ``copy_and_backward_record`` return what the recording ops
-return (copies of the watched tensors) together with the call's float64 record, in three and
-four launches and without synchronising. They take CUDA tensors (or CPU tensors under the
-Triton interpreter) that are contiguous; ``supports`` says when, and the recording ops fall
-back to the PyTorch statistics of ``stats.py`` otherwise.
+Two pairs, one per caller, sharing every launch:
+
+* ``forward_record`` / ``backward_record`` (eager monitoring, ``eager.py``) only read the
+  tensors and return the call's float64 record;
+* ``copy_and_forward_record`` / ``copy_and_backward_record`` (the identity ops of ``ops.py``,
+  which compiled graphs keep) also return copies, written in the same pass as the counts.
+
+Forward: two launches; backward: four. None synchronises. They take CUDA tensors (or CPU tensors
+under the Triton interpreter) that are contiguous; ``supports`` says when, and callers fall back
+to the PyTorch statistics of ``stats.py`` otherwise.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from ..launch import interpreter_enabled
-from ..kernels.monitor_stats import MASKED_BELOW, _backward_record, _copy_count_nonfinite, _forward_record, _lse_partials
+from ..kernels.monitor_stats import MASKED_BELOW, _backward_record, _count_nonfinite, _forward_partials, _forward_record
 from .stats import FIELDS, LSE_MASKED_BELOW
 
 # The kernels write the record by position.
@@ -24,7 +30,7 @@ _KERNEL_FIELDS = ("rows", "masked_rows", "lse_nonfinite", "lse_min", "lse_max", 
 assert FIELDS == _KERNEL_FIELDS, "monitoring/stats.py's FIELDS and the monitoring kernels disagree"
 assert MASKED_BELOW.value == LSE_MASKED_BELOW, "the kernels and stats.py disagree on masked rows"
 
-COPY_BLOCK = 4096       # elements per program of the copy-and-count pass
+COUNT_BLOCK = 4096      # elements per program of the count (and copy) pass
 LSE_BLOCK = 1024        # LSE rows per program of the per-block LSE reduction
 REDUCE_BLOCK = 1024     # lanes of the single-program reductions
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -42,42 +48,77 @@ def supports(*tensors: Tensor) -> bool:
     return all(t.is_contiguous() and t.dtype in dtypes for t in tensors)
 
 
-def _copy_counting(t: Tensor) -> tuple[Tensor, Tensor]:
-    """A copy of ``t`` and one int32 non-finite count per block of it."""
-    copy = torch.empty_like(t)
-    blocks = max(1, math.ceil(t.numel() / COPY_BLOCK))
+def _block_counts(t: Tensor, copy: Optional[Tensor] = None) -> Tensor:
+    """One int32 non-finite count per block of ``t``; with ``copy``, the same pass fills it with ``t``."""
+    blocks = max(1, math.ceil(t.numel() / COUNT_BLOCK))
     counts = torch.empty(blocks, dtype=torch.int32, device=t.device)
     if t.numel() == 0:
-        counts.zero_()
-        return copy, counts
-    _copy_count_nonfinite[(blocks,)](t, copy, t.numel(), counts, BLOCK=COPY_BLOCK, num_warps=4)
-    return copy, counts
+        return counts.zero_()
+    # Without a copy nothing is stored through dst, so any valid pointer does.
+    _count_nonfinite[(blocks,)](t, t if copy is None else copy, t.numel(), counts,
+                                BLOCK=COUNT_BLOCK, COPY=copy is not None, num_warps=4)
+    return counts
 
 
-def copy_and_forward_record(out: Tensor, lse: Tensor, seq_k: int) -> tuple[Tensor, Tensor]:
-    """(copy of ``out``, forward record): see ``stats.forward_stats`` for the fields."""
-    lse = lse.detach()
-    copy, counts = _copy_counting(out.detach())
+def _forward(out: Tensor, lse: Tensor, seq_k: int, copy: Optional[Tensor]) -> Tensor:
+    """The forward record (see ``stats.forward_stats`` for the fields); fills ``copy`` with
+    ``out`` on the way when given."""
+    out, lse = out.detach(), lse.detach()
     n_rows = lse.numel()
-    n_blocks = max(1, math.ceil(n_rows / LSE_BLOCK))
-    partials = torch.empty((5, n_blocks), dtype=torch.float32, device=lse.device)
-    if n_rows == 0:
+    n_count_blocks = max(1, math.ceil(out.numel() / COUNT_BLOCK))
+    n_lse_blocks = max(1, math.ceil(n_rows / LSE_BLOCK))
+    counts = torch.empty(n_count_blocks, dtype=torch.int32, device=out.device)
+    partials = torch.empty((5, n_lse_blocks), dtype=torch.float32, device=lse.device)
+    if n_rows == 0 or out.numel() == 0:
+        counts.zero_()
         partials[:3].zero_()
         partials[3].fill_(float("inf"))
         partials[4].fill_(float("-inf"))
     else:
-        _lse_partials[(n_blocks,)](lse, n_rows, partials, n_blocks, BLOCK=LSE_BLOCK, num_warps=4)
+        _forward_partials[(max(n_count_blocks, n_lse_blocks),)](
+            out, out if copy is None else copy, out.numel(), counts, n_count_blocks,
+            lse, n_rows, partials, n_lse_blocks,
+            COUNT_BLOCK=COUNT_BLOCK, LSE_BLOCK=LSE_BLOCK, COPY=copy is not None, num_warps=4)
     record = torch.empty(len(FIELDS), dtype=torch.float64, device=lse.device)
-    _forward_record[(1,)](partials, n_blocks, n_rows, counts, counts.numel(), record, math.log(max(int(seq_k), 1)),
-                          BLOCK=REDUCE_BLOCK, num_warps=4)
-    return copy, record
+    _forward_record[(1,)](partials, n_lse_blocks, n_rows, counts, n_count_blocks, record,
+                          math.log(max(int(seq_k), 1)), BLOCK=REDUCE_BLOCK, num_warps=4)
+    return record
+
+
+def forward_record(out: Tensor, lse: Tensor, seq_k: int) -> Tensor:
+    """The forward record, reading ``out`` and ``lse`` once and writing nothing else."""
+    return _forward(out, lse, seq_k, copy=None)
+
+
+def copy_and_forward_record(out: Tensor, lse: Tensor, seq_k: int) -> tuple[Tensor, Tensor]:
+    """(copy of ``out``, forward record), the copy written in the pass that counts."""
+    copy = torch.empty_like(out)
+    return copy, _forward(out, lse, seq_k, copy)
+
+
+def _backward(counts: list[Tensor], device: torch.device) -> Tensor:
+    """The backward record from the per-block counts of dq, dk, dv: NaN forward fields, then
+    their non-finite counts."""
+    record = torch.empty(len(FIELDS), dtype=torch.float64, device=device)
+    dq_counts, dk_counts, dv_counts = counts
+    _backward_record[(1,)](dq_counts, dq_counts.numel(), dk_counts, dk_counts.numel(), dv_counts, dv_counts.numel(),
+                           record, len(FIELDS), BLOCK=REDUCE_BLOCK, num_warps=4)
+    return record
+
+
+def backward_record(dq: Optional[Tensor], dk: Optional[Tensor], dv: Optional[Tensor]) -> Tensor:
+    """The backward record, reading the gradients once. A None gradient (its input needed none,
+    or this backward did not ask for it) counts as no non-finite entry."""
+    present = [g for g in (dq, dk, dv) if g is not None]
+    if not present:
+        raise ValueError("backward_record: at least one of dq, dk, dv must be a tensor.")
+    device = present[0].device
+    none = torch.zeros(1, dtype=torch.int32, device=device)
+    return _backward([none if g is None else _block_counts(g.detach()) for g in (dq, dk, dv)], device)
 
 
 def copy_and_backward_record(dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor], Tensor]:
-    """((copies of dq, dk, dv), backward record): NaN forward fields, then non-finite counts."""
-    (dq_copy, dq_counts), (dk_copy, dk_counts), (dv_copy, dv_counts) = (
-        _copy_counting(g.detach()) for g in (dq, dk, dv))
-    record = torch.empty(len(FIELDS), dtype=torch.float64, device=dq.device)
-    _backward_record[(1,)](dq_counts, dq_counts.numel(), dk_counts, dk_counts.numel(), dv_counts, dv_counts.numel(),
-                           record, len(FIELDS), BLOCK=REDUCE_BLOCK, num_warps=4)
-    return (dq_copy, dk_copy, dv_copy), record
+    """((copies of dq, dk, dv), backward record), each copy written in the pass that counts."""
+    copies = tuple(torch.empty_like(g) for g in (dq, dk, dv))
+    counts = [_block_counts(g.detach(), copy) for g, copy in zip((dq, dk, dv), copies)]
+    return copies, _backward(counts, dq.device)

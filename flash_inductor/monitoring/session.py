@@ -126,9 +126,11 @@ def monitor(model: Optional[torch.nn.Module] = None) -> Monitor:
         does not change that. ``flash_attention`` called directly inside code compiled by
         ``torch.compile`` is not recorded either.
 
-    Cost when on: one copy each of q, k, v and of the output per call (the recording ops are
-    identities, so the compiler cannot drop them) and a few reductions; no host synchronisation
-    until ``summary()``. Off, nothing runs. Not meant for CUDA graphs (``mode="reduce-overhead"``),
+    Cost when on: eager calls copy nothing; the statistics read the output and the LSE once
+    after the forward and, through a backward hook, dq / dk / dv once (two kernel launches
+    forward, four backward). Compiled graphs record through identity ops that the compiler
+    cannot drop, which return copies of q, k, v, the output and the gradients (made in the same
+    pass that counts). No host synchronisation until ``summary()``. Off, nothing runs. Not meant for CUDA graphs (``mode="reduce-overhead"``),
     which would replay the device work but not the Python-side recording.
     """
     return Monitor(model)
