@@ -424,7 +424,7 @@ def test_large_values_take_the_rescaling_loops(device):
     threshold = 16384.0  # kernels/attn_bwd.py DS_RESCALE_ABOVE
     large, _ = _fp16_bound_case(_f(mask="float", v_mult=1e4, q_mult=3.0, dout_mult=2.0), device)
     ordinary, _ = _fp16_bound_case(_f(mask="float"), device)
-    assert large > threshold > 100 * ordinary
+    assert large > threshold > 10 * ordinary
     nan_grad = torch.full((1, 1, 4, 8), float("nan"), dtype=torch.float16, device=device)
     value = torch.ones((1, 1, 5, 8), dtype=torch.float16, device=device)
     # A non-finite upstream gradient must not look small: NaN fails `bound <= threshold`.

@@ -79,7 +79,9 @@ def _forward_partials(out_ptr, copy_ptr, numel, counts_ptr, n_count_blocks, lse_
     has far more blocks than the LSE, so the LSE rides along instead of costing a launch."""
     pid = tl.program_id(0)
     if pid < n_count_blocks:
-        _count_block(out_ptr, copy_ptr, numel, counts_ptr, pid, COUNT_BLOCK, COPY)
+        # Last block first: the attention kernel has just written the output, and its last
+        # blocks are the likeliest to still sit in L2 when the first programs here read them.
+        _count_block(out_ptr, copy_ptr, numel, counts_ptr, n_count_blocks - 1 - pid, COUNT_BLOCK, COPY)
     if pid < n_lse_blocks:
         _lse_block(lse_ptr, n_rows, partials_ptr, n_lse_blocks, pid, LSE_BLOCK)
 
