@@ -113,8 +113,10 @@ def backward_record(dq: Optional[Tensor], dk: Optional[Tensor], dv: Optional[Ten
     if not present:
         raise ValueError("backward_record: at least one of dq, dk, dv must be a tensor.")
     device = present[0].device
-    none = torch.zeros(1, dtype=torch.int32, device=device)
-    return _backward([none if g is None else _block_counts(g.detach()) for g in (dq, dk, dv)], device)
+    # A missing gradient reads as one block with no non-finite entry; allocated only when needed.
+    counts = [torch.zeros(1, dtype=torch.int32, device=device) if g is None else _block_counts(g.detach())
+              for g in (dq, dk, dv)]
+    return _backward(counts, device)
 
 
 def copy_and_backward_record(dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor], Tensor]:
