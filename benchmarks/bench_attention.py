@@ -180,9 +180,9 @@ def _compiled_flex():
 
 def make_attention(provider, causal, seq_q, seq_k, device):
     """Return attn(q, k, v) -> out for a provider; anything shape-specific is built here, untimed."""
-    if provider in ("ours", "ours-fast"):
+    if provider in ("ours", "ours-fast", "ours-fp8"):
         flash_inductor = import_flash_inductor()
-        schedule = "fast" if provider == "ours-fast" else None
+        schedule = {"ours": None, "ours-fast": "fast", "ours-fp8": "fp8"}[provider]
         return lambda q, k, v: flash_inductor.flash_attention(q, k, v, is_causal=causal, schedule=schedule)
     if provider == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
@@ -503,7 +503,8 @@ def dry_run(args):
 
 def synthetic_records(args):
     """Plausible fake results (and every failure status) for --selftest."""
-    records, speed = [], {"ours": 1.1, "ours-fast": 1.2, "flash": 0.55, "cudnn": 0.95, "efficient": 0.3, "flex": 0.8, "math": 0.1}
+    records, speed = [], {"ours": 1.1, "ours-fast": 1.2, "ours-fp8": 1.6, "flash": 0.55, "cudnn": 0.95,
+                          "efficient": 0.3, "flex": 0.8, "math": 0.1}
     for case in build_grid(args):
         for p in args.providers:
             rec = dict(section="attention", provider=p, batch=args.tokens // case["seq"],

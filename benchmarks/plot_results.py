@@ -13,11 +13,12 @@ import os
 import sys
 
 # "ours" runs the default schedule; "ours-fast" the fast one (FA2's Δ: no exact-Δ GEMM), whose
-# difference to "ours" is the cost of exact Δ.
-PROVIDERS = ("ours", "ours-fast", "flash", "cudnn", "efficient", "flex", "math")  # display order
+# difference to "ours" is the cost of exact Δ; "ours-fp8" the fp8 forward (its backward is the
+# stable one after a 16-bit forward recompute).
+PROVIDERS = ("ours", "ours-fast", "ours-fp8", "flash", "cudnn", "efficient", "flex", "math")  # display order
 RATIO_ANCHORS = ("flash", "cudnn", "flex")
 MODES = ("fwd", "bwd", "fwd_bwd")
-PLOT_COLORS = ("black", "dimgray", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")  # PROVIDERS order
+PLOT_COLORS = ("black", "dimgray", "tab:olive", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")  # PROVIDERS order
 STATUS_CELL = {"unsupported": "n/a", "skipped": "skip", "unavailable": "n/a"}
 
 

@@ -17,6 +17,7 @@ from .monitoring import naming as _monitor_naming
 from .monitoring import ops as _monitor_ops  # registers the recording ops
 from .monitoring import session as _monitor_session
 from .ops import attention as _attention_ops  # noqa: F401  (registers the ops)
+from .launch_fp8 import check_fp8_device
 from .tuning.schedules import get_schedule
 
 try:  # CausalBias exists in every supported torch, but keep the import failure local.
@@ -72,8 +73,10 @@ def flash_attention(
         scale: softmax scale; default ``1 / sqrt(E)``.
         enable_gqa: allow ``Hq`` to be a multiple of ``Hkv`` (grouped-query / multi-query
             attention). K/V are indexed per group, never repeated in memory.
-        schedule: precision schedule name (``"stable"`` default, ``"fast"``, ``"accurate"``),
-            see ``flash_inductor.tuning.schedules``.
+        schedule: precision schedule name (``"stable"`` default, ``"fast"``, ``"accurate"``, ``"fp8"``),
+            see ``flash_inductor.tuning.schedules``. ``"fp8"`` needs a GPU with fp8 tensor cores
+            (compute capability 8.9+) and raises a ValueError on an older one; on CPU, as
+            every schedule, it runs the float32 reference.
 
     Returns:
         ``(N, ..., Hq, L, Ev)`` in the input dtype.
@@ -134,6 +137,8 @@ def attention(
         raise ValueError("attention: pass monitor_site (a compiled graph) or eager_monitor_site (eager code), not both.")
     _check_qkv(query, key, value)
     schedule_name = get_schedule(schedule).name  # validates early, listing the choices
+    if get_schedule(schedule_name).fp8_forward:
+        check_fp8_device(query.device)
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"flash_attention: dropout_p must be a float in [0, 1), got {dropout_p!r}.")
     dropout_p = float(dropout_p)

@@ -18,7 +18,7 @@ import torch
 
 from .tuning.buckets import mask_kind
 from .tuning.configs import AttentionConfigs, padded_head_dim, select_configs
-from .tuning.schedules import get_schedule
+from .tuning.schedules import STABLE, get_schedule
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
@@ -87,6 +87,8 @@ def schedule_switches(dtype: torch.dtype, schedule_name: str | None) -> dict:
         # Only a 16-bit O makes rowsum(dO * O) inexact; an fp32 O is as good as the fp32 sum.
         EXACT_DELTA=sched.exact_delta and dtype != torch.float32,
         FP32_DOT=_fp32_dot_precision(dtype, accurate=sched.p_in_fp32 or sched.ds_in_fp32),
+        # Not a kernel constexpr: selects the e4m3 forward kernel (launch_fp8.py).
+        FP8_FORWARD=sched.fp8_forward,
     )
 
 
@@ -164,6 +166,11 @@ def attention_forward(
     ``configs`` forces the launch configs (the autotuner's candidates); None looks them up."""
     from .kernels.attn_fwd import _attn_fwd
 
+    if get_schedule(schedule).fp8_forward:
+        from .launch_fp8 import attention_forward_fp8
+
+        return attention_forward_fp8(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
+                                     scale, schedule, configs=configs)
     batch, heads_q, seq_q, _ = query.shape
     heads_kv, seq_k = key.shape[1], key.shape[2]
     head_dim_v = value.shape[-1]
@@ -211,6 +218,12 @@ def attention_backward(
     ``configs`` forces the launch configs (the autotuner's candidates); None looks them up."""
     from .kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _attn_bwd_row_reference
 
+    if get_schedule(schedule).fp8_forward:
+        # fp8 is a forward schedule: the gradient is the 16-bit attention's, from a 16-bit forward
+        # (its O and LSE; the fp8 ones would not match the recomputed P) and `stable`'s backward.
+        schedule = STABLE.name
+        out, lse = attention_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
+                                     scale, schedule)
     batch, heads_q, seq_q, _ = query.shape
     heads_kv, seq_k = key.shape[1], key.shape[2]
     head_dim, head_dim_v = _head_dims(query, value)

@@ -113,7 +113,7 @@ def test_dropout_p_out_of_range(p):
 def test_unknown_schedule(schedule):
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=r"schedule=.* is not a known precision schedule; choose one of "
-                                         r"\['accurate', 'fast', 'stable'\]"):
+                                         r"\['accurate', 'fast', 'fp8', 'stable'\]"):
         flash_attention(q, k, v, schedule=schedule)
 
 

@@ -100,14 +100,21 @@ def table_filename(gpu: str) -> str:
 # Kernels in flash_inductor/kernels/ that launch configs do not depend on: changing them must
 # not invalidate tuned tables (the monitoring kernels launch with fixed, untuned sizes).
 UNTUNED_KERNEL_FILES = frozenset({"monitor_stats.py"})
+# Kernels of one schedule, hashed apart from the table's: each entry of that schedule records the
+# hash of its files (with the shared helpers), so adding or changing such a kernel re-tunes only
+# its own buckets and leaves every other entry of a shipped table valid.
+SCHEDULE_KERNEL_FILES = {"fp8": frozenset({"attn_fwd_fp8.py", "common.py"})}
+_KERNELS_DIR = pathlib.Path(__file__).resolve().parent.parent / "kernels"
 
 
 def hash_sources(directory: pathlib.Path, exclude: frozenset[str] = frozenset()) -> str:
     """sha256 over the ``*.py`` files of ``directory`` except ``exclude``, names included."""
+    return _hash_files(path for path in pathlib.Path(directory).glob("*.py") if path.name not in exclude)
+
+
+def _hash_files(paths) -> str:
     hasher = hashlib.sha256()
-    for path in sorted(pathlib.Path(directory).glob("*.py")):
-        if path.name in exclude:
-            continue
+    for path in sorted(paths):
         hasher.update(path.name.encode())
         hasher.update(path.read_bytes())
     return hasher.hexdigest()
@@ -115,8 +122,24 @@ def hash_sources(directory: pathlib.Path, exclude: frozenset[str] = frozenset())
 
 @functools.lru_cache(maxsize=None)
 def kernel_source_hash() -> str:
-    """The hash of the attention kernels' sources: a table tuned for other kernels is stale."""
-    return hash_sources(pathlib.Path(__file__).resolve().parent.parent / "kernels", UNTUNED_KERNEL_FILES)
+    """The hash of the attention kernels' sources: a table tuned for other kernels is stale.
+    Files only a schedule's own kernels use are left to that schedule's entries."""
+    own_files = frozenset().union(*SCHEDULE_KERNEL_FILES.values()) - {"common.py"}
+    return hash_sources(_KERNELS_DIR, UNTUNED_KERNEL_FILES | own_files)
+
+
+@functools.lru_cache(maxsize=None)
+def schedule_kernel_hash(schedule: str) -> Optional[str]:
+    """The hash an entry of ``schedule`` records, for a schedule with kernels of its own; else None."""
+    files = SCHEDULE_KERNEL_FILES.get(schedule)
+    return None if files is None else _hash_files(_KERNELS_DIR / name for name in files)
+
+
+def entry_is_current(key: str, entry: dict) -> bool:
+    """Whether a table entry was tuned for the running code: always, for the schedules the
+    table-wide hash covers; for one with kernels of its own, when its recorded hash matches."""
+    expected = schedule_kernel_hash(Bucket.parse(key).schedule)
+    return expected is None or entry.get("kernel_hash") == expected
 
 
 def runtime_versions() -> dict[str, str]:
@@ -297,6 +320,8 @@ class TableView:
             merged.update(table.entries)
         self._families: dict[tuple, list[tuple[int, dict]]] = {}
         for key, entry in merged.items():
+            if not entry_is_current(key, entry):
+                continue
             bucket = Bucket.parse(key)
             self._families.setdefault(bucket.family, []).append((bucket.seq, entry))
         self._memo: dict[Bucket, Optional[dict]] = {}

@@ -56,7 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="head dims to tune; each tunes its padded width (e.g. 96 -> 128)")
     p.add_argument("--masks", type=_csv(str, MASK_KINDS), default=("none", "causal"),
                    help="mask kinds (none,causal,bool,float); untuned kinds use the heuristic")
-    p.add_argument("--schedules", type=_csv(str, tuple(SCHEDULES)), default=("stable", "fast", "accurate"))
+    p.add_argument("--schedules", type=_csv(str, tuple(SCHEDULES)), default=tuple(SCHEDULES),
+                   help="precision schedules (default: all; fp8 only on GPUs with fp8 tensor cores)")
     p.add_argument("--passes", type=_csv(str, tuple(ROLES)), default=("forward", "backward"))
     p.add_argument("--max-seq", type=int, default=16384,
                    help="tune lengths 1024, 4096, ... up to this; lookups use the nearest tuned length")
@@ -87,10 +88,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def make_grid(args) -> Grid:
+def make_grid(args, device: Optional[torch.device] = None) -> Grid:
     widths = tuple(dict.fromkeys(padded_head_dim(e) for e in args.head_dims))
     seqs = tuple(args.seqs) if args.seqs else seq_buckets(args.max_seq)
-    return Grid(tuple(args.schedules), tuple(args.dtypes), widths, tuple(args.masks), seqs, tuple(args.passes))
+    schedules = tuple(args.schedules)
+    if device is not None and not fp8_capable(device):
+        skipped = [s for s in schedules if SCHEDULES[s].fp8_forward]
+        if skipped:
+            print(f"autotune: skipping {','.join(skipped)}: this GPU has no fp8 tensor cores")
+        schedules = tuple(s for s in schedules if s not in skipped) or ("stable",)
+    return Grid(schedules, tuple(args.dtypes), widths, tuple(args.masks), seqs, tuple(args.passes))
+
+
+def fp8_capable(device: torch.device) -> bool:
+    """Whether the fp8 schedule's kernels run here (the interpreter emulates e4m3; a dry run
+    without a GPU plans for an H200)."""
+    from ..launch_fp8 import FP8_MIN_CAPABILITY
+
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
 
 
 def output_path(args, gpu: str) -> pathlib.Path:
@@ -219,7 +234,7 @@ def main(argv=None, *, settings: Optional[Settings] = None, device: Optional[tor
     device = device or _device(args.dry_run)
     settings = settings or _default_settings(args, device)
     gpu, device_name = current_gpu(device)
-    grid = make_grid(args)
+    grid = make_grid(args, device)
     plan = make_plan(grid, exhaustive=args.exhaustive)
     path = output_path(args, gpu)
     quick = "_quick" if args.quick else ""
@@ -258,7 +273,7 @@ def main(argv=None, *, settings: Optional[Settings] = None, device: Optional[tor
         reason = None if existing is None else (existing.stale_reason() or
                                                 (None if existing.gpu == gpu else f"it is for {existing.gpu}"))
         if existing is not None and reason is None:
-            entries.update(existing.entries)
+            entries.update({k: e for k, e in existing.entries.items() if cache.entry_is_current(k, e)})
         elif existing is not None:
             print(f"autotune: not resuming from {path}: {reason}")
     tasks = []

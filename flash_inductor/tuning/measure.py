@@ -216,6 +216,14 @@ def sdpa_same_dtype(p: Problem, pass_name: str) -> dict:
     return result
 
 
+def sqnr_db(actual: torch.Tensor, truth: torch.Tensor) -> float:
+    """Signal-to-quantisation-noise ratio of ``actual`` against ``truth``, in dB (inf if equal)."""
+    truth = truth.double().to(actual.device)
+    noise = (actual.double() - truth).square().sum().item()
+    signal = truth.square().sum().item()
+    return math.inf if noise == 0 else 10.0 * math.log10(signal / noise) if signal > 0 else -math.inf
+
+
 def max_error(actual: torch.Tensor, truth: torch.Tensor) -> float:
     diff = (actual.double() - truth.double().to(actual.device)).abs()
     return diff.max().item() if diff.numel() else 0.0
@@ -287,7 +295,14 @@ class AccuracyCheck:
             ratio = max(_ratio(errors[n], self.budgets[n]) for n in self.outputs)
             if not math.isfinite(error) or any(not ours[n].isfinite().all() for n in self.outputs):
                 return Verdict(False, error, ratio, "non-finite on the random check problem")
-            if ratio > 1.0:
+            sqnr_budget = get_schedule(schedule).sqnr_budget_db
+            if sqnr_budget is not None and self.pass_name == "forward":
+                # An SQNR floor instead of PyTorch's error: ratio 1 at the floor, 10x per 20 dB below it.
+                measured = sqnr_db(ours["out"], self.reference["out"])
+                ratio = 10.0 ** ((sqnr_budget - measured) / 20.0)
+                if ratio > 1.0:
+                    return Verdict(False, error, ratio, f"out SQNR {measured:.1f} dB < budget {sqnr_budget:g} dB")
+            elif ratio > 1.0:
                 worst = max(self.outputs, key=lambda n: _ratio(errors[n], self.budgets[n]))
                 return Verdict(False, error, ratio,
                                f"{worst} error {errors[worst]:.3e} > budget {self.budgets[worst]:.3e}")

@@ -26,7 +26,7 @@ import math
 from typing import Optional
 
 from .buckets import MAX_SEQ_BUCKET, MIN_SEQ_BUCKET, Bucket
-from .schedules import DEFAULT_SCHEDULE
+from .schedules import DEFAULT_SCHEDULE, get_schedule
 
 SWEEP, SHORTLIST, COPY = "sweep", "shortlist", "copy"
 REPRESENTATIVE_SEQ = 4096
@@ -43,8 +43,10 @@ class Grid:
     passes: tuple[str, ...] = ("forward", "backward")
 
     def buckets(self) -> list[Bucket]:
+        # A forward-only schedule (fp8) runs `stable`'s backward, which launches look up as `stable`.
         return [Bucket(s, d, w, m, n, p) for s in self.schedules for d in self.dtypes for w in self.widths
-                for m in self.masks for n in self.seqs for p in self.passes]
+                for m in self.masks for n in self.seqs for p in self.passes
+                if not (p == "backward" and get_schedule(s).fp8_forward)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +81,7 @@ def kernel_signature(bucket: Bucket) -> tuple:
     from .measure import torch_dtype
 
     switches = schedule_switches(torch_dtype(bucket.dtype), bucket.schedule)
-    names = ("P_IN_FP32", "FP32_DOT") if bucket.pass_name == "forward" else tuple(sorted(switches))
+    names = ("P_IN_FP32", "FP32_DOT", "FP8_FORWARD") if bucket.pass_name == "forward" else tuple(sorted(switches))
     return (bucket.dtype, bucket.width, bucket.mask, bucket.seq, bucket.pass_name,
             tuple(switches[n] for n in names))
 

@@ -7,8 +7,9 @@ states the dtype of every stage, forward and backward, in the order the kernels 
 table is rendered from it (:func:`schedules_markdown_table`), so the prose cannot drift from
 the switches.
 
-"Input dtype" below means fp16 or bf16. With fp32 inputs every schedule is the same: no stage
-rounds to 16 bits, and every fp32 dot runs as true fp32 ("ieee"), never tf32.
+"Input dtype" below means fp16 or bf16. With fp32 inputs the 16-bit schedules are the same: no
+stage rounds to 16 bits, and every fp32 dot runs as true fp32 ("ieee"), never tf32. The `fp8`
+schedule rounds the forward's operands to e4m3 whatever the input dtype.
 """
 
 from __future__ import annotations
@@ -38,6 +39,21 @@ _DP = Stage("bwd: dP = dO·Vᵀ", "operands: input dtype, accumulator: fp32")
 _DS = Stage("bwd: dS = P∘(dP − Δ)", "fp32", "dS can exceed fp16's range before the gradient does")
 _DQ_ACC = Stage("bwd: dQ accumulator", "fp32, first pass", "a pass over key blocks per query block: no atomics")
 _DKDV_ACC = Stage("bwd: dK, dV accumulators", "fp32, second pass", "summed over the GQA group in registers")
+_QK_FP8 = Stage(_QK.name, "operands: e4m3, a power-of-two scale per token; accumulator: fp32",
+                "per-token scales factor out of every score and are undone exactly in fp32")
+_P_FP8 = Stage("P for P·V", "e4m3 (P·2⁸); V e4m3 with a power-of-two scale per channel",
+               "the 2⁸ keeps probabilities down to 2⁻¹⁴ in e4m3's normal range")
+_P_RECOMPUTE_FP8 = Stage(_P_RECOMPUTE.name, "fp32, from a 16-bit forward recomputed in the backward",
+                         "the gradient is the 16-bit attention's: fp8 is a forward schedule")
+
+# The fp8 schedule's accuracy contract: the output's signal-to-quantisation-noise ratio against
+# the float64 reference, 10·log10(Σ ref² / Σ (out − ref)²), at least 20 dB (a relative RMS error
+# of at most 10 %). e4m3 keeps 3 mantissa bits: one rounded element is near 31 dB, and Q, K, P
+# and V are each rounded once. Measured on CPU (the same rounding emulated in float64): 25-26 dB
+# on unit-normal inputs at any length, falling as the logits spread, because a score's error
+# grows with |q|·|k| (22.8 dB at logit std 2, 20.9 dB at std 4). Peaked attention past that
+# is what the 16-bit schedules are for.
+FP8_SQNR_BUDGET_DB = 20.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +80,12 @@ class PrecisionSchedule:
             for the dK/dV pass. Off: FlashAttention-2's Δ and no extra GEMM. fp32 inputs never
             use it: their O is not rounded, so their Δ is already as good as the fp32 sum.
         description: one line for documentation and reports.
+        fp8_forward: the forward runs QKᵀ and P·V on e4m3 operands (``kernels/attn_fwd_fp8.py``;
+            needs fp8 tensor cores, compute capability 8.9+). The backward recomputes the forward in
+            16 bits and runs this schedule's backward switches, so training gets the 16-bit
+            attention's gradient at the cost of one more forward.
+        sqnr_budget_db: where set, the accuracy contract is an SQNR floor (dB) on the forward
+            output instead of PyTorch's same-dtype error.
     """
 
     name: str
@@ -72,6 +94,8 @@ class PrecisionSchedule:
     ds_rescale: bool
     exact_delta: bool
     description: str
+    fp8_forward: bool = False
+    sqnr_budget_db: float | None = None
 
     @property
     def fp16_backward_finite(self) -> bool:
@@ -103,11 +127,11 @@ class PrecisionSchedule:
     def stages(self) -> tuple[Stage, ...]:
         """The whole contract, in the order the kernels run: forward, then backward."""
         return (
-            _QK, _SCALE, _MASK, _STATS,
-            self._p_stage("P for P·V"),
+            _QK_FP8 if self.fp8_forward else _QK, _SCALE, _MASK, _STATS,
+            _P_FP8 if self.fp8_forward else self._p_stage("P for P·V"),
             _O_ACC,
             self._delta_stage(),
-            _P_RECOMPUTE, _DP, _DS,
+            _P_RECOMPUTE_FP8 if self.fp8_forward else _P_RECOMPUTE, _DP, _DS,
             self._p_stage("bwd: P for Pᵀ·dO"),
             self._ds_stage(),
             _DQ_ACC, _DKDV_ACC,
@@ -142,7 +166,19 @@ ACCURATE = PrecisionSchedule(
     description="P and dS never rounded to 16 bits: their products run in fp32; Δ corrected in the dQ pass.",
 )
 
-SCHEDULES: dict[str, PrecisionSchedule] = {s.name: s for s in (FAST, STABLE, ACCURATE)}
+FP8 = PrecisionSchedule(
+    name="fp8",
+    p_in_fp32=False,
+    ds_in_fp32=False,
+    ds_rescale=True,
+    exact_delta=True,
+    fp8_forward=True,
+    sqnr_budget_db=FP8_SQNR_BUDGET_DB,
+    description=f"Forward on e4m3 operands with power-of-two scales (output SQNR >= {FP8_SQNR_BUDGET_DB:g} dB "
+    "against float64); backward as `stable`, from a 16-bit recomputed forward. Needs compute capability 8.9+.",
+)
+
+SCHEDULES: dict[str, PrecisionSchedule] = {s.name: s for s in (FAST, STABLE, ACCURATE, FP8)}
 DEFAULT_SCHEDULE = STABLE.name
 
 
@@ -177,6 +213,10 @@ def schedules_markdown_table(results_note: str = MEASURED_NOTE) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("| " + " | ".join(["fp16 backward, \\|V\\| or \\|dO\\| ≈ 1e4"] + [
         "finite wherever the exact gradient is" if s.fp16_backward_finite else "may overflow" for s in schedules
+    ]) + " |")
+    lines.append("| " + " | ".join(["accuracy budget"] + [
+        f"output SQNR ≥ {s.sqnr_budget_db:g} dB vs fp64" if s.sqnr_budget_db is not None
+        else "2× PyTorch's same-dtype error vs fp64" for s in schedules
     ]) + " |")
     for label in ("error vs fp64", "speed"):
         lines.append("| " + " | ".join([label] + [results_note] * len(schedules)) + " |")

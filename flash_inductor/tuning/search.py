@@ -29,6 +29,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from .buckets import Bucket
+from .cache import schedule_kernel_hash
 from .configs import AttentionConfigs, KernelConfig, cuda_heuristic_configs, heuristic_configs
 from .measure import (
     AccuracyCheck,
@@ -349,7 +350,7 @@ def make_entry(task: BucketTask, settings: Settings) -> Optional[dict]:
     runner_up = next((m for m in ranked if m is not best), None)
     base = task.heuristic_measurement()
     rejected = [m for m in task.measured.values() if m.ms is None]
-    return {
+    entry = {
         "configs": _configs_json(best.configs, task.roles),
         "ms": best.ms,
         "tflops": flops / (best.ms * 1e-3) / 1e12,
@@ -369,6 +370,10 @@ def make_entry(task: BucketTask, settings: Settings) -> Optional[dict]:
         "source": None if task.source is None else task.source.key(),
         "space": settings.space.name,
     }
+    kernel_hash = schedule_kernel_hash(task.bucket.schedule)
+    if kernel_hash is not None:  # a schedule with kernels of its own (cache.SCHEDULE_KERNEL_FILES)
+        entry["kernel_hash"] = kernel_hash
+    return entry
 
 
 def task_from_entry(planned: PlannedBucket, heuristic: AttentionConfigs, entry: Optional[dict]) -> BucketTask:

@@ -1,0 +1,123 @@
+"""Launcher of the `fp8` schedule's forward (``kernels/attn_fwd_fp8.py``): quantise, then attend.
+
+Three quantisation launches write e4m3 copies of Q and K (a power-of-two scale per token) and
+of V (one per channel, stored sequence-contiguous), then the attention kernel runs on them.
+The copies cost one read of Q, K, V and a write of half their bytes, plus one extra read of V
+for its per-channel maxima; the attention kernel then reads half the bytes per tile.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .launch import _LOG2E, _cdiv, _common_meta, _configs, _launcher, interpreter_enabled
+from .tuning.configs import AttentionConfigs
+
+# fp8 tensor cores: Ada (sm_89) and Hopper (sm_90) onwards.
+FP8_MIN_CAPABILITY = (8, 9)
+# e4m3 products take a reduction axis of at least 32 (the head dim for QKᵀ, BLOCK_N for P·V).
+_FP8_MIN_K = 32
+_ROWS_PER_QUANTIZE_PROGRAM = 64
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """Raise a clear error where the `fp8` schedule cannot run: a CUDA GPU without fp8 tensor
+    cores. CPU tensors take the reference path (which ignores schedules) and run anywhere."""
+    if device.type != "cuda" or interpreter_enabled():
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        raise ValueError(
+            f"flash_attention: schedule='fp8' needs fp8 tensor cores (compute capability "
+            f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer: L4, H100, H200, ...); "
+            f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}. "
+            "Use schedule='stable' (the default) on this GPU."
+        )
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def _quantize(x: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 copy of x (B, H, N, E) and its fp32 dequantisation factors.
+
+    per_row: (B, H, N, E) copy, factors (B*H, N). Otherwise (V): the copy is stored (B, H, E, N)
+    with N contiguous (padded to 16 elements so every row starts 16-byte aligned) and returned
+    as a (B, H, N, E) view; factors (B*H, E)."""
+    from .kernels.attn_fwd_fp8 import _quantize_fp8
+
+    batch, heads, length, width = x.shape
+    padded_width = max(_round_up(width, 16), _FP8_MIN_K)
+    block_e = max(_FP8_MIN_K, 1 << (width - 1).bit_length())
+    if per_row:
+        storage = torch.empty((batch, heads, length, padded_width), dtype=torch.float8_e4m3fn, device=x.device)
+        x8 = storage[..., :width]
+        dequant = torch.empty((batch * heads, length), dtype=torch.float32, device=x.device)
+        column_amax = dequant  # unused
+    else:
+        storage = torch.empty((batch, heads, width, _round_up(max(length, 1), 16)), dtype=torch.float8_e4m3fn,
+                              device=x.device)
+        x8 = storage[..., :length].transpose(-2, -1)
+        dequant = torch.empty((batch * heads, width), dtype=torch.float32, device=x.device)
+        column_amax = x.abs().amax(dim=2).to(torch.float32).reshape(batch * heads, width).contiguous() \
+            if length > 0 else torch.zeros((batch * heads, width), dtype=torch.float32, device=x.device)
+    if length == 0:
+        dequant.fill_(1.0)
+        return x8, dequant
+    grid = (_cdiv(length, _ROWS_PER_QUANTIZE_PROGRAM), batch * heads)
+    _launcher(_quantize_fp8)[grid](
+        x, x8, dequant, column_amax, *x.stride(), *x8.stride(), heads, length,
+        HEAD_DIM=width, BLOCK_E=block_e, PER_ROW=per_row, EMULATE_ROUNDING=interpreter_enabled(),
+        BLOCK_R=_ROWS_PER_QUANTIZE_PROGRAM,
+    )
+    return x8, dequant
+
+
+def attention_forward_fp8(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    rng_seed: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    causal_offset: int,
+    scale: float,
+    schedule: str,
+    *,
+    configs: AttentionConfigs | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``launch.attention_forward``'s contract under the `fp8` schedule: (out in the input dtype,
+    lse fp32 natural log). The LSE is the fp8 forward's own (from e4m3-rounded scores)."""
+    from .kernels.attn_fwd_fp8 import _attn_fwd_fp8
+
+    check_fp8_device(query.device)
+    batch, heads_q, seq_q, _ = query.shape
+    heads_kv, seq_k = key.shape[1], key.shape[2]
+    head_dim_v = value.shape[-1]
+    out = torch.empty((batch, heads_q, seq_q, head_dim_v), dtype=query.dtype, device=query.device)
+    lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
+    if out.numel() == 0 and lse.numel() == 0:
+        return out, lse
+
+    _, mask_arg, mask_strides, meta = _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule)
+    meta.pop("FP32_DOT")  # every product here is e4m3 x e4m3 -> fp32
+    meta["BLOCK_E"] = meta["BLOCK_EV"] = max(meta["BLOCK_E"], _FP8_MIN_K)
+    cfg = _configs(query, key, value, attn_mask, is_causal, schedule, configs).forward
+    if cfg.block_n < _FP8_MIN_K and not interpreter_enabled():
+        raise ValueError(f"fp8 forward: block_n={cfg.block_n} is below the e4m3 product's minimum of {_FP8_MIN_K}.")
+
+    q8, q_dequant = _quantize(query, per_row=True)
+    k8, k_dequant = _quantize(key, per_row=True)
+    v8, v_dequant = _quantize(value, per_row=False)
+    grid = (_cdiv(seq_q, cfg.block_m), batch * heads_q)
+    _launcher(_attn_fwd_fp8)[grid](
+        q8, k8, v8, q_dequant, k_dequant, v_dequant, mask_arg, rng_seed if rng_seed is not None else query, out, lse,
+        *q8.stride(), *k8.stride(), *v8.stride(), *mask_strides, *out.stride(),
+        heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale * _LOG2E, dropout_p,
+        EMULATE_ROUNDING=interpreter_enabled(),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **meta,
+    )
+    return out, lse
