@@ -240,5 +240,5 @@ def test_fp8_tunes_forward_buckets_only_with_their_own_kernels():
     grid = Grid(tuple(SCHEDULES), ("bf16",), (64,), ("none",), (4096,))
     plan = {p.bucket.key(): p for p in make_plan(grid)}
     assert "fp8/bf16/e64/none/s4096/backward" not in plan  # launches look up `stable`'s backward
-    assert plan["fp8/bf16/e64/none/s4096/forward"].kind != "copy"  # not the 16-bit forward's kernels
+    assert plan["fp8/bf16/e64/none/s4096/forward"].kind == "sweep"  # its own kernel sweeps for itself
     assert plan["fast/bf16/e64/none/s4096/forward"].kind == "copy"

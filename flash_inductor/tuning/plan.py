@@ -6,7 +6,8 @@ therefore sweeps the whole search space only where it matters most and lets the 
 race a shortlist:
 
 * ``sweep``: one bucket per (head width, pass, dtype class: 16-bit or fp32), at the default
-  schedule, without a mask, at the length closest to 4096. Tile shapes and warp counts first,
+  schedule (and at the fp8 schedule, whose kernel is its own), without a mask, at the length
+  closest to 4096. Tile shapes and warp counts first,
   then the pipeline depths of the best shape (``search.py``).
 * ``shortlist``: every other bucket races the heuristic against the sweep's best few configs.
   Within a width, the ranking of tiles moves little with the mask, the schedule, the 16-bit
@@ -96,7 +97,9 @@ def make_plan(grid: Grid, exhaustive: bool = False) -> list[PlannedBucket]:
 
     def sweep_of(b: Bucket) -> Bucket:
         dtype = next(d for d in grid.dtypes if _dtype_class(d) == _dtype_class(b.dtype))
-        return Bucket(default_schedule, dtype, b.width, sweep_mask, rep, b.pass_name)
+        # A schedule with kernels of its own (fp8: half the bytes per tile) sweeps for itself.
+        schedule = b.schedule if get_schedule(b.schedule).fp8_forward else default_schedule
+        return Bucket(schedule, dtype, b.width, sweep_mask, rep, b.pass_name)
 
     def priority(b: Bucket) -> tuple:
         return (schedule_rank[b.schedule], mask_rank[b.mask], grid.dtypes.index(b.dtype),
