@@ -1,13 +1,14 @@
 """The README's measured schedule table, from committed GPU results.
 
     python tools/schedule_results.py \
-        --stability benchmarks/results/stability_nvidia-h200_20261129_all.json \
-        --autotune benchmarks/results/autotune_nvidia-h200_sm90_132sm_20261129.json
+        --stability benchmarks/results/stability_nvidia-h200_20261130_all.json \
+        --autotune benchmarks/results/autotune_nvidia-h200_sm90_132sm_20261130_full.json
 
 Error rows: each stability case × dtype contributes its worst norm-wise relative error over
 out/dq/dk/dv against fp64; the table gives the median and the worst of those per schedule.
 Speed rows: the tuned winner's TFLOP/s of each schedule's bucket (forward and backward
-separately; the tuner's FLOP model: 4·B·H·L·S·E, ×0.5 causal, ×2.5 backward).
+separately; the tuner's FLOP model: 4·B·H·L·S·E, ×0.5 causal, ×2.5 backward). A forward-only
+schedule (fp8) has no backward bucket: its backward is `stable`'s after a 16-bit forward.
 """
 
 from __future__ import annotations
@@ -15,8 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+from pathlib import Path
 
-SCHEDULES = ("fast", "stable", "accurate")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from flash_inductor.tuning.schedules import SCHEDULES as _SCHEDULES  # noqa: E402
+
+SCHEDULES = tuple(_SCHEDULES)
 
 
 def error_rows(stability: dict) -> list[list[str]]:
@@ -46,6 +52,9 @@ def speed_rows(autotune: dict, dtype: str, width: int, seq: int) -> list[list[st
         for pass_name in ("forward", "backward"):
             cells = []
             for s in SCHEDULES:
+                if pass_name == "backward" and _SCHEDULES[s].fp8_forward:
+                    cells.append("`stable`'s, after a 16-bit forward")
+                    continue
                 row = by_bucket.get(f"{s}/{dtype}/e{width}/{mask}/s{seq}/{pass_name}")
                 cells.append(f"{row['tflops']:.0f}" if row and row.get("tuned") else "not tuned")
             rows.append([f"TFLOP/s, {pass_name}, {dtype} E={width} L=S={seq}, {mask}"] + cells)
