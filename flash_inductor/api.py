@@ -16,7 +16,7 @@ from .monitoring import eager as _monitor_eager
 from .monitoring import naming as _monitor_naming
 from .monitoring import ops as _monitor_ops  # registers the recording ops
 from .monitoring import session as _monitor_session
-from .ops import attention as _attention_ops  # noqa: F401  (registers the ops)
+from .ops import attention as _attention_ops  # registers the ops
 from .launch_fp8 import check_fp8_device
 from .tuning.schedules import get_schedule
 
@@ -162,7 +162,9 @@ def attention(
         q4, k4, v4 = _monitor_ops.watch_inputs(q4, k4, v4, monitor_site)
     elif eager_monitor_site is not None:
         q4, k4, v4 = _monitor_eager.watch_gradients(q4, k4, v4, eager_monitor_site)
-    out, lse = torch.ops.flash_inductor.attention_forward(
+    # Eager CUDA calls skip the op dispatcher (the same launches; ops/attention.py); graphs,
+    # tracing and tensor subclasses get the registered op.
+    out, lse = _attention_ops.attention_forward_eager(
         q4, k4, v4, mask4, rng_seed, dropout_p, bool(is_causal), causal_offset, scale, schedule_name,
     )
     if monitor_site is not None:

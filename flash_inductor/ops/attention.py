@@ -170,3 +170,91 @@ def _refuse_double_backward(ctx, *grads):
 # Registered so that a second differentiation fails with the message above instead of
 # torch's generic "no autograd formula" error.
 attention_backward.register_autograd(_refuse_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+# --------------------------------------------------------------------------------------
+# Eager fast path: the same launches and autograd without the op dispatcher
+# --------------------------------------------------------------------------------------
+
+
+class _EagerKernelAttention(torch.autograd.Function):
+    """``attention_forward``'s kernel path and autograd, called directly.
+
+    An eager call through ``torch.ops.flash_inductor.attention_forward`` spends about 100 µs of
+    host time in the custom-op machinery (autograd wrapper, redispatch, the triton_op backend
+    wrapper) on top of the launch itself, and its backward as much again: at sequence length
+    1024 that is as long as the kernels run on an H200. Plain eager CUDA calls (see
+    :func:`eager_fast_path_applies`) take this path instead; it runs the very same launchers,
+    so results are bitwise those of the op.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule):
+        with _direct_triton_launches():
+            out, lse = launch.attention_forward(
+                query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule
+            )
+        ctx.save_for_backward(query, key, value, attn_mask, rng_seed, out, lse)
+        ctx.options = (dropout_p, is_causal, causal_offset, scale, schedule)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        if torch.is_grad_enabled():
+            # create_graph=True: the registered backward op records the refusal of a second
+            # differentiation, exactly as on the op path.
+            return _backward(ctx, grad_out, grad_lse)
+        query, key, value, attn_mask, rng_seed, out, lse = ctx.saved_tensors
+        dropout_p, is_causal, causal_offset, scale, schedule = ctx.options
+        compute_mask_grad = bool(
+            attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[_MASK_INPUT]
+        )
+        with _direct_triton_launches():
+            dq, dk, dv, dmask = launch.attention_backward(
+                grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed,
+                dropout_p, is_causal, causal_offset, scale, schedule, compute_mask_grad,
+            )
+        return dq, dk, dv, (dmask if compute_mask_grad else None), None, None, None, None, None, None
+
+
+def _direct_triton_launches():
+    """``wrap_triton`` kernels launch directly, as inside a ``triton_op``'s own body, instead of
+    through the tracing higher-order op (its default outside an op: the inputs here are plain
+    tensors, so there is nothing to trace)."""
+    from torch._library.triton import set_wrap_triton_enabled
+
+    return set_wrap_triton_enabled(False)
+
+
+def eager_fast_path_applies(*tensors: Optional[Tensor]) -> bool:
+    """Whether an eager call may skip the dispatcher: not being compiled or traced, no dispatch
+    or torch-function mode and no functorch transform active, plain tensors only, and inputs the
+    Triton kernels take. Anything else (FakeTensor, vmap, DTensor, torch.compile, export) needs
+    the registered op, which every one of those understands."""
+    if torch.compiler.is_compiling():
+        return False
+    if any(t is not None and type(t) is not Tensor for t in tensors):
+        return False
+    functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    if functorch_active is None or functorch_active() or torch._C._is_torch_function_mode_enabled():
+        return False
+    if not hasattr(torch._library.triton, "set_wrap_triton_enabled"):  # feature guard across torch versions
+        return False
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if _get_current_dispatch_mode() is not None:
+        return False
+    return launch.kernel_supports(*tensors[:3])
+
+
+def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
+                            schedule) -> tuple[Tensor, Tensor]:
+    """``torch.ops.flash_inductor.attention_forward`` with the same arguments, without the
+    dispatcher where :func:`eager_fast_path_applies`."""
+    if eager_fast_path_applies(query, key, value, attn_mask, rng_seed):
+        return _EagerKernelAttention.apply(
+            query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule
+        )
+    return torch.ops.flash_inductor.attention_forward(
+        query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule
+    )
