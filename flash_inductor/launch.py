@@ -147,6 +147,14 @@ def _configs(query, key, value, attn_mask, is_causal, schedule_name, configs):
 _LOG2E = 1.4426950408889634
 
 
+def forward_outputs(query: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (out (B, Hq, L, Ev) in the input dtype, lse (B, Hq, L) fp32) for a forward."""
+    batch, heads_q, seq_q, _ = query.shape
+    out = torch.empty((batch, heads_q, seq_q, value.shape[-1]), dtype=query.dtype, device=query.device)
+    lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
+    return out, lse
+
+
 def attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -173,9 +181,7 @@ def attention_forward(
                                      scale, schedule, configs=configs)
     batch, heads_q, seq_q, _ = query.shape
     heads_kv, seq_k = key.shape[1], key.shape[2]
-    head_dim_v = value.shape[-1]
-    out = torch.empty((batch, heads_q, seq_q, head_dim_v), dtype=query.dtype, device=query.device)
-    lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
+    out, lse = forward_outputs(query, value)
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
 

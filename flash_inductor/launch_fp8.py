@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .launch import _LOG2E, _cdiv, _common_meta, _configs, _launcher, interpreter_enabled
+from .launch import _LOG2E, _cdiv, _common_meta, _configs, _launcher, forward_outputs, interpreter_enabled
 from .tuning.configs import AttentionConfigs
 
 # fp8 tensor cores: Ada (sm_89) and Hopper (sm_90) onwards.
@@ -95,9 +95,7 @@ def attention_forward_fp8(
     check_fp8_device(query.device)
     batch, heads_q, seq_q, _ = query.shape
     heads_kv, seq_k = key.shape[1], key.shape[2]
-    head_dim_v = value.shape[-1]
-    out = torch.empty((batch, heads_q, seq_q, head_dim_v), dtype=query.dtype, device=query.device)
-    lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
+    out, lse = forward_outputs(query, value)
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
 
