@@ -221,7 +221,9 @@ def sqnr_db(actual: torch.Tensor, truth: torch.Tensor) -> float:
     truth = truth.double().to(actual.device)
     noise = (actual.double() - truth).square().sum().item()
     signal = truth.square().sum().item()
-    return math.inf if noise == 0 else 10.0 * math.log10(signal / noise) if signal > 0 else -math.inf
+    if noise == 0:
+        return math.inf
+    return 10.0 * math.log10(signal / noise) if signal > 0 else -math.inf
 
 
 def max_error(actual: torch.Tensor, truth: torch.Tensor) -> float:

@@ -7,8 +7,8 @@ race a shortlist:
 
 * ``sweep``: one bucket per (head width, pass, dtype class: 16-bit or fp32), at the default
   schedule (and at the fp8 schedule, whose kernel is its own), without a mask, at the length
-  closest to 4096. Tile shapes and warp counts first,
-  then the pipeline depths of the best shape (``search.py``).
+  closest to 4096. Tile shapes and warp counts first, then the pipeline depths of the best
+  shape (``search.py``).
 * ``shortlist``: every other bucket races the heuristic against the sweep's best few configs.
   Within a width, the ranking of tiles moves little with the mask, the schedule, the 16-bit
   dtype or the length; what does move, the race settles. ``--exhaustive`` sweeps everywhere.

@@ -82,8 +82,8 @@ class PrecisionSchedule:
         description: one line for documentation and reports.
         fp8_forward: the forward runs QKᵀ and P·V on e4m3 operands (``kernels/attn_fwd_fp8.py``;
             needs fp8 tensor cores, compute capability 8.9+). The backward recomputes the forward in
-            16 bits and runs this schedule's backward switches, so training gets the 16-bit
-            attention's gradient at the cost of one more forward.
+            16 bits and runs `stable`'s backward (the switches above equal its), so training gets
+            the 16-bit attention's gradient at the cost of one more forward.
         sqnr_budget_db: where set, the accuracy contract is an SQNR floor (dB) on the forward
             output instead of PyTorch's same-dtype error.
     """
