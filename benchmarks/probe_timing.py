@@ -1,0 +1,149 @@
+"""Is one attention call's time reproducible? Repeated timings of a single cell, four ways.
+
+    python benchmarks/probe_timing.py                         # GPU: the bimodal cell (fp16, causal, E=64, L=S=1024)
+    python benchmarks/probe_timing.py --dtype bf16 --seq 4096
+    python benchmarks/probe_timing.py --quick --device cpu    # smoke run
+
+On 2026-11-30 the same launch config on the same problem took 0.24 ms in one process and
+0.50-0.57 ms in others (fp16 causal forward, B=16, H=32, L=S=1024, E=64), while FA2 read
+0.317-0.319 ms every time (benchmarks/NOTES.md). This script separates the explanations. For
+each provider it takes ``--samples`` measurements of each kind, in one process:
+
+* ``do_bench``: ``triton.testing.do_bench`` medians (L2 flushed before each call), the harness's
+  own method;
+* ``cudagraph``: ``triton.testing.do_bench_cudagraph`` (the calls replayed from a CUDA graph:
+  no host work between them);
+* ``fresh_inputs``: ``do_bench`` again, on newly allocated q, k, v for every sample (new
+  addresses: tests placement and allocation);
+* ``plain_loop``: CUDA events around 50 back-to-back calls, no flush.
+
+Reading it: samples bimodal inside one process point at the GPU or at placement (compare
+``fresh_inputs``); steady inside a process but different between runs of this script point at
+process state (allocator, compiled-kernel choice); ``cudagraph`` far below ``do_bench`` means
+host time is in the measurement. Writes ``probe_timing_<gpu>_<date>[_<tag>].json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_attention import environment, make_attention, make_inputs, slug  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+KINDS = ("do_bench", "cudagraph", "fresh_inputs", "plain_loop")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=DTYPES, default="fp16")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--causal", choices=("yes", "no"), default="yes")
+    p.add_argument("--providers", default="ours,flash", help="comma list of bench_attention providers")
+    p.add_argument("--samples", type=int, default=10)
+    p.add_argument("--quick", action="store_true", help="B=1, H=2, L=S=128, E=32, 3 samples (a CPU smoke run)")
+    p.add_argument("--tag", default=None)
+    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch, args.heads, args.seq, args.head_dim, args.samples = 1, 2, 128, 32, 3
+        if args.device == "cpu":
+            args.dtype, args.providers = "fp32", "ours"
+    return args
+
+
+def _cpu_ms(fn, repeats: int = 5) -> float:
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def _sample(kind: str, attend, inputs, args, dtype) -> float:
+    """One measurement in milliseconds. Off CUDA every kind is a plain wall-clock loop."""
+    if kind == "fresh_inputs":
+        inputs = make_inputs(args.batch, args.heads, args.seq, args.head_dim, dtype, args.device)
+    q, k, v = inputs[:3]  # make_inputs also returns a dout
+
+    def call():
+        return attend(q, k, v)
+
+    if not args.device.startswith("cuda"):
+        return _cpu_ms(call)
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    with torch.no_grad():
+        if kind in ("do_bench", "fresh_inputs"):
+            return float(do_bench(call, warmup=25, rep=100, return_mode="median"))
+        if kind == "cudagraph":
+            return float(do_bench_cudagraph(call, rep=100, return_mode="median"))
+        calls = 50
+        call()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / calls
+
+
+def spread(samples: list[float]) -> dict:
+    return dict(min=min(samples), median=statistics.median(samples), max=max(samples),
+                max_over_min=max(samples) / min(samples) if min(samples) > 0 else float("inf"))
+
+
+def measure(args) -> list[dict]:
+    dtype = DTYPES[args.dtype]
+    causal = args.causal == "yes"
+    records = []
+    for provider in args.providers.split(","):
+        attend = make_attention(provider, causal, args.seq, args.seq, args.device)
+        inputs = make_inputs(args.batch, args.heads, args.seq, args.head_dim, dtype, args.device)
+        for kind in KINDS:
+            samples = [_sample(kind, attend, inputs, args, dtype) for _ in range(args.samples)]
+            records.append(dict(provider=provider, kind=kind, dtype=args.dtype, batch=args.batch, heads=args.heads,
+                                seq=args.seq, head_dim=args.head_dim, causal=causal, samples_ms=samples,
+                                **spread(samples)))
+    return records
+
+
+def format_table(records) -> str:
+    lines = [f"{'provider':8s} {'kind':13s} {'min ms':>8s} {'median':>8s} {'max':>8s} {'max/min':>8s}  samples"]
+    for r in records:
+        samples = " ".join(f"{s:.3f}" for s in r["samples_ms"])
+        lines.append(f"{r['provider']:8s} {r['kind']:13s} {r['min']:8.3f} {r['median']:8.3f} {r['max']:8.3f} "
+                     f"{r['max_over_min']:8.2f}  {samples}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    records = measure(args)
+    print(format_table(records))
+    if not args.no_write:
+        env = environment(sys.argv if argv is None else ["probe_timing.py", *argv])
+        date = env["date"][:10].replace("-", "")
+        name = f"probe_timing_{slug(env['gpu'] or args.device)}_{date}" + (f"_{slug(args.tag)}" if args.tag else "")
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, name + ".json")
+        with open(path, "w") as f:
+            json.dump({"header": env, "results": records}, f, indent=1)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""benchmarks/probe_timing.py: the timing-reproducibility probe runs and writes every kind of sample."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+from helpers import DEVICE, ON_CUDA
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "probe_timing.py"
+
+
+def test_probe_writes_every_kind_with_its_samples(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("probe_timing", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        argv = ["--quick", "--device", DEVICE, "--out", str(tmp_path), "--tag", "smoke"]
+        if ON_CUDA:
+            argv += ["--providers", "ours,flash"]
+        assert module.main(argv) == 0
+    finally:
+        sys.modules.pop(spec.name, None)
+    (written,) = tmp_path.glob("probe_timing_*_smoke.json")
+    results = json.loads(written.read_text())["results"]
+    assert {r["kind"] for r in results} == set(module.KINDS)
+    for r in results:
+        assert len(r["samples_ms"]) == 3 and all(s > 0 for s in r["samples_ms"])
+        assert r["min"] <= r["median"] <= r["max"] and r["max_over_min"] >= 1.0
+    assert "fresh_inputs" in capsys.readouterr().out
