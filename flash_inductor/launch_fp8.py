@@ -48,23 +48,29 @@ def _quantize(x: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tenso
     from .kernels.attn_fwd_fp8 import _quantize_fp8
 
     batch, heads, length, width = x.shape
-    padded_width = max(_round_up(width, 16), _FP8_MIN_K)
-    block_e = max(_FP8_MIN_K, 1 << (width - 1).bit_length())
     if per_row:
+        padded_width = max(_round_up(width, 16), _FP8_MIN_K)
         storage = torch.empty((batch, heads, length, padded_width), dtype=torch.float8_e4m3fn, device=x.device)
         x8 = storage[..., :width]
-        dequant = torch.empty((batch * heads, length), dtype=torch.float32, device=x.device)
-        column_amax = dequant  # unused
     else:
-        storage = torch.empty((batch, heads, width, _round_up(max(length, 1), 16)), dtype=torch.float8_e4m3fn,
-                              device=x.device)
+        padded_length = _round_up(max(length, 1), 16)
+        storage = torch.empty((batch, heads, width, padded_length), dtype=torch.float8_e4m3fn, device=x.device)
         x8 = storage[..., :length].transpose(-2, -1)
-        dequant = torch.empty((batch * heads, width), dtype=torch.float32, device=x.device)
-        column_amax = x.abs().amax(dim=2).to(torch.float32).reshape(batch * heads, width).contiguous() \
-            if length > 0 else torch.zeros((batch * heads, width), dtype=torch.float32, device=x.device)
+    factors = length if per_row else width
     if length == 0:
-        dequant.fill_(1.0)
-        return x8, dequant
+        return x8, torch.ones((batch * heads, factors), dtype=torch.float32, device=x.device)
+    dequant = torch.empty((batch * heads, factors), dtype=torch.float32, device=x.device)
+    # V's per-channel maxima over the whole sequence come first (one reduction); rows find theirs in the kernel.
+    column_amax = dequant if per_row else x.abs().amax(dim=2).to(torch.float32).reshape(batch * heads, width)
+    grid = (_cdiv(length, _ROWS_PER_QUANTIZE_PROGRAM), batch * heads)
+    # The kernel writes through `storage` itself with the view's strides (offset 0): a fresh
+    # base tensor, never a view, is what Inductor's analysis of a mutated argument handles best.
+    _launcher(_quantize_fp8)[grid](
+        x, storage, dequant, column_amax, *x.stride(), *x8.stride(), heads, length,
+        HEAD_DIM=width, BLOCK_E=max(_FP8_MIN_K, 1 << (width - 1).bit_length()), PER_ROW=per_row,
+        EMULATE_ROUNDING=interpreter_enabled(), BLOCK_R=_ROWS_PER_QUANTIZE_PROGRAM,
+    )
+    return x8, dequant
     grid = (_cdiv(length, _ROWS_PER_QUANTIZE_PROGRAM), batch * heads)
     _launcher(_quantize_fp8)[grid](
         x, x8, dequant, column_amax, *x.stride(), *x8.stride(), heads, length,

@@ -112,6 +112,17 @@ def test_fp8_rows_with_no_visible_key_are_exactly_zero():
 
 @needs_fp8_gpu
 @pytest.mark.launches_kernels
+@pytest.mark.parametrize("seq_q,seq_k", [(12, 0), (0, 12)])
+def test_fp8_empty_sequences(seq_q, seq_k):
+    """No key: every row is empty (output 0, LSE -inf); no query: empty outputs. Nothing to quantise."""
+    q, k, v = make_qkv(1, 2, 2, seq_q, seq_k, 32, 32, torch.float16, DEVICE, seed=17)
+    out, lse = _forward(q, k, v)
+    assert out.shape == (1, 2, seq_q, 32) and lse.shape == (1, 2, seq_q)
+    assert (out == 0).all() and lse.isneginf().all()
+
+
+@needs_fp8_gpu
+@pytest.mark.launches_kernels
 @pytest.mark.parametrize("mults", [(30.0, 30.0, 1.0), (1.0, 1.0, 1e4), (1e-3, 1e-3, 1e-3)], ids=str)
 def test_fp8_extreme_magnitudes_stay_finite_and_scaled(mults):
     """Logits of order 1e3, |V| = 1e4 in fp16 and tiny inputs: the per-token and per-channel scales
