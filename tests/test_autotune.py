@@ -342,7 +342,8 @@ def test_table_round_trip_and_validation(tmp_path):
     path = tmp_path / "t.json"
     cache.update_table(path, table)
     data = json.loads(path.read_text())
-    assert data["schema"] == cache.SCHEMA_VERSION and data["kernel_source_hash"] == cache.kernel_source_hash()
+    assert data["schema"] == cache.SCHEMA_VERSION
+    assert [e["kernel_hash"] for e in data["entries"].values()] == [cache.family_hash("forward")]
     assert {"torch", "triton", "gpu", "entries"} <= set(data)
     assert cache.read_table(path).entries == table.entries
     bad = dict(data, entries={"stable/fp16/e64/none/s1024/forward": {"configs": {"forward": _cfg(48, 32)}}})
@@ -391,12 +392,12 @@ def _install(table: cache.TuningTable, where: pathlib.Path) -> None:
     (where / cache.table_filename(table.gpu)).write_text(json.dumps(table.to_json()))
 
 
-@pytest.mark.parametrize("change", ["triton", "torch", "kernel_source_hash", "schema", "gpu"])
+@pytest.mark.parametrize("change", ["triton", "torch", "schema", "gpu"])
 def test_stale_tables_are_ignored_with_one_warning(tmp_path, change):
     gpu = "fake-gpu_sm90_132sm"
     table = _table(gpu, **{"stable__fp16__e64__none__s1024__forward": _fwd_entry(64, 32)})
     stale = {"triton": dict(triton="0.0.1"), "torch": dict(torch="1.0.0"), "schema": dict(schema=0),
-             "kernel_source_hash": dict(kernel_source_hash="0" * 64), "gpu": dict(gpu="other_sm80_108sm")}[change]
+             "gpu": dict(gpu="other_sm80_108sm")}[change]
     bad = cache.TuningTable(**{**vars(table), **stale})
     (tmp_path / "user").mkdir()
     (tmp_path / "user" / cache.table_filename(gpu)).write_text(json.dumps(bad.to_json()))
@@ -411,21 +412,81 @@ def test_stale_tables_are_ignored_with_one_warning(tmp_path, change):
     assert cache.load_tables(gpu).lookup(Bucket.parse("stable/fp16/e64/none/s1024/forward")) is not None
 
 
-def test_kernel_source_hash_changes_with_any_attention_kernel_file(tmp_path):
-    kernels = ROOT / "flash_inductor" / "kernels"
+def test_entries_of_a_changed_kernel_family_are_ignored_with_one_warning(tmp_path):
+    gpu = "fake-gpu_sm90_132sm"
+    table = _table(gpu, **{"stable__fp16__e64__none__s1024__forward": _fwd_entry(64, 32),
+                           "stable__fp16__e64__none__s1024__backward": _bwd_entry((32, 64), (64, 32))})
+    backward_key = "stable/fp16/e64/none/s1024/backward"
+    entries = dict(table.entries)
+    entries[backward_key] = {**entries[backward_key], "kernel_hash": "0" * 64}  # tuned for another backward
+    _install(cache.TuningTable(**{**vars(table), "entries": entries}), tmp_path / "user")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        view = cache.load_tables(gpu)
+        view = cache.load_tables(gpu)  # read once: one warning
+    (message,) = [str(w.message) for w in record]
+    assert "1 backward" in message and "--resume" in message
+    assert view.lookup(Bucket.parse("stable/fp16/e64/none/s1024/forward")) == {"forward": _cfg(64, 32)}
+    assert view.lookup(Bucket.parse(backward_key)) is None  # the heuristic, not a stale config
+
+
+def _kernel_copy(tmp_path, monkeypatch) -> pathlib.Path:
     copy = tmp_path / "kernels"
     copy.mkdir()
-    for path in kernels.glob("*.py"):
+    for path in (ROOT / "flash_inductor" / "kernels").glob("*.py"):
         (copy / path.name).write_bytes(path.read_bytes())
-    # Files a schedule's own kernels alone use are hashed into its entries (tests/test_fp8.py).
-    untuned = cache.UNTUNED_KERNEL_FILES | {"attn_fwd_fp8.py"}
-    assert cache.hash_sources(copy, untuned) == cache.kernel_source_hash()
-    for name in sorted(p.name for p in kernels.glob("*.py") if p.name not in untuned):
-        source = copy / name
-        original = source.read_text()
-        source.write_text(original + "\n# a comment\n")
-        assert cache.hash_sources(copy, untuned) != cache.kernel_source_hash(), name
-        source.write_text(original)
+    monkeypatch.setattr(cache, "_KERNELS_DIR", copy)
+    cache.family_hash.cache_clear()
+    return copy
+
+
+def test_a_kernel_file_changes_exactly_the_families_built_from_it(tmp_path, monkeypatch):
+    copy = _kernel_copy(tmp_path, monkeypatch)
+    try:
+        before = cache.kernel_hashes()
+        for name in sorted(set().union(*cache.KERNEL_FAMILIES.values())):
+            source = copy / name
+            original = source.read_text()
+            source.write_text(original + "\n# a comment\n")
+            cache.family_hash.cache_clear()
+            changed = {f for f, h in cache.kernel_hashes().items() if h != before[f]}
+            assert changed == {f for f, files in cache.KERNEL_FAMILIES.items() if name in files}, name
+            source.write_text(original)
+            cache.family_hash.cache_clear()
+    finally:
+        monkeypatch.undo()
+        cache.family_hash.cache_clear()
+
+
+def test_kernel_families_cover_every_tuned_kernel_and_its_imports():
+    """Each kernel file but the monitoring one (fixed launch sizes) belongs to a family, and a
+    family's files import kernel code only from files of the same family, so its hash covers
+    everything its launches compile."""
+    import re
+
+    kernels = ROOT / "flash_inductor" / "kernels"
+    untuned = {"__init__.py", "monitor_stats.py"}
+    families = cache.KERNEL_FAMILIES
+    assert {p.name for p in kernels.glob("*.py")} - untuned == set().union(*families.values())
+    for family, files in families.items():
+        for name in files:
+            imported = {m + ".py" for m in re.findall(r"^from \.(\w+) import", (kernels / name).read_text(), re.M)}
+            assert imported <= files, (family, name, imported - files)
+
+
+def test_shipped_tables_read_with_this_schema_and_these_kernels():
+    """Every table shipped in the package parses under the current schema, and its entries were
+    tuned for the kernel files in this checkout (a kernel change without a re-tune shows here as
+    a list of stale families, and at run time as one warning)."""
+    shipped = sorted((ROOT / "flash_inductor" / "tuning" / "tables").glob("*.json"))
+    assert shipped
+    for path in shipped:
+        table = cache.read_table(path)
+        assert table.stale_reason() is None or "tuned with" in table.stale_reason(), path  # torch/Triton may differ here
+        assert table.schema == cache.SCHEMA_VERSION and table.entries, path
+        assert table.stale_families() == {}, (
+            f"{path.name}: entries tuned for other kernel sources {table.stale_families()}; re-tune them on that "
+            "GPU (tools/gpu_autotune.sh with the shipped table in tuning_resume/) and ship the result")
 
 
 def test_user_entries_shadow_shipped_ones(tmp_path):

@@ -11,7 +11,6 @@ it should keep still fails.
 from __future__ import annotations
 
 import math
-import pathlib
 
 import pytest
 import torch
@@ -24,7 +23,6 @@ from flash_inductor.tuning.schedules import FP8_SQNR_BUDGET_DB, SCHEDULES
 from helpers import (DEVICE, ON_CUDA, assert_close_to_ref, assert_dead_rows_exact, attention_ref, make_mask, make_qkv,
                      randn, ref_forward_backward)
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 F8 = torch.float8_e4m3fn
 DTYPES = (torch.float16, torch.bfloat16) if ON_CUDA else (torch.float16, torch.float32)
 needs_fp8_gpu = pytest.mark.skipif(
@@ -201,51 +199,24 @@ def test_fp8_on_cpu_runs_the_reference():
 
 
 # ------------------------------------------------------------------------------------------
-# Tuning: fp8 entries carry their own kernel hash; the table's hash ignores the fp8 kernel
+# Tuning: the fp8 forward is a kernel family of its own
 # ------------------------------------------------------------------------------------------
 
 
-def test_fp8_kernel_has_its_own_hash(tmp_path, monkeypatch):
-    kernels = ROOT / "flash_inductor" / "kernels"
-    copy = tmp_path / "kernels"
-    copy.mkdir()
-    for path in kernels.glob("*.py"):
-        (copy / path.name).write_bytes(path.read_bytes())
-    monkeypatch.setattr(cache, "_KERNELS_DIR", copy)
-
-    def hashes():
-        cache.kernel_source_hash.cache_clear()
-        cache.schedule_kernel_hash.cache_clear()
-        return cache.kernel_source_hash(), cache.schedule_kernel_hash("fp8")
-
-    try:
-        table_hash, fp8_hash = hashes()
-        fp8_file = copy / "attn_fwd_fp8.py"
-        fp8_file.write_text(fp8_file.read_text() + "\n# a comment\n")
-        changed = hashes()
-        assert changed[0] == table_hash and changed[1] != fp8_hash  # other entries stay valid
-        common = copy / "common.py"
-        common.write_text(common.read_text() + "\n# a comment\n")
-        assert all(a != b for a, b in zip(hashes(), changed))  # shared helpers: both change
-        assert cache.schedule_kernel_hash("stable") is None
-    finally:
-        monkeypatch.undo()
-        hashes()
-
-
-def test_stale_fp8_entries_are_ignored_and_others_kept():
+def test_fp8_forward_entries_belong_to_their_own_kernel_family():
     fwd = {"configs": {"forward": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}}}
-    current = cache.schedule_kernel_hash("fp8")
+    assert cache.kernel_family(Bucket.parse("fp8/fp16/e64/none/s1024/forward")) == "fp8_forward"
+    assert cache.kernel_family(Bucket.parse("stable/fp16/e64/none/s1024/forward")) == "forward"
+    assert "attn_fwd_fp8.py" in cache.KERNEL_FAMILIES["fp8_forward"]
+    assert all("attn_fwd_fp8.py" not in cache.KERNEL_FAMILIES[f] for f in ("forward", "backward"))
     table = cache.TuningTable.for_current_code("fake-gpu_sm90_132sm", {
-        "fp8/fp16/e64/none/s1024/forward": {**fwd, "kernel_hash": "0" * 64},
-        "fp8/bf16/e64/none/s1024/forward": {**fwd, "kernel_hash": current},
-        "stable/fp16/e64/none/s1024/forward": fwd,
-    })
-    view = cache.TableView([table])
-    assert view.lookup(Bucket.parse("fp8/fp16/e64/none/s1024/forward")) is None
-    assert view.lookup(Bucket.parse("fp8/bf16/e64/none/s1024/forward")) is not None
+        "fp8/bf16/e64/none/s1024/forward": fwd, "stable/fp16/e64/none/s1024/forward": fwd})
+    entries = dict(table.entries)
+    assert entries["fp8/bf16/e64/none/s1024/forward"]["kernel_hash"] == cache.family_hash("fp8_forward")
+    entries["fp8/bf16/e64/none/s1024/forward"] = {**fwd, "kernel_hash": "0" * 64}  # an older fp8 kernel
+    view = cache.TableView([cache.TuningTable(**{**vars(table), "entries": entries})])
+    assert view.lookup(Bucket.parse("fp8/bf16/e64/none/s1024/forward")) is None
     assert view.lookup(Bucket.parse("stable/fp16/e64/none/s1024/forward")) is not None
-    assert not cache.entry_is_current("fp8/fp16/e64/none/s1024/forward", fwd)  # no hash: stale
 
 
 def test_fp8_tunes_forward_buckets_only_with_their_own_kernels():

@@ -335,17 +335,12 @@ def test_count_only_backward_record_matches_pytorch_statistics_and_writes_nothin
     _assert_same_record(device_stats.backward_record(dq, None, None), backward_stats(dq, None, None))
 
 
-def test_monitoring_kernels_do_not_change_the_tuning_tables_hash(tmp_path):
+def test_monitoring_kernels_do_not_change_the_tuning_tables_hash():
+    """The monitoring kernels launch with fixed sizes: no tuned kernel family is built from them,
+    so editing them leaves every tuned entry valid."""
     from flash_inductor.tuning import cache
 
-    kernels = tmp_path / "kernels"
-    kernels.mkdir()
-    (kernels / "attn_fwd.py").write_text("# attention\n")
-    before = cache.hash_sources(kernels, cache.UNTUNED_KERNEL_FILES)
-    (kernels / "monitor_stats.py").write_text("# monitoring\n")
-    assert cache.hash_sources(kernels, cache.UNTUNED_KERNEL_FILES) == before
-    (kernels / "attn_bwd.py").write_text("# attention\n")
-    assert cache.hash_sources(kernels, cache.UNTUNED_KERNEL_FILES) != before
+    assert all("monitor_stats.py" not in files for files in cache.KERNEL_FAMILIES.values())
 
 
 def test_off_runs_no_recording_op(monkeypatch):

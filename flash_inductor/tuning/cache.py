@@ -1,10 +1,13 @@
 """Per-GPU tuning tables: JSON files, where they live, when they are stale, and lookup.
 
 A table maps bucket keys (``tuning/buckets.py``) to tuned launch configs for one GPU model.
-Its file records the schema version, the GPU key, the torch and Triton versions and a hash of
-the kernel sources; a table whose record differs from the running code is ignored (with one
-warning), because a config tuned for other kernels or another compiler may no longer be the
-fastest, or may no longer fit in shared memory.
+Its file records the schema version, the GPU key and the torch and Triton versions, and each
+entry records the hash of the kernel files its launch is built from (its kernel family: the
+16-bit forward, the backward, the fp8 forward). A table whose record differs from the running
+code is ignored, and so is an entry whose family changed (each with one warning), because a
+config tuned for other kernels or another compiler may no longer be the fastest, or may no
+longer fit in shared memory. Hashing per family keeps the other families' entries when one
+kernel changes, so a re-tune covers only the buckets that need it.
 
 Where tables live:
 
@@ -38,7 +41,7 @@ import torch
 
 from .buckets import Bucket
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: kernel hashes per entry (1: one hash per table)
 CACHE_DIR_ENV = "FLASH_INDUCTOR_CACHE_DIR"
 AUTOTUNE_COMMAND = "python -m flash_inductor.autotune"
 _LOCK_TIMEOUT_S = 120
@@ -97,49 +100,52 @@ def table_filename(gpu: str) -> str:
 # ------------------------------------------------------------------------------------------
 
 
-# Kernels in flash_inductor/kernels/ that launch configs do not depend on: changing them must
-# not invalidate tuned tables (the monitoring kernels launch with fixed, untuned sizes).
-UNTUNED_KERNEL_FILES = frozenset({"monitor_stats.py"})
-# Kernels of one schedule, hashed apart from the table's: each entry of that schedule records the
-# hash of its files (with the shared helpers), so adding or changing such a kernel re-tunes only
-# its own buckets and leaves every other entry of a shipped table valid.
-SCHEDULE_KERNEL_FILES = {"fp8": frozenset({"attn_fwd_fp8.py", "common.py"})}
+# The kernel files each family of tuned launches is built from (``kernels/``); the monitoring
+# kernels launch with fixed sizes and belong to none. tests/test_autotune.py checks that every
+# other kernel file is in a family and that a family's files import only from the family.
+KERNEL_FAMILIES: dict[str, frozenset[str]] = {
+    "forward": frozenset({"attn_fwd.py", "common.py"}),
+    "backward": frozenset({"attn_bwd.py", "common.py"}),
+    "fp8_forward": frozenset({"attn_fwd_fp8.py", "common.py"}),
+}
 _KERNELS_DIR = pathlib.Path(__file__).resolve().parent.parent / "kernels"
 
 
-def hash_sources(directory: pathlib.Path, exclude: frozenset[str] = frozenset()) -> str:
-    """sha256 over the ``*.py`` files of ``directory`` except ``exclude``, names included."""
-    return _hash_files(path for path in pathlib.Path(directory).glob("*.py") if path.name not in exclude)
-
-
-def _hash_files(paths) -> str:
+def hash_files(paths) -> str:
+    """sha256 over the given files, in name order, names included."""
     hasher = hashlib.sha256()
-    for path in sorted(paths):
+    for path in sorted(pathlib.Path(p) for p in paths):
         hasher.update(path.name.encode())
         hasher.update(path.read_bytes())
     return hasher.hexdigest()
 
 
-@functools.lru_cache(maxsize=None)
-def kernel_source_hash() -> str:
-    """The hash of the attention kernels' sources: a table tuned for other kernels is stale.
-    Files only a schedule's own kernels use are left to that schedule's entries."""
-    own_files = frozenset().union(*SCHEDULE_KERNEL_FILES.values()) - {"common.py"}
-    return hash_sources(_KERNELS_DIR, UNTUNED_KERNEL_FILES | own_files)
+def kernel_family(bucket: Bucket) -> str:
+    """The family whose kernels a bucket's launch runs."""
+    from .schedules import get_schedule
+
+    if get_schedule(bucket.schedule).fp8_forward and bucket.pass_name == "forward":
+        return "fp8_forward"
+    return bucket.pass_name
 
 
 @functools.lru_cache(maxsize=None)
-def schedule_kernel_hash(schedule: str) -> Optional[str]:
-    """The hash an entry of ``schedule`` records, for a schedule with kernels of its own; else None."""
-    files = SCHEDULE_KERNEL_FILES.get(schedule)
-    return None if files is None else _hash_files(_KERNELS_DIR / name for name in files)
+def family_hash(family: str) -> str:
+    return hash_files(_KERNELS_DIR / name for name in KERNEL_FAMILIES[family])
+
+
+def kernel_hashes() -> dict[str, str]:
+    """Every family's current hash (for reports)."""
+    return {family: family_hash(family) for family in KERNEL_FAMILIES}
+
+
+def entry_kernel_hash(key: str) -> str:
+    """The hash an entry for bucket ``key`` must record to describe the running kernels."""
+    return family_hash(kernel_family(Bucket.parse(key)))
 
 
 def entry_is_current(key: str, entry: dict) -> bool:
-    """Whether a table entry was tuned for the running code: always, for the schedules the
-    table-wide hash covers; for one with kernels of its own, when its recorded hash matches."""
-    expected = schedule_kernel_hash(Bucket.parse(key).schedule)
-    return expected is None or entry.get("kernel_hash") == expected
+    return entry.get("kernel_hash") == entry_kernel_hash(key)
 
 
 def runtime_versions() -> dict[str, str]:
@@ -171,19 +177,19 @@ class TuningTable:
     entries: Mapping[str, dict]
     torch: str
     triton: str
-    kernel_source_hash: str
     schema: int = SCHEMA_VERSION
     meta: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def for_current_code(cls, gpu: str, entries: Optional[Mapping[str, dict]] = None, **meta) -> "TuningTable":
-        return cls(gpu=gpu, entries=dict(entries or {}), kernel_source_hash=kernel_source_hash(),
-                   meta=meta, **runtime_versions())
+        """A table of entries measured with the running code: each is stamped with its family's hash."""
+        stamped = {key: {**entry, "kernel_hash": entry_kernel_hash(key)} for key, entry in (entries or {}).items()}
+        return cls(gpu=gpu, entries=stamped, meta=meta, **runtime_versions())
 
     def to_json(self) -> dict:
         return {
             "schema": self.schema, "gpu": self.gpu, "torch": self.torch, "triton": self.triton,
-            "kernel_source_hash": self.kernel_source_hash, "meta": dict(self.meta),
+            "meta": dict(self.meta),
             "entries": {key: self.entries[key] for key in sorted(self.entries)},
         }
 
@@ -196,23 +202,26 @@ class TuningTable:
             Bucket.parse(key)
             _check_entry(key, entry)
         return cls(gpu=str(data["gpu"]), entries=dict(entries), torch=str(data["torch"]), triton=str(data["triton"]),
-                   kernel_source_hash=str(data["kernel_source_hash"]), schema=int(data["schema"]),
-                   meta=dict(data.get("meta", {})))
+                   schema=int(data["schema"]), meta=dict(data.get("meta", {})))
 
     def stale_reason(self) -> Optional[str]:
         """Why this table no longer describes the running code, or None when it does."""
         if self.schema != SCHEMA_VERSION:
             return f"schema {self.schema} (this flash_inductor reads schema {SCHEMA_VERSION})"
-        if self.kernel_source_hash != kernel_source_hash():
-            return "the kernel sources changed since it was tuned"
         versions = runtime_versions()
         for name in ("torch", "triton"):
             if getattr(self, name) != versions[name]:
                 return f"tuned with {name} {getattr(self, name)}, running {name} {versions[name]}"
         return None
 
-    def with_entries(self, entries: Mapping[str, dict]) -> "TuningTable":
-        return dataclasses.replace(self, entries={**self.entries, **entries})
+    def stale_families(self) -> dict[str, int]:
+        """How many entries, per kernel family, were tuned for other kernel sources."""
+        stale: dict[str, int] = {}
+        for key, entry in self.entries.items():
+            if not entry_is_current(key, entry):
+                family = kernel_family(Bucket.parse(key))
+                stale[family] = stale.get(family, 0) + 1
+        return stale
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
@@ -285,8 +294,8 @@ def update_table(path: os.PathLike, table: TuningTable) -> TuningTable:
     """Merge ``table``'s entries into the file at ``path`` (its entries win) and write it back.
 
     Under the lock the file is re-read, so two processes tuning different buckets both keep
-    theirs. Entries on disk are dropped when that file was tuned for another GPU or other code.
-    Returns the table as written.
+    theirs. Entries on disk are dropped when that file was tuned for another GPU, another torch
+    or Triton, or (entry by entry) other kernel sources. Returns the table as written.
     """
     path = pathlib.Path(path)
     with _file_lock(path):
@@ -295,10 +304,9 @@ def update_table(path: os.PathLike, table: TuningTable) -> TuningTable:
         except ValueError:
             existing = None  # a corrupt file is replaced, not merged
         if existing is not None and existing.gpu == table.gpu and existing.stale_reason() is None \
-                and (existing.torch, existing.triton, existing.kernel_source_hash) == \
-                (table.torch, table.triton, table.kernel_source_hash):
-            table = dataclasses.replace(table, entries={**existing.entries, **table.entries},
-                                        meta={**existing.meta, **table.meta})
+                and (existing.torch, existing.triton) == (table.torch, table.triton):
+            kept = {key: entry for key, entry in existing.entries.items() if entry_is_current(key, entry)}
+            table = dataclasses.replace(table, entries={**kept, **table.entries}, meta={**existing.meta, **table.meta})
         _atomic_write_text(path, json.dumps(table.to_json(), indent=1, sort_keys=False, allow_nan=False) + "\n")
     clear_cache()  # this process reads its own write on the next launch
     return table
@@ -368,6 +376,12 @@ def _valid_table(path: pathlib.Path, gpu: str, origin: str) -> Optional[TuningTa
         _warn_once(f"{gpu}:{origin}", f"flash_inductor: ignoring the {origin} tuning table {path} ({reason}); "
                    f"using the built-in heuristic configs where it had entries. Re-run `{AUTOTUNE_COMMAND}`.")
         return None
+    stale = table.stale_families()
+    if stale:
+        counts = ", ".join(f"{count} {family}" for family, count in sorted(stale.items()))
+        _warn_once(f"{gpu}:{origin}:entries", f"flash_inductor: the {origin} tuning table {path} has entries tuned "
+                   f"for other kernel sources ({counts}); those buckets use the built-in heuristic configs. "
+                   f"Re-run `{AUTOTUNE_COMMAND}` (with --resume it tunes only them).")
     return table
 
 

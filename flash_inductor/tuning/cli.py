@@ -292,7 +292,7 @@ def main(argv=None, *, settings: Optional[Settings] = None, device: Optional[tor
 
     def write_summary(remaining: list) -> None:
         _write_json(summary_path, {
-            "gpu": gpu, **meta, **cache.runtime_versions(), "kernel_source_hash": cache.kernel_source_hash(),
+            "gpu": gpu, **meta, **cache.runtime_versions(), "kernel_hashes": cache.kernel_hashes(),
             "table": str(path), "complete": not remaining, "remaining": [t.bucket.key() for t in remaining],
             "wall_s": time.monotonic() - started, "stats": tuner.stats,
             "timing_shape": {"tokens": settings.tokens, "hidden": settings.hidden},

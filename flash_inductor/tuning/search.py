@@ -29,7 +29,6 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from .buckets import Bucket
-from .cache import schedule_kernel_hash
 from .configs import AttentionConfigs, KernelConfig, cuda_heuristic_configs, heuristic_configs
 from .measure import (
     AccuracyCheck,
@@ -341,7 +340,8 @@ def _configs_json(configs: AttentionConfigs, roles) -> dict:
 
 
 def make_entry(task: BucketTask, settings: Settings) -> Optional[dict]:
-    """The table entry of a finished search (None when every candidate was rejected)."""
+    """The table entry of a finished search (None when every candidate was rejected). Writing it
+    through ``cache.TuningTable.for_current_code`` stamps its kernel family's hash."""
     best = task.best(settings.min_gain)
     if best is None:
         return None
@@ -350,7 +350,7 @@ def make_entry(task: BucketTask, settings: Settings) -> Optional[dict]:
     runner_up = next((m for m in ranked if m is not best), None)
     base = task.heuristic_measurement()
     rejected = [m for m in task.measured.values() if m.ms is None]
-    entry = {
+    return {
         "configs": _configs_json(best.configs, task.roles),
         "ms": best.ms,
         "tflops": flops / (best.ms * 1e-3) / 1e12,
@@ -370,10 +370,6 @@ def make_entry(task: BucketTask, settings: Settings) -> Optional[dict]:
         "source": None if task.source is None else task.source.key(),
         "space": settings.space.name,
     }
-    kernel_hash = schedule_kernel_hash(task.bucket.schedule)
-    if kernel_hash is not None:  # a schedule with kernels of its own (cache.SCHEDULE_KERNEL_FILES)
-        entry["kernel_hash"] = kernel_hash
-    return entry
 
 
 def task_from_entry(planned: PlannedBucket, heuristic: AttentionConfigs, entry: Optional[dict]) -> BucketTask:
