@@ -428,6 +428,10 @@ def test_entries_of_a_changed_kernel_family_are_ignored_with_one_warning(tmp_pat
     assert "1 backward" in message and "--resume" in message
     assert view.lookup(Bucket.parse("stable/fp16/e64/none/s1024/forward")) == {"forward": _cfg(64, 32)}
     assert view.lookup(Bucket.parse(backward_key)) is None  # the heuristic, not a stale config
+    # A later write (e.g. `--resume` re-tuning another bucket) keeps the current entries, drops the stale one.
+    path = tmp_path / "user" / cache.table_filename(gpu)
+    written = cache.update_table(path, _table(gpu, **{"stable__fp16__e64__none__s4096__forward": _fwd_entry(32, 32)}))
+    assert set(written.entries) == {"stable/fp16/e64/none/s1024/forward", "stable/fp16/e64/none/s4096/forward"}
 
 
 def _kernel_copy(tmp_path, monkeypatch) -> pathlib.Path:
