@@ -71,13 +71,6 @@ def _quantize(x: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tenso
         EMULATE_ROUNDING=interpreter_enabled(), BLOCK_R=_ROWS_PER_QUANTIZE_PROGRAM,
     )
     return x8, dequant
-    grid = (_cdiv(length, _ROWS_PER_QUANTIZE_PROGRAM), batch * heads)
-    _launcher(_quantize_fp8)[grid](
-        x, x8, dequant, column_amax, *x.stride(), *x8.stride(), heads, length,
-        HEAD_DIM=width, BLOCK_E=block_e, PER_ROW=per_row, EMULATE_ROUNDING=interpreter_enabled(),
-        BLOCK_R=_ROWS_PER_QUANTIZE_PROGRAM,
-    )
-    return x8, dequant
 
 
 def attention_forward_fp8(
