@@ -136,8 +136,9 @@ def attention(
     if monitor_site is not None and eager_monitor_site is not None:
         raise ValueError("attention: pass monitor_site (a compiled graph) or eager_monitor_site (eager code), not both.")
     _check_qkv(query, key, value)
-    schedule_name = get_schedule(schedule).name  # validates early, listing the choices
-    if get_schedule(schedule_name).fp8_forward:
+    precision = get_schedule(schedule)  # validates early, listing the choices
+    schedule_name = precision.name
+    if precision.fp8_forward:
         check_fp8_device(query.device)
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"flash_attention: dropout_p must be a float in [0, 1), got {dropout_p!r}.")

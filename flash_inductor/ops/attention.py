@@ -24,8 +24,17 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import launch
+
+# What the eager fast path needs, looked up once (torch 2.11-2.14 all have both; where one is
+# missing every call takes the registered op instead).
+try:
+    from torch._library.triton import set_wrap_triton_enabled as _set_wrap_triton_enabled
+except ImportError:
+    _set_wrap_triton_enabled = None
+_functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 from .reference import reference_backward, reference_forward
 
 # --------------------------------------------------------------------------------------
@@ -220,9 +229,7 @@ def _direct_triton_launches():
     """``wrap_triton`` kernels launch directly, as inside a ``triton_op``'s own body, instead of
     through the tracing higher-order op (its default outside an op: the inputs here are plain
     tensors, so there is nothing to trace)."""
-    from torch._library.triton import set_wrap_triton_enabled
-
-    return set_wrap_triton_enabled(False)
+    return _set_wrap_triton_enabled(False)
 
 
 def eager_fast_path_applies(*tensors: Optional[Tensor]) -> bool:
@@ -230,18 +237,13 @@ def eager_fast_path_applies(*tensors: Optional[Tensor]) -> bool:
     or torch-function mode and no functorch transform active, plain tensors only, and inputs the
     Triton kernels take. Anything else (FakeTensor, vmap, DTensor, torch.compile, export) needs
     the registered op, which every one of those understands."""
-    if torch.compiler.is_compiling():
+    if _set_wrap_triton_enabled is None or _functorch_transforms_active is None:
+        return False
+    if torch.compiler.is_compiling() or _functorch_transforms_active():
         return False
     if any(t is not None and type(t) is not Tensor for t in tensors):
         return False
-    functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    if functorch_active is None or functorch_active() or torch._C._is_torch_function_mode_enabled():
-        return False
-    if not hasattr(torch._library.triton, "set_wrap_triton_enabled"):  # feature guard across torch versions
-        return False
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    if _get_current_dispatch_mode() is not None:
+    if torch._C._is_torch_function_mode_enabled() or _get_current_dispatch_mode() is not None:
         return False
     return launch.kernel_supports(*tensors[:3])
 
