@@ -1,0 +1,223 @@
+"""Where the backward's time goes: each launch timed on its own, with its registers and spills.
+
+    python benchmarks/backward_breakdown.py                      # GPU: bf16, E=128, L=S=4096, B=4, H=16
+    python benchmarks/backward_breakdown.py --causal --sweep     # also sweep each pass's launch config
+    python benchmarks/backward_breakdown.py --profile-once       # one backward, nothing else (under ncu)
+    python benchmarks/backward_breakdown.py --quick --device cpu # smoke run (interpreter)
+
+The harness (``bench_attention.py``) times a whole backward; this script splits it. It runs
+``launch.attention_backward`` under ``torch.profiler`` and sums the CUDA time of every kernel it
+launched (the Δ preprocess, the dS bound's reductions, the row reference, the dQ pass, the
+dK/dV pass), per call, next to each pass's TFLOP/s counted from the GEMMs it does. Then it
+reads, from Triton's compiled-kernel cache, each kernel's registers per thread, spilled
+registers and shared memory: a config that spills is slow for that reason, not its tiling.
+``--sweep`` replaces one pass's config at a time (the other keeps the table's) over a list of
+tile shapes, so each pass's best config and its resources can be read side by side. Writes
+``backward_breakdown_<gpu>_<date>[_<tag>].json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_attention import environment, slug  # noqa: E402
+
+from flash_inductor import launch  # noqa: E402
+from flash_inductor.tuning.configs import KernelConfig  # noqa: E402
+from flash_inductor.tuning.schedules import get_schedule  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Tile shapes tried per pass by --sweep: block_m x block_n / warps / stages.
+SWEEP = {
+    "backward_dkdv": ("32x64/w4/s3", "64x64/w4/s2", "32x128/w4/s2", "32x128/w8/s3", "64x128/w8/s2",
+                      "64x128/w8/s3", "128x128/w8/s2", "128x64/w8/s2"),
+    "backward_dq": ("64x64/w4/s2", "64x64/w4/s3", "128x64/w8/s2", "128x32/w4/s3", "64x128/w4/s3",
+                    "128x64/w4/s2", "128x128/w8/s2", "64x32/w4/s3"),
+}
+
+
+def parse_config(label: str) -> KernelConfig:
+    tiles, warps, stages = label.split("/")
+    block_m, block_n = tiles.split("x")
+    return KernelConfig(int(block_m), int(block_n), int(warps.lstrip("w")), int(stages.lstrip("s")))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--schedules", default="stable,fast", help="comma list of precision schedules")
+    p.add_argument("--calls", type=int, default=10, help="backward calls profiled per measurement")
+    p.add_argument("--sweep", action="store_true", help="also sweep each pass's config (see SWEEP)")
+    p.add_argument("--profile-once", action="store_true",
+                   help="warm up, then run exactly one backward per schedule and exit (for ncu -k/-c)")
+    p.add_argument("--quick", action="store_true", help="B=1, H=2, L=S=64, E=32, 2 calls (a CPU smoke run)")
+    p.add_argument("--tag", default=None)
+    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch, args.heads, args.seq, args.head_dim, args.calls = 1, 2, 64, 32, 2
+        if args.device == "cpu":
+            args.dtype = "fp32"
+    return args
+
+
+class Problem:
+    """Random inputs and the forward's outputs for one backward shape."""
+
+    def __init__(self, args, schedule: str):
+        gen = torch.Generator(device=args.device).manual_seed(0)
+        shape = (args.batch, args.heads, args.seq, args.head_dim)
+        dtype = DTYPES[args.dtype]
+        self.q, self.k, self.v, self.dout = (torch.randn(shape, generator=gen, device=args.device, dtype=dtype)
+                                             for _ in range(4))
+        self.causal, self.schedule = args.causal, schedule
+        self.scale = args.head_dim ** -0.5
+        self.out, self.lse = launch.attention_forward(self.q, self.k, self.v, None, None, 0.0, self.causal, 0,
+                                                      self.scale, schedule)
+
+    def backward(self, configs=None):
+        return launch.attention_backward(self.dout, self.q, self.k, self.v, None, self.out, self.lse, None, None,
+                                         0.0, self.causal, 0, self.scale, self.schedule, False, configs=configs)
+
+    def table_configs(self):
+        return launch._configs(self.q, self.k, self.v, None, self.causal, self.schedule, None)
+
+
+def pass_gemms(schedule: str) -> dict:
+    """GEMMs of size L·S·E per (batch, head) each pass does (2 FLOPs per multiply-add)."""
+    exact = get_schedule(schedule).exact_delta
+    return {"_attn_bwd_dq": 4 if exact else 3, "_attn_bwd_dkdv": 4, "_attn_bwd_row_reference": 0}
+
+
+def kernel_times_us(run, calls: int, device: str) -> dict:
+    """CUDA time per call of every kernel ``run`` launches, by kernel name (microseconds)."""
+    run()  # compile and warm up outside the profile
+    if not device.startswith("cuda"):
+        return {}
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    totals = collections.defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+    return {name: total / calls for name, total in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
+def compiled_resources() -> list[dict]:
+    """Registers, spills and shared memory of every compiled variant of the backward kernels."""
+    from flash_inductor.kernels import attn_bwd
+
+    found = []
+    for name in ("_attn_bwd_dq", "_attn_bwd_dkdv", "_attn_bwd_row_reference", "_attn_bwd_preprocess"):
+        kernel = getattr(attn_bwd, name)
+        for caches in getattr(kernel, "device_caches", {}).values():
+            cache = caches[0] if isinstance(caches, tuple) else caches
+            for compiled in getattr(cache, "values", lambda: [])():
+                meta = getattr(compiled, "metadata", None)
+                consts = getattr(getattr(compiled, "src", None), "constants", {}) or {}
+                blocks = {str(k): v for k, v in consts.items() if "BLOCK" in str(k) or "EXACT" in str(k)}
+                found.append(dict(kernel=name, n_regs=getattr(compiled, "n_regs", None),
+                                  n_spills=getattr(compiled, "n_spills", None),
+                                  shared=getattr(meta, "shared", None), num_warps=getattr(meta, "num_warps", None),
+                                  num_stages=getattr(meta, "num_stages", None), constants=repr(blocks)[:200]))
+    return found
+
+
+def tflops(args, gemms: int, us: float) -> float | None:
+    if not gemms or not us:
+        return None
+    flops = 2.0 * gemms * args.batch * args.heads * args.seq * args.seq * args.head_dim
+    return flops * (0.5 if args.causal else 1.0) / (us * 1e-6) / 1e12
+
+
+def breakdown(args, problem: Problem, configs=None) -> dict:
+    times = kernel_times_us(lambda: problem.backward(configs), args.calls, args.device)
+    gemms = pass_gemms(problem.schedule)
+    rows = {name: dict(us=us, tflops=tflops(args, gemms.get(name, 0), us)) for name, us in times.items()}
+    return dict(total_us=sum(times.values()), kernels=rows)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    schedules = args.schedules.split(",")
+    if args.profile_once:
+        problems = [Problem(args, s) for s in schedules]
+        for problem in problems:
+            problem.backward()  # compile outside the profiled launch
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        for problem in problems:
+            problem.backward()
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return 0
+
+    records = []
+    for schedule in schedules:
+        problem = Problem(args, schedule)
+        tuned = problem.table_configs()
+        record = dict(schedule=schedule, dtype=args.dtype, batch=args.batch, heads=args.heads, seq=args.seq,
+                      head_dim=args.head_dim, causal=args.causal,
+                      table_configs={f.name: getattr(tuned, f.name).label() for f in dataclasses.fields(tuned)},
+                      table=breakdown(args, problem), sweep=[])
+        print(f"\n{schedule}: table configs {record['table_configs']}  total {record['table']['total_us']:.0f} us")
+        for name, row in record["table"]["kernels"].items():
+            rate = f"{row['tflops']:.0f} TFLOP/s" if row["tflops"] else ""
+            print(f"  {name[:60]:60s} {row['us']:9.1f} us  {rate}")
+        if args.sweep:
+            for role, labels in SWEEP.items():
+                kernel = "_attn_bwd_dq" if role == "backward_dq" else "_attn_bwd_dkdv"
+                for label in labels:
+                    configs = dataclasses.replace(tuned, **{role: parse_config(label)})
+                    try:
+                        result = breakdown(args, problem, configs)
+                        row = result["kernels"].get(kernel, {})
+                        entry = dict(role=role, config=label, us=row.get("us"), tflops=row.get("tflops"),
+                                     total_us=result["total_us"])
+                    except Exception as exc:  # out of shared memory, say: recorded, not fatal
+                        entry = dict(role=role, config=label, error=f"{type(exc).__name__}: {str(exc)[:160]}")
+                    record["sweep"].append(entry)
+                    shown = f"{entry['us']:9.1f} us {entry['tflops'] or 0:6.0f} TFLOP/s" if "us" in entry \
+                        and entry["us"] else entry.get("error", "no time")
+                    print(f"  sweep {role:14s} {label:14s} {shown}")
+        records.append(record)
+    resources = compiled_resources()
+    print("\ncompiled backward kernels: name, regs/thread, spills, shared bytes, warps, stages, constants")
+    for r in resources:
+        print(f"  {r['kernel']:24s} {r['n_regs']!s:>5s} {r['n_spills']!s:>6s} {r['shared']!s:>7s} "
+              f"w{r['num_warps']} s{r['num_stages']} {r['constants']}")
+    if not args.no_write:
+        env = environment(sys.argv if argv is None else ["backward_breakdown.py", *argv])
+        date = env["date"][:10].replace("-", "")
+        name = f"backward_breakdown_{slug(env['gpu'] or args.device)}_{date}" + (f"_{slug(args.tag)}" if args.tag else "")
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, name + ".json")
+        with open(path, "w") as f:
+            json.dump({"header": env, "results": records, "compiled": resources}, f, indent=1)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
