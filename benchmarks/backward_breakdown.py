@@ -3,6 +3,7 @@
     python benchmarks/backward_breakdown.py                      # GPU: bf16, E=128, L=S=4096, B=4, H=16
     python benchmarks/backward_breakdown.py --causal --sweep     # also sweep each pass's launch config
     python benchmarks/backward_breakdown.py --profile-once       # one backward, nothing else (under ncu)
+    python benchmarks/backward_breakdown.py --step --head-dim 64 --seq 1024 --batch 16  # host- or GPU-bound?
     python benchmarks/backward_breakdown.py --quick --device cpu # smoke run (interpreter)
 
 The harness (``bench_attention.py``) times a whole backward; this script splits it. It runs
@@ -12,7 +13,11 @@ dK/dV pass), per call, next to each pass's TFLOP/s counted from the GEMMs it doe
 reads, from Triton's compiled-kernel cache, each kernel's registers per thread, spilled
 registers and shared memory: a config that spills is slow for that reason, not its tiling.
 ``--sweep`` replaces one pass's config at a time (the other keeps the table's) over a list of
-tile shapes, so each pass's best config and its resources can be read side by side. Writes
+tile shapes, so each pass's best config and its resources can be read side by side.
+``--step`` instead times whole training steps through autograd (forward and backward, ours and
+SDPA's flash backend): the wall time per step in a loop of back-to-back steps against the sum
+of its kernels' CUDA time. Wall time well above the kernel time means the step is host-bound
+(launch and Python overhead), which a GPU-side change cannot fix. Writes
 ``backward_breakdown_<gpu>_<date>[_<tag>].json``.
 """
 
@@ -65,6 +70,10 @@ def parse_args(argv=None):
     p.add_argument("--sweep", action="store_true", help="also sweep each pass's config (see SWEEP)")
     p.add_argument("--profile-once", action="store_true",
                    help="warm up, then run exactly one backward per schedule and exit (for ncu -k/-c)")
+    p.add_argument("--step", action="store_true",
+                   help="time whole forward+backward steps (ours and SDPA flash): wall time vs kernel time")
+    p.add_argument("--dkdv-configs", default=None, help="comma list replacing SWEEP's dK/dV labels")
+    p.add_argument("--dq-configs", default=None, help="comma list replacing SWEEP's dQ labels")
     p.add_argument("--quick", action="store_true", help="B=1, H=2, L=S=64, E=32, 2 calls (a CPU smoke run)")
     p.add_argument("--tag", default=None)
     p.add_argument("--out", default=os.path.join("benchmarks", "results"))
@@ -158,9 +167,66 @@ def breakdown(args, problem: Problem, configs=None) -> dict:
     return dict(total_us=sum(times.values()), kernels=rows)
 
 
+def step_times(args) -> list[dict]:
+    """Per training step (forward + backward through autograd): wall ms in a back-to-back loop and
+    the summed CUDA time of its kernels, for our op under each schedule and SDPA's flash backend."""
+    import time
+
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flash_inductor
+
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    shape = (args.batch, args.heads, args.seq, args.head_dim)
+    dtype = DTYPES[args.dtype]
+    q, k, v = (torch.randn(shape, generator=gen, device=args.device, dtype=dtype).requires_grad_() for _ in range(3))
+    dout = torch.randn(shape, generator=gen, device=args.device, dtype=dtype)
+
+    def ours(schedule):
+        return lambda: torch.autograd.grad(
+            flash_inductor.flash_attention(q, k, v, is_causal=args.causal, schedule=schedule), (q, k, v), dout)
+
+    def flash():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=args.causal)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    steps = [(f"ours:{s}", ours(s)) for s in args.schedules.split(",")]
+    if args.device.startswith("cuda") and dtype != torch.float32:
+        steps.append(("sdpa:flash", flash))
+    records = []
+    for name, step in steps:
+        step()
+        sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            step()
+        sync()
+        wall_ms = (time.perf_counter() - start) / args.calls * 1e3
+        kernels = kernel_times_us(step, args.calls, args.device)
+        kernel_ms = sum(kernels.values()) / 1e3
+        records.append(dict(name=name, wall_ms=wall_ms, kernel_ms=kernel_ms, launches=len(kernels),
+                            kernels={n: us for n, us in list(kernels.items())[:12]}))
+        print(f"  {name:16s} wall {wall_ms:8.3f} ms/step  kernels {kernel_ms:8.3f} ms  "
+              f"({len(kernels)} kernel names)")
+    return records
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     schedules = args.schedules.split(",")
+    if args.dkdv_configs:
+        SWEEP["backward_dkdv"] = tuple(args.dkdv_configs.split(","))
+    if args.dq_configs:
+        SWEEP["backward_dq"] = tuple(args.dq_configs.split(","))
+    if args.step:
+        print(f"steps: {args.dtype} B={args.batch} H={args.heads} L=S={args.seq} E={args.head_dim} "
+              f"causal={args.causal}")
+        records = step_times(args)
+        _write(args, argv, dict(steps=records))
+        return 0
     if args.profile_once:
         problems = [Problem(args, s) for s in schedules]
         for problem in problems:
@@ -207,16 +273,21 @@ def main(argv=None) -> int:
     for r in resources:
         print(f"  {r['kernel']:24s} {r['n_regs']!s:>5s} {r['n_spills']!s:>6s} {r['shared']!s:>7s} "
               f"w{r['num_warps']} s{r['num_stages']} {r['constants']}")
-    if not args.no_write:
-        env = environment(sys.argv if argv is None else ["backward_breakdown.py", *argv])
-        date = env["date"][:10].replace("-", "")
-        name = f"backward_breakdown_{slug(env['gpu'] or args.device)}_{date}" + (f"_{slug(args.tag)}" if args.tag else "")
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, name + ".json")
-        with open(path, "w") as f:
-            json.dump({"header": env, "results": records, "compiled": resources}, f, indent=1)
-        print(f"wrote {path}")
+    _write(args, argv, dict(results=records, compiled=resources))
     return 0
+
+
+def _write(args, argv, payload: dict) -> None:
+    if args.no_write:
+        return
+    env = environment(sys.argv if argv is None else ["backward_breakdown.py", *argv])
+    date = env["date"][:10].replace("-", "")
+    name = f"backward_breakdown_{slug(env['gpu'] or args.device)}_{date}" + (f"_{slug(args.tag)}" if args.tag else "")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, name + ".json")
+    with open(path, "w") as f:
+        json.dump({"header": env, **payload}, f, indent=1)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

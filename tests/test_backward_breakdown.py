@@ -52,3 +52,17 @@ def test_breakdown_writes_a_record_per_schedule(tmp_path, capsys):
     if ON_CUDA:
         assert any(r["n_regs"] for r in data["compiled"])
     assert "table configs" in capsys.readouterr().out
+
+
+def test_step_mode_times_whole_training_steps(tmp_path):
+    module = _load()
+    try:
+        assert module.main(["--quick", "--device", DEVICE, "--step", "--out", str(tmp_path), "--tag", "step"]) == 0
+    finally:
+        sys.modules.pop("backward_breakdown", None)
+    (written,) = tmp_path.glob("backward_breakdown_*_step.json")
+    steps = json.loads(written.read_text())["steps"]
+    assert [s["name"] for s in steps][:2] == ["ours:stable", "ours:fast"]
+    assert all(s["wall_ms"] > 0 for s in steps)
+    if ON_CUDA:
+        assert all(s["kernel_ms"] > 0 for s in steps) and steps[-1]["name"] == "sdpa:flash"
