@@ -437,17 +437,83 @@ def test_large_values_take_the_rescaling_loops(device):
     pytest.param(_f(v_mult=30.0, dout_mult=30.0, grad_lse=True), id="large_no_mask"),
 ])
 def test_rescaling_and_plain_loops_agree(case, device, monkeypatch):
-    """Forcing either loop (a bound of 0 or of inf) gives the same gradients, both within the
-    tolerance rule: the plain loop only drops a rescale that is exactly 1 below the threshold."""
+    """Forcing either loop gives the same gradients, both within the tolerance rule: the plain
+    loop only drops a rescale that is exactly 1 below the threshold. The plain loop is forced by
+    the real bound capped at the threshold, which still bounds |dS| here (large_no_mask's dS
+    fits fp16) and keeps its scale-up honest: a bound below the true |dS| would scale dS past
+    65504. The two unit-valued cases run it scaled up by 2^6, large_no_mask by 1."""
+    real_bound = launch._ds_bound
+    threshold = 16384.0  # kernels/attn_bwd.py DS_RESCALE_ABOVE
+    bounds = {
+        "plain": lambda *args: real_bound(*args).clamp(max=threshold),
+        "rescaling": lambda *args: torch.full((1,), float("inf"), device=device),
+    }
     results = {}
-    for name, forced in (("plain", 0.0), ("rescaling", float("inf"))):
-        monkeypatch.setattr(launch, "_ds_bound", lambda *args, _v=forced: torch.full((1,), _v, device=device))
+    for name, bound in bounds.items():
+        monkeypatch.setattr(launch, "_ds_bound", bound)
         results[name] = check_case(case, torch.float16, device)[0]
     for grad in ("dq", "dk", "dv") + (("dmask",) if case.mask_grad else ()):
         plain, rescaled = results["plain"][grad].float(), results["rescaling"][grad].float()
-        # Same products, summed in another order: a few fp16 ulps of the gradient's magnitude.
+        # Same products (but for the rounding of dS below fp16's normals, scaled up in the plain
+        # loop), summed in another order: a few fp16 ulps of the gradient's magnitude.
         tolerance = 8 * torch.finfo(torch.float16).eps * max(plain.abs().max().item(), 1e-3)
         assert (plain - rescaled).abs().max().item() <= tolerance, grad
+
+
+def _tiny_ds_problem(device, q_mult=1.0, k_mult=1.0, v_mult=1e-5, seed=0):
+    """(q, k, v, dout) of shape (1, 2, 64, 16) in fp16 whose dS lies mostly in fp16's subnormals:
+    |V| ~ 1e-5 makes dP, Δ, and so dS = P∘(dP − Δ), about 1e-6. dO stays of order 1."""
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 16, 16, torch.float16, device, seed=seed, q_mult=q_mult, k_mult=k_mult,
+                       v_mult=v_mult)
+    dout = randn((1, 2, 64, 16), torch.float16, device, seed + 2)
+    return q, k, v, dout
+
+
+@pytest.mark.parametrize("variant", ["unit_keys", "wide_keys"])
+def test_tiny_ds_scaled_out_of_fp16_subnormals(variant, device):
+    """fp16 `stable`, plain loop: dS of order 1e-6, cast directly to fp16, falls among the
+    subnormals (< 2^-14 ~ 6.1e-5), where 1e-6 keeps about 4 significant bits. The plain loop scales
+    the call's dS up by a power of two first (attn_bwd._ds_loop_choice: here 2^24), so dq and dk
+    meet the tolerance rule against SDPA's math backend; cast unscaled they missed it by 1.6-1.9x
+    (unit_keys: dq and dk, ~1e-5) and 4x (wide_keys: |k| x16, |q| /16, the same logits, so dq ~ 2e-4
+    is an fp16 normal, and its error is dS's alone)."""
+    mults = {"unit_keys": (1.0, 1.0), "wide_keys": (1.0 / 16, 16.0)}[variant]
+    q, k, v, dout = _tiny_ds_problem(device, *mults)
+    scale = q.shape[-1] ** -0.5
+    # The regime: the call takes the plain loop, and most of dS (dL/d(a zero float mask)) is subnormal.
+    assert float(launch._ds_bound(dout, v, None, 0.0)) < 2**-10
+    zero_mask = torch.zeros((1, 2, 64, 64), dtype=torch.float64, device=device)
+    ds = ref_forward_backward(q, k, v, zero_mask, scale=scale, grad_out=dout, mask_grad=True)["dmask"]
+    assert (ds.abs() < 2**-14).double().mean() > 0.99
+    ref = ref_forward_backward(q, k, v, scale=scale, grad_out=dout)
+    with sdpa_kernel(SDPBackend.MATH):
+        base = sdpa_baseline(q, k, v, scale=scale, grad_out=dout)
+    common = (None, 0.0, False, 0, scale, "stable")
+    out, lse = launch.attention_forward(q, k, v, None, *common)
+    grads = dict(zip(("dq", "dk", "dv"), launch.attention_backward(dout, q, k, v, None, out, lse, None, *common,
+                                                                   False)))
+    for name in ("dq", "dk", "dv"):
+        assert_close_to_ref(name, grads[name], ref[name], base[name], terms=ref["terms"][name])
+
+
+def test_plain_loop_scale_up_is_exact(device):
+    """dO x 2^10 scales the bound by 2^10, so the plain loop's scale-up drops by 2^10 and the fp16
+    dS tiles are the very same bits: dq and dk come out exactly x 2^10 wherever the smaller is an
+    fp16 normal (a subnormal output is rounded more coarsely), dv (linear in dO) too. Cast
+    unscaled, the subnormal dS of the smaller call broke this."""
+    q, k, v, dout = _tiny_ds_problem(device, q_mult=1.0 / 16, k_mult=16.0, v_mult=1.0)
+    dout = (dout.double() * 2**-12).to(torch.float16)  # dS ~ 1e-5, mostly subnormal
+    scale = q.shape[-1] ** -0.5
+    common = (None, 0.0, False, 0, scale, "stable")
+    out, lse = launch.attention_forward(q, k, v, None, *common)
+    small = launch.attention_backward(dout, q, k, v, None, out, lse, None, *common, False)[:3]
+    large = launch.attention_backward(dout * 2**10, q, k, v, None, out, lse, None, *common, False)[:3]
+    assert float(launch._ds_bound(dout * 2**10, v, None, 0.0)) < 16384.0  # both take the plain loop
+    for name, a, b in zip(("dq", "dk", "dv"), small, large):
+        normal = a.abs() > 2**-14
+        if name == "dq":
+            assert normal.double().mean() > 0.5, "too few fp16-normal dq entries to compare"
+        assert torch.equal(b[normal], a[normal] * 2**10), name
 
 
 @pytest.mark.parametrize("causal", ["none", "top_left"])

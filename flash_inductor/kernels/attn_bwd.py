@@ -41,6 +41,16 @@ fp16 dS rescaling (the ``stable`` schedule's ``ds_rescale``) is decided once per
 launcher bounds |dS| over the whole call on the device (``launch._ds_bound``), and only a call
 whose bound passes ``DS_RESCALE_ABOVE`` runs the per-tile rescaling loop; every other call runs
 the plain loop, with no per-tile max reduction and the products accumulated inside the dots.
+The plain loop still scales dS, up, by one power of two per call before the fp16 cast:
+ds_up = 2^floor(log2(DS_RESCALE_ABOVE / B)) for the bound B, at most 2^40 (``_ds_loop_choice``).
+Where dS is tiny (small |dO| or |V|, or the many small P of peaked attention), cast directly it
+would fall in fp16's subnormals (< 2^-14), which keep fewer significant bits the smaller the
+value; scaled, every |dS| is still <= 2^14, far from 65504. dq and dk then accumulate ds_up times their sums,
+and their final scale is sm_scale / ds_up, exact for a power of two, as is every step between
+(fp32 sums of scaled terms are the scaled sums): only the cast's rounding changes. Under exact
+Δ, σ stays in dS's own units, and so does σ̃ (the factor 1 / ds_up that ``_ds_tile`` returns);
+the correction σ̃·K̄ is scaled by ds_up before it meets the scaled dq. The rescaling loop takes
+ds_up = 1, and kernels without ``DS_RESCALE`` never see it.
 """
 
 import triton
@@ -56,6 +66,41 @@ LSE_SATURATED = tl.constexpr(-1.0e37)
 # 65504 (a 4x margin for the rounding of the recomputed P and of Δ), so the plain loop, which
 # accumulates inside the dot, gives the same gradients. A NaN bound takes the rescaling loop.
 DS_RESCALE_ABOVE = tl.constexpr(16384.0)
+# Bounds below this (all |dS| under ~1.5e-8) get the largest plain-loop scale-up, 2^40, rather than
+# one that grows without limit (a bound of 0 would give inf).
+DS_UP_MIN_BOUND = tl.constexpr(2.0**-26)
+
+
+@triton.jit
+def _ds_loop_choice(DS_BOUND):
+    """(needs_rescale, ds_up) for this call, from the launcher's bound B on |dS|.
+
+    needs_rescale: B passes DS_RESCALE_ABOVE, or is NaN; then ds_up = 1. Otherwise ds_up is the
+    largest power of two with B * ds_up <= DS_RESCALE_ABOVE, within [1, 2^40]: the plain loop's
+    scale-up (module docstring)."""
+    bound = tl.load(DS_BOUND)
+    needs_rescale = (bound > DS_RESCALE_ABOVE) | (bound != bound)
+    b = tl.minimum(tl.maximum(bound, DS_UP_MIN_BOUND), DS_RESCALE_ABOVE)
+    # 2^floor(log2(DS_RESCALE_ABOVE / b)), written so the quotient is exact (a power of two
+    # divides) and exp2 meets an integer (an exact power).
+    ds_up = tl.math.exp2(-tl.ceil(tl.log2(b / DS_RESCALE_ABOVE)))
+    # A log2 rounded down onto an integer gives one doubling too many; undo it (ds_up * b is exact).
+    ds_up = tl.where(ds_up * b > DS_RESCALE_ABOVE, ds_up * 0.5, ds_up)
+    return needs_rescale, tl.where(needs_rescale, 1.0, ds_up)
+
+
+@triton.jit
+def _ds_tile(ds, dtype, ds_up, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr, RESCALE: tl.constexpr):
+    """``ds_operand`` with the plain loop's scale-up: (tile, factor), tile * factor being dS as the
+    schedule rounds it. In DS_RESCALE's plain loop the tile is dS * ds_up and factor 1 / ds_up;
+    ``accumulate_ds_dot`` adds the plain loop's tiles without their factor, so dq and dk hold ds_up
+    times their sums until the kernels' final scale. (Kept here, not in common.py, whose hash
+    every kernel family's tuning entries carry.)"""
+    if DS_RESCALE and not RESCALE:
+        tile, _ = ds_operand(ds * ds_up, dtype, DS_IN_FP32, False)
+        return tile, 1.0 / ds_up
+    else:
+        return ds_operand(ds, dtype, DS_IN_FP32, RESCALE)
 
 
 @triton.jit
@@ -149,18 +194,19 @@ def _attn_bwd_row_reference(
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, k, v, q_base, do_base, mask_base, seed, keep_scale, bh,
+    dk, dv, k, v, q_base, do_base, mask_base, seed, keep_scale, ds_up, bh,
     ROW_REF, ROW_SHIFT, DELTA, DMASK,
     offs_n, offs_m_base, offs_e, offs_ev, kv_rows_ok, lo, hi,
     stride_qm, stride_qe, stride_mm, stride_mn, stride_dom, stride_doe,
     L, S, causal_offset, qk_scale_log2, dropout_p,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, CHECK: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """Fold query blocks [lo, hi) of one query head into this key block's (dk, dv)."""
+    """Fold query blocks [lo, hi) of one query head into this key block's (dk, dv); dk in units of
+    1 / ds_up under DS_RESCALE's plain loop."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m_base
         q_rows_ok = offs_m < L
@@ -195,14 +241,14 @@ def _dkdv_tiles(
             # here under exact Δ: the dQ pass knows a row's correction only after its last tile.
             tl.store(DMASK + row_ids[None, :] * S + offs_n[:, None], ds_t,
                      mask=kv_rows_ok[:, None] & q_rows_ok[None, :])
-        ds_tile, ds_factor = ds_operand(ds_t, q.dtype, DS_IN_FP32, RESCALE)
+        ds_tile, ds_factor = _ds_tile(ds_t, q.dtype, ds_up, DS_IN_FP32, DS_RESCALE, RESCALE)
         dk = accumulate_ds_dot(dk, ds_tile, ds_factor, q, RESCALE, FP32_DOT)
     return dk, dv
 
 
 @triton.jit
 def _dkdv_heads(
-    dk, dv, k, v, Q, DO, MASK, seed, keep_scale, b, h_kv,
+    dk, dv, k, v, Q, DO, MASK, seed, keep_scale, ds_up, b, h_kv,
     ROW_REF, ROW_SHIFT, DELTA, DMASK,
     offs_n, offs_m_base, offs_e, offs_ev, kv_rows_ok, lo, mid,
     stride_qb, stride_qh, stride_qm, stride_qe, stride_mb, stride_mh, stride_mm, stride_mn,
@@ -210,7 +256,7 @@ def _dkdv_heads(
     H_Q, GROUP, L, S, causal_offset, qk_scale_log2, dropout_p,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
@@ -222,20 +268,20 @@ def _dkdv_heads(
         do_base = DO + b * stride_dob + h * stride_doh
         mask_base = MASK + b * stride_mb + h * stride_mh
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, mask_base, seed, keep_scale, bh, ROW_REF, ROW_SHIFT, DELTA, DMASK,
+            dk, dv, k, v, q_base, do_base, mask_base, seed, keep_scale, ds_up, bh, ROW_REF, ROW_SHIFT, DELTA, DMASK,
             offs_n, offs_m_base, offs_e, offs_ev, kv_rows_ok, lo, mid,
             stride_qm, stride_qe, stride_mm, stride_mn, stride_dom, stride_doe,
             L, S, causal_offset, qk_scale_log2, dropout_p,
             HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            RESCALE, True, WRITE_DMASK, FP32_DOT, BLOCK_M,
+            DS_RESCALE, RESCALE, True, WRITE_DMASK, FP32_DOT, BLOCK_M,
         )
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, mask_base, seed, keep_scale, bh, ROW_REF, ROW_SHIFT, DELTA, DMASK,
+            dk, dv, k, v, q_base, do_base, mask_base, seed, keep_scale, ds_up, bh, ROW_REF, ROW_SHIFT, DELTA, DMASK,
             offs_n, offs_m_base, offs_e, offs_ev, kv_rows_ok, mid, L,
             stride_qm, stride_qe, stride_mm, stride_mn, stride_dom, stride_doe,
             L, S, causal_offset, qk_scale_log2, dropout_p,
             HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            RESCALE, False, WRITE_DMASK, FP32_DOT, BLOCK_M,
+            DS_RESCALE, RESCALE, False, WRITE_DMASK, FP32_DOT, BLOCK_M,
         )
     return dk, dv
 
@@ -298,34 +344,37 @@ def _attn_bwd_dkdv(
     mid = tl.where(start_n + BLOCK_N > S, L, mid)
     mid = tl.minimum(tl.maximum(mid, lo), L)
 
-    # Decided once for the whole program; a compile-time False unless the schedule rescales, so
-    # the other kernels hold the plain loop alone.
+    # Decided once for the whole program; a compile-time False (and ds_up a compile-time 1) unless
+    # the schedule rescales, so the other kernels hold the plain, unscaled loop alone.
     needs_rescale = False
+    ds_up = 1.0
     if DS_RESCALE:
-        bound = tl.load(DS_BOUND)
-        needs_rescale = (bound > DS_RESCALE_ABOVE) | (bound != bound)
+        needs_rescale, ds_up = _ds_loop_choice(DS_BOUND)
     if needs_rescale:
         dk, dv = _dkdv_heads(
-            dk, dv, k, v, Q, DO, MASK, seed, keep_scale, b, h_kv, ROW_REF, ROW_SHIFT, DELTA, DMASK,
+            dk, dv, k, v, Q, DO, MASK, seed, keep_scale, ds_up, b, h_kv, ROW_REF, ROW_SHIFT, DELTA, DMASK,
             offs_n, offs_m_base, offs_e, offs_ev, kv_rows_ok, lo, mid,
             stride_qb, stride_qh, stride_qm, stride_qe, stride_mb, stride_mh, stride_mm, stride_mn,
             stride_dob, stride_doh, stride_dom, stride_doe,
             H_Q, GROUP, L, S, causal_offset, qk_scale_log2, dropout_p,
             HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            True, WRITE_DMASK, FP32_DOT, BLOCK_M,
+            DS_RESCALE, True, WRITE_DMASK, FP32_DOT, BLOCK_M,
         )
     else:
         dk, dv = _dkdv_heads(
-            dk, dv, k, v, Q, DO, MASK, seed, keep_scale, b, h_kv, ROW_REF, ROW_SHIFT, DELTA, DMASK,
+            dk, dv, k, v, Q, DO, MASK, seed, keep_scale, ds_up, b, h_kv, ROW_REF, ROW_SHIFT, DELTA, DMASK,
             offs_n, offs_m_base, offs_e, offs_ev, kv_rows_ok, lo, mid,
             stride_qb, stride_qh, stride_qm, stride_qe, stride_mb, stride_mh, stride_mm, stride_mn,
             stride_dob, stride_doh, stride_dom, stride_doe,
             H_Q, GROUP, L, S, causal_offset, qk_scale_log2, dropout_p,
             HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            False, WRITE_DMASK, FP32_DOT, BLOCK_M,
+            DS_RESCALE, False, WRITE_DMASK, FP32_DOT, BLOCK_M,
         )
 
-    dk = dk * sm_scale
+    if DS_RESCALE:
+        dk = dk * (sm_scale / ds_up)  # dk holds ds_up * Σ dS·q; exact, ds_up being a power of two
+    else:
+        dk = dk * sm_scale
     tl.store(DK + b * stride_dkb + h_kv * stride_dkh + offs_n[:, None] * stride_dkn + offs_e[None, :] * stride_dke,
              dk.to(DK.dtype.element_ty), mask=kv_rows_ok[:, None] & (offs_e[None, :] < HEAD_DIM))
     tl.store(DV + b * stride_dvb + h_kv * stride_dvh + offs_n[:, None] * stride_dvn + offs_ev[None, :] * stride_dve,
@@ -334,17 +383,18 @@ def _attn_bwd_dkdv(
 @triton.jit
 def _dq_tiles(
     dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, delta, row_ids,
-    k_base, v_base, mask_base, seed, keep_scale, DMASK,
+    k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
     offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, lo, hi,
     stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
     S, causal_offset, qk_scale_log2, dropout_p,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, CHECK: tl.constexpr, EXACT_DELTA: tl.constexpr,
     WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Fold key blocks [lo, hi) into this query block's dq (and, under exact Δ, σ, σ̃, Λ, K̄)."""
+    """Fold key blocks [lo, hi) into this query block's dq (and, under exact Δ, σ, σ̃, Λ, K̄); dq in
+    units of 1 / ds_up under DS_RESCALE's plain loop, the rest in dS's own."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
         kv_rows_ok = offs_n < S
@@ -366,13 +416,14 @@ def _dq_tiles(
             # dL/d(additive mask) is dS itself; DMASK is a dense (B*Hq, L, S) fp32 buffer. Only
             # without exact Δ: with it, this dS still lacks the row's correction (see the dK/dV pass).
             tl.store(DMASK + row_ids[:, None] * S + offs_n[None, :], ds, mask=tile_ok)
-        ds_tile, ds_factor = ds_operand(ds, k.dtype, DS_IN_FP32, RESCALE)
+        ds_tile, ds_factor = _ds_tile(ds, k.dtype, ds_up, DS_IN_FP32, DS_RESCALE, RESCALE)
         dq = accumulate_ds_dot(dq, ds_tile, ds_factor, k, RESCALE, FP32_DOT)
         if EXACT_DELTA:
             # σ from the fp32 dS gives the dK/dV pass its Δ; σ̃ from dS as the dot above saw it
-            # (rounded) corrects dq, so that the rounding's common part goes too (see the module
-            # docstring). P is rounded for P·K as for Pᵀ·dO: K̄ only multiplies corrections of
-            # order u, so its own rounding enters at second order.
+            # (rounded; ds_factor brings a scaled-up tile back to dS's units) corrects dq, so that
+            # the rounding's common part goes too (see the module docstring). P is rounded for P·K
+            # as for Pᵀ·dO: K̄ only multiplies corrections of order u, so its own rounding enters
+            # at second order.
             ds_sum += tl.sum(ds, 1)
             ds_seen_sum += tl.sum(ds_tile.to(tl.float32), 1) * ds_factor
             p_sum += tl.sum(p, 1)
@@ -386,34 +437,34 @@ def _dq_tiles(
 @triton.jit
 def _dq_blocks(
     dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, delta, row_ids,
-    k_base, v_base, mask_base, seed, keep_scale, DMASK,
+    k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
     offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, split, hi,
     stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
     S, causal_offset, qk_scale_log2, dropout_p,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, EXACT_DELTA: tl.constexpr,
     WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Key blocks [0, split) without the visibility select, then [split, hi) with it."""
     dq, ds_sum, ds_seen_sum, p_sum, p_k = _dq_tiles(
         dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, delta, row_ids,
-        k_base, v_base, mask_base, seed, keep_scale, DMASK,
+        k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
         offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, 0, split,
         stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
         S, causal_offset, qk_scale_log2, dropout_p,
         HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-        RESCALE, False, EXACT_DELTA, WRITE_DMASK, FP32_DOT, BLOCK_N,
+        DS_RESCALE, RESCALE, False, EXACT_DELTA, WRITE_DMASK, FP32_DOT, BLOCK_N,
     )
     return _dq_tiles(
         dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, delta, row_ids,
-        k_base, v_base, mask_base, seed, keep_scale, DMASK,
+        k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
         offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, split, hi,
         stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
         S, causal_offset, qk_scale_log2, dropout_p,
         HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-        RESCALE, True, EXACT_DELTA, WRITE_DMASK, FP32_DOT, BLOCK_N,
+        DS_RESCALE, RESCALE, True, EXACT_DELTA, WRITE_DMASK, FP32_DOT, BLOCK_N,
     )
 
 
@@ -484,31 +535,31 @@ def _attn_bwd_dq(
         split = S
     split = tl.maximum(split // BLOCK_N * BLOCK_N, 0)
 
-    # Decided once for the whole program; a compile-time False unless the schedule rescales, so
-    # the other kernels hold the plain loop alone.
+    # Decided once for the whole program; a compile-time False (and ds_up a compile-time 1) unless
+    # the schedule rescales, so the other kernels hold the plain, unscaled loop alone.
     needs_rescale = False
+    ds_up = 1.0
     if DS_RESCALE:
-        bound = tl.load(DS_BOUND)
-        needs_rescale = (bound > DS_RESCALE_ABOVE) | (bound != bound)
+        needs_rescale, ds_up = _ds_loop_choice(DS_BOUND)
     if needs_rescale:
         dq, ds_sum, ds_seen_sum, p_sum, p_k = _dq_blocks(
             dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, delta, row_ids,
-            k_base, v_base, mask_base, seed, keep_scale, DMASK,
+            k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
             offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, split, hi,
             stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
             S, causal_offset, qk_scale_log2, dropout_p,
             HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            True, EXACT_DELTA, WRITE_DMASK, FP32_DOT, BLOCK_N,
+            DS_RESCALE, True, EXACT_DELTA, WRITE_DMASK, FP32_DOT, BLOCK_N,
         )
     else:
         dq, ds_sum, ds_seen_sum, p_sum, p_k = _dq_blocks(
             dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, delta, row_ids,
-            k_base, v_base, mask_base, seed, keep_scale, DMASK,
+            k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
             offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, split, hi,
             stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
             S, causal_offset, qk_scale_log2, dropout_p,
             HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            False, EXACT_DELTA, WRITE_DMASK, FP32_DOT, BLOCK_N,
+            DS_RESCALE, False, EXACT_DELTA, WRITE_DMASK, FP32_DOT, BLOCK_N,
         )
 
     if EXACT_DELTA:
@@ -521,8 +572,14 @@ def _attn_bwd_dq(
             dlse = tl.load(DLSE + row_ids, mask=q_rows_ok, other=0.0)
         correction = tl.where(has_key, ds_sum * inv_p_sum - dlse, 0.0)
         seen_correction = tl.where(has_key, ds_seen_sum * inv_p_sum - dlse, 0.0)
+        if DS_RESCALE:
+            # dq holds ds_up times its sum (the plain loop's scale-up), and so must what it loses.
+            seen_correction = seen_correction * ds_up
         dq -= seen_correction[:, None] * p_k
         tl.store(DELTA + row_ids, delta + correction, mask=q_rows_ok)
-    dq = dq * sm_scale
+    if DS_RESCALE:
+        dq = dq * (sm_scale / ds_up)  # exact, ds_up being a power of two
+    else:
+        dq = dq * sm_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_e[None, :] * stride_dqe,
              dq.to(DQ.dtype.element_ty), mask=q_rows_ok[:, None] & (offs_e[None, :] < HEAD_DIM))
