@@ -1,0 +1,32 @@
+"""benchmarks/experiments/: the forward TMA / warp-specialisation probe still runs and its variants
+still compute attention (its kernels are the lead for the next forward change, see NOTES.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from helpers import DEVICE
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "experiments" / "fwd_ws_probe.py"
+
+
+def test_forward_probe_variants_match_the_reference(tmp_path):
+    out = tmp_path / "probe.json"
+    env = dict(os.environ)
+    if DEVICE == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--device", DEVICE, "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    probes = [r for r in rows if r["variant"] in ("tma_ws", "tma", "ptr", "tma_ws_1loop")]
+    ours = {r["problem"]: r for r in rows if r["variant"] == "ours"}
+    assert probes and ours
+    for r in probes:
+        assert r["status"] == "ok", r
+        # Same numerics as our forward: the output error within 2x of our op's on the same inputs.
+        assert r["o_err"] <= 2 * ours[r["problem"]]["o_err"] + 1e-6, r
