@@ -2,12 +2,15 @@
 
     python tools/schedule_results.py \
         --stability benchmarks/results/stability_nvidia-h200_20261130_all.json \
-        --autotune benchmarks/results/autotune_nvidia-h200_sm90_132sm_20261130_full.json
+        --autotune benchmarks/results/autotune_nvidia-h200_sm90_132sm_20261130_full.json \
+                   benchmarks/results/autotune_nvidia-h200_sm90_132sm_20261130_bwd-retune.json
 
 Error rows: each stability case × dtype contributes its worst norm-wise relative error over
 out/dq/dk/dv against fp64; the table gives the median and the worst of those per schedule.
 Speed rows: the tuned winner's TFLOP/s of each schedule's bucket (forward and backward
-separately; the tuner's FLOP model: 4·B·H·L·S·E, ×0.5 causal, ×2.5 backward). A forward-only
+separately; the tuner's FLOP model: 4·B·H·L·S·E, ×0.5 causal, ×2.5 backward). Several
+``--autotune`` summaries merge in order, a later one's bucket replacing an earlier one's (a
+re-tune after a kernel change covers only that kernel's buckets). A forward-only
 schedule (fp8) has no backward bucket: its backward is `stable`'s after a 16-bit forward.
 """
 
@@ -70,15 +73,17 @@ def markdown(rows: list[list[str]]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stability", required=True)
-    p.add_argument("--autotune", required=True)
+    p.add_argument("--autotune", required=True, nargs="+", help="tuner summaries, later ones win per bucket")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--seq", type=int, default=4096)
     args = p.parse_args(argv)
     with open(args.stability) as f:
         stability = json.load(f)
-    with open(args.autotune) as f:
-        autotune = json.load(f)
+    autotune = {"rows": []}
+    for path in args.autotune:
+        with open(path) as f:
+            autotune["rows"] += json.load(f)["rows"]  # speed_rows keeps the last row of a bucket
     print(markdown(error_rows(stability) + speed_rows(autotune, args.dtype, args.head_dim, args.seq)))
     return 0
 
