@@ -72,6 +72,9 @@ def parse_args(argv=None):
                    help="warm up, then run exactly one backward per schedule and exit (for ncu -k/-c)")
     p.add_argument("--step", action="store_true",
                    help="time whole forward+backward steps (ours and SDPA flash): wall time vs kernel time")
+    p.add_argument("--force-rescale", action="store_true",
+                   help="fp16 `stable`: a dS bound of inf, so both passes run the per-tile rescaling loop "
+                        "(products added outside the MMA accumulator), to price that loop")
     p.add_argument("--dkdv-configs", default=None, help="comma list replacing SWEEP's dK/dV labels")
     p.add_argument("--dq-configs", default=None, help="comma list replacing SWEEP's dQ labels")
     p.add_argument("--quick", action="store_true", help="B=1, H=2, L=S=64, E=32, 2 calls (a CPU smoke run)")
@@ -217,6 +220,8 @@ def step_times(args) -> list[dict]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     schedules = args.schedules.split(",")
+    if args.force_rescale:
+        launch._ds_bound = lambda *a, **k: torch.full((1,), float("inf"), device=args.device)
     if args.dkdv_configs:
         SWEEP["backward_dkdv"] = tuple(args.dkdv_configs.split(","))
     if args.dq_configs:

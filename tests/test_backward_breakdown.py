@@ -66,3 +66,25 @@ def test_step_mode_times_whole_training_steps(tmp_path):
     assert all(s["wall_ms"] > 0 for s in steps)
     if ON_CUDA:
         assert all(s["kernel_ms"] > 0 for s in steps) and steps[-1]["name"] == "sdpa:flash"
+
+
+def test_force_rescale_runs_the_rescaling_loop(tmp_path, monkeypatch):
+    module = _load()
+    seen = []
+    real = module.launch.attention_backward
+
+    def spy(*args, **kwargs):
+        grads = real(*args, **kwargs)
+        seen.append(float(module.launch._ds_bound(args[0], args[3], None, 0.0)))
+        return grads
+
+    monkeypatch.setattr(module.launch, "attention_backward", spy)
+    monkeypatch.setattr(module.launch, "_ds_bound", module.launch._ds_bound)  # restored after the test
+    try:
+        argv = ["--quick", "--device", DEVICE, "--schedules", "stable", "--force-rescale", "--no-write"]
+        if ON_CUDA:
+            argv += ["--dtype", "fp16"]
+        assert module.main(argv) == 0
+    finally:
+        sys.modules.pop("backward_breakdown", None)
+    assert seen and all(b == float("inf") for b in seen)
