@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import json
 import os
 import sys
 
@@ -34,13 +33,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import environment, slug  # noqa: E402
+from bench_attention import DTYPES, add_cell_args, add_output_args, environment, write_record  # noqa: E402
 
 from flash_inductor import launch  # noqa: E402
 from flash_inductor.tuning.configs import KernelConfig  # noqa: E402
 from flash_inductor.tuning.schedules import get_schedule  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Tile shapes tried per pass by --sweep: block_m x block_n / warps / stages.
 SWEEP = {
     "backward_dkdv": ("32x64/w4/s3", "64x64/w4/s2", "32x128/w4/s2", "32x128/w8/s3", "64x128/w8/s2",
@@ -58,12 +56,7 @@ def parse_config(label: str) -> KernelConfig:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=DTYPES, default="bf16")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--head-dim", type=int, default=128)
+    add_cell_args(p, dtype="bf16", batch=4, heads=16, seq=4096, head_dim=128)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--schedules", default="stable,fast", help="comma list of precision schedules")
     p.add_argument("--calls", type=int, default=10, help="backward calls profiled per measurement")
@@ -78,9 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--dkdv-configs", default=None, help="comma list replacing SWEEP's dK/dV labels")
     p.add_argument("--dq-configs", default=None, help="comma list replacing SWEEP's dQ labels")
     p.add_argument("--quick", action="store_true", help="B=1, H=2, L=S=64, E=32, 2 calls (a CPU smoke run)")
-    p.add_argument("--tag", default=None)
-    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
-    p.add_argument("--no-write", action="store_true")
+    add_output_args(p)
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.heads, args.seq, args.head_dim, args.calls = 1, 2, 64, 32, 2
@@ -283,16 +274,9 @@ def main(argv=None) -> int:
 
 
 def _write(args, argv, payload: dict) -> None:
-    if args.no_write:
-        return
-    env = environment(sys.argv if argv is None else ["backward_breakdown.py", *argv])
-    date = env["date"][:10].replace("-", "")
-    name = f"backward_breakdown_{slug(env['gpu'] or args.device)}_{date}" + (f"_{slug(args.tag)}" if args.tag else "")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, name + ".json")
-    with open(path, "w") as f:
-        json.dump({"header": env, **payload}, f, indent=1)
-    print(f"wrote {path}")
+    if not args.no_write:
+        env = environment(sys.argv if argv is None else ["backward_breakdown.py", *argv])
+        write_record(args.out, "backward_breakdown", env, payload, args.tag, args.device)
 
 
 if __name__ == "__main__":

@@ -404,9 +404,37 @@ def slug(text):
     return re.sub(r"[^a-z0-9]+", "-", (text or "unknown-gpu").lower()).strip("-")
 
 
-def output_stem(out_dir, env, tag=None):
+def output_stem(out_dir, env, tag=None, prefix="bench", device=None):
+    """<out_dir>/<prefix>_<gpu>_<yyyymmdd>[_<tag>] (off CUDA the device stands in for the GPU)."""
     date = env["date"][:10].replace("-", "")
-    return os.path.join(out_dir, f"bench_{slug(env['gpu'])}_{date}" + (f"_{slug(tag)}" if tag else ""))
+    return os.path.join(out_dir, f"{prefix}_{slug(env['gpu'] or device)}_{date}" + (f"_{slug(tag)}" if tag else ""))
+
+
+def add_cell_args(p, *, dtype, batch, heads, seq, head_dim):
+    """The one-shape flags of the single-cell scripts (probe_timing, bench_monitor, backward_breakdown)."""
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=DTYPES, default=dtype)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--heads", type=int, default=heads)
+    p.add_argument("--seq", type=int, default=seq)
+    p.add_argument("--head-dim", type=int, default=head_dim)
+
+
+def add_output_args(p):
+    """--tag, --out and --no-write of the single-cell scripts (their records go through write_record)."""
+    p.add_argument("--tag", default=None, help="appended to the output file's name")
+    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    p.add_argument("--no-write", action="store_true")
+
+
+def write_record(out_dir, prefix, env, payload, tag=None, device=None) -> str:
+    """One JSON file {"header": env, **payload} named by ``output_stem``; returns its path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = output_stem(out_dir, env, tag, prefix, device) + ".json"
+    with open(path, "w") as f:
+        json.dump({"header": env, **payload}, f, indent=1)
+    print(f"wrote {path}")
+    return path
 
 
 def write_results(stem, env, records):

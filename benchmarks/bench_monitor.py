@@ -20,7 +20,6 @@ Writes ``monitor_overhead_<gpu>_<date>.json`` beside the other benchmark results
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,20 +28,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import GPTBlock, environment, import_flash_inductor, slug  # noqa: E402
+from bench_attention import (  # noqa: E402
+    DTYPES, GPTBlock, add_cell_args, environment, import_flash_inductor, write_record,
+)
 
 TARGET_OVERHEAD = 0.05
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=DTYPES, default="bf16")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--head-dim", type=int, default=128)
+    add_cell_args(p, dtype="bf16", batch=4, heads=16, seq=4096, head_dim=128)
     p.add_argument("--settings", default="op,compiled", help="comma list of op,compiled")
     p.add_argument("--quick", action="store_true", help="B=1, H=2, L=256, E=32 (a CPU smoke run)")
     p.add_argument("--out", default=os.path.join("benchmarks", "results"))
@@ -149,12 +142,8 @@ def main(argv=None) -> int:
     print(f"forward overhead within {TARGET_OVERHEAD:.0%}: {'yes' if within else 'no'}")
     if not args.no_write:
         env = environment(sys.argv if argv is None else ["bench_monitor.py", *argv])
-        os.makedirs(args.out, exist_ok=True)
-        name = f"monitor_overhead_{slug(env['gpu'] or args.device)}_{env['date'][:10].replace('-', '')}.json"
-        path = os.path.join(args.out, name)
-        with open(path, "w") as f:
-            json.dump({"header": env, "target_forward_overhead": TARGET_OVERHEAD, "results": records}, f, indent=1)
-        print(f"wrote {path}")
+        write_record(args.out, "monitor_overhead", env,
+                     {"target_forward_overhead": TARGET_OVERHEAD, "results": records}, device=args.device)
     return 0
 
 

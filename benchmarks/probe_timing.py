@@ -26,7 +26,6 @@ host time is in the measurement. Writes ``probe_timing_<gpu>_<date>[_<tag>].json
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -35,27 +34,21 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import environment, make_attention, make_inputs, slug  # noqa: E402
+from bench_attention import (  # noqa: E402
+    DTYPES, add_cell_args, add_output_args, environment, make_attention, make_inputs, write_record,
+)
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KINDS = ("do_bench", "cudagraph", "fresh_inputs", "plain_loop")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=DTYPES, default="fp16")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--head-dim", type=int, default=64)
+    add_cell_args(p, dtype="fp16", batch=16, heads=32, seq=1024, head_dim=64)
     p.add_argument("--causal", choices=("yes", "no"), default="yes")
     p.add_argument("--providers", default="ours,flash", help="comma list of bench_attention providers")
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="B=1, H=2, L=S=128, E=32, 3 samples (a CPU smoke run)")
-    p.add_argument("--tag", default=None)
-    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
-    p.add_argument("--no-write", action="store_true")
+    add_output_args(p)
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.heads, args.seq, args.head_dim, args.samples = 1, 2, 128, 32, 3
@@ -135,13 +128,7 @@ def main(argv=None) -> int:
     print(format_table(records))
     if not args.no_write:
         env = environment(sys.argv if argv is None else ["probe_timing.py", *argv])
-        date = env["date"][:10].replace("-", "")
-        name = f"probe_timing_{slug(env['gpu'] or args.device)}_{date}" + (f"_{slug(args.tag)}" if args.tag else "")
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, name + ".json")
-        with open(path, "w") as f:
-            json.dump({"header": env, "results": records}, f, indent=1)
-        print(f"wrote {path}")
+        write_record(args.out, "probe_timing", env, {"results": records}, args.tag, args.device)
     return 0
 
 
