@@ -1,7 +1,29 @@
 #!/usr/bin/env bash
 # Everything one device run needs, in one command (see the device tool's README):
 #   carry .whl (expecttest wheel), then:  bash tools/gpu_suite.sh
-# Writes the pytest log, junit XML and the quick benchmark into $OUT.
+# Runs the pytest suite on every GPU of the machine, then the quick benchmark on the first one.
+#
+# One GPU (GPUS=1): writes the pytest log, junit XML and failure log ($OUT/pytest_gpu.log,
+#   pytest_gpu.xml, failures.log), gpu.txt and the quick benchmark into $OUT.
+# Several GPUs (GPUS=N > 1): splits the test files over the N GPUs, balanced by the expected cost
+#   of each file (table below, greedy longest-first), and runs one pytest per GPU at once, each with
+#   CUDA_VISIBLE_DEVICES=<its GPU> and its own Inductor cache (/tmp/inductor_cache_gpu<i>: runs
+#   sharing one cache wait on its file lock). Prints one line per GPU (its files, pytest's result
+#   line) and an overall line, and exits non-zero if any part failed or timed out. $OUT then holds
+#   only gpu.txt, pytest_summary.txt (those lines and the FAILED/ERROR lines), pytest_gpus.tgz
+#   (pytest_gpu<i>.log, pytest_gpu<i>.xml, failures_gpu<i>.log for each GPU) and the benchmark's
+#   files: the device tool brings back at most 8 files.
+#
+# Environment (all optional):
+#   OUT            where results go (default /tmp/flash_inductor_out)
+#   GPUS           how many GPUs to split the tests over (default: the entries of
+#                  CUDA_VISIBLE_DEVICES if it is set, else the GPUs `nvidia-smi -L` lists, else 1)
+#   TESTS          test files / directories / node ids (default: tests with GPUS=1, every
+#                  tests/test_*.py with GPUS > 1; a directory is split into its test_*.py files)
+#   WORKERS        pytest-xdist workers per GPU (default 14 with GPUS=1, else max(2, (nproc-2)/GPUS))
+#   SUITE_SECONDS  time limit of each GPU's pytest run (default 420)
+#   SKIP_BENCH=1   skip the quick benchmark; BENCH_SECONDS bounds it (default 150)
+# Example, four GPUs, tests only:  SKIP_BENCH=1 SUITE_SECONDS=500 bash tools/gpu_suite.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flash_inductor_out}
@@ -13,6 +35,29 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=$PWD
 fi
+
+# Which GPUs: CUDA_VISIBLE_DEVICES if the caller narrowed it (a part of a larger run), else all.
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+  IFS=, read -r -a DEVICES <<< "$CUDA_VISIBLE_DEVICES"
+else
+  n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+  [[ "$n" =~ ^[1-9][0-9]*$ ]] || n=1
+  DEVICES=()
+  for ((i = 0; i < n; i++)); do DEVICES+=("$i"); done
+fi
+if [ -z "${GPUS:-}" ]; then
+  GPUS=${#DEVICES[@]}
+elif ! [[ "$GPUS" =~ ^[1-9][0-9]*$ ]]; then
+  echo "GPUS=$GPUS: expected a positive integer" >&2; exit 2
+elif [ "$GPUS" -gt "${#DEVICES[@]}" ]; then
+  if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+    echo "GPUS=$GPUS but CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES names ${#DEVICES[@]}" >&2; exit 2
+  fi
+  DEVICES=()
+  for ((i = 0; i < GPUS; i++)); do DEVICES+=("$i"); done
+fi
+
+if [ "$GPUS" -le 1 ]; then
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 # Bounded so the benchmark still runs inside one 10-minute device call.
@@ -25,3 +70,98 @@ timeout "${SUITE_SECONDS:-420}" python3 -m pytest ${TESTS:-tests} -q -p no:cache
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout "${BENCH_SECONDS:-150}" python3 benchmarks/bench_attention.py --quick --out "$OUT" 2>&1 | tail -12
 fi
+exit
+fi
+
+# ---- Several GPUs: one pytest per GPU, files balanced by expected cost. ----
+DEVICES=("${DEVICES[@]:0:$GPUS}")
+nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/gpu.txt"
+DIST=$(python3 -c "import xdist; v = tuple(int(p) for p in xdist.__version__.split('.')[:2]); print('worksteal' if v >= (3, 2) else 'load')" 2>/dev/null || echo load)
+CORES=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 16)
+WORKERS=${WORKERS:-$(( (CORES - 2) / GPUS > 2 ? (CORES - 2) / GPUS : 2 ))}
+SUITE_SECONDS=${SUITE_SECONDS:-420}
+PARTS="$OUT/pytest_gpus"   # inside $OUT so a run cut off from outside still brings its logs back
+rm -rf "$PARTS"; mkdir -p "$PARTS"
+
+# Greedy longest-first split. Costs: seconds of pytest on the H200 with ~18 workers (session 12);
+# test_monitor holds one ~290 s test, so it and test_kernels land on different GPUs when GPUS >= 2.
+mapfile -t GROUPS_ < <(python3 - "$GPUS" ${TESTS:-tests/test_*.py} <<'EOF'
+import glob, os, sys
+COST = {"test_kernels.py": 300, "test_monitor.py": 290, "test_flash_attention.py": 220,
+        "test_ops.py": 80, "test_pass_handwritten.py": 60, "test_transformers_models.py": 60,
+        "test_autotune.py": 60, "test_stability.py": 60, "test_fp8.py": 40, "test_dropout.py": 40}
+gpus, items = int(sys.argv[1]), []
+for arg in sys.argv[2:]:
+    items += sorted(glob.glob(os.path.join(arg, "test_*.py"))) if os.path.isdir(arg) else [arg]
+items = list(dict.fromkeys(items))
+cost = lambda item: COST.get(os.path.basename(item.split("::")[0]), 20)
+loads, groups = [0] * gpus, [[] for _ in range(gpus)]
+for item in sorted(items, key=lambda item: (-cost(item), item)):
+    i = loads.index(min(loads))
+    loads[i] += cost(item)
+    groups[i].append(item)
+for load, group in zip(loads, groups):
+    print(load, *group)
+EOF
+)
+if [ "${#GROUPS_[@]}" -ne "$GPUS" ]; then echo "splitting the tests failed" >&2; exit 2; fi
+
+T0=$(date +%s)
+echo "== $GPUS GPUs, $WORKERS workers each, ${SUITE_SECONDS}s limit each, --dist $DIST"
+for ((i = 0; i < GPUS; i++)); do
+  dev=${DEVICES[i]}
+  read -r cost files <<< "${GROUPS_[i]}"
+  echo "gpu$dev (cost ~${cost}s): ${files:-(no files)}"
+  [ -n "$files" ] || continue
+  (
+    export CUDA_VISIBLE_DEVICES=$dev TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache_gpu$dev
+    export FLASH_INDUCTOR_FAILURE_LOG="$PARTS/failures_gpu$dev.log"
+    timeout "$SUITE_SECONDS" python3 -m pytest $files -q -p no:cacheprovider -p no:benchmark \
+      -n "$WORKERS" --dist "$DIST" --timeout 300 --durations=25 --junitxml="$PARTS/pytest_gpu$dev.xml" \
+      > "$PARTS/pytest_gpu$dev.log" 2>&1
+    rc=$?
+    echo "$rc $(( $(date +%s) - T0 ))" > "$PARTS/.rc_gpu$dev"
+    echo "gpu$dev finished: rc $rc, t=$(( $(date +%s) - T0 ))s"
+  ) &
+done
+wait
+
+# One line per GPU, an overall line, then the FAILED / ERROR lines of pytest's short summary.
+STATUS=0
+RESULTS=""
+: > "$OUT/pytest_summary.txt"
+for ((i = 0; i < GPUS; i++)); do
+  dev=${DEVICES[i]}
+  read -r cost files <<< "${GROUPS_[i]}"
+  names=$(for f in $files; do echo "${f#tests/}"; done | paste -sd' ' -)
+  if [ -z "$files" ]; then
+    echo "gpu$dev [no files]: idle" >> "$OUT/pytest_summary.txt"; continue
+  fi
+  read -r rc secs < "$PARTS/.rc_gpu$dev" 2>/dev/null || { rc=255; secs=?; }
+  result=$(grep -E ' in [0-9.]+s( \([0-9:]+\))?( =+)?$' "$PARTS/pytest_gpu$dev.log" 2>/dev/null | tail -1 | sed -E 's/^=+ //; s/ =+$//')
+  RESULTS+="$result"$'\n'
+  logged=$(grep -c '^=== FAILED ' "$PARTS/failures_gpu$dev.log" 2>/dev/null)
+  case $rc in
+    0) state=ok ;;
+    124|137) if [ -n "$result" ]; then state="TIMED OUT after ${SUITE_SECONDS}s, after its result line (at exit)"
+             else state="TIMED OUT after ${SUITE_SECONDS}s (${logged:-0} failures logged by then)"; fi; STATUS=1 ;;
+    *) state="FAILED (rc $rc)"; STATUS=1 ;;
+  esac
+  echo "gpu$dev [$names]: ${result:-no pytest result line} -- $state, ${secs}s" >> "$OUT/pytest_summary.txt"
+done
+overall=$(printf '%s' "$RESULTS" | grep -oE '[0-9]+ (passed|failed|errors?|skipped|xfailed|xpassed|deselected)' | awk '
+  { sub(/^error$/, "errors", $2); n[$2] += $1 }
+  END { split("passed failed errors skipped xfailed xpassed deselected", keys, " ")
+        for (k = 1; k <= 7; k++) if (keys[k] in n) printf "%s%d %s", (s++ ? ", " : ""), n[keys[k]], keys[k] }')
+echo "overall: ${overall:-no results} on $GPUS GPUs in $(( $(date +%s) - T0 ))s -- $([ "$STATUS" = 0 ] && echo OK || echo FAILED)" >> "$OUT/pytest_summary.txt"
+grep -hE '^(FAILED|ERROR) ' "$PARTS"/pytest_gpu*.log 2>/dev/null | head -40 >> "$OUT/pytest_summary.txt"
+echo "== summary"
+cat "$OUT/pytest_summary.txt"
+rm -f "$PARTS"/.rc_gpu*
+tar czf "$OUT/pytest_gpus.tgz" -C "$OUT" pytest_gpus && rm -rf "$PARTS"
+
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  CUDA_VISIBLE_DEVICES=${DEVICES[0]} timeout "${BENCH_SECONDS:-150}" python3 benchmarks/bench_attention.py --quick --out "$OUT" 2>&1 | tail -12
+fi
+exit "$STATUS"
