@@ -2,9 +2,20 @@
 through on-device tensor descriptors (tl.make_tensor_descriptor) and asks for automatic warp
 specialization (tl.range(..., warp_specialize=True); Hopper: triton PR #7658) beat our forward
 (kernels/attn_fwd.py: ~476 TFLOP/s, cuDNN ~606, at bf16 B4 H16 L4096 E128)? Variants of one kernel:
-tma_ws, tma (no WS), ptr (tl.load), tma_ws_1loop (causal: one masked WS loop). Baselines: our op,
-SDPA cuDNN, SDPA flash. Numerics as attn_fwd.py: fp32 S scaled in fp32 by scale*log2(e), base-2
-online softmax with fp32 max/sum, P in the input dtype for P.V, fp32 accumulator, LSE in nats.
+tma_ws, tma (no WS), ptr (tl.load), tma_ws_1loop (causal: one masked WS loop), and host_ws, host,
+host_ws_1loop: the same with host-side descriptors (triton.tools.tensor_descriptor.TensorDescriptor,
+built per config by the launcher; no triton.set_allocator, and they run with an allocator that
+raises). Why host: under torch.compile, Inductor launches user Triton kernels with no global scratch
+for on-device descriptors (pytorch #148052), while host TensorDescriptor arguments work through
+torch.library.triton_op (pytorch #155777, #155814); triton PR #7658 said Hopper WS did not partition
+data with host TMA, so these rows say whether it does (and is as fast) with 3.6. --aot with 3.7.1
+(sm_90): host_ws / host_ws_1loop get WS (12 warps, 0 B scratch) only at BLOCK_M=64 w4; at
+BLOCK_M=128 w4 the WS pass splits the Q tile into 64-row halves, which a host descriptor's fixed
+[128, E] block cannot follow ("descriptor block and tensor must have the same number of
+elements"); host (no WS) compiles everywhere. On-device tma / tma_ws need 512 / 640 B of scratch.
+Baselines: our op, SDPA cuDNN, SDPA flash. Numerics as attn_fwd.py: fp32 S scaled in fp32 by
+scale*log2(e), base-2 online softmax with fp32 max/sum, P in the input dtype for P.V, fp32
+accumulator, LSE in nats.
 Compiles run in child processes first (Triton's Hopper WS pass has died on C++ assertions, e.g.
 triton issue #9728, which no try/except survives); the parent loads the cached binaries. Usage:
   python benchmarks/experiments/fwd_ws_probe.py [--budget-s 200] [--out PATH]           # GPU run
@@ -22,14 +33,18 @@ import time
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the checkout's flash_inductor
 
 LOG2E = 1.4426950408889634
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
-# name: (USE_TMA, WS, ONE_LOOP); tma_ws_1loop only for causal problems (elsewhere it is tma_ws)
-VARIANTS = {"tma_ws": (True, True, False), "tma": (True, False, False), "ptr": (False, False, False),
-            "tma_ws_1loop": (True, True, True)}
+# name: (USE_TMA, WS, ONE_LOOP, HOST_DESC); *_1loop only for causal problems (elsewhere = *_ws)
+VARIANTS = {"tma_ws": (True, True, False, False), "tma": (True, False, False, False),
+            "ptr": (False, False, False, False), "tma_ws_1loop": (True, True, True, False),
+            "host_ws": (True, True, False, True), "host": (True, False, False, True),
+            "host_ws_1loop": (True, True, True, True)}
+is_host = lambda var: VARIANTS.get(var, (False,) * 4)[3]  # noqa: E731
 T0 = time.time()
 
 
@@ -70,27 +85,31 @@ def _kv_range(acc, l_i, m_i, q, K, V, kv_row0, lo, hi, offs_m, offs_e, qk_scale_
 
 
 @triton.jit
-def _desc(base, total_rows, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
-    # On-device descriptor over the (B*H*L, E) view; it lives in scratch from triton.set_allocator.
-    # PR #7658: Hopper WS partitions data with these only, not with host TensorDescriptors.
-    return tl.make_tensor_descriptor(base, shape=[total_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                     block_shape=[ROWS, HEAD_DIM])
+def _desc(base, total_rows, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, HOST_DESC: tl.constexpr):
+    if HOST_DESC:  # base is already a host TensorDescriptor with block_shape [ROWS, HEAD_DIM]
+        d = base
+    else:  # on-device descriptor over the (B*H*L, E) view, in scratch from triton.set_allocator
+        d = tl.make_tensor_descriptor(base, shape=[total_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                      block_shape=[ROWS, HEAD_DIM])
+    return d
 
 
 @triton.jit
 def _fwd_probe(Q, K, V, O, LSE, L, total_rows, qk_scale_log2,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr, ONE_LOOP: tl.constexpr):
-    """q, k, v, o: contiguous (B, H, L, E) seen as (B*H*L, E); lse: (B*H*L,). L % BLOCK_M == 0."""
+               IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr, ONE_LOOP: tl.constexpr,
+               HOST_DESC: tl.constexpr):
+    """q, k, v, o: contiguous (B, H, L, E) seen as (B*H*L, E), or (HOST_DESC) host descriptors over
+    those views with blocks [BLOCK_M, E] (Q, O) and [BLOCK_N, E] (K, V); lse: (B*H*L,). L % BLOCK_M == 0."""
     qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)  # an fp32 scalar on every path
     start_m = tl.program_id(0) * BLOCK_M
     row0 = tl.program_id(1) * L  # int32: the host asserts B*H*L < 2**31 (TMA coords are int32)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_e = tl.arange(0, HEAD_DIM)
     if USE_TMA:
-        k_src = _desc(K, total_rows, HEAD_DIM, BLOCK_N)
-        v_src = _desc(V, total_rows, HEAD_DIM, BLOCK_N)
-        q = _desc(Q, total_rows, HEAD_DIM, BLOCK_M).load([row0 + start_m, 0])
+        k_src = _desc(K, total_rows, HEAD_DIM, BLOCK_N, HOST_DESC)
+        v_src = _desc(V, total_rows, HEAD_DIM, BLOCK_N, HOST_DESC)
+        q = _desc(Q, total_rows, HEAD_DIM, BLOCK_M, HOST_DESC).load([row0 + start_m, 0])
     else:
         k_src, v_src = K, V
         q = tl.load(Q + (row0 + offs_m).to(tl.int64)[:, None] * HEAD_DIM + offs_e[None, :])
@@ -112,18 +131,18 @@ def _fwd_probe(Q, K, V, O, LSE, L, total_rows, qk_scale_log2,
     if IS_CAUSAL and not ONE_LOOP:  # the diagonal block (BLOCK_M % BLOCK_N == 0)
         acc, l_i, m_i = _kv_range(acc, l_i, m_i, q, k_src, v_src, row0, start_m, start_m + BLOCK_M, offs_m,
                                   offs_e, qk_scale_log2, HEAD_DIM, BLOCK_N, USE_TMA, True, False)
-    out = (acc * (1.0 / l_i)[:, None]).to(O.dtype.element_ty)
+    out = (acc * (1.0 / l_i)[:, None]).to(q.dtype)  # O has q's dtype (O may be a descriptor)
     if USE_TMA:
-        _desc(O, total_rows, HEAD_DIM, BLOCK_M).store([row0 + start_m, 0], out)
+        _desc(O, total_rows, HEAD_DIM, BLOCK_M, HOST_DESC).store([row0 + start_m, 0], out)
     else:
         tl.store(O + (row0 + offs_m).to(tl.int64)[:, None] * HEAD_DIM + offs_e[None, :], out)
     tl.store(LSE + row0 + offs_m, (m_i + tl.math.log2(l_i)) * LN2)
 
 
 def kernel_args(variant, cfg, causal, E):
-    use_tma, ws, one_loop = VARIANTS[variant]
+    use_tma, ws, one_loop, host = VARIANTS[variant]
     return dict(HEAD_DIM=E, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], IS_CAUSAL=causal, USE_TMA=use_tma,
-                WS=ws, ONE_LOOP=one_loop, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                WS=ws, ONE_LOOP=one_loop, HOST_DESC=host, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def probe_forward(q, k, v, causal, scale, variant, cfg):
@@ -133,7 +152,11 @@ def probe_forward(q, k, v, causal, scale, variant, cfg):
     assert E in (64, 128) and L % cfg["BLOCK_M"] == 0 and cfg["BLOCK_M"] % cfg["BLOCK_N"] == 0 and B * H * L < 2**31
     o = torch.empty_like(q)
     lse = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
-    kern = _fwd_probe[(L // cfg["BLOCK_M"], B * H)](q, k, v, o, lse, L, B * H * L, scale * LOG2E,
+    tensors = (q, k, v, o)
+    if is_host(variant):  # built per call, as a triton_op wrapper under torch.compile would
+        rows = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_N"], cfg["BLOCK_M"])
+        tensors = [TensorDescriptor.from_tensor(t.view(B * H * L, E), block_shape=[r, E]) for t, r in zip(tensors, rows)]
+    kern = _fwd_probe[(L // cfg["BLOCK_M"], B * H)](*tensors, lse, L, B * H * L, scale * LOG2E,
                                                   **kernel_args(variant, cfg, causal, E))
     return o, lse, kern
 
@@ -216,10 +239,14 @@ def aot_compile(p, variant, cfg):
     from triton.compiler import ASTSource
     ka = kernel_args(variant, cfg, p["causal"], p["E"])
     opts = dict(num_warps=ka.pop("num_warps"), num_stages=ka.pop("num_stages"))
-    ty = {"bfloat16": "*bf16", "float16": "*fp16"}[p["dtype"]]
-    sig = dict(Q=ty, K=ty, V=ty, O=ty, LSE="*fp32", L="i32", total_rows="i32", qk_scale_log2="fp32")
+    ty = {"bfloat16": "bf16", "float16": "fp16"}[p["dtype"]]
+    qo, kv = ("*" + ty,) * 2
+    if ka["HOST_DESC"]:  # what the JIT would mangle a host TensorDescriptor argument to
+        qo, kv = (f"tensordesc<{ty}[{ka[b]}, {p['E']}]>" for b in ("BLOCK_M", "BLOCK_N"))
+    sig = dict(Q=qo, K=kv, V=kv, O=qo, LSE="*fp32", L="i32", total_rows="i32", qk_scale_log2="fp32")
     sig.update({name: "constexpr" for name in ka})
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(7)}  # pointers and L, total_rows
+    # pointers (not descriptors) and L, total_rows are multiples of 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(4 if ka["HOST_DESC"] else 0, 7)}
     k = triton.compile(ASTSource(_fwd_probe, sig, constexprs=ka, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=opts)
     return summarize(k)
@@ -229,8 +256,16 @@ def summarize(k):  # None under the interpreter
     if k is None or not hasattr(k, "metadata"):
         return {}
     # The loop attribute tt.warp_specialize survives even when WS is dropped; the op does not.
-    return dict(num_warps=k.metadata.num_warps, shared=k.metadata.shared,
+    return dict(num_warps=k.metadata.num_warps, shared=k.metadata.shared, scratch=k.metadata.global_scratch_size,
                 ws_applied="ttg.warp_specialize" in k.asm.get("ttgir", ""))
+
+
+def scratch_allocator(device):
+    return lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device)
+
+
+def no_scratch(size, align, stream):  # set for host-descriptor variants: they must not need scratch
+    raise RuntimeError(f"host-descriptor variant asked for {size} B of global scratch")
 
 
 def child_main(spec):
@@ -240,7 +275,7 @@ def child_main(spec):
             info = aot_compile(p, variant, cfg)
         else:
             dev = spec["device"]
-            triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=dev))
+            triton.set_allocator(no_scratch if is_host(variant) else scratch_allocator(dev))
             q, k, v = make_inputs(p, dev)
             info = {}
             if variant == "ours":
@@ -325,7 +360,6 @@ def main():
         sys.exit("--device cpu needs TRITON_INTERPRET=1")
     if on_gpu:  # our op reads its tuned table; an empty user cache leaves the shipped one
         os.environ.setdefault("FLASH_INDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="fi_cache_"))
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=args.device))
     meta = dict(torch=torch.__version__, triton=triton.__version__, device=args.device, interpreter=interp,
                 gpu=torch.cuda.get_device_name() if on_gpu else "cpu", quick=args.quick,
                 capability=list(torch.cuda.get_device_capability()) if on_gpu else None)
@@ -334,8 +368,8 @@ def main():
     compiled = {}
     if args.isolate if args.isolate is not None else on_gpu:
         ours_jobs = [(f"{p['name']}/ours/-", dict(problem=p, variant="ours")) for p in problems]
-        # Compiles get ~55% of the budget (16 children compile ~95 jobs in ~100 s, a guess from
-        # 9 s per sm_90 compile here); measuring ~110 entries takes ~50 s more.
+        # Compiles get ~55% of the budget (16 children compile ~160 jobs in ~60 s: 4 CPU-s per
+        # sm_90 compile here); measuring ~140 entries takes ~65 s more.
         compiled = run_children(ours_jobs + jobs, args, T0 + 0.55 * args.budget_s)
         log(f"compile phase done: {sum(ok for ok, _ in compiled.values())}/{len(compiled)} ok")
 
@@ -370,6 +404,7 @@ def main():
                 row.update(status="skipped" if detail.startswith("skipped") else "compile/launch failed", error=detail)
                 continue
             row.update(detail)  # the child's compile summary: warps, shared memory, WS applied
+            triton.set_allocator(no_scratch if is_host(var) else scratch_allocator(args.device))
             try:
                 res = fn()
                 if c is not None and res[2] is not None:
@@ -407,7 +442,7 @@ def finish(rows, meta, out):
     for r in best.values():
         r["best"] = True
     num = lambda x, f: f % x if isinstance(x, float) else "-"
-    print(f"\n{'problem':23} {'variant':12} {'config':13} {'ms':>7} {'TFLOP/s':>7} {'x_ours':>6} {'x_cudnn':>7} "
+    print(f"\n{'problem':23} {'variant':13} {'config':13} {'ms':>7} {'TFLOP/s':>7} {'x_ours':>6} {'x_cudnn':>7} "
           f"{'o_err':>8} {'lse_err':>8}  note")
     for r in rows:
         if "job" in r:  # --aot rows
@@ -415,15 +450,15 @@ def finish(rows, meta, out):
             continue
         note = ("*best " if r.get("best") else "") + ("FLAG:err>2x_ours " if r.get("flag") else "")
         if "ws_applied" in r:
-            note += f"warps={r['num_warps']} smem={r['shared']} ws={'y' if r['ws_applied'] else 'n'} "
+            note += f"warps={r['num_warps']} smem={r['shared']} scratch={r.get('scratch')} ws={'y' if r['ws_applied'] else 'n'} "
         if r["status"] != "ok":
             note += (r["status"] + (f": {r['error']}" if r.get("error") else ""))[:120]
-        print(f"{r['problem']:23} {r['variant']:12} {r['config']:13} {num(r.get('ms'), '%.3f'):>7} "
+        print(f"{r['problem']:23} {r['variant']:13} {r['config']:13} {num(r.get('ms'), '%.3f'):>7} "
               f"{num(r.get('tflops'), '%.1f'):>7} {num(r.get('x_ours'), '%.3f'):>6} {num(r.get('x_cudnn'), '%.3f'):>7} "
               f"{num(r.get('o_err'), '%.2e'):>8} {num(r.get('lse_err'), '%.2e'):>8}  {note}")
     for r in rows:  # the answer in one line per problem and variant
         if r.get("best") or (r.get("ms") and r["variant"] not in VARIANTS):
-            print(f"ANSWER {r['problem']:23} {r['variant']:12} {r['config']:13} {r['tflops']:6.1f} TFLOP/s "
+            print(f"ANSWER {r['problem']:23} {r['variant']:13} {r['config']:13} {r['tflops']:6.1f} TFLOP/s "
                   f"x_ours={r['x_ours']:.3f} x_cudnn={r['x_cudnn']:.3f}")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
