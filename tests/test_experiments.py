@@ -23,7 +23,8 @@ def test_forward_probe_variants_match_the_reference(tmp_path):
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    probes = [r for r in rows if r["variant"] in ("tma_ws", "tma", "ptr", "tma_ws_1loop", "host_ws", "host", "host_ws_1loop")]
+    variants = ("tma_ws", "tma", "ptr", "tma_ws_1loop", "host_ws", "host", "host_ws_1loop")
+    probes = [r for r in rows if r["variant"] in variants]
     ours = {r["problem"]: r for r in rows if r["variant"] == "ours"}
     assert probes and ours
     for r in probes:
