@@ -9,6 +9,11 @@ causal, and backward / forward+backward count 2.5x / 3.5x the forward.
     python benchmarks/bench_attention.py                  # full grid, all providers
     python benchmarks/bench_attention.py --memory --e2e   # plus peak memory and a GPT block
     python benchmarks/bench_attention.py --selftest       # no GPU: writer, table and plot on fake data
+
+Long grids: --time-budget stops starting cases after that many seconds and writes what it has
+(the rest are recorded as skipped); every finished record is also appended to <stem>.partial.jsonl
+as it lands, so a run killed from outside still leaves its measurements. --resume FILE... skips
+the cells those files measured; plot_results.py merges the files afterwards.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 
 import torch
@@ -33,7 +39,8 @@ import torch.nn.functional as F
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:  # the sibling plot_results.py, when this file is imported rather than run
     sys.path.insert(0, _HERE)
-from plot_results import MODES, PROVIDERS as ALL_PROVIDERS, format_extras, format_table, plot_results  # noqa: E402
+from plot_results import (MODES, PROVIDERS as ALL_PROVIDERS, format_extras, format_table,  # noqa: E402
+                          plot_results, target_report)
 
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
                  "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
@@ -56,7 +63,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", type=_csv_list(str), default=["bf16", "fp16"], help="comma list of bf16,fp16,fp32")
     p.add_argument("--head-dims", type=_csv_list(int), default=[64, 128])
-    p.add_argument("--seqs", type=_csv_list(int), default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--seqs", type=_csv_list(int), default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     p.add_argument("--modes", type=_csv_list(str), default=list(MODES), help="comma list of fwd,bwd,fwd_bwd")
     p.add_argument("--providers", type=_csv_list(str), default=list(ALL_PROVIDERS),
@@ -71,6 +78,10 @@ def parse_args(argv=None):
     p.add_argument("--memory", action="store_true", help="also peak extra memory of fwd+bwd at seq 16k and 32k")
     p.add_argument("--e2e", action="store_true", help="also a GPT-style block training step")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds: start no case after this; the rest are recorded as skipped")
+    p.add_argument("--resume", nargs="+", default=[], metavar="RESULTS",
+                   help="bench_*.json or .partial.jsonl files: skip the cells they measured")
     p.add_argument("--dry-run", action="store_true", help="import everything, print the grid, run nothing")
     p.add_argument("--selftest", action="store_true", help="exercise table/CSV/JSON/plot on synthetic records")
     args = p.parse_args(argv)
@@ -468,13 +479,46 @@ def _plain_progress(items, desc):
         yield item
 
 
-def run_all(args):
+def load_records(path):
+    """Records of a bench_*.json file or of a .partial.jsonl (one record per line)."""
+    with open(path) as f:
+        if path.endswith(".jsonl"):
+            return [json.loads(line) for line in f if line.strip()]
+        return json.load(f)["results"]
+
+
+def measured_cells(paths):
+    """(provider, dtype, E, causal, seq, mode) of every attention record measured in these files."""
+    done = set()
+    for path in paths:
+        done |= {(r["provider"], r["dtype"], r["head_dim"], r["causal"], r["seq"], r["mode"])
+                 for r in load_records(path) if r["section"] == "attention" and r["status"] == "ok"}
+    return done
+
+
+def run_all(args, partial_path=None, clock=time.monotonic):
+    """Measure the grid (then memory and e2e when asked). Each finished attention record is appended to
+    ``partial_path`` as JSON lines; cases left when --time-budget runs out are recorded as skipped."""
     records = []
-    grid = [(c, p) for c in build_grid(args) for p in args.providers]
+    done = measured_cells(args.resume)
+    grid = [(c, p) for c in build_grid(args) for p in args.providers
+            if (p, c["dtype"], c["head_dim"], c["causal"], c["seq"], c["mode"]) not in done]
+    if done:
+        print(f"--resume: {len(done)} cells already measured, {len(grid)} to run", file=sys.stderr)
+    if partial_path:
+        os.makedirs(os.path.dirname(partial_path) or ".", exist_ok=True)
+    deadline = None if args.time_budget is None else clock() + args.time_budget
     with dynamo_limits():
         with no_donated_buffers():
             for case, provider in progress(grid, "attention"):
+                if deadline is not None and clock() > deadline:
+                    records.append(dict(section="attention", provider=provider, status="skipped",
+                                        error="--time-budget spent", **case))
+                    continue
                 records.append(run_case(case, provider, args))
+                if partial_path:
+                    with open(partial_path, "a") as f:
+                        f.write(json.dumps(records[-1]) + "\n")
                 if is_fatal(records[-1]):
                     print(f"\nstopping: {records[-1]['error']}; results so far are written", file=sys.stderr)
                     return records
@@ -493,7 +537,9 @@ def finish(records, env, args):
     extras = format_extras(records)
     if extras:
         print(extras)
-    files = write_results(output_stem(args.out, env, args.tag), env, records)
+    print("\n".join(target_report(records)[1]))
+    stem = output_stem(args.out, env, args.tag)
+    files = write_results(stem, env, records)
     if not args.no_plot:
         title = f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  {env['date']}"
         try:
@@ -583,8 +629,21 @@ def main(argv=None):
         sys.exit("bench_attention.py needs a CUDA GPU (torch.cuda.is_available() is False); "
                  "use --dry-run or --selftest on a machine without one.")
     env = environment([sys.argv[0], *argv])
-    finish(run_all(args), env, args)
+    partial = fresh_partial_path(output_stem(args.out, env, args.tag))
+    finish(run_all(args, partial_path=partial), env, args)
+    with contextlib.suppress(FileNotFoundError):  # every record it holds is in the written files now
+        os.remove(partial)
     return None
+
+
+def fresh_partial_path(stem):
+    """<stem>.partial.jsonl, or .partial-2.jsonl, ... when an earlier (killed) run left one: that file
+    may be what --resume reads, and holds records this run will not rewrite."""
+    path, n = stem + ".partial.jsonl", 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{stem}.partial-{n}.jsonl"
+    return path
 
 
 if __name__ == "__main__":

@@ -2,14 +2,21 @@
 """Tables and plots for bench_attention.py results; also redraws the PNG of an earlier run.
 
     python benchmarks/plot_results.py benchmarks/results/bench_nvidia-h200_20261129.json
+    python benchmarks/plot_results.py A.json B.json --out benchmarks/results/bench_..._grid   # merge runs
+
+Several files (a grid split over GPUs or calls) are merged into one record set: for the same cell
+and provider a measured record beats a skipped or failed one, and a later file beats an earlier.
+The printout ends with issue 6's targets, cell by cell (``target_report``).
 
 Records are dicts with section ("attention" | "memory" | "e2e"), provider, dtype, head_dim, causal, seq,
 mode, status ("ok" | "unsupported" | "skipped" | "unavailable") and, when ok, ms and tflops.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import statistics
 import sys
 
 # "ours" runs the default schedule; "ours-fast" the fast one (FA2's Δ: no exact-Δ GEMM), whose
@@ -109,17 +116,118 @@ def plot_results(records, path, title=""):
     return path
 
 
+# Issue 6's targets: (anchor, minimum ours/anchor, which cells). Forward and forward+backward of the
+# 16-bit grid only; the cuDNN targets apply at seq >= 4k with head dim 128.
+TARGET_MODES = ("fwd", "fwd_bwd")
+TARGET_DTYPES = ("bf16", "fp16")
+TARGETS = (
+    ("flash", {"fwd": 1.0, "fwd_bwd": 1.0}, lambda r: True),
+    ("flex", {"fwd": 1.0, "fwd_bwd": 1.0}, lambda r: True),
+    ("cudnn", {"fwd": 0.9, "fwd_bwd": 0.85}, lambda r: r["seq"] >= 4096 and r["head_dim"] == 128),
+)
+
+
+def _cell(r):
+    return (r["dtype"], r["head_dim"], r["causal"], r["seq"], r["mode"])
+
+
+def target_report(records, ours="ours"):
+    """Every (cell, anchor) a target applies to, with ours/anchor, the threshold and whether it holds.
+
+    Returns (rows, lines): rows are dicts (cell fields, anchor, ratio, threshold, met); lines a
+    printable summary, per anchor and mode: cells met / measured, the median ratio, and every miss.
+    Cells where ours or the anchor has no measurement are counted as unmeasured, never as met."""
+    ok = {_cell(r) + (r["provider"],): r["tflops"] for r in records
+          if r["section"] == "attention" and r["status"] == "ok" and r.get("tflops")}
+    cells = sorted({_cell(r) for r in records if r["section"] == "attention" and r["mode"] in TARGET_MODES
+                    and r["dtype"] in TARGET_DTYPES},
+                   key=lambda c: (c[0], c[1], c[2], c[4], c[3]))
+    rows, lines = [], []
+    for anchor, thresholds, applies in TARGETS:
+        for mode in TARGET_MODES:
+            scope = [c for c in cells if c[4] == mode
+                     and applies(dict(zip(("dtype", "head_dim", "causal", "seq", "mode"), c)))]
+            if not scope:
+                continue
+            measured, missing = [], 0
+            for c in scope:
+                mine, theirs = ok.get(c + (ours,)), ok.get(c + (anchor,))
+                if mine is None or theirs is None:
+                    missing += 1
+                    continue
+                row = dict(zip(("dtype", "head_dim", "causal", "seq", "mode"), c), anchor=anchor,
+                           ratio=mine / theirs, threshold=thresholds[mode])
+                row["met"] = row["ratio"] >= row["threshold"]
+                rows.append(row)
+                measured.append(row)
+            if not measured:
+                lines.append(f"{ours}/{anchor} {mode}: no cell measured for both ({missing} cells)")
+                continue
+            met = sum(r["met"] for r in measured)
+            median = statistics.median(r["ratio"] for r in measured)
+            lines.append(f"{ours}/{anchor} {mode} >= {thresholds[mode]}: {met}/{len(measured)} cells met, "
+                         f"median {median:.3f}" + (f", {missing} not measured for both" if missing else ""))
+            for r in measured:
+                if not r["met"]:
+                    lines.append(f"    miss {r['dtype']} E={r['head_dim']} {'causal' if r['causal'] else 'full':6} "
+                                 f"seq={r['seq']:>5}: {r['ratio']:.3f}")
+    return rows, lines
+
+
+def _record_key(r):
+    return (r["section"], r["provider"], r.get("dtype"), r.get("head_dim"), r.get("causal"), r.get("seq"),
+            r.get("mode"))
+
+
+def merge_records(record_lists):
+    """One record per (section, provider, cell): a measured record beats any other status, and among
+    equals the later list wins (a re-run of some cells replaces them)."""
+    merged = {}
+    for records in record_lists:
+        for r in records:
+            key = _record_key(r)
+            if key not in merged or r["status"] == "ok" or merged[key]["status"] != "ok":
+                merged[key] = r
+    return list(merged.values())
+
+
+def merge_headers(headers):
+    """The runs' shared header; fields that differ between runs become a list of the distinct values."""
+    out = {}
+    for key in dict.fromkeys(k for h in headers for k in h):
+        values = list(dict.fromkeys(json.dumps(h.get(key), sort_keys=True) for h in headers))
+        out[key] = json.loads(values[0]) if len(values) == 1 else [json.loads(v) for v in values]
+    return out
+
+
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or argv[0].startswith("-"):
-        sys.exit("usage: python benchmarks/plot_results.py RESULTS.json  (writes RESULTS.png beside it)")
-    with open(argv[0]) as f:
-        data = json.load(f)
-    h = data["header"]
-    print(format_table(data["results"]))
-    print(format_extras(data["results"]))
-    title = f"{h.get('gpu')}  torch {h.get('torch')}  triton {h.get('triton')}  {h.get('date')}"
-    print("wrote", plot_results(data["results"], os.path.splitext(argv[0])[0] + ".png", title))
+    p = argparse.ArgumentParser(description="Print (and plot) bench_attention.py results; merge several runs.")
+    p.add_argument("results", nargs="+", help="bench_*.json files; several are merged")
+    p.add_argument("--out", default=None,
+                   help="stem for the merged .json and .png (default: the single input's own stem)")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if len(args.results) > 1 and not args.out:
+        p.error("merging several files needs --out STEM")
+    loaded = []
+    for path in args.results:
+        with open(path) as f:
+            loaded.append(json.load(f))
+    gpus = {d["header"].get("gpu") for d in loaded}
+    if len(gpus) > 1:
+        p.error(f"these files come from different GPUs ({sorted(map(str, gpus))}); ratios across them mean nothing")
+    header = merge_headers([d["header"] for d in loaded])
+    records = merge_records(d["results"] for d in loaded)
+    stem = args.out or os.path.splitext(args.results[0])[0]
+    print(format_table(records))
+    print(format_extras(records))
+    print("\n".join(target_report(records)[1]))
+    if len(loaded) > 1:
+        header["merged_from"] = [os.path.basename(x) for x in args.results]
+        with open(stem + ".json", "w") as f:
+            json.dump({"header": header, "results": records}, f, indent=1)
+        print("wrote", stem + ".json")
+    title = f"{header.get('gpu')}  torch {header.get('torch')}  triton {header.get('triton')}  {header.get('date')}"
+    print("wrote", plot_results(records, stem + ".png", title))
 
 
 if __name__ == "__main__":

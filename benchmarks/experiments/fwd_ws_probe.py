@@ -25,6 +25,7 @@ triton issue #9728, which no try/except survives); the parent loads the cached b
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -172,7 +173,17 @@ def config_list(quick):
     # heuristic and 64x64 w4 s3 our tuned bf16 E128 L4096 entry. Important ones first.
     return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in
             ((128, 128, 4, 2), (128, 64, 4, 2), (128, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3),
-             (128, 128, 8, 2), (64, 64, 4, 3))]
+             (128, 128, 8, 2), (64, 64, 4, 3),
+             # host descriptors get WS only at BLOCK_M=64 (see the docstring)
+             (64, 128, 4, 2), (64, 128, 4, 3), (64, 64, 4, 2))]
+
+
+def parse_config(label):
+    """'m64n128w4s2' -> config dict (the cfg_name format)."""
+    m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)", label)
+    if not m:
+        raise argparse.ArgumentTypeError(f"--configs: {label!r} is not like m64n128w4s2")
+    return dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), map(int, m.groups())))
 
 
 def problem_list(quick):
@@ -341,13 +352,27 @@ def main():
     ap.add_argument("--isolate", type=int, default=None, help="compile in children first (default: on GPU)")
     ap.add_argument("--aot", action="store_true", help="only compile every job for sm_90; needs no GPU")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fwd_ws_probe.json"))
+    ap.add_argument("--variants", default=None, help="comma list of VARIANTS to run (default all)")
+    ap.add_argument("--configs", default=None, help="comma list like m64n128w4s2 (default config_list)")
+    ap.add_argument("--problems", default=None, help="comma list of problem names (default all)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child_main(json.loads(args.child))
     deadline = T0 + args.budget_s
     problems, configs = problem_list(args.quick), config_list(args.quick)
-    variants = lambda p: [v for v in VARIANTS if p["causal"] or not VARIANTS[v][2]]
+    if args.problems:
+        wanted = args.problems.split(",")
+        unknown = sorted(set(wanted) - {p["name"] for p in problems})
+        if unknown:
+            ap.error(f"--problems: unknown {unknown}; known: {[p['name'] for p in problems]}")
+        problems = [p for p in problems if p["name"] in wanted]
+    if args.configs:
+        configs = [parse_config(c) for c in args.configs.split(",")]
+    chosen = args.variants.split(",") if args.variants else list(VARIANTS)
+    if set(chosen) - set(VARIANTS):
+        ap.error(f"--variants: unknown {sorted(set(chosen) - set(VARIANTS))}; known: {list(VARIANTS)}")
+    variants = lambda p: [v for v in chosen if p["causal"] or not VARIANTS[v][2]]
     jobs = [(f"{p['name']}/{var}/{cfg_name(c)}", dict(problem=p, variant=var, cfg=c))
             for p in problems for c in configs for var in variants(p)]
     if args.aot:

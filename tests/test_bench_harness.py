@@ -1,0 +1,135 @@
+"""benchmarks/bench_attention.py and plot_results.py: time budget, partial records, resume, merging
+and the issue-6 target report. No GPU: run_case is replaced by a fake that returns a measurement."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import pytest
+
+BENCH_DIR = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name):
+    if str(BENCH_DIR) not in sys.path:
+        sys.path.insert(0, str(BENCH_DIR))
+    spec = importlib.util.spec_from_file_location(name, BENCH_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load("bench_attention")
+
+
+@pytest.fixture(scope="module")
+def plots():
+    return _load("plot_results")
+
+
+def _args(bench, *extra):
+    return bench.parse_args(["--dtypes", "bf16", "--head-dims", "128", "--seqs", "1024,4096", "--causal", "no",
+                             "--modes", "fwd,fwd_bwd", "--providers", "ours,flash", *extra])
+
+
+def _fake_run_case(speed):
+    def run_case(case, provider, args, device="cuda"):
+        return dict(section="attention", provider=provider, batch=1, heads=16, status="ok", ms=1.0,
+                    tflops=speed[provider], **case)
+    return run_case
+
+
+def test_time_budget_records_the_rest_as_skipped_and_partial_file_has_each_measurement(bench, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "run_case", _fake_run_case({"ours": 400.0, "flash": 300.0}))
+    ticks = iter(range(0, 1000, 10))  # each clock() call advances 10 s
+    args = _args(bench, "--time-budget", "25")
+    partial = tmp_path / "bench_x.partial.jsonl"
+    records = bench.run_all(args, partial_path=str(partial), clock=lambda: next(ticks))
+    assert len(records) == 8  # 4 cells x 2 providers, every one recorded
+    measured = [r for r in records if r["status"] == "ok"]
+    skipped = [r for r in records if r["status"] == "skipped"]
+    assert measured and skipped and len(measured) + len(skipped) == 8
+    assert all(r["error"] == "--time-budget spent" for r in skipped)
+    lines = [json.loads(x) for x in partial.read_text().splitlines()]
+    assert [(r["provider"], r["seq"], r["mode"]) for r in lines] == \
+        [(r["provider"], r["seq"], r["mode"]) for r in measured]
+
+
+def test_resume_skips_measured_cells(bench, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "run_case", _fake_run_case({"ours": 400.0, "flash": 300.0}))
+    first = bench.run_all(_args(bench, "--seqs", "1024"), partial_path=str(tmp_path / "a.partial.jsonl"))
+    assert len(first) == 4
+    args = _args(bench, "--resume", str(tmp_path / "a.partial.jsonl"))
+    second = bench.run_all(args, partial_path=str(tmp_path / "b.partial.jsonl"))
+    assert {r["seq"] for r in second} == {4096} and len(second) == 4
+
+
+def test_fresh_partial_path_never_reuses_an_existing_file(bench, tmp_path):
+    stem = str(tmp_path / "bench_gpu_20261130")
+    first = bench.fresh_partial_path(stem)
+    assert first.endswith(".partial.jsonl")
+    pathlib.Path(first).write_text("{}\n")
+    assert bench.fresh_partial_path(stem).endswith(".partial-2.jsonl")
+
+
+def _rec(provider, tflops, seq=4096, mode="fwd", status="ok", e=128, causal=False, dtype="bf16"):
+    return dict(section="attention", provider=provider, dtype=dtype, head_dim=e, causal=causal, seq=seq,
+                mode=mode, status=status, tflops=tflops if status == "ok" else None)
+
+
+def test_merge_prefers_measured_records_then_the_later_file(plots):
+    early = [_rec("ours", 400.0), _rec("flex", None, status="unsupported")]
+    late = [_rec("ours", 410.0), _rec("flex", None, status="skipped"), _rec("flash", 300.0)]
+    merged = {r["provider"]: r for r in plots.merge_records([early, late])}
+    assert merged["ours"]["tflops"] == 410.0
+    assert merged["flash"]["tflops"] == 300.0
+    assert merged["flex"]["status"] == "skipped"
+    assert {r["provider"]: r for r in plots.merge_records([late, [_rec("ours", 0, status="skipped")]])}[
+        "ours"]["tflops"] == 410.0
+
+
+def test_target_report_counts_met_missed_and_unmeasured_cells(plots):
+    records = [
+        _rec("ours", 500.0), _rec("flash", 340.0), _rec("flex", 480.0), _rec("cudnn", 600.0),
+        _rec("ours", 300.0, mode="fwd_bwd"), _rec("flash", 310.0, mode="fwd_bwd"),
+        _rec("flex", 400.0, mode="fwd_bwd"), _rec("cudnn", None, mode="fwd_bwd", status="unsupported"),
+        # outside the cuDNN target's scope (seq < 4k) and outside every target (fp32)
+        _rec("ours", 200.0, seq=1024), _rec("cudnn", 400.0, seq=1024), _rec("flash", 100.0, seq=1024),
+        _rec("ours", 1.0, dtype="fp32"), _rec("flash", 500.0, dtype="fp32"),
+    ]
+    rows, lines = plots.target_report(records)
+    by = {(r["anchor"], r["mode"], r["seq"]): r for r in rows}
+    assert by[("flash", "fwd", 4096)]["met"] and by[("flex", "fwd", 4096)]["met"]
+    assert not by[("cudnn", "fwd", 4096)]["met"]  # 500 / 600 < 0.9
+    assert by[("cudnn", "fwd", 4096)]["ratio"] == pytest.approx(500 / 600)
+    assert not by[("flash", "fwd_bwd", 4096)]["met"] and not by[("flex", "fwd_bwd", 4096)]["met"]
+    assert ("cudnn", "fwd", 1024) not in by and ("cudnn", "fwd_bwd", 4096) not in by
+    assert all(r["dtype"] != "fp32" for r in rows)
+    text = "\n".join(lines)
+    assert "ours/cudnn fwd >= 0.9: 0/1 cells met" in text
+    assert "ours/cudnn fwd_bwd: no cell measured for both" in text
+    assert "ours/flash fwd >= 1.0: 2/2 cells met" in text
+
+
+def test_plot_results_merges_files_from_one_gpu_and_refuses_two(plots, tmp_path, capsys):
+    header = dict(gpu="NVIDIA H200", torch="2.11.0", triton="3.6.0", date="2026-11-30T00:00:00")
+    a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    a.write_text(json.dumps(dict(header=header, results=[_rec("ours", 500.0), _rec("flash", 340.0)])))
+    b.write_text(json.dumps(dict(header=dict(header, date="2026-11-30T01:00:00"),
+                                 results=[_rec("ours", 450.0, dtype="fp16"), _rec("flash", 330.0, dtype="fp16")])))
+    c.write_text(json.dumps(dict(header=dict(header, gpu="NVIDIA H100"), results=[])))
+    pytest.importorskip("matplotlib")
+    plots.main([str(a), str(b), "--out", str(tmp_path / "merged")])
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert len(merged["results"]) == 4 and merged["header"]["merged_from"] == ["a.json", "b.json"]
+    assert merged["header"]["date"] == ["2026-11-30T00:00:00", "2026-11-30T01:00:00"]
+    assert (tmp_path / "merged.png").stat().st_size > 10_000
+    assert "ours/flash fwd >= 1.0: 2/2 cells met" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        plots.main([str(a), str(c), "--out", str(tmp_path / "bad")])
