@@ -247,6 +247,31 @@ def test_search_space_prunes_what_cannot_fit():
     assert all(fits("backward_dkdv", c, bf16, h200) for c in pruned)
 
 
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("mask", ["none", "causal", "bool", "float"])
+def test_wide_head_backward_tiles_on_hopper_fit_and_stay_small_elsewhere(schedule, mask):
+    from flash_inductor.tuning.configs import cuda_heuristic_configs
+
+    sched = SCHEDULES[schedule]
+    hopper = cuda_heuristic_configs((9, 0), 2, 256, 256, schedule, mask)
+    small = KernelConfig(32, 32, 4, 1)
+    # Ampere and fp32 inputs keep the small tiles whatever the schedule.
+    assert cuda_heuristic_configs((8, 0), 2, 256, 256, schedule, mask).backward_dq == small
+    assert cuda_heuristic_configs((9, 0), 4, 256, 256, schedule, mask).backward_dkdv == KernelConfig(16, 32, 4, 1)
+    if sched.p_in_fp32 or sched.ds_in_fp32:  # tf32x3 operands were not measured with larger tiles
+        assert (hopper.backward_dkdv, hopper.backward_dq) == (small, small)
+        return
+    tiles = TileBytes(256, 2, 2, 2, {"bool": 1, "float": 4}.get(mask, 0), exact_delta=sched.exact_delta)
+    h200 = DeviceLimits(smem_bytes=232448)
+    assert hopper.backward_dkdv == KernelConfig(64, 32, 4, 2)
+    assert fits("backward_dkdv", hopper.backward_dkdv, tiles, h200)
+    wide_dq = KernelConfig(64, 64, 8, 2) if sched.exact_delta else KernelConfig(128, 32, 8, 2)
+    if mask == "float":  # an fp32 mask tile does not fit beside the wide dQ tiles: the small one stays
+        assert not fits("backward_dq", wide_dq, tiles, h200) and hopper.backward_dq == small
+    else:
+        assert hopper.backward_dq == wide_dq and fits("backward_dq", wide_dq, tiles, h200)
+
+
 # ------------------------------------------------------------------------------------------
 # Buckets
 # ------------------------------------------------------------------------------------------

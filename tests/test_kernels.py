@@ -216,6 +216,13 @@ FEATURES = {
     "scale_0.3": _f(scale=0.3),
     "E_ne_Ev_odd": _f(head_dim=40, head_dim_v=8) if not ON_CUDA else _f(head_dim=40, head_dim_v=200),
 }
+if ON_CUDA:  # head width 256 takes wider backward tiles on Hopper (tuning/configs.py); the fp32 mask keeps dQ's small one
+    FEATURES.update({
+        "E256_causal_bool_mask_gqa": _f(head_dim=256, head_dim_v=256, causal="bottom_right", mask="bool",
+                                        heads_q=4, heads_kv=2, **_SQ),
+        "E256_float_mask_grad_grad_lse": _f(head_dim=256, head_dim_v=256, mask="float", mask_grad=True,
+                                            grad_lse=True),
+    })
 
 
 @pytest.mark.parametrize("case", _params(FEATURES))
@@ -233,6 +240,8 @@ DROPOUT = {
     "p0.5_float_mask_grad": _f(dropout_p=0.5, mask="float", mask_grad=True),
     "p0.3_bool_broadcast_noncontig_dead_rows": _f(dropout_p=0.3, mask="bool_dead_rows", noncontig=True),
 }
+if ON_CUDA:
+    DROPOUT["p0.2_E256_causal"] = _f(dropout_p=0.2, head_dim=256, head_dim_v=256, causal="top_left", **_SQ)
 
 
 @pytest.mark.parametrize("case", _params(DROPOUT))
@@ -264,6 +273,8 @@ SCHEDULE_CASES = {
     "gqa_causal_float_mask_grad_noncontig": _f(heads_q=4, heads_kv=2, causal="bottom_right", mask="float",
                                               mask_grad=True, noncontig=True),
 }
+if ON_CUDA:  # each schedule's wide-head backward tiles (exact Δ or not, 16-bit or tf32x3 operands)
+    SCHEDULE_CASES["E256_causal"] = _f(head_dim=256, head_dim_v=256, causal="top_left", **_SQ)
 
 
 @pytest.mark.parametrize("case", _params(SCHEDULE_CASES))

@@ -82,6 +82,8 @@ def cuda_heuristic_configs(capability: tuple[int, int], itemsize: int, head_dim:
         fwd = KernelConfig(64, 32, 4, 2) if not wide else KernelConfig(32, 32, 4, 1)
         dkdv = KernelConfig(32, 32, 4, 1) if not wide else KernelConfig(16, 32, 4, 1)
         dq = KernelConfig(32, 32, 4, 1) if not wide else KernelConfig(16, 32, 4, 1)
+        if not wide and capability >= (9, 0):
+            dkdv, dq = _wide_head_hopper_backward(itemsize, width, schedule, mask_kind, dkdv, dq)
     p_in_fp32 = SCHEDULES[schedule or DEFAULT_SCHEDULE].p_in_fp32
     if p_in_fp32 and mask_kind in ("bool", "float") and fwd.num_stages > 2:
         # A schedule that keeps P in fp32 stages P and V's fp32 split for its P·V; a pipelined mask
@@ -89,6 +91,34 @@ def cuda_heuristic_configs(capability: tuple[int, int], itemsize: int, head_dim:
         # memory at three stages on an H200, past its 227 KiB. Two stages fit.
         fwd = dataclasses.replace(fwd, num_stages=2)
     return AttentionConfigs(fwd, dkdv, dq)
+
+
+# Backward tiles for 16-bit head widths 129-256 on Hopper, measured on an H200 (bf16, B=4, H=8,
+# L=S=4096, E=256; benchmarks/results/backward_breakdown_nvidia-h200_20261201_e256-*.json) against
+# 32x32/w4/s1 for both passes: dK/dV 64x32/w4/s2 1.73x faster; dQ 64x64/w8/s2 2.07x with exact Δ
+# (its P·K accumulator doubles the registers per query row) and 128x32/w8/s2 2.9x without.
+# Measured only for schedules that round P and dS to 16 bits; the tf32x3 ones keep the small tiles.
+_HOPPER_WIDE_DKDV = KernelConfig(64, 32, 4, 2)
+_HOPPER_WIDE_DQ = {True: KernelConfig(64, 64, 8, 2), False: KernelConfig(128, 32, 8, 2)}  # by exact Δ
+_HOPPER_SMEM_BYTES = 232448  # opt-in shared memory per block on sm_90
+
+
+def _wide_head_hopper_backward(itemsize: int, width: int, schedule: Optional[str], mask_kind: str,
+                               dkdv: KernelConfig, dq: KernelConfig) -> tuple[KernelConfig, KernelConfig]:
+    """The measured wide-head tiles where the schedule rounds P and dS to 16 bits and each tile fits
+    Hopper's shared memory with the call's mask tile (a float mask counted at 4 bytes, the widest it
+    can be); the given small tiles otherwise."""
+    from .search_space import DeviceLimits, TileBytes, fits  # imports this module
+
+    sched = SCHEDULES[schedule or DEFAULT_SCHEDULE]
+    if sched.p_in_fp32 or sched.ds_in_fp32:
+        return dkdv, dq
+    mask_bytes = {"bool": 1, "float": 4}.get(mask_kind, 0)
+    tiles = TileBytes(width, itemsize, itemsize, itemsize, mask_bytes, exact_delta=sched.exact_delta)
+    limits = DeviceLimits(smem_bytes=_HOPPER_SMEM_BYTES)
+    wide_dq = _HOPPER_WIDE_DQ[sched.exact_delta]
+    return (_HOPPER_WIDE_DKDV if fits("backward_dkdv", _HOPPER_WIDE_DKDV, tiles, limits) else dkdv,
+            wide_dq if fits("backward_dq", wide_dq, tiles, limits) else dq)
 
 
 def heuristic_configs(query: torch.Tensor, head_dim: int, head_dim_v: int, interpreted: bool,
