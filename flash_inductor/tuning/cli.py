@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m flash_inductor.autotune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", type=_csv(str, _DTYPES), default=("bf16", "fp16"))
-    p.add_argument("--head-dims", type=_csv(int), default=(64, 128),
+    p.add_argument("--head-dims", type=_csv(int), default=(64, 128, 256),
                    help="head dims to tune; each tunes its padded width (e.g. 96 -> 128)")
     p.add_argument("--masks", type=_csv(str, MASK_KINDS), default=("none", "causal"),
                    help="mask kinds (none,causal,bool,float); untuned kinds use the heuristic")
