@@ -56,7 +56,8 @@ def test_delta_variants_gemm_free_delta_falls_short_on_near_tied_keys(tmp_path):
     """The Δ experiment (pure PyTorch, CPU): `stable`'s exact Δ beats FlashAttention-2's on
     near-tied keys, and a GEMM-free Δ from the forward's fp32 output (or its 16-bit residual)
     does not reach it. Bounds are loose against the full run's ranges (3 seeds, L 256/1024,
-    E 64/128: benchmarks/results/delta_variants_cpu_20261201.json), quoted per assertion."""
+    E 64/128: benchmarks/results/delta_variants_cpu_20261201.json), quoted per assertion; those of
+    the features against 8 seeds at --quick size (--quick --seeds 8), quoted likewise."""
     out = tmp_path / "delta_variants.json"
     script = SCRIPT.parent / "delta_variants.py"
     run = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)],
@@ -65,7 +66,32 @@ def test_delta_variants_gemm_free_delta_falls_short_on_near_tied_keys(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {r["case"] for r in rows} >= {"near_tied", "onehot_scale_1e2", "peaked"}
     assert {r["dtype"] for r in rows} == {"bf16", "fp16"}
+    assert {r["feature"] for r in rows} == {"base", "causal", "bool_dead", "additive", "gqa", "dropout", "dlse", "all"}
     for r in rows:
+        where = (r["feature"], r["case"], r["dtype"], r["seed"])
+        # Every feature, every variant: finite gradients, and rows that see no key get dq exactly 0
+        # (as do the forward's O, the fp64 truth and PyTorch).
+        assert not r["nonfinite"], where
+        assert all(r.get("dead_rows_zero", {}).values()), where
+        assert ("dead_rows_zero" in r) == (r["feature"] in ("bool_dead", "all")), where
+        # The identity behind *_ctr, in fp64 autograd: Σⱼ dSᵢⱼ = dLSEᵢ·Σⱼ Pᵢⱼ (measured <= 2.3e-14).
+        assert r["truth_rowsum_err"] < 1e-10, where
+        if r["feature"] == "base":
+            continue
+        ds16 = r["modes"]["ds16"]
+        if r["case"] == "near_tied":
+            # `stable` keeps its floor under every feature (exact_kernel / round: 0.01-1.25)...
+            assert ds16["exact_kernel"]["dq"] <= 2 * r["round_ref"]["dq"], where
+            # ...and residual_ctr stays with it on near-tied keys (dq 0.99-1.23x, dk 1.00-1.11x).
+            assert ds16["residual_ctr"]["dq"] <= 1.5 * ds16["exact_kernel"]["dq"], where
+            assert ds16["residual_ctr"]["dk"] <= 1.5 * ds16["exact_kernel"]["dk"], where
+        if r["feature"] in ("dlse", "all"):
+            # With dLSE the correction must subtract (σ̃ − dLSE·Λ)·k̄: assuming Σⱼ dSᵢⱼ = 0 costs
+            # >= 16x here (peaked, the least; 5.4x at L 1024 in the full run), 4e4-6e5x on near_tied.
+            assert ds16["residual_ctr_sum0"]["dq"] >= 5 * ds16["residual_ctr"]["dq"], where
+            if r["case"] == "near_tied":
+                assert ds16["residual_ctr_sum0"]["dq"] >= 1000 * ds16["residual_ctr"]["dq"], where
+    for r in (r for r in rows if r["feature"] == "base"):
         fp32, ds16 = r["modes"]["fp32"], r["modes"]["ds16"]  # dS kept in fp32 / rounded as the kernels do
         where = (r["case"], r["dtype"], r["seed"])
         # The residual recovers the fp32 output's Δ: the same dq error to 1 % (measured 0.993-1.004).
@@ -85,5 +111,10 @@ def test_delta_variants_gemm_free_delta_falls_short_on_near_tied_keys(tmp_path):
             # Recentring dq on the mean key (GEMM-free) matches `stable` here (within 1 %).
             assert ds16["residual_ctr"]["dq"] <= 1.1 * ds16["exact_kernel"]["dq"], where
         if r["case"] in ("onehot_scale_1e2", "peaked"):
-            # Peaked attention: the residual's stored dq is within 0.9-1.8x of `stable`'s.
+            # Peaked attention: the residual's stored dq is within 0.9-1.8x of `stable`'s on these
+            # seeds (over 8 seeds bf16 one-hot reaches 7x: see delta_variants.py's RESULT).
             assert ds16["residual"]["dq_stored"] <= 3 * ds16["exact_kernel"]["dq_stored"], where
+        if r["case"] in ("near_tied_drift", "near_tied_rope"):
+            # A finding, not a goal: when the keys' shared part moves with position, no fixed k̄
+            # holds it and residual_ctr stays above `stable` (dq 2.3-4.3x over 8 seeds).
+            assert ds16["residual_ctr"]["dq"] >= 1.5 * ds16["exact_kernel"]["dq"], where
