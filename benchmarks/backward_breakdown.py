@@ -152,10 +152,11 @@ def grad_rel_diff(grads, baseline) -> float:
     reorders fp32 sums (~1e-3 at 16 bits); NaN, inf or a large value flags a config that miscompiles."""
     worst = 0.0
     for g, b in zip(grads, baseline):
-        diff = torch.linalg.vector_norm((g.float() - b.float())) / torch.linalg.vector_norm(b.float()).clamp_min(1e-30)
-        worst = max(worst, float(diff)) if diff == diff else float("nan")
-        if worst != worst:
-            break
+        diff = float(torch.linalg.vector_norm(g.float() - b.float())
+                     / torch.linalg.vector_norm(b.float()).clamp_min(1e-30))
+        if diff != diff:  # NaN: max() would drop it
+            return diff
+        worst = max(worst, diff)
     return worst
 
 

@@ -32,7 +32,7 @@ from .measure import do_bench_timer
 from .plan import COPY, SWEEP, Grid, PlannedBucket, make_plan, seq_buckets
 from .schedules import SCHEDULES
 from .search import BucketTask, Settings, Tuner, task_from_entry
-from .search_space import FULL_SPACE, QUICK_SPACE, ROLES, DeviceLimits
+from .search_space import FULL_SPACE, OPTIN_SMEM_BYTES, QUICK_SPACE, ROLES, DeviceLimits
 
 INTERPRETER_GPU_KEY = "triton-interpreter"
 _DTYPES = ("bf16", "fp16", "fp32")
@@ -248,7 +248,7 @@ def main(argv=None, *, settings: Optional[Settings] = None, device: Optional[tor
         simulate = None
         if device.type != "cuda" and not interpreter_enabled():
             print("autotune: no GPU here: candidates estimated as on an H200 (sm_90, 227 KiB shared memory)")
-            simulate = ((9, 0), DeviceLimits(smem_bytes=232448))
+            simulate = ((9, 0), DeviceLimits(smem_bytes=OPTIN_SMEM_BYTES[(9, 0)]))
         estimator = Tuner(device, settings, simulate=simulate)
         for planned in plan:
             print(f"  {planned.kind:9s} ~{estimator.estimate_candidates(planned):3d} candidates  "

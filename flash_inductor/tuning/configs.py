@@ -100,7 +100,6 @@ def cuda_heuristic_configs(capability: tuple[int, int], itemsize: int, head_dim:
 # Measured only for schedules that round P and dS to 16 bits; the tf32x3 ones keep the small tiles.
 _HOPPER_WIDE_DKDV = KernelConfig(64, 32, 4, 2)
 _HOPPER_WIDE_DQ = {True: KernelConfig(64, 64, 8, 2), False: KernelConfig(128, 32, 8, 2)}  # by exact Δ
-_HOPPER_SMEM_BYTES = 232448  # opt-in shared memory per block on sm_90
 
 
 def _wide_head_hopper_backward(itemsize: int, width: int, schedule: Optional[str], mask_kind: str,
@@ -108,14 +107,14 @@ def _wide_head_hopper_backward(itemsize: int, width: int, schedule: Optional[str
     """The measured wide-head tiles where the schedule rounds P and dS to 16 bits and each tile fits
     Hopper's shared memory with the call's mask tile (a float mask counted at 4 bytes, the widest it
     can be); the given small tiles otherwise."""
-    from .search_space import DeviceLimits, TileBytes, fits  # imports this module
+    from .search_space import OPTIN_SMEM_BYTES, DeviceLimits, TileBytes, fits  # imports this module
 
     sched = SCHEDULES[schedule or DEFAULT_SCHEDULE]
     if sched.p_in_fp32 or sched.ds_in_fp32:
         return dkdv, dq
     mask_bytes = {"bool": 1, "float": 4}.get(mask_kind, 0)
     tiles = TileBytes(width, itemsize, itemsize, itemsize, mask_bytes, exact_delta=sched.exact_delta)
-    limits = DeviceLimits(smem_bytes=_HOPPER_SMEM_BYTES)
+    limits = DeviceLimits(smem_bytes=OPTIN_SMEM_BYTES[(9, 0)])
     wide_dq = _HOPPER_WIDE_DQ[sched.exact_delta]
     return (_HOPPER_WIDE_DKDV if fits("backward_dkdv", _HOPPER_WIDE_DKDV, tiles, limits) else dkdv,
             wide_dq if fits("backward_dq", wide_dq, tiles, limits) else dq)

@@ -46,6 +46,12 @@ FULL_SPACE = SearchSpace()
 QUICK_SPACE = SearchSpace(name="quick", blocks_m=(64, 128), blocks_n=(64, 128), warps=(4, 8), stages=(2, 3))
 
 
+# Opt-in shared memory per block of the architectures we run on, by compute capability (what older
+# torch does not report), and the default for any other.
+OPTIN_SMEM_BYTES = {(9, 0): 232448, (8, 0): 166912, (8, 7): 166912}
+DEFAULT_OPTIN_SMEM_BYTES = 101376
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceLimits:
     smem_bytes: Optional[int]  # per block (opt-in maximum); None = no limit (the interpreter)
@@ -57,8 +63,8 @@ class DeviceLimits:
             return cls(smem_bytes=None, max_fp32_regs=None)
         props = torch.cuda.get_device_properties(device)
         smem = getattr(props, "shared_memory_per_block_optin", 0)
-        if not smem:  # older torch: the opt-in maxima of the architectures we run on
-            smem = {(9, 0): 232448, (8, 0): 166912, (8, 7): 166912}.get((props.major, props.minor), 101376)
+        if not smem:  # older torch
+            smem = OPTIN_SMEM_BYTES.get((props.major, props.minor), DEFAULT_OPTIN_SMEM_BYTES)
         return cls(smem_bytes=int(smem))
 
 
