@@ -46,6 +46,11 @@ RESULT (CPU, torch 2.13; base: benchmarks/results/delta_variants_cpu_20261201.js
     on rows whose true dq is 1e-7 of the tensor's, which exact_kernel cancels; PyTorch has it too.
   * Verdict: residual_ctr is safe under every feature (correct, finite, exact zeros) but is not
     `stable`'s equal: 3-9x on RoPE'd or drifting keys and in bf16 one-hot tails.
+  * Session 14, blk64_kernel / blk16_kernel (`stable` with K̄ replaced by key-block means, no GEMM;
+    ..._20261201_block-centres.json, --quick --seeds 4, base/causal/dlse/gqa): as good as `stable`
+    on near_tied and drifting keys (1.00-1.12; blk16 1.01), but 4.5-6x on peaked, 5-8x on RoPE'd
+    keys and 3-18x on one-hot: with FA2's Δ the Δ error meets each attended key's distance from its
+    block's mean, which only K̄ itself cancels. Closed.
 """
 
 from __future__ import annotations
@@ -69,10 +74,12 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 BLOCK_N = 64  # the forward's key block: where its online softmax rescales (and P is rounded)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-VARIANTS = ("fa2", "exact", "residual", "fp32_o", "fp32_o_p32", "exact_kernel", "fa2_ctr", "residual_ctr")
+VARIANTS = ("fa2", "exact", "residual", "fp32_o", "fp32_o_p32", "exact_kernel", "fa2_ctr", "residual_ctr",
+            "blk64_kernel", "blk16_kernel")
 # Under the features, ds16 only: `stable` today, the GEMM-free candidates, and residual_ctr's k̄ options.
 FEATURE_VARIANTS = ("fa2", "exact_kernel", "residual", "fa2_ctr", "residual_ctr", "residual_ctr_row",
-                    "residual_ctr_blk0", "residual_ctr_sum0")
+                    "residual_ctr_blk0", "residual_ctr_sum0", "blk64_kernel", "blk16_kernel")
+BLOCK_CENTRES = (64, 16)  # blkN_kernel: key-block widths whose mean keys stand in for K̄ (see block_centred_dq)
 # Options of the emulated attention, applied alike to the fp64 truth, PyTorch and every variant.
 # "all" folds causal into the bool mask (SDPA takes one or the other).
 FEATURES = {"base": {}, "causal": dict(causal=True), "bool_dead": dict(mask="bool"),
@@ -345,6 +352,24 @@ def stable_kernel_dq(p, dp, delta_fa2, k, scale, rounder, dlse):
     return scale * (ds @ k.float() - c[..., None] * (p.to(k.dtype).float() @ k.float()))
 
 
+def block_centred_dq(p, dp, delta_fa2, k, scale, rounder, dlse, width):
+    """`stable`'s dQ pass with its P·K GEMM replaced by block means: K̄ᵢ = Σⱼ Pᵢⱼ kⱼ becomes
+    Gᵢ = Σ_b Λᵢ_b k̄_b, Λᵢ_b the row's P summed over key block b (`width` keys) and k̄_b that block's
+    mean key (fp32). The correction stays exact for the shared component, since Σⱼ dSᵢⱼ = dLSEᵢΛᵢ:
+    what is left is Δ's error times Σⱼ Pᵢⱼ (kⱼ − k̄_b(j)), the keys' spread inside their block, and
+    dS's rounding times kⱼ − Gᵢ/Λᵢ. In a kernel: one row sum of P per sub-block and a rank-1
+    (or rank-BLOCK_N/width) update per tile, no GEMM."""
+    ds = rounder(p * (dp - delta_fa2[..., None]))
+    lam = p.sum(-1)
+    c = ds.sum(-1) / torch.where(lam > 0, lam, 1.0) - (0.0 if dlse is None else dlse)
+    c = torch.where(lam > 0, c, 0.0)
+    seq_k = k.shape[-2]
+    assert seq_k % width == 0, "block_centred_dq: S must be a multiple of the block width"
+    k_means = k.float().unflatten(-2, (seq_k // width, width)).mean(-2)
+    lam_blocks = p.unflatten(-1, (seq_k // width, width)).sum(-1)
+    return scale * (ds @ k.float() - c[..., None] * (lam_blocks @ k_means))
+
+
 # ---- One problem, every variant
 def rel_l2(x, ref):
     return ((x.double() - ref).norm() / ref.norm()).item()
@@ -374,6 +399,9 @@ def variant_grads(x, p, dp, cand, k, rounder, centres, true_sum):
     if rounder is not None:  # `stable` as it runs, dS rounded
         res["exact_kernel"] = dict(dq=stable_kernel_dq(p, dp, cand["fa2"], k, x.scale, rounder, x.dlse),
                                    dk=res["exact"]["dk"])
+        for width in BLOCK_CENTRES:  # dK/dV get `stable`'s Δ* (from σ, unchanged)
+            res[f"blk{width}_kernel"] = dict(
+                dq=block_centred_dq(p, dp, cand["fa2"], k, x.scale, rounder, x.dlse, width), dk=res["exact"]["dk"])
     return {name: dict(dq=r["dq"], dk=fold(r["dk"], x.group)) for name, r in res.items()}
 
 
@@ -454,7 +482,8 @@ def print_verdict(rows):
     ratios = (("dq", "residual_ctr", "dq"), ("dk", "residual_ctr", "dk"), ("dq row", "residual_ctr_row", "dq"),
               ("dq blk0", "residual_ctr_blk0", "dq"), ("dq64", "residual_ctr", "dq_first64"),
               ("dq64 row", "residual_ctr_row", "dq_first64"), ("dq64/torch", "residual_ctr", "dq_first64"),
-              ("sum0 dq", "residual_ctr_sum0", "dq"))
+              ("sum0 dq", "residual_ctr_sum0", "dq"), ("blk64 dq", "blk64_kernel", "dq"),
+              ("blk16 dq", "blk16_kernel", "dq"), ("blk64 dq64", "blk64_kernel", "dq_first64"))
     print("\nresidual_ctr / exact_kernel error, ds16: median (max) over seeds and shapes")
     print(f"{'feature':<10}{'case':<17}{'dtype':<6}" + "".join(f"{label:>16}" for label, _, _ in ratios))
     for key, group in _groups(rows, ("feature", "case", "dtype")):
