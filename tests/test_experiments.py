@@ -118,3 +118,22 @@ def test_delta_variants_gemm_free_delta_falls_short_on_near_tied_keys(tmp_path):
             # A finding, not a goal: when the keys' shared part moves with position, no fixed k̄
             # holds it and residual_ctr stays above `stable` (dq 2.3-4.3x over 8 seeds).
             assert ds16["residual_ctr"]["dq"] >= 1.5 * ds16["exact_kernel"]["dq"], where
+
+
+def test_dkdv_features_probe_variants_compute_our_gradients(tmp_path):
+    """Every feature combination of the dK/dV probe (session 14: the row shift's cost) gives our
+    pass's dK and dV, to the rounding of the dtype it ran in."""
+    env = dict(os.environ)
+    if DEVICE == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    script = SCRIPT.parent / "dkdv_features_probe.py"
+    run = subprocess.run([sys.executable, str(script), "--quick", "--device", DEVICE, "--out", str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = json.loads((tmp_path / "dkdv_features_probe.json").read_text())["rows"]
+    probes = [r for r in rows if r["variant"] != "ours-fast dkdv"]
+    assert {r["variant"] for r in probes} == {"minimal", "MASKED", "SHIFT", "STRIDES", "MASKED+SHIFT+STRIDES"}
+    eps = 1.2e-7 if DEVICE == "cpu" else 9.8e-4  # the quick problem: fp32 interpreted, fp16 on a GPU
+    for r in probes:
+        assert "error" not in r, r
+        assert r["diff_vs_ours"]["dk"] <= 4 * eps and r["diff_vs_ours"]["dv"] <= 4 * eps, r
