@@ -26,13 +26,16 @@ benchmarks/results/dkdv_features_probe_nvidia-h200_20261201_e{128,64}.json):
   all three           2254  2154  2226             2742  2815  3024
   ours, shift branch  2051  2032  2081             2759  2631  2722
 The row shift (one more row vector and one more add per score) is the feature that costs: 3-19 %
-alone. "ours, shift branch" is our pass with ``row_shift_branch.patch`` applied (the plain loop
-drops the shift unless a row of the call needs it; ``..._shift-branch.json``): 11-27 % faster
-at the same configs; re-tuned, forward+backward rose 4 % on the median of 24 cells (E 64/128,
-against the committed grid of another run; E=64 causal 8-14 %;
-``bench_nvidia-h200_20261201_grid-shift-branch.json``). Not landed: duplicating the loop behind a
-runtime branch raised the E=256 dQ pass's shared memory with a bool mask to 336 KiB (the 64x64/w8/s2
-tile, 227 KiB available), found by the GPU tests after the re-tune. See NOTES.md.
+alone. "ours, shift branch" is our pass with the shift made conditional (the plain loop drops
+it unless a row of the call needs it; ``..._shift-branch.json``): 11-27 % faster at the same
+configs; re-tuned, forward+backward rose 4 % on the median of 24 cells (E 64/128, against the
+committed grid of another run; E=64 causal 8-14 %; ``bench_nvidia-h200_20261201_grid-shift-branch.json``).
+Not landed: that variant (the patch as of commit 25a1537) also duplicated the dQ pass's loop
+behind a runtime branch, and Triton gave each copy its own pipeline buffers: the E=256 dQ pass
+with a bool mask needed 336 KiB of shared memory (227 available), found by the GPU tests after the
+re-tune. ``row_shift_branch.patch`` now holds the fix, unmeasured on a GPU: the dK/dV pass as
+measured, the dQ pass with the branch inside its one loop (208 KiB, ``tools/smem_check.py``;
+interpreter tests pass). NOTES.md has the plan.
 """
 
 from __future__ import annotations

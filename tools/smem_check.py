@@ -1,0 +1,140 @@
+"""Shared memory of the kernels our launchers would start on a Hopper GPU, measured on any machine.
+
+    python tools/smem_check.py                  # E 64/128/256 x bool/float/none masks x bf16/fp16 x schedules
+    python tools/smem_check.py --head-dims 256 --masks bool --schedules stable
+
+Session 14 changed the backward and re-tuned it before the GPU tests found that one launch (E=256
+dQ pass with a bool mask, a heuristic config: mask kinds other than none/causal are not tuned)
+needed 336 KiB of shared memory against Hopper's 227 KiB. Shared memory is fixed when Triton
+lowers a kernel, before any GPU is involved, so this tool finds such launches on a CPU machine:
+it runs ``launch.attention_forward`` / ``attention_backward`` on CPU tensors with the configs a
+Hopper launch would use (``cuda_heuristic_configs`` for capability 9.0), and in place of each
+launch compiles the kernel for sm_90 (``JITFunction.warmup`` under a stand-in driver, so the real
+argument specialisation and constexprs are used) and reads its ``metadata.shared``. Exit status 1
+if any kernel needs more than the opt-in limit (``search_space.OPTIN_SMEM_BYTES``).
+
+Needs the Triton wheel's ptxas, and must run without TRITON_INTERPRET (interpreted kernels do not
+compile). About 10 s a combination on 2 cores. Numbers are Triton's of this machine (3.7 in CI);
+the 3.6 on the H200 reported the same 344064 bytes for the launch above.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ARCH = (9, 0)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# A length that is not a multiple of any tile, so every masked edge path is compiled.
+SEQ = 300
+
+
+class _HopperStandIn:
+    """Just enough of a Triton driver for JITFunction.warmup to compile for sm_90 without a GPU."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", ARCH[0] * 10 + ARCH[1], 32)
+
+
+@contextlib.contextmanager
+def compiling_launches(record: list):
+    """Within the block, every ``launch._launcher(kernel)[grid](...)`` compiles the kernel for
+    sm_90 and appends (kernel name, shared bytes) to ``record`` instead of launching it."""
+    from triton.runtime import driver
+
+    from flash_inductor import launch
+
+    class _Compile:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def compile_only(*args, **kwargs):
+                compiled = self.kernel.warmup(*args, grid=grid, **kwargs)
+                record.append((self.kernel.fn.__name__, compiled.metadata.shared))
+            return compile_only
+
+    saved_launcher = launch._launcher
+    # The private attribute, not driver.active/reset_active: both build the default driver, which
+    # fails on a machine without a GPU.
+    saved_driver = getattr(driver, "_active", None)
+    driver.set_active(_HopperStandIn())
+    launch._launcher = _Compile
+    try:
+        yield
+    finally:
+        launch._launcher = saved_launcher
+        driver._active = saved_driver
+
+
+def check(head_dim: int, mask_kind: str, dtype_name: str, schedule: str) -> list[tuple[str, int]]:
+    """(kernel, shared bytes) for one forward and one backward with Hopper's heuristic configs."""
+    from flash_inductor import launch
+    from flash_inductor.tuning.configs import cuda_heuristic_configs
+
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout, out = (torch.randn((1, 2, SEQ, head_dim), generator=gen, dtype=dtype) for _ in range(5))
+    lse = torch.randn((1, 2, SEQ), generator=gen)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand((1, 2, SEQ, SEQ), generator=gen) > 0.3
+    elif mask_kind == "float":
+        mask = torch.randn((1, 2, SEQ, SEQ), generator=gen, dtype=dtype)
+    causal = mask_kind == "causal"
+    configs = cuda_heuristic_configs(ARCH, dtype.itemsize, head_dim, head_dim, schedule, mask_kind)
+    record: list[tuple[str, int]] = []
+    with compiling_launches(record):
+        launch.attention_forward(q, k, v, mask, None, 0.0, causal, 0, head_dim ** -0.5, schedule, configs=configs)
+        launch.attention_backward(dout, q, k, v, mask, out, lse, None, None, 0.0, causal, 0, head_dim ** -0.5,
+                                  schedule, False, configs=configs)
+    return record
+
+
+def main(argv=None) -> int:
+    from flash_inductor.tuning.search_space import OPTIN_SMEM_BYTES
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--head-dims", default="64,128,256")
+    p.add_argument("--masks", default="none,causal,bool,float")
+    p.add_argument("--dtypes", default="bf16,fp16")
+    p.add_argument("--schedules", default="stable,fast,accurate")
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        p.error("unset TRITON_INTERPRET: interpreted kernels are not compiled")
+    limit = OPTIN_SMEM_BYTES[ARCH]
+    combos = list(itertools.product([int(e) for e in args.head_dims.split(",")], args.masks.split(","),
+                                    args.dtypes.split(","), args.schedules.split(",")))
+    over = []
+    for i, (e, mask_kind, dtype_name, schedule) in enumerate(combos, 1):
+        start = time.time()
+        record = check(e, mask_kind, dtype_name, schedule)
+        worst = max(record, key=lambda r: r[1])
+        bad = [(name, shared) for name, shared in record if shared > limit]
+        over += [(e, mask_kind, dtype_name, schedule, name, shared) for name, shared in bad]
+        print(f"[{i}/{len(combos)}] E{e} {mask_kind:6s} {dtype_name} {schedule:9s} most: {worst[0]} "
+              f"{worst[1] / 1024:.0f} KiB{'  OVER: ' + ', '.join(n for n, _ in bad) if bad else ''} "
+              f"({time.time() - start:.0f} s)", flush=True)
+    print(f"limit {limit / 1024:.0f} KiB (sm_{ARCH[0]}{ARCH[1]}): "
+          + ("every launch fits" if not over else f"{len(over)} kernel launches do not fit: {over}"))
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
