@@ -1,5 +1,5 @@
-"""benchmarks/experiments/: the forward TMA / warp-specialisation probe still runs and its variants
-still compute attention (its kernels are the lead for the next forward change, see NOTES.md)."""
+"""benchmarks/experiments/: the probes still run and their variants still compute attention and its
+gradients (their kernels are leads for the next kernel changes, see NOTES.md)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,20 @@ from helpers import DEVICE
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "experiments" / "fwd_ws_probe.py"
 
 
-def test_forward_probe_variants_match_the_reference(tmp_path):
-    out = tmp_path / "probe.json"
+def run_quick_probe(script: pathlib.Path, out) -> None:
+    """``script --quick`` on this machine's device (the Triton interpreter on a CPU); fails with
+    the probe's output if it does."""
     env = dict(os.environ)
     if DEVICE == "cpu":
         env["TRITON_INTERPRET"] = "1"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--device", DEVICE, "--out", str(out)],
+    run = subprocess.run([sys.executable, str(script), "--quick", "--device", DEVICE, "--out", str(out)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+def test_forward_probe_variants_match_the_reference(tmp_path):
+    out = tmp_path / "probe.json"
+    run_quick_probe(SCRIPT, out)
     rows = json.loads(out.read_text())["rows"]
     variants = ("tma_ws", "tma", "ptr", "tma_ws_1loop", "host_ws", "host", "host_ws_1loop")
     probes = [r for r in rows if r["variant"] in variants]
@@ -35,13 +41,7 @@ def test_forward_probe_variants_match_the_reference(tmp_path):
 
 def test_single_pass_backward_probe_matches_ours_and_fp64(tmp_path):
     """The atomic-dQ single-pass probe (NOTES.md plan step 3) computes our `fast` gradients."""
-    env = dict(os.environ)
-    if DEVICE == "cpu":
-        env["TRITON_INTERPRET"] = "1"
-    script = SCRIPT.parent / "bwd_single_pass_probe.py"
-    run = subprocess.run([sys.executable, str(script), "--quick", "--device", DEVICE, "--out", str(tmp_path)],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    run_quick_probe(SCRIPT.parent / "bwd_single_pass_probe.py", tmp_path)
     rows = json.loads((tmp_path / "bwd_single_pass_probe.json").read_text())["rows"]
     single = [r for r in rows if r["variant"] == "single-pass"]
     assert len(single) == 2  # non-causal and causal
@@ -123,13 +123,7 @@ def test_delta_variants_gemm_free_delta_falls_short_on_near_tied_keys(tmp_path):
 def test_dkdv_features_probe_variants_compute_our_gradients(tmp_path):
     """Every feature combination of the dK/dV probe (session 14: the row shift's cost) gives our
     pass's dK and dV, to the rounding of the dtype it ran in."""
-    env = dict(os.environ)
-    if DEVICE == "cpu":
-        env["TRITON_INTERPRET"] = "1"
-    script = SCRIPT.parent / "dkdv_features_probe.py"
-    run = subprocess.run([sys.executable, str(script), "--quick", "--device", DEVICE, "--out", str(tmp_path)],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    run_quick_probe(SCRIPT.parent / "dkdv_features_probe.py", tmp_path)
     rows = json.loads((tmp_path / "dkdv_features_probe.json").read_text())["rows"]
     probes = [r for r in rows if r["variant"] != "ours-fast dkdv"]
     assert {r["variant"] for r in probes} == {"minimal", "MASKED", "SHIFT", "STRIDES", "MASKED+SHIFT+STRIDES"}
