@@ -1,6 +1,6 @@
 """Shared memory of the kernels our launchers would start on a Hopper GPU, measured on any machine.
 
-    python tools/smem_check.py                  # E 64/128/256 x bool/float/none masks x bf16/fp16 x schedules
+    python tools/smem_check.py                  # E 64/128/256 x masks x bf16/fp16 x schedules: 15-25 min
     python tools/smem_check.py --head-dims 256 --masks bool --schedules stable
 
 Session 14 changed the backward and re-tuned it before the GPU tests found that one launch (E=256
