@@ -341,15 +341,17 @@ def grads(p, dp, delta, q, k, scale, rounder=None, kbar=None, true_sum=0.0):
     return dict(dq=scale * dq, dk=scale * ds.transpose(-2, -1) @ q.float())
 
 
-def stable_kernel_dq(p, dp, delta_fa2, k, scale, rounder, dlse):
-    """`stable`'s dQ pass with rounded dS: Σⱼ dS̃ᵢⱼ kⱼ − (σ̃ᵢ/Λᵢ − dLSEᵢ)·Σⱼ round(Pᵢⱼ) kⱼ, dS̃ the
-    rounded fa2 dS and σ̃ its row sum (0 correction where Λ = 0), so the rounding's common part
-    leaves dq along with Δ's error."""
+def stable_kernel_dq(p, dp, delta_fa2, k, scale, rounder, dlse, k_weighted=None):
+    """`stable`'s dQ pass with rounded dS: Σⱼ dS̃ᵢⱼ kⱼ − (σ̃ᵢ/Λᵢ − dLSEᵢ)·K̄ᵢ, K̄ᵢ = Σⱼ round(Pᵢⱼ) kⱼ
+    unless `k_weighted` stands in for it, dS̃ the rounded fa2 dS and σ̃ its row sum (0 correction
+    where Λ = 0), so the rounding's common part leaves dq along with Δ's error."""
     ds = rounder(p * (dp - delta_fa2[..., None]))
     lam = p.sum(-1)
     c = ds.sum(-1) / torch.where(lam > 0, lam, 1.0) - (0.0 if dlse is None else dlse)
     c = torch.where(lam > 0, c, 0.0)
-    return scale * (ds @ k.float() - c[..., None] * (p.to(k.dtype).float() @ k.float()))
+    if k_weighted is None:
+        k_weighted = p.to(k.dtype).float() @ k.float()
+    return scale * (ds @ k.float() - c[..., None] * k_weighted)
 
 
 def block_centred_dq(p, dp, delta_fa2, k, scale, rounder, dlse, width):
@@ -359,15 +361,11 @@ def block_centred_dq(p, dp, delta_fa2, k, scale, rounder, dlse, width):
     what is left is Δ's error times Σⱼ Pᵢⱼ (kⱼ − k̄_b(j)), the keys' spread inside their block, and
     dS's rounding times kⱼ − Gᵢ/Λᵢ. In a kernel: one row sum of P per sub-block and a rank-1
     (or rank-BLOCK_N/width) update per tile, no GEMM."""
-    ds = rounder(p * (dp - delta_fa2[..., None]))
-    lam = p.sum(-1)
-    c = ds.sum(-1) / torch.where(lam > 0, lam, 1.0) - (0.0 if dlse is None else dlse)
-    c = torch.where(lam > 0, c, 0.0)
     seq_k = k.shape[-2]
     assert seq_k % width == 0, "block_centred_dq: S must be a multiple of the block width"
     k_means = k.float().unflatten(-2, (seq_k // width, width)).mean(-2)
     lam_blocks = p.unflatten(-1, (seq_k // width, width)).sum(-1)
-    return scale * (ds @ k.float() - c[..., None] * (lam_blocks @ k_means))
+    return stable_kernel_dq(p, dp, delta_fa2, k, scale, rounder, dlse, k_weighted=lam_blocks @ k_means)
 
 
 # ---- One problem, every variant
