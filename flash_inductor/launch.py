@@ -272,8 +272,11 @@ def attention_backward(
     cfg = configs.backward_dq
     row_ref = torch.empty_like(delta)
     row_shift = torch.empty_like(delta)
+    # Set by the row-reference kernel when some row needs its shift; the dK/dV pass reads it to
+    # skip the shift everywhere else.
+    shift_flag = torch.zeros(1, dtype=torch.int32, device=query.device)
     _launcher(_attn_bwd_row_reference)[(_cdiv(seq_q, cfg.block_m), batch * heads_q)](
-        query, key, mask_arg, lse, row_ref, row_shift,
+        query, key, mask_arg, lse, row_ref, row_shift, shift_flag,
         *query.stride(), *key.stride(), *mask_strides,
         heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2,
         HEAD_DIM=head_dim, BLOCK_E=meta["BLOCK_E"], HAS_MASK=meta["HAS_MASK"], MASK_IS_BOOL=meta["MASK_IS_BOOL"],
@@ -297,7 +300,8 @@ def attention_backward(
     )
     cfg = configs.backward_dkdv
     _launcher(_attn_bwd_dkdv)[(_cdiv(seq_k, cfg.block_n), batch * heads_kv)](
-        query, key, value, mask_arg, seed_arg, grad_out, row_ref, row_shift, delta, ds_bound, dk, dv, dmask_arg,
+        query, key, value, mask_arg, seed_arg, grad_out, row_ref, row_shift, shift_flag, delta, ds_bound, dk, dv,
+        dmask_arg,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(),
         *dk.stride(), *dv.stride(),
         heads_q, heads_kv, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2, scale, dropout_p,

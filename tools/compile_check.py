@@ -32,6 +32,8 @@ def signature(fn, dtype, constexprs):
             sig[name] = "*i1" if constexprs.get("MASK_IS_BOOL") else f"*{dtype}"
         elif name == "SEED":
             sig[name] = "*i64"
+        elif name == "SHIFT_FLAG":
+            sig[name] = "*i32"
         elif name in ("qk_scale_log2", "sm_scale", "dropout_p"):
             # Inductor (torch 2.11) passes Python floats as fp64 scalars; plain launches as fp32.
             sig[name] = "fp64" if constexprs.get("FP32_DOT") == "tf32" else "fp32"

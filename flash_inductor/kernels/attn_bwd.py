@@ -130,7 +130,7 @@ def _attn_bwd_preprocess(
 
 @triton.jit
 def _attn_bwd_row_reference(
-    Q, K, MASK, LSE, ROW_REF, ROW_SHIFT,
+    Q, K, MASK, LSE, ROW_REF, ROW_SHIFT, SHIFT_FLAG,
     stride_qb, stride_qh, stride_qm, stride_qe,
     stride_kb, stride_kh, stride_kn, stride_ke,
     stride_mb, stride_mh, stride_mm, stride_mn,
@@ -146,7 +146,11 @@ def _attn_bwd_row_reference(
     reference = +inf, so P is 0 rather than NaN. Rows whose every visible key sits at the mask
     clamp (finfo(fp32/bf16).min masks) have lse ~ -1e38, where fp32 cannot also hold log(l):
     for those alone, one more pass over the keys recovers the row max (reference) and the
-    log-sum (shift) separately. Other blocks skip that pass.
+    log-sum (shift) separately. Other blocks skip that pass. A block with such rows also sets
+    SHIFT_FLAG (one int32, zeroed by the launcher), which tells the dK/dV pass that some shift
+    may be non-zero: without it, that pass runs the loop that neither loads nor subtracts the
+    shift (an extra row vector and one more add per score cost it 9-19 %,
+    benchmarks/results/dkdv_features_probe_*).
     """
     # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
     # with them would promote the fp32 accumulators, so fix them at fp32 first.
@@ -187,6 +191,7 @@ def _attn_bwd_row_reference(
             row_max = new_max
         reference = tl.where(saturated, row_max, reference)
         shift = tl.where(saturated, tl.math.log2(tl.where(saturated, row_sum, 1.0)), 0.0)
+        tl.store(SHIFT_FLAG, 1)  # every writer writes 1, so the race is harmless
     tl.store(ROW_REF + row_ids, reference, mask=row_ok)
     tl.store(ROW_SHIFT + row_ids, shift, mask=row_ok)
 
@@ -203,10 +208,10 @@ def _dkdv_tiles(
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, CHECK: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    SHIFT: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Fold query blocks [lo, hi) of one query head into this key block's (dk, dv); dk in units of
-    1 / ds_up under DS_RESCALE's plain loop."""
+    1 / ds_up under DS_RESCALE's plain loop. Without SHIFT every row's shift is known to be 0."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m_base
         q_rows_ok = offs_m < L
@@ -216,14 +221,17 @@ def _dkdv_tiles(
                      mask=q_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0)
         row_ids = bh * L + offs_m
         row_ref = tl.load(ROW_REF + row_ids, mask=q_rows_ok, other=float("inf"))
-        row_shift = tl.load(ROW_SHIFT + row_ids, mask=q_rows_ok, other=0.0)
         delta = tl.load(DELTA + row_ids, mask=q_rows_ok, other=0.0)
 
         # Transposed tiles (keys x queries) so dK and dV come out of the dots directly.
         s2_t = tl.dot(k, tl.trans(q), input_precision=FP32_DOT) * qk_scale_log2
         s2_t = mask_scores(s2_t, mask_base, offs_m[None, :], offs_n[:, None], kv_rows_ok[:, None] & q_rows_ok[None, :],
                            stride_mm, stride_mn, causal_offset, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, CHECK)
-        p_t = tl.math.exp2((s2_t - row_ref[None, :]) - row_shift[None, :])
+        if SHIFT:
+            row_shift = tl.load(ROW_SHIFT + row_ids, mask=q_rows_ok, other=0.0)
+            p_t = tl.math.exp2((s2_t - row_ref[None, :]) - row_shift[None, :])
+        else:
+            p_t = tl.math.exp2(s2_t - row_ref[None, :])
 
         dp_t = tl.dot(v, tl.trans(do), input_precision=FP32_DOT)
         p_used_t = p_t
@@ -258,7 +266,7 @@ def _dkdv_heads(
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    SHIFT: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Every query head of the GQA group: blocks [lo, mid) with the visibility select, [mid, L) without."""
     for g in range(GROUP):
@@ -273,7 +281,7 @@ def _dkdv_heads(
             stride_qm, stride_qe, stride_mm, stride_mn, stride_dom, stride_doe,
             L, S, causal_offset, qk_scale_log2, dropout_p,
             HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            DS_RESCALE, RESCALE, True, WRITE_DMASK, FP32_DOT, BLOCK_M,
+            DS_RESCALE, RESCALE, True, WRITE_DMASK, FP32_DOT, SHIFT, BLOCK_M,
         )
         dk, dv = _dkdv_tiles(
             dk, dv, k, v, q_base, do_base, mask_base, seed, keep_scale, ds_up, bh, ROW_REF, ROW_SHIFT, DELTA, DMASK,
@@ -281,14 +289,14 @@ def _dkdv_heads(
             stride_qm, stride_qe, stride_mm, stride_mn, stride_dom, stride_doe,
             L, S, causal_offset, qk_scale_log2, dropout_p,
             HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            DS_RESCALE, RESCALE, False, WRITE_DMASK, FP32_DOT, BLOCK_M,
+            DS_RESCALE, RESCALE, False, WRITE_DMASK, FP32_DOT, SHIFT, BLOCK_M,
         )
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, MASK, SEED, DO, ROW_REF, ROW_SHIFT, DELTA, DS_BOUND, DK, DV, DMASK,
+    Q, K, V, MASK, SEED, DO, ROW_REF, ROW_SHIFT, SHIFT_FLAG, DELTA, DS_BOUND, DK, DV, DMASK,
     stride_qb, stride_qh, stride_qm, stride_qe,
     stride_kb, stride_kh, stride_kn, stride_ke,
     stride_vb, stride_vh, stride_vn, stride_ve,
@@ -345,7 +353,9 @@ def _attn_bwd_dkdv(
     mid = tl.minimum(tl.maximum(mid, lo), L)
 
     # Decided once for the whole program; a compile-time False (and ds_up a compile-time 1) unless
-    # the schedule rescales, so the other kernels hold the plain, unscaled loop alone.
+    # the schedule rescales, so the other kernels hold the plain, unscaled loop alone. The rare
+    # rescaling loop always applies the row shift; the plain loop skips it unless some row of the
+    # call needs it (SHIFT_FLAG, set by the row-reference kernel).
     needs_rescale = False
     ds_up = 1.0
     if DS_RESCALE:
@@ -358,7 +368,17 @@ def _attn_bwd_dkdv(
             stride_dob, stride_doh, stride_dom, stride_doe,
             H_Q, GROUP, L, S, causal_offset, qk_scale_log2, dropout_p,
             HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            DS_RESCALE, True, WRITE_DMASK, FP32_DOT, BLOCK_M,
+            DS_RESCALE, True, WRITE_DMASK, FP32_DOT, True, BLOCK_M,
+        )
+    elif tl.load(SHIFT_FLAG) != 0:
+        dk, dv = _dkdv_heads(
+            dk, dv, k, v, Q, DO, MASK, seed, keep_scale, ds_up, b, h_kv, ROW_REF, ROW_SHIFT, DELTA, DMASK,
+            offs_n, offs_m_base, offs_e, offs_ev, kv_rows_ok, lo, mid,
+            stride_qb, stride_qh, stride_qm, stride_qe, stride_mb, stride_mh, stride_mm, stride_mn,
+            stride_dob, stride_doh, stride_dom, stride_doe,
+            H_Q, GROUP, L, S, causal_offset, qk_scale_log2, dropout_p,
+            HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
+            DS_RESCALE, False, WRITE_DMASK, FP32_DOT, True, BLOCK_M,
         )
     else:
         dk, dv = _dkdv_heads(
@@ -368,7 +388,7 @@ def _attn_bwd_dkdv(
             stride_dob, stride_doh, stride_dom, stride_doe,
             H_Q, GROUP, L, S, causal_offset, qk_scale_log2, dropout_p,
             HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            DS_RESCALE, False, WRITE_DMASK, FP32_DOT, BLOCK_M,
+            DS_RESCALE, False, WRITE_DMASK, FP32_DOT, False, BLOCK_M,
         )
 
     if DS_RESCALE:
@@ -382,7 +402,7 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _dq_tiles(
-    dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, delta, row_ids,
+    dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, shifted, delta, row_ids,
     k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
     offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, lo, hi,
     stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
@@ -394,7 +414,8 @@ def _dq_tiles(
     WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into this query block's dq (and, under exact Δ, σ, σ̃, Λ, K̄); dq in
-    units of 1 / ds_up under DS_RESCALE's plain loop, the rest in dS's own."""
+    units of 1 / ds_up under DS_RESCALE's plain loop, the rest in dS's own. ``shifted`` (one
+    runtime flag for the block) says whether any row's shift is non-zero."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
         kv_rows_ok = offs_n < S
@@ -406,7 +427,13 @@ def _dq_tiles(
         tile_ok = q_rows_ok[:, None] & kv_rows_ok[None, :]
         s2 = mask_scores(s2, mask_base, offs_m[:, None], offs_n[None, :], tile_ok,
                          stride_mm, stride_mn, causal_offset, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, CHECK)
-        p = tl.math.exp2((s2 - row_ref[:, None]) - row_shift[:, None])
+        # A branch inside the loop, on a flag fixed for the program, rather than two copies of the
+        # loop: Triton gives each copy its own pipeline buffers, which took the E=256 dQ pass
+        # with a bool mask from 208 to 336 KiB of shared memory (tools/smem_check.py).
+        if shifted:
+            p = tl.math.exp2((s2 - row_ref[:, None]) - row_shift[:, None])
+        else:
+            p = tl.math.exp2(s2 - row_ref[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=FP32_DOT)
         if HAS_DROPOUT:
             keep = dropout_keep(seed, row_ids[:, None], offs_n[None, :], S, dropout_p)
@@ -436,7 +463,7 @@ def _dq_tiles(
 
 @triton.jit
 def _dq_blocks(
-    dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, delta, row_ids,
+    dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, shifted, delta, row_ids,
     k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
     offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, split, hi,
     stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
@@ -449,7 +476,7 @@ def _dq_blocks(
 ):
     """Key blocks [0, split) without the visibility select, then [split, hi) with it."""
     dq, ds_sum, ds_seen_sum, p_sum, p_k = _dq_tiles(
-        dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, delta, row_ids,
+        dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, shifted, delta, row_ids,
         k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
         offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, 0, split,
         stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
@@ -458,7 +485,7 @@ def _dq_blocks(
         DS_RESCALE, RESCALE, False, EXACT_DELTA, WRITE_DMASK, FP32_DOT, BLOCK_N,
     )
     return _dq_tiles(
-        dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, delta, row_ids,
+        dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, shifted, delta, row_ids,
         k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
         offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, split, hi,
         stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
@@ -536,14 +563,17 @@ def _attn_bwd_dq(
     split = tl.maximum(split // BLOCK_N * BLOCK_N, 0)
 
     # Decided once for the whole program; a compile-time False (and ds_up a compile-time 1) unless
-    # the schedule rescales, so the other kernels hold the plain, unscaled loop alone.
+    # the schedule rescales, so the other kernels hold the plain, unscaled loop alone. Only rows
+    # at the mask clamp have a row shift (see _attn_bwd_row_reference); the loop skips it where
+    # no row of this block does.
+    shifted = tl.max(tl.abs(row_shift)) != 0
     needs_rescale = False
     ds_up = 1.0
     if DS_RESCALE:
         needs_rescale, ds_up = _ds_loop_choice(DS_BOUND)
     if needs_rescale:
         dq, ds_sum, ds_seen_sum, p_sum, p_k = _dq_blocks(
-            dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, delta, row_ids,
+            dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, shifted, delta, row_ids,
             k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
             offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, split, hi,
             stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
@@ -553,7 +583,7 @@ def _attn_bwd_dq(
         )
     else:
         dq, ds_sum, ds_seen_sum, p_sum, p_k = _dq_blocks(
-            dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, delta, row_ids,
+            dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, shifted, delta, row_ids,
             k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
             offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, split, hi,
             stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
