@@ -225,6 +225,24 @@ if ON_CUDA:  # head width 256 takes wider backward tiles on Hopper (tuning/confi
     })
 
 
+# Lengths that are a whole number of every tile the kernels may use (128 at most on the GPU,
+# 16 in the interpreter) and head dims at their padded widths: the backward loops then leave
+# out load masks that cannot bind, so these shapes run other code than the ragged ones above.
+_WHOLE = dict(seq_q=256, seq_k=256, head_dim=64, head_dim_v=64) if ON_CUDA else \
+    dict(seq_q=48, seq_k=48, head_dim=32, head_dim_v=32)
+WHOLE_BLOCKS = {
+    "whole_blocks": _f(**_WHOLE),
+    "whole_blocks_causal_gqa_float_mask_grad": _f(**_WHOLE, causal="bottom_right", heads_q=4, heads_kv=2,
+                                                  mask="float", mask_grad=True),
+    "whole_blocks_finfo_min_mask_grad_grad_lse": _f(**_WHOLE, mask="finfo_min", mask_grad=True, grad_lse=True),
+    "whole_blocks_dropout_dead_rows": _f(**_WHOLE, dropout_p=0.25, mask="bool_dead_rows"),
+    # Whole query blocks against a ragged key length (and the converse): one loop masked, one not.
+    "whole_queries_ragged_keys_causal": _f(**{**_WHOLE, "seq_k": _BASE.seq_k}, causal="top_left"),
+    "ragged_queries_whole_keys_E_padded": _f(**{**_WHOLE, "seq_q": _BASE.seq_q}, causal="bottom_right"),
+}
+FEATURES.update(WHOLE_BLOCKS)
+
+
 @pytest.mark.parametrize("case", _params(FEATURES))
 def test_features(case, kernel_dtype, device):
     check_case(case, kernel_dtype, device)
