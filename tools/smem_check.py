@@ -53,9 +53,10 @@ class _HopperStandIn:
 
 
 @contextlib.contextmanager
-def compiling_launches(record: list):
+def compiling_launches(record: list, compiled_by_name: dict | None = None):
     """Within the block, every ``launch._launcher(kernel)[grid](...)`` compiles the kernel for
-    sm_90 and appends (kernel name, shared bytes) to ``record`` instead of launching it."""
+    sm_90 and appends (kernel name, shared bytes) to ``record`` instead of launching it (and keeps
+    the compiled kernel in ``compiled_by_name``, when given, for tools/sass_mix.py)."""
     from triton.runtime import driver
 
     from flash_inductor import launch
@@ -68,6 +69,8 @@ def compiling_launches(record: list):
             def compile_only(*args, **kwargs):
                 compiled = self.kernel.warmup(*args, grid=grid, **kwargs)
                 record.append((self.kernel.fn.__name__, compiled.metadata.shared))
+                if compiled_by_name is not None:
+                    compiled_by_name[self.kernel.fn.__name__] = compiled
             return compile_only
 
     saved_launcher = launch._launcher

@@ -1,0 +1,44 @@
+"""tools/sass_mix.py: the backward's inner loops spend one exp2 per score.
+
+At E = 64 the backward passes are bound by per-score ALU work, and exp2 runs on the slowest pipe
+(MUFU, 16 per cycle per SM against 128 fp32 adds). The tool compiles the launches for sm_90 on a
+CPU machine and counts each loop's instructions; a 64x64 tile over 4 warps is 32 scores per
+thread, so every loop that issues the pass's MMAs must hold exactly 32 MUFU. (A branch inside the
+loop once made the compiler evaluate both sides: 64.)"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "sass_mix.py"
+ONE_EXP2_PER_SCORE = ["_attn_bwd_dkdv"]
+
+
+@pytest.fixture(scope="module")
+def sass_mix_output():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # interpreted kernels do not compile
+    run = subprocess.run([sys.executable, str(TOOL), "--head-dim", "64", "--seq", "4096", "--schedule", "fast",
+                          "--dkdv", "64,64,4,2", "--dq", "64,64,4,2"],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout
+
+
+def _loops(output: str, kernel: str) -> list[str]:
+    block = output.split(f"\n{kernel}:", 1)[1].split("\n_", 1)[0]
+    return [line for line in block.splitlines() if line.startswith("  loop of ")]
+
+
+@pytest.mark.parametrize("kernel", ONE_EXP2_PER_SCORE)
+def test_backward_loops_take_one_exp2_per_score(sass_mix_output, kernel):
+    loops = _loops(sass_mix_output, kernel)
+    assert loops, sass_mix_output
+    for loop in loops:
+        mufu = re.search(r"\bMUFU (\d+)", loop)
+        assert mufu and int(mufu.group(1)) == 32, loop

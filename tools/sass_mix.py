@@ -1,0 +1,133 @@
+"""The instruction mix of the attention kernels' loops, compiled for sm_90 on any machine.
+
+    python tools/sass_mix.py                                   # bf16, E=64, L=4096, `fast`, heuristic configs
+    python tools/sass_mix.py --schedule stable --head-dim 128 --dkdv 64,64,4,2 --dq 64,64,4,2
+
+At E = 64 the backward passes are bound by the work done per score (exp2 on the MUFU pipe, fp32
+adds and multiplies, conversions), not by the tensor cores (benchmarks/NOTES.md, session 15), so
+the count of those instructions in a pass's inner loop predicts what a kernel change costs before
+any GPU time is spent: it found that a branch inside the dQ loop made the compiler evaluate both
+sides (two exp2 per score). Each launch our launchers would start (as in tools/smem_check.py) is
+compiled, disassembled with Triton's bundled nvdisasm, and each loop (a branch back to an earlier
+label) that issues warpgroup MMAs is listed, longest first, with its most frequent opcodes.
+Counts are per thread per iteration: a BLOCK_M x BLOCK_N tile over 32 * num_warps threads.
+Without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from smem_check import DTYPES, compiling_launches  # noqa: E402
+
+_INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);")
+_LABEL = re.compile(r"\s*\.(L_x_\d+):")
+_BRANCH_TARGET = re.compile(r"\bBRA\b.*?\.?(L_x_\d+)")
+
+
+def disassemble(cubin: bytes) -> str:
+    import triton
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([nvdisasm, "-c", f.name], check=True, capture_output=True, text=True).stdout
+
+
+def loops(sass: str) -> tuple[list[str], list[tuple[int, int]]]:
+    """(instructions, [(first, last) index of each loop body]) of a disassembly."""
+    label_at, instructions = {}, []
+    for line in sass.splitlines():
+        label = _LABEL.match(line)
+        if label:
+            label_at[label.group(1)] = len(instructions)
+            continue
+        instruction = _INSTRUCTION.match(line)
+        if instruction:
+            instructions.append(instruction.group(1))
+    bodies = []
+    for i, instruction in enumerate(instructions):
+        target = _BRANCH_TARGET.search(instruction)
+        if target and label_at.get(target.group(1), i + 1) <= i:
+            bodies.append((label_at[target.group(1)], i))
+    return instructions, bodies
+
+
+def opcode_counts(instructions: list[str]) -> collections.Counter:
+    counts = collections.Counter()
+    for instruction in instructions:
+        instruction = re.sub(r"^@!?U?P\w+\s+", "", instruction)  # predicate guard
+        counts[instruction.split()[0].split(".")[0]] += 1
+    return counts
+
+
+def compile_launches(head_dim: int, seq: int, dtype_name: str, schedule: str, causal: bool, configs) -> dict:
+    from flash_inductor import launch
+
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout, out = (torch.randn((1, 2, seq, head_dim), generator=gen, dtype=dtype) for _ in range(5))
+    lse = torch.randn((1, 2, seq), generator=gen)
+    compiled: dict = {}
+    with compiling_launches([], compiled):
+        launch.attention_forward(q, k, v, None, None, 0.0, causal, 0, head_dim ** -0.5, schedule, configs=configs)
+        launch.attention_backward(dout, q, k, v, None, out, lse, None, None, 0.0, causal, 0, head_dim ** -0.5,
+                                  schedule, False, configs=configs)
+    return compiled
+
+
+def _config(text):
+    from flash_inductor.tuning.configs import KernelConfig
+
+    return None if text is None else KernelConfig(*(int(x) for x in text.split(",")))
+
+
+def main(argv=None) -> int:
+    from flash_inductor.tuning.configs import cuda_heuristic_configs
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--seq", type=int, default=4096, help="a multiple of the tiles, or not (masked edges)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--schedule", default="fast")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--forward", help="BLOCK_M,BLOCK_N,warps,stages (default: Hopper's heuristic)")
+    p.add_argument("--dkdv", help="the dK/dV pass's config, as --forward")
+    p.add_argument("--dq", help="the dQ pass's config, as --forward")
+    p.add_argument("--top", type=int, default=14, help="opcodes shown per loop")
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        p.error("unset TRITON_INTERPRET: interpreted kernels are not compiled")
+    heuristic = cuda_heuristic_configs((9, 0), DTYPES[args.dtype].itemsize, args.head_dim, args.head_dim,
+                                       args.schedule, "causal" if args.causal else "none")
+    configs = heuristic.__class__(forward=_config(args.forward) or heuristic.forward,
+                                  backward_dkdv=_config(args.dkdv) or heuristic.backward_dkdv,
+                                  backward_dq=_config(args.dq) or heuristic.backward_dq)
+    print(f"{args.dtype} E={args.head_dim} L={args.seq} {args.schedule}{' causal' if args.causal else ''}: "
+          f"forward {configs.forward.label()}, dK/dV {configs.backward_dkdv.label()}, dQ {configs.backward_dq.label()}")
+    for name, compiled in compile_launches(args.head_dim, args.seq, args.dtype, args.schedule, args.causal,
+                                           configs).items():
+        instructions, bodies = loops(disassemble(compiled.asm["cubin"]))
+        mma_bodies = [(a, b) for a, b in bodies if any("GMMA" in s for s in instructions[a:b + 1])]
+        print(f"{name}: {len(instructions)} instructions, {compiled.metadata.shared} bytes shared, "
+              f"{len(mma_bodies)} MMA loops")
+        for a, b in sorted(mma_bodies, key=lambda body: body[0] - body[1]):
+            counts = opcode_counts(instructions[a:b + 1])
+            print(f"  loop of {b - a + 1}: " + ", ".join(f"{op} {n}" for op, n in counts.most_common(args.top)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
