@@ -24,12 +24,10 @@ import subprocess
 import sys
 import tempfile
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from smem_check import DTYPES, compiling_launches  # noqa: E402
+from smem_check import DTYPES, check  # noqa: E402
 
 _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);")
 _LABEL = re.compile(r"\s*\.(L_x_\d+):")
@@ -73,21 +71,6 @@ def opcode_counts(instructions: list[str]) -> collections.Counter:
     return counts
 
 
-def compile_launches(head_dim: int, seq: int, dtype_name: str, schedule: str, causal: bool, configs) -> dict:
-    from flash_inductor import launch
-
-    dtype = DTYPES[dtype_name]
-    gen = torch.Generator().manual_seed(0)
-    q, k, v, dout, out = (torch.randn((1, 2, seq, head_dim), generator=gen, dtype=dtype) for _ in range(5))
-    lse = torch.randn((1, 2, seq), generator=gen)
-    compiled: dict = {}
-    with compiling_launches([], compiled):
-        launch.attention_forward(q, k, v, None, None, 0.0, causal, 0, head_dim ** -0.5, schedule, configs=configs)
-        launch.attention_backward(dout, q, k, v, None, out, lse, None, None, 0.0, causal, 0, head_dim ** -0.5,
-                                  schedule, False, configs=configs)
-    return compiled
-
-
 def _config(text):
     from flash_inductor.tuning.configs import KernelConfig
 
@@ -117,8 +100,10 @@ def main(argv=None) -> int:
                                   backward_dq=_config(args.dq) or heuristic.backward_dq)
     print(f"{args.dtype} E={args.head_dim} L={args.seq} {args.schedule}{' causal' if args.causal else ''}: "
           f"forward {configs.forward.label()}, dK/dV {configs.backward_dkdv.label()}, dQ {configs.backward_dq.label()}")
-    for name, compiled in compile_launches(args.head_dim, args.seq, args.dtype, args.schedule, args.causal,
-                                           configs).items():
+    compiled_by_name: dict = {}
+    check(args.head_dim, "causal" if args.causal else "none", args.dtype, args.schedule, args.seq, configs,
+          compiled_by_name)
+    for name, compiled in compiled_by_name.items():
         instructions, bodies = loops(disassemble(compiled.asm["cubin"]))
         mma_bodies = [(a, b) for a, b in bodies if any("GMMA" in s for s in instructions[a:b + 1])]
         print(f"{name}: {len(instructions)} instructions, {compiled.metadata.shared} bytes shared, "

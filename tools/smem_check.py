@@ -86,24 +86,27 @@ def compiling_launches(record: list, compiled_by_name: dict | None = None):
         driver._active = saved_driver
 
 
-def check(head_dim: int, mask_kind: str, dtype_name: str, schedule: str) -> list[tuple[str, int]]:
-    """(kernel, shared bytes) for one forward and one backward with Hopper's heuristic configs."""
+def check(head_dim: int, mask_kind: str, dtype_name: str, schedule: str, seq: int = SEQ, configs=None,
+          compiled_by_name: dict | None = None) -> list[tuple[str, int]]:
+    """(kernel, shared bytes) for one forward and one backward of length ``seq``, with ``configs``
+    (default: Hopper's heuristic ones); the compiled kernels go to ``compiled_by_name`` if given."""
     from flash_inductor import launch
     from flash_inductor.tuning.configs import cuda_heuristic_configs
 
     dtype = DTYPES[dtype_name]
     gen = torch.Generator().manual_seed(0)
-    q, k, v, dout, out = (torch.randn((1, 2, SEQ, head_dim), generator=gen, dtype=dtype) for _ in range(5))
-    lse = torch.randn((1, 2, SEQ), generator=gen)
+    q, k, v, dout, out = (torch.randn((1, 2, seq, head_dim), generator=gen, dtype=dtype) for _ in range(5))
+    lse = torch.randn((1, 2, seq), generator=gen)
     mask = None
     if mask_kind == "bool":
-        mask = torch.rand((1, 2, SEQ, SEQ), generator=gen) > 0.3
+        mask = torch.rand((1, 2, seq, seq), generator=gen) > 0.3
     elif mask_kind == "float":
-        mask = torch.randn((1, 2, SEQ, SEQ), generator=gen, dtype=dtype)
+        mask = torch.randn((1, 2, seq, seq), generator=gen, dtype=dtype)
     causal = mask_kind == "causal"
-    configs = cuda_heuristic_configs(ARCH, dtype.itemsize, head_dim, head_dim, schedule, mask_kind)
+    if configs is None:
+        configs = cuda_heuristic_configs(ARCH, dtype.itemsize, head_dim, head_dim, schedule, mask_kind)
     record: list[tuple[str, int]] = []
-    with compiling_launches(record):
+    with compiling_launches(record, compiled_by_name):
         launch.attention_forward(q, k, v, mask, None, 0.0, causal, 0, head_dim ** -0.5, schedule, configs=configs)
         launch.attention_backward(dout, q, k, v, mask, out, lse, None, None, 0.0, causal, 0, head_dim ** -0.5,
                                   schedule, False, configs=configs)
