@@ -60,6 +60,18 @@ def kernel_dtype(request) -> torch.dtype:
     return request.param
 
 
+_CALL_REPORT = pytest.StashKey()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each test's call-phase report on the item, for ``_cuda_error_isolation``."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        item.stash[_CALL_REPORT] = report
+
+
 @pytest.fixture(autouse=True)
 def _cuda_error_isolation(request):
     """A kernel fault (illegal memory access) is reported asynchronously and poisons the process's
@@ -74,6 +86,11 @@ def _cuda_error_isolation(request):
         torch.cuda.synchronize()
     except Exception as error:  # torch.AcceleratorError (RuntimeError on older torch)
         message = f"CUDA context poisoned during {request.node.nodeid}: {error}"
+        # Stopping the session drops the failure section, and with it the traceback that names
+        # the launch which faulted (a fault raises at the next launch or synchronisation): keep it.
+        report = request.node.stash.get(_CALL_REPORT, None)
+        if report is not None and report.failed:
+            message += "\nthe test's own failure:\n" + report.longreprtext[-8000:]
         if os.environ.get("PYTEST_XDIST_WORKER"):
             sys.stderr.write(message + "\n")
             sys.stderr.flush()
