@@ -52,13 +52,12 @@ def checked_addresses():
     passes on as ``triton.runtime.errors.InterpreterError`` naming ``OutOfBoundsAccess``."""
     from triton.runtime import interpreter
 
-    executor = getattr(interpreter, "GridExecutor", None)
-    builder = getattr(interpreter, "InterpreterBuilder", None)
-    hooks = ("_init_args_hst",), ("create_masked_load", "create_masked_store")
-    if executor is None or builder is None or not all(hasattr(executor, n) for n in hooks[0]) \
-            or not all(hasattr(builder, n) for n in hooks[1]):
-        raise RuntimeError("this Triton's interpreter lacks GridExecutor._init_args_hst or "
-                           "InterpreterBuilder.create_masked_load/store: update tests/bounds_check.py")
+    needed = {"GridExecutor": ("_init_args_hst",), "InterpreterBuilder": ("create_masked_load", "create_masked_store")}
+    missing = [f"{cls}.{name}" for cls, names in needed.items() for name in names
+               if not hasattr(getattr(interpreter, cls, None), name)]
+    if missing:
+        raise RuntimeError(f"this Triton's interpreter has no {', '.join(missing)}: update tests/bounds_check.py")
+    executor, builder = interpreter.GridExecutor, interpreter.InterpreterBuilder
 
     state = _LaunchState()
     original_init = executor._init_args_hst
