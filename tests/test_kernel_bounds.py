@@ -49,8 +49,9 @@ def test_the_check_catches_a_load_past_the_end_and_passes_masked_lanes():
     _copy[(1,)](src, dst[:8], 8, BLOCK=8, MASKED=False)
 
 
-# Tiles for the second run: 32 x 64 makes the interpreter cases' short lengths ragged where 16 x 16
-# tiles fit them whole (48 = 3 x 16), and the reverse for none of them: both variants run.
+# Tiles for the second run. Lengths that are whole numbers of the interpreter's 16 x 16 tiles (the
+# whole-block cases' 48) are ragged for 32 x 64 ones, so each such case runs both the unmasked and
+# the masked load variants across the two runs; the ragged cases run masked in both.
 _WIDE = AttentionConfigs(forward=KernelConfig(32, 64, 4, 1), backward_dkdv=KernelConfig(32, 64, 4, 1),
                          backward_dq=KernelConfig(32, 64, 4, 1))
 _CASES = {
@@ -60,14 +61,14 @@ _CASES = {
         "noncontig_causal_bool_broadcast_gqa", "grad_lse_dead_rows_causal", "no_keys_S0", "E_ne_Ev_odd",
         "whole_blocks_causal_gqa_float_mask_grad", "whole_queries_ragged_keys_causal",
         "ragged_queries_whole_keys_E_padded")},
-    "dropout_" + "p0.17_causal_bottom_right_gqa": DROPOUT["p0.17_causal_bottom_right_gqa"],
+    "dropout_p0.17_causal_bottom_right_gqa": DROPOUT["p0.17_causal_bottom_right_gqa"],
 }
 
 
 @pytest.mark.parametrize("tiles", ["interpreter", "wide"])
 @pytest.mark.parametrize("case", [pytest.param(c, id=n) for n, c in _CASES.items()])
-@pytest.mark.parametrize("schedule,dtype", [("stable", torch.float16), ("fast", torch.float32)], ids=["stable-fp16",
-                                                                                                       "fast-fp32"])
+@pytest.mark.parametrize("schedule,dtype", [("stable", torch.float16), ("fast", torch.float32)],
+                         ids=["stable-fp16", "fast-fp32"])
 def test_kernels_touch_only_their_tensors(case, schedule, dtype, tiles, monkeypatch):
     if tiles == "wide":
         monkeypatch.setattr(launch, "_configs", lambda *args, **kwargs: _WIDE)
