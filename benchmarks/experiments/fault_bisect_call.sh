@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 17, call 1 (one GPU, <= 560 s; a copy of .runs/s17_call1.sh, run from the repo root with .whl carried):
+# Session 17, call 1 (one GPU, <= 560 s; a copy of .runs/s17_call1.sh): find the launch and the patch behind session 16's
 # illegal memory access (test_shapes[fp16-L7_S1_E64] on the three backward patches).
 #  1. the combined patch (experiments/backward_loops_s16.patch): the repro over shapes, kinds and
 #     config pairs, each launch synchronised (CUDA_LAUNCH_BLOCKING=1);
