@@ -131,3 +131,21 @@ def test_dkdv_features_probe_variants_compute_our_gradients(tmp_path):
     for r in probes:
         assert "error" not in r, r
         assert r["diff_vs_ours"]["dk"] <= 4 * eps and r["diff_vs_ours"]["dv"] <= 4 * eps, r
+
+
+def test_fault_repro_runs_each_case_and_records_it(tmp_path):
+    """backward_fault_repro.py (the next GPU session's bisection) runs a case in a child process
+    and records it; on the interpreter nothing faults, so every case is 'ok' with no launch named."""
+    script = SCRIPT.parent / "backward_fault_repro.py"
+    env = dict(os.environ)
+    if DEVICE == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    configs = "16x16/w1/s1+16x16/w1/s1" if DEVICE == "cpu" else "64x64/w4/s3+64x64/w4/s3"
+    run = subprocess.run([sys.executable, str(script), "--device", DEVICE, "--shapes", "7x1x64,9x20x32",
+                          "--kinds", "fp16:stable,fp16:fast", "--configs", configs, "--out", str(tmp_path),
+                          "--tag", "t"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    records = json.loads((tmp_path / "backward_fault_repro_t.json").read_text())
+    assert [(r["seq_q"], r["seq_k"], r["head_dim"], r["schedule"]) for r in records] == [
+        (7, 1, 64, "stable"), (7, 1, 64, "fast"), (9, 20, 32, "stable"), (9, 20, 32, "fast")]
+    assert all(r["ok"] and r["where"] is None for r in records), records
