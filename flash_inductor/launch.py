@@ -103,6 +103,13 @@ def _mask_args(attn_mask: torch.Tensor | None, query: torch.Tensor):
     return attn_mask, attn_mask.stride(), True, False
 
 
+def _whole_blocks(length, block: int) -> bool:
+    """Whether ``length`` is a whole number of blocks (a kernel may then drop that dimension's load
+    masks). A symbolic length (torch.compile(dynamic=True)) answers False rather than guard on
+    its divisibility: the masked loads are right for every length."""
+    return isinstance(length, int) and length % block == 0
+
+
 def _head_dims(query: torch.Tensor, value: torch.Tensor) -> tuple[int, int]:
     # Head dims are kernel constexprs: under torch.compile(dynamic=True) they arrive as SymInts,
     # and int() specialises the graph on them (a guard), which is what a constexpr needs.
@@ -287,6 +294,9 @@ def attention_backward(
     # one, which the dK/dV pass then reads; dS is final only in that second pass, so it writes
     # dmask. Without exact Δ the two passes are independent and the dQ pass writes dmask.
     dmask_arg = dmask if compute_mask_grad else query
+    # Load masks that cannot bind are left out of the loops (``load_tile``): the head dims at
+    # their padded widths, and the looped-over length a whole number of blocks.
+    even_e = meta["BLOCK_E"] == head_dim and meta["BLOCK_EV"] == head_dim_v
     cfg = configs.backward_dq
     _launcher(_attn_bwd_dq)[(_cdiv(seq_q, cfg.block_m), batch * heads_q)](
         query, key, value, mask_arg, seed_arg, grad_out, row_ref, row_shift,
@@ -295,7 +305,7 @@ def attention_backward(
         heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2, scale, dropout_p,
         P_IN_FP32=p_in_fp32, DS_IN_FP32=ds_in_fp32, DS_RESCALE=ds_rescale,
         EXACT_DELTA=exact_delta, HAS_DLSE=grad_lse is not None, WRITE_DMASK=compute_mask_grad and not exact_delta,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_N=_whole_blocks(seq_k, cfg.block_n), EVEN_E=even_e, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **meta,
     )
     cfg = configs.backward_dkdv
@@ -307,7 +317,7 @@ def attention_backward(
         heads_q, heads_kv, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2, scale, dropout_p,
         P_IN_FP32=p_in_fp32, DS_IN_FP32=ds_in_fp32, DS_RESCALE=ds_rescale,
         WRITE_DMASK=compute_mask_grad and exact_delta,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_M=_whole_blocks(seq_q, cfg.block_m), EVEN_E=even_e, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **meta,
     )
     if compute_mask_grad:

@@ -73,8 +73,9 @@ def _params(cases: dict) -> list:
     return [pytest.param(case, id=name) for name, case in cases.items()]
 
 
-def run_case(case: Case, dtype: torch.dtype, device: str, schedule: str = "stable", seed: int = 0):
-    """Launch forward and backward; return (ours, inputs) as dicts."""
+def run_case(case: Case, dtype: torch.dtype, device: str, schedule: str = "stable", seed: int = 0, configs=None):
+    """Launch forward and backward (at ``configs``, else the launcher's own choice); return
+    (ours, inputs) as dicts."""
     q, k, v = make_qkv(case.batch, case.heads_q, case.heads_kv, case.seq_q, case.seq_k, case.head_dim,
                        case.head_dim_v, dtype, device, seed=seed, noncontig=case.noncontig,
                        q_mult=case.q_mult, k_mult=case.k_mult, v_mult=case.v_mult)
@@ -90,8 +91,9 @@ def run_case(case: Case, dtype: torch.dtype, device: str, schedule: str = "stabl
         keep = dropout_keep(seed_value, case.batch, case.heads_q, case.seq_q, case.seq_k, case.dropout_p, device)
     offset = case.causal_offset
     common = (rng_seed, case.dropout_p, offset is not None, offset or 0, scale, schedule)
-    out, lse = launch.attention_forward(q, k, v, mask, *common)
-    dq, dk, dv, dmask = launch.attention_backward(dout, q, k, v, mask, out, lse, dlse, *common, case.mask_grad)
+    out, lse = launch.attention_forward(q, k, v, mask, *common, configs=configs)
+    dq, dk, dv, dmask = launch.attention_backward(dout, q, k, v, mask, out, lse, dlse, *common, case.mask_grad,
+                                                  configs=configs)
     ours = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dmask=dmask)
     inputs = dict(q=q, k=k, v=v, mask=mask, dout=dout, dlse=dlse, scale=scale, offset=offset,
                   rng_seed=rng_seed, keep=keep)
@@ -99,8 +101,8 @@ def run_case(case: Case, dtype: torch.dtype, device: str, schedule: str = "stabl
 
 
 def check_case(case: Case, dtype: torch.dtype, device: str, schedule: str = "stable", seed: int = 0,
-               where_representable: bool = False, lse_rows=None):
-    ours, x = run_case(case, dtype, device, schedule, seed)
+               where_representable: bool = False, lse_rows=None, configs=None):
+    ours, x = run_case(case, dtype, device, schedule, seed, configs)
     q, k, v, mask = x["q"], x["k"], x["v"], x["mask"]
     kwargs = dict(causal_offset=x["offset"], scale=x["scale"], dropout_mask=x["keep"], dropout_p=case.dropout_p,
                   grad_out=x["dout"], grad_lse=x["dlse"], mask_grad=case.mask_grad)
@@ -241,6 +243,20 @@ WHOLE_BLOCKS = {
     "ragged_queries_whole_keys_E_padded": _f(**{**_WHOLE, "seq_q": _BASE.seq_q}, causal="bottom_right"),
 }
 FEATURES.update(WHOLE_BLOCKS)
+
+
+def test_whole_blocks_never_guards_a_symbolic_length():
+    """The launchers drop load masks only for a concrete length that is a whole number of blocks;
+    a symbolic one (torch.compile(dynamic=True)) keeps them, and adds no guard on divisibility."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    assert launch._whole_blocks(256, 64) and launch._whole_blocks(48, 16)
+    assert not launch._whole_blocks(300, 64)
+    env = ShapeEnv()
+    length = env.create_symintnode(env.create_symbol(256, source=ConstantSource("L")), hint=256)
+    assert not launch._whole_blocks(length, 64)
+    assert not env.guards
 
 
 @pytest.mark.parametrize("case", _params(FEATURES))

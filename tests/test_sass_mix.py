@@ -17,7 +17,7 @@ import sys
 import pytest
 
 TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "sass_mix.py"
-ONE_EXP2_PER_SCORE = ["_attn_bwd_dkdv"]
+ONE_EXP2_PER_SCORE = ["_attn_bwd_dkdv", "_attn_bwd_dq"]
 
 
 @pytest.fixture(scope="module")

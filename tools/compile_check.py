@@ -68,25 +68,29 @@ def main() -> int:
         exact = dtype != "fp32"
         dmask = mask == "float"
         stable = dict(P_IN_FP32=False, DS_IN_FP32=False, DS_RESCALE=dtype == "fp16")
+        # Both ways of the backward loops' row masks, alternating with causal; HEAD_DIM 80 < BLOCK_E
+        # keeps the head-dim masks.
+        even_m = dict(EVEN_M=causal, EVEN_E=False)
+        even_n = dict(EVEN_N=causal, EVEN_E=False)
         jobs = [
             (_attn_fwd, dict(**common, **flags, P_IN_FP32=False, BLOCK_M=64, BLOCK_N=32)),
-            (_attn_bwd_dkdv, dict(**common, **flags, **stable, WRITE_DMASK=dmask and exact, BLOCK_M=32, BLOCK_N=64)),
-            (_attn_bwd_dq, dict(**common, **flags, **stable, EXACT_DELTA=exact, HAS_DLSE=dropout,
+            (_attn_bwd_dkdv, dict(**common, **flags, **stable, **even_m, WRITE_DMASK=dmask and exact, BLOCK_M=32, BLOCK_N=64)),
+            (_attn_bwd_dq, dict(**common, **flags, **stable, **even_n, EXACT_DELTA=exact, HAS_DLSE=dropout,
                                 WRITE_DMASK=dmask and not exact, BLOCK_M=64, BLOCK_N=32)),
             (_attn_bwd_row_reference, dict(HEAD_DIM=80, BLOCK_E=128, HAS_MASK=flags["HAS_MASK"], MASK_IS_BOOL=flags["MASK_IS_BOOL"],
                                            IS_CAUSAL=causal, FP32_DOT=flags["FP32_DOT"], BLOCK_M=64, BLOCK_N=32)),
         ]
         if dmask and exact:  # the fast schedule: FA2's Δ, dmask from the dQ pass
             fast = dict(P_IN_FP32=False, DS_IN_FP32=False, DS_RESCALE=False)
-            jobs.append((_attn_bwd_dkdv, dict(**common, **flags, **fast, WRITE_DMASK=False, BLOCK_M=32, BLOCK_N=64)))
-            jobs.append((_attn_bwd_dq, dict(**common, **flags, **fast, EXACT_DELTA=False, HAS_DLSE=dropout,
+            jobs.append((_attn_bwd_dkdv, dict(**common, **flags, **fast, **even_m, WRITE_DMASK=False, BLOCK_M=32, BLOCK_N=64)))
+            jobs.append((_attn_bwd_dq, dict(**common, **flags, **fast, **even_n, EXACT_DELTA=False, HAS_DLSE=dropout,
                                             WRITE_DMASK=True, BLOCK_M=64, BLOCK_N=32)))
         if not dropout and mask == "none" and not causal:
             accurate = dict(P_IN_FP32=True, DS_IN_FP32=True, DS_RESCALE=False)
             jobs.append((_attn_bwd_preprocess, dict(HEAD_DIM_V=64, BLOCK_EV=64, HAS_DLSE=True, BLOCK_M=64)))
             jobs.append((_attn_fwd, dict(**common, **flags, P_IN_FP32=True, BLOCK_M=64, BLOCK_N=32)))
-            jobs.append((_attn_bwd_dkdv, dict(**common, **flags, **accurate, WRITE_DMASK=False, BLOCK_M=32, BLOCK_N=64)))
-            jobs.append((_attn_bwd_dq, dict(**common, **flags, **accurate, EXACT_DELTA=exact, HAS_DLSE=True,
+            jobs.append((_attn_bwd_dkdv, dict(**common, **flags, **accurate, **even_m, WRITE_DMASK=False, BLOCK_M=32, BLOCK_N=64)))
+            jobs.append((_attn_bwd_dq, dict(**common, **flags, **accurate, **even_n, EXACT_DELTA=exact, HAS_DLSE=True,
                                             WRITE_DMASK=False, BLOCK_M=64, BLOCK_N=32)))
         for fn, constexprs in jobs:
             try:

@@ -57,6 +57,7 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, accumulate_ds_dot, dropout_keep, ds_operand, mask_scores
+from .tile_loads import load_rows, load_tile
 
 # LSEs below this (natural log) only come from rows whose every visible key sits at the
 # -1e38 mask clamp; see _attn_bwd_row_reference.
@@ -208,27 +209,29 @@ def _dkdv_tiles(
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, CHECK: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
-    SHIFT: tl.constexpr, BLOCK_M: tl.constexpr,
+    SHIFT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Fold query blocks [lo, hi) of one query head into this key block's (dk, dv); dk in units of
-    1 / ds_up under DS_RESCALE's plain loop. Without SHIFT every row's shift is known to be 0."""
+    1 / ds_up under DS_RESCALE's plain loop. Without SHIFT every row's shift is known to be 0;
+    EVEN_M (L a multiple of BLOCK_M) and EVEN_E (head dims at their padded widths) drop the load
+    masks that cannot bind."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m_base
         q_rows_ok = offs_m < L
-        q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_e[None, :] * stride_qe,
-                    mask=q_rows_ok[:, None] & (offs_e[None, :] < HEAD_DIM), other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_ev[None, :] * stride_doe,
-                     mask=q_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0)
+        q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_e[None, :] * stride_qe,
+                      q_rows_ok, offs_e < HEAD_DIM, EVEN_M, EVEN_E)
+        do = load_tile(do_base + offs_m[:, None] * stride_dom + offs_ev[None, :] * stride_doe,
+                       q_rows_ok, offs_ev < HEAD_DIM_V, EVEN_M, EVEN_E)
         row_ids = bh * L + offs_m
-        row_ref = tl.load(ROW_REF + row_ids, mask=q_rows_ok, other=float("inf"))
-        delta = tl.load(DELTA + row_ids, mask=q_rows_ok, other=0.0)
+        row_ref = load_rows(ROW_REF + row_ids, q_rows_ok, float("inf"), EVEN_M)
+        delta = load_rows(DELTA + row_ids, q_rows_ok, 0.0, EVEN_M)
 
         # Transposed tiles (keys x queries) so dK and dV come out of the dots directly.
         s2_t = tl.dot(k, tl.trans(q), input_precision=FP32_DOT) * qk_scale_log2
         s2_t = mask_scores(s2_t, mask_base, offs_m[None, :], offs_n[:, None], kv_rows_ok[:, None] & q_rows_ok[None, :],
                            stride_mm, stride_mn, causal_offset, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, CHECK)
         if SHIFT:
-            row_shift = tl.load(ROW_SHIFT + row_ids, mask=q_rows_ok, other=0.0)
+            row_shift = load_rows(ROW_SHIFT + row_ids, q_rows_ok, 0.0, EVEN_M)
             p_t = tl.math.exp2((s2_t - row_ref[None, :]) - row_shift[None, :])
         else:
             p_t = tl.math.exp2(s2_t - row_ref[None, :])
@@ -266,7 +269,7 @@ def _dkdv_heads(
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
-    SHIFT: tl.constexpr, BLOCK_M: tl.constexpr,
+    SHIFT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Every query head of the GQA group: blocks [lo, mid) with the visibility select, [mid, L) without."""
     for g in range(GROUP):
@@ -281,7 +284,7 @@ def _dkdv_heads(
             stride_qm, stride_qe, stride_mm, stride_mn, stride_dom, stride_doe,
             L, S, causal_offset, qk_scale_log2, dropout_p,
             HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            DS_RESCALE, RESCALE, True, WRITE_DMASK, FP32_DOT, SHIFT, BLOCK_M,
+            DS_RESCALE, RESCALE, True, WRITE_DMASK, FP32_DOT, SHIFT, EVEN_M, EVEN_E, BLOCK_M,
         )
         dk, dv = _dkdv_tiles(
             dk, dv, k, v, q_base, do_base, mask_base, seed, keep_scale, ds_up, bh, ROW_REF, ROW_SHIFT, DELTA, DMASK,
@@ -289,7 +292,7 @@ def _dkdv_heads(
             stride_qm, stride_qe, stride_mm, stride_mn, stride_dom, stride_doe,
             L, S, causal_offset, qk_scale_log2, dropout_p,
             HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            DS_RESCALE, RESCALE, False, WRITE_DMASK, FP32_DOT, SHIFT, BLOCK_M,
+            DS_RESCALE, RESCALE, False, WRITE_DMASK, FP32_DOT, SHIFT, EVEN_M, EVEN_E, BLOCK_M,
         )
     return dk, dv
 
@@ -310,7 +313,7 @@ def _attn_bwd_dkdv(
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
     DS_RESCALE: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
     # with them would promote the fp32 accumulators, so fix them at fp32 first.
@@ -368,7 +371,7 @@ def _attn_bwd_dkdv(
             stride_dob, stride_doh, stride_dom, stride_doe,
             H_Q, GROUP, L, S, causal_offset, qk_scale_log2, dropout_p,
             HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            DS_RESCALE, True, WRITE_DMASK, FP32_DOT, True, BLOCK_M,
+            DS_RESCALE, True, WRITE_DMASK, FP32_DOT, True, EVEN_M, EVEN_E, BLOCK_M,
         )
     elif tl.load(SHIFT_FLAG) != 0:
         dk, dv = _dkdv_heads(
@@ -378,7 +381,7 @@ def _attn_bwd_dkdv(
             stride_dob, stride_doh, stride_dom, stride_doe,
             H_Q, GROUP, L, S, causal_offset, qk_scale_log2, dropout_p,
             HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            DS_RESCALE, False, WRITE_DMASK, FP32_DOT, True, BLOCK_M,
+            DS_RESCALE, False, WRITE_DMASK, FP32_DOT, True, EVEN_M, EVEN_E, BLOCK_M,
         )
     else:
         dk, dv = _dkdv_heads(
@@ -388,7 +391,7 @@ def _attn_bwd_dkdv(
             stride_dob, stride_doh, stride_dom, stride_doe,
             H_Q, GROUP, L, S, causal_offset, qk_scale_log2, dropout_p,
             HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            DS_RESCALE, False, WRITE_DMASK, FP32_DOT, False, BLOCK_M,
+            DS_RESCALE, False, WRITE_DMASK, FP32_DOT, False, EVEN_M, EVEN_E, BLOCK_M,
         )
 
     if DS_RESCALE:
@@ -402,7 +405,7 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _dq_tiles(
-    dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, shifted, delta, row_ids,
+    dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_scale, delta, row_ids,
     k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
     offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, lo, hi,
     stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
@@ -411,29 +414,24 @@ def _dq_tiles(
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, CHECK: tl.constexpr, EXACT_DELTA: tl.constexpr,
-    WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+    WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_E: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into this query block's dq (and, under exact Δ, σ, σ̃, Λ, K̄); dq in
-    units of 1 / ds_up under DS_RESCALE's plain loop, the rest in dS's own. ``shifted`` (one
-    runtime flag for the block) says whether any row's shift is non-zero."""
+    units of 1 / ds_up under DS_RESCALE's plain loop, the rest in dS's own, and all of them in units
+    of 1 / row_scale: the loop leaves out each row's shift (see _attn_bwd_dq)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
         kv_rows_ok = offs_n < S
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_e[None, :] * stride_ke,
-                    mask=kv_rows_ok[:, None] & (offs_e[None, :] < HEAD_DIM), other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_ev[None, :] * stride_ve,
-                    mask=kv_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0)
+        k = load_tile(k_base + offs_n[:, None] * stride_kn + offs_e[None, :] * stride_ke,
+                      kv_rows_ok, offs_e < HEAD_DIM, EVEN_N, EVEN_E)
+        v = load_tile(v_base + offs_n[:, None] * stride_vn + offs_ev[None, :] * stride_ve,
+                      kv_rows_ok, offs_ev < HEAD_DIM_V, EVEN_N, EVEN_E)
         s2 = tl.dot(q, tl.trans(k), input_precision=FP32_DOT) * qk_scale_log2
         tile_ok = q_rows_ok[:, None] & kv_rows_ok[None, :]
         s2 = mask_scores(s2, mask_base, offs_m[:, None], offs_n[None, :], tile_ok,
                          stride_mm, stride_mn, causal_offset, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, CHECK)
-        # A branch inside the loop, on a flag fixed for the program, rather than two copies of the
-        # loop: Triton gives each copy its own pipeline buffers, which took the E=256 dQ pass
-        # with a bool mask from 208 to 336 KiB of shared memory (tools/smem_check.py).
-        if shifted:
-            p = tl.math.exp2((s2 - row_ref[:, None]) - row_shift[:, None])
-        else:
-            p = tl.math.exp2(s2 - row_ref[:, None])
+        p = tl.math.exp2(s2 - row_ref[:, None])  # P / row_scale
         dp = tl.dot(do, tl.trans(v), input_precision=FP32_DOT)
         if HAS_DROPOUT:
             keep = dropout_keep(seed, row_ids[:, None], offs_n[None, :], S, dropout_p)
@@ -442,7 +440,7 @@ def _dq_tiles(
         if WRITE_DMASK:
             # dL/d(additive mask) is dS itself; DMASK is a dense (B*Hq, L, S) fp32 buffer. Only
             # without exact Δ: with it, this dS still lacks the row's correction (see the dK/dV pass).
-            tl.store(DMASK + row_ids[:, None] * S + offs_n[None, :], ds, mask=tile_ok)
+            tl.store(DMASK + row_ids[:, None] * S + offs_n[None, :], ds * row_scale[:, None], mask=tile_ok)
         ds_tile, ds_factor = _ds_tile(ds, k.dtype, ds_up, DS_IN_FP32, DS_RESCALE, RESCALE)
         dq = accumulate_ds_dot(dq, ds_tile, ds_factor, k, RESCALE, FP32_DOT)
         if EXACT_DELTA:
@@ -452,6 +450,11 @@ def _dq_tiles(
             # as for Pᵀ·dO: K̄ only multiplies corrections of order u, so its own rounding enters
             # at second order.
             ds_sum += tl.sum(ds, 1)
+            # σ̃ by fp32 adds. Summing the 16-bit tile on the matrix unit instead (its product with
+            # a ones column) saved ~100 instructions per tile, but on Triton 3.6 / sm_90 that extra
+            # small wgmma made the compiled kernel fault (out-of-range shared address) when
+            # S == 1 is specialised into it, at 64x64 tiles with 4 warps (session 17,
+            # benchmarks/experiments/backward_fault_repro.py).
             ds_seen_sum += tl.sum(ds_tile.to(tl.float32), 1) * ds_factor
             p_sum += tl.sum(p, 1)
             if P_IN_FP32:
@@ -463,7 +466,7 @@ def _dq_tiles(
 
 @triton.jit
 def _dq_blocks(
-    dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, shifted, delta, row_ids,
+    dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_scale, delta, row_ids,
     k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
     offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, split, hi,
     stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
@@ -472,26 +475,27 @@ def _dq_blocks(
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, EXACT_DELTA: tl.constexpr,
-    WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+    WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_E: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Key blocks [0, split) without the visibility select, then [split, hi) with it."""
     dq, ds_sum, ds_seen_sum, p_sum, p_k = _dq_tiles(
-        dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, shifted, delta, row_ids,
+        dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_scale, delta, row_ids,
         k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
         offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, 0, split,
         stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
         S, causal_offset, qk_scale_log2, dropout_p,
         HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-        DS_RESCALE, RESCALE, False, EXACT_DELTA, WRITE_DMASK, FP32_DOT, BLOCK_N,
+        DS_RESCALE, RESCALE, False, EXACT_DELTA, WRITE_DMASK, FP32_DOT, EVEN_N, EVEN_E, BLOCK_N,
     )
     return _dq_tiles(
-        dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, shifted, delta, row_ids,
+        dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_scale, delta, row_ids,
         k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
         offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, split, hi,
         stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
         S, causal_offset, qk_scale_log2, dropout_p,
         HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-        DS_RESCALE, RESCALE, True, EXACT_DELTA, WRITE_DMASK, FP32_DOT, BLOCK_N,
+        DS_RESCALE, RESCALE, True, EXACT_DELTA, WRITE_DMASK, FP32_DOT, EVEN_N, EVEN_E, BLOCK_N,
     )
 
 
@@ -510,7 +514,7 @@ def _attn_bwd_dq(
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
     EXACT_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
     # with them would promote the fp32 accumulators, so fix them at fp32 first.
@@ -562,34 +566,38 @@ def _attn_bwd_dq(
         split = S
     split = tl.maximum(split // BLOCK_N * BLOCK_N, 0)
 
+    # P = exp2(s2 - reference - shift). Only rows at the mask clamp have a shift (see
+    # _attn_bwd_row_reference), and it cannot join the reference there (~1e38 would absorb it).
+    # Everything this pass sums is linear in P, so the loop works with P / row_scale
+    # (row_scale = exp2(-shift), 1 on every other row) and the row factor is applied once at the
+    # end; Δ's correction, a ratio of two such sums, needs none. A per-score subtraction cost one
+    # add per score, a branch on the shift two exp2 (the compiler evaluated both sides).
+    row_scale = tl.math.exp2(-row_shift)
     # Decided once for the whole program; a compile-time False (and ds_up a compile-time 1) unless
-    # the schedule rescales, so the other kernels hold the plain, unscaled loop alone. Only rows
-    # at the mask clamp have a row shift (see _attn_bwd_row_reference); the loop skips it where
-    # no row of this block does.
-    shifted = tl.max(tl.abs(row_shift)) != 0
+    # the schedule rescales, so the other kernels hold the plain, unscaled loop alone.
     needs_rescale = False
     ds_up = 1.0
     if DS_RESCALE:
         needs_rescale, ds_up = _ds_loop_choice(DS_BOUND)
     if needs_rescale:
         dq, ds_sum, ds_seen_sum, p_sum, p_k = _dq_blocks(
-            dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, shifted, delta, row_ids,
+            dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_scale, delta, row_ids,
             k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
             offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, split, hi,
             stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
             S, causal_offset, qk_scale_log2, dropout_p,
             HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            DS_RESCALE, True, EXACT_DELTA, WRITE_DMASK, FP32_DOT, BLOCK_N,
+            DS_RESCALE, True, EXACT_DELTA, WRITE_DMASK, FP32_DOT, EVEN_N, EVEN_E, BLOCK_N,
         )
     else:
         dq, ds_sum, ds_seen_sum, p_sum, p_k = _dq_blocks(
-            dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_shift, shifted, delta, row_ids,
+            dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_scale, delta, row_ids,
             k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
             offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, split, hi,
             stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
             S, causal_offset, qk_scale_log2, dropout_p,
             HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            DS_RESCALE, False, EXACT_DELTA, WRITE_DMASK, FP32_DOT, BLOCK_N,
+            DS_RESCALE, False, EXACT_DELTA, WRITE_DMASK, FP32_DOT, EVEN_N, EVEN_E, BLOCK_N,
         )
 
     if EXACT_DELTA:
@@ -607,6 +615,7 @@ def _attn_bwd_dq(
             seen_correction = seen_correction * ds_up
         dq -= seen_correction[:, None] * p_k
         tl.store(DELTA + row_ids, delta + correction, mask=q_rows_ok)
+    dq = dq * row_scale[:, None]
     if DS_RESCALE:
         dq = dq * (sm_scale / ds_up)  # exact, ds_up being a power of two
     else:

@@ -105,7 +105,7 @@ def table_filename(gpu: str) -> str:
 # other kernel file is in a family and that a family's files import only from the family.
 KERNEL_FAMILIES: dict[str, frozenset[str]] = {
     "forward": frozenset({"attn_fwd.py", "common.py"}),
-    "backward": frozenset({"attn_bwd.py", "common.py"}),
+    "backward": frozenset({"attn_bwd.py", "common.py", "tile_loads.py"}),
     "fp8_forward": frozenset({"attn_fwd_fp8.py", "common.py"}),
 }
 _KERNELS_DIR = pathlib.Path(__file__).resolve().parent.parent / "kernels"

@@ -1,0 +1,146 @@
+"""Every launch config the shipped tuning table picks, at the lengths that compile to other kernels.
+
+Triton compiles an integer argument equal to 1 into the kernel as a constant, and Inductor does
+the same for a size it knows to be 1 (``do_not_specialize`` does not stop it). So a query or key
+length of 1 runs a kernel that the autotuner never compiled: its accuracy check runs at
+L = S = 509. Such a kernel can fail where its general twin does not: session 17 found a Triton
+3.6 fault in the dQ kernel that only S = 1 with 4-warp 64x64 tiles hit
+(``benchmarks/results/backward_fault_nvidia-h200_20261201_s17.md``). Users reach these kernels
+with any length: a 16k-token sequence attending to one key takes the s16384 bucket's configs.
+So every distinct pick of the table is run here at S = 1 and at L = 1, forward and backward,
+against the float64 reference with the usual tolerance rule.
+
+On a GPU this uses the shipped table of that GPU; a GPU without one runs the heuristic's
+configs, which ``test_kernels.py``'s L7_S1 shapes cover. On the CPU, Triton's interpreter does
+not specialise, so it cannot meet a compiler fault; a few fp16 picks of the H200 table run there
+to keep this file's own machinery (table reading, forced configs, the checks) tested.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from flash_inductor import launch
+from flash_inductor.tuning import cache
+from flash_inductor.tuning.configs import AttentionConfigs, KernelConfig
+from flash_inductor.tuning.measure import sqnr_db
+from flash_inductor.tuning.schedules import FP8_SQNR_BUDGET_DB
+from helpers import ON_CUDA, make_qkv
+from test_kernels import Case, check_case
+
+pytestmark = pytest.mark.launches_kernels
+
+# (L, S): a key length of 1 (the dQ pass's loop over keys and the forward's), a query length of 1
+# (the dK/dV pass's loop over queries).
+EDGE_LENGTHS = {"L7_S1": (7, 1), "L1_S7": (1, 7)}
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Pick:
+    """One distinct launch the table can make: the bucket family and its configs."""
+
+    schedule: str
+    dtype: str
+    width: int
+    mask: str
+    configs: AttentionConfigs
+
+    def label(self) -> str:
+        c = self.configs
+        roles = [c.forward.label()] + ([] if self.schedule == "fp8" else [c.backward_dkdv.label(), c.backward_dq.label()])
+        return f"{self.schedule}-{self.dtype}-e{self.width}-{self.mask}-" + "+".join(roles)
+
+
+def _table_path():
+    if ON_CUDA:
+        gpu = cache.device_gpu_key(torch.device("cuda"))
+    else:
+        gpu = "nvidia-h200_sm90_132sm"
+    path = cache.shipped_tables_dir() / cache.table_filename(gpu)
+    return path if path.exists() else None
+
+
+def _picks() -> list[Pick]:
+    """The table's distinct (family, configs) pairs; a backward entry pairs with its bucket's
+    forward entry (the backward needs a forward's output), fp8 entries are forward only."""
+    path = _table_path()
+    if path is None:
+        return []
+    entries = json.loads(path.read_text())["entries"]
+    picks = {}
+    for key, entry in sorted(entries.items()):
+        schedule, dtype, width, mask, _, pass_name = key.split("/")
+        roles = entry["configs"]
+        if schedule == "fp8":
+            forward = KernelConfig.from_dict(roles["forward"])
+            configs = AttentionConfigs(forward, forward, forward)  # only the forward runs
+        elif pass_name == "backward":
+            forward_entry = entries.get(key.rsplit("/", 1)[0] + "/forward")
+            if forward_entry is None:
+                continue  # the forward of this bucket takes the heuristic: test_kernels covers it
+            configs = AttentionConfigs(KernelConfig.from_dict(forward_entry["configs"]["forward"]),
+                                       KernelConfig.from_dict(roles["backward_dkdv"]),
+                                       KernelConfig.from_dict(roles["backward_dq"]))
+        else:
+            continue  # a forward entry runs with its bucket's backward entry above
+        pick = Pick(schedule, dtype, int(width.lstrip("e")), mask, configs)
+        picks.setdefault(pick.label(), pick)
+    chosen = list(picks.values())
+    if not ON_CUDA:  # one fp16 E = 64 pick per 16-bit schedule
+        per_schedule = {}
+        for p in chosen:
+            if p.dtype == "fp16" and p.width == 64 and p.schedule != "fp8":
+                per_schedule.setdefault(p.schedule, p)
+        chosen = list(per_schedule.values())
+    return chosen
+
+
+PICKS = _picks()
+
+
+def test_the_table_has_picks_to_check():
+    """On the H200 (and on the CPU, which reads the H200 table) the list is not empty, so the
+    parametrised test below cannot pass by collecting nothing."""
+    if ON_CUDA and _table_path() is None:
+        pytest.skip("no shipped table for this GPU: its launches use the heuristic (test_kernels.py)")
+    assert PICKS
+    assert all(p.dtype in _DTYPES for p in PICKS)
+    if ON_CUDA:  # every 16-bit schedule and both mask kinds of the table are there
+        assert {p.schedule for p in PICKS} >= {"stable", "fast"}
+        assert {p.mask for p in PICKS} >= {"none", "causal"}
+
+
+@pytest.mark.parametrize("lengths", list(EDGE_LENGTHS.values()), ids=list(EDGE_LENGTHS))
+@pytest.mark.parametrize("pick", PICKS, ids=[p.label() for p in PICKS])
+def test_table_pick_at_length_one(pick, lengths, device, monkeypatch):
+    def table_lookup(*args, **kwargs):
+        raise AssertionError("the launch looked its configs up instead of running the pick's")
+
+    monkeypatch.setattr(launch, "select_configs", table_lookup)
+    seq_q, seq_k = lengths
+    dtype = _DTYPES[pick.dtype]
+    # A head width is the padded max(E, Ev); E = width keeps the padding-free path the table
+    # was tuned on, and B = H = 2 gives more than one program along the grid's second axis.
+    case = Case(batch=2, heads_q=2, heads_kv=2, seq_q=seq_q, seq_k=seq_k, head_dim=pick.width,
+                head_dim_v=pick.width, causal="top_left" if pick.mask == "causal" else "none")
+    if pick.schedule == "fp8":
+        _check_fp8_forward(case, dtype, device, pick.configs)
+    else:
+        check_case(case, dtype, device, pick.schedule, configs=pick.configs)
+
+
+def _check_fp8_forward(case: Case, dtype: torch.dtype, device: str, configs: AttentionConfigs):
+    q, k, v = make_qkv(case.batch, case.heads_q, case.heads_kv, case.seq_q, case.seq_k, case.head_dim,
+                       case.head_dim_v, dtype, device, seed=0)
+    causal = case.causal_offset is not None
+    scale = case.head_dim**-0.5
+    out, _ = launch.attention_forward(q, k, v, None, None, 0.0, causal, 0, scale, "fp8", configs=configs)
+    truth = torch.nn.functional.scaled_dot_product_attention(
+        q.double().cpu(), k.double().cpu(), v.double().cpu(), is_causal=causal, scale=scale)
+    assert torch.isfinite(out).all()
+    assert sqnr_db(out, truth) >= FP8_SQNR_BUDGET_DB
