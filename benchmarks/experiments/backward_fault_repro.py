@@ -13,6 +13,11 @@ bucket dQ 64x64/w4/s3 and dK/dV 64x64/w4/s4 (bf16: the same dQ, dK/dV s3); main'
 64x128/w4/s2 and dK/dV 32x64/w4/s3. The interpreter, with every active load and store address
 checked against the launch's tensors, found no out-of-bounds access in these shapes and configs.
 
+Outcome (session 17, ``benchmarks/results/backward_fault_nvidia-h200_20261201_s17.md``): the
+fault is in ``_attn_bwd_dq``, at σ̃'s row sum on the matrix unit (``dq_seen_sum_mma.patch``, now
+a patch against main), when S == 1 is specialised into the kernel; main sums σ̃ by fp32 adds.
+The patch files named above landed, or were removed (git history at 813b459).
+
 This script runs each case (shape x dtype x schedule x forced configs) forward and backward
 with a synchronisation after every launch, so a fault is charged to the launch that made it; a
 fault poisons the CUDA context, so each case runs in a child process, and cases go on in a new
