@@ -29,7 +29,7 @@ from flash_inductor.tuning import cache
 from flash_inductor.tuning.configs import AttentionConfigs, KernelConfig
 from flash_inductor.tuning.measure import sqnr_db
 from flash_inductor.tuning.schedules import FP8_SQNR_BUDGET_DB
-from helpers import ON_CUDA, make_qkv
+from helpers import ON_CUDA, make_mask, make_qkv, ref_forward_backward
 from test_kernels import Case, check_case
 
 pytestmark = pytest.mark.launches_kernels
@@ -91,10 +91,10 @@ def _picks() -> list[Pick]:
         pick = Pick(schedule, dtype, int(width.lstrip("e")), mask, configs)
         picks.setdefault(pick.label(), pick)
     chosen = list(picks.values())
-    if not ON_CUDA:  # one fp16 E = 64 pick per 16-bit schedule
+    if not ON_CUDA:  # one fp16 E = 64 pick per schedule
         per_schedule = {}
         for p in chosen:
-            if p.dtype == "fp16" and p.width == 64 and p.schedule != "fp8":
+            if p.dtype == "fp16" and p.width == 64:
                 per_schedule.setdefault(p.schedule, p)
         chosen = list(per_schedule.values())
     return chosen
@@ -126,8 +126,11 @@ def test_table_pick_at_length_one(pick, lengths, device, monkeypatch):
     dtype = _DTYPES[pick.dtype]
     # A head width is the padded max(E, Ev); E = width keeps the padding-free path the table
     # was tuned on, and B = H = 2 gives more than one program along the grid's second axis.
+    # The table's mask kinds: none, causal, bool, float (buckets.MASK_KINDS).
+    causal = "top_left" if pick.mask == "causal" else "none"
+    mask = pick.mask if pick.mask in ("bool", "float") else "none"
     case = Case(batch=2, heads_q=2, heads_kv=2, seq_q=seq_q, seq_k=seq_k, head_dim=pick.width,
-                head_dim_v=pick.width, causal="top_left" if pick.mask == "causal" else "none")
+                head_dim_v=pick.width, causal=causal, mask=mask)
     if pick.schedule == "fp8":
         _check_fp8_forward(case, dtype, device, pick.configs)
     else:
@@ -137,10 +140,10 @@ def test_table_pick_at_length_one(pick, lengths, device, monkeypatch):
 def _check_fp8_forward(case: Case, dtype: torch.dtype, device: str, configs: AttentionConfigs):
     q, k, v = make_qkv(case.batch, case.heads_q, case.heads_kv, case.seq_q, case.seq_k, case.head_dim,
                        case.head_dim_v, dtype, device, seed=0)
+    mask = make_mask(case.mask, case.batch, case.heads_q, case.seq_q, case.seq_k, dtype, device)
     causal = case.causal_offset is not None
     scale = case.head_dim**-0.5
-    out, _ = launch.attention_forward(q, k, v, None, None, 0.0, causal, 0, scale, "fp8", configs=configs)
-    truth = torch.nn.functional.scaled_dot_product_attention(
-        q.double().cpu(), k.double().cpu(), v.double().cpu(), is_causal=causal, scale=scale)
+    out, _ = launch.attention_forward(q, k, v, mask, None, 0.0, causal, 0, scale, "fp8", configs=configs)
+    truth = ref_forward_backward(q, k, v, mask, causal_offset=case.causal_offset, scale=scale)["out"]
     assert torch.isfinite(out).all()
     assert sqnr_db(out, truth) >= FP8_SQNR_BUDGET_DB
