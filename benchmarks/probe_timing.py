@@ -2,6 +2,7 @@
 
     python benchmarks/probe_timing.py                         # GPU: the bimodal cell (fp16, causal, E=64, L=S=1024)
     python benchmarks/probe_timing.py --dtype bf16 --seq 4096
+    python benchmarks/probe_timing.py --mode bwd --dtype bf16 --causal no  # the backward alone
     python benchmarks/probe_timing.py --quick --device cpu    # smoke run
 
 On 2026-11-30 the same launch config on the same problem took 0.24 ms in one process and
@@ -21,11 +22,19 @@ Reading it: samples bimodal inside one process point at the GPU or at placement 
 ``fresh_inputs``); steady inside a process but different between runs of this script point at
 process state (allocator, compiled-kernel choice); ``cudagraph`` far below ``do_bench`` means
 host time is in the measurement. Writes ``probe_timing_<gpu>_<date>[_<tag>].json``.
+
+``--mode bwd`` (or ``fwd_bwd``) times the backward the way ``bench_attention.py`` does (autograd
+on a kept graph). The autotuner's seq-1024 backward timings disagree between runs by up to 2x
+(benchmarks/NOTES.md, sessions 15-17) while longer buckets agree; the backward's launcher does
+several launches and small torch ops per call, a quarter of the GPU work of seq 4096 at the
+tuner's fixed token count, so host time is the first suspect: ``cudagraph`` against ``do_bench``
+there says how much of the measured time it is.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -35,7 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import (  # noqa: E402
-    DTYPES, add_cell_args, add_output_args, environment, make_attention, make_inputs, write_record,
+    DTYPES, add_cell_args, add_output_args, environment, make_attention, make_inputs, make_step, write_record,
 )
 
 KINDS = ("do_bench", "cudagraph", "fresh_inputs", "plain_loop")
@@ -45,6 +54,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_cell_args(p, dtype="fp16", batch=16, heads=32, seq=1024, head_dim=64)
     p.add_argument("--causal", choices=("yes", "no"), default="yes")
+    p.add_argument("--mode", choices=("fwd", "bwd", "fwd_bwd"), default="fwd",
+                   help="what one call does (bwd: the backward alone, on a kept graph)")
     p.add_argument("--providers", default="ours,flash", help="comma list of bench_attention providers")
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="B=1, H=2, L=S=128, E=32, 3 samples (a CPU smoke run)")
@@ -68,16 +79,12 @@ def _sample(kind: str, attend, inputs, args, dtype) -> float:
     """One measurement in milliseconds. Off CUDA every kind is a plain wall-clock loop."""
     if kind == "fresh_inputs":
         inputs = make_inputs(args.batch, args.heads, args.seq, args.head_dim, dtype, args.device)
-    q, k, v = inputs[:3]  # make_inputs also returns a dout
-
-    def call():
-        return attend(q, k, v)
-
+    call = make_step(attend, args.mode, *inputs)  # make_inputs returns q, k, v and a dout
     if not args.device.startswith("cuda"):
         return _cpu_ms(call)
     from triton.testing import do_bench, do_bench_cudagraph
 
-    with torch.no_grad():
+    with torch.no_grad() if args.mode == "fwd" else contextlib.nullcontext():
         if kind in ("do_bench", "fresh_inputs"):
             return float(do_bench(call, warmup=25, rep=100, return_mode="median"))
         if kind == "cudagraph":
@@ -107,9 +114,9 @@ def measure(args) -> list[dict]:
         inputs = make_inputs(args.batch, args.heads, args.seq, args.head_dim, dtype, args.device)
         for kind in KINDS:
             samples = [_sample(kind, attend, inputs, args, dtype) for _ in range(args.samples)]
-            records.append(dict(provider=provider, kind=kind, dtype=args.dtype, batch=args.batch, heads=args.heads,
-                                seq=args.seq, head_dim=args.head_dim, causal=causal, samples_ms=samples,
-                                **spread(samples)))
+            records.append(dict(provider=provider, kind=kind, mode=args.mode, dtype=args.dtype, batch=args.batch,
+                                heads=args.heads, seq=args.seq, head_dim=args.head_dim, causal=causal,
+                                samples_ms=samples, **spread(samples)))
     return records
 
 

@@ -7,18 +7,21 @@ import json
 import pathlib
 import sys
 
+import pytest
+
 from helpers import DEVICE, ON_CUDA
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "probe_timing.py"
 
 
-def test_probe_writes_every_kind_with_its_samples(tmp_path, capsys):
+@pytest.mark.parametrize("mode", ["fwd", "bwd"])
+def test_probe_writes_every_kind_with_its_samples(mode, tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("probe_timing", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     try:
         spec.loader.exec_module(module)
-        argv = ["--quick", "--device", DEVICE, "--out", str(tmp_path), "--tag", "smoke"]
+        argv = ["--quick", "--device", DEVICE, "--out", str(tmp_path), "--tag", "smoke", "--mode", mode]
         if ON_CUDA:
             argv += ["--providers", "ours,flash"]
         assert module.main(argv) == 0
@@ -27,6 +30,7 @@ def test_probe_writes_every_kind_with_its_samples(tmp_path, capsys):
     (written,) = tmp_path.glob("probe_timing_*_smoke.json")
     results = json.loads(written.read_text())["results"]
     assert {r["kind"] for r in results} == set(module.KINDS)
+    assert {r["mode"] for r in results} == {mode}
     for r in results:
         assert len(r["samples_ms"]) == 3 and all(s > 0 for s in r["samples_ms"])
         assert r["min"] <= r["median"] <= r["max"] and r["max_over_min"] >= 1.0
