@@ -19,13 +19,13 @@ to keep this file's own machinery (table reading, forced configs, the checks) te
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
 
 from flash_inductor import launch
 from flash_inductor.tuning import cache
+from flash_inductor.tuning.buckets import Bucket
 from flash_inductor.tuning.configs import AttentionConfigs, KernelConfig
 from flash_inductor.tuning.measure import sqnr_db
 from flash_inductor.tuning.schedules import FP8_SQNR_BUDGET_DB
@@ -57,30 +57,26 @@ class Pick:
 
 
 def _table_path():
-    if ON_CUDA:
-        gpu = cache.device_gpu_key(torch.device("cuda"))
-    else:
-        gpu = "nvidia-h200_sm90_132sm"
-    path = cache.shipped_tables_dir() / cache.table_filename(gpu)
-    return path if path.exists() else None
+    gpu = cache.device_gpu_key(torch.device("cuda")) if ON_CUDA else "nvidia-h200_sm90_132sm"
+    return cache.shipped_tables_dir() / cache.table_filename(gpu)
 
 
 def _picks() -> list[Pick]:
     """The table's distinct (family, configs) pairs; a backward entry pairs with its bucket's
     forward entry (the backward needs a forward's output), fp8 entries are forward only."""
-    path = _table_path()
-    if path is None:
+    table = cache.read_table(_table_path())
+    if table is None:
         return []
-    entries = json.loads(path.read_text())["entries"]
+    entries = table.entries
     picks = {}
     for key, entry in sorted(entries.items()):
-        schedule, dtype, width, mask, _, pass_name = key.split("/")
+        bucket = Bucket.parse(key)
         roles = entry["configs"]
-        if schedule == "fp8":
+        if bucket.schedule == "fp8":
             forward = KernelConfig.from_dict(roles["forward"])
             configs = AttentionConfigs(forward, forward, forward)  # only the forward runs
-        elif pass_name == "backward":
-            forward_entry = entries.get(key.rsplit("/", 1)[0] + "/forward")
+        elif bucket.pass_name == "backward":
+            forward_entry = entries.get(bucket.replace(pass_name="forward").key())
             if forward_entry is None:
                 continue  # the forward of this bucket takes the heuristic: test_kernels covers it
             configs = AttentionConfigs(KernelConfig.from_dict(forward_entry["configs"]["forward"]),
@@ -88,7 +84,7 @@ def _picks() -> list[Pick]:
                                        KernelConfig.from_dict(roles["backward_dq"]))
         else:
             continue  # a forward entry runs with its bucket's backward entry above
-        pick = Pick(schedule, dtype, int(width.lstrip("e")), mask, configs)
+        pick = Pick(bucket.schedule, bucket.dtype, bucket.width, bucket.mask, configs)
         picks.setdefault(pick.label(), pick)
     chosen = list(picks.values())
     if not ON_CUDA:  # one fp16 E = 64 pick per schedule
@@ -106,7 +102,7 @@ PICKS = _picks()
 def test_the_table_has_picks_to_check():
     """On the H200 (and on the CPU, which reads the H200 table) the list is not empty, so the
     parametrised test below cannot pass by collecting nothing."""
-    if ON_CUDA and _table_path() is None:
+    if ON_CUDA and not _table_path().exists():
         pytest.skip("no shipped table for this GPU: its launches use the heuristic (test_kernels.py)")
     assert PICKS
     assert all(p.dtype in _DTYPES for p in PICKS)
