@@ -42,3 +42,17 @@ def test_backward_loops_take_one_exp2_per_score(sass_mix_output, kernel):
     for loop in loops:
         mufu = re.search(r"\bMUFU (\d+)", loop)
         assert mufu and int(mufu.group(1)) == 32, loop
+
+
+def test_mma_kind_tells_wgmma_from_mma_sync():
+    """The kernel line names the matrix instructions: a dot whose M side is under wgmma's 64 rows
+    compiles to mma.sync (HMMA) on sm_90, which is how the E = 256 dK/dV pass's 32-key block was found."""
+    sys.path.insert(0, str(TOOL.parent))
+    import sass_mix
+
+    wgmma = "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24, gsb0"
+    sync = "HMMA.16816.F32.BF16 R4, R8, R12, R4"
+    assert sass_mix.mma_kind([wgmma, "FADD R1, R2, R3"]) == "wgmma"
+    assert sass_mix.mma_kind([sync]) == "mma.sync"
+    assert sass_mix.mma_kind([wgmma, sync]) == "wgmma+mma.sync"
+    assert sass_mix.mma_kind(["MUFU.EX2 R1, R2"]) == ""

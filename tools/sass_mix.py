@@ -9,7 +9,9 @@ the count of those instructions in a pass's inner loop predicts what a kernel ch
 any GPU time is spent: it found that a branch inside the dQ loop made the compiler evaluate both
 sides (two exp2 per score). Each launch our launchers would start (as in tools/smem_check.py) is
 compiled, disassembled with Triton's bundled nvdisasm, and each loop (a branch back to an earlier
-label) that issues warpgroup MMAs is listed, longest first, with its most frequent opcodes.
+label) that issues matrix instructions is listed, longest first, with its most frequent opcodes;
+each kernel's line says whether they are wgmma or mma.sync and how many local loads and stores
+(register spills) it has.
 Counts are per thread per iteration: a BLOCK_M x BLOCK_N tile over 32 * num_warps threads.
 Without TRITON_INTERPRET.
 """
@@ -63,6 +65,14 @@ def loops(sass: str) -> tuple[list[str], list[tuple[int, int]]]:
     return instructions, bodies
 
 
+def mma_kind(instructions: list[str]) -> str:
+    """Which matrix instructions a stretch of SASS issues: "wgmma" (HGMMA, Hopper's warpgroup MMA),
+    "mma.sync" (HMMA: a dot whose M side is under wgmma's 64 rows, or a pre-Hopper target), both,
+    or "" for none."""
+    kinds = [name for name, op in (("wgmma", "HGMMA"), ("mma.sync", "HMMA")) if any(op in s for s in instructions)]
+    return "+".join(kinds)
+
+
 def opcode_counts(instructions: list[str]) -> collections.Counter:
     counts = collections.Counter()
     for instruction in instructions:
@@ -105,9 +115,13 @@ def main(argv=None) -> int:
           compiled_by_name)
     for name, compiled in compiled_by_name.items():
         instructions, bodies = loops(disassemble(compiled.asm["cubin"]))
-        mma_bodies = [(a, b) for a, b in bodies if any("GMMA" in s for s in instructions[a:b + 1])]
+        mma_bodies = [(a, b) for a, b in bodies if mma_kind(instructions[a:b + 1])]
+        counts = opcode_counts(instructions)
+        # mma.sync on sm_90 runs well below wgmma's rate: session 18 found the E = 256 dK/dV pass
+        # there (its 32-key block) only by reading this line. LDL/STL are register spills.
         print(f"{name}: {len(instructions)} instructions, {compiled.metadata.shared} bytes shared, "
-              f"{len(mma_bodies)} MMA loops")
+              f"{len(mma_bodies)} MMA loops ({mma_kind(instructions) or 'no MMA'}), "
+              f"{counts['LDL']} LDL / {counts['STL']} STL")
         for a, b in sorted(mma_bodies, key=lambda body: body[0] - body[1]):
             counts = opcode_counts(instructions[a:b + 1])
             print(f"  loop of {b - a + 1}: " + ", ".join(f"{op} {n}" for op, n in counts.most_common(args.top)))
