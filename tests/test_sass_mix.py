@@ -46,7 +46,7 @@ def test_backward_loops_take_one_exp2_per_score(sass_mix_output, kernel):
 
 def test_mma_kind_tells_wgmma_from_mma_sync():
     """The kernel line names the matrix instructions: a dot whose M side is under wgmma's 64 rows
-    compiles to mma.sync (HMMA) on sm_90, which is how the E = 256 dK/dV pass's 32-key block was found."""
+    compiles to mma.sync (HMMA) on sm_90, as the E = 256 dK/dV pass's 32-key block does."""
     sys.path.insert(0, str(TOOL.parent))
     import sass_mix
 

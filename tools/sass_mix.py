@@ -117,8 +117,9 @@ def main(argv=None) -> int:
         instructions, bodies = loops(disassemble(compiled.asm["cubin"]))
         mma_bodies = [(a, b) for a, b in bodies if mma_kind(instructions[a:b + 1])]
         counts = opcode_counts(instructions)
-        # mma.sync on sm_90 runs well below wgmma's rate: session 18 found the E = 256 dK/dV pass
-        # there (its 32-key block) only by reading this line. LDL/STL are register spills.
+        # mma.sync on sm_90 runs well below wgmma's rate; the E = 256 dK/dV pass (a 32-key block)
+        # compiled to it unnoticed while this line counted wgmma loops only (session 18).
+        # LDL/STL are register spills.
         print(f"{name}: {len(instructions)} instructions, {compiled.metadata.shared} bytes shared, "
               f"{len(mma_bodies)} MMA loops ({mma_kind(instructions) or 'no MMA'}), "
               f"{counts['LDL']} LDL / {counts['STL']} STL")
