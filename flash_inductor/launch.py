@@ -305,7 +305,8 @@ def attention_backward(
         heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2, scale, dropout_p,
         P_IN_FP32=p_in_fp32, DS_IN_FP32=ds_in_fp32, DS_RESCALE=ds_rescale,
         EXACT_DELTA=exact_delta, HAS_DLSE=grad_lse is not None, WRITE_DMASK=compute_mask_grad and not exact_delta,
-        EVEN_N=_whole_blocks(seq_k, cfg.block_n), EVEN_E=even_e, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_N=_whole_blocks(seq_k, cfg.block_n), EVEN_E=even_e,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **meta,
     )
     cfg = configs.backward_dkdv
@@ -317,7 +318,8 @@ def attention_backward(
         heads_q, heads_kv, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2, scale, dropout_p,
         P_IN_FP32=p_in_fp32, DS_IN_FP32=ds_in_fp32, DS_RESCALE=ds_rescale,
         WRITE_DMASK=compute_mask_grad and exact_delta,
-        EVEN_M=_whole_blocks(seq_q, cfg.block_m), EVEN_E=even_e, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_M=_whole_blocks(seq_q, cfg.block_m), EVEN_E=even_e,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **meta,
     )
     if compute_mask_grad:
