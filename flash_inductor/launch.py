@@ -200,6 +200,7 @@ def attention_forward(
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(),
         heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale * _LOG2E, dropout_p,
         P_IN_FP32=switches["P_IN_FP32"],
+        FOLD_SCALE=scale > 0 and not (meta["HAS_MASK"] and not meta["MASK_IS_BOOL"]),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **meta,

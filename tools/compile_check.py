@@ -73,7 +73,7 @@ def main() -> int:
         even_m = dict(EVEN_M=causal, EVEN_E=False)
         even_n = dict(EVEN_N=causal, EVEN_E=False)
         jobs = [
-            (_attn_fwd, dict(**common, **flags, P_IN_FP32=False, BLOCK_M=64, BLOCK_N=32)),
+            (_attn_fwd, dict(**common, **flags, P_IN_FP32=False, FOLD_SCALE=mask != "float", BLOCK_M=64, BLOCK_N=32)),
             (_attn_bwd_dkdv, dict(**common, **flags, **stable, **even_m, WRITE_DMASK=dmask and exact, BLOCK_M=32, BLOCK_N=64)),
             (_attn_bwd_dq, dict(**common, **flags, **stable, **even_n, EXACT_DELTA=exact, HAS_DLSE=dropout,
                                 WRITE_DMASK=dmask and not exact, BLOCK_M=64, BLOCK_N=32)),
@@ -88,7 +88,7 @@ def main() -> int:
         if not dropout and mask == "none" and not causal:
             accurate = dict(P_IN_FP32=True, DS_IN_FP32=True, DS_RESCALE=False)
             jobs.append((_attn_bwd_preprocess, dict(HEAD_DIM_V=64, BLOCK_EV=64, HAS_DLSE=True, BLOCK_M=64)))
-            jobs.append((_attn_fwd, dict(**common, **flags, P_IN_FP32=True, BLOCK_M=64, BLOCK_N=32)))
+            jobs.append((_attn_fwd, dict(**common, **flags, P_IN_FP32=True, FOLD_SCALE=False, BLOCK_M=64, BLOCK_N=32)))
             jobs.append((_attn_bwd_dkdv, dict(**common, **flags, **accurate, **even_m, WRITE_DMASK=False, BLOCK_M=32, BLOCK_N=64)))
             jobs.append((_attn_bwd_dq, dict(**common, **flags, **accurate, **even_n, EXACT_DELTA=exact, HAS_DLSE=True,
                                             WRITE_DMASK=False, BLOCK_M=64, BLOCK_N=32)))

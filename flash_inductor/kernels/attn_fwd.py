@@ -26,7 +26,7 @@ def _attn_fwd_inner(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, CHECK_BOUNDS: tl.constexpr,
-    P_IN_FP32: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+    P_IN_FP32: tl.constexpr, FP32_DOT: tl.constexpr, FOLD_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into the running (acc, l, m).
 
@@ -40,7 +40,10 @@ def _attn_fwd_inner(
             k_base + offs_n[None, :] * stride_kn + offs_e[:, None] * stride_ke,
             mask=kv_rows_ok[None, :] & (offs_e[:, None] < HEAD_DIM), other=0.0,
         )
-        s2 = tl.dot(q, k, input_precision=FP32_DOT) * qk_scale_log2
+        # Under FOLD_SCALE the scores stay unscaled until exp2 (see _attn_fwd); else base 2.
+        s2 = tl.dot(q, k, input_precision=FP32_DOT)
+        if not FOLD_SCALE:
+            s2 = s2 * qk_scale_log2
         if HAS_MASK:
             in_bounds = (offs_m[:, None] < L) & kv_rows_ok[None, :]
             s2 = add_attn_mask(
@@ -52,10 +55,16 @@ def _attn_fwd_inner(
             if IS_CAUSAL:
                 visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
             s2 = tl.where(visible, s2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s2, 1))
+        if FOLD_SCALE:
+            m_new = tl.maximum(m_i, tl.max(s2, 1) * qk_scale_log2)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s2, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_ref)
-        p = tl.math.exp2(s2 - m_ref[:, None])
+        if FOLD_SCALE:
+            p = tl.math.exp2(s2 * qk_scale_log2 - m_ref[:, None])  # one FFMA per score
+        else:
+            p = tl.math.exp2(s2 - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
             # l_i sums the undropped P: dropout acts on normalised probabilities.
@@ -87,8 +96,14 @@ def _attn_fwd(
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, FP32_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FOLD_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # FOLD_SCALE (a positive scale, no additive mask): each row's max is taken on the unscaled
+    # products and scaled once, which is exact, since x -> fl(c * x) is monotonic for c > 0 and
+    # so fl(c * max x) = max fl(c * x); exp2's argument is then one FFMA per score, where the max
+    # otherwise needs every scaled score (a multiply) and exp2 a subtraction. A bool mask and the
+    # bounds select only place -inf, which scales to -inf. An additive mask is in base-2 units
+    # and needs the scaled scores.
     # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
     # with them would promote the fp32 accumulators, so fix them at fp32 first.
     qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
@@ -136,7 +151,7 @@ def _attn_fwd(
         stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
         L, S, causal_offset, qk_scale_log2, dropout_p,
         HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, False,
-        P_IN_FP32, FP32_DOT, BLOCK_N,
+        P_IN_FP32, FP32_DOT, FOLD_SCALE, BLOCK_N,
     )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, mask_base, seed, rng_rows,
@@ -144,7 +159,7 @@ def _attn_fwd(
         stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
         L, S, causal_offset, qk_scale_log2, dropout_p,
         HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, True,
-        P_IN_FP32, FP32_DOT, BLOCK_N,
+        P_IN_FP32, FP32_DOT, FOLD_SCALE, BLOCK_N,
     )
 
     # l == 0 exactly when no key was visible: output 0 and LSE -inf instead of 0/0.
