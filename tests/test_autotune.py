@@ -143,6 +143,26 @@ def test_heuristic_kept_unless_beaten_by_min_gain():
     assert task.best(min_gain=0.01).configs == faster
 
 
+def test_sweep_tries_the_depths_of_every_near_tied_shape():
+    """The depth round covers the best shape and each shape within depth_margin of it: at a near
+    tie, a deeper pipeline of the runner-up may be the real winner."""
+    bucket = Bucket("stable", "fp16", 16, "none", 128, "forward")
+    space = SearchSpace("tiny", (16, 32), (16, 32), (4,), (1, 2))
+    tuner = Tuner(DEVICE, _tiny_settings(None, space=space, depth_margin=0.05))
+    task = tuner.task(PlannedBucket(bucket, SWEEP))
+    assert tuner.start(task, {})
+    shapes = [c.forward for c in tuner.next_candidates(task)]
+    ms = {shape: 2.0 + i for i, shape in enumerate(shapes)}  # all far behind ...
+    best, tied, behind = sorted({s for s in shapes if s != task.heuristic.forward}, key=shapes.index)[:3]
+    ms.update({best: 1.00, tied: 1.03, behind: 1.06})  # ... but these: 3 % and 6 % off the best
+    for shape in shapes:
+        configs = dataclasses.replace(task.heuristic, forward=shape)
+        task.measured[task.key(configs)] = Measurement(configs, Verdict(True), ms[shape])
+    deeper = {c.forward for c in tuner.next_candidates(task)}
+    other_depths = {dataclasses.replace(s, num_stages=n) for s in (best, tied) for n in space.stages if n != s.num_stages}
+    assert deeper == other_depths and len(deeper) == 2
+
+
 class _BrokenRunner(LaunchRunner):
     """Kernels that go wrong for one tile shape: off by a little, or non-finite on large logits."""
 
@@ -209,19 +229,25 @@ def test_precompile_worker_runs_every_problem_shape():
 # ------------------------------------------------------------------------------------------
 
 
-def test_plan_sweeps_once_per_width_and_pass_and_copies_identical_kernels():
+def test_plan_sweeps_once_per_width_pass_and_operand_widths_and_copies_identical_kernels():
     grid = Grid(("stable", "fast", "accurate"), ("bf16", "fp16"), (64, 128), ("none", "causal"), (1024, 4096))
     plan = make_plan(grid)
     by_key = {p.bucket.key(): p for p in plan}
     sweeps = [p.bucket.key() for p in plan if p.kind == SWEEP]
+    # `accurate` holds P and dS in fp32: its tiles are wider than the default's, so it sweeps for
+    # itself (after the default schedule's sweeps); `fast` has the default's tiles and races them.
     assert sweeps == ["stable/bf16/e64/none/s4096/forward", "stable/bf16/e64/none/s4096/backward",
-                      "stable/bf16/e128/none/s4096/forward", "stable/bf16/e128/none/s4096/backward"]
+                      "stable/bf16/e128/none/s4096/forward", "stable/bf16/e128/none/s4096/backward",
+                      "accurate/bf16/e64/none/s4096/forward", "accurate/bf16/e64/none/s4096/backward",
+                      "accurate/bf16/e128/none/s4096/forward", "accurate/bf16/e128/none/s4096/backward"]
     assert plan[: len(sweeps)] == [by_key[k] for k in sweeps]  # sweeps first: they seed the rest
     # fast == stable in the forward; their 16-bit backwards differ (exact Δ, and the fp16 dS rescale).
     assert by_key["fast/fp16/e64/causal/s1024/forward"].kind == COPY
     assert by_key["fast/bf16/e64/none/s4096/backward"].kind == SHORTLIST
     assert by_key["fast/fp16/e64/none/s4096/backward"].kind == SHORTLIST
-    assert by_key["accurate/bf16/e64/none/s4096/forward"].source == Bucket.parse(sweeps[0])
+    assert by_key["fast/bf16/e64/none/s4096/backward"].source == Bucket.parse(sweeps[1])
+    assert by_key["accurate/fp16/e64/causal/s1024/forward"].source == Bucket.parse(sweeps[4])
+    assert by_key["accurate/fp16/e128/none/s4096/backward"].source == Bucket.parse(sweeps[7])
     assert len(plan) == len(grid.buckets())
     order = [p.bucket for p in plan]
     for p in plan:

@@ -6,9 +6,9 @@ therefore sweeps the whole search space only where it matters most and lets the 
 race a shortlist:
 
 * ``sweep``: one bucket per (head width, pass, dtype class: 16-bit or fp32), at the default
-  schedule (and at the fp8 schedule, whose kernel is its own), without a mask, at the length
-  closest to 4096. Tile shapes and warp counts first, then the pipeline depths of the best
-  shape (``search.py``).
+  schedule (and at each schedule whose tiles hold operands of other widths: fp8, and
+  `accurate`'s fp32 P and dS), without a mask, at the length closest to 4096. Tile shapes and
+  warp counts first, then the pipeline depths of the best (and near-tied) shapes (``search.py``).
 * ``shortlist``: every other bucket races the heuristic against the sweep's best few configs.
   Within a width, the ranking of tiles moves little with the mask, the schedule, the 16-bit
   dtype or the length; what does move, the race settles. ``--exhaustive`` sweeps everywhere.
@@ -76,6 +76,12 @@ def _dtype_class(dtype: str) -> str:
     return "fp32" if dtype == "fp32" else "16-bit"
 
 
+def _operand_widths(schedule: str) -> tuple[bool, bool, bool]:
+    """What sets a schedule's bytes per tile beyond the dtype: fp8 operands, fp32 P, fp32 dS."""
+    sched = get_schedule(schedule)
+    return sched.fp8_forward, sched.p_in_fp32, sched.ds_in_fp32
+
+
 def kernel_signature(bucket: Bucket) -> tuple:
     """Buckets with equal signatures launch the very same compiled kernels on the same problem."""
     from ..launch import schedule_switches
@@ -97,8 +103,11 @@ def make_plan(grid: Grid, exhaustive: bool = False) -> list[PlannedBucket]:
 
     def sweep_of(b: Bucket) -> Bucket:
         dtype = next(d for d in grid.dtypes if _dtype_class(d) == _dtype_class(b.dtype))
-        # A schedule with kernels of its own (fp8: half the bytes per tile) sweeps for itself.
-        schedule = b.schedule if get_schedule(b.schedule).fp8_forward else default_schedule
+        # A schedule whose tiles hold operands of other widths than the default's (fp8 Q/K/V;
+        # fp32 P and dS under `accurate`) fits and ranks other tiles, so it sweeps for itself:
+        # raced on the default's best few, `accurate` at E = 256 kept only the heuristic (session 19).
+        same_tiles = _operand_widths(b.schedule) == _operand_widths(default_schedule)
+        schedule = default_schedule if same_tiles else b.schedule
         return Bucket(schedule, dtype, b.width, sweep_mask, rep, b.pass_name)
 
     def priority(b: Bucket) -> tuple:

@@ -5,7 +5,7 @@ Each planned bucket (``plan.py``) is a small state machine that proposes candida
 * a sweep, per kernel role (the backward tunes dK/dV with dQ at its heuristic config, then dQ
   with the best dK/dV: the two kernels run back to back, so their times add): first every tile
   shape and warp count at the heuristic's pipeline depth, then the other depths of the best
-  shape;
+  shape and of the shapes within ``depth_margin`` of it;
 * a shortlist: the heuristic and the sweep's best few configs per role, in one race;
 * a copy: the entry of a bucket with identical kernels.
 
@@ -57,7 +57,12 @@ class Settings:
     hidden: int = 2048  # timing problem: heads * head width
     check_shape: Shape = Shape(batch=2, heads=4, seq_q=509, seq_k=509)  # ragged on purpose
     top_k: int = 3  # configs per role a shortlist takes from its sweep
-    depth_shapes: int = 1  # best shapes whose pipeline depths a sweep then tries
+    # A sweep then tries the other pipeline depths of its best shape and of every shape within
+    # depth_margin of it, up to depth_shapes shapes: at a near tie the first shape's reference depth
+    # can hide a faster depth of the second (session 19: E = 64's 128x64/w8/s4 lost its place to
+    # 64x64/w4/s3, 1 % ahead at s3, and s4 was never timed).
+    depth_shapes: int = 3
+    depth_margin: float = 0.05
     min_gain: float = 0.01  # a candidate must beat the heuristic by this fraction to replace it
     tasks_per_round: int = 8
     max_timing_seq: Optional[int] = None  # tests: cap the timing problem's length
@@ -187,8 +192,9 @@ class Tuner:
             shapes = shape_candidates(role, space, ref_stages, tiles, self.limits)
             yield [base] + [dataclasses.replace(base, **{role: c}) for c in shapes]
             others = {r: getattr(base, r) for r in task.roles if r != role}
-            top = [getattr(m.configs, role) for m in task.ok()
-                   if all(getattr(m.configs, r) == c for r, c in others.items())][: self.settings.depth_shapes]
+            ranked = [m for m in task.ok() if all(getattr(m.configs, r) == c for r, c in others.items())]
+            near = [m for m in ranked if m.ms <= ranked[0].ms * (1.0 + self.settings.depth_margin)]
+            top = [getattr(m.configs, role) for m in near][: self.settings.depth_shapes]
             deeper = depth_candidates(role, top, space, tiles, self.limits)
             if deeper:
                 yield [dataclasses.replace(base, **{role: c}) for c in deeper]
