@@ -47,7 +47,8 @@ from bench_attention import (  # noqa: E402
     DTYPES, add_cell_args, add_output_args, environment, make_attention, make_inputs, make_step, write_record,
 )
 
-KINDS = ("do_bench", "cudagraph", "fresh_inputs", "plain_loop")
+# cudagraph last: a capture that fails can leave the stream unusable for what follows.
+KINDS = ("do_bench", "fresh_inputs", "plain_loop", "cudagraph")
 
 
 def parse_args(argv=None):
@@ -113,16 +114,23 @@ def measure(args) -> list[dict]:
         attend = make_attention(provider, causal, args.seq, args.seq, args.device)
         inputs = make_inputs(args.batch, args.heads, args.seq, args.head_dim, dtype, args.device)
         for kind in KINDS:
-            samples = [_sample(kind, attend, inputs, args, dtype) for _ in range(args.samples)]
-            records.append(dict(provider=provider, kind=kind, mode=args.mode, dtype=args.dtype, batch=args.batch,
-                                heads=args.heads, seq=args.seq, head_dim=args.head_dim, causal=causal,
-                                samples_ms=samples, **spread(samples)))
+            record = dict(provider=provider, kind=kind, mode=args.mode, dtype=args.dtype, batch=args.batch,
+                          heads=args.heads, seq=args.seq, head_dim=args.head_dim, causal=causal)
+            try:
+                samples = [_sample(kind, attend, inputs, args, dtype) for _ in range(args.samples)]
+            except Exception as exc:  # e.g. a backward CUDA graphs cannot capture: keep the other kinds
+                records.append(dict(record, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"))
+                continue
+            records.append(dict(record, samples_ms=samples, **spread(samples)))
     return records
 
 
 def format_table(records) -> str:
     lines = [f"{'provider':8s} {'kind':13s} {'min ms':>8s} {'median':>8s} {'max':>8s} {'max/min':>8s}  samples"]
     for r in records:
+        if "error" in r:
+            lines.append(f"{r['provider']:8s} {r['kind']:13s} failed: {r['error']}")
+            continue
         samples = " ".join(f"{s:.3f}" for s in r["samples_ms"])
         lines.append(f"{r['provider']:8s} {r['kind']:13s} {r['min']:8.3f} {r['median']:8.3f} {r['max']:8.3f} "
                      f"{r['max_over_min']:8.2f}  {samples}")

@@ -32,6 +32,33 @@ def test_probe_writes_every_kind_with_its_samples(mode, tmp_path, capsys):
     assert {r["kind"] for r in results} == set(module.KINDS)
     assert {r["mode"] for r in results} == {mode}
     for r in results:
+        assert "error" not in r, r  # on CUDA: the backward must be capturable into a CUDA graph
         assert len(r["samples_ms"]) == 3 and all(s > 0 for s in r["samples_ms"])
         assert r["min"] <= r["median"] <= r["max"] and r["max_over_min"] >= 1.0
     assert "fresh_inputs" in capsys.readouterr().out
+
+
+def test_a_failing_kind_is_recorded_and_the_others_still_run(tmp_path, capsys, monkeypatch):
+    spec = importlib.util.spec_from_file_location("probe_timing", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        real_sample = module._sample
+
+        def sample(kind, *args):
+            if kind == "cudagraph":
+                raise RuntimeError("operation failed due to a previous error during capture\nmore detail")
+            return real_sample(kind, *args)
+
+        monkeypatch.setattr(module, "_sample", sample)
+        assert module.main(["--quick", "--device", "cpu", "--out", str(tmp_path), "--tag", "fail"]) == 0
+    finally:
+        sys.modules.pop(spec.name, None)
+    (written,) = tmp_path.glob("probe_timing_*_fail.json")
+    results = json.loads(written.read_text())["results"]
+    failed = [r for r in results if "error" in r]
+    assert [r["kind"] for r in failed] == ["cudagraph"]
+    assert failed[0]["error"] == "RuntimeError: operation failed due to a previous error during capture"
+    assert {r["kind"] for r in results if "samples_ms" in r} == set(module.KINDS) - {"cudagraph"}
+    assert "cudagraph     failed: RuntimeError" in capsys.readouterr().out
