@@ -14,22 +14,28 @@ from helpers import DEVICE, ON_CUDA
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "probe_timing.py"
 
 
-@pytest.mark.parametrize("mode", ["fwd", "bwd"])
-def test_probe_writes_every_kind_with_its_samples(mode, tmp_path, capsys):
+@pytest.fixture
+def probe():
+    """The script as a module, registered in sys.modules while a test uses it."""
     spec = importlib.util.spec_from_file_location("probe_timing", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     try:
         spec.loader.exec_module(module)
-        argv = ["--quick", "--device", DEVICE, "--out", str(tmp_path), "--tag", "smoke", "--mode", mode]
-        if ON_CUDA:
-            argv += ["--providers", "ours,flash"]
-        assert module.main(argv) == 0
+        yield module
     finally:
         sys.modules.pop(spec.name, None)
+
+
+@pytest.mark.parametrize("mode", ["fwd", "bwd"])
+def test_probe_writes_every_kind_with_its_samples(probe, mode, tmp_path, capsys):
+    argv = ["--quick", "--device", DEVICE, "--out", str(tmp_path), "--tag", "smoke", "--mode", mode]
+    if ON_CUDA:
+        argv += ["--providers", "ours,flash"]
+    assert probe.main(argv) == 0
     (written,) = tmp_path.glob("probe_timing_*_smoke.json")
     results = json.loads(written.read_text())["results"]
-    assert {r["kind"] for r in results} == set(module.KINDS)
+    assert {r["kind"] for r in results} == set(probe.KINDS)
     assert {r["mode"] for r in results} == {mode}
     for r in results:
         assert "error" not in r, r  # on CUDA: the backward must be capturable into a CUDA graph
@@ -38,27 +44,20 @@ def test_probe_writes_every_kind_with_its_samples(mode, tmp_path, capsys):
     assert "fresh_inputs" in capsys.readouterr().out
 
 
-def test_a_failing_kind_is_recorded_and_the_others_still_run(tmp_path, capsys, monkeypatch):
-    spec = importlib.util.spec_from_file_location("probe_timing", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        real_sample = module._sample
+def test_a_failing_kind_is_recorded_and_the_others_still_run(probe, tmp_path, capsys, monkeypatch):
+    real_sample = probe._sample
 
-        def sample(kind, *args):
-            if kind == "cudagraph":
-                raise RuntimeError("operation failed due to a previous error during capture\nmore detail")
-            return real_sample(kind, *args)
+    def sample(kind, *args):
+        if kind == "cudagraph":
+            raise RuntimeError("operation failed due to a previous error during capture\nmore detail")
+        return real_sample(kind, *args)
 
-        monkeypatch.setattr(module, "_sample", sample)
-        assert module.main(["--quick", "--device", "cpu", "--out", str(tmp_path), "--tag", "fail"]) == 0
-    finally:
-        sys.modules.pop(spec.name, None)
+    monkeypatch.setattr(probe, "_sample", sample)
+    assert probe.main(["--quick", "--device", "cpu", "--out", str(tmp_path), "--tag", "fail"]) == 0
     (written,) = tmp_path.glob("probe_timing_*_fail.json")
     results = json.loads(written.read_text())["results"]
     failed = [r for r in results if "error" in r]
     assert [r["kind"] for r in failed] == ["cudagraph"]
     assert failed[0]["error"] == "RuntimeError: operation failed due to a previous error during capture"
-    assert {r["kind"] for r in results if "samples_ms" in r} == set(module.KINDS) - {"cudagraph"}
+    assert {r["kind"] for r in results if "samples_ms" in r} == set(probe.KINDS) - {"cudagraph"}
     assert "cudagraph     failed: RuntimeError" in capsys.readouterr().out
