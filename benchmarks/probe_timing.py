@@ -12,8 +12,8 @@ each provider it takes ``--samples`` measurements of each kind, in one process:
 
 * ``do_bench``: ``triton.testing.do_bench`` medians (L2 flushed before each call), the harness's
   own method;
-* ``cudagraph``: ``triton.testing.do_bench_cudagraph`` (the calls replayed from a CUDA graph:
-  no host work between them);
+* ``cudagraph``: the calls replayed from a CUDA graph (no host work between them), captured on
+  the side stream the step was built on;
 * ``fresh_inputs``: ``do_bench`` again, on newly allocated q, k, v for every sample (new
   addresses: tests placement and allocation);
 * ``plain_loop``: CUDA events around 50 back-to-back calls, no flush.
@@ -76,20 +76,46 @@ def _cpu_ms(fn, repeats: int = 5) -> float:
     return (time.perf_counter() - start) / repeats * 1e3
 
 
+def _graph_ms(attend, inputs, mode: str, calls: int = 20, replays: int = 10) -> float:
+    """Milliseconds per call, replayed from one CUDA graph of ``calls`` calls. The step is built
+    and captured on one side stream: autograd runs each backward op on its forward's stream, so a
+    kept graph (``bwd``) whose forward ran elsewhere cannot be captured. Session 19's H200 run
+    failed that way under ``triton.testing.do_bench_cudagraph``, which captures on a stream of its
+    own, after this script had built the step on the default one."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call = make_step(attend, mode, *inputs)
+        call()  # compiles and allocates outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                call()
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (replays * calls)
+
+
 def _sample(kind: str, attend, inputs, args, dtype) -> float:
     """One measurement in milliseconds. Off CUDA every kind is a plain wall-clock loop."""
     if kind == "fresh_inputs":
         inputs = make_inputs(args.batch, args.heads, args.seq, args.head_dim, dtype, args.device)
-    call = make_step(attend, args.mode, *inputs)  # make_inputs returns q, k, v and a dout
-    if not args.device.startswith("cuda"):
-        return _cpu_ms(call)
-    from triton.testing import do_bench, do_bench_cudagraph
-
+    on_cuda = args.device.startswith("cuda")
     with torch.no_grad() if args.mode == "fwd" else contextlib.nullcontext():
+        if on_cuda and kind == "cudagraph":
+            return _graph_ms(attend, inputs, args.mode)
+        call = make_step(attend, args.mode, *inputs)  # make_inputs returns q, k, v and a dout
+        if not on_cuda:
+            return _cpu_ms(call)
+        from triton.testing import do_bench
+
         if kind in ("do_bench", "fresh_inputs"):
             return float(do_bench(call, warmup=25, rep=100, return_mode="median"))
-        if kind == "cudagraph":
-            return float(do_bench_cudagraph(call, rep=100, return_mode="median"))
         calls = 50
         call()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
