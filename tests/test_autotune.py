@@ -25,7 +25,8 @@ from flash_inductor.tuning.buckets import Bucket, bucket_for, length_hint, mask_
 from flash_inductor.tuning.configs import AttentionConfigs, KernelConfig, heuristic_configs, select_configs
 from flash_inductor.tuning.measure import LaunchRunner, Shape, Verdict
 from flash_inductor.tuning.plan import COPY, SHORTLIST, SWEEP, Grid, PlannedBucket, make_plan
-from flash_inductor.tuning.precompile import ParallelPrecompiler, _encode, warm
+from flash_inductor.tuning import precompile
+from flash_inductor.tuning.precompile import ParallelPrecompiler, RoundReport, _encode, probe_lengths_of_one, warm
 from flash_inductor.tuning.schedules import SCHEDULES, schedules_markdown_table
 from flash_inductor.tuning.search import BucketTask, Measurement, Settings, Tuner
 from flash_inductor.tuning.search_space import DeviceLimits, SearchSpace, TileBytes, fits, shape_candidates
@@ -215,13 +216,106 @@ def test_precompile_worker_runs_every_problem_shape():
     configs = dataclasses.replace(INTERPRETER_CONFIGS, forward=KernelConfig(32, 16, 4, 1))
     assert warm(bucket.key(), _encode(INTERPRETER_CONFIGS), _encode(configs), (1, 2, 37, 37),
                 dataclasses.astuple(settings.timing_shape(bucket)), DEVICE) is None
+    assert probe_lengths_of_one(bucket.key(), _encode(configs), DEVICE) is None
     # Through the pool (spawned processes, as on the GPU): the same job, deduplicated across lengths.
     pool = ParallelPrecompiler(1, DEVICE, settings)
     try:
-        errors = pool([(bucket, INTERPRETER_CONFIGS, configs), (bucket.replace(seq=256), INTERPRETER_CONFIGS, configs)])
-        assert errors == [None] and not pool.broken
+        report = pool([(bucket, INTERPRETER_CONFIGS, configs), (bucket.replace(seq=256), INTERPRETER_CONFIGS, configs)],
+                      [(bucket, configs)])
+        assert report == RoundReport(warm_errors=0, probe_failures=[None]) and not pool.broken
     finally:
         pool.close()
+
+
+@pytest.mark.launches_kernels
+def test_length_one_probe_names_the_lengths_that_fail(monkeypatch):
+    """A candidate that raises, or returns non-finite values, only when a length is 1 (the
+    kernels Triton specialises on it) fails the probe, which names the lengths."""
+    bucket = Bucket("stable", "fp16", 16, "none", 128, "backward")
+
+    class FailsAtLengthOne(LaunchRunner):
+        def backward(self, p, out, lse, configs, schedule):
+            grads = super().backward(p, out, lse, configs, schedule)
+            if p.k.shape[-2] == 1:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            if p.q.shape[-2] == 1:
+                grads = (grads[0] * float("nan"), *grads[1:])
+            return grads
+
+    monkeypatch.setattr(precompile, "LaunchRunner", FailsAtLengthOne)
+    failure = probe_lengths_of_one(bucket.key(), _encode(INTERPRETER_CONFIGS), DEVICE)
+    assert failure.startswith("RuntimeError at L=7, S=1: CUDA error: an illegal memory access")
+
+    monkeypatch.setattr(precompile, "LENGTHS_OF_ONE", ((1, 7),))
+    assert probe_lengths_of_one(bucket.key(), _encode(INTERPRETER_CONFIGS), DEVICE) == "non-finite dq at L=1, S=7"
+
+
+def test_a_failed_probe_is_confirmed_alone_before_it_rejects(monkeypatch):
+    """After a fault, the worker's later probes fail too: only a probe that fails again alone,
+    in a fresh process, rejects its configs; the pool is replaced either way."""
+    bucket = Bucket("stable", "fp16", 16, "none", 128, "forward")
+    faulty, poisoned, fine = (dataclasses.replace(INTERPRETER_CONFIGS, forward=KernelConfig(bm, 16, 4, 1))
+                              for bm in (16, 32, 64))
+    pool = ParallelPrecompiler(2, DEVICE, _tiny_settings(None))
+    in_workers = {faulty: "RuntimeError at L=7, S=1: CUDA error", poisoned: "RuntimeError at L=7, S=1: CUDA error"}
+
+    class Done:
+        def __init__(self, result):
+            self._result = result
+
+        def result(self):
+            return self._result
+
+    class FakeExecutor:
+        def submit(self, fn, bucket_key, *args):
+            if fn is warm:
+                return Done("RuntimeError: CUDA error")  # a job after the fault, in the poisoned worker
+            return Done(in_workers.get(precompile._decode(args[0])))
+
+        def shutdown(self, **kwargs):
+            closed.append(True)
+
+    closed, alone = [], []
+
+    def probe_alone(b, configs):
+        alone.append(configs)
+        return "RuntimeError at L=7, S=1: CUDA error" if configs == faulty else None
+
+    pool._pool = FakeExecutor()
+    monkeypatch.setattr(pool, "_probe_alone", probe_alone)
+    report = pool([(bucket, INTERPRETER_CONFIGS, fine)],
+                  [(bucket, faulty), (bucket, poisoned), (bucket, fine), (bucket.replace(seq=1024), faulty)])
+    assert report.warm_errors == 1
+    assert report.probe_failures == ["length one: RuntimeError at L=7, S=1: CUDA error", None, None,
+                                     "length one: RuntimeError at L=7, S=1: CUDA error"]
+    assert alone == [faulty, poisoned] and closed and pool._pool is None and not pool.broken
+
+
+@pytest.mark.launches_kernels
+def test_a_pick_that_fails_at_length_one_gives_way_to_the_next_best():
+    """The search's pick is probed at lengths of 1 before it becomes the entry; when it fails,
+    it is rejected with the reason and the next best is probed and picked."""
+    bucket = Bucket("stable", "fp16", 16, "none", 128, "forward")
+    timer = _timer_from({("forward", 32, 16, 4): 1.0, ("forward", 16, 32, 4): 3.0})
+    heuristic = _heuristic(torch.float16, 16)
+    faulty = dataclasses.replace(heuristic, forward=KernelConfig(32, 16, 4, 1)).forward
+    probed = []
+
+    def precompile_round(jobs, probes):
+        probed.extend(configs.forward for _, configs in probes)
+        return RoundReport(warm_errors=0, probe_failures=[
+            "length one: RuntimeError at L=7, S=1: CUDA error" if configs.forward == faulty else None
+            for _, configs in probes])
+
+    tuner = Tuner(DEVICE, _tiny_settings(timer), precompile=precompile_round)
+    done: dict[Bucket, BucketTask] = {}
+    assert tuner.run([tuner.task(PlannedBucket(bucket, SWEEP))], done) == []
+    entry = done[bucket].entry
+    assert probed == [faulty, KernelConfig(16, 32, 4, 1)]
+    assert entry["configs"] == {"forward": _cfg(16, 32)}
+    assert {"configs": {"forward": _cfg(32, 16)}, "reason": "length one: RuntimeError at L=7, S=1: CUDA error"} \
+        in entry["rejected"]
+    assert tuner.stats["rejected"] >= 1
 
 
 # ------------------------------------------------------------------------------------------

@@ -9,6 +9,9 @@ Each planned bucket (``plan.py``) is a small state machine that proposes candida
 * a shortlist: the heuristic and the sweep's best few configs per role, in one race;
 * a copy: the entry of a bucket with identical kernels.
 
+With precompile workers, a finished search's pick must also pass a run at lengths of 1 in a
+worker (``precompile.py``); a pick that fails is rejected and the next best is tried.
+
 Every candidate list contains the heuristic's configs, and a candidate replaces the heuristic
 only when it is faster by more than ``min_gain``: timing noise never makes the table slower
 than the default. A candidate is timed only after it passes the accuracy check and the stability
@@ -44,6 +47,7 @@ from .measure import (
     torch_dtype,
 )
 from .plan import COPY, SHORTLIST, SWEEP, PlannedBucket
+from .precompile import RoundReport
 from .search_space import FULL_SPACE, ROLES, DeviceLimits, SearchSpace, TileBytes, depth_candidates, shape_candidates
 from .schedules import get_schedule
 
@@ -96,6 +100,7 @@ class BucketTask:
         self.roles = ROLES[self.bucket.pass_name]
         self.measured: dict[tuple, Measurement] = {}
         self.saved_ranking: Optional[dict] = None  # a resumed run's finished bucket
+        self.probed: set[tuple] = set()  # configs that passed the length-one probe
         self.entry: Optional[dict] = None
         self.done = False
         self._steps: Optional[Iterator[list[AttentionConfigs]]] = None
@@ -132,7 +137,7 @@ class BucketTask:
 class Tuner:
     """Runs planned buckets to table entries on one device."""
 
-    def __init__(self, device, settings: Settings, precompile: Optional[Callable[[list], None]] = None,
+    def __init__(self, device, settings: Settings, precompile: Optional[Callable[[list], Optional[RoundReport]]] = None,
                  simulate: Optional[tuple[tuple[int, int], DeviceLimits]] = None):
         """``simulate`` = (capability, limits) plans for a GPU this machine lacks (--dry-run)."""
         self.device = torch.device(device)
@@ -281,6 +286,14 @@ class Tuner:
         self.stats["seconds_measuring"] += time.perf_counter() - started
         return measurement
 
+    def reject_pick(self, task: BucketTask, configs: AttentionConfigs, reason: str) -> None:
+        """Turn a measured pick into a rejected candidate (it failed the length-one probe)."""
+        verdict = task.measured[task.key(configs)].verdict
+        task.measured[task.key(configs)] = Measurement(
+            configs, Verdict(False, verdict.error, verdict.error_ratio, reason), None)
+        self.stats["timed"] -= 1
+        self.stats["rejected"] += 1
+
     # --- the run -------------------------------------------------------------------------
 
     def run(self, tasks: list[BucketTask], done: dict[Bucket, BucketTask], *,
@@ -304,14 +317,17 @@ class Tuner:
                     waiting.remove(task)
                     active.append(task)
             round_jobs = []
+            finishing = []  # searches whose winner must first pass the length-one probe
             for task in list(active):
                 candidates = self.next_candidates(task)
-                if candidates is None:
+                if candidates is not None:
+                    round_jobs.extend((task, c) for c in candidates)
+                elif (winner := self._unprobed_winner(task)) is not None:
+                    finishing.append((task, winner))
+                else:
                     self._finish(task, done, on_done)
                     active.remove(task)
-                else:
-                    round_jobs.extend((task, c) for c in candidates)
-            if not round_jobs:
+            if not round_jobs and not finishing:
                 if waiting and not any(t.kind == SWEEP or t.source in done for t in waiting):
                     raise RuntimeError(f"autotune plan: {waiting[0].bucket.key()} waits on a bucket not in the plan")
                 continue
@@ -319,16 +335,38 @@ class Tuner:
                     and time.monotonic() + per_candidate_s * len(round_jobs) > deadline:
                 return active + waiting
             started = time.monotonic()
+            report = None
             if self.precompile is not None:
-                errors = self.precompile([(task.bucket, task.heuristic, c) for task, c in round_jobs])
-                self.stats["precompile_errors"] += sum(e is not None for e in errors or [])
+                report = self.precompile([(task.bucket, task.heuristic, c) for task, c in round_jobs],
+                                         [(task.bucket, winner) for task, winner in finishing])
+                if report is not None:
+                    self.stats["precompile_errors"] += report.warm_errors
                 self.stats["seconds_precompiling"] += time.monotonic() - started
+            failures = report.probe_failures if report is not None else [None] * len(finishing)
+            for (task, winner), failure in zip(finishing, failures):
+                if failure is not None:  # never run here at a length of 1; the next best goes next round
+                    self.reject_pick(task, winner, failure)
+                    continue
+                task.probed.add(task.key(winner))
+                self._finish(task, done, on_done)
+                active.remove(task)
             for task, configs in round_jobs:
                 on_candidate(task, self.measure(task, configs))
             self._timing.clear()  # large problems live for one round only
-            elapsed = (time.monotonic() - started) / len(round_jobs)
-            per_candidate_s = elapsed if per_candidate_s is None else max(elapsed, 0.5 * (per_candidate_s + elapsed))
+            if round_jobs:
+                elapsed = (time.monotonic() - started) / len(round_jobs)
+                per_candidate_s = elapsed if per_candidate_s is None else max(elapsed, 0.5 * (per_candidate_s + elapsed))
         return []
+
+    def _unprobed_winner(self, task: BucketTask) -> Optional[AttentionConfigs]:
+        """The finished search's pick, when it has yet to pass the length-one probe (only with
+        precompile workers: the probe must not run in this process)."""
+        if self.precompile is None:
+            return None
+        best = task.best(self.settings.min_gain)
+        if best is None or task.key(best.configs) in task.probed:
+            return None
+        return best.configs
 
     def _finish(self, task: BucketTask, done: dict, on_done) -> None:
         if task.kind == COPY:
