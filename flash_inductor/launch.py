@@ -154,6 +154,16 @@ def _configs(query, key, value, attn_mask, is_causal, schedule_name, configs):
 _LOG2E = 1.4426950408889634
 
 
+def _fold_scale(scale: float, has_mask: bool) -> bool:
+    """Whether the forward takes the scale into exp2's argument (one FFMA per score, the product
+    never rounded; kernels/attn_fwd.py). Only without a mask: the backward recomputes P with the
+    scaled scores rounded wherever a mask or bounds select sits between the multiply and exp2,
+    and under a bool mask that is every tile. A forward that does not round them then saves an
+    LSE its backward's P does not match: in session 20 the fp16 GPT-2 overflow test's ln_1.bias
+    gradient went from 1.9x to 3.0x SDPA fp16's error with FOLD_SCALE on under its padding mask."""
+    return scale > 0 and not has_mask
+
+
 def forward_outputs(query: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialised (out (B, Hq, L, Ev) in the input dtype, lse (B, Hq, L) fp32) for a forward."""
     batch, heads_q, seq_q, _ = query.shape
@@ -200,7 +210,7 @@ def attention_forward(
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(),
         heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale * _LOG2E, dropout_p,
         P_IN_FP32=switches["P_IN_FP32"],
-        FOLD_SCALE=scale > 0 and not (meta["HAS_MASK"] and not meta["MASK_IS_BOOL"]),
+        FOLD_SCALE=_fold_scale(scale, meta["HAS_MASK"]),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **meta,

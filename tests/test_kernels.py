@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from flash_inductor import launch
 from flash_inductor.ops.reference import reference_backward, reference_forward
 from helpers import (
+    DEVICE,
     ON_CUDA,
     assert_close_to_ref,
     assert_dead_rows_exact,
@@ -257,6 +258,32 @@ def test_whole_blocks_never_guards_a_symbolic_length():
     length = env.create_symintnode(env.create_symbol(256, source=ConstantSource("L")), hint=256)
     assert not launch._whole_blocks(length, 64)
     assert not env.guards
+
+
+@pytest.mark.parametrize("mask,scale,folds", [
+    (None, 0.125, True), ("bool", 0.125, False), ("float", 0.125, False), (None, 0.0, False), (None, -0.5, False)])
+def test_forward_folds_the_scale_only_without_a_mask(monkeypatch, mask, scale, folds):
+    """FOLD_SCALE (exp2's argument as one FFMA on the unscaled score) only with a positive scale
+    and no mask: the backward rounds the scaled scores wherever a select sits before exp2 (every
+    tile under a mask), and its recomputed P must match the forward's (launch._fold_scale)."""
+    seen = []
+    real = launch._launcher
+
+    def spy(kernel):
+        def at(grid):
+            def call(*args, **kwargs):
+                seen.append(kwargs.get("FOLD_SCALE"))
+                return real(kernel)[grid](*args, **kwargs)
+            return call
+        return type("Spied", (), {"__getitem__": lambda self, grid: at(grid)})()
+
+    monkeypatch.setattr(launch, "_launcher", spy)
+    q, k, v = (randn((1, 1, 16, 16), torch.float16, DEVICE, seed) for seed in (1, 2, 3))
+    attn_mask = None if mask is None else (
+        torch.ones(1, 1, 16, 16, dtype=torch.bool, device=DEVICE).tril() if mask == "bool"
+        else randn((1, 1, 16, 16), torch.float16, DEVICE, 4))
+    launch.attention_forward(q, k, v, attn_mask, None, 0.0, False, 0, scale, "stable")
+    assert seen == [folds]
 
 
 @pytest.mark.parametrize("case", _params(FEATURES))
