@@ -13,6 +13,7 @@ import dataclasses
 import json
 import multiprocessing
 import pathlib
+import time
 import warnings
 
 import pytest
@@ -316,6 +317,27 @@ def test_a_pick_that_fails_at_length_one_gives_way_to_the_next_best():
     assert {"configs": {"forward": _cfg(32, 16)}, "reason": "length one: RuntimeError at L=7, S=1: CUDA error"} \
         in entry["rejected"]
     assert tuner.stats["rejected"] >= 1
+
+
+@pytest.mark.launches_kernels
+def test_a_spent_budget_still_probes_the_measured_pick():
+    """When the budget runs out after a search's last round, its pick is still probed and
+    written: dropping the probe would throw the measured search away (the GPU run of session 20
+    lost every sweep of its last round that way). Nothing new is measured after the budget."""
+    buckets = [Bucket("stable", "fp16", 16, mask, 128, "forward") for mask in ("none", "causal")]
+    timer = _timer_from({("forward", 32, 16, 4): 1.0})
+    probed = []
+
+    def precompile_round(jobs, probes):
+        probed.extend(b.key() for b, _ in probes)
+        return RoundReport(warm_errors=0, probe_failures=[None] * len(probes))
+
+    tuner = Tuner(DEVICE, _tiny_settings(timer, tasks_per_round=1), precompile=precompile_round)
+    done: dict[Bucket, BucketTask] = {}
+    left = tuner.run([tuner.task(PlannedBucket(b, SWEEP)) for b in buckets], done, deadline=time.monotonic() - 1)
+    assert probed == [buckets[0].key()]
+    assert done[buckets[0]].entry["configs"] == {"forward": _cfg(32, 16)}
+    assert [t.bucket for t in left] == [buckets[1]] and buckets[1] not in done
 
 
 # ------------------------------------------------------------------------------------------

@@ -331,9 +331,14 @@ class Tuner:
                 if waiting and not any(t.kind == SWEEP or t.source in done for t in waiting):
                     raise RuntimeError(f"autotune plan: {waiting[0].bucket.key()} waits on a bucket not in the plan")
                 continue
-            if deadline is not None and per_candidate_s is not None \
-                    and time.monotonic() + per_candidate_s * len(round_jobs) > deadline:
-                return active + waiting
+            out_of_time = deadline is not None and per_candidate_s is not None \
+                and time.monotonic() + per_candidate_s * len(round_jobs) > deadline
+            if out_of_time:
+                if not finishing:
+                    return active + waiting
+                # Past the budget, the searches already measured still get their probe: it costs a
+                # compile, where dropping it would throw the whole measured search away.
+                round_jobs = []
             started = time.monotonic()
             report = None
             if self.precompile is not None:
@@ -356,6 +361,8 @@ class Tuner:
             if round_jobs:
                 elapsed = (time.monotonic() - started) / len(round_jobs)
                 per_candidate_s = elapsed if per_candidate_s is None else max(elapsed, 0.5 * (per_candidate_s + elapsed))
+            elif out_of_time:
+                return active + waiting
         return []
 
     def _unprobed_winner(self, task: BucketTask) -> Optional[AttentionConfigs]:
