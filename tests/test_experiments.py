@@ -25,6 +25,13 @@ def run_quick_probe(script: pathlib.Path, out) -> None:
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
 
 
+# Triton's warp specialisation fails to compile some of the probe's tiles on sm_90: host descriptors
+# at BLOCK_M = 128 (Triton 3.6 and 3.7.1; fwd_ws_probe.py's docstring, NOTES.md session 13) and, on
+# the H200 in session 20, the on-device tma_ws at 128x64 with a causal mask. On a GPU the WS rows may
+# say so; every row without WS must run, and every row that ran must match.
+WS_VARIANTS = ("tma_ws", "tma_ws_1loop", "host_ws", "host_ws_1loop")
+
+
 def test_forward_probe_variants_match_the_reference(tmp_path):
     out = tmp_path / "probe.json"
     run_quick_probe(SCRIPT, out)
@@ -34,6 +41,8 @@ def test_forward_probe_variants_match_the_reference(tmp_path):
     ours = {r["problem"]: r for r in rows if r["variant"] == "ours"}
     assert probes and ours
     for r in probes:
+        if DEVICE == "cuda" and r["variant"] in WS_VARIANTS and r["status"] == "compile/launch failed":
+            continue
         assert r["status"] == "ok", r
         # Same numerics as our forward: the output error within 2x of our op's on the same inputs.
         assert r["o_err"] <= 2 * ours[r["problem"]]["o_err"] + 1e-6, r
@@ -60,8 +69,11 @@ def test_delta_variants_gemm_free_delta_falls_short_on_near_tied_keys(tmp_path):
     the features against 8 seeds at --quick size (--quick --seeds 8), quoted likewise."""
     out = tmp_path / "delta_variants.json"
     script = SCRIPT.parent / "delta_variants.py"
+    # Pure PyTorch on the CPU: beside a suite's other workers on a many-core GPU host, torch's
+    # one thread per core in each of them starved this run past its timeout (session 20).
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     run = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)],
-                         capture_output=True, text=True, timeout=300)
+                         env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert {r["case"] for r in rows} >= {"near_tied", "onehot_scale_1e2", "peaked"}
