@@ -340,6 +340,33 @@ def test_a_spent_budget_still_probes_the_measured_pick():
     assert [t.bucket for t in left] == [buckets[1]] and buckets[1] not in done
 
 
+@pytest.mark.launches_kernels
+def test_a_pick_probed_for_one_length_is_not_probed_again_for_another():
+    """The probe runs fixed lengths of 1, so its result holds for every length bucket of the same
+    kernels: a pass settles the next bucket's same pick, a failure rejects it there (with the
+    reason) and only the next best is probed. Each probe costs compiles; session 20's re-tune
+    spent 327 of 373 s compiling."""
+    buckets = [Bucket("stable", "fp16", 16, "none", seq, "forward") for seq in (128, 256, 512)]
+    timer = _timer_from({("forward", 32, 16, 4): 1.0, ("forward", 16, 32, 4): 3.0})
+    probed = []
+
+    def precompile_round(jobs, probes):
+        probed.extend((b.seq, configs.forward) for b, configs in probes)
+        return RoundReport(warm_errors=0, probe_failures=[
+            "length one: RuntimeError at L=7, S=1: CUDA error" if configs.forward == KernelConfig(32, 16, 4, 1)
+            else None for _, configs in probes])
+
+    tuner = Tuner(DEVICE, _tiny_settings(timer, tasks_per_round=1), precompile=precompile_round)
+    done: dict[Bucket, BucketTask] = {}
+    assert tuner.run([tuner.task(PlannedBucket(b, SWEEP)) for b in buckets], done) == []
+    assert probed == [(128, KernelConfig(32, 16, 4, 1)), (128, KernelConfig(16, 32, 4, 1))]
+    for b in buckets:
+        entry = done[b].entry
+        assert entry["configs"] == {"forward": _cfg(16, 32)}, b
+        assert {"configs": {"forward": _cfg(32, 16)}, "reason": "length one: RuntimeError at L=7, S=1: CUDA error"} \
+            in entry["rejected"], b
+
+
 # ------------------------------------------------------------------------------------------
 # Plan and search space
 # ------------------------------------------------------------------------------------------
