@@ -28,6 +28,26 @@ import torch.nn.functional as F
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_CUDA = DEVICE == "cuda"
 
+def spy_on_launches(monkeypatch, record) -> None:
+    """Call ``record(kernel_name, launch_kwargs)`` at every kernel launch our launchers make
+    (``launch._launcher``), then launch as usual."""
+    from flash_inductor import launch
+
+    real = launch._launcher
+
+    class Spied:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def call(*args, **kwargs):
+                record(self.kernel.__name__, kwargs)
+                return real(self.kernel)[grid](*args, **kwargs)
+            return call
+
+    monkeypatch.setattr(launch, "_launcher", Spied)
+
+
 # Under the Triton interpreter (no GPU) bf16 is emulated through NumPy, which has no bf16 type;
 # its results are not reliable. This is a limitation of the environment, not of the kernels, so
 # interpreter runs cover fp16 and fp32 and the GPU run adds bf16.

@@ -35,6 +35,7 @@ from helpers import (
     randn,
     ref_forward_backward,
     sdpa_baseline,
+    spy_on_launches,
 )
 
 # Every test here launches the kernels (on CPU through Triton's interpreter).
@@ -267,17 +268,7 @@ def test_forward_folds_the_scale_only_without_a_mask(monkeypatch, mask, scale, f
     and no mask: the backward rounds the scaled scores wherever a select sits before exp2 (every
     tile under a mask), and its recomputed P must match the forward's (launch._fold_scale)."""
     seen = []
-    real = launch._launcher
-
-    def spy(kernel):
-        def at(grid):
-            def call(*args, **kwargs):
-                seen.append(kwargs.get("FOLD_SCALE"))
-                return real(kernel)[grid](*args, **kwargs)
-            return call
-        return type("Spied", (), {"__getitem__": lambda self, grid: at(grid)})()
-
-    monkeypatch.setattr(launch, "_launcher", spy)
+    spy_on_launches(monkeypatch, lambda name, kwargs: seen.append(kwargs.get("FOLD_SCALE")))
     q, k, v = (randn((1, 1, 16, 16), torch.float16, DEVICE, seed) for seed in (1, 2, 3))
     attn_mask = None if mask is None else (
         torch.ones(1, 1, 16, 16, dtype=torch.bool, device=DEVICE).tril() if mask == "bool"

@@ -113,6 +113,9 @@ class ParallelPrecompiler:
         self.settings = settings
         self._pool: Optional[concurrent.futures.ProcessPoolExecutor] = None
         self.broken = False
+        # Each probed (kernel family, configs)'s verdict, kept across rounds: the probe's lengths
+        # are fixed, so it holds for every length bucket of those kernels (None: passed).
+        self._verdicts: dict[tuple, Optional[str]] = {}
 
     def __call__(self, jobs: list[tuple[Bucket, AttentionConfigs, AttentionConfigs]],
                  probes: list[tuple[Bucket, AttentionConfigs]] = ()) -> Optional[RoundReport]:
@@ -127,9 +130,9 @@ class ParallelPrecompiler:
             # Lengths are powers of two and widths multiples of 16, so every timing problem of a
             # bucket family specialises the kernels alike: one job per family and candidate.
             unique.setdefault((kernel_signature(bucket.replace(seq=0)), heuristic, configs), (bucket, heuristic, configs))
-        # A probe runs only lengths of 1 and 7: one per bucket family and configs.
+        # A probe runs only lengths of 1 and 7: one per bucket family and configs, ever.
         probe_keys = [(kernel_signature(bucket.replace(seq=0)), configs) for bucket, configs in probes]
-        unique_probes = dict(zip(probe_keys, probes))
+        unique_probes = {key: probe for key, probe in zip(probe_keys, probes) if key not in self._verdicts}
         try:
             if self._pool is None:
                 self._pool = concurrent.futures.ProcessPoolExecutor(
@@ -151,11 +154,9 @@ class ParallelPrecompiler:
             return None
         failed = {key: failure for key, failure in failed.items() if failure is not None}
         confirmed = self._confirm_alone(failed, unique_probes) if failed else {}
-        return RoundReport(
-            warm_errors=warm_errors,
-            probe_failures=[None if confirmed.get(key) is None else f"length one: {confirmed[key]}"[:240]
-                            for key in probe_keys],
-        )
+        for key in unique_probes:
+            self._verdicts[key] = None if confirmed.get(key) is None else f"length one: {confirmed[key]}"[:240]
+        return RoundReport(warm_errors=warm_errors, probe_failures=[self._verdicts[key] for key in probe_keys])
 
     def _confirm_alone(self, failed: dict[tuple, str], probes: dict[tuple, tuple]) -> dict[tuple, Optional[str]]:
         """Re-run each failed probe alone in a fresh process, after replacing the pool: a fault

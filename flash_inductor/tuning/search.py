@@ -149,9 +149,6 @@ class Tuner:
         self.precompile = precompile
         self._checks: dict[tuple, AccuracyCheck] = {}
         self._timing: dict[Bucket, tuple] = {}
-        # Length-one probe results (None: passed; else why it failed) by _probe_key: the probe runs
-        # fixed tiny lengths, so a pick's result holds for every length bucket of its kernels.
-        self._probe_results: dict[tuple, Optional[str]] = {}
         self.stats = {"candidates": 0, "rejected": 0, "timed": 0, "seconds_measuring": 0.0,
                       "seconds_precompiling": 0.0, "precompile_errors": 0}
 
@@ -325,7 +322,7 @@ class Tuner:
                 candidates = self.next_candidates(task)
                 if candidates is not None:
                     round_jobs.extend((task, c) for c in candidates)
-                elif (winner := self._pick_to_probe(task)) is not None:
+                elif (winner := self._unprobed_winner(task)) is not None:
                     finishing.append((task, winner))
                 else:
                     self._finish(task, done, on_done)
@@ -352,7 +349,6 @@ class Tuner:
                 self.stats["seconds_precompiling"] += time.monotonic() - started
             failures = report.probe_failures if report is not None else [None] * len(finishing)
             for (task, winner), failure in zip(finishing, failures):
-                self._probe_results[self._probe_key(task, winner)] = failure
                 if failure is not None:  # never run here at a length of 1; the next best goes next round
                     self.reject_pick(task, winner, failure)
                     continue
@@ -368,27 +364,6 @@ class Tuner:
             elif out_of_time:
                 return active + waiting
         return []
-
-    @staticmethod
-    def _probe_key(task: BucketTask, configs: AttentionConfigs) -> tuple:
-        """What decides a probe's kernels: the bucket less its length, and the configs."""
-        b = task.bucket
-        return (b.schedule, b.dtype, b.width, b.mask, b.pass_name, task.key(configs))
-
-    def _pick_to_probe(self, task: BucketTask) -> Optional[AttentionConfigs]:
-        """The finished search's pick when it still needs the length-one probe. A pick whose
-        kernels were probed for another length bucket takes that result here, without a compile:
-        passed, it is the pick; failed, it is rejected and the next best is looked at."""
-        while (winner := self._unprobed_winner(task)) is not None:
-            key = self._probe_key(task, winner)
-            if key not in self._probe_results:
-                return winner
-            failure = self._probe_results[key]
-            if failure is None:
-                task.probed.add(task.key(winner))
-            else:
-                self.reject_pick(task, winner, failure)
-        return None
 
     def _unprobed_winner(self, task: BucketTask) -> Optional[AttentionConfigs]:
         """The finished search's pick, when it has yet to pass the length-one probe (only with
