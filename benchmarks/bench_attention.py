@@ -39,6 +39,7 @@ import torch.nn.functional as F
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:  # the sibling plot_results.py, when this file is imported rather than run
     sys.path.insert(0, _HERE)
+from gpu_telemetry import GpuTelemetry  # noqa: E402
 from plot_results import (MODES, PROVIDERS as ALL_PROVIDERS, format_extras, format_table,  # noqa: E402
                           plot_results, target_report)
 
@@ -50,7 +51,8 @@ MATH_MAX_SEQ = 4096  # the math backend materialises B*H*L*S scores; beyond this
 HIDDEN = 2048  # heads * head_dim, as in ANCHORS.md
 MEMORY_SEQS, MEMORY_HEADS, MEMORY_E = (16384, 32768), 16, 128
 CSV_FIELDS = ("section", "provider", "dtype", "head_dim", "causal", "seq", "batch", "heads", "mode",
-              "status", "ms", "tflops", "max_abs_diff", "peak_extra_mib", "workspace_mib", "error")
+              "status", "ms", "tflops", "max_abs_diff", "peak_extra_mib", "workspace_mib", "sm_mhz", "power_w",
+              "error")
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -71,6 +73,9 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=16384, help="batch * seq (default 16384)")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
+    p.add_argument("--heat-ms", type=int, default=1000,
+                   help="run each step this long before timing it, so every provider is timed at the card's "
+                        "sustained, power-limited clock rather than one set by what ran before (0: off)")
     p.add_argument("--out", default=os.path.join("benchmarks", "results"), help="output folder")
     p.add_argument("--tag", default=None, help="suffix of the output names (default 'quick' with --quick)")
     p.add_argument("--quick", action="store_true",
@@ -125,6 +130,22 @@ def tflops(flops, ms):
 def bench_ms(fn, warmup, rep, grad_to_none=None):
     from triton.testing import do_bench
     return float(do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median"))
+
+
+def heat(fn, ms, clock=time.monotonic, synchronize=None):
+    """Call fn back to back for about ``ms`` of device time. An H200 under attention reaches its power
+    limit within a second and lowers its SM clock by up to ~25 %; timing a step straight after an idle
+    compile measures the boost clock instead, and which provider gets it depends on the grid's order
+    (session 21, benchmarks/NOTES.md). Batches double until one takes ~20 ms so syncs stay rare."""
+    synchronize = synchronize or torch.cuda.synchronize
+    end, batch = clock() + ms / 1000, 1
+    while clock() < end:
+        start = clock()
+        for _ in range(batch):
+            fn()
+        synchronize()
+        if clock() - start < 0.02:
+            batch *= 2
 
 
 class ProviderError(RuntimeError):
@@ -256,7 +277,7 @@ def release_memory():
         torch.cuda.empty_cache()
 
 
-def run_case(case, provider, args, device="cuda"):
+def run_case(case, provider, args, device="cuda", telemetry=None):
     dtype, e, causal, seq, mode = (case[k] for k in ("dtype", "head_dim", "causal", "seq", "mode"))
     batch, heads = max(1, args.tokens // seq), HIDDEN // e
     rec = dict(section="attention", provider=provider, batch=batch, heads=heads, **case)
@@ -272,7 +293,11 @@ def run_case(case, provider, args, device="cuda"):
         del out
         step = make_step(attn, mode, q, k, v, dout)
         step()
+        heat(step, args.heat_ms)
+        started = time.monotonic()
         ms = bench_ms(step, args.warmup, args.rep)
+        if telemetry is not None:
+            rec.update(telemetry.window(started, time.monotonic()))
         flops = attention_flops(batch, heads, seq, seq, e, causal, mode)
         return dict(rec, status="ok", ms=ms, tflops=tflops(flops, ms))
     except Exception as exc:
@@ -377,6 +402,7 @@ def run_e2e(args, device="cuda", batch=8, seq=2048, d_model=1024, n_head=16):
             step()
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated() - before) / 2.0 ** 20
+            heat(step, args.heat_ms)
             ms = bench_ms(step, args.warmup, args.rep, grad_to_none=params)
             records.append(dict(rec, status="ok", ms=ms, max_abs_diff=diff, peak_extra_mib=peak))
         except Exception as exc:
@@ -496,9 +522,10 @@ def measured_cells(paths):
     return done
 
 
-def run_all(args, partial_path=None, clock=time.monotonic):
+def run_all(args, partial_path=None, clock=time.monotonic, telemetry=None):
     """Measure the grid (then memory and e2e when asked). Each finished attention record is appended to
-    ``partial_path`` as JSON lines; cases left when --time-budget runs out are recorded as skipped."""
+    ``partial_path`` as JSON lines; cases left when --time-budget runs out are recorded as skipped.
+    With a ``GpuTelemetry``, each timing's record gets the SM clock and power sampled while it ran."""
     records = []
     done = measured_cells(args.resume)
     grid = [(c, p) for c in build_grid(args) for p in args.providers
@@ -515,7 +542,7 @@ def run_all(args, partial_path=None, clock=time.monotonic):
                     records.append(dict(section="attention", provider=provider, status="skipped",
                                         error="--time-budget spent", **case))
                     continue
-                records.append(run_case(case, provider, args))
+                records.append(run_case(case, provider, args, telemetry=telemetry))
                 if partial_path:
                     with open(partial_path, "a") as f:
                         f.write(json.dumps(records[-1]) + "\n")
@@ -538,6 +565,9 @@ def finish(records, env, args):
     if extras:
         print(extras)
     print("\n".join(target_report(records)[1]))
+    clocks = clock_summary(records)
+    if clocks:
+        print(clocks)
     stem = output_stem(args.out, env, args.tag)
     files = write_results(stem, env, records)
     if not args.no_plot:
@@ -549,6 +579,20 @@ def finish(records, env, args):
             print(f"no plot ({exc}); redraw later with benchmarks/plot_results.py", file=sys.stderr)
     print("wrote " + ", ".join(files))
     return files
+
+
+def clock_summary(records):
+    """One line: each provider's median SM clock and power over its timed attention cells (empty
+    without telemetry). Providers timed at different clocks are not compared like for like."""
+    parts = []
+    for provider in ALL_PROVIDERS:
+        rows = [r for r in records if r.get("section") == "attention" and r.get("provider") == provider
+                and r.get("sm_mhz") is not None]
+        if rows:
+            mhz = sorted(r["sm_mhz"] for r in rows)[len(rows) // 2]
+            watts = sorted(r["power_w"] for r in rows)[len(rows) // 2]
+            parts.append(f"{provider} {mhz:.0f} MHz / {watts:.0f} W")
+    return "SM clock / power while timed (median of cells): " + ", ".join(parts) if parts else ""
 
 
 def dry_run(args):
@@ -630,7 +674,11 @@ def main(argv=None):
                  "use --dry-run or --selftest on a machine without one.")
     env = environment([sys.argv[0], *argv])
     partial = fresh_partial_path(output_stem(args.out, env, args.tag))
-    finish(run_all(args, partial_path=partial), env, args)
+    env["heat_ms"] = args.heat_ms
+    with GpuTelemetry() as telemetry:
+        env["telemetry"] = "nvidia-smi" if telemetry.available else None
+        records = run_all(args, partial_path=partial, telemetry=telemetry)
+    finish(records, env, args)
     with contextlib.suppress(FileNotFoundError):  # every record it holds is in the written files now
         os.remove(partial)
     return None

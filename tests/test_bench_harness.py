@@ -39,7 +39,7 @@ def _args(bench, *extra):
 
 
 def _fake_run_case(speed):
-    def run_case(case, provider, args, device="cuda"):
+    def run_case(case, provider, args, device="cuda", telemetry=None):
         return dict(section="attention", provider=provider, batch=1, heads=16, status="ok", ms=1.0,
                     tflops=speed[provider], **case)
     return run_case
@@ -133,3 +133,62 @@ def test_plot_results_merges_files_from_one_gpu_and_refuses_two(plots, tmp_path,
     assert "ours/flash fwd >= 1.0: 2/2 cells met" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         plots.main([str(a), str(c), "--out", str(tmp_path / "bad")])
+
+
+@pytest.fixture(scope="module")
+def telemetry_module():
+    return _load("gpu_telemetry")
+
+
+def test_telemetry_keeps_only_this_gpus_readable_lines(telemetry_module):
+    parse = telemetry_module.parse_sample
+    assert parse("0, GPU-AB12-cd, 1980, 127.41, 39", "0") == (1980.0, 127.41, 39.0)
+    assert parse("1, GPU-AB12-cd, 1980, 127.41, 39", "ab12-cd") == (1980.0, 127.41, 39.0)  # matched by UUID
+    assert parse("1, GPU-ffff, 1980, 127.41, 39", "0") is None  # another GPU
+    assert parse("0, GPU-AB12, 1980, [N/A], 39", "0") is None
+    assert parse("garbage", "0") is None
+    fields = telemetry_module.summarize([(1980.0, 100.0, 40.0), (1500.0, 690.0, 59.0), (1700.0, 680.0, 55.0)])
+    assert fields == {"sm_mhz": 1700.0, "sm_mhz_min": 1500.0, "power_w": 680.0, "temp_c": 59.0}
+    assert telemetry_module.summarize([]) == {}
+
+
+def test_telemetry_windows_select_samples_by_time(telemetry_module, tmp_path):
+    """A fake nvidia-smi prints a falling clock every 20 ms: a later window reads a lower clock."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/usr/bin/env python3\nimport sys, time\n"
+                    "for i in range(400):\n"
+                    "    print(f'0, GPU-x, {1980 - i}, 600, 50', flush=True); time.sleep(0.02)\n")
+    fake.chmod(0o755)
+    with telemetry_module.GpuTelemetry(period_ms=20, command=str(fake)) as t:
+        t._identity = "0"  # this machine's torch may see no GPU; the fake prints GPU 0
+        assert t.available
+        first_start = t.now()
+        import time
+        time.sleep(0.3)
+        first = t.window(first_start, t.now())
+        time.sleep(0.3)
+        second_start = t.now()
+        time.sleep(0.3)
+        second = t.window(second_start, t.now())
+    assert first and second and second["sm_mhz"] < first["sm_mhz"] and first["power_w"] == 600.0
+    assert telemetry_module.GpuTelemetry(command=None).window(0.0, 1.0) == {}  # no sampler: no fields
+
+
+def test_heat_runs_the_step_for_the_asked_time_with_rare_syncs(bench):
+    now = [0.0]
+    calls, syncs = [], []
+    step = lambda: (calls.append(1), now.__setitem__(0, now[0] + 0.001))  # noqa: E731  1 ms a call
+    bench.heat(step, 500, clock=lambda: now[0], synchronize=lambda: syncs.append(1))
+    assert 0.5 <= now[0] < 0.6 and len(calls) >= 500
+    assert len(syncs) < 40  # batches grow to ~20 ms, not one sync a call
+    now[0], calls[:] = 0.0, []
+    bench.heat(step, 0, clock=lambda: now[0], synchronize=lambda: None)
+    assert calls == []
+
+
+def test_clock_summary_reports_each_providers_median(bench):
+    rows = [dict(section="attention", provider="ours", sm_mhz=m, power_w=w) for m, w in ((1500, 690), (1600, 680), (1900, 300))]
+    rows.append(dict(section="attention", provider="flash", sm_mhz=1980, power_w=500))
+    line = bench.clock_summary(rows)
+    assert "ours 1600 MHz / 680 W" in line and "flash 1980 MHz / 500 W" in line
+    assert bench.clock_summary([dict(section="attention", provider="ours")]) == ""
