@@ -133,19 +133,13 @@ def bench_ms(fn, warmup, rep, grad_to_none=None):
 
 
 def heat(fn, ms, clock=time.monotonic, synchronize=None):
-    """Call fn back to back for about ``ms`` of device time. An H200 under attention reaches its power
-    limit within a second and lowers its SM clock by up to ~25 %; timing a step straight after an idle
-    compile measures the boost clock instead, and which provider gets it depends on the grid's order
-    (session 21, benchmarks/NOTES.md). Batches double until one takes ~20 ms so syncs stay rare."""
-    synchronize = synchronize or torch.cuda.synchronize
-    end, batch = clock() + ms / 1000, 1
-    while clock() < end:
-        start = clock()
-        for _ in range(batch):
-            fn()
-        synchronize()
-        if clock() - start < 0.02:
-            batch *= 2
+    """Run fn back to back for about ``ms`` before it is timed, so every provider is timed at the card's
+    sustained, power-limited clock; timed straight after an idle compile a step gets the boost clock,
+    and which provider gets it depends on the grid's order (session 21, benchmarks/NOTES.md)."""
+    import_flash_inductor()  # in a plain checkout this puts the package on the path
+    from flash_inductor.tuning.measure import run_for
+
+    run_for(fn, ms, clock=clock, synchronize=synchronize)
 
 
 class ProviderError(RuntimeError):

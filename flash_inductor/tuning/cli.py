@@ -75,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="processes compiling candidates in parallel (default: min(12, CPUs - 2) on CUDA)")
     p.add_argument("--warmup-ms", type=int, default=5)
     p.add_argument("--rep-ms", type=int, default=25)
+    p.add_argument("--heat-ms", type=int, default=500,
+                   help="run each candidate this long before timing it, so it is timed at the card's sustained "
+                        "(power-limited) clock, not the boost clock an idle compile leaves (0: off)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     args = p.parse_args(argv)
     if args.quick:
@@ -216,7 +219,7 @@ def _write_json(path: pathlib.Path, data: dict) -> None:
 
 def _default_settings(args, device: torch.device) -> Settings:
     return Settings(space=QUICK_SPACE if args.quick else FULL_SPACE,
-                    timer=do_bench_timer(args.warmup_ms, args.rep_ms))
+                    timer=do_bench_timer(args.warmup_ms, args.rep_ms, args.heat_ms))
 
 
 def _device(dry_run: bool) -> torch.device:
@@ -296,6 +299,7 @@ def main(argv=None, *, settings: Optional[Settings] = None, device: Optional[tor
             "table": str(path), "complete": not remaining, "remaining": [t.bucket.key() for t in remaining],
             "wall_s": time.monotonic() - started, "stats": tuner.stats,
             "timing_shape": {"tokens": settings.tokens, "hidden": settings.hidden},
+            "timing": {"warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms, "heat_ms": args.heat_ms},
             "rows": summary_rows(plan, entries),
         })
 

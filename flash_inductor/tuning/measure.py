@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Callable, Optional, Protocol
 
 import torch
@@ -348,12 +349,39 @@ def _probe_failure(probe: _Probe, ours: dict) -> str:
 Timer = Callable[[Callable[[], object], object], float]  # (run, candidate) -> milliseconds
 
 
-def do_bench_timer(warmup_ms: int = 5, rep_ms: int = 25) -> Timer:
-    """Median of ``triton.testing.do_bench`` (which flushes L2 between runs)."""
+def run_for(fn: Callable[[], object], ms: float, clock: Callable[[], float] = time.monotonic,
+            synchronize: Callable[[], None] | None = None) -> None:
+    """Call ``fn`` back to back for about ``ms`` of device time, syncing once per batch; batches
+    double until one takes ~20 ms so the syncs stay rare.
+
+    Why: an H200 under attention draws its 700 W limit within ~0.2 s and then lowers its SM clock
+    to ~1750 MHz from 1980. A candidate timed straight after its compile (the card idle) runs at the
+    boost clock, and the configs that win there are not the ones that win at the limited clock a
+    training job runs at: session 21 timed the shipped E 128 forward pick (64x64, 4 warps) at 504
+    TFLOP/s cold and 448 sustained, and 128x64 with 8 warps at 471 cold and 462 sustained
+    (benchmarks/results/sustained_sweep_nvidia-h200_20261201_s21.json)."""
+    if ms <= 0:
+        return
+    if synchronize is None:
+        synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    end, batch = clock() + ms / 1000, 1
+    while clock() < end:
+        start = clock()
+        for _ in range(batch):
+            fn()
+        synchronize()
+        if clock() - start < 0.02:
+            batch *= 2
+
+
+def do_bench_timer(warmup_ms: int = 5, rep_ms: int = 25, heat_ms: int = 0) -> Timer:
+    """Median of ``triton.testing.do_bench`` (which flushes L2 between runs), after ``heat_ms`` of
+    back-to-back calls (``run_for``) so every candidate is timed at the card's sustained clock."""
 
     def timer(run, candidate) -> float:
         from triton.testing import do_bench
 
+        run_for(run, heat_ms)
         return float(do_bench(run, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
     return timer
