@@ -192,3 +192,15 @@ def test_clock_summary_reports_each_providers_median(bench):
     line = bench.clock_summary(rows)
     assert "ours 1600 MHz / 680 W" in line and "flash 1980 MHz / 500 W" in line
     assert bench.clock_summary([dict(section="attention", provider="ours")]) == ""
+
+
+def test_heating_is_skipped_without_a_gpu(monkeypatch):
+    """The tuner's and the harness's heat settles a GPU's clock; under the CPU interpreter it would
+    only spend seconds per call, so without CUDA (and no explicit sync) it calls nothing."""
+    import torch
+    from flash_inductor.tuning.measure import run_for
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    calls = []
+    run_for(lambda: calls.append(1), 500)
+    assert calls == []
