@@ -92,9 +92,16 @@ def schedule_switches(dtype: torch.dtype, schedule_name: str | None) -> dict:
     )
 
 
-def _mask_args(attn_mask: torch.Tensor | None, query: torch.Tensor):
+def _mask_args(attn_mask: torch.Tensor | None, query: torch.Tensor, seq_k):
     if attn_mask is None:
         return query, (0, 0, 0, 0), False, False
+    # The kernels index the mask with its four strides, so it must already be broadcast to
+    # (B, Hq, L, S) (the API expands it; broadcast dims get stride 0). A (B, 1, 1, S) mask passed
+    # here directly would be read out of bounds (session 21 did exactly that from a script).
+    expected = (*query.shape[:3], seq_k)
+    if attn_mask.dim() != 4 or tuple(attn_mask.shape) != expected:
+        raise ValueError(f"attn_mask: the launchers take a mask broadcast to (B, Hq, L, S) = {expected}, "
+                         f"got shape {tuple(attn_mask.shape)}; expand it first (as flash_attention does)")
     if attn_mask.dtype == torch.bool:
         # Passed as is (Triton loads bool pointers as bytes): a .view(torch.uint8) here would be
         # traced into the graph under torch.compile, and Inductor 2.11 cannot lower a bool
@@ -116,7 +123,7 @@ def _head_dims(query: torch.Tensor, value: torch.Tensor) -> tuple[int, int]:
     return int(query.shape[-1]), int(value.shape[-1])
 
 
-def _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule_name):
+def _common_meta(query, key, value, attn_mask, dropout_p, is_causal, schedule_name):
     switches = schedule_switches(query.dtype, schedule_name)
     head_dim, head_dim_v = _head_dims(query, value)
     # One padded width for both head dims. On sm_90 with Triton 3.6, fp16/bf16 kernels whose
@@ -124,7 +131,7 @@ def _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule_name):
     # computed wrong results or faulted, while equal widths were correct; the extra columns
     # cost only when E != Ev, which is rare.
     block_width = max(padded_head_dim(head_dim), padded_head_dim(head_dim_v))
-    mask_arg, mask_strides, has_mask, mask_is_bool = _mask_args(attn_mask, query)
+    mask_arg, mask_strides, has_mask, mask_is_bool = _mask_args(attn_mask, query, key.shape[2])
     meta = dict(
         HEAD_DIM=head_dim,
         HEAD_DIM_V=head_dim_v,
@@ -203,7 +210,7 @@ def attention_forward(
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
 
-    switches, mask_arg, mask_strides, meta = _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule)
+    switches, mask_arg, mask_strides, meta = _common_meta(query, key, value, attn_mask, dropout_p, is_causal, schedule)
     cfg = _configs(query, key, value, attn_mask, is_causal, schedule, configs).forward
     grid = (_cdiv(seq_q, cfg.block_m), batch * heads_q)
     _launcher(_attn_fwd)[grid](
@@ -267,7 +274,7 @@ def attention_backward(
             grad.zero_()
         return dq, dk, dv, dmask.to(attn_mask.dtype) if compute_mask_grad else dmask
 
-    switches, mask_arg, mask_strides, meta = _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule)
+    switches, mask_arg, mask_strides, meta = _common_meta(query, key, value, attn_mask, dropout_p, is_causal, schedule)
     configs = _configs(query, key, value, attn_mask, is_causal, schedule, configs)
     p_in_fp32, ds_in_fp32, ds_rescale = switches["P_IN_FP32"], switches["DS_IN_FP32"], switches["DS_RESCALE"]
     exact_delta = switches["EXACT_DELTA"]

@@ -98,7 +98,7 @@ def attention_forward_fp8(
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
 
-    _, mask_arg, mask_strides, meta = _common_meta(query, value, attn_mask, dropout_p, is_causal, schedule)
+    _, mask_arg, mask_strides, meta = _common_meta(query, key, value, attn_mask, dropout_p, is_causal, schedule)
     meta.pop("FP32_DOT")  # every product here is e4m3 x e4m3 -> fp32
     meta["BLOCK_E"] = meta["BLOCK_EV"] = max(meta["BLOCK_E"], _FP8_MIN_K)
     cfg = _configs(query, key, value, attn_mask, is_causal, schedule, configs).forward

@@ -218,3 +218,22 @@ def test_public_api():
                                       "SCHEDULES", "DEFAULT_SCHEDULE", "PrecisionSchedule", "__version__"]
     assert sorted(flash_inductor.SCHEDULES) == ["accurate", "fast", "fp8", "stable"]
     assert flash_inductor.DEFAULT_SCHEDULE == "stable"
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 1, 48), (48,), (2, 3, 32, 40)])
+def test_launcher_refuses_a_mask_not_broadcast_to_the_problem(shape):
+    """The kernels index the mask by its four strides: the launchers take it only broadcast to
+    (B, Hq, L, S), as the API passes it, and name the argument otherwise (a raw (B, 1, 1, S) mask
+    would be read out of bounds)."""
+    from flash_inductor import launch
+
+    q = randn((2, 3, 32, 16), torch.float32, "cpu", seed=0)
+    k, v = (randn((2, 3, 48, 16), torch.float32, "cpu", seed=s) for s in (1, 2))
+    mask = torch.rand(shape, generator=torch.Generator().manual_seed(3)) > 0.3
+    with pytest.raises(ValueError, match="attn_mask"):
+        launch.attention_forward(q, k, v, mask, None, 0.0, False, 0, 0.25, "stable")
+    if shape == (2, 1, 1, 48):  # broadcast first, the launcher takes it and computes the masked attention
+        out, _ = launch.attention_forward(q, k, v, mask.expand(2, 3, 32, 48), None, 0.0, False, 0, 0.25, "stable")
+        ref, _ = attention_ref(q, k, v, mask, scale=0.25)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
+        assert_close_to_ref("out", out, ref, sdpa)
