@@ -99,7 +99,7 @@ def _mask_args(attn_mask: torch.Tensor | None, query: torch.Tensor, seq_k):
     # (B, Hq, L, S) (the API expands it; broadcast dims get stride 0). A (B, 1, 1, S) mask passed
     # here directly would be read out of bounds (session 21 did exactly that from a script).
     expected = (*query.shape[:3], seq_k)
-    if attn_mask.dim() != 4 or tuple(attn_mask.shape) != expected:
+    if tuple(attn_mask.shape) != expected:
         raise ValueError(f"attn_mask: the launchers take a mask broadcast to (B, Hq, L, S) = {expected}, "
                          f"got shape {tuple(attn_mask.shape)}; expand it first (as flash_attention does)")
     if attn_mask.dtype == torch.bool:

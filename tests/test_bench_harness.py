@@ -7,6 +7,7 @@ import importlib.util
 import json
 import pathlib
 import sys
+import time
 
 import pytest
 
@@ -163,7 +164,6 @@ def test_telemetry_windows_select_samples_by_time(telemetry_module, tmp_path):
         t._identity = "0"  # this machine's torch may see no GPU; the fake prints GPU 0
         assert t.available
         first_start = t.now()
-        import time
         time.sleep(0.3)
         first = t.window(first_start, t.now())
         time.sleep(0.3)

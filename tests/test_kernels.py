@@ -265,8 +265,8 @@ def test_whole_blocks_never_guards_a_symbolic_length():
     (None, 0.125, True), ("bool", 0.125, False), ("float", 0.125, False), (None, 0.0, False), (None, -0.5, False)])
 def test_forward_folds_the_scale_only_without_a_mask(monkeypatch, mask, scale, folds):
     """FOLD_SCALE (exp2's argument as one FFMA on the unscaled score) only with a positive scale
-    and no mask: the backward rounds the scaled scores wherever a select sits before exp2 (every
-    tile under a mask), and its recomputed P must match the forward's (launch._fold_scale)."""
+    and no mask: folded under a padding mask, the fp16 GPT-2 overflow test's gradient error went
+    past its bound on the H200 (launch._fold_scale has the measurements)."""
     seen = []
     spy_on_launches(monkeypatch, lambda name, kwargs: seen.append(kwargs.get("FOLD_SCALE")))
     q, k, v = (randn((1, 1, 16, 16), torch.float16, DEVICE, seed) for seed in (1, 2, 3))
