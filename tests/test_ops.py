@@ -227,9 +227,9 @@ def test_launcher_refuses_a_mask_not_broadcast_to_the_problem(shape):
     would be read out of bounds)."""
     from flash_inductor import launch
 
-    q = randn((2, 3, 32, 16), torch.float32, "cpu", seed=0)
-    k, v = (randn((2, 3, 48, 16), torch.float32, "cpu", seed=s) for s in (1, 2))
-    mask = torch.rand(shape, generator=torch.Generator().manual_seed(3)) > 0.3
+    q = randn((2, 3, 32, 16), torch.float32, DEVICE, seed=0)
+    k, v = (randn((2, 3, 48, 16), torch.float32, DEVICE, seed=s) for s in (1, 2))
+    mask = (torch.rand(shape, generator=torch.Generator().manual_seed(3)) > 0.3).to(DEVICE)
     with pytest.raises(ValueError, match="attn_mask"):
         launch.attention_forward(q, k, v, mask, None, 0.0, False, 0, 0.25, "stable")
     if shape == (2, 1, 1, 48):  # broadcast first, the launcher takes it and computes the masked attention
