@@ -4,6 +4,7 @@ gradients (their kernels are leads for the next kernel changes, see NOTES.md).""
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -161,3 +162,17 @@ def test_fault_repro_runs_each_case_and_records_it(tmp_path):
     assert [(r["seq_q"], r["seq_k"], r["head_dim"], r["schedule"]) for r in records] == [
         (7, 1, 64, "stable"), (7, 1, 64, "fast"), (9, 20, 32, "stable"), (9, 20, 32, "fast")]
     assert all(r["ok"] and r["where"] is None for r in records), records
+
+
+def test_tuner_vs_op_timing_probe_times_both_ways(tmp_path):
+    """The session-22 timing probe runs both ways; on a GPU they must give identical gradients
+    (same kernels, same configs), else the timing comparison would compare different work."""
+    run_quick_probe(SCRIPT.parent / "tuner_vs_op_timing.py", tmp_path)
+    record = json.loads((tmp_path / "tuner_vs_op_timing.json").read_text())
+    assert [r["way"] for r in record["rows"]] == ["launch", "op"]
+    for row in record["rows"]:
+        assert len(row["samples_ms"]) == 2 and all(s > 0 for s in row["samples_ms"])
+    assert math.isfinite(record["gradients_max_abs_diff"])
+    if DEVICE == "cuda":
+        assert record["gradients_identical"]
+        assert all(row["kernels_us"] for row in record["rows"])
