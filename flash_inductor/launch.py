@@ -3,7 +3,8 @@
 Inputs arrive normalised by ``flash_inductor.api`` (4-D, validated); this module checks
 only what the kernels themselves need. Kernels are launched through
 ``torch.library.wrap_triton`` so that, inside our ``triton_op``, Inductor sees and inlines
-them; under the Triton interpreter (CPU tests) they are called directly.
+them; under the Triton interpreter (CPU tests) they are called directly. Code that calls these
+launchers outside the ops (the autotuner, probes) wraps the calls in ``direct_kernel_calls()``.
 
 The contract of ``attention_forward`` / ``attention_backward`` is the same as that of the
 reference path in ``flash_inductor.ops.reference``; tests compare the two.
@@ -11,8 +12,10 @@ reference path in ``flash_inductor.ops.reference``; tests compare the two.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from typing import Iterator
 
 import torch
 
@@ -60,6 +63,29 @@ def _launcher(kernel):
     from torch.library import wrap_triton
 
     return wrap_triton(kernel)
+
+
+@contextlib.contextmanager
+def direct_kernel_calls() -> Iterator[None]:
+    """Launch the kernels straight through Triton, not through torch's wrap_triton HOP, for
+    callers outside the registered ops (the autotuner's timing runner, probes).
+
+    Inside the ops torch already does this: a ``triton_op`` run eagerly turns wrap_triton off for
+    its body. Called from outside, every launch instead goes through the HOP's Python dispatch
+    (kernel side table, dispatch keys, grid function), host work paid per launch, which torch's
+    docstring of the switch puts at "~1ms". The backward makes four launches, so on short
+    problems that host time can outrun the GPU. It is the suspect for session 22's finding: the
+    tuner read the bf16 E=64 causal L=S=1024 backward at 2.28 ms where the op, same kernels and
+    configs, took 1.18 ms (benchmarks/results/s1024_timing_nvidia-h200_20261201_s22.txt;
+    benchmarks/experiments/tuner_vs_op_timing.py measures it). torch keeps the switch private,
+    so it is looked up; without it, calls go through the HOP as before."""
+    try:
+        from torch._library.triton import set_wrap_triton_enabled
+    except ImportError:
+        yield
+        return
+    with set_wrap_triton_enabled(False):
+        yield
 
 
 def _fp32_dot_precision(dtype: torch.dtype, accurate: bool) -> str:

@@ -165,11 +165,11 @@ def test_fault_repro_runs_each_case_and_records_it(tmp_path):
 
 
 def test_tuner_vs_op_timing_probe_times_both_ways(tmp_path):
-    """The session-22 timing probe runs both ways; on a GPU they must give identical gradients
+    """The session-22 timing probe runs all three ways; on a GPU they must give identical gradients
     (same kernels, same configs), else the timing comparison would compare different work."""
     run_quick_probe(SCRIPT.parent / "tuner_vs_op_timing.py", tmp_path)
     record = json.loads((tmp_path / "tuner_vs_op_timing.json").read_text())
-    assert [r["way"] for r in record["rows"]] == ["launch", "op"]
+    assert [r["way"] for r in record["rows"]] == ["launch_hop", "launch", "op"]
     for row in record["rows"]:
         assert len(row["samples_ms"]) == 2 and all(s > 0 for s in row["samples_ms"])
     assert math.isfinite(record["gradients_max_abs_diff"])

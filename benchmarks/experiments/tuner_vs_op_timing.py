@@ -1,4 +1,4 @@
-"""EXPERIMENT (session 22, for the next device session): why does the tuner's timing of a backward
+"""EXPERIMENT (session 22, for the next device session): why did the tuner's timing of a backward
 call read up to 2x slower than the same call through the op?
 
     python benchmarks/experiments/tuner_vs_op_timing.py                      # GPU: bf16, E=64, causal, L=S=1024
@@ -10,13 +10,19 @@ of timing the bf16 E=64 causal L=S=1024 backward (``tuning.measure.LaunchRunner.
 configs forced, under ``triton.testing.do_bench``) read 2.28 ms in four of four samples, while the
 same inputs and configs through ``flash_attention`` and autograd read 1.18 ms, and
 ``probe_timing.py`` (CUDA-graph replay included) read 1.16-1.18 ms every time. At E=128 the
-tuner's way read 1.16 ms in two samples and 2.16 ms in two. So the tuner ranks s1024 causal
-backward configs on noise, and the cause is unknown.
+tuner's way read 1.16 ms in two samples and 2.16 ms in two. So the tuner ranked s1024 causal
+backward configs on noise.
 
-This script alternates the two ways ``--rounds`` times in one process, on the tuner's own timing
-problem (``measure.make_problem``, seed 7, drawn on the device) and the table's configs:
+The suspect found afterwards on the CPU: called from outside our ops, each launch goes through
+torch's wrap_triton HOP dispatch, which the ops skip (a ``triton_op`` run eagerly turns it off for
+its body; torch's own docstring of that switch calls the HOP's eager cost "~1ms"). The tuner now
+calls the launchers inside ``launch.direct_kernel_calls()``. This script tests that, alternating
+three ways ``--rounds`` times in one process, on the tuner's own timing problem
+(``measure.make_problem``, seed 7, drawn on the device) and the table's configs:
 
-* ``launch``: ``LaunchRunner.backward`` against a saved forward, as ``Tuner.measure`` times it;
+* ``launch_hop``: ``launch.attention_backward`` called bare against a saved forward, as
+  ``Tuner.measure`` timed it before session 22;
+* ``launch``: ``LaunchRunner.backward``, as the tuner times it now;
 * ``op``: the same tensors (cloned) through ``flash_attention``, ``torch.autograd.grad`` on a
   kept graph with the same dO.
 
@@ -24,7 +30,7 @@ Each sample is a ``do_bench`` median with the tuner's settings (``--warmup-ms``,
 Then, for each way, ``torch.profiler`` gives the CUDA time per call of every kernel. Reading it:
 if a kernel's own time doubles on the slow way, the slowness is on the GPU (placement, a
 data-dependent branch such as the row shift); if the kernels' sum stays put while the sample
-doubles, the GPU idles between launches (host time). Both ways must also give the same gradients
+doubles, the GPU idles between launches (host time). All ways must also give the same gradients
 (checked bit for bit on a GPU: same kernels and configs; on a CPU the op takes its reference
 path, so there only the difference is recorded). Writes ``tuner_vs_op_timing.json`` to ``--out``.
 """
@@ -49,7 +55,7 @@ from flash_inductor import flash_attention, launch  # noqa: E402
 from flash_inductor.tuning import measure  # noqa: E402
 from flash_inductor.tuning.buckets import Bucket  # noqa: E402
 
-WAYS = ("launch", "op")
+WAYS = ("launch_hop", "launch", "op")
 
 
 def parse_args(argv=None):
@@ -86,7 +92,12 @@ def build_calls(args):
     runner = measure.LaunchRunner()
     out, lse = runner.forward(problem, configs, args.schedule)
 
-    def launch_way():
+    def launch_hop_way():  # the tuner before session 22: every launch through wrap_triton's HOP
+        return launch.attention_backward(problem.dout, problem.q, problem.k, problem.v, problem.mask, out, lse,
+                                         None, None, 0.0, problem.is_causal, problem.causal_offset, problem.scale,
+                                         args.schedule, False, configs=configs)[:3]
+
+    def launch_way():  # the tuner now (launch.direct_kernel_calls)
         return runner.backward(problem, out, lse, configs, args.schedule)
 
     q, k, v = (t.detach().clone().requires_grad_() for t in (problem.q, problem.k, problem.v))
@@ -95,7 +106,7 @@ def build_calls(args):
     def op_way():
         return torch.autograd.grad(kept, (q, k, v), problem.dout, retain_graph=True)
 
-    return bucket, shape, configs, {"launch": launch_way, "op": op_way}
+    return bucket, shape, configs, {"launch_hop": launch_hop_way, "launch": launch_way, "op": op_way}
 
 
 def time_ms(call, args) -> float:
@@ -114,8 +125,9 @@ def main(argv=None) -> int:
     grads = {name: call() for name, call in ways.items()}
     # On a GPU both ways run the same kernels with the same configs: bit-identical gradients. On a
     # CPU the op takes its reference path, so only closeness is recorded there.
-    same = all(torch.equal(a, b) for a, b in zip(grads["launch"], grads["op"]))
-    max_diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads["launch"], grads["op"]))
+    pairs = [(a, b) for way in ("launch_hop", "launch") for a, b in zip(grads[way], grads["op"])]
+    same = all(torch.equal(a, b) for a, b in pairs)
+    max_diff = max(float((a.float() - b.float()).abs().max()) for a, b in pairs)
     flops = measure.attention_flops(bucket, shape)
     samples = {name: [] for name in WAYS}
     for _ in range(args.rounds):

@@ -139,15 +139,19 @@ class LaunchRunner:
     def forward(self, p, configs, schedule):
         from .. import launch
 
-        return launch.attention_forward(p.q, p.k, p.v, p.mask, None, 0.0, p.is_causal, p.causal_offset, p.scale,
-                                        schedule, configs=configs)
+        # Directly, as inside the op: through wrap_triton's HOP the host work per launch
+        # would be timed too (launch.direct_kernel_calls).
+        with launch.direct_kernel_calls():
+            return launch.attention_forward(p.q, p.k, p.v, p.mask, None, 0.0, p.is_causal, p.causal_offset,
+                                            p.scale, schedule, configs=configs)
 
     def backward(self, p, out, lse, configs, schedule):
         from .. import launch
 
-        dq, dk, dv, _ = launch.attention_backward(p.dout, p.q, p.k, p.v, p.mask, out, lse, None, None, 0.0,
-                                                  p.is_causal, p.causal_offset, p.scale, schedule, False,
-                                                  configs=configs)
+        with launch.direct_kernel_calls():
+            dq, dk, dv, _ = launch.attention_backward(p.dout, p.q, p.k, p.v, p.mask, out, lse, None, None, 0.0,
+                                                      p.is_causal, p.causal_offset, p.scale, schedule, False,
+                                                      configs=configs)
         return dq, dk, dv
 
 

@@ -1,0 +1,67 @@
+"""``launch.direct_kernel_calls``: callers outside the ops (the autotuner's timing runner) launch the
+kernels straight through Triton, as the ops do, instead of through wrap_triton's HOP dispatch,
+whose per-launch host work the tuner would otherwise time (session 22, benchmarks/NOTES.md)."""
+
+from __future__ import annotations
+
+import builtins
+
+import pytest
+import torch
+
+from flash_inductor import launch
+from flash_inductor.tuning.buckets import Bucket
+from flash_inductor.tuning.configs import heuristic_configs
+from flash_inductor.tuning.measure import LaunchRunner, Shape, make_problem
+from helpers import DEVICE
+
+triton_lib = pytest.importorskip("torch._library.triton")
+
+
+def test_direct_kernel_calls_turns_the_hop_off_and_restores_it():
+    assert triton_lib.is_wrap_triton_enabled()
+    with launch.direct_kernel_calls():
+        assert not triton_lib.is_wrap_triton_enabled()
+    assert triton_lib.is_wrap_triton_enabled()
+    with pytest.raises(KeyError):  # restored when the body raises too
+        with launch.direct_kernel_calls():
+            raise KeyError("body")
+    assert triton_lib.is_wrap_triton_enabled()
+
+
+def test_without_torchs_switch_calls_go_through_as_before(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_switch(name, globals=None, locals=None, fromlist=(), level=0):
+        if name == "torch._library.triton" and fromlist and "set_wrap_triton_enabled" in fromlist:
+            raise ImportError("this torch has no set_wrap_triton_enabled")
+        return real_import(name, globals, locals, fromlist, level)
+
+    monkeypatch.setattr(builtins, "__import__", no_switch)
+    with launch.direct_kernel_calls():
+        assert triton_lib.is_wrap_triton_enabled()
+
+
+@pytest.mark.parametrize("pass_name", ["forward", "backward"])
+def test_the_tuners_runner_launches_directly(monkeypatch, pass_name):
+    """Every launcher call of the tuner's runner happens with the HOP off (and the results are the
+    launchers' own)."""
+    seen = []
+    for name in ("attention_forward", "attention_backward"):
+        real = getattr(launch, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            seen.append((_name, triton_lib.is_wrap_triton_enabled()))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(launch, name, spy)
+    bucket = Bucket("stable", "fp32", 16, "causal", 32, pass_name)
+    problem = make_problem(bucket, Shape(1, 2, 32, 32), DEVICE, seed=0)
+    configs = heuristic_configs(problem.q, 16, 16, launch.interpreter_enabled(), "stable", "causal")
+    runner = LaunchRunner()
+    out, lse = runner.forward(problem, configs, "stable")
+    if pass_name == "backward":
+        grads = runner.backward(problem, out, lse, configs, "stable")
+        assert all(g.shape == t.shape for g, t in zip(grads, (problem.q, problem.k, problem.v)))
+    assert seen and all(not enabled for _, enabled in seen), seen
+    assert torch.isfinite(out).all()
