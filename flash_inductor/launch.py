@@ -65,26 +65,38 @@ def _launcher(kernel):
     return wrap_triton(kernel)
 
 
+# torch keeps the switch between wrap_triton's HOP and direct launches private: looked up once
+# (torch 2.11-2.14 all have it; where it is missing, calls go through the HOP as before).
+try:
+    from torch._library.triton import set_wrap_triton_enabled as _set_wrap_triton_enabled
+except ImportError:
+    _set_wrap_triton_enabled = None
+
+
+def can_launch_directly() -> bool:
+    """Whether :func:`direct_kernel_calls` can take the launches off wrap_triton's HOP here."""
+    return _set_wrap_triton_enabled is not None
+
+
 @contextlib.contextmanager
 def direct_kernel_calls() -> Iterator[None]:
     """Launch the kernels straight through Triton, not through torch's wrap_triton HOP, for
-    callers outside the registered ops (the autotuner's timing runner, probes).
+    callers outside the registered ops: the eager fast path, the autotuner's timing runner,
+    probes. The inputs there are plain tensors, so there is nothing to trace.
 
     Inside the ops torch already does this: a ``triton_op`` run eagerly turns wrap_triton off for
     its body. Called from outside, every launch instead goes through the HOP's Python dispatch
     (kernel side table, dispatch keys, grid function), host work paid per launch, which torch's
     docstring of the switch puts at "~1ms". The backward makes four launches, so on short
     problems that host time can outrun the GPU. It is the suspect for session 22's finding: the
-    tuner read the bf16 E=64 causal L=S=1024 backward at 2.28 ms where the op, same kernels and
-    configs, took 1.18 ms (benchmarks/results/s1024_timing_nvidia-h200_20261201_s22.txt;
-    benchmarks/experiments/tuner_vs_op_timing.py measures it). torch keeps the switch private,
-    so it is looked up; without it, calls go through the HOP as before."""
-    try:
-        from torch._library.triton import set_wrap_triton_enabled
-    except ImportError:
+    tuner, which called the launchers bare, read the bf16 E=64 causal L=S=1024 backward at
+    2.28 ms where the op, same kernels and configs, took 1.18 ms
+    (benchmarks/results/s1024_timing_nvidia-h200_20261201_s22.txt;
+    benchmarks/experiments/tuner_vs_op_timing.py measures it)."""
+    if _set_wrap_triton_enabled is None:
         yield
         return
-    with set_wrap_triton_enabled(False):
+    with _set_wrap_triton_enabled(False):
         yield
 
 

@@ -4,8 +4,6 @@ whose per-launch host work the tuner would otherwise time (session 22, benchmark
 
 from __future__ import annotations
 
-import builtins
-
 import pytest
 import torch
 
@@ -29,17 +27,19 @@ def test_direct_kernel_calls_turns_the_hop_off_and_restores_it():
     assert triton_lib.is_wrap_triton_enabled()
 
 
-def test_without_torchs_switch_calls_go_through_as_before(monkeypatch):
-    real_import = builtins.__import__
+def test_without_torchs_switch_calls_go_through_as_before_and_eager_takes_the_op(monkeypatch):
+    """The eager fast path relies on direct launches: without torch's switch it hands every call to
+    the registered op (whose triton_op body launches directly on its own)."""
+    from flash_inductor.ops import attention as ops
 
-    def no_switch(name, globals=None, locals=None, fromlist=(), level=0):
-        if name == "torch._library.triton" and fromlist and "set_wrap_triton_enabled" in fromlist:
-            raise ImportError("this torch has no set_wrap_triton_enabled")
-        return real_import(name, globals, locals, fromlist, level)
-
-    monkeypatch.setattr(builtins, "__import__", no_switch)
+    monkeypatch.setattr(launch, "kernel_supports", lambda *tensors: True)  # as on a GPU
+    q = torch.randn(1, 2, 8, 16, device=DEVICE)
+    assert ops.eager_fast_path_applies(q, q, q, None, None)
+    monkeypatch.setattr(launch, "_set_wrap_triton_enabled", None)
+    assert not launch.can_launch_directly()
     with launch.direct_kernel_calls():
         assert triton_lib.is_wrap_triton_enabled()
+    assert not ops.eager_fast_path_applies(q, q, q, None, None)
 
 
 @pytest.mark.parametrize("pass_name", ["forward", "backward"])

@@ -28,12 +28,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import launch
 
-# What the eager fast path needs, looked up once (torch 2.11-2.14 all have both; where one is
-# missing every call takes the registered op instead).
-try:
-    from torch._library.triton import set_wrap_triton_enabled as _set_wrap_triton_enabled
-except ImportError:
-    _set_wrap_triton_enabled = None
+# What the eager fast path needs besides launch.can_launch_directly(), looked up once (torch
+# 2.11-2.14 all have it; where it is missing every call takes the registered op instead).
 _functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 from .reference import reference_backward, reference_forward
 
@@ -198,7 +194,7 @@ class _EagerKernelAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule):
-        with _direct_triton_launches():
+        with launch.direct_kernel_calls():
             out, lse = launch.attention_forward(
                 query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule
             )
@@ -217,7 +213,7 @@ class _EagerKernelAttention(torch.autograd.Function):
         compute_mask_grad = bool(
             attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[_MASK_INPUT]
         )
-        with _direct_triton_launches():
+        with launch.direct_kernel_calls():
             dq, dk, dv, dmask = launch.attention_backward(
                 grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed,
                 dropout_p, is_causal, causal_offset, scale, schedule, compute_mask_grad,
@@ -225,19 +221,12 @@ class _EagerKernelAttention(torch.autograd.Function):
         return dq, dk, dv, (dmask if compute_mask_grad else None), None, None, None, None, None, None
 
 
-def _direct_triton_launches():
-    """``wrap_triton`` kernels launch directly, as inside a ``triton_op``'s own body, instead of
-    through the tracing higher-order op (its default outside an op: the inputs here are plain
-    tensors, so there is nothing to trace)."""
-    return _set_wrap_triton_enabled(False)
-
-
 def eager_fast_path_applies(*tensors: Optional[Tensor]) -> bool:
     """Whether an eager call may skip the dispatcher: not being compiled or traced, no dispatch
     or torch-function mode and no functorch transform active, plain tensors only, and inputs the
     Triton kernels take. Anything else (FakeTensor, vmap, DTensor, torch.compile, export) needs
     the registered op, which every one of those understands."""
-    if _set_wrap_triton_enabled is None or _functorch_transforms_active is None:
+    if not launch.can_launch_directly() or _functorch_transforms_active is None:
         return False
     if torch.compiler.is_compiling() or _functorch_transforms_active():
         return False
