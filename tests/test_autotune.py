@@ -3,111 +3,36 @@
 The search runs the real kernels under the Triton interpreter on tiny problems, with an injected
 timer (the interpreter's speed says nothing about a GPU's): what is tested is the logic — the
 fastest accurate candidate wins, a wrong or unstable candidate never does, the heuristic stays
-unless beaten, tables are keyed, versioned, written atomically and looked up without guards —
-and that a table really changes the configs the launcher passes to the kernels.
+unless beaten — and the command line. The tables themselves (keys, files, validity, lookup, and
+that a table changes the configs the launcher passes) are tested in test_tuning_tables.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing
 import pathlib
 import time
-import warnings
 
 import pytest
 import torch
 
 from flash_inductor import launch
-from flash_inductor.passes.graph_pass import FlashAttentionPass
 from flash_inductor.tuning import cache, cli
 from flash_inductor.tuning.buckets import Bucket, bucket_for, length_hint, mask_kind, seq_bucket
-from flash_inductor.tuning.configs import AttentionConfigs, KernelConfig, heuristic_configs, select_configs
+from flash_inductor.tuning.configs import KernelConfig
 from flash_inductor.tuning.measure import LaunchRunner, Shape, Verdict
 from flash_inductor.tuning.plan import COPY, SHORTLIST, SWEEP, Grid, PlannedBucket, make_plan
 from flash_inductor.tuning import precompile
 from flash_inductor.tuning.precompile import ParallelPrecompiler, RoundReport, _encode, probe_lengths_of_one, warm
 from flash_inductor.tuning.schedules import SCHEDULES, schedules_markdown_table
-from flash_inductor.tuning.search import BucketTask, Measurement, Settings, Tuner
+from flash_inductor.tuning.search import BucketTask, Measurement, Tuner
 from flash_inductor.tuning.search_space import DeviceLimits, SearchSpace, TileBytes, fits, shape_candidates
-from helpers import DEVICE, make_qkv, randn, spy_on_launches
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-INTERPRETER_CONFIGS = AttentionConfigs(*(KernelConfig(16, 16, 1, 1),) * 3)
-
-
-@pytest.fixture(autouse=True)
-def isolated_tables(tmp_path, monkeypatch):
-    """Every test gets empty user and shipped table folders and a cold in-memory cache."""
-    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path / "user"))
-    monkeypatch.setattr(cache, "shipped_tables_dir", lambda: tmp_path / "shipped")
-    cache.clear_cache()
-    yield
-    cache.clear_cache()
-
-
-def _cfg(bm, bn, warps=4, stages=1) -> dict:
-    return KernelConfig(bm, bn, warps, stages).to_dict()
-
-
-def _table(gpu="fake-gpu_sm90_132sm", **entries) -> cache.TuningTable:
-    """A current-code table; keyword names are bucket keys with '/' written as '__'."""
-    return cache.TuningTable.for_current_code(gpu, {k.replace("__", "/"): v for k, v in entries.items()})
-
-
-def _fwd_entry(bm, bn):
-    return {"configs": {"forward": _cfg(bm, bn)}}
-
-
-def _bwd_entry(dkdv, dq):
-    return {"configs": {"backward_dkdv": _cfg(*dkdv), "backward_dq": _cfg(*dq)}}
-
-
-def _tiny_settings(timer, space=SearchSpace("tiny", (16, 32), (16, 32), (4,), (1,)), **changes) -> Settings:
-    base = dict(space=space, tokens=32, hidden=16, check_shape=Shape(1, 2, 37, 37), max_timing_seq=32, top_k=2,
-                timer=timer)
-    return Settings(**{**base, **changes})
-
-
-def _heuristic(dtype: torch.dtype, width: int) -> AttentionConfigs:
-    """The built-in configs the tuner starts from on the suite's device (the interpreter's fixed
-    tiles on CPU, the capability-based ones on a GPU): the baseline every tuned entry must beat."""
-    probe = torch.empty(1, 1, 1, width, dtype=dtype, device=DEVICE)
-    return heuristic_configs(probe, width, width, launch.interpreter_enabled())
-
-
-def _cost_key(role: str, configs: AttentionConfigs) -> tuple:
-    c = getattr(configs, role)
-    return (role, c.block_m, c.block_n, c.num_warps)
-
-
-def _table_file(out: pathlib.Path) -> pathlib.Path:
-    name = "triton-interpreter" if launch.interpreter_enabled() else cache.device_gpu_key(torch.device(DEVICE))
-    return out / f"{name}.json"
-
-
-def _timer_from(costs: dict, default: float = 10.0, calls: list | None = None):
-    """Fake milliseconds: costs maps (role, block_m, block_n, num_warps) -> ms, summed over the
-    roles it names (default for configs it does not list). Runs the candidate once, so the
-    timing path itself is exercised."""
-    roles = sorted({role for role, *_ in costs})
-
-    def timer(run, configs: AttentionConfigs) -> float:
-        run()
-        if calls is not None:
-            calls.append(configs)
-        return sum(costs.get((role, c.block_m, c.block_n, c.num_warps), default)
-                   for role, c in ((r, getattr(configs, r)) for r in roles))
-
-    return timer
-
-
-def _run_plan(planned: list[PlannedBucket], settings: Settings) -> dict[Bucket, BucketTask]:
-    tuner = Tuner(DEVICE, settings)
-    done: dict[Bucket, BucketTask] = {}
-    assert tuner.run([tuner.task(p) for p in planned], done) == []
-    return done
+from helpers import DEVICE
+from tuning_helpers import (  # noqa: F401  (isolated_tables: an autouse fixture)
+    ROOT, INTERPRETER_CONFIGS, isolated_tables, cfg_dict, tiny_settings, builtin_configs, cost_key, table_file,
+    timer_from, run_plan,
+)
 
 
 # ------------------------------------------------------------------------------------------
@@ -118,18 +43,18 @@ def _run_plan(planned: list[PlannedBucket], settings: Settings) -> dict[Bucket, 
 @pytest.mark.launches_kernels
 def test_search_picks_the_fastest_candidate():
     bucket = Bucket("stable", "fp16", 16, "none", 128, "forward")
-    heuristic = _heuristic(torch.float16, 16)
-    timer = _timer_from({("forward", 32, 16, 4): 2.0, ("forward", 16, 32, 4): 3.0,
-                         _cost_key("forward", heuristic): 8.0})
-    task = _run_plan([PlannedBucket(bucket, SWEEP)], _tiny_settings(timer))[bucket]
+    heuristic = builtin_configs(torch.float16, 16)
+    timer = timer_from({("forward", 32, 16, 4): 2.0, ("forward", 16, 32, 4): 3.0,
+                         cost_key("forward", heuristic): 8.0})
+    task = run_plan([PlannedBucket(bucket, SWEEP)], tiny_settings(timer))[bucket]
     entry = task.entry
-    assert entry["configs"] == {"forward": _cfg(32, 16)}
-    assert entry["runner_up"]["configs"] == {"forward": _cfg(16, 32)}
+    assert entry["configs"] == {"forward": cfg_dict(32, 16)}
+    assert entry["runner_up"]["configs"] == {"forward": cfg_dict(16, 32)}
     assert entry["heuristic"]["configs"] == {"forward": heuristic.forward.to_dict()}
     assert entry["speedup_vs_heuristic"] == pytest.approx(8.0 / 2.0)
     assert 0 <= entry["error_ratio"] <= 1 and entry["candidates"] == 5  # 4 shapes + the heuristic
     # FLOP model: 4·B·H·L·S·E at the (capped) timing shape, per second.
-    shape = _tiny_settings(timer).timing_shape(bucket)
+    shape = tiny_settings(timer).timing_shape(bucket)
     assert entry["tflops"] == pytest.approx(4 * shape.batch * shape.heads * 32 * 32 * 16 / 2e-3 / 1e12)
     assert [c["block_m"] for c in entry["ranking"]["forward"]] == [32, 16]
 
@@ -150,7 +75,7 @@ def test_sweep_tries_the_depths_of_every_near_tied_shape():
     tie, a deeper pipeline of the runner-up may be the real winner."""
     bucket = Bucket("stable", "fp16", 16, "none", 128, "forward")
     space = SearchSpace("tiny", (16, 32), (16, 32), (4,), (1, 2))
-    tuner = Tuner(DEVICE, _tiny_settings(None, space=space, depth_margin=0.05))
+    tuner = Tuner(DEVICE, tiny_settings(None, space=space, depth_margin=0.05))
     task = tuner.task(PlannedBucket(bucket, SWEEP))
     assert tuner.start(task, {})
     shapes = [c.forward for c in tuner.next_candidates(task)]
@@ -185,11 +110,11 @@ class _BrokenRunner(LaunchRunner):
 @pytest.mark.parametrize("mode,reason", [("inaccurate", "out error"), ("unstable", "probe large_logits")])
 def test_accuracy_filter_rejects_a_broken_fast_candidate(mode, reason):
     bucket = Bucket("stable", "fp16", 16, "none", 128, "forward")
-    timer = _timer_from({("forward", 32, 16, 4): 1.0, ("forward", 16, 32, 4): 3.0})
-    settings = _tiny_settings(timer, runner=_BrokenRunner(mode))
-    task = _run_plan([PlannedBucket(bucket, SWEEP)], settings)[bucket]
-    assert task.entry["configs"] == {"forward": _cfg(16, 32)}  # the broken, "fastest" one lost
-    rejected = [r for r in task.entry["rejected"] if r["configs"] == {"forward": _cfg(32, 16)}]
+    timer = timer_from({("forward", 32, 16, 4): 1.0, ("forward", 16, 32, 4): 3.0})
+    settings = tiny_settings(timer, runner=_BrokenRunner(mode))
+    task = run_plan([PlannedBucket(bucket, SWEEP)], settings)[bucket]
+    assert task.entry["configs"] == {"forward": cfg_dict(16, 32)}  # the broken, "fastest" one lost
+    rejected = [r for r in task.entry["rejected"] if r["configs"] == {"forward": cfg_dict(32, 16)}]
     assert len(rejected) == 1 and reason in rejected[0]["reason"], task.entry["rejected"]
 
 
@@ -198,13 +123,13 @@ def test_backward_tunes_dkdv_then_dq_and_shortlists_follow_the_sweep():
     """Backward coordinate search (fp32 keeps the probes few), then a causal shortlist seeded by it."""
     sweep = Bucket("stable", "fp32", 16, "none", 128, "backward")
     causal = sweep.replace(mask="causal")
-    heuristic = _heuristic(torch.float32, 16)
-    timer = _timer_from({("backward_dkdv", 16, 32, 4): 1.0, ("backward_dq", 16, 32, 4): 1.0,
-                         _cost_key("backward_dkdv", heuristic): 5.0, _cost_key("backward_dq", heuristic): 5.0})
-    settings = _tiny_settings(timer, space=SearchSpace("tiny", (16,), (16, 32), (4,), (1,)),
+    heuristic = builtin_configs(torch.float32, 16)
+    timer = timer_from({("backward_dkdv", 16, 32, 4): 1.0, ("backward_dq", 16, 32, 4): 1.0,
+                         cost_key("backward_dkdv", heuristic): 5.0, cost_key("backward_dq", heuristic): 5.0})
+    settings = tiny_settings(timer, space=SearchSpace("tiny", (16,), (16, 32), (4,), (1,)),
                               check_shape=Shape(1, 1, 33, 33), max_timing_seq=16)
-    done = _run_plan([PlannedBucket(sweep, SWEEP), PlannedBucket(causal, SHORTLIST, sweep)], settings)
-    want = {"backward_dkdv": _cfg(16, 32), "backward_dq": _cfg(16, 32)}
+    done = run_plan([PlannedBucket(sweep, SWEEP), PlannedBucket(causal, SHORTLIST, sweep)], settings)
+    want = {"backward_dkdv": cfg_dict(16, 32), "backward_dq": cfg_dict(16, 32)}
     assert done[sweep].entry["configs"] == want
     assert done[causal].entry["configs"] == want and done[causal].entry["mode"] == SHORTLIST
     assert done[sweep].entry["speedup_vs_heuristic"] == pytest.approx(10.0 / 2.0)
@@ -213,7 +138,7 @@ def test_backward_tunes_dkdv_then_dq_and_shortlists_follow_the_sweep():
 @pytest.mark.launches_kernels
 def test_precompile_worker_runs_every_problem_shape():
     bucket = Bucket("stable", "fp16", 16, "causal", 128, "forward")
-    settings = _tiny_settings(None)
+    settings = tiny_settings(None)
     configs = dataclasses.replace(INTERPRETER_CONFIGS, forward=KernelConfig(32, 16, 4, 1))
     assert warm(bucket.key(), _encode(INTERPRETER_CONFIGS), _encode(configs), (1, 2, 37, 37),
                 dataclasses.astuple(settings.timing_shape(bucket)), DEVICE) is None
@@ -259,7 +184,7 @@ def test_a_failed_probe_is_confirmed_alone_before_it_rejects(monkeypatch):
     bucket = Bucket("stable", "fp16", 16, "none", 128, "forward")
     faulty, poisoned, fine = (dataclasses.replace(INTERPRETER_CONFIGS, forward=KernelConfig(bm, 16, 4, 1))
                               for bm in (16, 32, 64))
-    pool = ParallelPrecompiler(2, DEVICE, _tiny_settings(None))
+    pool = ParallelPrecompiler(2, DEVICE, tiny_settings(None))
     in_workers = {faulty: "RuntimeError at L=7, S=1: CUDA error", poisoned: "RuntimeError at L=7, S=1: CUDA error"}
 
     class Done:
@@ -306,8 +231,8 @@ def test_a_pick_that_fails_at_length_one_gives_way_to_the_next_best():
     """The search's pick is probed at lengths of 1 before it becomes the entry; when it fails,
     it is rejected with the reason and the next best is probed and picked."""
     bucket = Bucket("stable", "fp16", 16, "none", 128, "forward")
-    timer = _timer_from({("forward", 32, 16, 4): 1.0, ("forward", 16, 32, 4): 3.0})
-    heuristic = _heuristic(torch.float16, 16)
+    timer = timer_from({("forward", 32, 16, 4): 1.0, ("forward", 16, 32, 4): 3.0})
+    heuristic = builtin_configs(torch.float16, 16)
     faulty = dataclasses.replace(heuristic, forward=KernelConfig(32, 16, 4, 1)).forward
     probed = []
 
@@ -317,13 +242,13 @@ def test_a_pick_that_fails_at_length_one_gives_way_to_the_next_best():
             "length one: RuntimeError at L=7, S=1: CUDA error" if configs.forward == faulty else None
             for _, configs in probes])
 
-    tuner = Tuner(DEVICE, _tiny_settings(timer), precompile=precompile_round)
+    tuner = Tuner(DEVICE, tiny_settings(timer), precompile=precompile_round)
     done: dict[Bucket, BucketTask] = {}
     assert tuner.run([tuner.task(PlannedBucket(bucket, SWEEP))], done) == []
     entry = done[bucket].entry
     assert probed == [faulty, KernelConfig(16, 32, 4, 1)]
-    assert entry["configs"] == {"forward": _cfg(16, 32)}
-    assert {"configs": {"forward": _cfg(32, 16)}, "reason": "length one: RuntimeError at L=7, S=1: CUDA error"} \
+    assert entry["configs"] == {"forward": cfg_dict(16, 32)}
+    assert {"configs": {"forward": cfg_dict(32, 16)}, "reason": "length one: RuntimeError at L=7, S=1: CUDA error"} \
         in entry["rejected"]
     assert tuner.stats["rejected"] >= 1
 
@@ -334,18 +259,18 @@ def test_a_spent_budget_still_probes_the_measured_pick():
     written: dropping the probe would throw the measured search away (the GPU run of session 20
     lost every sweep of its last round that way). Nothing new is measured after the budget."""
     buckets = [Bucket("stable", "fp16", 16, mask, 128, "forward") for mask in ("none", "causal")]
-    timer = _timer_from({("forward", 32, 16, 4): 1.0})
+    timer = timer_from({("forward", 32, 16, 4): 1.0})
     probed = []
 
     def precompile_round(jobs, probes):
         probed.extend(b.key() for b, _ in probes)
         return RoundReport(warm_errors=0, probe_failures=[None] * len(probes))
 
-    tuner = Tuner(DEVICE, _tiny_settings(timer, tasks_per_round=1), precompile=precompile_round)
+    tuner = Tuner(DEVICE, tiny_settings(timer, tasks_per_round=1), precompile=precompile_round)
     done: dict[Bucket, BucketTask] = {}
     left = tuner.run([tuner.task(PlannedBucket(b, SWEEP)) for b in buckets], done, deadline=time.monotonic() - 1)
     assert probed == [buckets[0].key()]
-    assert done[buckets[0]].entry["configs"] == {"forward": _cfg(32, 16)}
+    assert done[buckets[0]].entry["configs"] == {"forward": cfg_dict(32, 16)}
     assert [t.bucket for t in left] == [buckets[1]] and buckets[1] not in done
 
 
@@ -492,292 +417,6 @@ def test_symbolic_lengths_use_their_hint_without_a_guard():
 
 
 # ------------------------------------------------------------------------------------------
-# The cache: keys, files, validity, lookup
-# ------------------------------------------------------------------------------------------
-
-
-def test_gpu_key_normalisation():
-    assert cache.gpu_key("NVIDIA H200", (9, 0), 132) == "nvidia-h200_sm90_132sm"
-    assert cache.gpu_key("NVIDIA H100 80GB HBM3", (9, 0), 132) == "nvidia-h100-80gb-hbm3_sm90_132sm"
-    assert cache.gpu_key("  Tesla V100-SXM2-16GB ", (7, 0), 80) == "tesla-v100-sxm2-16gb_sm70_80sm"
-    assert cache.gpu_key("NVIDIA GeForce RTX 5090", (12, 0), 170) == "nvidia-geforce-rtx-5090_sm120_170sm"
-
-
-def test_user_cache_dir_precedence(monkeypatch, tmp_path):
-    assert cache.user_cache_dir() == tmp_path / "user"
-    monkeypatch.delenv(cache.CACHE_DIR_ENV)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert cache.user_cache_dir() == tmp_path / "xdg" / "flash_inductor"
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert cache.user_cache_dir() == tmp_path / "home" / ".cache" / "flash_inductor"
-
-
-def test_table_round_trip_and_validation(tmp_path):
-    table = _table(**{"stable__fp16__e64__none__s1024__forward": _fwd_entry(64, 32)})
-    path = tmp_path / "t.json"
-    cache.update_table(path, table)
-    data = json.loads(path.read_text())
-    assert data["schema"] == cache.SCHEMA_VERSION
-    assert [e["kernel_hash"] for e in data["entries"].values()] == [cache.family_hash("forward")]
-    assert {"torch", "triton", "gpu", "entries"} <= set(data)
-    assert cache.read_table(path).entries == table.entries
-    bad = dict(data, entries={"stable/fp16/e64/none/s1024/forward": {"configs": {"forward": _cfg(48, 32)}}})
-    path.write_text(json.dumps(bad))
-    with pytest.raises(ValueError, match="power of two"):
-        cache.read_table(path)
-
-
-def test_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
-    path = tmp_path / "tables" / "gpu.json"
-    cache.update_table(path, _table(**{"stable__fp16__e64__none__s1024__forward": _fwd_entry(64, 32)}))
-    before = path.read_bytes()
-
-    def crash(fd):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(cache.os, "fsync", crash)
-    with pytest.raises(OSError, match="disk full"):
-        cache.update_table(path, _table(**{"stable__fp16__e64__none__s2048__forward": _fwd_entry(32, 32)}))
-    assert path.read_bytes() == before
-    assert sorted(p.name for p in path.parent.iterdir()) == ["gpu.json", "gpu.json.lock"]
-
-
-def _write_entries(path: str, worker: int, count: int) -> None:
-    for i in range(count):
-        key = f"stable/fp16/e{16 << worker}/none/s{128 << i}/forward"
-        cache.update_table(path, cache.TuningTable.for_current_code("fake-gpu_sm90_132sm", {key: _fwd_entry(64, 32)}))
-
-
-def test_concurrent_writers_keep_every_entry(tmp_path):
-    """Four processes each add five entries to one file at once: the lock and the merge under it
-    keep all twenty (without them, read-modify-write loses updates)."""
-    path = str(tmp_path / "gpu.json")
-    ctx = multiprocessing.get_context("fork")
-    workers = [ctx.Process(target=_write_entries, args=(path, w, 5)) for w in range(4)]
-    for p in workers:
-        p.start()
-    for p in workers:
-        p.join(60)
-        assert p.exitcode == 0
-    assert len(cache.read_table(path).entries) == 20
-
-
-def _install(table: cache.TuningTable, where: pathlib.Path) -> None:
-    where.mkdir(parents=True, exist_ok=True)
-    (where / cache.table_filename(table.gpu)).write_text(json.dumps(table.to_json()))
-
-
-@pytest.mark.parametrize("change", ["triton", "torch", "schema", "gpu"])
-def test_stale_tables_are_ignored_with_one_warning(tmp_path, change):
-    gpu = "fake-gpu_sm90_132sm"
-    table = _table(gpu, **{"stable__fp16__e64__none__s1024__forward": _fwd_entry(64, 32)})
-    stale = {"triton": dict(triton="0.0.1"), "torch": dict(torch="1.0.0"), "schema": dict(schema=0),
-             "gpu": dict(gpu="other_sm80_108sm")}[change]
-    bad = cache.TuningTable(**{**vars(table), **stale})
-    (tmp_path / "user").mkdir()
-    (tmp_path / "user" / cache.table_filename(gpu)).write_text(json.dumps(bad.to_json()))
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        assert cache.load_tables(gpu) is None
-    messages = [str(w.message) for w in record]
-    assert len(messages) == 2 and "ignoring the user tuning table" in messages[0]  # then: no table at all
-    assert all("python -m flash_inductor.autotune" in m for m in messages)
-    _install(table, tmp_path / "user")  # the current table is used again after a reload
-    cache.clear_cache()
-    assert cache.load_tables(gpu).lookup(Bucket.parse("stable/fp16/e64/none/s1024/forward")) is not None
-
-
-def test_entries_of_a_changed_kernel_family_are_ignored_with_one_warning(tmp_path):
-    gpu = "fake-gpu_sm90_132sm"
-    table = _table(gpu, **{"stable__fp16__e64__none__s1024__forward": _fwd_entry(64, 32),
-                           "stable__fp16__e64__none__s1024__backward": _bwd_entry((32, 64), (64, 32))})
-    backward_key = "stable/fp16/e64/none/s1024/backward"
-    entries = dict(table.entries)
-    entries[backward_key] = {**entries[backward_key], "kernel_hash": "0" * 64}  # tuned for another backward
-    _install(cache.TuningTable(**{**vars(table), "entries": entries}), tmp_path / "user")
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        view = cache.load_tables(gpu)
-        view = cache.load_tables(gpu)  # read once: one warning
-    (message,) = [str(w.message) for w in record]
-    assert "1 backward" in message and "--resume" in message
-    assert view.lookup(Bucket.parse("stable/fp16/e64/none/s1024/forward")) == {"forward": _cfg(64, 32)}
-    assert view.lookup(Bucket.parse(backward_key)) is None  # the heuristic, not a stale config
-    # A later write (e.g. `--resume` re-tuning another bucket) keeps the current entries, drops the stale one.
-    path = tmp_path / "user" / cache.table_filename(gpu)
-    written = cache.update_table(path, _table(gpu, **{"stable__fp16__e64__none__s4096__forward": _fwd_entry(32, 32)}))
-    assert set(written.entries) == {"stable/fp16/e64/none/s1024/forward", "stable/fp16/e64/none/s4096/forward"}
-
-
-def _kernel_copy(tmp_path, monkeypatch) -> pathlib.Path:
-    copy = tmp_path / "kernels"
-    copy.mkdir()
-    for path in (ROOT / "flash_inductor" / "kernels").glob("*.py"):
-        (copy / path.name).write_bytes(path.read_bytes())
-    monkeypatch.setattr(cache, "_KERNELS_DIR", copy)
-    cache.family_hash.cache_clear()
-    return copy
-
-
-def test_a_kernel_file_changes_exactly_the_families_built_from_it(tmp_path, monkeypatch):
-    copy = _kernel_copy(tmp_path, monkeypatch)
-    try:
-        before = cache.kernel_hashes()
-        for name in sorted(set().union(*cache.KERNEL_FAMILIES.values())):
-            source = copy / name
-            original = source.read_text()
-            source.write_text(original + "\n# a comment\n")
-            cache.family_hash.cache_clear()
-            changed = {f for f, h in cache.kernel_hashes().items() if h != before[f]}
-            assert changed == {f for f, files in cache.KERNEL_FAMILIES.items() if name in files}, name
-            source.write_text(original)
-            cache.family_hash.cache_clear()
-    finally:
-        monkeypatch.undo()
-        cache.family_hash.cache_clear()
-
-
-def test_kernel_families_cover_every_tuned_kernel_and_its_imports():
-    """Each kernel file but the monitoring one (fixed launch sizes) belongs to a family, and a
-    family's files import kernel code only from files of the same family, so its hash covers
-    everything its launches compile."""
-    import re
-
-    kernels = ROOT / "flash_inductor" / "kernels"
-    untuned = {"__init__.py", "monitor_stats.py"}
-    families = cache.KERNEL_FAMILIES
-    assert {p.name for p in kernels.glob("*.py")} - untuned == set().union(*families.values())
-    for family, files in families.items():
-        for name in files:
-            imported = {m + ".py" for m in re.findall(r"^from \.(\w+) import", (kernels / name).read_text(), re.M)}
-            assert imported <= files, (family, name, imported - files)
-
-
-def test_shipped_tables_read_with_this_schema_and_these_kernels():
-    """Every table shipped in the package parses under the current schema, and its entries were
-    tuned for the kernel files in this checkout (a kernel change without a re-tune shows here as
-    a list of stale families, and at run time as one warning)."""
-    shipped = sorted((ROOT / "flash_inductor" / "tuning" / "tables").glob("*.json"))
-    assert shipped
-    for path in shipped:
-        table = cache.read_table(path)
-        assert table.stale_reason() is None or "tuned with" in table.stale_reason(), path  # torch/Triton may differ here
-        assert table.schema == cache.SCHEMA_VERSION and table.entries, path
-        assert table.stale_families() == {}, (
-            f"{path.name}: entries tuned for other kernel sources {table.stale_families()}; re-tune them on that "
-            "GPU (tools/gpu_autotune.sh with the shipped table in tuning_resume/) and ship the result")
-
-
-def test_user_entries_shadow_shipped_ones(tmp_path):
-    gpu = "fake-gpu_sm90_132sm"
-    _install(_table(gpu, **{"stable__fp16__e64__none__s1024__forward": _fwd_entry(64, 64),
-                            "stable__fp16__e64__none__s1024__backward": _bwd_entry((32, 64), (64, 32))}),
-             tmp_path / "shipped")
-    _install(_table(gpu, **{"stable__fp16__e64__none__s1024__forward": _fwd_entry(128, 32)}), tmp_path / "user")
-    view = cache.load_tables(gpu)
-    fwd = Bucket.parse("stable/fp16/e64/none/s1024/forward")
-    assert view.lookup(fwd) == {"forward": _cfg(128, 32)}
-    assert view.lookup(fwd.replace(pass_name="backward"))["backward_dq"] == _cfg(64, 32)
-    assert cache.load_tables(gpu) is view  # read once: later lookups do no file I/O
-
-
-def test_lookup_uses_the_nearest_tuned_length():
-    view = cache.TableView([_table(**{"stable__fp16__e64__none__s1024__forward": _fwd_entry(32, 32),
-                                      "stable__fp16__e64__none__s16384__forward": _fwd_entry(128, 64)})])
-    fwd = Bucket.parse("stable/fp16/e64/none/s1024/forward")
-    assert view.lookup(fwd.replace(seq=2048)) == {"forward": _cfg(32, 32)}
-    assert view.lookup(fwd.replace(seq=4096)) == {"forward": _cfg(128, 64)}  # a tie goes to the longer
-    assert view.lookup(fwd.replace(seq=65536)) == {"forward": _cfg(128, 64)}
-    assert view.lookup(fwd.replace(mask="causal")) is None  # another family: the heuristic decides
-
-
-def test_no_table_on_a_gpu_warns_once_naming_the_command(monkeypatch):
-    monkeypatch.setattr(cache, "device_gpu_key", lambda device: "fake-gpu_sm90_132sm")
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            assert cache.active_table(torch.device("cuda"), interpreted=False) is None
-    assert len(record) == 1 and "python -m flash_inductor.autotune" in str(record[0].message)
-    # The interpreter keeps its fixed tiles and reads nothing.
-    assert cache.active_table(torch.device("cpu"), interpreted=True) is None
-
-
-# ------------------------------------------------------------------------------------------
-# Tables reach the launcher and the compile cache key
-# ------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def launch_spy(monkeypatch):
-    """Records (kernel name, BLOCK_M, BLOCK_N) of every kernel launch."""
-    calls = []
-    spy_on_launches(monkeypatch, lambda name, kwargs: calls.append((name, kwargs.get("BLOCK_M"), kwargs.get("BLOCK_N"))))
-    return calls
-
-
-def _forward_backward(device=DEVICE):
-    q, k, v = make_qkv(1, 2, 2, 37, 45, 24, 24, torch.float16, device, seed=0)
-    dout = randn((1, 2, 37, 24), torch.float16, device, 2)
-    out, lse = launch.attention_forward(q, k, v, None, None, 0.0, True, 8, 24**-0.5, "stable")
-    dq, dk, dv, _ = launch.attention_backward(dout, q, k, v, None, out, lse, None, None, 0.0, True, 8, 24**-0.5,
-                                              "stable", False)
-    return out, dq, dk, dv
-
-
-@pytest.mark.launches_kernels
-def test_a_table_changes_the_launched_configs(launch_spy):
-    baseline = _forward_backward()
-    heuristic_launches = set(launch_spy)
-    blocks = {name: (bm, bn) for name, bm, bn in launch_spy}
-    heuristic = _heuristic(torch.float16, 32)
-    assert blocks["_attn_fwd"] == (heuristic.forward.block_m, heuristic.forward.block_n)
-    assert blocks["_attn_bwd_dkdv"] == (heuristic.backward_dkdv.block_m, heuristic.backward_dkdv.block_n)
-
-    # E=24 pads to width 32; L=37, S=45 -> length bucket 128; causal.
-    table = _table(**{"stable__fp16__e32__causal__s128__forward": _fwd_entry(32, 16),
-                      "stable__fp16__e32__causal__s128__backward": _bwd_entry((16, 32), (32, 16))})
-    launch_spy.clear()
-    with cache.override_table(table):
-        tuned = _forward_backward()
-    launched = {name: (bm, bn) for name, bm, bn in launch_spy}
-    assert launched["_attn_fwd"] == (32, 16)
-    assert launched["_attn_bwd_dkdv"] == (16, 32) and launched["_attn_bwd_dq"] == (32, 16)
-    # Configs change the order of fp32 sums only: results agree to fp16 rounding.
-    for a, b in zip(baseline, tuned):
-        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
-
-    # A table for another schedule or mask kind leaves this launch on the heuristic.
-    launch_spy.clear()
-    with cache.override_table(_table(**{"accurate__fp16__e32__causal__s128__forward": _fwd_entry(32, 32)})):
-        _forward_backward()
-    assert set(launch_spy) == heuristic_launches
-
-
-def test_select_configs_reads_the_table_per_pass():
-    q = torch.empty(1, 2, 5000, 64, dtype=torch.float16)
-    table = _table(**{"stable__fp16__e64__none__s8192__backward": _bwd_entry((32, 64), (64, 32))})
-    with cache.override_table(table):
-        got = select_configs(q, 64, 64, True)  # the query's own lengths: bucket 8192
-    assert got.forward == KernelConfig(16, 16, 1, 1)  # no forward entry: heuristic
-    assert got.backward_dkdv == KernelConfig(32, 64, 4, 1) and got.backward_dq == KernelConfig(64, 32, 4, 1)
-
-
-def test_pass_uuid_follows_the_active_table():
-    base = FlashAttentionPass().uuid()
-    first = _table(**{"stable__fp16__e64__none__s1024__forward": _fwd_entry(64, 32)})
-    second = _table(**{"stable__fp16__e64__none__s1024__forward": _fwd_entry(32, 32)})
-    with cache.override_table(first):
-        with_first = FlashAttentionPass().uuid()
-        p = FlashAttentionPass()
-    with cache.override_table(second):
-        with_second = p.uuid()  # the same pass object sees the new table
-    assert len({base, with_first, with_second}) == 3
-    with cache.override_table(first):
-        assert FlashAttentionPass().uuid() == with_first
-
-
-# ------------------------------------------------------------------------------------------
 # The command line: table, summary, time budget and resume
 # ------------------------------------------------------------------------------------------
 
@@ -785,14 +424,14 @@ def test_pass_uuid_follows_the_active_table():
 @pytest.mark.launches_kernels
 def test_cli_writes_table_and_summary_and_resumes(tmp_path, capsys):
     calls = []
-    timer = _timer_from({("forward", 32, 16, 4): 2.0}, calls=calls)
-    settings = _tiny_settings(timer, space=SearchSpace("tiny", (16, 32), (16,), (4,), (1,)), tasks_per_round=1)
+    timer = timer_from({("forward", 32, 16, 4): 2.0}, calls=calls)
+    settings = tiny_settings(timer, space=SearchSpace("tiny", (16, 32), (16,), (4,), (1,)), tasks_per_round=1)
     out = tmp_path / "tables"
     argv = ["--dtypes", "fp16", "--head-dims", "16", "--masks", "none,causal", "--schedules", "stable",
             "--passes", "forward", "--seqs", "4096", "--output", str(out), "--summary", str(tmp_path / "s.json")]
     # A budget this small stops after the first round: the sweep is saved, the shortlist is not.
     assert cli.main(argv + ["--time-budget", "1e-6"], settings=settings, device=torch.device(DEVICE)) == 0
-    table = cache.read_table(_table_file(out))
+    table = cache.read_table(table_file(out))
     assert list(table.entries) == ["stable/fp16/e16/none/s4096/forward"]
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["complete"] is False and summary["remaining"] == ["stable/fp16/e16/causal/s4096/forward"]
@@ -801,9 +440,9 @@ def test_cli_writes_table_and_summary_and_resumes(tmp_path, capsys):
     assert cli.main(argv + ["--resume"], settings=settings, device=torch.device(DEVICE)) == 0
     # Only the causal shortlist ran: the heuristic and the sweep's two best, not the sweep again.
     assert 1 <= len(calls) - measured_before <= 1 + 2
-    table = cache.read_table(_table_file(out))
+    table = cache.read_table(table_file(out))
     assert set(table.entries) == {"stable/fp16/e16/none/s4096/forward", "stable/fp16/e16/causal/s4096/forward"}
-    assert table.entries["stable/fp16/e16/causal/s4096/forward"]["configs"] == {"forward": _cfg(32, 16)}
+    assert table.entries["stable/fp16/e16/causal/s4096/forward"]["configs"] == {"forward": cfg_dict(32, 16)}
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["complete"] is True and all(r["tuned"] for r in summary["rows"])
     printed = capsys.readouterr().out
@@ -813,8 +452,22 @@ def test_cli_writes_table_and_summary_and_resumes(tmp_path, capsys):
     other = dataclasses.replace(settings, space=dataclasses.replace(settings.space, name="other"))
     assert cli.main(argv + ["--resume"], settings=other, device=torch.device(DEVICE)) == 0
     assert len(calls) - measured_before >= 3
-    assert {e["space"] for e in cache.read_table(_table_file(out)).entries.values()} == {"other"}
+    assert {e["space"] for e in cache.read_table(table_file(out)).entries.values()} == {"other"}
     assert not list(pathlib.Path.cwd().glob("triton-interpreter*.json"))  # never the working directory
+
+
+def test_cli_summary_never_overwrites_an_earlier_run_of_the_day(tmp_path):
+    table = tmp_path / "g.json"
+    args = cli.parse_args(["--output", str(table)])
+    first = cli.summary_path_for(args, table, "g")
+    assert first.parent == tmp_path and first.name.startswith("autotune_g_") and first.suffix == ".json"
+    first.write_text("{}")
+    second = cli.summary_path_for(args, table, "g")
+    assert second.name == first.stem + "-2.json"
+    second.write_text("{}")
+    assert cli.summary_path_for(args, table, "g").name == first.stem + "-3.json"
+    # A path given with --summary is the caller's choice: used as is.
+    assert cli.summary_path_for(cli.parse_args(["--summary", str(first)]), table, "g") == first
 
 
 def test_cli_quick_grid_and_default_output():

@@ -89,10 +89,11 @@ rm -rf "$PARTS"; mkdir -p "$PARTS"
 # 87 s); test_monitor holds one ~290 s test, so it and test_kernels land on different GPUs when GPUS >= 2.
 mapfile -t GROUPS_ < <(python3 - "$GPUS" ${TESTS:-tests/test_*.py} <<'EOF'
 import glob, os, sys
+# test_autotune.py's 60 s split 40/20 with test_tuning_tables.py in session 22 (an estimate).
 COST = {"test_kernels.py": 650, "test_monitor.py": 290, "test_flash_attention.py": 220,
         "test_ops.py": 80, "test_pass_handwritten.py": 60, "test_transformers_models.py": 60,
-        "test_autotune.py": 60, "test_stability.py": 60, "test_fp8.py": 40, "test_dropout.py": 40,
-        "test_table_edges.py": 90}
+        "test_autotune.py": 40, "test_tuning_tables.py": 20, "test_stability.py": 60, "test_fp8.py": 40,
+        "test_dropout.py": 40, "test_table_edges.py": 90}
 gpus, items = int(sys.argv[1]), []
 for arg in sys.argv[2:]:
     items += sorted(glob.glob(os.path.join(arg, "test_*.py"))) if os.path.isdir(arg) else [arg]

@@ -101,7 +101,7 @@ def table_filename(gpu: str) -> str:
 
 
 # The kernel files each family of tuned launches is built from (``kernels/``); the monitoring
-# kernels launch with fixed sizes and belong to none. tests/test_autotune.py checks that every
+# kernels launch with fixed sizes and belong to none. tests/test_tuning_tables.py checks that every
 # other kernel file is in a family and that a family's files import only from the family.
 KERNEL_FAMILIES: dict[str, frozenset[str]] = {
     "forward": frozenset({"attn_fwd.py", "common.py"}),

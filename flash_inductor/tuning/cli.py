@@ -176,6 +176,21 @@ def _winner_label(entry: Optional[dict]) -> str:
     return "no candidate passed" if entry is None else _label(entry["configs"])
 
 
+def summary_path_for(args, table_path: pathlib.Path, gpu: str) -> pathlib.Path:
+    """``--summary`` as given; else ``autotune_<gpu>_<date>[_quick].json`` beside the table,
+    numbered ``-2``, ``-3``, ... when an earlier run that day left one. A second run (another
+    head dim, a resume) must not overwrite what the first measured: session 22 lost a 24-bucket
+    summary that way (the table keeps every entry, the summary each run's timing settings)."""
+    if args.summary:
+        return pathlib.Path(args.summary)
+    stem = f"autotune_{gpu}_{datetime.date.today():%Y%m%d}{'_quick' if args.quick else ''}"
+    candidate, number = table_path.parent / f"{stem}.json", 1
+    while candidate.exists():
+        number += 1
+        candidate = table_path.parent / f"{stem}-{number}.json"
+    return candidate
+
+
 def summary_rows(plan: list[PlannedBucket], entries: dict) -> list[dict]:
     rows = []
     for planned in plan:
@@ -240,9 +255,7 @@ def main(argv=None, *, settings: Optional[Settings] = None, device: Optional[tor
     grid = make_grid(args, device)
     plan = make_plan(grid, exhaustive=args.exhaustive)
     path = output_path(args, gpu)
-    quick = "_quick" if args.quick else ""
-    summary_path = pathlib.Path(args.summary) if args.summary else \
-        path.parent / f"autotune_{gpu}_{datetime.date.today():%Y%m%d}{quick}.json"
+    summary_path = summary_path_for(args, path, gpu)
     print(f"autotune: {gpu} ({device_name}); {len(plan)} buckets "
           f"({sum(p.kind == SWEEP for p in plan)} sweeps, {sum(p.kind == COPY for p in plan)} copies) -> {path}")
     if args.dry_run:
