@@ -113,3 +113,26 @@ def test_fast_path_launches_directly_not_through_the_tracing_op(monkeypatch):
     out, _ = attention_ops.attention_forward_eager(q, k, v, None, None, 0.0, False, 0, 0.25, "stable")
     out.sum().backward()
     assert len(seen) >= 4 and not any(seen)  # the forward and the backward passes
+
+
+def test_inference_skips_autograd_and_matches_the_op(kernels_take_cpu, monkeypatch):
+    """With nothing to differentiate (no_grad, or no input needing a gradient) the fast path is the
+    launch alone: bitwise the op's outputs, no autograd node. With a gradient to record it goes
+    through the autograd.Function."""
+    q, k, v = make_qkv(1, 2, 2, 9, 12, 16, 16, torch.float16, DEVICE, seed=4)
+    args = (None, None, 0.0, True, 3, 0.25, "stable")
+    applied = []
+    real_apply = attention_ops._EagerKernelAttention.apply
+    monkeypatch.setattr(attention_ops._EagerKernelAttention, "apply",
+                        lambda *a: applied.append(True) or real_apply(*a))
+    reference = torch.ops.flash_inductor.attention_forward(q, k, v, *args)
+    for context, inputs in ((torch.no_grad(), (q, k, v)), (torch.enable_grad(), (q, k, v))):
+        with context:
+            out, lse = attention_ops.attention_forward_eager(*inputs, *args)
+        assert out.grad_fn is None and torch.equal(out, reference[0]) and torch.equal(lse, reference[1])
+    assert not applied
+    with torch.no_grad():  # inputs that want gradients, in no_grad: still nothing to record
+        attention_ops.attention_forward_eager(q.clone().requires_grad_(), k, v, *args)
+    assert not applied
+    out, _ = attention_ops.attention_forward_eager(q.clone().requires_grad_(), k, v, *args)
+    assert applied and out.grad_fn is not None

@@ -237,11 +237,23 @@ def eager_fast_path_applies(*tensors: Optional[Tensor]) -> bool:
     return launch.kernel_supports(*tensors[:3])
 
 
+def _needs_autograd(*tensors: Optional[Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
                             schedule) -> tuple[Tensor, Tensor]:
     """``torch.ops.flash_inductor.attention_forward`` with the same arguments, without the
     dispatcher where :func:`eager_fast_path_applies`."""
     if eager_fast_path_applies(query, key, value, attn_mask, rng_seed):
+        if not _needs_autograd(query, key, value, attn_mask):
+            # Inference: the launch alone. autograd.Function.apply would record nothing here and
+            # cost ~20-35 µs of host time a call (2-core CPU, launches stubbed; session 22), which
+            # a short problem's GPU time does not hide.
+            with launch.direct_kernel_calls():
+                return launch.attention_forward(
+                    query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule
+                )
         return _EagerKernelAttention.apply(
             query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule
         )
