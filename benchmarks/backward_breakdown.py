@@ -24,7 +24,6 @@ of its kernels' CUDA time. Wall time well above the kernel time means the step i
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import os
 import sys
@@ -34,6 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import DTYPES, add_cell_args, add_output_args, environment, write_record  # noqa: E402
+from kernel_time import kernel_times_us  # noqa: E402
 
 from flash_inductor import launch  # noqa: E402
 from flash_inductor.tuning.configs import KernelConfig  # noqa: E402
@@ -106,25 +106,6 @@ def pass_gemms(schedule: str) -> dict:
     """GEMMs of size L·S·E per (batch, head) each pass does (2 FLOPs per multiply-add)."""
     exact = get_schedule(schedule).exact_delta
     return {"_attn_bwd_dq": 4 if exact else 3, "_attn_bwd_dkdv": 4, "_attn_bwd_row_reference": 0}
-
-
-def kernel_times_us(run, calls: int, device: str) -> dict:
-    """CUDA time per call of every kernel ``run`` launches, by kernel name (microseconds)."""
-    run()  # compile and warm up outside the profile
-    if not device.startswith("cuda"):
-        return {}
-    torch.cuda.synchronize()
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            run()
-        torch.cuda.synchronize()
-    totals = collections.defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
-    return {name: total / calls for name, total in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
 def compiled_resources() -> list[dict]:

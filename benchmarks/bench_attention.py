@@ -40,6 +40,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:  # the sibling plot_results.py, when this file is imported rather than run
     sys.path.insert(0, _HERE)
 from gpu_telemetry import GpuTelemetry  # noqa: E402
+from kernel_time import gpu_busy  # noqa: E402
 from plot_results import (MODES, PROVIDERS as ALL_PROVIDERS, format_extras, format_table,  # noqa: E402
                           plot_results, target_report)
 
@@ -52,7 +53,8 @@ HIDDEN = 2048  # heads * head_dim, as in ANCHORS.md
 MEMORY_SEQS, MEMORY_HEADS, MEMORY_E = (16384, 32768), 16, 128
 CSV_FIELDS = ("section", "provider", "dtype", "head_dim", "causal", "seq", "batch", "heads", "mode",
               "status", "ms", "tflops", "max_abs_diff", "peak_extra_mib", "workspace_mib", "sm_mhz", "power_w",
-              "error")
+              "kernel_ms", "gpu_busy", "error")
+KERNEL_TIME_CALLS = 10  # back-to-back steps profiled per cell with --kernel-time
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -76,6 +78,9 @@ def parse_args(argv=None):
     p.add_argument("--heat-ms", type=int, default=1000,
                    help="run each step this long before timing it, so every provider is timed at the card's "
                         "sustained, power-limited clock rather than one set by what ran before (0: off)")
+    p.add_argument("--kernel-time", action="store_true",
+                   help="also profile each step's kernels: kernel_ms per call and gpu_busy, the share of a "
+                        "back-to-back loop's GPU span kernels fill (well below 1: the GPU waited between launches)")
     p.add_argument("--out", default=os.path.join("benchmarks", "results"), help="output folder")
     p.add_argument("--tag", default=None, help="suffix of the output names (default 'quick' with --quick)")
     p.add_argument("--quick", action="store_true",
@@ -292,6 +297,8 @@ def run_case(case, provider, args, device="cuda", telemetry=None):
         ms = bench_ms(step, args.warmup, args.rep)
         if telemetry is not None:
             rec.update(telemetry.window(started, time.monotonic()))
+        if args.kernel_time:
+            rec.update(gpu_busy(step, KERNEL_TIME_CALLS, device))
         flops = attention_flops(batch, heads, seq, seq, e, causal, mode)
         return dict(rec, status="ok", ms=ms, tflops=tflops(flops, ms))
     except Exception as exc:
@@ -559,9 +566,9 @@ def finish(records, env, args):
     if extras:
         print(extras)
     print("\n".join(target_report(records)[1]))
-    clocks = clock_summary(records)
-    if clocks:
-        print(clocks)
+    for line in (clock_summary(records), busy_summary(records)):
+        if line:
+            print(line)
     stem = output_stem(args.out, env, args.tag)
     files = write_results(stem, env, records)
     if not args.no_plot:
@@ -587,6 +594,26 @@ def clock_summary(records):
             watts = sorted(r["power_w"] for r in rows)[len(rows) // 2]
             parts.append(f"{provider} {mhz:.0f} MHz / {watts:.0f} W")
     return "SM clock / power while timed (median of cells): " + ", ".join(parts) if parts else ""
+
+
+BUSY_FLOOR = 0.9  # below this share of the GPU span in kernels, a cell's time includes idle GPU
+
+
+def busy_summary(records):
+    """One line (empty without --kernel-time): per provider, the cells whose GPU sat idle between
+    launches for more than a tenth of a back-to-back loop, with their busy share. Their ``ms`` is
+    then partly host time, not the kernels'."""
+    parts = []
+    for provider in ALL_PROVIDERS:
+        rows = [r for r in records if r.get("section") == "attention" and r.get("provider") == provider
+                and r.get("gpu_busy") is not None]
+        idle = [r for r in rows if r["gpu_busy"] < BUSY_FLOOR]
+        if rows:
+            cells = ", ".join(f"{r['dtype']} E{r['head_dim']} {'causal' if r['causal'] else 'full'} {r['seq']} "
+                              f"{r['mode']} {r['gpu_busy']:.2f}" for r in idle[:6])
+            parts.append(f"{provider} {len(idle)}/{len(rows)}" + (f" ({cells}{', ...' if len(idle) > 6 else ''})"
+                                                                  if idle else ""))
+    return f"cells with the GPU busy < {BUSY_FLOOR:.0%} of a back-to-back loop: " + "; ".join(parts) if parts else ""
 
 
 def dry_run(args):

@@ -204,3 +204,33 @@ def test_heating_is_skipped_without_a_gpu(monkeypatch):
     calls = []
     run_for(lambda: calls.append(1), 500)
     assert calls == []
+
+
+def test_busy_fraction_is_the_union_of_kernel_intervals_over_their_span():
+    kernel_time = _load("kernel_time")
+    assert kernel_time.busy_fraction([]) is None
+    assert kernel_time.busy_fraction([(0.0, 10.0), (10.0, 20.0)]) == pytest.approx(1.0)
+    # 6 of 12 us busy: a gap after each kernel, as when the host launches too slowly.
+    assert kernel_time.busy_fraction([(0.0, 2.0), (4.0, 6.0), (10.0, 12.0)]) == pytest.approx(0.5)
+    # Overlapping kernels (two streams) count once, in any order.
+    assert kernel_time.busy_fraction([(5.0, 8.0), (0.0, 4.0), (3.0, 6.0), (9.0, 10.0)]) == pytest.approx(0.9)
+
+
+def test_kernel_time_is_skipped_off_cuda():
+    kernel_time = _load("kernel_time")
+    calls = []
+    assert kernel_time.gpu_busy(lambda: calls.append(1), 10, "cpu") == {}
+    assert calls == []
+
+
+def test_busy_summary_names_the_cells_with_an_idle_gpu(bench):
+    def row(provider, busy, seq):
+        return dict(section="attention", provider=provider, dtype="fp16", head_dim=64, causal=True, seq=seq,
+                    mode="fwd", gpu_busy=busy)
+
+    line = bench.busy_summary([row("ours", 0.62, 1024), row("ours", 0.97, 4096), row("flash", 0.99, 1024)])
+    assert "ours 1/2 (fp16 E64 causal 1024 fwd 0.62)" in line and "flash 0/1" in line
+    assert bench.busy_summary([dict(section="attention", provider="ours")]) == ""
+    args = _args(bench, "--kernel-time")
+    assert args.kernel_time and not _args(bench).kernel_time
+    assert {"kernel_ms", "gpu_busy"} <= set(bench.CSV_FIELDS)

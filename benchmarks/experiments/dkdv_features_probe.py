@@ -57,7 +57,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from backward_breakdown import kernel_times_us  # noqa: E402
+from kernel_time import kernel_times_us  # noqa: E402
 from flash_inductor import launch  # noqa: E402
 from flash_inductor.tuning.configs import KernelConfig  # noqa: E402
 
