@@ -234,3 +234,19 @@ def test_busy_summary_names_the_cells_with_an_idle_gpu(bench):
     args = _args(bench, "--kernel-time")
     assert args.kernel_time and not _args(bench).kernel_time
     assert {"kernel_ms", "gpu_busy"} <= set(bench.CSV_FIELDS)
+
+
+def test_gpu_busy_sums_kernel_time_per_call_and_measures_the_gaps(monkeypatch):
+    """The profiler's records stand in for a GPU: two steps of two kernels each, 1 us apart."""
+    import types
+
+    kernel_time = _load("kernel_time")
+
+    def event(start, end):
+        return types.SimpleNamespace(time_range=types.SimpleNamespace(start=start, end=end),
+                                     device_time_total=end - start, name="k")
+
+    events = [event(0, 3), event(3, 4), event(5, 8), event(8, 9)]
+    monkeypatch.setattr(kernel_time, "_profile_kernels", lambda run, calls: events)
+    result = kernel_time.gpu_busy(lambda: None, 2, "cuda")
+    assert result["kernel_ms"] == pytest.approx(4e-3) and result["gpu_busy"] == pytest.approx(8 / 9)
