@@ -249,7 +249,7 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
         if not _needs_autograd(query, key, value, attn_mask):
             # Inference: the launch alone. autograd.Function.apply would record nothing here and
             # cost ~20-35 µs of host time a call (2-core CPU, launches stubbed; session 22), which
-            # a short problem's GPU time does not hide.
+            # a short problem's GPU time may not hide.
             with launch.direct_kernel_calls():
                 return launch.attention_forward(
                     query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule
