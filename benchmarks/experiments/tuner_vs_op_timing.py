@@ -83,7 +83,7 @@ def parse_args(argv=None):
 
 
 def build_calls(args):
-    """The two ways of running one backward, on one problem with one set of configs."""
+    """The three ways (``WAYS``) of running one backward, on one problem with one set of configs."""
     bucket = Bucket(args.schedule, args.dtype, args.head_dim, args.mask, args.seq, "backward")
     shape = measure.Shape(max(1, args.tokens // args.seq), max(1, args.hidden // args.head_dim), args.seq, args.seq)
     problem = measure.make_problem(bucket, shape, args.device, seed=7, on_device=True, shared_mask=True)
@@ -136,12 +136,12 @@ def main(argv=None) -> int:
     profiles = {name: kernel_times_us(ways[name], args.profile_calls, args.device) for name in WAYS}
     rows = []
     for name in WAYS:
-        median = statistics.median(samples[name])
+        median, kernels_sum_us = statistics.median(samples[name]), sum(profiles[name].values())
         rows.append(dict(way=name, samples_ms=samples[name], median_ms=median, tflops=flops / median / 1e9,
-                         kernels_us=profiles[name], kernels_sum_us=sum(profiles[name].values())))
-        print(f"{name:6s} median {median:.3f} ms ({flops / median / 1e9:.0f} TFLOP/s)  samples "
+                         kernels_us=profiles[name], kernels_sum_us=kernels_sum_us))
+        print(f"{name:10s} median {median:.3f} ms ({flops / median / 1e9:.0f} TFLOP/s)  samples "
               + " ".join(f"{s:.3f}" for s in samples[name])
-              + (f"  kernels {sum(profiles[name].values()) / 1e3:.3f} ms" if profiles[name] else ""))
+              + (f"  kernels {kernels_sum_us / 1e3:.3f} ms" if profiles[name] else ""))
     print(f"gradients identical: {same} (max |difference| {max_diff:.3g})")
     record = dict(bucket=bucket.key(), shape=list(shape.__dict__.values()), configs=str(configs),
                   gradients_identical=same, gradients_max_abs_diff=max_diff, device=args.device,
