@@ -176,3 +176,19 @@ def test_tuner_vs_op_timing_probe_times_both_ways(tmp_path):
     if DEVICE == "cuda":
         assert record["gradients_identical"]
         assert all(row["kernels_us"] for row in record["rows"])
+
+
+def test_host_overhead_probe_times_every_way_and_profiles_ours(tmp_path):
+    """The session-23 host-time probe: every provider and way gets samples (on a GPU, FA2 too), and
+    the profile names our entry point, so a regression in the probe shows before a device session."""
+    run_quick_probe(SCRIPT.parent / "host_overhead.py", tmp_path)
+    record = json.loads((tmp_path / "host_overhead.json").read_text())
+    providers = ("ours", "flash") if DEVICE == "cuda" else ("ours",)
+    assert set(record["us_per_call"]) == {f"{p}/{w}" for p in providers for w in ("fwd", "fwd_grad", "fwd_bwd")}
+    for name, row in record["us_per_call"].items():
+        assert len(row["samples"]) == 2, name
+        # Off a GPU nothing can fill the launch queue, so every sample is a timing.
+        if DEVICE == "cpu":
+            assert all(s is not None and s > 0 for s in row["samples"]), (name, row)
+    profile = (tmp_path / "host_overhead_profile.txt").read_text()
+    assert "==== ours fwd:" in profile and "==== ours fwd_bwd:" in profile and "api.py" in profile
