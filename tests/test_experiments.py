@@ -183,7 +183,7 @@ def test_host_overhead_probe_times_every_way_and_profiles_ours(tmp_path):
     the profile names our entry point, so a regression in the probe shows before a device session."""
     run_quick_probe(SCRIPT.parent / "host_overhead.py", tmp_path)
     record = json.loads((tmp_path / "host_overhead.json").read_text())
-    providers = ("ours", "flash") if DEVICE == "cuda" else ("ours",)
+    providers = ("ours", "ours_compiled", "flash") if DEVICE == "cuda" else ("ours", "ours_compiled")
     assert set(record["us_per_call"]) == {f"{p}/{w}" for p in providers for w in ("fwd", "fwd_grad", "fwd_bwd")}
     for name, row in record["us_per_call"].items():
         assert len(row["samples"]) == 2, name
@@ -191,4 +191,6 @@ def test_host_overhead_probe_times_every_way_and_profiles_ours(tmp_path):
         if DEVICE == "cpu":
             assert all(s is not None and s > 0 for s in row["samples"]), (name, row)
     profile = (tmp_path / "host_overhead_profile.txt").read_text()
-    assert "==== ours fwd:" in profile and "==== ours fwd_bwd:" in profile and "api.py" in profile
+    for section in ("==== ours fwd:", "==== ours fwd_bwd:", "==== ours_compiled fwd_bwd:"):
+        assert section in profile, section
+    assert "api.py" in profile

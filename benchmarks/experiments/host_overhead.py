@@ -14,7 +14,9 @@ read 3.75 ms a step: the 200 ms sleep over 60 calls), so the training-step loop 
 a sample whose sleep had ended before the loop did is reported as invalid rather than timed.
 Then ``cProfile`` lists where ours spends it.
 
-Ways, per provider (ours = ``flash_attention``, flash = SDPA's flash backend):
+Providers: ours = ``flash_attention`` eager (what ``bench_attention.py`` times), ours_compiled =
+an SDPA call compiled with ``flash_inductor.backend`` (the product's path: Inductor's wrapper
+launches our kernels), flash = SDPA's flash backend. Ways, per provider:
 * ``fwd``: inference (no tensor requires grad);
 * ``fwd_grad``: forward on tensors that require grad (what a training step's forward pays);
 * ``fwd_bwd``: forward and ``backward`` (one training step's attention).
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+import flash_inductor  # noqa: E402
 from flash_inductor import flash_attention  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -52,7 +55,15 @@ def _providers(device):
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    return {"ours": ours, "flash": flash} if device.startswith("cuda") else {"ours": ours}
+    def sdpa(q, k, v, causal):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    # Static shapes, as a model compiled for one shape; `causal` is a Python bool, so each value
+    # gets its own graph.
+    ours_compiled = torch.compile(sdpa, backend=flash_inductor.backend, dynamic=False)
+    if not device.startswith("cuda"):
+        return {"ours": ours, "ours_compiled": ours_compiled}
+    return {"ours": ours, "ours_compiled": ours_compiled, "flash": flash}
 
 
 def _keep_gpu_busy(device, ms):
@@ -135,12 +146,12 @@ def main(argv=None):
             median = statistics.median(valid) if valid else None
             record["us_per_call"][f"{name}/{way}"] = {"median": median, "samples": samples, "calls": calls}
             shown = " ".join("invalid" if s is None else f"{s:.0f}" for s in samples)
-            print(f"{name:6s} {way:9s} host {median if median is not None else float('nan'):8.1f} us/call  "
+            print(f"{name:13s} {way:9s} host {median if median is not None else float('nan'):8.1f} us/call  "
                   f"samples {shown}", flush=True)
 
     profile_text = io.StringIO()
-    ours = _providers(args.device)["ours"]
-    for way in ("fwd", "fwd_bwd"):
+    providers = _providers(args.device)
+    for name, way in (("ours", "fwd"), ("ours", "fwd_bwd"), ("ours_compiled", "fwd_bwd")):
         tensors = plain if way == "fwd" else grads
         calls = max(1, args.calls // 3) if way == "fwd_bwd" else args.calls
         profiler = cProfile.Profile()
@@ -148,10 +159,10 @@ def main(argv=None):
         _keep_gpu_busy(args.device, 200)
         profiler.enable()
         for _ in range(calls):
-            _step(ours, way, *tensors[:3], tensors[3], causal)
+            _step(providers[name], way, *tensors[:3], tensors[3], causal)
         profiler.disable()
         _sync(args.device)
-        profile_text.write(f"==== ours {way}: {calls} calls, sorted by own time\n")
+        profile_text.write(f"==== {name} {way}: {calls} calls, sorted by own time\n")
         pstats.Stats(profiler, stream=profile_text).sort_stats("tottime").print_stats(35)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "host_overhead.json"), "w") as f:
