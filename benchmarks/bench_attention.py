@@ -27,6 +27,7 @@ import math
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -566,7 +567,7 @@ def finish(records, env, args):
     if extras:
         print(extras)
     print("\n".join(target_report(records)[1]))
-    for line in (clock_summary(records), busy_summary(records)):
+    for line in (clock_summary(records), busy_summary(records), *kernel_time_summary(records)):
         if line:
             print(line)
     stem = output_stem(args.out, env, args.tag)
@@ -614,6 +615,27 @@ def busy_summary(records):
             parts.append(f"{provider} {len(idle)}/{len(rows)}" + (f" ({cells}{', ...' if len(idle) > 6 else ''})"
                                                                   if idle else ""))
     return f"cells with the GPU busy < {BUSY_FLOOR:.0%} of a back-to-back loop: " + "; ".join(parts) if parts else ""
+
+
+def kernel_time_summary(records, ours="ours"):
+    """Lines (none without --kernel-time): per anchor and mode, the cells where ours' kernels alone
+    (``kernel_ms``) take no longer than the anchor's, with the median ratio of the anchor's kernel
+    time to ours. Read beside the timed ratios: a cell lost on ``ms`` but won here lost on host
+    time (the GPU waited for Python), not on the kernels."""
+    times = {(r["provider"], r["dtype"], r["head_dim"], r["causal"], r["seq"], r["mode"]): r["kernel_ms"]
+             for r in records if r.get("section") == "attention" and r.get("kernel_ms")}
+    lines = []
+    for anchor in ALL_PROVIDERS:
+        if anchor == ours:
+            continue
+        for mode in MODES:
+            ratios = [times[(anchor, *cell)] / mine for (provider, *cell), mine in times.items()
+                      if provider == ours and cell[-1] == mode and (anchor, *cell) in times]
+            if ratios:
+                won = sum(ratio >= 1.0 for ratio in ratios)
+                lines.append(f"{ours}/{anchor} {mode} by kernel time alone: {won}/{len(ratios)} cells >= 1.0, "
+                             f"median {statistics.median(ratios):.3f}")
+    return lines
 
 
 def dry_run(args):

@@ -236,6 +236,23 @@ def test_busy_summary_names_the_cells_with_an_idle_gpu(bench):
     assert {"kernel_ms", "gpu_busy"} <= set(bench.CSV_FIELDS)
 
 
+def test_kernel_time_summary_compares_the_kernels_alone(bench):
+    """A cell lost on the timed ms but won on kernel time is a host-time loss; the summary counts
+    cells by kernel_ms only, per anchor and mode, and says nothing without --kernel-time."""
+    def row(provider, kernel_ms, seq, mode="fwd"):
+        return dict(section="attention", provider=provider, dtype="bf16", head_dim=128, causal=True, seq=seq,
+                    mode=mode, kernel_ms=kernel_ms)
+
+    records = [row("ours", 0.22, 1024), row("flash", 0.28, 1024), row("ours", 1.0, 4096), row("flash", 0.8, 4096),
+               row("ours", 1.2, 1024, "fwd_bwd"), row("flash", 1.3, 1024, "fwd_bwd"), row("cudnn", 0.2, 1024)]
+    lines = bench.kernel_time_summary(records)
+    assert "ours/flash fwd by kernel time alone: 1/2 cells >= 1.0, median 1.036" in lines
+    assert "ours/flash fwd_bwd by kernel time alone: 1/1 cells >= 1.0, median 1.083" in lines
+    assert "ours/cudnn fwd by kernel time alone: 0/1 cells >= 1.0, median 0.909" in lines
+    assert len(lines) == 3
+    assert bench.kernel_time_summary([dict(section="attention", provider="ours", mode="fwd")]) == []
+
+
 def test_gpu_busy_sums_kernel_time_per_call_and_measures_the_gaps(monkeypatch):
     """The profiler's records stand in for a GPU: two steps of two kernels each, 1 us apart."""
     import types
