@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# EXPERIMENT (plan item 5 in benchmarks/NOTES.md): σ̃'s row sum on the matrix unit, guarded
+# (dq_seen_sum_mma_guarded.patch), against main, in one device call (~8 minutes on an H200).
+#
+#   bash benchmarks/experiments/seen_sum_ab.sh        # results in $OUT: seen_sum_ab.tgz and the log
+#
+# 1. A patched copy of the checkout (/tmp/seen_sum_patched) runs backward_fault_repro.py on the
+#    lengths-of-1 shapes that faulted in session 17 with the unguarded patch, over its 4-warp
+#    configs: with the guard, S = 1 takes the adds, so nothing may fault.
+# 2. backward_breakdown.py times each backward launch on main and on the patch, alternating, at
+#    bf16/fp16 x E 64/128, L = 4096, non-causal and causal, table configs: the dQ pass's time is
+#    the figure (session 16 measured 6-14 % of it at E 64 with the unguarded patch).
+# Landing it afterwards means applying the patch, re-tuning every backward bucket (the family hash
+# changes) and the GPU suite: more than one session's device time.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/flash_inductor_out}
+RESULTS=$OUT/seen_sum_ab
+mkdir -p "$RESULTS"
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache_seen_sum
+EMPTY_CACHE=$(mktemp -d)
+export FLASH_INDUCTOR_CACHE_DIR=$EMPTY_CACHE   # the shipped table, not a user's
+PATCHED=/tmp/seen_sum_patched
+rm -rf "$PATCHED" && mkdir -p "$PATCHED"
+cp -r flash_inductor benchmarks tests tools pyproject.toml "$PATCHED"/
+(cd "$PATCHED" && git apply "$OLDPWD/benchmarks/experiments/dq_seen_sum_mma_guarded.patch") || {
+  echo "the patch no longer applies to this checkout"; exit 2; }
+T0=$(date +%s)
+echo "== fault repro on the patch"
+(cd "$PATCHED" && CUDA_LAUNCH_BLOCKING=1 PYTHONPATH=$PATCHED timeout 240 python3 benchmarks/experiments/backward_fault_repro.py \
+  --shapes 7x1x64,1x1x128,64x1x64,7x1x128,129x129x64 --kinds fp16:stable,bf16:stable \
+  --out "$RESULTS" --tag seen-guarded 2>&1 | tail -12)
+echo "== per-launch times, main vs patch ($(( $(date +%s) - T0 ))s)"
+for cell in "bf16 64 32" "fp16 64 32" "bf16 128 16" "fp16 128 16"; do
+  set -- $cell
+  for causal in "" "--causal"; do
+    for tree in main patched; do
+      root=$PWD; [ "$tree" = patched ] && root=$PATCHED
+      (cd "$root" && PYTHONPATH=$root timeout 90 python3 benchmarks/backward_breakdown.py --dtype "$1" --head-dim "$2" \
+        --heads "$3" --batch 4 --seq 4096 $causal --schedules stable --out "$RESULTS" \
+        --tag "$tree-$1-e$2${causal:+-causal}" 2>&1 | sed -n '/table configs/,/compiled backward kernels/p' | head -9)
+      echo "   ^ $tree $1 E$2 ${causal:-non-causal}"
+    done
+  done
+done
+tar czf "$OUT/seen_sum_ab.tgz" -C "$OUT" seen_sum_ab && rm -rf "$RESULTS" "$EMPTY_CACHE"
+echo "== done ($(( $(date +%s) - T0 ))s)"
