@@ -136,3 +136,82 @@ def test_inference_skips_autograd_and_matches_the_op(kernels_take_cpu, monkeypat
     assert not applied
     out, _ = attention_ops.attention_forward_eager(q.clone().requires_grad_(), k, v, *args)
     assert applied and out.grad_fn is not None
+
+
+def _spy_backward_grad_lse(monkeypatch):
+    """Record the grad_lse every backward launch receives."""
+    seen = []
+    real = launch.attention_backward
+
+    def spy(grad_out, query, key, value, attn_mask, out, lse, grad_lse, *args, **kwargs):
+        seen.append(grad_lse)
+        return real(grad_out, query, key, value, attn_mask, out, lse, grad_lse, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "attention_backward", spy)
+    return seen
+
+
+def test_an_unused_lse_reaches_the_backward_as_none(kernels_take_cpu, monkeypatch):
+    """Autograd's default would hand the backward zeros for the lse the caller never used: a fill
+    launch, and the kernels' dLSE path (the autotuner times the path without it). Both eager paths
+    leave it undefined, and so does the compiled graph's backward (no zeros node feeding it)."""
+    seen = _spy_backward_grad_lse(monkeypatch)
+    args = (None, None, 0.0, True, 0, 0.25, "stable")
+    for call in (attention_ops.attention_forward_eager, torch.ops.flash_inductor.attention_forward):
+        q, k, v = (t.requires_grad_(True) for t in make_qkv(1, 2, 2, 9, 12, 16, 16, torch.float16, DEVICE, seed=2))
+        out, _ = call(q, k, v, *args)
+        out.sum().backward()
+    assert seen == [None, None]
+
+
+def test_an_unused_lse_gets_no_zeros_in_the_compiled_backward(monkeypatch):
+    """The same under AOT autograd's tracing: the backward graph passes None for dLSE and holds no
+    zeros node. The reference ops stand in for the kernels (traced, the kernel path becomes wrapper
+    nodes; whether dLSE is materialised is decided by autograd, above either path)."""
+    monkeypatch.setattr(launch, "kernel_supports", lambda q, k, v: False)
+    args = (None, None, 0.0, True, 0, 0.25, "stable")
+    from functorch.compile import aot_function
+
+    backward_graphs = []
+
+    def keep_backward(gm, example_inputs):
+        backward_graphs.append(gm)
+        return gm
+
+    compiled = aot_function(lambda q, k, v: torch.ops.flash_inductor.attention_forward(q, k, v, *args)[0],
+                            fw_compiler=lambda gm, example_inputs: gm, bw_compiler=keep_backward)
+    q, k, v = (t.requires_grad_(True) for t in make_qkv(1, 2, 2, 9, 12, 16, 16, torch.float32, DEVICE, seed=2))
+    compiled(q, k, v).sum().backward()
+    (graph,) = backward_graphs
+    calls = [n for n in graph.graph.nodes if n.op == "call_function" and "attention_backward" in str(n.target)]
+    assert calls and all(n.args[7] is None for n in calls), [n.args for n in calls]
+    assert not any("zeros" in str(n.target) for n in graph.graph.nodes)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_a_gradient_through_lse_alone_is_right(kernels_take_cpu, is_causal):
+    """With only lse used, out's gradient is undefined and the backward feeds the kernels a zero dO:
+    the gradient of sum(lse) must match a float64 logsumexp within twice PyTorch's own fp32 error."""
+    scale = 16 ** -0.5
+    q, k, v = make_qkv(1, 2, 2, 9, 12, 16, 16, torch.float32, DEVICE, seed=8)
+    weights = randn((1, 2, 9), torch.float32, DEVICE, seed=9)
+
+    def logsumexp_grads(dtype):
+        leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k)]
+        scores = leaves[0] @ leaves[1].transpose(-2, -1) * scale
+        if is_causal:
+            keep = torch.ones(9, 12, dtype=torch.bool, device=DEVICE).tril()
+            scores = scores.masked_fill(~keep, float("-inf"))
+        (torch.logsumexp(scores, dim=-1) * weights.to(dtype)).sum().backward()
+        return [t.grad for t in leaves]
+
+    exact, torch_fp32 = logsumexp_grads(torch.float64), logsumexp_grads(torch.float32)
+    for call in (attention_ops.attention_forward_eager, torch.ops.flash_inductor.attention_forward):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        _, lse = call(*leaves, None, None, 0.0, is_causal, 0, scale, "stable")
+        (lse * weights).sum().backward()
+        assert torch.count_nonzero(leaves[2].grad) == 0  # v does not enter lse
+        for ours, ref, theirs in zip(leaves[:2], exact, torch_fp32):
+            torch_error = (theirs.double() - ref).abs().max().item()
+            ours_error = (ours.grad.double() - ref).abs().max().item()
+            assert ours_error <= 2 * torch_error + 4 * torch.finfo(torch.float32).eps * ref.abs().max().item()

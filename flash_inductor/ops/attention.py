@@ -146,11 +146,32 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(query, key, value, attn_mask, rng_seed, out, lse)
     ctx.options = (dropout_p, is_causal, causal_offset, scale, schedule)
+    _leave_unused_gradients_undefined(ctx)
+
+
+def _leave_unused_gradients_undefined(ctx):
+    """An output the caller never used (almost always lse) reaches the backward as None, not as
+    zeros: autograd's default would launch a fill for them, and a zero dLSE still sends the
+    kernels down their dLSE path (an extra load per row in three kernels), which is also not the
+    specialisation the autotuner timed."""
+    ctx.set_materialize_grads(False)
+
+
+def _defined_output_grads(grad_out, grad_lse, out):
+    """(grad_out, grad_lse) for the kernels, or None when neither output got a gradient. The
+    kernels always read dO: when only lse was used, its gradient is zero."""
+    if grad_out is None and grad_lse is None:
+        return None
+    return (torch.zeros_like(out) if grad_out is None else grad_out), grad_lse
 
 
 def _backward(ctx, grad_out, grad_lse):
     query, key, value, attn_mask, rng_seed, out, lse = ctx.saved_tensors
     dropout_p, is_causal, causal_offset, scale, schedule = ctx.options
+    grads = _defined_output_grads(grad_out, grad_lse, out)
+    if grads is None:
+        return None, None, None, None, None, None, None, None, None, None
+    grad_out, grad_lse = grads
     compute_mask_grad = bool(
         attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[_MASK_INPUT]
     )
@@ -200,6 +221,7 @@ class _EagerKernelAttention(torch.autograd.Function):
             )
         ctx.save_for_backward(query, key, value, attn_mask, rng_seed, out, lse)
         ctx.options = (dropout_p, is_causal, causal_offset, scale, schedule)
+        _leave_unused_gradients_undefined(ctx)
         return out, lse
 
     @staticmethod
@@ -210,6 +232,10 @@ class _EagerKernelAttention(torch.autograd.Function):
             return _backward(ctx, grad_out, grad_lse)
         query, key, value, attn_mask, rng_seed, out, lse = ctx.saved_tensors
         dropout_p, is_causal, causal_offset, scale, schedule = ctx.options
+        grads = _defined_output_grads(grad_out, grad_lse, out)
+        if grads is None:
+            return None, None, None, None, None, None, None, None, None, None
+        grad_out, grad_lse = grads
         compute_mask_grad = bool(
             attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[_MASK_INPUT]
         )
