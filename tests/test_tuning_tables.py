@@ -289,6 +289,34 @@ def test_select_configs_reads_the_table_per_pass():
     assert got.backward_dkdv == KernelConfig(32, 64, 4, 1) and got.backward_dq == KernelConfig(64, 32, 4, 1)
 
 
+def test_select_configs_memoises_per_problem_and_table(monkeypatch):
+    """An eager call asks for its configs every time: with integer lengths the answer is computed
+    once per problem and table view, and a different table (a new view) is never answered from
+    the old one's memo."""
+    reads = []
+    real_lookup = cache.TableView.lookup
+    monkeypatch.setattr(cache.TableView, "lookup", lambda self, bucket: reads.append(bucket) or real_lookup(self, bucket))
+    q = torch.empty(1, 2, 3000, 64, dtype=torch.float16)
+    first = table_of(**{"stable__fp16__e64__causal__s4096__forward": fwd_entry(64, 32)})
+    second = table_of(**{"stable__fp16__e64__causal__s4096__forward": fwd_entry(32, 32)})
+    with cache.override_table(first):
+        answers = [select_configs(q, 64, 64, True, seq_q=3000, seq_k=3000, mask_kind="causal", schedule="stable")
+                   for _ in range(3)]
+    assert answers[0] is answers[1] is answers[2] and answers[0].forward == KernelConfig(64, 32, 4, 1)
+    assert len(reads) == 2  # forward and backward entries, read once
+    with cache.override_table(second):
+        assert select_configs(q, 64, 64, True, seq_q=3000, seq_k=3000, mask_kind="causal",
+                              schedule="stable").forward == KernelConfig(32, 32, 4, 1)
+    with cache.override_table(first):  # a new view of the first table: read again, same answer
+        assert select_configs(q, 64, 64, True, seq_q=3000, seq_k=3000, mask_kind="causal",
+                              schedule="stable").forward == KernelConfig(64, 32, 4, 1)
+    assert len(reads) == 6
+    # Another length in the same bucket is its own key but the same entry.
+    with cache.override_table(first):
+        assert select_configs(q, 64, 64, True, seq_q=3001, seq_k=3001, mask_kind="causal",
+                              schedule="stable").forward == KernelConfig(64, 32, 4, 1)
+
+
 def test_pass_uuid_follows_the_active_table():
     base = FlashAttentionPass().uuid()
     first = table_of(**{"stable__fp16__e64__none__s1024__forward": fwd_entry(64, 32)})

@@ -124,10 +124,15 @@ def heuristic_configs(query: torch.Tensor, head_dim: int, head_dim_v: int, inter
                       schedule: Optional[str] = None, mask_kind: str = "none") -> AttentionConfigs:
     """The built-in configs: what runs where no tuning table has an entry. A tensor that is not
     on a GPU can only reach a kernel through the interpreter, so it gets the interpreter's tiles."""
-    if interpreted or query.device.type != "cuda":
+    return _heuristic_for(query.device, query.element_size(), head_dim, head_dim_v, interpreted, schedule, mask_kind)
+
+
+def _heuristic_for(device: torch.device, itemsize: int, head_dim: int, head_dim_v: int, interpreted: bool,
+                   schedule: Optional[str], mask_kind: str) -> AttentionConfigs:
+    if interpreted or device.type != "cuda":
         return _INTERPRETER_CONFIGS
-    capability = torch.cuda.get_device_capability(query.device)
-    return cuda_heuristic_configs(capability, query.element_size(), head_dim, head_dim_v, schedule, mask_kind)
+    capability = torch.cuda.get_device_capability(device)
+    return cuda_heuristic_configs(capability, itemsize, head_dim, head_dim_v, schedule, mask_kind)
 
 
 def select_configs(
@@ -146,15 +151,30 @@ def select_configs(
     ``seq_q``/``seq_k`` may be SymInts; they are bucketed by their hint, never guarded on
     (default: the query's own lengths). Forward and backward entries are looked up separately,
     so a table holding only one of them still improves that one.
+
+    Every eager call asks this, twice per training step, so with plain-integer lengths the answer
+    is memoised per problem and table view: on the H200's host the lookup (device capability,
+    bucket, three table reads) was about a fifth of an eager forward's host time (session 23).
+    A new table (``cache.clear_cache``, ``cache.override_table``) is a new view, so a new key.
     """
-    heuristic = heuristic_configs(query, head_dim, head_dim_v, interpreted, schedule, mask_kind)
     table = cache.active_table(query.device, interpreted)
-    if table is None:
-        return heuristic
     seq_q = query.shape[-2] if seq_q is None else seq_q
     seq_k = seq_q if seq_k is None else seq_k
+    args = (table, query.device, query.element_size(), query.dtype, head_dim, head_dim_v, interpreted,
+            seq_q, seq_k, mask_kind, schedule)
+    if type(seq_q) is int and type(seq_k) is int:
+        return _select_memoised(*args)
+    return _select(*args)
+
+
+def _select(table: Optional[cache.TableView], device: torch.device, itemsize: int, dtype: torch.dtype,
+            head_dim: int, head_dim_v: int, interpreted: bool, seq_q, seq_k, mask_kind: str,
+            schedule: Optional[str]) -> AttentionConfigs:
+    heuristic = _heuristic_for(device, itemsize, head_dim, head_dim_v, interpreted, schedule, mask_kind)
+    if table is None:
+        return heuristic
     width = max(padded_head_dim(head_dim), padded_head_dim(head_dim_v))
-    bucket = bucket_for(schedule or DEFAULT_SCHEDULE, query.dtype, width, mask_kind, seq_q, seq_k, "forward")
+    bucket = bucket_for(schedule or DEFAULT_SCHEDULE, dtype, width, mask_kind, seq_q, seq_k, "forward")
     if bucket is None:
         return heuristic
     forward = table.lookup(bucket)
@@ -164,3 +184,7 @@ def select_configs(
         backward_dkdv=KernelConfig.from_dict(backward["backward_dkdv"]) if backward else heuristic.backward_dkdv,
         backward_dq=KernelConfig.from_dict(backward["backward_dq"]) if backward else heuristic.backward_dq,
     )
+
+
+# Bounded: a process that sees many distinct lengths (a dynamic-shape eager loop) evicts old ones.
+_select_memoised = functools.lru_cache(maxsize=4096)(_select)
