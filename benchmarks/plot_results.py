@@ -21,11 +21,14 @@ import sys
 
 # "ours" runs the default schedule; "ours-fast" the fast one (FA2's Δ: no exact-Δ GEMM), whose
 # difference to "ours" is the cost of exact Δ; "ours-fp8" the fp8 forward (its backward is the
-# stable one after a 16-bit forward recompute).
-PROVIDERS = ("ours", "ours-fast", "ours-fp8", "flash", "cudnn", "efficient", "flex", "math")  # display order
+# stable one after a 16-bit forward recompute). "ours" is the eager call; "ours-compiled" is an
+# SDPA call compiled with flash_inductor.backend, the product's path: the same kernels and configs,
+# launched from Inductor's wrapper, so the two differ by host time only (short problems).
+PROVIDERS = ("ours", "ours-compiled", "ours-fast", "ours-fp8", "flash", "cudnn", "efficient", "flex", "math")  # display order
 RATIO_ANCHORS = ("flash", "cudnn", "flex")
 MODES = ("fwd", "bwd", "fwd_bwd")
-PLOT_COLORS = ("black", "dimgray", "tab:olive", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")  # PROVIDERS order
+PLOT_COLORS = ("black", "tab:blue", "dimgray", "tab:olive", "tab:orange", "tab:green", "tab:red", "tab:purple",
+               "tab:brown")  # PROVIDERS order
 STATUS_CELL = {"unsupported": "n/a", "skipped": "skip", "unavailable": "n/a"}
 
 
