@@ -117,7 +117,7 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=40,
                    help="calls per timed loop; a training step's loop runs a third as many (the launch queue is finite)")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--quick", action="store_true", help="B=1, H=2, L=64, E=32, fp16 off CUDA (CPU smoke run)")
+    p.add_argument("--quick", action="store_true", help="B=1, H=2, L=64, E=32, fp32 off CUDA (a CPU smoke run)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     if args.quick:
