@@ -43,7 +43,7 @@ if _HERE not in sys.path:  # the sibling plot_results.py, when this file is impo
 from gpu_telemetry import GpuTelemetry  # noqa: E402
 from kernel_time import gpu_busy  # noqa: E402
 from plot_results import (MODES, PROVIDERS as ALL_PROVIDERS, format_extras, format_table,  # noqa: E402
-                          plot_results, target_report)
+                          plot_kernel_time, plot_results, target_report)
 
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
                  "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
@@ -592,6 +592,8 @@ def finish(records, env, args):
         try:
             png = plot_results(records, files[0][:-len(".json")] + ".png", title)
             files += [png] if png else []
+            kernel_png = plot_kernel_time(records, files[0][:-len(".json")] + "_kernel-time.png", title)
+            files += [kernel_png] if kernel_png else []
         except ImportError as exc:
             print(f"no plot ({exc}); redraw later with benchmarks/plot_results.py", file=sys.stderr)
     print("wrote " + ", ".join(files))

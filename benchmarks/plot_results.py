@@ -119,6 +119,43 @@ def plot_results(records, path, title=""):
     return path
 
 
+def plot_kernel_time(records, path, title="", ours="ours", anchor="flash"):
+    """For runs with --kernel-time: per cell, ours' time over the anchor's, timed (do_bench, what
+    the tables report) and by kernel time alone (the profiler's sum per call). A cell above 1 on
+    the first bar and below it on the second lost on host time, not on its kernels. None when no
+    cell has both providers' kernel times."""
+    cells = {}
+    for r in records:
+        if r.get("section") == "attention" and r.get("status") == "ok" and r.get("kernel_ms") and r["provider"] in (ours, anchor):
+            cells.setdefault(_cell(r), {})[r["provider"]] = r
+    pairs = sorted((c, v) for c, v in cells.items() if ours in v and anchor in v)
+    if not pairs:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [f"{d} E{e} {'causal' if c else 'full'} {s // 1024 if s >= 1024 else s}{'k' if s >= 1024 else ''} {m}"
+              for (d, e, c, s, m), _ in pairs]
+    timed = [v[ours]["ms"] / v[anchor]["ms"] for _, v in pairs]
+    kernels = [v[ours]["kernel_ms"] / v[anchor]["kernel_ms"] for _, v in pairs]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(pairs) + 2), 4.2))
+    x = range(len(pairs))
+    ax.bar([i - 0.2 for i in x], timed, width=0.4, color="tab:gray", label=f"timed (do_bench): {ours} ms / {anchor} ms")
+    ax.bar([i + 0.2 for i in x], kernels, width=0.4, color="black",
+           label=f"kernels alone (profiler): {ours} / {anchor}")
+    ax.axhline(1.0, color="tab:red", linewidth=1)
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel(f"time, {ours} / {anchor} (below 1: {ours} faster)")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 # Issue 6's targets: (anchor, minimum ours/anchor, which cells). Forward and forward+backward of the
 # 16-bit grid only; the cuDNN targets apply at seq >= 4k with head dim 128.
 TARGET_MODES = ("fwd", "fwd_bwd")
@@ -231,6 +268,9 @@ def main(argv=None):
         print("wrote", stem + ".json")
     title = f"{header.get('gpu')}  torch {header.get('torch')}  triton {header.get('triton')}  {header.get('date')}"
     print("wrote", plot_results(records, stem + ".png", title))
+    kernel_plot = plot_kernel_time(records, stem + "_kernel-time.png", title)
+    if kernel_plot:
+        print("wrote", kernel_plot)
 
 
 if __name__ == "__main__":

@@ -299,3 +299,15 @@ def test_ours_compiled_runs_sdpa_through_our_backend(bench):
         torch_error = (theirs.detach().double() - ref).abs().max().item()
         ours_error = (ours.detach().double() - ref).abs().max().item()
         assert ours_error <= 4 * torch_error + 4 * torch.finfo(torch.float32).eps * ref.abs().max().item()
+
+
+def test_kernel_time_plot_needs_both_providers_kernel_times(plots, tmp_path):
+    def row(provider, ms, kernel_ms, mode="fwd"):
+        return dict(section="attention", status="ok", provider=provider, dtype="bf16", head_dim=128, causal=True,
+                    seq=1024, mode=mode, ms=ms, kernel_ms=kernel_ms)
+
+    records = [row("ours", 0.33, 0.22), row("flash", 0.28, 0.28), row("ours", 1.4, 0.97, "fwd_bwd")]
+    path = plots.plot_kernel_time(records, str(tmp_path / "k.png"))
+    assert path and (tmp_path / "k.png").stat().st_size > 0
+    assert plots.plot_kernel_time(records[2:], str(tmp_path / "none.png")) is None  # no anchor measured
+    assert not (tmp_path / "none.png").exists()
