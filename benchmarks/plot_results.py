@@ -128,7 +128,7 @@ def plot_kernel_time(records, path, title="", ours="ours", anchor="flash"):
     for r in records:
         if r.get("section") == "attention" and r.get("status") == "ok" and r.get("kernel_ms") and r["provider"] in (ours, anchor):
             cells.setdefault(_cell(r), {})[r["provider"]] = r
-    pairs = sorted((c, v) for c, v in cells.items() if ours in v and anchor in v)
+    pairs = sorted(((c, v) for c, v in cells.items() if ours in v and anchor in v), key=lambda pair: pair[0])
     if not pairs:
         return None
     import matplotlib
