@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything one device run needs, in one command (see the device tool's README):
-#   carry .whl (expecttest wheel), then:  bash tools/gpu_suite.sh
+#   carry .whl (expecttest wheel: bash tools/fetch_device_wheels.sh), then:  bash tools/gpu_suite.sh
 # Runs the pytest suite on every GPU of the machine, then the quick benchmark on the first one.
 #
 # One GPU (GPUS=1): writes the pytest log, junit XML and failure log ($OUT/pytest_gpu.log,
