@@ -146,40 +146,35 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(query, key, value, attn_mask, rng_seed, out, lse)
     ctx.options = (dropout_p, is_causal, causal_offset, scale, schedule)
-    _leave_unused_gradients_undefined(ctx)
-
-
-def _leave_unused_gradients_undefined(ctx):
-    """An output the caller never used (almost always lse) reaches the backward as None, not as
-    zeros: autograd's default would launch a fill for them, and a zero dLSE still sends the
-    kernels down their dLSE path (an extra load per row in three kernels), which is also not the
-    specialisation the autotuner timed."""
+    # An output the caller never used (almost always lse) reaches the backward as None, not as
+    # zeros: autograd's default would launch a fill for it, and a zero dLSE still sends the
+    # kernels down their dLSE path (an extra load per row in three kernels), which is also not
+    # the specialisation the autotuner timed.
     ctx.set_materialize_grads(False)
 
 
-def _defined_output_grads(grad_out, grad_lse, out):
-    """(grad_out, grad_lse) for the kernels, or None when neither output got a gradient. The
-    kernels always read dO: when only lse was used, its gradient is zero."""
+def _run_backward(ctx, grad_out, grad_lse, backward_call):
+    """The autograd backward of both paths around ``backward_call``: the registered backward op
+    (the op path) or ``launch.attention_backward`` (the eager fast path). No gradient reaches the
+    inputs when neither output got one; when only lse did, dO is zero (the kernels always read it)."""
     if grad_out is None and grad_lse is None:
-        return None
-    return (torch.zeros_like(out) if grad_out is None else grad_out), grad_lse
-
-
-def _backward(ctx, grad_out, grad_lse):
+        return (None,) * 10
     query, key, value, attn_mask, rng_seed, out, lse = ctx.saved_tensors
     dropout_p, is_causal, causal_offset, scale, schedule = ctx.options
-    grads = _defined_output_grads(grad_out, grad_lse, out)
-    if grads is None:
-        return None, None, None, None, None, None, None, None, None, None
-    grad_out, grad_lse = grads
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
     compute_mask_grad = bool(
         attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[_MASK_INPUT]
     )
-    dq, dk, dv, dmask = attention_backward(
+    dq, dk, dv, dmask = backward_call(
         grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed,
         dropout_p, is_causal, causal_offset, scale, schedule, compute_mask_grad,
     )
     return dq, dk, dv, (dmask if compute_mask_grad else None), None, None, None, None, None, None
+
+
+def _backward(ctx, grad_out, grad_lse):
+    return _run_backward(ctx, grad_out, grad_lse, attention_backward)
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -219,9 +214,8 @@ class _EagerKernelAttention(torch.autograd.Function):
             out, lse = launch.attention_forward(
                 query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule
             )
-        ctx.save_for_backward(query, key, value, attn_mask, rng_seed, out, lse)
-        ctx.options = (dropout_p, is_causal, causal_offset, scale, schedule)
-        _leave_unused_gradients_undefined(ctx)
+        _setup_context(ctx, (query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
+                             schedule), (out, lse))
         return out, lse
 
     @staticmethod
@@ -230,21 +224,8 @@ class _EagerKernelAttention(torch.autograd.Function):
             # create_graph=True: the registered backward op records the refusal of a second
             # differentiation, exactly as on the op path.
             return _backward(ctx, grad_out, grad_lse)
-        query, key, value, attn_mask, rng_seed, out, lse = ctx.saved_tensors
-        dropout_p, is_causal, causal_offset, scale, schedule = ctx.options
-        grads = _defined_output_grads(grad_out, grad_lse, out)
-        if grads is None:
-            return None, None, None, None, None, None, None, None, None, None
-        grad_out, grad_lse = grads
-        compute_mask_grad = bool(
-            attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[_MASK_INPUT]
-        )
         with launch.direct_kernel_calls():
-            dq, dk, dv, dmask = launch.attention_backward(
-                grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed,
-                dropout_p, is_causal, causal_offset, scale, schedule, compute_mask_grad,
-            )
-        return dq, dk, dv, (dmask if compute_mask_grad else None), None, None, None, None, None, None
+            return _run_backward(ctx, grad_out, grad_lse, launch.attention_backward)
 
 
 def eager_fast_path_applies(*tensors: Optional[Tensor]) -> bool:

@@ -124,15 +124,15 @@ def heuristic_configs(query: torch.Tensor, head_dim: int, head_dim_v: int, inter
                       schedule: Optional[str] = None, mask_kind: str = "none") -> AttentionConfigs:
     """The built-in configs: what runs where no tuning table has an entry. A tensor that is not
     on a GPU can only reach a kernel through the interpreter, so it gets the interpreter's tiles."""
-    return _heuristic_for(query.device, query.element_size(), head_dim, head_dim_v, interpreted, schedule, mask_kind)
+    return _heuristic_for(query.device, query.dtype, head_dim, head_dim_v, interpreted, schedule, mask_kind)
 
 
-def _heuristic_for(device: torch.device, itemsize: int, head_dim: int, head_dim_v: int, interpreted: bool,
+def _heuristic_for(device: torch.device, dtype: torch.dtype, head_dim: int, head_dim_v: int, interpreted: bool,
                    schedule: Optional[str], mask_kind: str) -> AttentionConfigs:
     if interpreted or device.type != "cuda":
         return _INTERPRETER_CONFIGS
     capability = torch.cuda.get_device_capability(device)
-    return cuda_heuristic_configs(capability, itemsize, head_dim, head_dim_v, schedule, mask_kind)
+    return cuda_heuristic_configs(capability, dtype.itemsize, head_dim, head_dim_v, schedule, mask_kind)
 
 
 def select_configs(
@@ -160,17 +160,16 @@ def select_configs(
     table = cache.active_table(query.device, interpreted)
     seq_q = query.shape[-2] if seq_q is None else seq_q
     seq_k = seq_q if seq_k is None else seq_k
-    args = (table, query.device, query.element_size(), query.dtype, head_dim, head_dim_v, interpreted,
-            seq_q, seq_k, mask_kind, schedule)
+    args = (table, query.device, query.dtype, head_dim, head_dim_v, interpreted, seq_q, seq_k, mask_kind, schedule)
     if type(seq_q) is int and type(seq_k) is int:
         return _select_memoised(*args)
     return _select(*args)
 
 
-def _select(table: Optional[cache.TableView], device: torch.device, itemsize: int, dtype: torch.dtype,
-            head_dim: int, head_dim_v: int, interpreted: bool, seq_q, seq_k, mask_kind: str,
+def _select(table: Optional[cache.TableView], device: torch.device, dtype: torch.dtype, head_dim: int,
+            head_dim_v: int, interpreted: bool, seq_q, seq_k, mask_kind: str,
             schedule: Optional[str]) -> AttentionConfigs:
-    heuristic = _heuristic_for(device, itemsize, head_dim, head_dim_v, interpreted, schedule, mask_kind)
+    heuristic = _heuristic_for(device, dtype, head_dim, head_dim_v, interpreted, schedule, mask_kind)
     if table is None:
         return heuristic
     width = max(padded_head_dim(head_dim), padded_head_dim(head_dim_v))
