@@ -280,10 +280,15 @@ def attention_backward(
     compute_mask_grad: bool,
     *,
     configs: AttentionConfigs | None = None,
+    ds_bound: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the backward kernels. Returns (dq, dk, dv, dmask); dmask is empty unless asked for.
 
-    ``configs`` forces the launch configs (the autotuner's candidates); None looks them up."""
+    ``configs`` forces the launch configs (the autotuner's candidates); None looks them up.
+    ``ds_bound`` (a one-element fp32 tensor) replaces the bound on |dS| that the preprocess
+    measures, under the schedules that rescale dS (fp16 `stable`): tests and experiments force
+    either loop with it (a bound past ``attn_bwd.DS_RESCALE_ABOVE``, or inf, takes the rescaling
+    loop). Elsewhere it is ignored."""
     from .kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _attn_bwd_row_reference
 
     if get_schedule(schedule).fp8_forward:
@@ -319,16 +324,23 @@ def attention_backward(
     delta = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
     if grad_lse is not None:
         grad_lse = grad_lse.to(torch.float32).contiguous()  # read as a flat (B*Hq*L) row vector
+    # Under a rescaling schedule (fp16 `stable`) the preprocess also collects the maxima the
+    # kernels bound |dS| with (``attn_bwd._ds_loop_choice``), so its grid spans V's rows too.
+    collect_ds_stats = ds_rescale and ds_bound is None
+    if ds_rescale:
+        ds_stats = torch.zeros(3, dtype=torch.float32, device=query.device)
+        if ds_bound is not None:
+            ds_stats[2:] = ds_bound.reshape(1)  # (0, 0, B): the kernels' bound is B itself
+    else:
+        ds_stats = delta  # never read
     pre_block = configs.backward_dq.block_m
-    _launcher(_attn_bwd_preprocess)[(_cdiv(seq_q, pre_block), batch * heads_q)](
-        out, grad_out, grad_lse if grad_lse is not None else lse, delta,
-        *out.stride(), *grad_out.stride(), heads_q, seq_q,
+    pre_rows = torch.sym_max(seq_q, seq_k) if collect_ds_stats else seq_q  # sym_max: no guard on symbolic lengths
+    _launcher(_attn_bwd_preprocess)[(_cdiv(pre_rows, pre_block), batch * heads_q)](
+        out, grad_out, grad_lse if grad_lse is not None else lse, delta, value, ds_stats,
+        *out.stride(), *grad_out.stride(), *value.stride(), heads_q, heads_kv, batch * heads_kv, seq_q, seq_k,
         HEAD_DIM_V=head_dim_v, BLOCK_EV=meta["BLOCK_EV"], HAS_DLSE=grad_lse is not None,
-        BLOCK_M=pre_block,
+        COLLECT_DS_STATS=collect_ds_stats, BLOCK_M=pre_block,
     )
-
-    # Read by the kernels only under a rescaling schedule (fp16 `stable`); else any pointer.
-    ds_bound = _ds_bound(grad_out, value, grad_lse, dropout_p) if ds_rescale else delta
 
     scale_log2 = scale * _LOG2E
     cfg = configs.backward_dq
@@ -355,7 +367,7 @@ def attention_backward(
     cfg = configs.backward_dq
     _launcher(_attn_bwd_dq)[(_cdiv(seq_q, cfg.block_m), batch * heads_q)](
         query, key, value, mask_arg, seed_arg, grad_out, row_ref, row_shift,
-        grad_lse if grad_lse is not None else lse, delta, ds_bound, dq, dmask_arg,
+        grad_lse if grad_lse is not None else lse, delta, ds_stats, dq, dmask_arg,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(), *dq.stride(),
         heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2, scale, dropout_p,
         P_IN_FP32=p_in_fp32, DS_IN_FP32=ds_in_fp32, DS_RESCALE=ds_rescale,
@@ -366,7 +378,7 @@ def attention_backward(
     )
     cfg = configs.backward_dkdv
     _launcher(_attn_bwd_dkdv)[(_cdiv(seq_k, cfg.block_n), batch * heads_kv)](
-        query, key, value, mask_arg, seed_arg, grad_out, row_ref, row_shift, shift_flag, delta, ds_bound, dk, dv,
+        query, key, value, mask_arg, seed_arg, grad_out, row_ref, row_shift, shift_flag, delta, ds_stats, dk, dv,
         dmask_arg,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(),
         *dk.stride(), *dv.stride(),
@@ -384,21 +396,27 @@ def attention_backward(
 
 def _ds_bound(grad_out: torch.Tensor, value: torch.Tensor, grad_lse: torch.Tensor | None,
               dropout_p: float) -> torch.Tensor:
-    """An upper bound on |dS| over the whole call, as a one-element fp32 device tensor (no sync).
+    """The bound on |dS| the backward kernels decide their loop with, measured as the backward
+    measures it: the preprocess alone collects the maxima (its Δ, from grad_out standing in for O,
+    is discarded), and this combines them as ``attn_bwd._ds_loop_choice`` does. A one-element
+    fp32 tensor. For tests and experiments; the backward itself never calls it."""
+    from .kernels.attn_bwd import _attn_bwd_preprocess
 
-    dS_ij = P_ij (dP_ij - Δ_i) with 0 <= P_ij <= 1, dP_ij = k dO_i·v_j (k = 1/(1-p) under
-    dropout, else 1) and Δ_i = dO_i·O_i - dLSE_i, where O_i, a k-scaled convex combination of the
-    v_j, has ‖O_i‖ <= k max_j ‖v_j‖. So |dS_ij| <= 2 k max‖dO_i‖ max‖v_j‖ + max|dLSE_i|. The
-    kernels compare it with DS_RESCALE_ABOVE (2^14, a quarter of fp16's range) to choose between
-    the plain and the per-tile rescaling loop; a non-finite input gives inf or NaN and the
-    rescaling loop. Costs one read of dO and V (two norms, two maxima)."""
-    keep_scale = 1.0 / (1.0 - dropout_p)
-    do_norm = torch.linalg.vector_norm(grad_out, dim=-1, dtype=torch.float32).amax()
-    v_norm = torch.linalg.vector_norm(value, dim=-1, dtype=torch.float32).amax()
-    bound = (2.0 * keep_scale) * do_norm * v_norm
+    batch, heads_q, seq_q, head_dim_v = grad_out.shape
+    heads_kv, seq_k = value.shape[1], value.shape[2]
+    stats = torch.zeros(3, dtype=torch.float32, device=grad_out.device)
+    delta = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=grad_out.device)
     if grad_lse is not None:
-        bound = bound + grad_lse.abs().amax()
-    return bound.reshape(1)
+        grad_lse = grad_lse.to(torch.float32).contiguous()
+    block = 64
+    _launcher(_attn_bwd_preprocess)[(_cdiv(max(seq_q, seq_k, 1), block), batch * heads_q)](
+        grad_out, grad_out, grad_lse if grad_lse is not None else delta, delta, value, stats,
+        *grad_out.stride(), *grad_out.stride(), *value.stride(), heads_q, heads_kv, batch * heads_kv, seq_q, seq_k,
+        HEAD_DIM_V=head_dim_v, BLOCK_EV=padded_head_dim(head_dim_v), HAS_DLSE=grad_lse is not None,
+        COLLECT_DS_STATS=True, BLOCK_M=block,
+    )
+    keep_scale = 1.0 / (1.0 - dropout_p)
+    return ((2.0 * keep_scale) * stats[0].sqrt() * stats[1].sqrt() + stats[2]).reshape(1)
 
 
 def _cdiv(a, b):

@@ -12,6 +12,7 @@ project's tolerance rule (tests/helpers.py), plus exact zeros for rows that see 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Optional
 
 import pytest
@@ -481,6 +482,32 @@ def test_bound_is_an_upper_bound_on_ds(variant, device):
     assert exact > 0 and exact <= bound, (exact, bound)
 
 
+@pytest.mark.parametrize("seq_q, seq_k, heads_q, heads_kv", [(29, 150, 4, 2), (150, 29, 4, 1), (64, 64, 2, 2)],
+                         ids=["more_keys_gqa", "more_queries_mqa", "square"])
+def test_preprocess_collects_the_bound_over_every_row(seq_q, seq_k, heads_q, heads_kv, device):
+    """The preprocess collects the bound's maxima over all of dO, V and dLSE (launch._ds_bound runs
+    it alone): its grid spans max(L, S) rows and only B * H_KV of its heads read V, so a maximum in
+    V's last row of the last KV head, or in dO's last row, must still be seen. Checked against the
+    same formula in float64, B = 2 k max‖dO_i‖ max‖v_j‖ + max|dLSE_i|, to fp32 rounding."""
+    batch, width = 2, 24
+    dout = randn((batch, heads_q, seq_q, width), torch.float16, device, 1)
+    value = randn((batch, heads_kv, seq_k, width), torch.float16, device, 2)
+    dlse = randn((batch, heads_q, seq_q), torch.float32, device, 3)
+    dout[-1, -1, -1] = 40.0  # the largest rows sit where a grid that missed them would not look
+    value[-1, -1, -1] = 30.0
+    dlse[-1, -1, -1] = 500.0
+    for grad_lse, dropout_p in ((None, 0.0), (dlse, 0.25)):
+        bound = launch._ds_bound(dout, value, grad_lse, dropout_p)
+        norms = [t.double().norm(dim=-1).max() for t in (dout, value)]
+        expected = 2.0 / (1.0 - dropout_p) * norms[0] * norms[1]
+        if grad_lse is not None:
+            expected = expected + grad_lse.double().abs().max()
+        assert bound.dtype == torch.float32 and bound.shape == (1,)
+        torch.testing.assert_close(bound.double().cpu(), expected.reshape(1).cpu(), rtol=1e-5, atol=0.0)
+    value[0, 0, 3, 5] = float("nan")  # a NaN anywhere must not look small
+    assert not (float(launch._ds_bound(dout, value, None, 0.0)) <= 16384.0)
+
+
 def test_large_values_take_the_rescaling_loops(device):
     """|V| ~ 1e4 puts the bound past the threshold (so the kernels rescale, and
     test_large_values_backward_fp16 checks the result), ordinary inputs stay far below it."""
@@ -505,15 +532,19 @@ def test_rescaling_and_plain_loops_agree(case, device, monkeypatch):
     the real bound capped at the threshold, which still bounds |dS| here (large_no_mask's dS
     fits fp16) and keeps its scale-up honest: a bound below the true |dS| would scale dS past
     65504. The two unit-valued cases run it scaled up by 2^6, large_no_mask by 1."""
-    real_bound = launch._ds_bound
+    real_backward = launch.attention_backward
     threshold = 16384.0  # kernels/attn_bwd.py DS_RESCALE_ABOVE
     bounds = {
-        "plain": lambda *args: real_bound(*args).clamp(max=threshold),
-        "rescaling": lambda *args: torch.full((1,), float("inf"), device=device),
+        "plain": lambda call: launch._ds_bound(call["grad_out"], call["value"], call["grad_lse"],
+                                               call["dropout_p"]).clamp(max=threshold),
+        "rescaling": lambda call: torch.full((1,), float("inf"), device=device),
     }
     results = {}
     for name, bound in bounds.items():
-        monkeypatch.setattr(launch, "_ds_bound", bound)
+        def forced(*args, _bound=bound, **kwargs):
+            call = inspect.signature(real_backward).bind(*args, **kwargs).arguments
+            return real_backward(*args, ds_bound=_bound(call), **kwargs)
+        monkeypatch.setattr(launch, "attention_backward", forced)
         results[name] = check_case(case, torch.float16, device)[0]
     for grad in ("dq", "dk", "dv") + (("dmask",) if case.mask_grad else ()):
         plain, rescaled = results["plain"][grad].float(), results["rescaling"][grad].float()

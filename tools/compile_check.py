@@ -27,7 +27,7 @@ def signature(fn, dtype, constexprs):
             sig[name] = "constexpr"
         elif name in _POINTERS:
             sig[name] = f"*{dtype}"
-        elif name in ("LSE", "DELTA", "DLSE", "DMASK", "ROW_REF", "ROW_SHIFT", "DS_BOUND"):
+        elif name in ("LSE", "DELTA", "DLSE", "DMASK", "ROW_REF", "ROW_SHIFT", "DS_STATS"):
             sig[name] = "*fp32"
         elif name == "MASK":
             sig[name] = "*i1" if constexprs.get("MASK_IS_BOOL") else f"*{dtype}"
@@ -87,7 +87,9 @@ def main() -> int:
                                             WRITE_DMASK=True, BLOCK_M=64, BLOCK_N=32)))
         if not dropout and mask == "none" and not causal:
             accurate = dict(P_IN_FP32=True, DS_IN_FP32=True, DS_RESCALE=False)
-            jobs.append((_attn_bwd_preprocess, dict(HEAD_DIM_V=64, BLOCK_EV=64, HAS_DLSE=True, BLOCK_M=64)))
+            for collect in (False, True):
+                jobs.append((_attn_bwd_preprocess, dict(HEAD_DIM_V=64, BLOCK_EV=64, HAS_DLSE=True,
+                                                        COLLECT_DS_STATS=collect, BLOCK_M=64)))
             jobs.append((_attn_fwd, dict(**common, **flags, P_IN_FP32=True, FOLD_SCALE=False, BLOCK_M=64, BLOCK_N=32)))
             jobs.append((_attn_bwd_dkdv, dict(**common, **flags, **accurate, **even_m, WRITE_DMASK=False, BLOCK_M=32, BLOCK_N=64)))
             jobs.append((_attn_bwd_dq, dict(**common, **flags, **accurate, **even_n, EXACT_DELTA=exact, HAS_DLSE=True,

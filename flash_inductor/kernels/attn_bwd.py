@@ -38,7 +38,7 @@ its zero-padded keys score 0, and against a row whose LSE is very negative exp2(
 inf, which the select is what turns into 0.
 
 fp16 dS rescaling (the ``stable`` schedule's ``ds_rescale``) is decided once per program: the
-launcher bounds |dS| over the whole call on the device (``launch._ds_bound``), and only a call
+preprocess bounds |dS| over the whole call on the device (``_ds_loop_choice``), and only a call
 whose bound passes ``DS_RESCALE_ABOVE`` runs the per-tile rescaling loop; every other call runs
 the plain loop, with no per-tile max reduction and the products accumulated inside the dots.
 The plain loop still scales dS, up, by one power of two per call before the fp16 cast:
@@ -63,7 +63,7 @@ from .tile_loads import load_rows, load_tile
 # -1e38 mask clamp; see _attn_bwd_row_reference.
 LSE_SATURATED = tl.constexpr(-1.0e37)
 # Under the fp16 schedules that rescale dS, a program takes the rescaling loop only when the
-# launcher's bound on |dS| (``launch._ds_bound``) passes this; below it no tile can reach fp16's
+# bound on |dS| (``_ds_loop_choice``) passes this; below it no tile can reach fp16's
 # 65504 (a 4x margin for the rounding of the recomputed P and of Δ), so the plain loop, which
 # accumulates inside the dot, gives the same gradients. A NaN bound takes the rescaling loop.
 DS_RESCALE_ABOVE = tl.constexpr(16384.0)
@@ -73,13 +73,23 @@ DS_UP_MIN_BOUND = tl.constexpr(2.0**-26)
 
 
 @triton.jit
-def _ds_loop_choice(DS_BOUND):
-    """(needs_rescale, ds_up) for this call, from the launcher's bound B on |dS|.
+def _ds_loop_choice(DS_STATS, keep_scale):
+    """(needs_rescale, ds_up) for this call, from the preprocess's statistics of its inputs.
+
+    DS_STATS holds three fp32 maxima over the call (``_attn_bwd_preprocess``; an input's NaN is
+    stored as +inf): max_i ‖dO_i‖², max_j ‖v_j‖² and max_i |dLSE_i|. dS_ij = P_ij (dP_ij - Δ_i)
+    with 0 <= P_ij <= 1, dP_ij = k dO_i·v_j (k the dropout keep scale, else 1) and
+    Δ_i = dO_i·O_i - dLSE_i, where O_i, a k-scaled convex combination of the v_j, has
+    ‖O_i‖ <= k max_j ‖v_j‖; so |dS_ij| <= B = 2 k max‖dO_i‖ max‖v_j‖ + max|dLSE_i|. (A caller
+    that forces B stores (0, 0, B).)
 
     needs_rescale: B passes DS_RESCALE_ABOVE, or is NaN; then ds_up = 1. Otherwise ds_up is the
     largest power of two with B * ds_up <= DS_RESCALE_ABOVE, within [1, 2^40]: the plain loop's
     scale-up (module docstring)."""
-    bound = tl.load(DS_BOUND)
+    # Correctly rounded square roots: scaling dO by 2^k then scales B by exactly 2^k, and ds_up
+    # by 2^-k (test_plain_loop_scale_up_is_exact).
+    bound = (2.0 * keep_scale) * tl.sqrt_rn(tl.load(DS_STATS)) * tl.sqrt_rn(tl.load(DS_STATS + 1))
+    bound += tl.load(DS_STATS + 2)
     needs_rescale = (bound > DS_RESCALE_ABOVE) | (bound != bound)
     b = tl.minimum(tl.maximum(bound, DS_UP_MIN_BOUND), DS_RESCALE_ABOVE)
     # 2^floor(log2(DS_RESCALE_ABOVE / b)), written so the quotient is exact (a power of two
@@ -91,42 +101,96 @@ def _ds_loop_choice(DS_BOUND):
 
 
 @triton.jit
+def _ds_scores(p, dp, delta, ds_up, DS_RESCALE: tl.constexpr, RESCALE: tl.constexpr):
+    """dS = P * (dP - Δ) in fp32 (``delta`` broadcast to the tile's rows), and in DS_RESCALE's
+    plain loop already times ds_up: the power of two rides in one FFMA, dP * ds_up - Δ * ds_up,
+    instead of a multiply per score afterwards. The product is bitwise the same (scaling by a power
+    of two commutes with rounding; |dP - Δ| is within the launcher's bound, so the scaled value stays
+    below DS_RESCALE_ABOVE). ``_ds_unscale`` gives the factor back to dS's own units."""
+    if DS_RESCALE and not RESCALE:
+        return p * tl.fma(dp, ds_up, -(delta * ds_up))
+    else:
+        return p * (dp - delta)
+
+
+@triton.jit
+def _ds_unscale(ds_up, DS_RESCALE: tl.constexpr, RESCALE: tl.constexpr):
+    """The factor that takes ``_ds_scores``' tile to dS's own units (exact: a power of two)."""
+    if DS_RESCALE and not RESCALE:
+        return 1.0 / ds_up
+    else:
+        return 1.0
+
+
+@triton.jit
 def _ds_tile(ds, dtype, ds_up, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr, RESCALE: tl.constexpr):
-    """``ds_operand`` with the plain loop's scale-up: (tile, factor), tile * factor being dS as the
+    """``ds_operand`` for ``_ds_scores``' tile: (tile, factor), tile * factor being dS as the
     schedule rounds it. In DS_RESCALE's plain loop the tile is dS * ds_up and factor 1 / ds_up;
     ``accumulate_ds_dot`` adds the plain loop's tiles without their factor, so dq and dk hold ds_up
     times their sums until the kernels' final scale. (Kept here, not in common.py, whose hash
     every kernel family's tuning entries carry.)"""
     if DS_RESCALE and not RESCALE:
-        tile, _ = ds_operand(ds * ds_up, dtype, DS_IN_FP32, False)
+        tile, _ = ds_operand(ds, dtype, DS_IN_FP32, False)
         return tile, 1.0 / ds_up
     else:
         return ds_operand(ds, dtype, DS_IN_FP32, RESCALE)
 
 
 @triton.jit
+def _max_as_stat(values):
+    """The maximum of a block of non-negative values for ``_ds_loop_choice``'s statistics, with
+    NaN read as +inf (a non-finite input must not look small; max would drop the NaN)."""
+    return tl.max(tl.where(values == values, values, float("inf")), axis=0)
+
+
+@triton.jit
 def _attn_bwd_preprocess(
-    OUT, DO, DLSE, DELTA,
+    OUT, DO, DLSE, DELTA, V, DS_STATS,
     stride_ob, stride_oh, stride_om, stride_oe,
     stride_db, stride_dh, stride_dm, stride_de,
-    H_Q, L,
-    HEAD_DIM_V: tl.constexpr, BLOCK_EV: tl.constexpr, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr,
+    stride_vb, stride_vh, stride_vn, stride_ve,
+    H_Q, H_KV, BH_KV, L, S,
+    HEAD_DIM_V: tl.constexpr, BLOCK_EV: tl.constexpr, HAS_DLSE: tl.constexpr, COLLECT_DS_STATS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """Δ_i = rowsum(dO_i ∘ O_i) - dLSE_i per query row; under COLLECT_DS_STATS (the schedules that
+    rescale dS) also the call's maxima ``_ds_loop_choice`` bounds |dS| with, atomically into
+    DS_STATS (three fp32 zeros from the launcher): max ‖dO_i‖² and max |dLSE_i| from these rows,
+    and max ‖v_j‖² from V's rows, which the grid then covers too (its first axis spans
+    max(L, S) rows; programs past B * H_KV on the second axis have no V rows). Collected here,
+    beside reads of dO the preprocess makes anyway, the bound costs the call no launches of its
+    own: as separate torch reductions it was a handful of launches and, eagerly, 0.1-0.3 ms per
+    fp16 backward at 16k tokens (session 24)."""
+    start_m = tl.program_id(0) * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     bh = tl.program_id(1)
-    b = (bh // H_Q).to(tl.int64)
-    h = (bh % H_Q).to(tl.int64)
     offs_ev = tl.arange(0, BLOCK_EV)
-    tile_ok = (offs_m[:, None] < L) & (offs_ev[None, :] < HEAD_DIM_V)
-    o = tl.load(OUT + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_ev[None, :] * stride_oe,
-                mask=tile_ok, other=0.0).to(tl.float32)
-    do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dm + offs_ev[None, :] * stride_de,
-                 mask=tile_ok, other=0.0).to(tl.float32)
-    delta = tl.sum(o * do, axis=1)
-    row_ids = bh.to(tl.int64) * L + offs_m
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + row_ids, mask=offs_m < L, other=0.0)
-    tl.store(DELTA + row_ids, delta, mask=offs_m < L)
+    if start_m < L:
+        b = (bh // H_Q).to(tl.int64)
+        h = (bh % H_Q).to(tl.int64)
+        tile_ok = (offs_m[:, None] < L) & (offs_ev[None, :] < HEAD_DIM_V)
+        o = tl.load(OUT + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_ev[None, :] * stride_oe,
+                    mask=tile_ok, other=0.0).to(tl.float32)
+        do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dm + offs_ev[None, :] * stride_de,
+                     mask=tile_ok, other=0.0).to(tl.float32)
+        delta = tl.sum(o * do, axis=1)
+        row_ids = bh.to(tl.int64) * L + offs_m
+        if HAS_DLSE:
+            dlse = tl.load(DLSE + row_ids, mask=offs_m < L, other=0.0)
+            delta -= dlse
+            if COLLECT_DS_STATS:
+                tl.atomic_max(DS_STATS + 2, _max_as_stat(tl.abs(dlse)))
+        tl.store(DELTA + row_ids, delta, mask=offs_m < L)
+        if COLLECT_DS_STATS:
+            tl.atomic_max(DS_STATS, _max_as_stat(tl.sum(do * do, axis=1)))
+    if COLLECT_DS_STATS:
+        if (bh < BH_KV) & (start_m < S):
+            b_kv = (bh // H_KV).to(tl.int64)
+            h_kv = (bh % H_KV).to(tl.int64)
+            v = tl.load(V + b_kv * stride_vb + h_kv * stride_vh + offs_m[:, None] * stride_vn
+                        + offs_ev[None, :] * stride_ve,
+                        mask=(offs_m[:, None] < S) & (offs_ev[None, :] < HEAD_DIM_V), other=0.0).to(tl.float32)
+            tl.atomic_max(DS_STATS + 1, _max_as_stat(tl.sum(v * v, axis=1)))
 
 
 @triton.jit
@@ -246,11 +310,11 @@ def _dkdv_tiles(
             dv = tl.dot(p_used_t, do.to(tl.float32), dv, input_precision=FP32_DOT)
         else:
             dv = tl.dot(p_used_t.to(do.dtype), do, dv, input_precision=FP32_DOT)
-        ds_t = p_t * (dp_t - delta[None, :])
+        ds_t = _ds_scores(p_t, dp_t, delta[None, :], ds_up, DS_RESCALE, RESCALE)
         if WRITE_DMASK:
             # dL/d(additive mask) is dS itself; DMASK is a dense (B*Hq, L, S) fp32 buffer. Written
             # here under exact Δ: the dQ pass knows a row's correction only after its last tile.
-            tl.store(DMASK + row_ids[None, :] * S + offs_n[:, None], ds_t,
+            tl.store(DMASK + row_ids[None, :] * S + offs_n[:, None], ds_t * _ds_unscale(ds_up, DS_RESCALE, RESCALE),
                      mask=kv_rows_ok[:, None] & q_rows_ok[None, :])
         ds_tile, ds_factor = _ds_tile(ds_t, q.dtype, ds_up, DS_IN_FP32, DS_RESCALE, RESCALE)
         dk = accumulate_ds_dot(dk, ds_tile, ds_factor, q, RESCALE, FP32_DOT)
@@ -299,7 +363,7 @@ def _dkdv_heads(
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, MASK, SEED, DO, ROW_REF, ROW_SHIFT, SHIFT_FLAG, DELTA, DS_BOUND, DK, DV, DMASK,
+    Q, K, V, MASK, SEED, DO, ROW_REF, ROW_SHIFT, SHIFT_FLAG, DELTA, DS_STATS, DK, DV, DMASK,
     stride_qb, stride_qh, stride_qm, stride_qe,
     stride_kb, stride_kh, stride_kn, stride_ke,
     stride_vb, stride_vh, stride_vn, stride_ve,
@@ -362,7 +426,7 @@ def _attn_bwd_dkdv(
     needs_rescale = False
     ds_up = 1.0
     if DS_RESCALE:
-        needs_rescale, ds_up = _ds_loop_choice(DS_BOUND)
+        needs_rescale, ds_up = _ds_loop_choice(DS_STATS, keep_scale)
     if needs_rescale:
         dk, dv = _dkdv_heads(
             dk, dv, k, v, Q, DO, MASK, seed, keep_scale, ds_up, b, h_kv, ROW_REF, ROW_SHIFT, DELTA, DMASK,
@@ -436,11 +500,12 @@ def _dq_tiles(
         if HAS_DROPOUT:
             keep = dropout_keep(seed, row_ids[:, None], offs_n[None, :], S, dropout_p)
             dp = tl.where(keep, dp * keep_scale, 0.0)
-        ds = p * (dp - delta[:, None])
+        ds = _ds_scores(p, dp, delta[:, None], ds_up, DS_RESCALE, RESCALE)
         if WRITE_DMASK:
             # dL/d(additive mask) is dS itself; DMASK is a dense (B*Hq, L, S) fp32 buffer. Only
             # without exact Δ: with it, this dS still lacks the row's correction (see the dK/dV pass).
-            tl.store(DMASK + row_ids[:, None] * S + offs_n[None, :], ds * row_scale[:, None], mask=tile_ok)
+            tl.store(DMASK + row_ids[:, None] * S + offs_n[None, :],
+                     ds * (row_scale * _ds_unscale(ds_up, DS_RESCALE, RESCALE))[:, None], mask=tile_ok)
         ds_tile, ds_factor = _ds_tile(ds, k.dtype, ds_up, DS_IN_FP32, DS_RESCALE, RESCALE)
         dq = accumulate_ds_dot(dq, ds_tile, ds_factor, k, RESCALE, FP32_DOT)
         if EXACT_DELTA:
@@ -449,7 +514,7 @@ def _dq_tiles(
             # the rounding's common part goes too (see the module docstring). P is rounded for P·K
             # as for Pᵀ·dO: K̄ only multiplies corrections of order u, so its own rounding enters
             # at second order.
-            ds_sum += tl.sum(ds, 1)
+            ds_sum += tl.sum(ds, 1) * _ds_unscale(ds_up, DS_RESCALE, RESCALE)
             # σ̃ by fp32 adds. Summing the 16-bit tile on the matrix unit instead (its product with
             # a ones column) saved ~100 instructions per tile, but on Triton 3.6 / sm_90 that extra
             # small wgmma made the compiled kernel fault (out-of-range shared address) when
@@ -501,7 +566,7 @@ def _dq_blocks(
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, MASK, SEED, DO, ROW_REF, ROW_SHIFT, DLSE, DELTA, DS_BOUND, DQ, DMASK,
+    Q, K, V, MASK, SEED, DO, ROW_REF, ROW_SHIFT, DLSE, DELTA, DS_STATS, DQ, DMASK,
     stride_qb, stride_qh, stride_qm, stride_qe,
     stride_kb, stride_kh, stride_kn, stride_ke,
     stride_vb, stride_vh, stride_vn, stride_ve,
@@ -578,7 +643,7 @@ def _attn_bwd_dq(
     needs_rescale = False
     ds_up = 1.0
     if DS_RESCALE:
-        needs_rescale, ds_up = _ds_loop_choice(DS_BOUND)
+        needs_rescale, ds_up = _ds_loop_choice(DS_STATS, keep_scale)
     if needs_rescale:
         dq, ds_sum, ds_seen_sum, p_sum, p_k = _dq_blocks(
             dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_scale, delta, row_ids,
