@@ -105,7 +105,7 @@ def _ds_scores(p, dp, delta, ds_up, DS_RESCALE: tl.constexpr, RESCALE: tl.conste
     """dS = P * (dP - Δ) in fp32 (``delta`` broadcast to the tile's rows), and in DS_RESCALE's
     plain loop already times ds_up: the power of two rides in one FFMA, dP * ds_up - Δ * ds_up,
     instead of a multiply per score afterwards. The product is bitwise the same (scaling by a power
-    of two commutes with rounding; |dP - Δ| is within the launcher's bound, so the scaled value stays
+    of two commutes with rounding; |dP - Δ| is within the call's bound, so the scaled value stays
     below DS_RESCALE_ABOVE). ``_ds_unscale`` gives the factor back to dS's own units."""
     if DS_RESCALE and not RESCALE:
         return p * tl.fma(dp, ds_up, -(delta * ds_up))
@@ -158,9 +158,10 @@ def _attn_bwd_preprocess(
     DS_STATS (three fp32 zeros from the launcher): max ‖dO_i‖² and max |dLSE_i| from these rows,
     and max ‖v_j‖² from V's rows, which the grid then covers too (its first axis spans
     max(L, S) rows; programs past B * H_KV on the second axis have no V rows). Collected here,
-    beside reads of dO the preprocess makes anyway, the bound costs the call no launches of its
-    own: as separate torch reductions it was a handful of launches and, eagerly, 0.1-0.3 ms per
-    fp16 backward at 16k tokens (session 24)."""
+    beside the reads of dO the preprocess makes anyway, the bound needs no launches of its own.
+    Computed by torch reductions instead (two norms, two maxima and the products: about eight
+    launches), it cost an eager fp16 training step 0.1-0.3 ms of kernel time at 16k tokens on an
+    H200, where Inductor fused it in compiled graphs (session 24, benchmarks/NOTES.md)."""
     start_m = tl.program_id(0) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     bh = tl.program_id(1)
