@@ -36,7 +36,7 @@ import sys
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+sys.path.append(ROOT)  # last: a baseline tree put first on PYTHONPATH (an A/B) must win
 
 # (L, S, E): the faulting shape, its neighbours (a zero-trip first key loop: S < BLOCK_N; a
 # single partial query block: L < BLOCK_M), and the passing L=S=129 control.

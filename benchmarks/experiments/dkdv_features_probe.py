@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+sys.path.append(ROOT)  # last: a baseline tree put first on PYTHONPATH (an A/B) must win
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from kernel_time import kernel_times_us  # noqa: E402

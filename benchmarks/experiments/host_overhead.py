@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+sys.path.append(ROOT)  # last: a baseline tree put first on PYTHONPATH (an A/B) must win
 
 import flash_inductor  # noqa: E402
 from flash_inductor import flash_attention  # noqa: E402

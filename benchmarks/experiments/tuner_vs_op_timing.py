@@ -47,7 +47,7 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+sys.path.append(ROOT)  # last: a baseline tree put first on PYTHONPATH (an A/B) must win
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from kernel_time import kernel_times_us  # noqa: E402
