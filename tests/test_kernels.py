@@ -539,13 +539,15 @@ def test_rescaling_and_plain_loops_agree(case, device, monkeypatch):
                                                call["dropout_p"]).clamp(max=threshold),
         "rescaling": lambda call: torch.full((1,), float("inf"), device=device),
     }
-    results = {}
+    results, forced_calls = {}, []
     for name, bound in bounds.items():
         def forced(*args, _bound=bound, **kwargs):
             call = inspect.signature(real_backward).bind(*args, **kwargs).arguments
+            forced_calls.append(name)
             return real_backward(*args, ds_bound=_bound(call), **kwargs)
         monkeypatch.setattr(launch, "attention_backward", forced)
         results[name] = check_case(case, torch.float16, device)[0]
+    assert set(forced_calls) == set(bounds), "the backward did not run through the forced bound"
     for grad in ("dq", "dk", "dv") + (("dmask",) if case.mask_grad else ()):
         plain, rescaled = results["plain"][grad].float(), results["rescaling"][grad].float()
         # Same products (but for the rounding of dS below fp16's normals, scaled up in the plain
