@@ -289,7 +289,7 @@ def attention_backward(
     measures, under the schedules that rescale dS (fp16 `stable`): tests and experiments force
     either loop with it (a bound past ``attn_bwd.DS_RESCALE_ABOVE``, or inf, takes the rescaling
     loop). Elsewhere it is ignored."""
-    from .kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _attn_bwd_row_reference
+    from .kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_row_reference
 
     if get_schedule(schedule).fp8_forward:
         # fp8 is a forward schedule: the gradient is the 16-bit attention's, from a 16-bit forward
@@ -333,14 +333,8 @@ def attention_backward(
             ds_stats[2:] = ds_bound.reshape(1)  # (0, 0, B): the kernels' bound is B itself
     else:
         ds_stats = delta  # never read
-    pre_block = configs.backward_dq.block_m
-    pre_rows = torch.sym_max(seq_q, seq_k) if collect_ds_stats else seq_q  # sym_max: no guard on symbolic lengths
-    _launcher(_attn_bwd_preprocess)[(_cdiv(pre_rows, pre_block), batch * heads_q)](
-        out, grad_out, grad_lse if grad_lse is not None else lse, delta, value, ds_stats,
-        *out.stride(), *grad_out.stride(), *value.stride(), heads_q, heads_kv, batch * heads_kv, seq_q, seq_k,
-        HEAD_DIM_V=head_dim_v, BLOCK_EV=meta["BLOCK_EV"], HAS_DLSE=grad_lse is not None,
-        COLLECT_DS_STATS=collect_ds_stats, BLOCK_M=pre_block,
-    )
+    _launch_preprocess(out, grad_out, grad_lse, value, delta, ds_stats, head_dim_v, meta["BLOCK_EV"],
+                       configs.backward_dq.block_m, collect_ds_stats)
 
     scale_log2 = scale * _LOG2E
     cfg = configs.backward_dq
@@ -394,27 +388,36 @@ def attention_backward(
     return dq, dk, dv, dmask
 
 
+def _launch_preprocess(out, grad_out, grad_lse, value, delta, ds_stats, head_dim_v: int, block_ev: int,
+                       block_m: int, collect_ds_stats: bool) -> None:
+    """Δ into ``delta``, and under ``collect_ds_stats`` the dS bound's maxima into ``ds_stats``
+    (``attn_bwd._attn_bwd_preprocess``); its grid then spans max(L, S) rows, to cover V's."""
+    from .kernels.attn_bwd import _attn_bwd_preprocess
+
+    batch, heads_q, seq_q = grad_out.shape[:3]
+    heads_kv, seq_k = value.shape[1], value.shape[2]
+    rows = torch.sym_max(seq_q, seq_k) if collect_ds_stats else seq_q  # sym_max: no guard on symbolic lengths
+    _launcher(_attn_bwd_preprocess)[(_cdiv(rows, block_m), batch * heads_q)](
+        out, grad_out, grad_lse if grad_lse is not None else delta, delta, value, ds_stats,
+        *out.stride(), *grad_out.stride(), *value.stride(), heads_q, heads_kv, batch * heads_kv, seq_q, seq_k,
+        HEAD_DIM_V=head_dim_v, BLOCK_EV=block_ev, HAS_DLSE=grad_lse is not None,
+        COLLECT_DS_STATS=collect_ds_stats, BLOCK_M=block_m,
+    )
+
+
 def _ds_bound(grad_out: torch.Tensor, value: torch.Tensor, grad_lse: torch.Tensor | None,
               dropout_p: float) -> torch.Tensor:
     """The bound on |dS| the backward kernels decide their loop with, measured as the backward
     measures it: the preprocess alone collects the maxima (its Δ, from grad_out standing in for O,
     is discarded), and this combines them as ``attn_bwd._ds_loop_choice`` does. A one-element
     fp32 tensor. For tests and experiments; the backward itself never calls it."""
-    from .kernels.attn_bwd import _attn_bwd_preprocess
-
-    batch, heads_q, seq_q, head_dim_v = grad_out.shape
-    heads_kv, seq_k = value.shape[1], value.shape[2]
+    head_dim_v = grad_out.shape[-1]
     stats = torch.zeros(3, dtype=torch.float32, device=grad_out.device)
-    delta = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=grad_out.device)
+    delta = torch.empty(grad_out.shape[:3], dtype=torch.float32, device=grad_out.device)
     if grad_lse is not None:
         grad_lse = grad_lse.to(torch.float32).contiguous()
-    block = 64
-    _launcher(_attn_bwd_preprocess)[(_cdiv(max(seq_q, seq_k, 1), block), batch * heads_q)](
-        grad_out, grad_out, grad_lse if grad_lse is not None else delta, delta, value, stats,
-        *grad_out.stride(), *grad_out.stride(), *value.stride(), heads_q, heads_kv, batch * heads_kv, seq_q, seq_k,
-        HEAD_DIM_V=head_dim_v, BLOCK_EV=padded_head_dim(head_dim_v), HAS_DLSE=grad_lse is not None,
-        COLLECT_DS_STATS=True, BLOCK_M=block,
-    )
+    _launch_preprocess(grad_out, grad_out, grad_lse, value, delta, stats, head_dim_v, padded_head_dim(head_dim_v),
+                       64, collect_ds_stats=True)
     keep_scale = 1.0 / (1.0 - dropout_p)
     return ((2.0 * keep_scale) * stats[0].sqrt() * stats[1].sqrt() + stats[2]).reshape(1)
 
