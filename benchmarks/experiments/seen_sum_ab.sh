@@ -3,6 +3,7 @@
 # (dq_seen_sum_mma_guarded.patch), against main, in one device call (~8 minutes on an H200).
 #
 #   bash benchmarks/experiments/seen_sum_ab.sh        # results in $OUT: seen_sum_ab.tgz and the log
+#   CELLS="bf16 64 32;fp16 64 32" bash benchmarks/experiments/seen_sum_ab.sh   # fewer cells (dtype, E, heads)
 #
 # 1. A patched copy of the checkout (/tmp/seen_sum_patched) runs backward_fault_repro.py on the
 #    lengths-of-1 shapes that faulted in session 17 with the unguarded patch, over its 4-warp
@@ -31,7 +32,8 @@ echo "== fault repro on the patch"
   --shapes 7x1x64,1x1x128,64x1x64,7x1x128,129x129x64 --kinds fp16:stable,bf16:stable \
   --out "$RESULTS" --tag seen-guarded 2>&1 | tail -12)
 echo "== per-launch times, main vs patch ($(( $(date +%s) - T0 ))s)"
-for cell in "bf16 64 32" "fp16 64 32" "bf16 128 16" "fp16 128 16"; do
+IFS=';' read -r -a CELL_LIST <<< "${CELLS:-bf16 64 32;fp16 64 32;bf16 128 16;fp16 128 16}"
+for cell in "${CELL_LIST[@]}"; do
   set -- $cell
   for causal in "" "--causal"; do
     for tree in main patched; do
