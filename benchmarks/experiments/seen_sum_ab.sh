@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# EXPERIMENT (plan item 5 in benchmarks/NOTES.md): σ̃'s row sum on the matrix unit, guarded
-# (dq_seen_sum_mma_guarded.patch), against main, in one device call (~8 minutes on an H200).
+# EXPERIMENT (plan items 0 and 5 in benchmarks/NOTES.md): the exact Δ's row sums on the matrix unit,
+# guarded, against main, in one device call (~8 minutes on an H200; ~5 with two cells).
 #
 #   bash benchmarks/experiments/seen_sum_ab.sh        # results in $OUT: seen_sum_ab.tgz and the log
 #   CELLS="bf16 64 32;fp16 64 32" bash benchmarks/experiments/seen_sum_ab.sh   # fewer cells (dtype, E, heads)
+#   PATCH=benchmarks/experiments/dq_seen_sum_mma_guarded.patch bash ...       # σ̃ alone (session 19's patch)
 #
+# PATCH (default dq_row_sums_mma_guarded.patch, session 25): σ̃ and, without dLSE, Λ accumulate on
+# the matrix unit. The patched copy's backward table entries are carried (carry_table_entries.py),
+# so both trees run the same shipped picks: without that the patched kernels' changed file hash
+# would send it to the heuristic configs.
 # 1. A patched copy of the checkout (/tmp/seen_sum_patched) runs backward_fault_repro.py on the
 #    lengths-of-1 shapes that faulted in session 17 with the unguarded patch, over its 4-warp
 #    configs: with the guard, S = 1 takes the adds, so nothing may fault.
 # 2. backward_breakdown.py times each backward launch on main and on the patch, alternating, at
 #    bf16/fp16 x E 64/128, L = 4096, non-causal and causal, table configs: the dQ pass's time is
-#    the figure (session 16 measured 6-14 % of it at E 64 with the unguarded patch).
-# Landing it afterwards means applying the patch, re-tuning every backward bucket (the family hash
-# changes) and the GPU suite: more than one session's device time.
+#    the figure (session 16 measured 6-14 % of it at E 64 with the unguarded σ̃ patch; session 25's
+#    SASS count predicts -20 to -29 % of the dQ loop's instructions at the E 64 picks).
+# Landing it afterwards means applying the patch and either re-tuning the `stable` backward buckets
+# (only their dQ kernels change: tools/ptx_digest.py) or carrying them after this A/B, then the GPU suite.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/flash_inductor_out}
@@ -24,8 +30,10 @@ export FLASH_INDUCTOR_CACHE_DIR=$EMPTY_CACHE   # the shipped table, not a user's
 PATCHED=/tmp/seen_sum_patched
 rm -rf "$PATCHED" && mkdir -p "$PATCHED"
 cp -r flash_inductor benchmarks tests tools pyproject.toml "$PATCHED"/
-(cd "$PATCHED" && git apply "$OLDPWD/benchmarks/experiments/dq_seen_sum_mma_guarded.patch") || {
-  echo "the patch no longer applies to this checkout"; exit 2; }
+PATCH=${PATCH:-benchmarks/experiments/dq_row_sums_mma_guarded.patch}
+(cd "$PATCHED" && git apply "$OLDPWD/$PATCH") || { echo "$PATCH no longer applies to this checkout"; exit 2; }
+(cd "$PATCHED" && PYTHONPATH=$PATCHED python3 tools/carry_table_entries.py --family backward \
+  --reason "A/B only (seen_sum_ab.sh): $(basename "$PATCH")") || { echo "carrying the table failed"; exit 2; }
 T0=$(date +%s)
 echo "== fault repro on the patch"
 (cd "$PATCHED" && CUDA_LAUNCH_BLOCKING=1 PYTHONPATH=$PATCHED timeout 240 python3 benchmarks/experiments/backward_fault_repro.py \
