@@ -60,12 +60,14 @@ fi
 if [ "$GPUS" -le 1 ]; then
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-# Bounded so the benchmark still runs inside one 10-minute device call.
+# Bounded so the benchmark still runs inside one 10-minute device call. SIGINT, not SIGTERM, at the
+# limit: pytest then stops as on Ctrl-C, prints its result line and --durations, and writes the junit
+# XML of the tests that finished, so a cut run still says which tests ran (-k 30: killed if it hangs).
 export FLASH_INDUCTOR_FAILURE_LOG="$OUT/failures.log"
 # Work stealing (pytest-xdist >= 3.2) keeps a few long compile tests from forming the run's tail.
 DIST=$(python3 -c "import xdist; v = tuple(int(p) for p in xdist.__version__.split('.')[:2]); print('worksteal' if v >= (3, 2) else 'load')" 2>/dev/null || echo load)
 # Compilation (Inductor, Triton) is CPU-bound: one worker per core.
-timeout "${SUITE_SECONDS:-420}" python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider -p no:benchmark \
+timeout -s INT -k 30 "${SUITE_SECONDS:-420}" python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider -p no:benchmark \
   -n "${WORKERS:-14}" --dist "$DIST" --timeout 300 --durations=25 --junitxml="$OUT/pytest_gpu.xml" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout "${BENCH_SECONDS:-150}" python3 benchmarks/bench_attention.py --quick --out "$OUT" 2>&1 | tail -12
@@ -120,7 +122,7 @@ for ((i = 0; i < GPUS; i++)); do
   (
     export CUDA_VISIBLE_DEVICES=$dev TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache_gpu$dev
     export FLASH_INDUCTOR_FAILURE_LOG="$PARTS/failures_gpu$dev.log"
-    timeout "$SUITE_SECONDS" python3 -m pytest $files -q -p no:cacheprovider -p no:benchmark \
+    timeout -s INT -k 30 "$SUITE_SECONDS" python3 -m pytest $files -q -p no:cacheprovider -p no:benchmark \
       -n "$WORKERS" --dist "$DIST" --timeout 300 --durations=25 --junitxml="$PARTS/pytest_gpu$dev.xml" \
       > "$PARTS/pytest_gpu$dev.log" 2>&1
     rc=$?
@@ -147,7 +149,7 @@ for ((i = 0; i < GPUS; i++)); do
   logged=$(grep -c '^=== FAILED ' "$PARTS/failures_gpu$dev.log" 2>/dev/null)
   case $rc in
     0) state=ok ;;
-    124|137) if [ -n "$result" ]; then state="TIMED OUT after ${SUITE_SECONDS}s, after its result line (at exit)"
+    124|137) if [ -n "$result" ]; then state="TIMED OUT after ${SUITE_SECONDS}s: its result line counts the tests that finished"
              else state="TIMED OUT after ${SUITE_SECONDS}s (${logged:-0} failures logged by then)"; fi; STATUS=1 ;;
     *) state="FAILED (rc $rc)"; STATUS=1 ;;
   esac
