@@ -17,7 +17,10 @@
 #    bf16/fp16 x E 64/128, L = 4096, non-causal and causal, table configs: the dQ pass's time is
 #    the figure (session 16 measured 6-14 % of it at E 64 with the unguarded σ̃ patch; session 25's
 #    SASS count predicts -20 to -29 % of the dQ loop's instructions at the E 64 picks).
-# Landing it afterwards means applying the patch and either re-tuning the `stable` backward buckets
+# Session 26 ran it (bf16/fp16 E 64, bf16 E 128): no fault, but the dQ pass 2-3 % faster only at bf16 E 64
+# and 4-8 % slower elsewhere (benchmarks/results/row_sums_mma_ab_nvidia-h200_20261202_s26.json), so it
+# is not landed; the script stays as the A/B harness for any dQ patch (PATCH=...).
+# Landing a patch that wins means applying the patch and either re-tuning the `stable` backward buckets
 # (only their dQ kernels change: tools/ptx_digest.py) or carrying them after this A/B, then the GPU suite.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
