@@ -26,7 +26,7 @@ from flash_inductor.tuning.plan import COPY, SHORTLIST, SWEEP, Grid, PlannedBuck
 from flash_inductor.tuning import precompile
 from flash_inductor.tuning.precompile import ParallelPrecompiler, RoundReport, _encode, probe_lengths_of_one, warm
 from flash_inductor.tuning.schedules import SCHEDULES, schedules_markdown_table
-from flash_inductor.tuning.search import BucketTask, Measurement, Tuner
+from flash_inductor.tuning.search import BucketTask, Measurement, Tuner, incumbent_configs
 from flash_inductor.tuning.search_space import DeviceLimits, SearchSpace, TileBytes, fits, shape_candidates
 from helpers import DEVICE
 from tuning_helpers import (  # noqa: F401  (isolated_tables: an autouse fixture)
@@ -68,6 +68,56 @@ def test_heuristic_kept_unless_beaten_by_min_gain():
     assert task.best(min_gain=0.01).configs == INTERPRETER_CONFIGS
     task.measured[task.key(faster)].ms = 0.95  # 5%: a real gain
     assert task.best(min_gain=0.01).configs == faster
+
+
+def test_an_incumbent_is_kept_unless_beaten_by_min_gain_and_a_rejected_one_is_not():
+    """A re-tune's incumbent (the entry it would replace) is the baseline in place of the heuristic."""
+    bucket = Bucket("stable", "fp16", 16, "none", 128, "forward")
+    incumbent = dataclasses.replace(INTERPRETER_CONFIGS, forward=KernelConfig(16, 32, 2, 1))
+    faster = dataclasses.replace(INTERPRETER_CONFIGS, forward=KernelConfig(32, 16, 4, 1))
+    task = BucketTask(PlannedBucket(bucket, SWEEP), INTERPRETER_CONFIGS, incumbent)
+    task.measured[task.key(INTERPRETER_CONFIGS)] = Measurement(INTERPRETER_CONFIGS, Verdict(True), 1.003)
+    task.measured[task.key(incumbent)] = Measurement(incumbent, Verdict(True), 1.000)
+    task.measured[task.key(faster)] = Measurement(faster, Verdict(True), 0.995)  # 0.5 %: noise
+    assert task.baseline().configs == incumbent and task.best(min_gain=0.01).configs == incumbent
+    task.measured[task.key(faster)].ms = 0.95  # 5 %: a real gain
+    assert task.best(min_gain=0.01).configs == faster
+    # Rejected (the checks, or the length-one probe): the heuristic is the baseline again.
+    task.measured[task.key(faster)].ms = 1.000
+    task.measured[task.key(incumbent)] = Measurement(incumbent, Verdict(False, reason="probe"), None)
+    assert task.baseline().configs == INTERPRETER_CONFIGS
+    assert task.best(min_gain=0.01).configs == INTERPRETER_CONFIGS  # 0.3 % ahead of it: noise
+
+
+def test_incumbent_configs_come_from_an_entry_of_the_same_roles_only():
+    heuristic = INTERPRETER_CONFIGS
+    entry = {"configs": {"backward_dkdv": cfg_dict(32, 16), "backward_dq": cfg_dict(16, 32, 8, 2)}}
+    got = incumbent_configs(heuristic, ("backward_dkdv", "backward_dq"), entry)
+    assert got == dataclasses.replace(heuristic, backward_dkdv=KernelConfig(32, 16, 4, 1),
+                                      backward_dq=KernelConfig(16, 32, 8, 2))
+    assert incumbent_configs(heuristic, ("forward",), entry) is None  # another pass's entry
+    assert incumbent_configs(heuristic, ("forward",), None) is None
+    assert incumbent_configs(heuristic, ("forward",), {"configs": {"forward": {"block_m": 16}}}) is None
+
+
+@pytest.mark.launches_kernels
+@pytest.mark.parametrize("challenger_ms,winner", [(1.99, "incumbent"), (1.5, "challenger")])
+def test_the_search_races_the_incumbent_and_records_it(challenger_ms, winner):
+    bucket = Bucket("stable", "fp16", 16, "none", 128, "forward")
+    heuristic = builtin_configs(torch.float16, 16)
+    # The incumbent (2 warps) is outside the sweep's space (4 warps): only the incumbent rule times it.
+    timer = timer_from({("forward", 16, 32, 2): 2.0, ("forward", 32, 16, 4): challenger_ms,
+                         cost_key("forward", heuristic): 8.0})
+    tuner = Tuner(DEVICE, tiny_settings(timer))
+    task = tuner.task(PlannedBucket(bucket, SWEEP), {"configs": {"forward": cfg_dict(16, 32, 2)}})
+    done = {}
+    assert tuner.run([task], done) == []
+    entry = done[bucket].entry
+    expected = cfg_dict(16, 32, 2) if winner == "incumbent" else cfg_dict(32, 16)
+    assert entry["configs"] == {"forward": expected}
+    assert entry["incumbent"] == {"configs": {"forward": cfg_dict(16, 32, 2)}, "ms": 2.0, "rejected": None}
+    assert entry["speedup_vs_incumbent"] == pytest.approx(2.0 / (2.0 if winner == "incumbent" else challenger_ms))
+    assert entry["speedup_vs_heuristic"] == pytest.approx(8.0 / entry["ms"])
 
 
 def test_sweep_tries_the_depths_of_every_near_tied_shape():
@@ -468,6 +518,33 @@ def test_cli_summary_never_overwrites_an_earlier_run_of_the_day(tmp_path):
     assert cli.summary_path_for(args, table, "g").name == first.stem + "-3.json"
     # A path given with --summary is the caller's choice: used as is.
     assert cli.summary_path_for(cli.parse_args(["--summary", str(first)]), table, "g") == first
+
+
+@pytest.mark.launches_kernels
+def test_cli_races_the_incumbents_of_a_table_of_this_gpu(tmp_path, capsys):
+    timer = timer_from({("forward", 32, 16, 4): 2.0, ("forward", 16, 32, 2): 2.01})
+    settings = tiny_settings(timer, space=SearchSpace("tiny", (16, 32), (16,), (4,), (1,)))
+    key = "stable/fp16/e16/none/s4096/forward"
+    gpu = cli.INTERPRETER_GPU_KEY if launch.interpreter_enabled() else cache.device_gpu_key(torch.device(DEVICE))
+    old = tmp_path / "old.json"
+    cache.update_table(old, cache.TuningTable.for_current_code(gpu, {key: {"configs": {"forward": cfg_dict(16, 32, 2)}}}))
+    out = tmp_path / "tables"
+    argv = ["--dtypes", "fp16", "--head-dims", "16", "--masks", "none", "--schedules", "stable", "--passes",
+            "forward", "--seqs", "4096", "--output", str(out), "--summary", str(tmp_path / "s.json")]
+    assert cli.main(argv + ["--incumbents", str(old)], settings=settings, device=torch.device(DEVICE)) == 0
+    entry = cache.read_table(table_file(out)).entries[key]
+    assert entry["configs"] == {"forward": cfg_dict(16, 32, 2)}  # 0.5 % behind the fastest: kept
+    assert entry["incumbent"]["ms"] == pytest.approx(2.01)
+    row = json.loads((tmp_path / "s.json").read_text())["rows"][0]
+    assert row["incumbent"] == row["winner"] == "16x32/w2/s1"
+    printed = capsys.readouterr().out
+    assert "race an incumbent" in printed and "vs incumbent" in printed and "kept" in printed
+    # A table of another GPU, or no table, stops the run before anything is measured.
+    other = tmp_path / "other.json"
+    cache.update_table(other, cache.TuningTable.for_current_code("other-gpu_sm80_108sm", {}))
+    for path, message in ((other, "is for other-gpu"), (tmp_path / "missing.json", "no table at")):
+        with pytest.raises(SystemExit, match=message):
+            cli.main(argv + ["--incumbents", str(path)], settings=settings, device=torch.device(DEVICE))
 
 
 def test_cli_quick_grid_and_default_output():

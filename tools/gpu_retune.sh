@@ -10,7 +10,10 @@
 # Selection (comma lists; a bucket is dropped when it matches all five): SCHED (stable), PASSES
 # (forward,backward), DIMS (64,128), SEQS (1024,4096,16384), DTYPES (bf16,fp16); masks none and
 # causal. BUDGET: the tuner's --time-budget in seconds (480); a run stopped by it resumes when the
-# returned table goes into tuning_resume/ of the working tree. Timing (H200, session 23): 16 s1024
+# returned table goes into tuning_resume/ of the working tree. INCUMBENTS (1): the shipped entries of
+# the dropped buckets race in their searches (--incumbents), so a pick moves only for a gain over it
+# measured in the same run (session 26's re-tune without it moved 29 of 32 picks, no faster on average);
+# INCUMBENTS=0 tunes from scratch. Timing (H200, session 23): 16 s1024
 # buckets (162 candidates) in 256 s; 24 backward buckets at mixed lengths in 381 s (session 22).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,7 +48,8 @@ PY
 fi
 nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-timeout $((BUDGET + 90)) python3 -m flash_inductor.autotune --resume --time-budget "$BUDGET" --schedules "$SCHED" \
+RACE=(); [ "${INCUMBENTS:-1}" = 1 ] && RACE=(--incumbents "flash_inductor/tuning/tables/$GPU_KEY.json")
+timeout $((BUDGET + 90)) python3 -m flash_inductor.autotune --resume --time-budget "$BUDGET" --schedules "$SCHED" "${RACE[@]}" \
   --passes "$PASSES" --head-dims "$DIMS" --seqs "$SEQS" --dtypes "$DTYPES" --masks none,causal --heat-ms 500 \
   --output "$TABLE" --summary "$OUT/autotune_summary_$TAG.json" > "$OUT/autotune_$TAG.log" 2>&1
 echo "tuner rc=$?"

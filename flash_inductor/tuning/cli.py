@@ -69,6 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ship", action="store_true", help="write into flash_inductor/tuning/tables/")
     p.add_argument("--summary", default=None, help="summary JSON path (default: beside the table)")
     p.add_argument("--resume", action="store_true", help="skip buckets already in the output table")
+    p.add_argument("--incumbents", default=None, metavar="TABLE",
+                   help="a table of this GPU (e.g. the shipped one) whose entries for the tuned buckets race in "
+                        "their searches: a new pick replaces an entry only when faster by more than 1%% in the "
+                        "same run, so a re-tune moves picks for measured gains, not timing noise")
     p.add_argument("--time-budget", type=float, default=0.0,
                    help="seconds; stop before a round that would overrun (0: no limit). Resume later")
     p.add_argument("--compile-workers", type=int, default=None,
@@ -205,22 +209,39 @@ def summary_rows(plan: list[PlannedBucket], entries: dict) -> list[dict]:
                 heuristic_ms=entry["heuristic"]["ms"], speedup_vs_heuristic=entry["speedup_vs_heuristic"],
                 candidates=entry.get("candidates"), source=entry.get("source"),
             )
+            if entry.get("incumbent") is not None:
+                row.update(incumbent=_label(entry["incumbent"]["configs"]), incumbent_ms=entry["incumbent"]["ms"],
+                           speedup_vs_incumbent=entry.get("speedup_vs_incumbent"))
         rows.append(row)
     return rows
 
 
 def format_summary(rows: list[dict]) -> str:
     header = ("bucket", "winner", "TFLOP/s", "error", "err/budget", "runner-up", "vs heuristic")
+    # A run with --incumbents also says how each pick compares with the entry it may replace.
+    raced = any("incumbent" in r for r in rows)
+    header += ("vs incumbent",) if raced else ()
     lines = [header]
     for r in rows:
         if not r["tuned"]:
-            lines.append((r["bucket"], "not tuned", "-", "-", "-", "-", "-"))
+            lines.append((r["bucket"], "not tuned") + ("-",) * (len(header) - 2))
             continue
         ratio = r["speedup_vs_heuristic"]
-        lines.append((r["bucket"], r["winner"], f"{r['tflops']:.1f}", f"{r['error']:.1e}", f"{r['error_ratio']:.2f}",
-                      r["runner_up"], "heuristic rejected" if ratio is None else f"{ratio:.3f}x"))
+        line = (r["bucket"], r["winner"], f"{r['tflops']:.1f}", f"{r['error']:.1e}", f"{r['error_ratio']:.2f}",
+                r["runner_up"], "heuristic rejected" if ratio is None else f"{ratio:.3f}x")
+        if raced:
+            line += (_versus_incumbent(r),)
+        lines.append(line)
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def _versus_incumbent(row: dict) -> str:
+    if "incumbent" not in row:
+        return "-"
+    if row["speedup_vs_incumbent"] is None:
+        return "incumbent rejected"
+    return "kept" if row["incumbent"] == row["winner"] else f"{row['speedup_vs_incumbent']:.3f}x"
 
 
 def _write_json(path: pathlib.Path, data: dict) -> None:
@@ -230,6 +251,22 @@ def _write_json(path: pathlib.Path, data: dict) -> None:
 # ------------------------------------------------------------------------------------------
 # main
 # ------------------------------------------------------------------------------------------
+
+
+def _incumbent_entries(path: Optional[str], gpu: str) -> dict[str, dict]:
+    """``--incumbents``: that table's entries by bucket key ({} without the option). A missing or
+    unreadable file, or a table of another GPU, stops the run before anything is measured."""
+    if path is None:
+        return {}
+    try:
+        table = cache.read_table(path)
+    except ValueError as error:
+        raise SystemExit(f"flash_inductor.autotune: --incumbents: {error}")
+    if table is None:
+        raise SystemExit(f"flash_inductor.autotune: --incumbents: no table at {path}")
+    if table.gpu != gpu:
+        raise SystemExit(f"flash_inductor.autotune: --incumbents: {path} is for {table.gpu}, this GPU is {gpu}")
+    return dict(table.entries)
 
 
 def _default_settings(args, device: torch.device) -> Settings:
@@ -292,13 +329,17 @@ def main(argv=None, *, settings: Optional[Settings] = None, device: Optional[tor
             entries.update({k: e for k, e in existing.entries.items() if cache.entry_is_current(k, e)})
         elif existing is not None:
             print(f"autotune: not resuming from {path}: {reason}")
+    incumbents = _incumbent_entries(args.incumbents, gpu)
     tasks = []
     for planned in plan:
         entry = entries.get(planned.bucket.key())
         if entry is not None and entry.get("space") == settings.space.name:
             done[planned.bucket] = task_from_entry(planned, tuner.heuristic(planned.bucket), entry)
         else:
-            tasks.append(tuner.task(planned))
+            tasks.append(tuner.task(planned, incumbents.get(planned.bucket.key())))
+    if incumbents:
+        raced = sum(t.incumbent is not None for t in tasks)
+        print(f"autotune: {raced} of {len(tasks)} buckets to tune race an incumbent from {args.incumbents}")
     if args.resume:
         print(f"autotune: resuming: {len(done)} of {len(plan)} buckets already tuned")
 

@@ -14,7 +14,11 @@ worker (``precompile.py``); a pick that fails is rejected and the next best is t
 
 Every candidate list contains the heuristic's configs, and a candidate replaces the heuristic
 only when it is faster by more than ``min_gain``: timing noise never makes the table slower
-than the default. A candidate is timed only after it passes the accuracy check and the stability
+than the default. A re-tune can also give each bucket an incumbent, the pick it would replace
+(``--incumbents``): the incumbent races with the first candidates, and a candidate replaces it
+only when faster by more than ``min_gain`` in the same run. Session 26's re-tune without it moved
+29 of 32 picks, and the new picks were no faster than the old in a forward+backward A/B (median
+0.998x; benchmarks/NOTES.md). A candidate is timed only after it passes the accuracy check and the stability
 probes (``measure.py``).
 
 Rounds: each round takes the next candidate list of several buckets, optionally compiles all of
@@ -92,11 +96,13 @@ def _roles_key(configs: AttentionConfigs, roles) -> tuple:
 class BucketTask:
     """One planned bucket's search state."""
 
-    def __init__(self, planned: PlannedBucket, heuristic: AttentionConfigs):
+    def __init__(self, planned: PlannedBucket, heuristic: AttentionConfigs,
+                 incumbent: Optional[AttentionConfigs] = None):
         self.bucket = planned.bucket
         self.kind = planned.kind
         self.source = planned.source
         self.heuristic = heuristic
+        self.incumbent = incumbent  # the pick a re-tune would replace, raced and kept unless beaten
         self.roles = ROLES[self.bucket.pass_name]
         self.measured: dict[tuple, Measurement] = {}
         self.saved_ranking: Optional[dict] = None  # a resumed run's finished bucket
@@ -114,11 +120,22 @@ class BucketTask:
     def heuristic_measurement(self) -> Optional[Measurement]:
         return self.measured.get(self.key(self.heuristic))
 
+    def incumbent_measurement(self) -> Optional[Measurement]:
+        return None if self.incumbent is None else self.measured.get(self.key(self.incumbent))
+
+    def baseline(self) -> Optional[Measurement]:
+        """What a candidate must beat by ``min_gain``: the incumbent when it was timed (not
+        rejected by the checks or the length-one probe), else the heuristic."""
+        incumbent = self.incumbent_measurement()
+        if incumbent is not None and incumbent.ms is not None:
+            return incumbent
+        return self.heuristic_measurement()
+
     def best(self, min_gain: float) -> Optional[Measurement]:
         ranked = self.ok()
         if not ranked:
             return None
-        base = self.heuristic_measurement()
+        base = self.baseline()
         if base is not None and base.ms is not None and ranked[0].ms > base.ms * (1.0 - min_gain):
             return base
         return ranked[0]
@@ -164,8 +181,12 @@ class Tuner:
         probe = torch.empty(0, dtype=dtype, device=self.device)
         return heuristic_configs(probe, bucket.width, bucket.width, interpreter_enabled(), bucket.schedule, bucket.mask)
 
-    def task(self, planned: PlannedBucket) -> BucketTask:
-        return BucketTask(planned, self.heuristic(planned.bucket))
+    def task(self, planned: PlannedBucket, incumbent_entry: Optional[dict] = None) -> BucketTask:
+        """``incumbent_entry``: a table entry for this bucket (an older table's) whose configs
+        join the search as its incumbent."""
+        heuristic = self.heuristic(planned.bucket)
+        return BucketTask(planned, heuristic, incumbent_configs(heuristic, ROLES[planned.bucket.pass_name],
+                                                                 incumbent_entry))
 
     def estimate_candidates(self, planned: PlannedBucket) -> int:
         """About how many candidates a planned bucket measures (for progress and --dry-run)."""
@@ -195,7 +216,9 @@ class Tuner:
             base = current.configs if current is not None else task.heuristic
             ref_stages = getattr(task.heuristic, role).num_stages
             shapes = shape_candidates(role, space, ref_stages, tiles, self.limits)
-            yield [base] + [dataclasses.replace(base, **{role: c}) for c in shapes]
+            # The incumbent goes with the first list (next_candidates drops it once timed).
+            incumbent = [task.incumbent] if task.incumbent is not None else []
+            yield [base] + incumbent + [dataclasses.replace(base, **{role: c}) for c in shapes]
             others = {r: getattr(base, r) for r in task.roles if r != role}
             ranked = [m for m in task.ok() if all(getattr(m.configs, r) == c for r, c in others.items())]
             near = [m for m in ranked if m.ms <= ranked[0].ms * (1.0 + self.settings.depth_margin)]
@@ -207,7 +230,7 @@ class Tuner:
     def _shortlist(self, task: BucketTask, source: BucketTask) -> Iterator[list[AttentionConfigs]]:
         k = self.settings.top_k
         ranked = {role: source.ranking(role, k) for role in task.roles}
-        candidates = [task.heuristic]
+        candidates = [task.heuristic] + ([task.incumbent] if task.incumbent is not None else [])
         best = {role: (ranked[role][0] if ranked[role] else getattr(task.heuristic, role)) for role in task.roles}
         candidates.append(dataclasses.replace(task.heuristic, **best))
         for role in task.roles:
@@ -401,6 +424,15 @@ def make_entry(task: BucketTask, settings: Settings) -> Optional[dict]:
     runner_up = next((m for m in ranked if m is not best), None)
     base = task.heuristic_measurement()
     rejected = [m for m in task.measured.values() if m.ms is None]
+    incumbent = {}
+    if task.incumbent is not None:
+        timed = task.incumbent_measurement()
+        incumbent = {
+            "incumbent": {"configs": _configs_json(task.incumbent, task.roles),
+                          "ms": None if timed is None else timed.ms,
+                          "rejected": None if timed is None or timed.ms is not None else timed.verdict.reason},
+            "speedup_vs_incumbent": None if timed is None or timed.ms is None else timed.ms / best.ms,
+        }
     return {
         "configs": _configs_json(best.configs, task.roles),
         "ms": best.ms,
@@ -413,6 +445,7 @@ def make_entry(task: BucketTask, settings: Settings) -> Optional[dict]:
                       "ms": None if base is None else base.ms,
                       "rejected": None if base is None or base.ms is not None else base.verdict.reason},
         "speedup_vs_heuristic": None if base is None or base.ms is None else base.ms / best.ms,
+        **incumbent,
         "ranking": {role: [c.to_dict() for c in task.ranking(role, settings.top_k)] for role in task.roles},
         "candidates": len(task.measured),
         "rejected": [{"configs": _configs_json(m.configs, task.roles), "reason": m.verdict.reason}
@@ -421,6 +454,19 @@ def make_entry(task: BucketTask, settings: Settings) -> Optional[dict]:
         "source": None if task.source is None else task.source.key(),
         "space": settings.space.name,
     }
+
+
+def incumbent_configs(heuristic: AttentionConfigs, roles, entry: Optional[dict]) -> Optional[AttentionConfigs]:
+    """The configs of a table entry for ``roles`` (the heuristic's for the other roles), or None
+    when the entry lacks one of them or is malformed. Its kernel hash is not checked: an entry
+    timed on older kernels is still a set of launch configs to race."""
+    configs = (entry or {}).get("configs")
+    if not isinstance(configs, dict) or any(not isinstance(configs.get(role), dict) for role in roles):
+        return None
+    try:
+        return dataclasses.replace(heuristic, **{role: KernelConfig.from_dict(configs[role]) for role in roles})
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def task_from_entry(planned: PlannedBucket, heuristic: AttentionConfigs, entry: Optional[dict]) -> BucketTask:
