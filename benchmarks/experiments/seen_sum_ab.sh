@@ -5,6 +5,11 @@
 #   bash benchmarks/experiments/seen_sum_ab.sh        # results in $OUT: seen_sum_ab.tgz and the log
 #   CELLS="bf16 64 32;fp16 64 32" bash benchmarks/experiments/seen_sum_ab.sh   # fewer cells (dtype, E, heads)
 #   PATCH=benchmarks/experiments/dq_seen_sum_mma_guarded.patch bash ...       # σ̃ alone (session 19's patch)
+#   PATCH=benchmarks/experiments/bwd_preprocess_row_reference.patch SEQ=1024 HOST=1 bash ...
+#       # session 26's one launch fewer per backward: per-launch times at 1k, then host time per step
+#
+# SEQ (4096): the length of the per-launch timing. HOST=1 adds host_overhead.py (eager, GPU kept
+# busy: host time alone) on both trees at the first cell, non-causal and causal, training steps.
 #
 # PATCH (default dq_row_sums_mma_guarded.patch, session 25): σ̃ and, without dLSE, Λ accumulate on
 # the matrix unit. The patched copy's backward table entries are carried (carry_table_entries.py),
@@ -50,11 +55,26 @@ for cell in "${CELL_LIST[@]}"; do
     for tree in main patched; do
       root=$PWD; [ "$tree" = patched ] && root=$PATCHED
       (cd "$root" && PYTHONPATH=$root timeout 90 python3 benchmarks/backward_breakdown.py --dtype "$1" --head-dim "$2" \
-        --heads "$3" --batch 4 --seq 4096 $causal --schedules stable --out "$RESULTS" \
+        --heads "$3" --batch "$(( 16384 / ${SEQ:-4096} > 1 ? 16384 / ${SEQ:-4096} : 1 ))" --seq "${SEQ:-4096}" $causal \
+        --schedules stable --out "$RESULTS" \
         --tag "$tree-$1-e$2${causal:+-causal}" 2>&1 | sed -n '/table configs/,/compiled backward kernels/p' | head -9)
       echo "   ^ $tree $1 E$2 ${causal:-non-causal}"
     done
   done
 done
+if [ "${HOST:-0}" = 1 ]; then
+  set -- ${CELL_LIST[0]}
+  echo "== host time per training step, main vs patch ($(( $(date +%s) - T0 ))s)"
+  for causal in no yes; do
+    for tree in main patched; do
+      root=$PWD; [ "$tree" = patched ] && root=$PATCHED
+      mkdir -p "$RESULTS/host-$tree-$causal"
+      (cd "$root" && PYTHONPATH=$root timeout 120 python3 benchmarks/experiments/host_overhead.py --dtype "$1" \
+        --head-dim "$2" --heads "$3" --seq "${SEQ:-4096}" --batch "$(( 16384 / ${SEQ:-4096} > 1 ? 16384 / ${SEQ:-4096} : 1 ))" \
+        --causal "$causal" --out "$RESULTS/host-$tree-$causal" 2>&1 | grep " host " | head -9)
+      echo "   ^ $tree $1 E$2 causal=$causal"
+    done
+  done
+fi
 tar czf "$OUT/seen_sum_ab.tgz" -C "$OUT" seen_sum_ab && rm -rf "$RESULTS" "$EMPTY_CACHE"
 echo "== done ($(( $(date +%s) - T0 ))s)"
