@@ -49,7 +49,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 RACE=(); [ "${INCUMBENTS:-1}" = 1 ] && RACE=(--incumbents "flash_inductor/tuning/tables/$GPU_KEY.json")
-timeout $((BUDGET + 90)) python3 -m flash_inductor.autotune --resume --time-budget "$BUDGET" --schedules "$SCHED" "${RACE[@]}" \
+timeout $((BUDGET + 90)) python3 -m flash_inductor.autotune --resume --time-budget "$BUDGET" --schedules "$SCHED" ${RACE[@]+"${RACE[@]}"} \
   --passes "$PASSES" --head-dims "$DIMS" --seqs "$SEQS" --dtypes "$DTYPES" --masks none,causal --heat-ms 500 \
   --output "$TABLE" --summary "$OUT/autotune_summary_$TAG.json" > "$OUT/autotune_$TAG.log" 2>&1
 echo "tuner rc=$?"
