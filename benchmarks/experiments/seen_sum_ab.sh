@@ -48,6 +48,8 @@ echo "== fault repro on the patch"
   --shapes 7x1x64,1x1x128,64x1x64,7x1x128,129x129x64 --kinds fp16:stable,bf16:stable \
   --out "$RESULTS" --tag seen-guarded 2>&1 | tail -12)
 echo "== per-launch times, main vs patch ($(( $(date +%s) - T0 ))s)"
+SEQ=${SEQ:-4096}
+BATCH=$(( 16384 / SEQ > 1 ? 16384 / SEQ : 1 ))  # 16k tokens a call, as the tuner times
 IFS=';' read -r -a CELL_LIST <<< "${CELLS:-bf16 64 32;fp16 64 32;bf16 128 16;fp16 128 16}"
 for cell in "${CELL_LIST[@]}"; do
   set -- $cell
@@ -55,7 +57,7 @@ for cell in "${CELL_LIST[@]}"; do
     for tree in main patched; do
       root=$PWD; [ "$tree" = patched ] && root=$PATCHED
       (cd "$root" && PYTHONPATH=$root timeout 90 python3 benchmarks/backward_breakdown.py --dtype "$1" --head-dim "$2" \
-        --heads "$3" --batch "$(( 16384 / ${SEQ:-4096} > 1 ? 16384 / ${SEQ:-4096} : 1 ))" --seq "${SEQ:-4096}" $causal \
+        --heads "$3" --batch "$BATCH" --seq "$SEQ" $causal \
         --schedules stable --out "$RESULTS" \
         --tag "$tree-$1-e$2${causal:+-causal}" 2>&1 | sed -n '/table configs/,/compiled backward kernels/p' | head -9)
       echo "   ^ $tree $1 E$2 ${causal:-non-causal}"
@@ -70,7 +72,7 @@ if [ "${HOST:-0}" = 1 ]; then
       root=$PWD; [ "$tree" = patched ] && root=$PATCHED
       mkdir -p "$RESULTS/host-$tree-$causal"
       (cd "$root" && PYTHONPATH=$root timeout 120 python3 benchmarks/experiments/host_overhead.py --dtype "$1" \
-        --head-dim "$2" --heads "$3" --seq "${SEQ:-4096}" --batch "$(( 16384 / ${SEQ:-4096} > 1 ? 16384 / ${SEQ:-4096} : 1 ))" \
+        --head-dim "$2" --heads "$3" --seq "$SEQ" --batch "$BATCH" \
         --causal "$causal" --out "$RESULTS/host-$tree-$causal" 2>&1 | grep " host " | head -9)
       echo "   ^ $tree $1 E$2 causal=$causal"
     done
