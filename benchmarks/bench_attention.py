@@ -93,6 +93,10 @@ def parse_args(argv=None):
                    help="seconds: start no case after this; the rest are recorded as skipped")
     p.add_argument("--resume", nargs="+", default=[], metavar="RESULTS",
                    help="bench_*.json or .partial.jsonl files: skip the cells they measured")
+    p.add_argument("--precompile", type=int, default=0, metavar="N",
+                   help="first compile the grid's kernels (ours*, flex) in N worker processes, untimed, so the "
+                        "timed run loads them from the on-disk caches; the time counts against --time-budget "
+                        "(0: off; benchmarks/precompile.py)")
     p.add_argument("--dry-run", action="store_true", help="import everything, print the grid, run nothing")
     p.add_argument("--selftest", action="store_true", help="exercise table/CSV/JSON/plot on synthetic records")
     args = p.parse_args(argv)
@@ -292,15 +296,21 @@ def release_memory():
         torch.cuda.empty_cache()
 
 
+def cell_shape(case, tokens):
+    """(batch, heads) of a cell: batch * seq = tokens, heads * E = HIDDEN, as in ANCHORS.md."""
+    return max(1, tokens // case["seq"]), HIDDEN // case["head_dim"]
+
+
 def run_case(case, provider, args, device="cuda", telemetry=None):
     dtype, e, causal, seq, mode = (case[k] for k in ("dtype", "head_dim", "causal", "seq", "mode"))
-    batch, heads = max(1, args.tokens // seq), HIDDEN // e
+    batch, heads = cell_shape(case, args.tokens)
     rec = dict(section="attention", provider=provider, batch=batch, heads=heads, **case)
     if provider == "math" and seq > MATH_MAX_SEQ:
         return dict(rec, status="skipped", error=f"math backend only up to seq {MATH_MAX_SEQ}")
     try:
         q, k, v, dout = make_inputs(batch, heads, seq, e, DTYPES[dtype], device)
         attn = make_attention(provider, causal, seq, seq, device)
+        first_call = time.monotonic()
         out = call_recorded(lambda: attn(q, k, v))  # compiles, and surfaces unsupported shapes
         if mode == "fwd":
             ref = F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), is_causal=causal)
@@ -308,6 +318,7 @@ def run_case(case, provider, args, device="cuda", telemetry=None):
         del out
         step = make_step(attn, mode, q, k, v, dout)
         step()
+        rec["first_call_s"] = round(time.monotonic() - first_call, 3)  # compile time: did --precompile warm it?
         heat(step, args.heat_ms)
         started = time.monotonic()
         ms = bench_ms(step, args.warmup, args.rep)
@@ -552,6 +563,11 @@ def run_all(args, partial_path=None, clock=time.monotonic, telemetry=None):
     if partial_path:
         os.makedirs(os.path.dirname(partial_path) or ".", exist_ok=True)
     deadline = None if args.time_budget is None else clock() + args.time_budget
+    if args.precompile > 0 and grid:
+        import precompile
+        items = precompile.plan(grid, lambda case: cell_shape(case, args.tokens))
+        print(precompile.describe(precompile.warm(items, args.precompile, deadline=deadline, clock=clock)),
+              file=sys.stderr, flush=True)
     with dynamo_limits():
         with no_donated_buffers():
             for case, provider in progress(grid, "attention"):

@@ -311,3 +311,72 @@ def test_kernel_time_plot_needs_both_providers_kernel_times(plots, tmp_path):
     assert path and (tmp_path / "k.png").stat().st_size > 0
     assert plots.plot_kernel_time(records[2:], str(tmp_path / "none.png")) is None  # no anchor measured
     assert not (tmp_path / "none.png").exists()
+
+
+# ----------------------------------------------------------------------------- benchmarks/precompile.py
+
+@pytest.fixture(scope="module")
+def precompile(bench):
+    return _load("precompile")
+
+
+def test_precompile_plans_one_item_per_compiling_provider_and_shape(bench, precompile):
+    args = bench.parse_args(["--dtypes", "bf16", "--head-dims", "64,128", "--seqs", "1024,4096", "--causal", "yes",
+                             "--modes", "fwd,fwd_bwd", "--providers", "ours,flash,flex,cudnn"])
+    grid = [(c, p) for c in bench.build_grid(args) for p in args.providers]
+    items = precompile.plan(grid, lambda case: bench.cell_shape(case, args.tokens))
+    # SDPA's backends compile nothing; fwd and fwd_bwd of one shape share a single fwd_bwd item.
+    assert len(items) == 2 * 2 * 2  # providers ours, flex x E 64, 128 x seq 1k, 4k
+    assert {it["provider"] for it in items} == {"ours", "flex"}
+    assert all(it["mode"] == "fwd_bwd" for it in items)
+    assert [it["seq"] for it in items] == [4096] * 4 + [1024] * 4  # longest first
+    first = items[0]
+    assert (first["batch"], first["heads"]) == (16384 // 4096, 2048 // first["head_dim"])
+    fwd_only = precompile.plan([({**c, "mode": "fwd"}, "ours") for c, _ in grid[:1]],
+                               lambda case: bench.cell_shape(case, args.tokens))
+    assert [it["mode"] for it in fwd_only] == ["fwd"]
+
+
+def test_precompile_shards_cover_every_item_once(precompile):
+    items = list(range(11))
+    shards = [precompile.shard(items, i, 3) for i in range(3)]
+    assert sorted(x for s in shards for x in s) == items
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+
+
+def _cpu_item(**over):
+    item = dict(provider="ours", mode="fwd_bwd", batch=1, heads=2, dtype="fp32", head_dim=16, causal=True, seq=32)
+    return {**item, **over}
+
+
+def test_precompile_workers_run_every_item_and_report_failures(precompile):
+    items = [_cpu_item(), _cpu_item(causal=False, mode="fwd"), _cpu_item(provider="no-such-provider", seq=48)]
+    summary = precompile.warm(items, 2, device="cpu")
+    assert summary["workers"] == 2 and summary["items"] == 3 and not summary["stopped"]
+    assert summary["compiled"] == 2, summary
+    # A failing item's error comes back named, and the other items still ran.
+    assert summary["failed"] == 1 and summary["errors"][0].startswith("no-such-provider fp32 E16 causal=True seq=48")
+    line = precompile.describe(summary)
+    assert "2 of 3 cells compiled by 2 workers" in line and "1 failed" in line
+
+
+def test_precompile_stops_its_workers_at_the_deadline(precompile):
+    ticks = iter(range(0, 10_000, 100))
+    summary = precompile.warm([_cpu_item(seq=32 + i) for i in range(4)], 2, device="cpu", deadline=50,
+                              clock=lambda: next(ticks))
+    assert summary["stopped"] and summary["compiled"] < 4
+    assert "stopped at the time budget" in precompile.describe(summary)
+
+
+def test_bench_runs_precompile_before_timing_within_the_budget(bench, monkeypatch, capsys):
+    import precompile as module
+    calls = []
+    monkeypatch.setattr(module, "warm", lambda items, workers, **kw: calls.append((items, workers, kw)) or
+                        dict(items=len(items), workers=workers, compiled=len(items), failed=0, errors=[],
+                             stopped=False, seconds=1.0))
+    monkeypatch.setattr(bench, "run_case", _fake_run_case({"ours": 400.0, "flash": 300.0}))
+    records = bench.run_all(_args(bench, "--precompile", "3", "--time-budget", "100"), clock=lambda: 7.0)
+    (items, workers, kw), = calls
+    assert workers == 3 and kw["deadline"] == 107.0
+    assert len(items) == 2 and {it["provider"] for it in items} == {"ours"}  # flash compiles nothing
+    assert len(records) == 8 and "precompile: 2 of 2 cells compiled" in capsys.readouterr().err
