@@ -221,6 +221,32 @@ def target_report(records, ours="ours"):
     return rows, lines
 
 
+def target_table(records, ours="ours", min_seq=0):
+    """Markdown: one row per target (anchor, mode, threshold), one column per head dim, each cell
+    "met/measured, median (min–max)" of ours/anchor over the cells with seq >= min_seq. This is
+    the README's target table, computed rather than typed."""
+    rows = [r for r in target_report(records, ours)[0] if r["seq"] >= min_seq]
+    head_dims = sorted({r["head_dim"] for r in rows})
+    names = {"flash": "FA2", "flex": "Flex", "cudnn": "cuDNN"}
+    modes = {"fwd": "forward", "fwd_bwd": "forward+backward"}
+    lines = [f"| {ours}" + (f", seq ≥ {min_seq}" if min_seq else "") + " | " +
+             " | ".join(f"E = {e}" for e in head_dims) + " |", "|---" * (len(head_dims) + 1) + "|"]
+    for anchor, thresholds, _ in TARGETS:
+        for mode in TARGET_MODES:
+            scoped = [r for r in rows if r["anchor"] == anchor and r["mode"] == mode]
+            if not scoped:
+                continue
+            cells = []
+            for e in head_dims:
+                ratios = [r["ratio"] for r in scoped if r["head_dim"] == e]
+                met = sum(x >= thresholds[mode] for x in ratios)
+                cells.append(f"{met}/{len(ratios)}, {statistics.median(ratios):.2f}× "
+                             f"({min(ratios):.2f}–{max(ratios):.2f})" if ratios else "")
+            lines.append(f"| {modes[mode]} ≥ {thresholds[mode]}× {names.get(anchor, anchor)} | " +
+                         " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _record_key(r):
     return (r["section"], r["provider"], r.get("dtype"), r.get("head_dim"), r.get("causal"), r.get("seq"),
             r.get("mode"))
@@ -252,8 +278,12 @@ def main(argv=None):
     p.add_argument("results", nargs="+", help="bench_*.json files; several are merged")
     p.add_argument("--out", default=None,
                    help="stem for the merged .json and .png (default: the single input's own stem)")
+    p.add_argument("--summary", default=None, metavar="PROVIDERS",
+                   help="print only the targets as markdown tables by head dim, for these providers (e.g. "
+                        "ours,ours-fast), and write nothing")
+    p.add_argument("--min-seq", type=int, default=0, help="with --summary: only cells with seq >= this")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    if len(args.results) > 1 and not args.out:
+    if len(args.results) > 1 and not args.out and not args.summary:
         p.error("merging several files needs --out STEM")
     loaded = []
     for path in args.results:
@@ -264,6 +294,9 @@ def main(argv=None):
         p.error(f"these files come from different GPUs ({sorted(map(str, gpus))}); ratios across them mean nothing")
     header = merge_headers([d["header"] for d in loaded])
     records = merge_records(d["results"] for d in loaded)
+    if args.summary:
+        print("\n\n".join(target_table(records, ours, args.min_seq) for ours in args.summary.split(",") if ours))
+        return
     stem = args.out or os.path.splitext(args.results[0])[0]
     print(format_table(records))
     print(format_extras(records))

@@ -118,6 +118,24 @@ def test_target_report_counts_met_missed_and_unmeasured_cells(plots):
     assert "ours/flash fwd >= 1.0: 2/2 cells met" in text
 
 
+def test_target_table_summarises_each_target_by_head_dim(plots):
+    records = [
+        _rec("ours", 500.0), _rec("flash", 340.0), _rec("flex", 520.0),  # E 128, seq 4k: wins FA2, misses Flex
+        _rec("ours", 300.0, seq=1024), _rec("flash", 200.0, seq=1024), _rec("flex", 200.0, seq=1024),
+        _rec("ours", 90.0, e=64), _rec("flash", 100.0, e=64),  # E 64: a miss, no Flex run
+        _rec("ours-fast", 600.0), _rec("flash", 340.0), _rec("flex", 520.0),
+    ]
+    text = plots.target_table(records)
+    lines = text.splitlines()
+    assert lines[0] == "| ours | E = 64 | E = 128 |"
+    assert "| forward ≥ 1.0× FA2 | 0/1, 0.90× (0.90–0.90) | 2/2, 1.49× (1.47–1.50) |" in lines
+    assert "| forward ≥ 1.0× Flex |  | 1/2, 1.23× (0.96–1.50) |" in lines
+    assert not any("cuDNN" in x for x in lines)  # no cuDNN record: that target's row is left out
+    at_4k = plots.target_table(records, min_seq=4096).splitlines()
+    assert at_4k[0] == "| ours, seq ≥ 4096 | E = 64 | E = 128 |" and "| forward ≥ 1.0× Flex |  | 0/1, 0.96× (0.96–0.96) |" in at_4k
+    assert "| forward ≥ 1.0× Flex | 1/1, 1.15× (1.15–1.15) |" in plots.target_table(records, ours="ours-fast")
+
+
 def test_plot_results_merges_files_from_one_gpu_and_refuses_two(plots, tmp_path, capsys):
     header = dict(gpu="NVIDIA H200", torch="2.11.0", triton="3.6.0", date="2026-11-30T00:00:00")
     a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
