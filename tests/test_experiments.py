@@ -194,3 +194,24 @@ def test_host_overhead_probe_times_every_way_and_profiles_ours(tmp_path):
     for section in ("==== ours fwd:", "==== ours fwd_bwd:", "==== ours_compiled fwd_bwd:"):
         assert section in profile, section
     assert "api.py" in profile
+
+
+def test_fp32_tiles_experiment_runs_every_tile_and_matches_fp64(tmp_path):
+    """fp32_tiles.py (NOTES plan item 11): every candidate tile computes the same attention and
+    gradients as the heuristic's, against a float64 run, through its parallel compile workers."""
+    env = dict(os.environ)
+    if DEVICE == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    script = SCRIPT.parent / "fp32_tiles.py"
+    run = subprocess.run([sys.executable, str(script), "--quick", "--device", DEVICE, "--workers", "2",
+                          "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    (path,) = tmp_path.glob("fp32_tiles_*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert {r["role"] for r in rows} == {"forward", "backward_dkdv", "backward_dq"}
+    assert sum(r["heuristic"] for r in rows) == 3 and len(rows) == 15
+    for r in rows:
+        assert "error" not in r, r
+        # fp32 sums in another order: within 1e-6 of fp64 and close to the heuristic tile's error.
+        assert r["err"] < 1e-5 and 0.5 < r["err_vs_heuristic"] < 2.0, r
+        assert r["compile_s"] >= 0
