@@ -105,8 +105,10 @@ def run_worker(items, log_path, device):
 # ----------------------------------------------------------------------------- the parent
 
 def _read_lines(path):
+    """The complete lines a worker has written so far (a line still being written is left for the
+    next poll)."""
     with contextlib.suppress(FileNotFoundError), open(path) as f:
-        return [json.loads(x) for x in f if x.strip()]
+        return [json.loads(x) for x in f if x.endswith("\n") and x.strip()]
     return []
 
 

@@ -398,3 +398,10 @@ def test_bench_runs_precompile_before_timing_within_the_budget(bench, monkeypatc
     assert workers == 3 and kw["deadline"] == 107.0
     assert len(items) == 2 and {it["provider"] for it in items} == {"ours"}  # flash compiles nothing
     assert len(records) == 8 and "precompile: 2 of 2 cells compiled" in capsys.readouterr().err
+
+
+def test_precompile_reads_only_complete_lines(precompile, tmp_path):
+    log = tmp_path / "shard0.jsonl"
+    log.write_text(json.dumps({"status": "ok"}) + "\n" + '{"status": "o')  # a worker mid-write
+    assert precompile._read_lines(str(log)) == [{"status": "ok"}]
+    assert precompile._read_lines(str(tmp_path / "missing.jsonl")) == []
