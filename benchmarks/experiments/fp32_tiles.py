@@ -40,11 +40,12 @@ import torch
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))  # benchmarks/: bench_attention, kernel_time
 sys.path.append(os.path.dirname(os.path.dirname(_HERE)))  # the checkout, after an installed package
+from backward_breakdown import parse_config  # noqa: E402  (labels as 64x32/w4/s2)
 from bench_attention import add_output_args, environment, write_record  # noqa: E402
 from kernel_time import kernel_times_us  # noqa: E402
 
 from flash_inductor import launch  # noqa: E402
-from flash_inductor.tuning.configs import AttentionConfigs, KernelConfig, cuda_heuristic_configs  # noqa: E402
+from flash_inductor.tuning.configs import AttentionConfigs, cuda_heuristic_configs  # noqa: E402
 
 # Candidates per pass beside the heuristic (block_m x block_n / warps / stages); session 26's CPU
 # compile found these without spills, or almost none, at E 128.
@@ -55,12 +56,6 @@ CANDIDATES = {
 }
 ROLE_KERNEL = {"forward": "_attn_fwd", "backward_dkdv": "_attn_bwd_dkdv", "backward_dq": "_attn_bwd_dq"}
 SCHEDULE = "stable"
-
-
-def parse_config(label: str) -> KernelConfig:
-    tiles, warps, stages = label.split("/")
-    block_m, block_n = tiles.split("x")
-    return KernelConfig(int(block_m), int(block_n), int(warps.lstrip("w")), int(stages.lstrip("s")))
 
 
 def heuristic(head_dim: int) -> AttentionConfigs:
