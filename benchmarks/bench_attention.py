@@ -15,8 +15,8 @@ Long grids: --time-budget stops starting cases after that many seconds and write
 as it lands, so a run killed from outside still leaves its measurements. --resume FILE... skips
 the cells those files measured; plot_results.py merges the files afterwards. --precompile N first
 builds every kernel the grid needs in N worker processes (benchmarks/precompile.py): session 27's
-cold 840-cell grid on an H200 took 900 s in two calls with 14 workers, its cells' first calls 0.05 s
-at the median.
+cold 840-cell grid on an H200 took 900 s in two calls with 14 workers, and our cells' first calls
+0.05 s at the median.
 """
 from __future__ import annotations
 
