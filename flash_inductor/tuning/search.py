@@ -422,17 +422,12 @@ def make_entry(task: BucketTask, settings: Settings) -> Optional[dict]:
     flops = attention_flops(task.bucket, settings.timing_shape(task.bucket))
     ranked = task.ok()
     runner_up = next((m for m in ranked if m is not best), None)
-    base = task.heuristic_measurement()
     rejected = [m for m in task.measured.values() if m.ms is None]
+    heuristic, speedup_vs_heuristic = _reference_json(task.heuristic, task.heuristic_measurement(), task.roles, best)
     incumbent = {}
     if task.incumbent is not None:
-        timed = task.incumbent_measurement()
-        incumbent = {
-            "incumbent": {"configs": _configs_json(task.incumbent, task.roles),
-                          "ms": None if timed is None else timed.ms,
-                          "rejected": None if timed is None or timed.ms is not None else timed.verdict.reason},
-            "speedup_vs_incumbent": None if timed is None or timed.ms is None else timed.ms / best.ms,
-        }
+        record, speedup = _reference_json(task.incumbent, task.incumbent_measurement(), task.roles, best)
+        incumbent = {"incumbent": record, "speedup_vs_incumbent": speedup}
     return {
         "configs": _configs_json(best.configs, task.roles),
         "ms": best.ms,
@@ -441,10 +436,8 @@ def make_entry(task: BucketTask, settings: Settings) -> Optional[dict]:
         "error_ratio": best.verdict.error_ratio,
         "runner_up": None if runner_up is None else {"configs": _configs_json(runner_up.configs, task.roles),
                                                       "ms": runner_up.ms},
-        "heuristic": {"configs": _configs_json(task.heuristic, task.roles),
-                      "ms": None if base is None else base.ms,
-                      "rejected": None if base is None or base.ms is not None else base.verdict.reason},
-        "speedup_vs_heuristic": None if base is None or base.ms is None else base.ms / best.ms,
+        "heuristic": heuristic,
+        "speedup_vs_heuristic": speedup_vs_heuristic,
         **incumbent,
         "ranking": {role: [c.to_dict() for c in task.ranking(role, settings.top_k)] for role in task.roles},
         "candidates": len(task.measured),
@@ -454,6 +447,15 @@ def make_entry(task: BucketTask, settings: Settings) -> Optional[dict]:
         "source": None if task.source is None else task.source.key(),
         "space": settings.space.name,
     }
+
+
+def _reference_json(configs: AttentionConfigs, timed: Optional[Measurement], roles,
+                    best: Measurement) -> tuple[dict, Optional[float]]:
+    """An entry's record of a config set the pick is compared with (the heuristic, an incumbent):
+    its configs, time or rejection reason, and the pick's speed-up over it (None when untimed)."""
+    record = {"configs": _configs_json(configs, roles), "ms": None if timed is None else timed.ms,
+              "rejected": None if timed is None or timed.ms is not None else timed.verdict.reason}
+    return record, None if timed is None or timed.ms is None else timed.ms / best.ms
 
 
 def incumbent_configs(heuristic: AttentionConfigs, roles, entry: Optional[dict]) -> Optional[AttentionConfigs]:
