@@ -521,10 +521,11 @@ def write_results(stem, env, records):
 
 # ----------------------------------------------------------------------------- driver
 
-def progress(items, desc):
+def progress(items, desc, total=None):
     try:
         from tqdm import tqdm
-        return tqdm(items, desc=desc, dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 10.0)
+        return tqdm(items, desc=desc, total=total, dynamic_ncols=True,
+                    mininterval=0.1 if sys.stderr.isatty() else 10.0)
     except ImportError:
         return _plain_progress(items, desc)
 

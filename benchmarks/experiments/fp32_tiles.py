@@ -41,7 +41,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))  # benchmarks/: bench_attention, kernel_time
 sys.path.append(os.path.dirname(os.path.dirname(_HERE)))  # the checkout, after an installed package
 from backward_breakdown import parse_config  # noqa: E402  (labels as 64x32/w4/s2)
-from bench_attention import add_output_args, environment, write_record  # noqa: E402
+from bench_attention import add_output_args, environment, progress, write_record  # noqa: E402
 from kernel_time import kernel_times_us  # noqa: E402
 
 from flash_inductor import launch  # noqa: E402
@@ -173,11 +173,11 @@ def compile_item(item: dict, args) -> dict:
 def compile_all(items, args) -> list[dict]:
     """compile_item over ``items`` in ``args.workers`` spawned processes (in this one with 0)."""
     if args.workers <= 0:
-        return [compile_item(item, args) for item in _progress(items, "compile")]
+        return [compile_item(item, args) for item in progress(items, "compile")]
     context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
     with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=context) as pool:
         futures = [pool.submit(compile_item, item, args) for item in items]
-        for _ in _progress(concurrent.futures.as_completed(futures), "compile", total=len(futures)):
+        for _ in progress(concurrent.futures.as_completed(futures), "compile", total=len(futures)):
             pass
         return [f.result() for f in futures]
 
@@ -198,14 +198,6 @@ def time_item(row: dict, cases: dict, args) -> dict:
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     return row
-
-
-def _progress(items, desc, total=None):
-    try:
-        from tqdm import tqdm
-        return tqdm(items, desc=desc, total=total, dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 10.0)
-    except ImportError:
-        return items
 
 
 def summarise(rows) -> list[str]:
@@ -262,7 +254,7 @@ def main(argv=None) -> int:
     rows = compile_all(items, args)
     compile_wall = time.perf_counter() - started
     cases = {(e, c): Case(e, c, args) for e in args.head_dims for c in causal_flags}
-    rows = [time_item(row, cases, args) for row in _progress(rows, "time")]
+    rows = [time_item(row, cases, args) for row in progress(rows, "time")]
     lines = summarise(rows)
     print("\n".join(lines))
     print(f"compile phase {compile_wall:.0f} s wall; * = today's heuristic tile")
