@@ -82,7 +82,9 @@ def flash_attention(
         ``(N, ..., Hq, L, Ev)`` in the input dtype.
 
     A query row with no visible key (all-False mask row, all ``-inf`` row, causal row with
-    no key) returns 0 with zero gradients, where SDPA's math path returns NaN.
+    no key) returns 0 with zero gradients. SDPA's result there depends on the torch version and
+    backend: cuDNN returns wrong, non-zero values; the math backend returns 0 on current torch
+    (NaN before its safe softmax, pytorch/pytorch#131060).
 
     Inside ``with flash_inductor.monitor() as m:`` each call also records its statistics
     (largest logit, LSE range, fully-masked rows, non-finite outputs and gradients), reading
