@@ -32,7 +32,7 @@ import sys
 import torch
 
 # The checkout last: a baseline tree put first on PYTHONPATH (an A/B of two versions) must win;
-# session 24, with this line first, timed the same code twice.
+# with this line first, an A/B times the same code twice.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import DTYPES, add_cell_args, add_output_args, environment, write_record  # noqa: E402

@@ -14,9 +14,8 @@ Long grids: --time-budget stops starting cases after that many seconds and write
 (the rest are recorded as skipped); every finished record is also appended to <stem>.partial.jsonl
 as it lands, so a run killed from outside still leaves its measurements. --resume FILE... skips
 the cells those files measured; plot_results.py merges the files afterwards. --precompile N first
-builds every kernel the grid needs in N worker processes (benchmarks/precompile.py): session 27's
-cold 840-cell grid on an H200 took 900 s in two calls with 14 workers, and our cells' first calls
-0.05 s at the median.
+builds every kernel the grid needs in N worker processes (benchmarks/precompile.py), so the timed
+run loads the kernels from the shared caches instead of compiling them cell by cell.
 """
 from __future__ import annotations
 
@@ -148,7 +147,7 @@ def bench_ms(fn, warmup, rep, grad_to_none=None):
 def heat(fn, ms, clock=time.monotonic, synchronize=None):
     """Run fn back to back for about ``ms`` before it is timed, so every provider is timed at the card's
     sustained, power-limited clock; timed straight after an idle compile a step gets the boost clock,
-    and which provider gets it depends on the grid's order (session 21, benchmarks/NOTES.md)."""
+    and which provider gets it depends on the grid's order (docs/performance.md)."""
     import_flash_inductor()  # in a plain checkout this puts the package on the path
     from flash_inductor.tuning.measure import run_for
 

@@ -5,8 +5,8 @@
 * ``gpu_busy``: for a step run back to back, kernel time per call and the fraction of the
   loop's GPU span that kernels fill. A wall-clock timing well above the kernel time with a busy
   fraction well below 1 means the GPU waited between launches (host time, launch gaps), not
-  slow kernels. Session 22's 1k cells read bimodal at full clock and low power, which is what
-  this tells apart (``benchmarks/NOTES.md``).
+  slow kernels. A small cell that reads bimodal at full clock and low power is the case this
+  tells apart (``docs/performance.md``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Tables and plots for bench_attention.py results; also redraws the PNG of an earlier run.
 
-    python benchmarks/plot_results.py benchmarks/results/bench_nvidia-h200_20261129.json
+    python benchmarks/plot_results.py benchmarks/results/bench_nvidia-h200_20261202_grid.json
     python benchmarks/plot_results.py A.json B.json --out benchmarks/results/bench_..._grid   # merge runs
 
 Several files (a grid split over GPUs or calls) are merged into one record set: for the same cell

@@ -7,7 +7,7 @@
 
 On 2026-11-30 the same launch config on the same problem took 0.24 ms in one process and
 0.50-0.57 ms in others (fp16 causal forward, B=16, H=32, L=S=1024, E=64), while FA2 read
-0.317-0.319 ms every time (benchmarks/NOTES.md). This script separates the explanations. For
+0.317-0.319 ms every time. This script separates the explanations. For
 each provider it takes ``--samples`` measurements of each kind, in one process:
 
 * ``do_bench``: ``triton.testing.do_bench`` medians (L2 flushed before each call), the harness's
@@ -24,8 +24,8 @@ process state (allocator, compiled-kernel choice); ``cudagraph`` far below ``do_
 host time is in the measurement. Writes ``probe_timing_<gpu>_<date>[_<tag>].json``.
 
 ``--mode bwd`` (or ``fwd_bwd``) times the backward the way ``bench_attention.py`` does (autograd
-on a kept graph). The autotuner's seq-1024 backward timings disagree between runs by up to 2x
-(benchmarks/NOTES.md, sessions 15-17) while longer buckets agree; the backward's launcher does
+on a kept graph). The autotuner's seq-1024 backward timings once disagreed between runs by up to
+2x while longer buckets agreed; the backward's launcher does
 several launches and small torch ops per call, a quarter of the GPU work of seq 4096 at the
 tuner's fixed token count, so host time is the first suspect: ``cudagraph`` against ``do_bench``
 there says how much of the measured time it is.
@@ -79,8 +79,8 @@ def _cpu_ms(fn, repeats: int = 5) -> float:
 def _graph_ms(attend, inputs, mode: str, calls: int = 20, replays: int = 10) -> float:
     """Milliseconds per call, replayed from one CUDA graph of ``calls`` calls. The step is built
     and captured on one side stream: autograd runs each backward op on its forward's stream, so a
-    kept graph (``bwd``) whose forward ran elsewhere cannot be captured. Session 19's H200 run
-    failed that way under ``triton.testing.do_bench_cudagraph``, which captures on a stream of its
+    kept graph (``bwd``) whose forward ran elsewhere cannot be captured. An H200 run failed that
+    way under ``triton.testing.do_bench_cudagraph``, which captures on a stream of its
     own, after this script had built the step on the default one."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

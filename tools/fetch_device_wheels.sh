@@ -2,7 +2,7 @@
 # Download what the GPU machine lacks for the test suite (it has pytest but not expecttest) into
 # .whl/ (ignored by git), for the device tool's `carry: [".whl"]`; tools/gpu_suite.sh installs
 # it there. The device runs Python 3.12 on x86-64 Linux, so the wheel is fetched for that, not for
-# this machine. A fresh checkout has no .whl/: run this once per session before the first call.
+# this machine. A fresh checkout has no .whl/: run this once before the first device call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

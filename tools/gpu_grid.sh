@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The full speed grid in one device call, resumable over several: bf16/fp16 × E 64/128/256 ×
+# The full speed grid in one device call, resumable over several: bf16/fp16 × E 64/128/256 ×
 # causal or not × seq 512…32k × forward and forward+backward, ours (stable), ours-fast, FA2, cuDNN
-# and Flex, heated, with every kernel compiled first by 14 worker processes (--precompile). Session
-# 27 ran it cold in two calls (540 s + 354 s; benchmarks/NOTES.md).
+# and Flex, heated, with every kernel compiled first by 14 worker processes (--precompile). On a cold
+# H200 it takes two calls (540 s + 354 s on 2026-12-02).
 #
 #   bash tools/gpu_grid.sh                                   # first call
 #   RESUME=prev/bench_..._grid.json TAG=grid-2 bash tools/gpu_grid.sh   # next call: skips measured cells
-#   python benchmarks/plot_results.py A.json B.json --out benchmarks/results/bench_..._grid-merged
+#   python benchmarks/plot_results.py A.json B.json --out benchmarks/results/bench_<gpu>_<date>_grid
 #
 # RESUME: bench_*.json / .partial.jsonl files of earlier calls (in the working tree: carry them if
 # git ignores them). BUDGET: seconds before no new cell starts (530, inside a 600 s call). TAG

@@ -12,9 +12,9 @@
 # causal. BUDGET: the tuner's --time-budget in seconds (480); a run stopped by it resumes when the
 # returned table goes into tuning_resume/ of the working tree. INCUMBENTS (1): the shipped entries of
 # the dropped buckets race in their searches (--incumbents), so a pick moves only for a gain over it
-# measured in the same run (session 26's re-tune without it moved 29 of 32 picks, no faster on average);
-# INCUMBENTS=0 tunes from scratch. Timing (H200, session 23): 16 s1024
-# buckets (162 candidates) in 256 s; 24 backward buckets at mixed lengths in 381 s (session 22).
+# measured in the same run (a re-tune without it moved most picks, no faster on average);
+# INCUMBENTS=0 tunes from scratch. Timing (H200): 16 s1024 buckets (162 candidates) in 256 s;
+# 24 backward buckets at mixed lengths in 381 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flash_inductor_out}

@@ -86,12 +86,11 @@ SUITE_SECONDS=${SUITE_SECONDS:-420}
 PARTS="$OUT/pytest_gpus"   # inside $OUT so a run cut off from outside still brings its logs back
 rm -rf "$PARTS"; mkdir -p "$PARTS"
 
-# Greedy longest-first split. Costs: seconds of pytest on the H200 with ~18 workers (session 12;
-# test_kernels and test_table_edges re-measured in session 18 with 15 workers, cold: ~650 s and
-# 87 s); test_monitor holds one ~290 s test, so it and test_kernels land on different GPUs when GPUS >= 2.
+# Greedy longest-first split. Costs: seconds of pytest on the H200 with ~18 workers (test_kernels
+# and test_table_edges with 15 workers, cold: ~650 s and 87 s); test_monitor holds one ~290 s test, so it and test_kernels land on different GPUs when GPUS >= 2.
 mapfile -t GROUPS_ < <(python3 - "$GPUS" ${TESTS:-tests/test_*.py} <<'EOF'
 import glob, os, sys
-# test_autotune.py's 60 s split 40/20 with test_tuning_tables.py in session 22 (an estimate).
+# test_autotune.py's and test_tuning_tables.py's 40/20 s are estimates.
 COST = {"test_kernels.py": 650, "test_monitor.py": 290, "test_flash_attention.py": 220,
         "test_ops.py": 80, "test_pass_handwritten.py": 60, "test_transformers_models.py": 60,
         "test_autotune.py": 40, "test_tuning_tables.py": 20, "test_stability.py": 60, "test_fp8.py": 40,

@@ -9,7 +9,7 @@ Why: a tuning table entry carries its kernel family's source hash, so any edit o
 makes every backward entry stale, even for variants whose compiled code the edit does not touch
 (a change behind a constexpr only one schedule sets). Where the PTX of a variant is unchanged, its
 tuned configs still describe the running kernels and the entry may be re-stamped with the new
-hash rather than re-tuned (as session 17 did). Each case (head dim x mask x dtype x schedule)
+hash rather than re-tuned (``tools/carry_table_entries.py``). Each case (head dim x mask x dtype x schedule)
 compiles one forward and one backward at the Hopper heuristic's configs (tools/smem_check.py's
 stand-in driver, so no GPU is needed), and the PTX of each kernel is hashed after dropping
 comments, the header lines and the debug information (source lines and paths). ``--compare`` prints, per case and kernel,

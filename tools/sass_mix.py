@@ -4,7 +4,7 @@
     python tools/sass_mix.py --schedule stable --head-dim 128 --dkdv 64,64,4,2 --dq 64,64,4,2
 
 At E = 64 the backward passes are bound by the work done per score (exp2 on the MUFU pipe, fp32
-adds and multiplies, conversions), not by the tensor cores (benchmarks/NOTES.md, session 15), so
+adds and multiplies, conversions), not by the tensor cores (docs/performance.md), so
 the count of those instructions in a pass's inner loop predicts what a kernel change costs before
 any GPU time is spent: it found that a branch inside the dQ loop made the compiler evaluate both
 sides (two exp2 per score). Each launch our launchers would start (as in tools/smem_check.py) is
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
         mma_bodies = [(a, b) for a, b in bodies if mma_kind(instructions[a:b + 1])]
         counts = opcode_counts(instructions)
         # mma.sync on sm_90 runs well below wgmma's rate; the E = 256 dK/dV pass (a 32-key block)
-        # compiled to it unnoticed while this line counted wgmma loops only (session 18).
+        # once compiled to it unnoticed while this line counted wgmma loops only.
         # LDL/STL are register spills.
         print(f"{name}: {len(instructions)} instructions, {compiled.metadata.shared} bytes shared, "
               f"{len(mma_bodies)} MMA loops ({mma_kind(instructions) or 'no MMA'}), "

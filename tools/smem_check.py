@@ -3,7 +3,7 @@
     python tools/smem_check.py                  # E 64/128/256 x masks x bf16/fp16 x schedules: 15-25 min
     python tools/smem_check.py --head-dims 256 --masks bool --schedules stable
 
-Session 14 changed the backward and re-tuned it before the GPU tests found that one launch (E=256
+A backward change was once re-tuned before the GPU tests found that one launch (E=256
 dQ pass with a bool mask, a heuristic config: mask kinds other than none/causal are not tuned)
 needed 336 KiB of shared memory against Hopper's 227 KiB. Shared memory is fixed when Triton
 lowers a kernel, before any GPU is involved, so this tool finds such launches on a CPU machine:

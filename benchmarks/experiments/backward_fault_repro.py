@@ -1,10 +1,10 @@
-"""EXPERIMENT (session 16): which backward launch faults, and under which configs?
+"""EXPERIMENT: which backward launch faults, and under which configs?
 
     CUDA_LAUNCH_BLOCKING=1 python benchmarks/experiments/backward_fault_repro.py --out DIR   # GPU
     TRITON_INTERPRET=1 python benchmarks/experiments/backward_fault_repro.py --device cpu --quick
 
-Session 16 applied the three backward patches of this folder (``dq_row_scale``, ``even_tiles``,
-``dq_seen_sum_mma``), re-tuned, and ran tests/test_kernels.py on the H200: 214 passed, and
+Written when three backward patches (``dq_row_scale``, ``even_tiles``, ``dq_seen_sum_mma``),
+re-tuned, and ran tests/test_kernels.py on the H200: 214 passed, and
 ``test_shapes[fp16-L7_S1_E64]`` (B=2, H=2, L=7, S=1, E=64, no mask, `stable`) hit "an illegal
 memory access" in one of the launches before the dK/dV pass, alone as well as under xdist; the
 bf16 and fp32 versions of the case passed, and so did fp16 L=129, S=129, E=64, whose launches
@@ -13,10 +13,10 @@ bucket dQ 64x64/w4/s3 and dK/dV 64x64/w4/s4 (bf16: the same dQ, dK/dV s3); main'
 64x128/w4/s2 and dK/dV 32x64/w4/s3. The interpreter, with every active load and store address
 checked against the launch's tensors, found no out-of-bounds access in these shapes and configs.
 
-Outcome (session 17, ``benchmarks/results/backward_fault_nvidia-h200_20261201_s17.md``): the
-fault is in ``_attn_bwd_dq``, at σ̃'s row sum on the matrix unit (``dq_seen_sum_mma.patch``, now
-a patch against main), when S == 1 is specialised into the kernel; main sums σ̃ by fp32 adds.
-The patch files named above landed, or were removed (git history at 813b459).
+Outcome (2026-12-01, ``benchmarks/results/backward_fault_nvidia-h200_20261201_s17.md``): the
+fault is in ``_attn_bwd_dq``, at σ̃'s row sum on the matrix unit, when S == 1 is specialised into
+the kernel; main sums σ̃ by fp32 adds. The other two patches landed; all three are in git history
+(813b459).
 
 This script runs each case (shape x dtype x schedule x forced configs) forward and backward
 with a synchronisation after every launch, so a fault is charged to the launch that made it; a

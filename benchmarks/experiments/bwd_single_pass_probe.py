@@ -1,5 +1,5 @@
-"""EXPERIMENT (session 12, not run on a GPU yet; NOTES.md plan step 3): is a single-pass backward
-with fp32 atomics for dQ faster than our two passes?
+"""EXPERIMENT: is a single-pass backward with fp32 atomics for dQ faster than our two passes?
+(No: benchmarks/results/bwd_single_pass_probe_nvidia-h200_20261130.json; docs/performance.md.)
 
     python benchmarks/experiments/bwd_single_pass_probe.py                 # GPU
     TRITON_INTERPRET=1 python benchmarks/experiments/bwd_single_pass_probe.py --quick --device cpu

@@ -1,9 +1,9 @@
-"""EXPERIMENT (session 14): what makes our dK/dV pass slower than a minimal one?
+"""EXPERIMENT: what makes our dK/dV pass slower than a minimal one?
 
     python benchmarks/experiments/dkdv_features_probe.py            # GPU, ~1 minute
     TRITON_INTERPRET=1 python benchmarks/experiments/dkdv_features_probe.py --quick --device cpu
 
-Session 12's single-pass probe (``bwd_single_pass_probe.py``) timed a minimal dK/dV kernel (no
+The single-pass probe (``bwd_single_pass_probe.py``) timed a minimal dK/dV kernel (no
 mask, dropout, GQA or fp16 rescale) at 1954 us (64x64/w4/s2) against our pass's 2289 us (bf16,
 E=128, L=4096), and 2234 against 2927 at E=64, L=8192: 15-30 %. This probe starts from that
 minimal kernel and adds, one constexpr at a time, what ours does on every tile:
@@ -27,16 +27,13 @@ benchmarks/results/dkdv_features_probe_nvidia-h200_20261201_e{128,64}.json):
   ours, shift branch  2051  2032  2081             2759  2631  2722
 The row shift (one more row vector and one more add per score) is the feature that costs: 3-19 %
 alone. "ours, shift branch" is our pass with the shift made conditional (the plain loop drops
-it unless a row of the call needs it; ``..._shift-branch.json``): 11-27 % faster at the same
-configs; re-tuned, forward+backward rose 4 % on the median of 24 cells (E 64/128, against the
-committed grid of another run; E=64 causal 8-14 %; ``bench_nvidia-h200_20261201_grid-shift-branch.json``).
+it unless a row of the call needs it): 11-27 % faster at the same configs (those records are in
+git history at 79cc50f).
 The first version of the change (commit 25a1537) also duplicated the dQ pass's loop behind a
 runtime branch, and Triton gave each copy its own pipeline buffers: the E=256 dQ pass with a bool
 mask needed 336 KiB of shared memory (227 available), found by the GPU tests after the re-tune.
-Landed in session 15 with the dQ pass branching inside its one loop (208 KiB,
-``tools/smem_check.py``): at the same forced configs our pass took 2063 / 2045 / 2092 us (E=128)
-and 2762 / 2636 / 2725 (E=64), the first version's figures within 1 %
-(``..._shift-branch-v2.json``); test_kernels.py 196 passed on the H200.
+The change landed with the dQ pass branching inside its one loop (208 KiB, ``tools/smem_check.py``),
+at the first version's speed.
 """
 
 from __future__ import annotations

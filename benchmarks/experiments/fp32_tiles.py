@@ -1,12 +1,12 @@
-"""fp32 launch tiles on the GPU: today's heuristic against tiles that do not spill (NOTES plan item 11).
+"""fp32 launch tiles on the GPU: today's heuristic against tiles that do not spill (docs/performance.md, Open leads).
 
     python benchmarks/experiments/fp32_tiles.py --workers 14             # GPU: one device call
     TRITON_INTERPRET=1 python benchmarks/experiments/fp32_tiles.py --quick --device cpu   # smoke run
 
-Session 26 compiled the fp32 heuristic configs for sm_90 on a CPU: at E 128 the forward, dK/dV and
+Compiled for sm_90 on a CPU, the fp32 heuristic configs behave badly: at E 128 the forward, dK/dV and
 dQ tiles keep 32 registers a thread and spill 10-13 KB to the stack, the dK/dV pass takes ~70 s to
 compile, and smaller tiles or more warps do not spill
-(``benchmarks/results/fp32_tiles_sm90_cpu_20261202_s26.json``). This times them on the GPU before
+(``benchmarks/results/fp32_tiles_sm90_cpu_20261202.json``). This times them on the GPU before
 ``cuda_heuristic_configs``'s fp32 branch changes.
 
 For each head dim and mask (fp32, B x H x L = 2 x 8 x 2048 by default) and each pass, every
@@ -47,8 +47,8 @@ from kernel_time import kernel_times_us  # noqa: E402
 from flash_inductor import launch  # noqa: E402
 from flash_inductor.tuning.configs import AttentionConfigs, cuda_heuristic_configs  # noqa: E402
 
-# Candidates per pass beside the heuristic (block_m x block_n / warps / stages); session 26's CPU
-# compile found these without spills, or almost none, at E 128.
+# Candidates per pass beside the heuristic (block_m x block_n / warps / stages); the CPU compile
+# (fp32_tiles_sm90_cpu_20261202.json) found these without spills, or almost none, at E 128.
 CANDIDATES = {
     "forward": ("32x64/w8/s2", "16x32/w4/s2", "32x32/w4/s2", "64x32/w8/s2"),
     "backward_dkdv": ("16x64/w8/s1", "16x32/w4/s1", "32x32/w4/s1", "32x64/w8/s1"),

@@ -1,4 +1,4 @@
-"""EXPERIMENT (session 12; not shipped, results in benchmarks/results/fwd_ws_probe_*.json and NOTES.md): on an H200 with Triton 3.6, does a flash-attention forward that loads
+"""EXPERIMENT (not shipped; results in benchmarks/results/fwd_ws_probe_*.json, read in docs/performance.md): on an H200 with Triton 3.6, does a flash-attention forward that loads
 through on-device tensor descriptors (tl.make_tensor_descriptor) and asks for automatic warp
 specialization (tl.range(..., warp_specialize=True); Hopper: triton PR #7658) beat our forward
 (kernels/attn_fwd.py: ~476 TFLOP/s, cuDNN ~606, at bf16 B4 H16 L4096 E128)? Variants of one kernel:

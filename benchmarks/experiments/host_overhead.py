@@ -1,4 +1,4 @@
-"""EXPERIMENT (session 23): how much host time does one eager attention call cost?
+"""EXPERIMENT: how much host time does one eager attention call cost?
 
     python benchmarks/experiments/host_overhead.py --out DIR            # GPU
     TRITON_INTERPRET=1 python benchmarks/experiments/host_overhead.py --quick --device cpu
@@ -9,7 +9,7 @@ script measures the host side alone. It first queues a long ``torch.cuda._sleep`
 busy for the whole timed loop; every launch then returns at once and the wall time of the loop
 is pure host time (Python, argument checks, allocations, launch calls). The launch queue is
 finite (~1000 entries): once it is full a launch waits for the GPU, and the loop then measures
-the sleep. Session 23's first run hit that (60 fp16 `stable` training steps, ~18 launches each,
+the sleep. A first version hit that (60 fp16 `stable` training steps, ~18 launches each,
 read 3.75 ms a step: the 200 ms sleep over 60 calls), so the training-step loop is shorter, and
 a sample whose sleep had ended before the loop did is reported as invalid rather than timed.
 Then ``cProfile`` lists where ours spends it.

@@ -1,11 +1,11 @@
-"""EXPERIMENT (session 22, for the next device session): why did the tuner's timing of a backward
-call read up to 2x slower than the same call through the op?
+"""EXPERIMENT: why did the tuner's timing of a backward call read up to 2x slower than the same
+call through the op?
 
     python benchmarks/experiments/tuner_vs_op_timing.py                      # GPU: bf16, E=64, causal, L=S=1024
     python benchmarks/experiments/tuner_vs_op_timing.py --head-dim 128 --dtype fp16
     TRITON_INTERPRET=1 python benchmarks/experiments/tuner_vs_op_timing.py --quick --device cpu
 
-On the H200 in session 22 (results/s1024_timing_nvidia-h200_20261201_s22.txt), the autotuner's way
+On the H200 on 2026-12-01 (results/s1024_timing_nvidia-h200_20261201_s22.txt), the autotuner's way
 of timing the bf16 E=64 causal L=S=1024 backward (``tuning.measure.LaunchRunner.backward`` with the
 configs forced, under ``triton.testing.do_bench``) read 2.28 ms in four of four samples, while the
 same inputs and configs through ``flash_attention`` and autograd read 1.18 ms, and
@@ -13,7 +13,7 @@ same inputs and configs through ``flash_attention`` and autograd read 1.18 ms, a
 tuner's way read 1.16 ms in two samples and 2.16 ms in two. So the tuner ranked s1024 causal
 backward configs on noise.
 
-The suspect found afterwards on the CPU: called from outside our ops, each launch goes through
+The suspect, found on the CPU: called from outside our ops, each launch goes through
 torch's wrap_triton HOP dispatch, which the ops skip (a ``triton_op`` run eagerly turns it off for
 its body; torch's own docstring of that switch calls the HOP's eager cost "~1ms"). The tuner now
 calls the launchers inside ``launch.direct_kernel_calls()``. This script tests that, alternating
@@ -21,7 +21,7 @@ three ways ``--rounds`` times in one process, on the tuner's own timing problem
 (``measure.make_problem``, seed 7, drawn on the device) and the table's configs:
 
 * ``launch_hop``: ``launch.attention_backward`` called bare against a saved forward, as
-  ``Tuner.measure`` timed it before session 22;
+  ``Tuner.measure`` used to time it;
 * ``launch``: ``LaunchRunner.backward``, as the tuner times it now;
 * ``op``: the same tensors (cloned) through ``flash_attention``, ``torch.autograd.grad`` on a
   kept graph with the same dO.
@@ -92,7 +92,7 @@ def build_calls(args):
     runner = measure.LaunchRunner()
     out, lse = runner.forward(problem, configs, args.schedule)
 
-    def launch_hop_way():  # the tuner before session 22: every launch through wrap_triton's HOP
+    def launch_hop_way():  # the tuner's old way: every launch through wrap_triton's HOP
         return launch.attention_backward(problem.dout, problem.q, problem.k, problem.v, problem.mask, out, lse,
                                          None, None, 0.0, problem.is_causal, problem.causal_offset, problem.scale,
                                          args.schedule, False, configs=configs)[:3]
