@@ -1,0 +1,316 @@
+"""Real models, end to end: plain ``torch.compile`` against ``torch.compile(backend=flash_inductor.backend)``.
+
+HF transformers models are built from configs (no downloads): Llama-style GQA at head dim 64 and
+128, GPT-2, BERT (with padding) and ViT. Each is measured on a training step (forward, loss,
+backward, fused AdamW) and on an inference forward, with ``attn_implementation`` "sdpa" (the
+transformers default; on Hopper SDPA dispatches to cuDNN) and "eager" (hand-written attention).
+Both contenders of a cell run in this one process, each compiled, heated, then timed with
+``triton.testing.do_bench``; the record keeps each contender's first call (its compile: the cold
+start a user waits for) and the loss of its first step, so a speed-up that changed the result
+shows.
+
+    python -m benchmarks.e2e_models                                 # every model, seq 1k-8k
+    python -m benchmarks.e2e_models --models llama-e64 --seqs 2048 --tasks train
+    python -m benchmarks.e2e_models --cold ...                      # fresh Triton/Inductor caches
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+from benchmarks import bench_attention as bench
+
+TASKS = ("train", "infer")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+CONTENDERS = ("compile", "flash_inductor")
+TOKENS = 16384  # batch x seq of every cell
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    family: str  # llama, gpt2, bert, vit
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int | None = None  # GQA (llama)
+    vocab: int = 32000
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+MODELS = {
+    # The configuration behind the README's end-to-end claim: hidden 1024, 16/4 heads (E 64).
+    "llama-e64": ModelSpec("llama", hidden=1024, layers=8, heads=16, kv_heads=4),
+    "llama-e128": ModelSpec("llama", hidden=2048, layers=4, heads=16, kv_heads=4),
+    "gpt2": ModelSpec("gpt2", hidden=1024, layers=8, heads=16, vocab=50257),
+    "bert": ModelSpec("bert", hidden=1024, layers=8, heads=16, vocab=30522),
+    "vit": ModelSpec("vit", hidden=768, layers=8, heads=12),
+}
+# Small enough for a CPU test of the harness: every family, two layers, E 16.
+TINY_MODELS = {name: dataclasses.replace(spec, hidden=64, layers=2, heads=4, kv_heads=spec.kv_heads and 2, vocab=256)
+               for name, spec in MODELS.items()}
+VIT_PATCH = 16
+
+
+def vit_image_size(seq: int) -> int:
+    """The square image whose 16-pixel patches give about ``seq`` tokens (plus the class token)."""
+    return VIT_PATCH * max(1, round(math.sqrt(seq)))
+
+
+def build_model(spec: ModelSpec, seq: int, attn_implementation: str, device, dtype) -> torch.nn.Module:
+    import transformers as tf
+
+    common = dict(attn_implementation=attn_implementation)
+    if spec.family == "llama":
+        cfg = tf.LlamaConfig(hidden_size=spec.hidden, intermediate_size=int(spec.hidden * 8 / 3) // 64 * 64 or 64,
+                             num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+                             num_key_value_heads=spec.kv_heads, vocab_size=spec.vocab, max_position_embeddings=seq)
+        model = tf.AutoModelForCausalLM.from_config(cfg, **common)
+    elif spec.family == "gpt2":
+        cfg = tf.GPT2Config(n_embd=spec.hidden, n_layer=spec.layers, n_head=spec.heads, vocab_size=spec.vocab,
+                            n_positions=seq)
+        model = tf.AutoModelForCausalLM.from_config(cfg, **common)
+    elif spec.family == "bert":
+        cfg = tf.BertConfig(hidden_size=spec.hidden, num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+                            intermediate_size=4 * spec.hidden, vocab_size=spec.vocab, max_position_embeddings=seq)
+        model = tf.AutoModelForMaskedLM.from_config(cfg, **common)
+    elif spec.family == "vit":
+        cfg = tf.ViTConfig(hidden_size=spec.hidden, num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+                           intermediate_size=4 * spec.hidden, image_size=vit_image_size(seq), patch_size=VIT_PATCH,
+                           num_labels=1000)
+        model = tf.AutoModelForImageClassification.from_config(cfg, **common)
+    else:
+        raise ValueError(f"unknown model family {spec.family!r}")
+    # Dropout off: both contenders then compute the same function, and their losses compare.
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model.to(device=device, dtype=dtype)
+
+
+def make_batch(spec: ModelSpec, seq: int, batch: int, device, dtype) -> dict:
+    """Model inputs with labels. BERT gets padding: every other sequence loses its last eighth,
+    so its attention carries a real mask."""
+    generator = torch.Generator().manual_seed(0)
+    if spec.family == "vit":
+        size = vit_image_size(seq)
+        pixels = torch.randn(batch, 3, size, size, generator=generator)
+        return dict(pixel_values=pixels.to(device=device, dtype=dtype),
+                    labels=torch.randint(0, 1000, (batch,), generator=generator).to(device))
+    ids = torch.randint(0, spec.vocab, (batch, seq), generator=generator).to(device)
+    inputs = dict(input_ids=ids, labels=ids)
+    if spec.family == "bert":
+        mask = torch.ones(batch, seq, dtype=torch.long, device=device)
+        mask[::2, seq - seq // 8:] = 0
+        inputs["attention_mask"] = mask
+    return inputs
+
+
+def batch_for(spec: ModelSpec, seq: int, tokens: int) -> int:
+    if spec.family == "vit":
+        return max(1, tokens // (vit_image_size(seq) // VIT_PATCH) ** 2)
+    return max(1, tokens // seq)
+
+
+def make_task(model, compiled, inputs: dict, task: str):
+    """A step callable for one task, and the tensors do_bench should clear between calls."""
+    if task == "infer":
+        def infer():
+            with torch.no_grad():
+                return compiled(**inputs).logits
+        return infer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, **({"fused": True} if _on_cuda(model) else {}))
+
+    def train():
+        optimizer.zero_grad(set_to_none=True)
+        loss = compiled(**inputs).loss
+        loss.backward()
+        optimizer.step()
+        return loss
+    return train
+
+
+def _on_cuda(model) -> bool:
+    return next(model.parameters()).device.type == "cuda"
+
+
+def compile_with(contender: str, model):
+    if contender == "compile":
+        return torch.compile(model)
+    import flash_inductor
+
+    return torch.compile(model, backend=flash_inductor.backend)
+
+
+def _synchronize(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_step(step, args, device) -> float:
+    if torch.device(device).type != "cuda":  # CPU runs test the harness; a wall-clock median is enough
+        times = []
+        for _ in range(max(1, args.rep_steps)):
+            start = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - start) * 1e3)
+        return sorted(times)[len(times) // 2]
+    bench.heat(step, args.heat_ms)
+    return bench.bench_ms(step, args.warmup, args.rep)
+
+
+def run_cell(name: str, spec: ModelSpec, seq: int, attn: str, task: str, args, compile_fn=compile_with) -> list[dict]:
+    """Both contenders on one (model, seq, attention implementation, task), one record each."""
+    batch = batch_for(spec, seq, args.tokens)
+    base = dict(model=name, family=spec.family, head_dim=spec.head_dim, heads=spec.heads, kv_heads=spec.kv_heads,
+                layers=spec.layers, hidden=spec.hidden, seq=seq, batch=batch, attn=attn, task=task, dtype=args.dtype)
+    records = []
+    for contender in CONTENDERS:
+        record = dict(base, contender=contender)
+        try:
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = build_model(spec, seq, attn, args.device, bench.DTYPES[args.dtype])
+            model.train(task == "train")
+            inputs = make_batch(spec, seq, batch, args.device, bench.DTYPES[args.dtype])
+            step = make_task(model, compile_fn(contender, model), inputs, task)
+            start = time.perf_counter()
+            first = step()
+            _synchronize(args.device)
+            record["first_call_s"] = time.perf_counter() - start
+            record["first_output"] = float(first.detach().float().mean())
+            record["ms"] = time_step(step, args, args.device)
+            record["status"] = "ok"
+            del model, inputs, step, first
+        except Exception as exc:  # one failing cell must not end a long run
+            record.update(status="error", error=bench.first_line(exc))
+        bench.release_memory()
+        records.append(record)
+    return records
+
+
+def summarise(records: list[dict]) -> list[dict]:
+    """One row per cell: each contender's time and ours / plain compile as a speed ratio (> 1: ours faster)."""
+    cells = {}
+    for r in records:
+        key = tuple(r[k] for k in ("model", "seq", "attn", "task"))
+        cells.setdefault(key, {})[r["contender"]] = r
+    rows = []
+    for (model, seq, attn, task), by in cells.items():
+        plain, ours = by.get("compile", {}), by.get("flash_inductor", {})
+        row = dict(model=model, seq=seq, attn=attn, task=task, compile_ms=plain.get("ms"), ours_ms=ours.get("ms"),
+                   ours_first_call_s=ours.get("first_call_s"), compile_first_call_s=plain.get("first_call_s"))
+        if plain.get("ms") and ours.get("ms"):
+            row["speedup"] = plain["ms"] / ours["ms"]
+            a, b = plain.get("first_output"), ours.get("first_output")
+            row["output_rel_diff"] = abs(a - b) / max(abs(a), 1e-12) if a is not None and b is not None else None
+        rows.append(row)
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| model | seq | attn | task | plain compile ms | ours ms | ours / plain |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['speedup']:.2f}x" if r.get("speedup") else "failed"
+        fmt = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
+        lines.append(f"| {r['model']} | {r['seq']} | {r['attn']} | {r['task']} | {fmt(r['compile_ms'])} | "
+                     f"{fmt(r['ours_ms'])} | {ratio} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, title: str) -> str | None:
+    """Speed-up of ours over plain compile per cell, one panel per task; the 1.0 line is the bar."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, len(TASKS), figsize=(12, 4.5), sharey=True, squeeze=False)
+    for ax, task in zip(axes[0], TASKS):
+        cells = [r for r in rows if r["task"] == task and r.get("speedup")]
+        labels = [f"{r['model']}\n{r['attn']} {r['seq'] // 1024}k" for r in cells]
+        colours = ["tab:blue" if r["attn"] == "sdpa" else "tab:orange" for r in cells]
+        ax.bar(range(len(cells)), [r["speedup"] for r in cells], color=colours)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(cells)), labels, rotation=90, fontsize=7)
+        ax.set_title(f"{task}: ours / plain torch.compile (blue sdpa, orange eager)", fontsize=9)
+    axes[0][0].set_ylabel("speed ratio (> 1: flash_inductor faster)")
+    fig.suptitle(title, fontsize=9, wrap=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
+    p.add_argument("--seqs", default="1024,2048,4096,8192")
+    p.add_argument("--attn", default=",".join(ATTN_IMPLEMENTATIONS))
+    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--tokens", type=int, default=TOKENS, help="batch x seq of every cell")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="two-layer E 16 models (tests of the harness)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--rep", type=int, default=50)
+    p.add_argument("--rep-steps", type=int, default=3, help="CPU only: steps timed per contender")
+    p.add_argument("--heat-ms", type=float, default=500.0)
+    p.add_argument("--time-budget", type=float, default=None, help="seconds; cells past it are skipped")
+    p.add_argument("--cold", action="store_true",
+                   help="fresh Triton and Inductor caches, so first_call_s is a cold start")
+    bench.add_output_args(p)
+    return p.parse_args(argv)
+
+
+def plan(args) -> list[tuple[str, ModelSpec, int, str, str]]:
+    models = TINY_MODELS if args.tiny else MODELS
+    unknown = [m for m in args.models.split(",") if m not in models]
+    if unknown:
+        raise SystemExit(f"--models: unknown {unknown}; choose from {', '.join(models)}")
+    seqs = [int(s) for s in args.seqs.split(",")]
+    return [(m, models[m], seq, attn, task) for m in args.models.split(",") for seq in seqs
+            for attn in args.attn.split(",") for task in args.tasks.split(",")]
+
+
+def main(argv=None, compile_fn=compile_with) -> list[dict]:
+    args = parse_args(argv)
+    if args.cold:  # read when the caches are first used, so setting them here, before any compile, suffices
+        fresh = tempfile.mkdtemp(prefix="e2e_cold_")
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(fresh, "triton")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(fresh, "inductor")
+    env = bench.environment(sys.argv if argv is None else ["-m", "benchmarks.e2e_models", *argv])
+    cells = plan(args)
+    deadline = time.monotonic() + args.time_budget if args.time_budget else None
+    records = []
+    with bench.dynamo_limits():
+        for name, spec, seq, attn, task in bench.progress(cells, "e2e cells"):
+            if deadline is not None and time.monotonic() > deadline:
+                records.append(dict(model=name, seq=seq, attn=attn, task=task, status="skipped",
+                                    error="past --time-budget"))
+                continue
+            records.extend(run_cell(name, spec, seq, attn, task, args, compile_fn))
+    rows = summarise([r for r in records if "contender" in r])
+    print(markdown_table(rows))
+    if not args.no_write:
+        path = bench.write_record(args.out, "e2e_models", env, dict(results=records, summary=rows), args.tag,
+                                  args.device)
+        plot(rows, path[: -len(".json")] + ".png", f"{env.get('gpu') or args.device}, torch {env['torch']}, "
+             f"{args.dtype}, {args.tokens} tokens per step")
+    return records
+
+
+if __name__ == "__main__":
+    main()
