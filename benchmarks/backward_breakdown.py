@@ -102,7 +102,7 @@ class Problem:
                                          0.0, self.causal, 0, self.scale, self.schedule, False, configs=configs)
 
     def table_configs(self):
-        return launch._configs(self.q, self.k, self.v, None, self.causal, self.schedule, None)
+        return launch.common.launch_configs(self.q, self.k, self.v, None, self.causal, self.schedule, None)
 
 
 def pass_gemms(schedule: str) -> dict:

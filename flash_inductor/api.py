@@ -17,7 +17,7 @@ from .monitoring import naming as _monitor_naming
 from .monitoring import ops as _monitor_ops  # registers the recording ops
 from .monitoring import session as _monitor_session
 from .ops import attention as _attention_ops  # registers the ops
-from .launch_fp8 import check_fp8_device
+from .launch.fp8 import check_fp8_device
 from .tuning.schedules import get_schedule
 
 try:  # CausalBias exists in every supported torch, but keep the import failure local.

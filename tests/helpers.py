@@ -30,10 +30,10 @@ ON_CUDA = DEVICE == "cuda"
 
 def spy_on_launches(monkeypatch, record) -> None:
     """Call ``record(kernel_name, launch_kwargs)`` at every kernel launch our launchers make
-    (``launch._launcher``), then launch as usual."""
-    from flash_inductor import launch
+    (``launch.common.launcher``), then launch as usual."""
+    from flash_inductor.launch import common
 
-    real = launch._launcher
+    real = common.launcher
 
     class Spied:
         def __init__(self, kernel):
@@ -45,7 +45,7 @@ def spy_on_launches(monkeypatch, record) -> None:
                 return real(self.kernel)[grid](*args, **kwargs)
             return call
 
-    monkeypatch.setattr(launch, "_launcher", Spied)
+    monkeypatch.setattr(common, "launcher", Spied)
 
 
 # Under the Triton interpreter (no GPU) bf16 is emulated through NumPy, which has no bf16 type;

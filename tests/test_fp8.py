@@ -15,7 +15,8 @@ import math
 import pytest
 import torch
 
-from flash_inductor import launch, launch_fp8
+from flash_inductor import launch
+from flash_inductor.launch import fp8 as launch_fp8
 from flash_inductor.tuning import cache
 from flash_inductor.tuning.buckets import Bucket
 from flash_inductor.tuning.plan import Grid, make_plan

@@ -254,11 +254,11 @@ def test_whole_blocks_never_guards_a_symbolic_length():
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    assert launch._whole_blocks(256, 64) and launch._whole_blocks(48, 16)
-    assert not launch._whole_blocks(300, 64)
+    assert launch.common.whole_blocks(256, 64) and launch.common.whole_blocks(48, 16)
+    assert not launch.common.whole_blocks(300, 64)
     env = ShapeEnv()
     length = env.create_symintnode(env.create_symbol(256, source=ConstantSource("L")), hint=256)
-    assert not launch._whole_blocks(length, 64)
+    assert not launch.common.whole_blocks(length, 64)
     assert not env.guards
 
 
@@ -267,7 +267,7 @@ def test_whole_blocks_never_guards_a_symbolic_length():
 def test_forward_folds_the_scale_only_without_a_mask(monkeypatch, mask, scale, folds):
     """FOLD_SCALE (exp2's argument as one FFMA on the unscaled score) only with a positive scale
     and no mask: folded under a padding mask, the fp16 GPT-2 overflow test's gradient error went
-    past its bound on the H200 (launch._fold_scale has the measurements)."""
+    past its bound on the H200 (launch.forward._fold_scale has the measurements)."""
     seen = []
     spy_on_launches(monkeypatch, lambda name, kwargs: seen.append(kwargs.get("FOLD_SCALE")))
     q, k, v = (randn((1, 1, 16, 16), torch.float16, DEVICE, seed) for seed in (1, 2, 3))
@@ -455,7 +455,7 @@ def test_finfo_min_rows_forward(kernel_dtype, device):
 
 
 # ------------------------------------------------------------------------------------------
-# fp16 dS rescaling decided per call (launch._ds_bound), and the unchecked off-diagonal tiles
+# fp16 dS rescaling decided per call (launch.backward.measure_ds_bound), and the unchecked off-diagonal tiles
 # ------------------------------------------------------------------------------------------
 
 
@@ -465,7 +465,7 @@ def _fp16_bound_case(case: Case, device: str, seed: int = 0):
     ref = ref_forward_backward(x["q"], x["k"], x["v"], x["mask"], causal_offset=x["offset"], scale=x["scale"],
                                dropout_mask=x["keep"], dropout_p=case.dropout_p, grad_out=x["dout"],
                                grad_lse=x["dlse"], mask_grad=True)
-    bound = launch._ds_bound(x["dout"], x["v"], x["dlse"], case.dropout_p)
+    bound = launch.backward.measure_ds_bound(x["dout"], x["v"], x["dlse"], case.dropout_p)
     return float(bound), float(ref["dmask"].abs().max())
 
 
@@ -485,7 +485,7 @@ def test_bound_is_an_upper_bound_on_ds(variant, device):
 @pytest.mark.parametrize("seq_q, seq_k, heads_q, heads_kv", [(29, 150, 4, 2), (150, 29, 4, 1), (64, 64, 2, 2)],
                          ids=["more_keys_gqa", "more_queries_mqa", "square"])
 def test_preprocess_collects_the_bound_over_every_row(seq_q, seq_k, heads_q, heads_kv, device):
-    """The preprocess collects the bound's maxima over all of dO, V and dLSE (launch._ds_bound runs
+    """The preprocess collects the bound's maxima over all of dO, V and dLSE (launch.backward.measure_ds_bound runs
     it alone): its grid spans max(L, S) rows and only B * H_KV of its heads read V, so a maximum in
     V's last row of the last KV head, or in dO's last row, must still be seen. Checked against the
     same formula in float64, B = 2 k max‖dO_i‖ max‖v_j‖ + max|dLSE_i|, to fp32 rounding."""
@@ -497,7 +497,7 @@ def test_preprocess_collects_the_bound_over_every_row(seq_q, seq_k, heads_q, hea
     value[-1, -1, -1] = 30.0
     dlse[-1, -1, -1] = 500.0
     for grad_lse, dropout_p in ((None, 0.0), (dlse, 0.25)):
-        bound = launch._ds_bound(dout, value, grad_lse, dropout_p)
+        bound = launch.backward.measure_ds_bound(dout, value, grad_lse, dropout_p)
         norms = [t.double().norm(dim=-1).max() for t in (dout, value)]
         expected = 2.0 / (1.0 - dropout_p) * norms[0] * norms[1]
         if grad_lse is not None:
@@ -505,7 +505,7 @@ def test_preprocess_collects_the_bound_over_every_row(seq_q, seq_k, heads_q, hea
         assert bound.dtype == torch.float32 and bound.shape == (1,)
         torch.testing.assert_close(bound.double().cpu(), expected.reshape(1).cpu(), rtol=1e-5, atol=0.0)
     value[0, 0, 3, 5] = float("nan")  # a NaN anywhere must not look small
-    assert not (float(launch._ds_bound(dout, value, None, 0.0)) <= 16384.0)
+    assert not (float(launch.backward.measure_ds_bound(dout, value, None, 0.0)) <= 16384.0)
 
 
 def test_large_values_take_the_rescaling_loops(device):
@@ -518,7 +518,7 @@ def test_large_values_take_the_rescaling_loops(device):
     nan_grad = torch.full((1, 1, 4, 8), float("nan"), dtype=torch.float16, device=device)
     value = torch.ones((1, 1, 5, 8), dtype=torch.float16, device=device)
     # A non-finite upstream gradient must not look small: NaN fails `bound <= threshold`.
-    assert not (float(launch._ds_bound(nan_grad, value, None, 0.0)) <= threshold)
+    assert not (float(launch.backward.measure_ds_bound(nan_grad, value, None, 0.0)) <= threshold)
 
 
 @pytest.mark.parametrize("case", [
@@ -535,7 +535,7 @@ def test_rescaling_and_plain_loops_agree(case, device, monkeypatch):
     real_backward = launch.attention_backward
     threshold = 16384.0  # kernels/attn_bwd.py DS_RESCALE_ABOVE
     bounds = {
-        "plain": lambda call: launch._ds_bound(call["grad_out"], call["value"], call["grad_lse"],
+        "plain": lambda call: launch.backward.measure_ds_bound(call["grad_out"], call["value"], call["grad_lse"],
                                                call["dropout_p"]).clamp(max=threshold),
         "rescaling": lambda call: torch.full((1,), float("inf"), device=device),
     }
@@ -577,7 +577,7 @@ def test_tiny_ds_scaled_out_of_fp16_subnormals(variant, device):
     q, k, v, dout = _tiny_ds_problem(device, *mults)
     scale = q.shape[-1] ** -0.5
     # The regime: the call takes the plain loop, and most of dS (dL/d(a zero float mask)) is subnormal.
-    assert float(launch._ds_bound(dout, v, None, 0.0)) < 2**-10
+    assert float(launch.backward.measure_ds_bound(dout, v, None, 0.0)) < 2**-10
     zero_mask = torch.zeros((1, 2, 64, 64), dtype=torch.float64, device=device)
     ds = ref_forward_backward(q, k, v, zero_mask, scale=scale, grad_out=dout, mask_grad=True)["dmask"]
     assert (ds.abs() < 2**-14).double().mean() > 0.99
@@ -604,7 +604,7 @@ def test_plain_loop_scale_up_is_exact(device):
     out, lse = launch.attention_forward(q, k, v, None, *common)
     small = launch.attention_backward(dout, q, k, v, None, out, lse, None, *common, False)[:3]
     large = launch.attention_backward(dout * 2**10, q, k, v, None, out, lse, None, *common, False)[:3]
-    assert float(launch._ds_bound(dout * 2**10, v, None, 0.0)) < 16384.0  # both take the plain loop
+    assert float(launch.backward.measure_ds_bound(dout * 2**10, v, None, 0.0)) < 16384.0  # both take the plain loop
     for name, a, b in zip(("dq", "dk", "dv"), small, large):
         normal = a.abs() > 2**-14
         if name == "dq":

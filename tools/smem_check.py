@@ -54,12 +54,12 @@ class _HopperStandIn:
 
 @contextlib.contextmanager
 def compiling_launches(record: list, compiled_by_name: dict | None = None):
-    """Within the block, every ``launch._launcher(kernel)[grid](...)`` compiles the kernel for
+    """Within the block, every ``launch.common.launcher(kernel)[grid](...)`` compiles the kernel for
     sm_90 and appends (kernel name, shared bytes) to ``record`` instead of launching it (and keeps
     the compiled kernel in ``compiled_by_name``, when given, for tools/sass_mix.py)."""
     from triton.runtime import driver
 
-    from flash_inductor import launch
+    from flash_inductor.launch import common
 
     class _Compile:
         def __init__(self, kernel):
@@ -73,16 +73,16 @@ def compiling_launches(record: list, compiled_by_name: dict | None = None):
                     compiled_by_name[self.kernel.fn.__name__] = compiled
             return compile_only
 
-    saved_launcher = launch._launcher
+    saved_launcher = common.launcher
     # The private attribute, not driver.active/reset_active: both build the default driver, which
     # fails on a machine without a GPU.
     saved_driver = getattr(driver, "_active", None)
     driver.set_active(_HopperStandIn())
-    launch._launcher = _Compile
+    common.launcher = _Compile
     try:
         yield
     finally:
-        launch._launcher = saved_launcher
+        common.launcher = saved_launcher
         driver._active = saved_driver
 
 
@@ -90,7 +90,7 @@ def check(head_dim: int, mask_kind: str, dtype_name: str, schedule: str, seq: in
           compiled_by_name: dict | None = None) -> list[tuple[str, int]]:
     """(kernel, shared bytes) for one forward and one backward of length ``seq``, with ``configs``
     (default: Hopper's heuristic ones); the compiled kernels go to ``compiled_by_name`` if given."""
-    from flash_inductor import launch
+    from flash_inductor.launch import common
     from flash_inductor.tuning.configs import cuda_heuristic_configs
 
     dtype = DTYPES[dtype_name]

@@ -98,7 +98,7 @@ def _run_case(case: dict, device: str) -> dict:
     dout = randn(batch, heads, case["seq_q"], case["head_dim"])
     forward_config = KernelConfig(16, 16, 1, 1) if device == "cpu" else None
     configs = AttentionConfigs(
-        forward=forward_config or launch._configs(q, k, v, None, False, case["schedule"], None).forward,
+        forward=forward_config or launch.common.launch_configs(q, k, v, None, False, case["schedule"], None).forward,
         backward_dkdv=KernelConfig(*case["dkdv"]), backward_dq=KernelConfig(*case["dq"]))
     common = (None, 0.0, False, 0, case["head_dim"] ** -0.5, case["schedule"])
     try:

@@ -307,7 +307,7 @@ def deltas(o32, o32_p32, do, p, dp, dlse):
 
 def ds_rounder(x):
     """dS as the matrix unit sees it under `ds16`. For fp16 the kernels first scale dS up by
-    2^floor(log2(2^14 / B)), B = 2·keep_scale·max‖dO‖·max‖V‖ + max|dLSE| (launch._ds_bound), so
+    2^floor(log2(2^14 / B)), B = 2·keep_scale·max‖dO‖·max‖V‖ + max|dLSE| (launch.backward.measure_ds_bound), so
     small dS does not land in fp16's subnormals; the power of two is exact, so we scale back."""
     if x.q.dtype != torch.float16:
         return lambda ds: ds.to(x.q.dtype).float()

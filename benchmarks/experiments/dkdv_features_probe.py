@@ -176,7 +176,7 @@ def main(argv=None) -> int:
         rows.append(dict(problem=problem, variant="ours-fast dkdv", config="table",
                          us=ours_times.get("_attn_bwd_dkdv")))
         print(f"{problem}: ours dkdv {ours_times.get('_attn_bwd_dkdv')} us", flush=True)
-        table = launch._configs(q, k, v, None, False, "fast", None)
+        table = launch.common.launch_configs(q, k, v, None, False, "fast", None)
         for cfg in configs:  # our pass at the probe's configs
             forced = dataclasses.replace(table, backward_dkdv=KernelConfig(*cfg))
             label = "{}x{}/w{}/s{}".format(*cfg)

@@ -88,7 +88,7 @@ def build_calls(args):
     shape = measure.Shape(max(1, args.tokens // args.seq), max(1, args.hidden // args.head_dim), args.seq, args.seq)
     problem = measure.make_problem(bucket, shape, args.device, seed=7, on_device=True, shared_mask=True)
     # The configs a launch on this problem looks up (the shipped table's, on a tuned GPU).
-    configs = launch._configs(problem.q, problem.k, problem.v, None, problem.is_causal, args.schedule, None)
+    configs = launch.common.launch_configs(problem.q, problem.k, problem.v, None, problem.is_causal, args.schedule, None)
     runner = measure.LaunchRunner()
     out, lse = runner.forward(problem, configs, args.schedule)
 

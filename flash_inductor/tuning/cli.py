@@ -110,7 +110,7 @@ def make_grid(args, device: Optional[torch.device] = None) -> Grid:
 def fp8_capable(device: torch.device) -> bool:
     """Whether the fp8 schedule's kernels run here (the interpreter emulates e4m3; a dry run
     without a GPU plans for an H200)."""
-    from ..launch_fp8 import FP8_MIN_CAPABILITY
+    from ..launch.fp8 import FP8_MIN_CAPABILITY
 
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
 

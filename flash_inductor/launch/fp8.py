@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from .launch import _LOG2E, _cdiv, _common_meta, _configs, _launcher, forward_outputs, interpreter_enabled
-from .tuning.configs import AttentionConfigs
+from ..tuning.configs import AttentionConfigs
+# The launch wrapper is looked up on the module at every launch, so that tools can swap it
+# (tools/smem_check.py compiles for sm_90 instead of launching; tests spy on launches).
+from . import common
+from .common import LOG2E, cdiv, common_meta, forward_outputs, interpreter_enabled, launch_configs
 
 # fp8 tensor cores: Ada (sm_89) and Hopper (sm_90) onwards.
 FP8_MIN_CAPABILITY = (8, 9)
@@ -45,7 +48,7 @@ def _quantize(x: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tenso
     per_row: (B, H, N, E) copy, factors (B*H, N). Otherwise (V): the copy is stored (B, H, E, N)
     with N contiguous (padded to 16 elements so every row starts 16-byte aligned) and returned
     as a (B, H, N, E) view; factors (B*H, E)."""
-    from .kernels.attn_fwd_fp8 import _quantize_fp8
+    from ..kernels.attn_fwd_fp8 import _quantize_fp8
 
     batch, heads, length, width = x.shape
     if per_row:
@@ -62,10 +65,10 @@ def _quantize(x: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tenso
     dequant = torch.empty((batch * heads, factors), dtype=torch.float32, device=x.device)
     # V's per-channel maxima over the whole sequence come first (one reduction); rows find theirs in the kernel.
     column_amax = dequant if per_row else x.abs().amax(dim=2).to(torch.float32).reshape(batch * heads, width)
-    grid = (_cdiv(length, _ROWS_PER_QUANTIZE_PROGRAM), batch * heads)
+    grid = (cdiv(length, _ROWS_PER_QUANTIZE_PROGRAM), batch * heads)
     # The kernel writes through `storage` itself with the view's strides (offset 0): a fresh
     # base tensor, never a view, is what Inductor's analysis of a mutated argument handles best.
-    _launcher(_quantize_fp8)[grid](
+    common.launcher(_quantize_fp8)[grid](
         x, storage, dequant, column_amax, *x.stride(), *x8.stride(), heads, length,
         HEAD_DIM=width, BLOCK_E=max(_FP8_MIN_K, 1 << (width - 1).bit_length()), PER_ROW=per_row,
         EMULATE_ROUNDING=interpreter_enabled(), BLOCK_R=_ROWS_PER_QUANTIZE_PROGRAM,
@@ -87,9 +90,9 @@ def attention_forward_fp8(
     *,
     configs: AttentionConfigs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``launch.attention_forward``'s contract under the `fp8` schedule: (out in the input dtype,
+    """``attention_forward``'s contract under the `fp8` schedule: (out in the input dtype,
     lse fp32 natural log). The LSE is the fp8 forward's own (from e4m3-rounded scores)."""
-    from .kernels.attn_fwd_fp8 import _attn_fwd_fp8
+    from ..kernels.attn_fwd_fp8 import _attn_fwd_fp8
 
     check_fp8_device(query.device)
     batch, heads_q, seq_q, _ = query.shape
@@ -98,21 +101,21 @@ def attention_forward_fp8(
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
 
-    _, mask_arg, mask_strides, meta = _common_meta(query, key, value, attn_mask, dropout_p, is_causal, schedule)
+    _, mask_arg, mask_strides, meta = common_meta(query, key, value, attn_mask, dropout_p, is_causal, schedule)
     meta.pop("FP32_DOT")  # every product here is e4m3 x e4m3 -> fp32
     meta["BLOCK_E"] = meta["BLOCK_EV"] = max(meta["BLOCK_E"], _FP8_MIN_K)
-    cfg = _configs(query, key, value, attn_mask, is_causal, schedule, configs).forward
+    cfg = launch_configs(query, key, value, attn_mask, is_causal, schedule, configs).forward
     if cfg.block_n < _FP8_MIN_K and not interpreter_enabled():
         raise ValueError(f"fp8 forward: block_n={cfg.block_n} is below the e4m3 product's minimum of {_FP8_MIN_K}.")
 
     q8, q_dequant = _quantize(query, per_row=True)
     k8, k_dequant = _quantize(key, per_row=True)
     v8, v_dequant = _quantize(value, per_row=False)
-    grid = (_cdiv(seq_q, cfg.block_m), batch * heads_q)
-    _launcher(_attn_fwd_fp8)[grid](
+    grid = (cdiv(seq_q, cfg.block_m), batch * heads_q)
+    common.launcher(_attn_fwd_fp8)[grid](
         q8, k8, v8, q_dequant, k_dequant, v_dequant, mask_arg, rng_seed if rng_seed is not None else query, out, lse,
         *q8.stride(), *k8.stride(), *v8.stride(), *mask_strides, *out.stride(),
-        heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale * _LOG2E, dropout_p,
+        heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale * LOG2E, dropout_p,
         EMULATE_ROUNDING=interpreter_enabled(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **meta,

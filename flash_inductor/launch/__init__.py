@@ -1,0 +1,30 @@
+"""Launchers: validate what the kernels need, allocate outputs, pick configs, launch.
+
+One module per path: ``forward`` (16-bit and fp32), ``fp8`` (the `fp8` schedule's forward),
+``backward``; ``common`` holds what they share. Inputs arrive normalised by
+``flash_inductor.api`` (4-D, validated). The contract of ``attention_forward`` /
+``attention_backward`` is that of the reference path in ``flash_inductor.ops.reference``; tests
+compare the two.
+"""
+
+from .backward import attention_backward
+from .common import (
+    can_launch_directly,
+    direct_kernel_calls,
+    forward_outputs,
+    interpreter_enabled,
+    kernel_supports,
+    schedule_switches,
+)
+from .forward import attention_forward
+
+__all__ = [
+    "attention_backward",
+    "attention_forward",
+    "can_launch_directly",
+    "direct_kernel_calls",
+    "forward_outputs",
+    "interpreter_enabled",
+    "kernel_supports",
+    "schedule_switches",
+]

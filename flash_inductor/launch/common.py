@@ -1,0 +1,205 @@
+"""What every launch path shares: whether the kernels take a problem, the launch wrapper,
+the schedule's constexpr switches, the mask and head-dim metadata, config lookup, outputs.
+
+Kernels are launched through ``torch.library.wrap_triton`` so that, inside our ``triton_op``,
+Inductor sees and inlines them; under the Triton interpreter (CPU tests) they are called
+directly. Code that calls the launchers outside the ops (the autotuner, probes) wraps the calls
+in ``direct_kernel_calls()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+
+from ..tuning.buckets import mask_kind
+from ..tuning.configs import padded_head_dim, select_configs
+from ..tuning.schedules import get_schedule
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEAD_DIM = 256
+# CUDA limits grid axis 1 (where batch x heads goes) to 65535 programs.
+_MAX_GRID_Y = 65535
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernel_supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the Triton kernels take these (normalised, 4-D) inputs; else the reference path runs."""
+    if query.device.type != "cuda" or not _triton_available():
+        return False
+    if query.dtype not in _KERNEL_DTYPES:
+        return False
+    batch, heads_q = query.shape[0], query.shape[1]
+    return (
+        query.shape[-1] <= _MAX_HEAD_DIM
+        and value.shape[-1] <= _MAX_HEAD_DIM
+        and batch * max(heads_q, key.shape[1]) <= _MAX_GRID_Y
+    )
+
+
+def launcher(kernel):
+    if interpreter_enabled():
+        return kernel
+    from torch.library import wrap_triton
+
+    return wrap_triton(kernel)
+
+
+# torch keeps the switch between wrap_triton's HOP and direct launches private: looked up once
+# (torch 2.11-2.14 all have it; where it is missing, calls go through the HOP as before).
+try:
+    from torch._library.triton import set_wrap_triton_enabled as _set_wrap_triton_enabled
+except ImportError:
+    _set_wrap_triton_enabled = None
+
+
+def can_launch_directly() -> bool:
+    """Whether :func:`direct_kernel_calls` can take the launches off wrap_triton's HOP here."""
+    return _set_wrap_triton_enabled is not None
+
+
+def direct_kernel_calls() -> contextlib.AbstractContextManager:
+    """Launch the kernels straight through Triton, not through torch's wrap_triton HOP, for
+    callers outside the registered ops: the eager fast path, the autotuner's timing runner,
+    probes. The inputs there are plain tensors, so there is nothing to trace.
+
+    Inside the ops torch already does this: a ``triton_op`` run eagerly turns wrap_triton off for
+    its body. Called from outside, every launch instead goes through the HOP's Python dispatch
+    (kernel side table, dispatch keys, grid function), host work paid per launch, which torch's
+    docstring of the switch puts at "~1ms". The backward makes four launches, so on short
+    problems that host time can outrun the GPU: on the H200 the tuner, calling the launchers bare,
+    read the bf16 E=64 causal L=S=1024 backward at 2.28 ms where the op, same kernels and
+    configs, took 1.18 ms (2026-12-01; benchmarks/experiments/tuner_vs_op_timing.py measures it)."""
+    # torch's own context manager, returned as is: the eager fast path enters this twice per
+    # training step, and a generator wrapped around it doubled its ~3 µs.
+    if _set_wrap_triton_enabled is None:
+        return contextlib.nullcontext()
+    return _set_wrap_triton_enabled(False)
+
+
+def _fp32_dot_precision(dtype: torch.dtype, accurate: bool) -> str:
+    """Precision of the dots whose operands are fp32 (16-bit operands ignore it).
+
+    fp32 inputs must not silently drop to tf32's 10-bit mantissa (PyTorch's fp32 attention
+    does not), so they get true fp32 products. The accurate schedule's fp32 P and dS with
+    16-bit inputs use "tf32x3", which splits each fp32 operand into tf32 parts: close to
+    fp32 accuracy, still on the tensor cores.
+    """
+    if dtype == torch.float32:
+        return "ieee"
+    return "tf32x3" if accurate else "tf32"
+
+
+def schedule_switches(dtype: torch.dtype, schedule_name: str | None) -> dict:
+    """The kernels' constexpr precision switches for a dtype under a schedule. Two problems with
+    equal switches (e.g. fast and stable with fp32 inputs) run the very same compiled kernels."""
+    sched = get_schedule(schedule_name)
+    return dict(
+        P_IN_FP32=sched.p_in_fp32,
+        DS_IN_FP32=sched.ds_in_fp32,
+        # Only fp16 can overflow dS; bf16 and fp32 have fp32's range.
+        DS_RESCALE=sched.ds_rescale and dtype == torch.float16,
+        # Only a 16-bit O makes rowsum(dO * O) inexact; an fp32 O is as good as the fp32 sum.
+        EXACT_DELTA=sched.exact_delta and dtype != torch.float32,
+        FP32_DOT=_fp32_dot_precision(dtype, accurate=sched.p_in_fp32 or sched.ds_in_fp32),
+        # Not a kernel constexpr: selects the e4m3 forward kernel (launch/fp8.py).
+        FP8_FORWARD=sched.fp8_forward,
+    )
+
+
+def _mask_args(attn_mask: torch.Tensor | None, query: torch.Tensor, seq_k):
+    if attn_mask is None:
+        return query, (0, 0, 0, 0), False, False
+    # The kernels index the mask with its four strides, so it must already be broadcast to
+    # (B, Hq, L, S) (the API expands it; broadcast dims get stride 0). A (B, 1, 1, S) mask passed
+    # here directly would be read out of bounds.
+    expected = (*query.shape[:3], seq_k)
+    if tuple(attn_mask.shape) != expected:
+        raise ValueError(f"attn_mask: the launchers take a mask broadcast to (B, Hq, L, S) = {expected}, "
+                         f"got shape {tuple(attn_mask.shape)}; expand it first (as flash_attention does)")
+    if attn_mask.dtype == torch.bool:
+        # Passed as is (Triton loads bool pointers as bytes): a .view(torch.uint8) here would be
+        # traced into the graph under torch.compile, and Inductor 2.11 cannot lower a bool
+        # dtype-view. True = attend.
+        return attn_mask, attn_mask.stride(), True, True
+    return attn_mask, attn_mask.stride(), True, False
+
+
+def whole_blocks(length, block: int) -> bool:
+    """Whether ``length`` is a whole number of blocks (a kernel may then drop that dimension's load
+    masks). A symbolic length (torch.compile(dynamic=True)) answers False rather than guard on
+    its divisibility: the masked loads are right for every length."""
+    return isinstance(length, int) and length % block == 0
+
+
+def head_dims(query: torch.Tensor, value: torch.Tensor) -> tuple[int, int]:
+    # Head dims are kernel constexprs: under torch.compile(dynamic=True) they arrive as SymInts,
+    # and int() specialises the graph on them (a guard), which is what a constexpr needs.
+    return int(query.shape[-1]), int(value.shape[-1])
+
+
+def common_meta(query, key, value, attn_mask, dropout_p, is_causal, schedule_name):
+    switches = schedule_switches(query.dtype, schedule_name)
+    head_dim, head_dim_v = head_dims(query, value)
+    # One padded width for both head dims. On sm_90 with Triton 3.6, fp16/bf16 kernels whose
+    # value tile was narrower than a padded query/key tile (E=40 with Ev=24, E=59 with Ev=8)
+    # computed wrong results or faulted, while equal widths were correct; the extra columns
+    # cost only when E != Ev, which is rare.
+    block_width = max(padded_head_dim(head_dim), padded_head_dim(head_dim_v))
+    mask_arg, mask_strides, has_mask, mask_is_bool = _mask_args(attn_mask, query, key.shape[2])
+    meta = dict(
+        HEAD_DIM=head_dim,
+        HEAD_DIM_V=head_dim_v,
+        BLOCK_E=block_width,
+        BLOCK_EV=block_width,
+        HAS_MASK=has_mask,
+        MASK_IS_BOOL=mask_is_bool,
+        HAS_DROPOUT=dropout_p > 0.0,
+        IS_CAUSAL=is_causal,
+        FP32_DOT=switches["FP32_DOT"],
+    )
+    return switches, mask_arg, mask_strides, meta
+
+
+def launch_configs(query, key, value, attn_mask, is_causal, schedule_name, configs):
+    """Launch configs: the caller's (the autotuner times candidates this way), else the table's
+    entry for this problem's bucket, else the heuristic."""
+    if configs is not None:
+        return configs
+    return select_configs(
+        query, *head_dims(query, value), interpreter_enabled(),
+        seq_q=query.shape[2], seq_k=key.shape[2], mask_kind=mask_kind(attn_mask, is_causal),
+        schedule=get_schedule(schedule_name).name,
+    )
+
+
+LOG2E = 1.4426950408889634
+
+
+def forward_outputs(query: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (out (B, Hq, L, Ev) in the input dtype, lse (B, Hq, L) fp32) for a forward."""
+    batch, heads_q, seq_q, _ = query.shape
+    out = torch.empty((batch, heads_q, seq_q, value.shape[-1]), dtype=query.dtype, device=query.device)
+    lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
+    return out, lse
+
+
+def cdiv(a, b):
+    # Plain integer arithmetic (not triton.cdiv) so symbolic sizes under torch.compile trace.
+    return (a + b - 1) // b

@@ -1,0 +1,68 @@
+"""The 16-bit and fp32 forward (``kernels/attn_fwd.py``); the `fp8` schedule goes to ``fp8.py``."""
+
+from __future__ import annotations
+
+import torch
+
+from ..tuning.configs import AttentionConfigs
+from ..tuning.schedules import get_schedule
+# The launch wrapper is looked up on the module at every launch, so that tools can swap it
+# (tools/smem_check.py compiles for sm_90 instead of launching; tests spy on launches).
+from . import common
+from .common import LOG2E, cdiv, common_meta, forward_outputs, launch_configs
+from .fp8 import attention_forward_fp8
+
+
+def _fold_scale(scale: float, has_mask: bool) -> bool:
+    """Whether the forward takes the scale into exp2's argument (one FFMA per score, the product
+    never rounded; kernels/attn_fwd.py). Only without a mask, as measured rather than derived: with
+    it on under a padding mask, the fp16 GPT-2 overflow test's ln_1.bias gradient error (seed 7) was
+    3.0x SDPA fp16's against 1.9x with it off, past the test's 2x bound, and still 2.8x when the
+    backward folded the scale too, so the cause is not a mismatch between the passes' P; another
+    seed favoured folding. Folding is worth 1-2 % of the forward, not a test's margin, so masked
+    calls keep the rounded scaled score."""
+    return scale > 0 and not has_mask
+
+
+def attention_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    rng_seed: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    causal_offset: int,
+    scale: float,
+    schedule: str,
+    *,
+    configs: AttentionConfigs | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the forward kernel. Returns (out (B, Hq, L, Ev) in the input dtype, lse (B, Hq, L) fp32).
+
+    ``configs`` forces the launch configs (the autotuner's candidates); None looks them up."""
+    from ..kernels.attn_fwd import _attn_fwd
+
+    if get_schedule(schedule).fp8_forward:
+        return attention_forward_fp8(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
+                                     scale, schedule, configs=configs)
+    batch, heads_q, seq_q, _ = query.shape
+    heads_kv, seq_k = key.shape[1], key.shape[2]
+    out, lse = forward_outputs(query, value)
+    if out.numel() == 0 and lse.numel() == 0:
+        return out, lse
+
+    switches, mask_arg, mask_strides, meta = common_meta(query, key, value, attn_mask, dropout_p, is_causal, schedule)
+    cfg = launch_configs(query, key, value, attn_mask, is_causal, schedule, configs).forward
+    grid = (cdiv(seq_q, cfg.block_m), batch * heads_q)
+    common.launcher(_attn_fwd)[grid](
+        query, key, value, mask_arg, rng_seed if rng_seed is not None else query, out, lse,
+        *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(),
+        heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale * LOG2E, dropout_p,
+        P_IN_FP32=switches["P_IN_FP32"],
+        FOLD_SCALE=_fold_scale(scale, meta["HAS_MASK"]),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **meta,
+    )
+    return out, lse

@@ -1,0 +1,163 @@
+"""The package's imports run one way: no cycles, and no module reaching into another's privates.
+
+The graph is read from the source with ``ast``, so imports inside functions (lazy imports, which
+hide a cycle from Python but not from a reader) count as edges too. An edge goes to the module
+an import names: ``from .pkg import name`` is an edge to ``pkg.name`` when that is a submodule,
+else to ``pkg`` itself. The implicit import of a parent package is not an edge: every module
+would otherwise sit in a cycle with ``flash_inductor/__init__.py``.
+
+Private names are those starting with one underscore. The one exception is a Triton kernel:
+``_attn_fwd`` and its siblings are private by the kernel naming convention, and the launchers
+exist to import them.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = "flash_inductor"
+ROOT = pathlib.Path(__file__).resolve().parents[1] / PACKAGE
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {_module_name(path): path for path in sorted(ROOT.rglob("*.py"))}
+
+
+MODULES = _modules()
+
+
+def _is_package(module: str) -> bool:
+    return MODULES[module].name == "__init__.py"
+
+
+def _resolve(importer: str, level: int, target: str | None) -> str:
+    """The absolute name of a relative import's base, as Python resolves it."""
+    if level == 0:
+        return target or ""
+    base = importer.split(".")
+    if not _is_package(importer):
+        base = base[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+def _imports(module: str) -> list[tuple[str, str | None, int]]:
+    """(imported module, imported name or None, line) for every import of the package in module."""
+    tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == PACKAGE:
+                    found.append((alias.name, None, node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, node.level, node.module)
+            if base.split(".")[0] != PACKAGE:
+                continue
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                if submodule in MODULES:
+                    found.append((submodule, None, node.lineno))
+                else:
+                    found.append((base, alias.name, node.lineno))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    return {
+        module: {target for target, _, _ in _imports(module) if target in MODULES and target != module}
+        for module in MODULES
+    }
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in sorted(graph[node]):
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return components
+
+
+def _triton_kernels(module: str) -> set[str]:
+    """Names of the functions in module decorated with a Triton (or Gluon) jit."""
+    tree = ast.parse(MODULES[module].read_text())
+    kernels = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            for decorator in node.decorator_list:
+                target = decorator.func if isinstance(decorator, ast.Call) else decorator
+                if isinstance(target, ast.Attribute) and target.attr == "jit":
+                    kernels.add(node.name)
+    return kernels
+
+
+def test_the_package_has_modules_to_check():
+    # A path mistake would make every check below pass on an empty graph.
+    assert f"{PACKAGE}.api" in MODULES and len(MODULES) > 20
+
+
+def test_package_imports_have_no_cycles():
+    cycles = _cycles(_graph())
+    assert not cycles, "import cycles (lazy imports count):\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_module_imports_another_modules_private_names():
+    offenders = []
+    for module in MODULES:
+        for target, name, line in _imports(module):
+            if name is None or not name.startswith("_") or name.startswith("__"):
+                continue
+            if target in MODULES and name in _triton_kernels(target):
+                continue
+            offenders.append(f"{MODULES[module].relative_to(ROOT.parent)}:{line} imports {target}.{name}")
+    assert not offenders, "private names imported across modules:\n" + "\n".join(offenders)
+
+
+@pytest.mark.parametrize(
+    "graph, expected",
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": set()}, []),
+        ({"a": {"b"}, "b": {"a"}, "c": {"a"}}, [["a", "b"]]),
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, [["a", "b", "c"]]),
+    ],
+)
+def test_cycle_finder(graph, expected):
+    # The checks above are only as good as the cycle finder: prove it finds cycles.
+    assert _cycles(graph) == expected
