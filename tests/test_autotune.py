@@ -230,7 +230,7 @@ def test_a_failed_probe_is_confirmed_alone_before_it_rejects(monkeypatch):
     """After a fault, the worker's later probes fail too: only a probe that fails again alone,
     in a fresh process, rejects its configs; the pool is replaced either way. A verdict holds for
     later rounds and other lengths of the same kernels, which are not probed again (each probe
-    costs compiles; session 20's re-tune spent 327 of 373 s compiling)."""
+    costs compiles; a re-tune of 21 buckets on the H200 spent 327 of 373 s compiling)."""
     bucket = Bucket("stable", "fp16", 16, "none", 128, "forward")
     faulty, poisoned, fine = (dataclasses.replace(INTERPRETER_CONFIGS, forward=KernelConfig(bm, 16, 4, 1))
                               for bm in (16, 32, 64))
@@ -306,7 +306,7 @@ def test_a_pick_that_fails_at_length_one_gives_way_to_the_next_best():
 @pytest.mark.launches_kernels
 def test_a_spent_budget_still_probes_the_measured_pick():
     """When the budget runs out after a search's last round, its pick is still probed and
-    written: dropping the probe would throw the measured search away (the GPU run of session 20
+    written: dropping the probe would throw the measured search away (a GPU run once
     lost every sweep of its last round that way). Nothing new is measured after the budget."""
     buckets = [Bucket("stable", "fp16", 16, mask, 128, "forward") for mask in ("none", "causal")]
     timer = timer_from({("forward", 32, 16, 4): 1.0})

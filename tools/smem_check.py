@@ -59,7 +59,7 @@ def compiling_launches(record: list, compiled_by_name: dict | None = None):
     the compiled kernel in ``compiled_by_name``, when given, for tools/sass_mix.py)."""
     from triton.runtime import driver
 
-    from flash_inductor import launch
+    from flash_inductor import launch, launch_fp8
 
     class _Compile:
         def __init__(self, kernel):
@@ -73,16 +73,17 @@ def compiling_launches(record: list, compiled_by_name: dict | None = None):
                     compiled_by_name[self.kernel.fn.__name__] = compiled
             return compile_only
 
-    saved_launcher = launch._launcher
+    # launch_fp8 holds its own reference to the launcher (the fp8 forward's kernels).
+    saved_launchers = (launch._launcher, launch_fp8._launcher)
     # The private attribute, not driver.active/reset_active: both build the default driver, which
     # fails on a machine without a GPU.
     saved_driver = getattr(driver, "_active", None)
     driver.set_active(_HopperStandIn())
-    launch._launcher = _Compile
+    launch._launcher = launch_fp8._launcher = _Compile
     try:
         yield
     finally:
-        launch._launcher = saved_launcher
+        launch._launcher, launch_fp8._launcher = saved_launchers
         driver._active = saved_driver
 
 
