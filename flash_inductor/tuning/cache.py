@@ -532,20 +532,23 @@ def _report_other_triton(gpu: str, view: TableView) -> None:
 def load_tables(gpu: str, smem_limit: Optional[int] = None) -> Optional[TableView]:
     """The usable tables for ``gpu`` (shipped, then the user's), read once per process. Configs
     needing more than ``smem_limit`` bytes of shared memory per block are left out."""
-    tables = []
+    tables, found = [], False
     for directory, origin in ((shipped_tables_dir(), "shipped"), (user_cache_dir(), "user")):
+        path = directory / table_filename(gpu)
+        found = found or os.path.lexists(path)
         try:
-            table = _usable_table(directory / table_filename(gpu), gpu, origin, smem_limit)
+            table = _usable_table(path, gpu, origin, smem_limit)
         except Exception as error:  # a table must never fail an attention call
-            _warn_once(f"{gpu}:{origin}", f"flash_inductor: ignoring the {origin} tuning table in {directory}: "
-                       f"{type(error).__name__}: {error}")
+            _warn_once(f"{gpu}:{origin}", f"flash_inductor: ignoring the {origin} tuning table {path}: "
+                       f"{type(error).__name__}: {error}; using the built-in heuristic configs.")
             table = None
         if table is not None:
             tables.append(table)
-    if not tables:
+    if not tables and not found:  # a file that was found but not used had its own warning
         _warn_once(gpu, f"flash_inductor: no tuning table for this GPU ({gpu}); using the built-in heuristic "
                    f"launch configs, which may be slower. Run `{AUTOTUNE_COMMAND}` once to tune them "
                    f"(writes {user_cache_dir() / table_filename(gpu)}).")
+    if not tables:
         return None
     view = TableView(tables)
     _report_other_triton(gpu, view)

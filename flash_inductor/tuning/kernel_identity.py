@@ -55,10 +55,21 @@ _KERNELS_PACKAGE = "flash_inductor.kernels"
 IDENTITY_HEX_DIGITS = 16  # 64 bits: tells kernel versions apart, keeps the shipped table small
 
 
-def _is_jit_function(value) -> bool:
+@functools.lru_cache(maxsize=None)
+def _jit_types() -> tuple[type, ...]:
+    """What ``@triton.jit`` returns: a JITFunction, or under TRITON_INTERPRET=1 an
+    InterpretedFunction (the identity must not depend on how the kernels run)."""
     from triton.runtime.jit import JITFunction
 
-    return isinstance(value, JITFunction)
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return (JITFunction,)
+    return (JITFunction, InterpretedFunction)
+
+
+def _is_jit_function(value) -> bool:
+    return isinstance(value, _jit_types()) and inspect.isfunction(getattr(value, "fn", None))
 
 
 def _is_constant(value) -> bool:
