@@ -506,6 +506,29 @@ def test_cli_writes_table_and_summary_and_resumes(tmp_path, capsys):
     assert not list(pathlib.Path.cwd().glob("triton-interpreter*.json"))  # never the working directory
 
 
+@pytest.mark.launches_kernels
+def test_cli_ship_writes_configs_only_and_resumes_from_them(tmp_path):
+    """--ship keeps what a lookup needs in the package's table and the search record in the
+    summary; a resumed --ship run keeps the shipped picks instead of tuning them again."""
+    calls = []
+    timer = timer_from({("forward", 32, 16, 4): 2.0}, calls=calls)
+    settings = tiny_settings(timer, space=SearchSpace("tiny", (16, 32), (16,), (4,), (1,)))
+    argv = ["--dtypes", "fp16", "--head-dims", "16", "--masks", "none", "--schedules", "stable", "--passes",
+            "forward", "--seqs", "4096", "--ship", "--summary", str(tmp_path / "s.json")]
+    assert cli.main(argv, settings=settings, device=torch.device(DEVICE)) == 0
+    table = cache.read_table(table_file(cache.shipped_tables_dir()))
+    (entry,) = table.entries.values()
+    assert set(entry) == set(cache.LOOKUP_FIELDS) and entry["configs"] == {"forward": cfg_dict(32, 16)}
+    (row,) = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert row["winner"] == "32x16/w4/s1" and row["ms"] == 2.0 and row["heuristic_ms"] is not None
+    measured = len(calls)
+    assert cli.main(argv + ["--resume"], settings=settings, device=torch.device(DEVICE)) == 0
+    assert len(calls) == measured
+    # Without --summary, a shipped run's summary goes to the checkout's results, not the package.
+    ship = cli.parse_args(["--ship"])
+    assert cli.summary_path_for(ship, cli.output_path(ship, "g"), "g").parent == ROOT / "benchmarks" / "results"
+
+
 def test_cli_summary_never_overwrites_an_earlier_run_of_the_day(tmp_path):
     table = tmp_path / "g.json"
     args = cli.parse_args(["--output", str(table)])

@@ -225,7 +225,9 @@ def summary_rows(plan: list[PlannedBucket], entries: dict) -> list[dict]:
     for planned in plan:
         entry = entries.get(planned.bucket.key())
         row = {"bucket": planned.bucket.key(), "mode": planned.kind, "tuned": entry is not None}
-        if entry is not None:
+        if entry is not None and "ms" not in entry:  # a shipped entry kept by --resume: configs only
+            row.update(winner=_label(entry["configs"]), record=False)
+        elif entry is not None:
             runner_up = entry.get("runner_up") or {}
             row.update(
                 winner=_label(entry["configs"]), ms=entry["ms"], tflops=entry["tflops"], error=entry["error"],
@@ -250,6 +252,9 @@ def format_summary(rows: list[dict]) -> str:
     for r in rows:
         if not r["tuned"]:
             lines.append((r["bucket"], "not tuned") + ("-",) * (len(header) - 2))
+            continue
+        if r.get("record") is False:
+            lines.append((r["bucket"], r["winner"]) + ("(kept, no record)",) + ("-",) * (len(header) - 3))
             continue
         ratio = r["speedup_vs_heuristic"]
         line = (r["bucket"], r["winner"], f"{r['tflops']:.1f}", f"{r['error']:.1e}", f"{r['error_ratio']:.2f}",
