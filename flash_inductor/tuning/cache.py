@@ -177,10 +177,10 @@ def shipped_entry(entry: dict) -> dict:
 
 _ROLES = {"forward": ("forward",), "backward": ("backward_dkdv", "backward_dq")}
 _CONFIG_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
-# Bounds no launch of these kernels goes past on any GPU we know: tiles of 16 to 256 rows or
-# columns (tl.dot needs 16; 256 x E tiles already fill Hopper's registers), up to 16 warps (a
-# block's limit of 1024 threads is 32 warps, and our tiles never feed more than 8 usefully), and
-# pipelines of up to 8 stages. A value outside them comes from a damaged or hand-edited file.
+# Bounds wider than anything the autotuner searches (tiles 32 to 128, 4 or 8 warps, 1 to 4 stages;
+# the interpreter's 16x16, 1 warp, 1 stage) and within what a launch can take (tl.dot needs 16 rows
+# or columns; 16 warps are 512 threads, a block may have 1024): a value outside them comes from a
+# damaged or hand-edited file, and could fail the launch instead of merely running slowly.
 BLOCK_RANGE = (16, 256)
 ALLOWED_WARPS = (1, 2, 4, 8, 16)
 STAGE_RANGE = (1, 8)
@@ -479,7 +479,7 @@ def _warn_once(key: str, message: str) -> None:
 
 def warn_lookup_failed(error: BaseException) -> None:
     """The launch path's last resort: a table error it did not expect becomes one warning."""
-    _warn_once(f"lookup:{type(error).__name__}:{error}",
+    _warn_once("lookup-failed",  # once per process: every later launch would fail the same way
                f"flash_inductor: the tuning-table lookup failed ({type(error).__name__}: {error}); using the "
                f"built-in heuristic launch configs. Please report this; `{AUTOTUNE_COMMAND}` rewrites the user table.")
 
