@@ -26,6 +26,10 @@ identity. The tree is written with a serialiser of our own rather than ``ast.dum
 changed its output between Python versions (3.13 omits empty fields); ours omits empty and
 None fields on every version, so fields a newer Python adds (``type_params``) change nothing.
 
+Not covered: what the launchers pass (``launch.py`` choosing a constexpr's value). A launcher
+change that makes the kernels compile differently for a bucket calls for a re-tune of it, as a
+kernel change would; tools/ptx_digest.py shows which variants it touched.
+
 An edit that changes the tree but not the compiled code (a renamed local) does change the
 identity; ``tools/carry_table_entries.py`` re-keys entries across such an edit after proving,
 by compiling both versions for sm_90, that the code is the same.
