@@ -230,7 +230,7 @@ def test_a_failed_probe_is_confirmed_alone_before_it_rejects(monkeypatch):
     """After a fault, the worker's later probes fail too: only a probe that fails again alone,
     in a fresh process, rejects its configs; the pool is replaced either way. A verdict holds for
     later rounds and other lengths of the same kernels, which are not probed again (each probe
-    costs compiles; session 20's re-tune spent 327 of 373 s compiling)."""
+    costs compiles; a re-tune of 21 buckets on the H200 spent 327 of 373 s compiling)."""
     bucket = Bucket("stable", "fp16", 16, "none", 128, "forward")
     faulty, poisoned, fine = (dataclasses.replace(INTERPRETER_CONFIGS, forward=KernelConfig(bm, 16, 4, 1))
                               for bm in (16, 32, 64))
@@ -306,7 +306,7 @@ def test_a_pick_that_fails_at_length_one_gives_way_to_the_next_best():
 @pytest.mark.launches_kernels
 def test_a_spent_budget_still_probes_the_measured_pick():
     """When the budget runs out after a search's last round, its pick is still probed and
-    written: dropping the probe would throw the measured search away (the GPU run of session 20
+    written: dropping the probe would throw the measured search away (a GPU run once
     lost every sweep of its last round that way). Nothing new is measured after the budget."""
     buckets = [Bucket("stable", "fp16", 16, mask, 128, "forward") for mask in ("none", "causal")]
     timer = timer_from({("forward", 32, 16, 4): 1.0})
@@ -504,6 +504,29 @@ def test_cli_writes_table_and_summary_and_resumes(tmp_path, capsys):
     assert len(calls) - measured_before >= 3
     assert {e["space"] for e in cache.read_table(table_file(out)).entries.values()} == {"other"}
     assert not list(pathlib.Path.cwd().glob("triton-interpreter*.json"))  # never the working directory
+
+
+@pytest.mark.launches_kernels
+def test_cli_ship_writes_configs_only_and_resumes_from_them(tmp_path):
+    """--ship keeps what a lookup needs in the package's table and the search record in the
+    summary; a resumed --ship run keeps the shipped picks instead of tuning them again."""
+    calls = []
+    timer = timer_from({("forward", 32, 16, 4): 2.0}, calls=calls)
+    settings = tiny_settings(timer, space=SearchSpace("tiny", (16, 32), (16,), (4,), (1,)))
+    argv = ["--dtypes", "fp16", "--head-dims", "16", "--masks", "none", "--schedules", "stable", "--passes",
+            "forward", "--seqs", "4096", "--ship", "--summary", str(tmp_path / "s.json")]
+    assert cli.main(argv, settings=settings, device=torch.device(DEVICE)) == 0
+    table = cache.read_table(table_file(cache.shipped_tables_dir()))
+    (entry,) = table.entries.values()
+    assert set(entry) == set(cache.LOOKUP_FIELDS) and entry["configs"] == {"forward": cfg_dict(32, 16)}
+    (row,) = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert row["winner"] == "32x16/w4/s1" and row["ms"] == 2.0 and row["heuristic_ms"] is not None
+    measured = len(calls)
+    assert cli.main(argv + ["--resume"], settings=settings, device=torch.device(DEVICE)) == 0
+    assert len(calls) == measured
+    # Without --summary, a shipped run's summary goes to the checkout's results, not the package.
+    ship = cli.parse_args(["--ship"])
+    assert cli.summary_path_for(ship, cli.output_path(ship, "g"), "g").parent == ROOT / "benchmarks" / "results"
 
 
 def test_cli_summary_never_overwrites_an_earlier_run_of_the_day(tmp_path):

@@ -1,54 +1,106 @@
-"""tools/carry_table_entries.py: a family's stale entries are re-stamped and marked; nothing else moves."""
+"""tools/carry_table_entries.py and tools/ship_table.py: moving entries between kernel versions and
+schemas without losing or mislabelling any.
+
+The carry tool's compiles (sm_90 PTX of two kernel versions) take minutes, so the tests exercise
+its decisions on given digests, and its one cheap real step: rebuilding the kernels of a git
+revision and computing their identity."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import pathlib
+import subprocess
 
-from flash_inductor.tuning.cache import entry_is_current, entry_kernel_hash
+import pytest
 
-TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "carry_table_entries.py"
-_spec = importlib.util.spec_from_file_location("carry_table_entries", TOOL)
-carry_tool = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(carry_tool)
-
-BWD_STALE = "stable/bf16/e64/none/s4096/backward"
-BWD_CURRENT = "stable/bf16/e128/none/s4096/backward"
-FWD_STALE = "stable/bf16/e64/none/s4096/forward"
-FP8_STALE = "fp8/bf16/e64/none/s4096/forward"
+from flash_inductor.tuning import cache
+from tuning_helpers import ROOT, cfg_dict, isolated_tables, fwd_entry, table_of  # noqa: F401
 
 
-def _table(tmp_path) -> pathlib.Path:
-    entries = {
-        BWD_STALE: {"configs": {"backward_dq": {"block_m": 64}}, "kernel_hash": "old"},
-        BWD_CURRENT: {"configs": {}, "kernel_hash": entry_kernel_hash(BWD_CURRENT)},
-        FWD_STALE: {"configs": {}, "kernel_hash": "old"},
-        FP8_STALE: {"configs": {}, "kernel_hash": "old"},
-        "stable/bf16/e64/causal/s4096/backward": None,  # a bucket whose every candidate was rejected
-    }
-    path = tmp_path / "table.json"
-    path.write_text(json.dumps({"schema": 2, "meta": {}, "entries": entries}))
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+carry_tool = _tool("carry_table_entries")
+ship_tool = _tool("ship_table")
+
+BEFORE = {"stable/bf16/e64/none": {"_attn_fwd": "a1", "_attn_bwd_dq": "b1", "_attn_bwd_dkdv": "c1"},
+          "stable/bf16/e64/causal": {"_attn_fwd": "a2", "_attn_bwd_dq": "b2", "_attn_bwd_dkdv": "c2"}}
+
+
+def test_only_unchanged_code_is_carried():
+    same = json.loads(json.dumps(BEFORE))
+    assert carry_tool.changed_kernels(BEFORE, same, {"_attn_fwd"}) == []
+    moved_dq = json.loads(json.dumps(BEFORE))
+    moved_dq["stable/bf16/e64/causal"]["_attn_bwd_dq"] = "b3"
+    assert carry_tool.changed_kernels(BEFORE, moved_dq, {"_attn_fwd"}) == []  # another family's kernel
+    assert carry_tool.changed_kernels(BEFORE, moved_dq, {"_attn_bwd_dq", "_attn_bwd_dkdv"}) == \
+        ["stable/bf16/e64/causal _attn_bwd_dq"]
+    # A kernel compiled on one side only, or never, proves nothing.
+    missing = {case: {k: v for k, v in kernels.items() if k != "_attn_bwd_dkdv"} for case, kernels in BEFORE.items()}
+    assert len(carry_tool.changed_kernels(BEFORE, missing, {"_attn_bwd_dkdv"})) == 3  # both cases, and none at all
+    assert carry_tool.changed_kernels(BEFORE, BEFORE, {"_attn_fwd_fp8"}) == ["no case compiled any of ['_attn_fwd_fp8']"]
+
+
+def test_rekey_moves_only_the_old_identitys_entries():
+    entries = {"a/forward": {"configs": {}, "kernel": "old", "triton": "3.6.0"},
+               "b/forward": {"configs": {}, "kernel": "other", "triton": "3.6.0"},
+               "c/backward": None}
+    assert carry_tool.rekey(entries, "old", "new") == ["a/forward"]
+    assert entries["a/forward"] == {"configs": {}, "kernel": "new", "triton": "3.6.0"}
+    assert entries["b/forward"]["kernel"] == "other" and entries["c/backward"] is None
+
+
+def test_the_kernels_of_a_revision_have_the_identity_recorded_for_them(tmp_path):
+    """HEAD's kernels rebuilt in a scratch tree give the identity this checkout computes (the
+    shipped table records it), so a later edit is compared against the right code."""
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "flash_inductor/kernels"],
+                           capture_output=True, text=True, check=True).stdout
+    if dirty:
+        pytest.skip("the kernels have uncommitted edits")
+    tree = carry_tool.tree_with_kernels_of("HEAD", tmp_path)
+    assert (tree / "flash_inductor" / "kernels" / "attn_fwd.py").read_bytes() == \
+        (ROOT / "flash_inductor" / "kernels" / "attn_fwd.py").read_bytes()
+    assert carry_tool.identities_in(tree) == cache.family_identities()
+
+
+def _schema2(tmp_path) -> pathlib.Path:
+    stale = {"configs": {"forward": cfg_dict(32, 32)}, "kernel_hash": "0" * 64, "ms": 2.0}
+    current = {"configs": {"forward": cfg_dict(64, 32)}, "kernel_hash": ship_tool.schema2_family_hash("forward"),
+               "ms": 1.0, "heuristic": {"configs": {"forward": cfg_dict(128, 64)}, "ms": 1.5},
+               "speedup_vs_heuristic": 1.5, "ranking": {"forward": []}, "carried_from": "a change"}
+    data = {"schema": 2, "gpu": "fake-gpu_sm90_132sm", "torch": "2.11.0", "triton": "3.6.0",
+            "meta": {"device_name": "Fake GPU", "notes": "history"},
+            "entries": {"stable/fp16/e64/none/s1024/forward": current, "stable/fp16/e64/none/s4096/forward": stale}}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
     return path
 
 
-def test_only_the_named_familys_stale_entries_are_carried(tmp_path, capsys):
-    path = _table(tmp_path)
-    before = json.loads(path.read_text())["entries"]
-    assert carry_tool.main(["--table", str(path), "--family", "backward", "--reason", "the fold", "--meta-key", "s21"]) == 0
-    after = json.loads(path.read_text())
-    entries = after["entries"]
-    assert entry_is_current(BWD_STALE, entries[BWD_STALE]) and entries[BWD_STALE]["carried_from"] == "the fold"
-    assert entries[BWD_STALE]["configs"] == before[BWD_STALE]["configs"]
-    for key in (BWD_CURRENT, FWD_STALE, FP8_STALE, "stable/bf16/e64/causal/s4096/backward"):
-        assert entries[key] == before[key], key
-    assert after["meta"]["s21"] == "1 backward entries carried: the fold"
-    assert "carried 1 backward entries" in capsys.readouterr().out
+def test_ship_converts_schema_2_keeping_entries_tuned_for_these_kernels(tmp_path, capsys):
+    out, records = tmp_path / "shipped.json", tmp_path / "records.json"
+    assert ship_tool.main([str(_schema2(tmp_path)), "--out", str(out), "--records", str(records)]) == 0
+    table = cache.read_table(out)
+    assert table.meta == {"device_name": "Fake GPU"}  # the old notes stay in git, not in the package
+    assert table.entries == {"stable/fp16/e64/none/s1024/forward": {
+        "configs": {"forward": cfg_dict(64, 32)}, "kernel": cache.family_identity("forward"), "triton": "3.6.0"}}
+    (row,) = json.loads(records.read_text())["rows"]
+    assert row["winner"] == "64x32/w4/s1" and row["heuristic_ms"] == 1.5 and row["carried"] is True
+    printed = capsys.readouterr().out
+    assert "left out 1 entries" in printed and "stable/fp16/e64/none/s4096/forward" in printed
 
 
-def test_the_fp8_forward_is_its_own_family(tmp_path):
-    path = _table(tmp_path)
-    carry_tool.main(["--table", str(path), "--family", "fp8_forward", "--reason", "fp8 change"])
-    entries = json.loads(path.read_text())["entries"]
-    assert entries[FP8_STALE]["carried_from"] == "fp8 change" and entry_is_current(FP8_STALE, entries[FP8_STALE])
-    assert entries[FWD_STALE]["kernel_hash"] == "old" and "carried_from" not in entries[FWD_STALE]
+def test_ship_strips_a_retunes_table_and_merges_it(tmp_path):
+    out, records = tmp_path / "shipped.json", tmp_path / "records.json"
+    cache.update_table(out, table_of(**{"stable__fp16__e64__none__s1024__forward": fwd_entry(64, 32)}))
+    retune = table_of(**{"stable__fp16__e64__none__s4096__forward": {**fwd_entry(32, 32), "ms": 1.0, "space": "full"}})
+    source = tmp_path / "retune.json"
+    source.write_text(json.dumps(retune.to_json()))
+    assert ship_tool.main([str(source), "--out", str(out), "--records", str(records)]) == 0
+    entries = cache.read_table(out).entries
+    assert set(entries) == {"stable/fp16/e64/none/s1024/forward", "stable/fp16/e64/none/s4096/forward"}
+    assert all(set(entry) == set(cache.LOOKUP_FIELDS) for entry in entries.values())

@@ -108,7 +108,7 @@ def test_fast_path_launches_directly_not_through_the_tracing_op(monkeypatch):
             return lambda *args, **kwargs: seen.append(is_wrap_triton_enabled())
 
     monkeypatch.setattr(launch, "kernel_supports", lambda q, k, v: True)
-    monkeypatch.setattr(launch, "_launcher", lambda kernel: Recorder())
+    monkeypatch.setattr(launch.common, "launcher", lambda kernel: Recorder())
     q, k, v = (t.requires_grad_(True) for t in make_qkv(1, 2, 2, 8, 8, 16, 16, torch.float32, DEVICE))
     out, _ = attention_ops.attention_forward_eager(q, k, v, None, None, 0.0, False, 0, 0.25, "stable")
     out.sum().backward()

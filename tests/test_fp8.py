@@ -208,13 +208,14 @@ def test_fp8_forward_entries_belong_to_their_own_kernel_family():
     fwd = {"configs": {"forward": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}}}
     assert cache.kernel_family(Bucket.parse("fp8/fp16/e64/none/s1024/forward")) == "fp8_forward"
     assert cache.kernel_family(Bucket.parse("stable/fp16/e64/none/s1024/forward")) == "forward"
-    assert "attn_fwd_fp8.py" in cache.KERNEL_FAMILIES["fp8_forward"]
-    assert all("attn_fwd_fp8.py" not in cache.KERNEL_FAMILIES[f] for f in ("forward", "backward"))
+    assert "attn_fwd_fp8:_attn_fwd_fp8" in cache.KERNEL_FAMILIES["fp8_forward"]
+    assert all(not spec.startswith("attn_fwd_fp8:") for f in ("forward", "backward") for spec in cache.KERNEL_FAMILIES[f])
     table = cache.TuningTable.for_current_code("fake-gpu_sm90_132sm", {
         "fp8/bf16/e64/none/s1024/forward": fwd, "stable/fp16/e64/none/s1024/forward": fwd})
     entries = dict(table.entries)
-    assert entries["fp8/bf16/e64/none/s1024/forward"]["kernel_hash"] == cache.family_hash("fp8_forward")
-    entries["fp8/bf16/e64/none/s1024/forward"] = {**fwd, "kernel_hash": "0" * 64}  # an older fp8 kernel
+    assert entries["fp8/bf16/e64/none/s1024/forward"]["kernel"] == cache.family_identity("fp8_forward")
+    entries["fp8/bf16/e64/none/s1024/forward"] = {**entries["fp8/bf16/e64/none/s1024/forward"],
+                                                  "kernel": "0" * 16}  # an older fp8 kernel
     view = cache.TableView([cache.TuningTable(**{**vars(table), "entries": entries})])
     assert view.lookup(Bucket.parse("fp8/bf16/e64/none/s1024/forward")) is None
     assert view.lookup(Bucket.parse("stable/fp16/e64/none/s1024/forward")) is not None

@@ -1,24 +1,30 @@
-"""Tuning tables on CPU: keys, files, validity and lookup, and that a table reaches the launcher
-and the compile cache key (split from test_autotune.py)."""
+"""Tuning tables on CPU: keys, files, validity and lookup, that the shipped H200 table applies
+under every supported torch and Triton, and that a table reaches the launcher and the compile
+cache key. Malformed tables: test_tuning_cache_robustness.py."""
 
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import pathlib
+import re
 import warnings
 
 import pytest
 import torch
+import triton
 
 from flash_inductor import launch
 from flash_inductor.passes.graph_pass import FlashAttentionPass
 from flash_inductor.tuning import cache
 from flash_inductor.tuning.buckets import Bucket
-from flash_inductor.tuning.configs import KernelConfig, select_configs
+from flash_inductor.tuning.configs import KernelConfig, cuda_heuristic_configs, select_configs
+from flash_inductor.tuning.kernel_identity import KERNEL_FAMILIES, identity_of
 from helpers import DEVICE, make_qkv, randn, spy_on_launches
 from tuning_helpers import (  # noqa: F401  (isolated_tables: an autouse fixture)
-    ROOT, isolated_tables, cfg_dict, table_of, fwd_entry, bwd_entry, builtin_configs,
+    H200_KEY, ROOT, SHIPPED_DIR, isolated_tables, fake_h200, query_on, cfg_dict, table_of, fwd_entry, bwd_entry,
+    builtin_configs,
 )
 
 
@@ -44,14 +50,15 @@ def test_table_round_trip_and_validation(tmp_path):
     path = tmp_path / "t.json"
     cache.update_table(path, table)
     data = json.loads(path.read_text())
-    assert data["schema"] == cache.SCHEMA_VERSION
-    assert [e["kernel_hash"] for e in data["entries"].values()] == [cache.family_hash("forward")]
-    assert {"torch", "triton", "gpu", "entries"} <= set(data)
+    assert data["schema"] == cache.SCHEMA_VERSION and set(data) == {"schema", "gpu", "meta", "entries"}
+    (entry,) = data["entries"].values()
+    assert entry["kernel"] == cache.family_identity("forward") and entry["triton"] == triton.__version__
     assert cache.read_table(path).entries == table.entries
-    bad = dict(data, entries={"stable/fp16/e64/none/s1024/forward": {"configs": {"forward": cfg_dict(48, 32)}}})
+    bad = dict(data, entries={**data["entries"],
+                              "stable/fp16/e64/none/s2048/forward": {**entry, "configs": {"forward": cfg_dict(48, 32)}}})
     path.write_text(json.dumps(bad))
-    with pytest.raises(ValueError, match="power of two"):
-        cache.read_table(path)
+    read = cache.read_table(path)
+    assert read.entries == table.entries and "power of two" in read.dropped["stable/fp16/e64/none/s2048/forward"]
 
 
 def test_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
@@ -94,21 +101,21 @@ def _install(table: cache.TuningTable, where: pathlib.Path) -> None:
     (where / cache.table_filename(table.gpu)).write_text(json.dumps(table.to_json()))
 
 
-@pytest.mark.parametrize("change", ["triton", "torch", "schema", "gpu"])
-def test_stale_tables_are_ignored_with_one_warning(tmp_path, change):
+@pytest.mark.parametrize("change", ["schema", "gpu"])
+def test_tables_of_another_schema_or_gpu_are_ignored_with_one_warning(tmp_path, change):
     gpu = "fake-gpu_sm90_132sm"
     table = table_of(gpu, **{"stable__fp16__e64__none__s1024__forward": fwd_entry(64, 32)})
-    stale = {"triton": dict(triton="0.0.1"), "torch": dict(torch="1.0.0"), "schema": dict(schema=0),
-             "gpu": dict(gpu="other_sm80_108sm")}[change]
+    stale = {"schema": dict(schema=2), "gpu": dict(gpu="other_sm80_108sm")}[change]
     bad = cache.TuningTable(**{**vars(table), **stale})
     (tmp_path / "user").mkdir()
-    (tmp_path / "user" / cache.table_filename(gpu)).write_text(json.dumps(bad.to_json()))
+    path = tmp_path / "user" / cache.table_filename(gpu)
+    path.write_text(json.dumps(bad.to_json()))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         assert cache.load_tables(gpu) is None
-    messages = [str(w.message) for w in record]
-    assert len(messages) == 2 and "ignoring the user tuning table" in messages[0]  # then: no table at all
-    assert all("python -m flash_inductor.autotune" in m for m in messages)
+    (message,) = [str(w.message) for w in record]
+    assert "ignoring the user tuning table" in message and str(path) in message
+    assert "python -m flash_inductor.autotune" in message
     _install(table, tmp_path / "user")  # the current table is used again after a reload
     cache.clear_cache()
     assert cache.load_tables(gpu).lookup(Bucket.parse("stable/fp16/e64/none/s1024/forward")) is not None
@@ -120,7 +127,7 @@ def test_entries_of_a_changed_kernel_family_are_ignored_with_one_warning(tmp_pat
                            "stable__fp16__e64__none__s1024__backward": bwd_entry((32, 64), (64, 32))})
     backward_key = "stable/fp16/e64/none/s1024/backward"
     entries = dict(table.entries)
-    entries[backward_key] = {**entries[backward_key], "kernel_hash": "0" * 64}  # tuned for another backward
+    entries[backward_key] = {**entries[backward_key], "kernel": "0" * 16}  # tuned for another backward
     _install(cache.TuningTable(**{**vars(table), "entries": entries}), tmp_path / "user")
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -136,63 +143,136 @@ def test_entries_of_a_changed_kernel_family_are_ignored_with_one_warning(tmp_pat
     assert set(written.entries) == {"stable/fp16/e64/none/s1024/forward", "stable/fp16/e64/none/s4096/forward"}
 
 
-def _kernel_copy(tmp_path, monkeypatch) -> pathlib.Path:
-    copy = tmp_path / "kernels"
-    copy.mkdir()
-    for path in (ROOT / "flash_inductor" / "kernels").glob("*.py"):
-        (copy / path.name).write_bytes(path.read_bytes())
-    monkeypatch.setattr(cache, "_KERNELS_DIR", copy)
-    cache.family_hash.cache_clear()
-    return copy
+# ------------------------------------------------------------------------------------------
+# The kernels' identity: code, not text
+# ------------------------------------------------------------------------------------------
 
 
-def test_a_kernel_file_changes_exactly_the_families_built_from_it(tmp_path, monkeypatch):
-    copy = _kernel_copy(tmp_path, monkeypatch)
-    try:
-        before = cache.kernel_hashes()
-        for name in sorted(set().union(*cache.KERNEL_FAMILIES.values())):
-            source = copy / name
-            original = source.read_text()
-            source.write_text(original + "\n# a comment\n")
-            cache.family_hash.cache_clear()
-            changed = {f for f, h in cache.kernel_hashes().items() if h != before[f]}
-            assert changed == {f for f, files in cache.KERNEL_FAMILIES.items() if name in files}, name
-            source.write_text(original)
-            cache.family_hash.cache_clear()
-    finally:
-        monkeypatch.undo()
-        cache.family_hash.cache_clear()
+_KERNEL_SOURCE = '''
+import triton
+import triton.language as tl
+
+SCALE = tl.constexpr(2.0)
 
 
-def test_kernel_families_cover_every_tuned_kernel_and_its_imports():
-    """Each kernel file but the monitoring one (fixed launch sizes) belongs to a family, and a
-    family's files import kernel code only from files of the same family, so its hash covers
-    everything its launches compile."""
-    import re
+@triton.jit
+def _helper(x):
+    return x * SCALE
 
-    kernels = ROOT / "flash_inductor" / "kernels"
-    untuned = {"__init__.py", "monitor_stats.py"}
-    families = cache.KERNEL_FAMILIES
-    assert {p.name for p in kernels.glob("*.py")} - untuned == set().union(*families.values())
-    for family, files in families.items():
-        for name in files:
-            imported = {m + ".py" for m in re.findall(r"^from \.(\w+) import", (kernels / name).read_text(), re.M)}
-            assert imported <= files, (family, name, imported - files)
+
+@triton.jit
+def _kernel(X, N, BLOCK: tl.constexpr):
+    """A docstring."""
+    offs = tl.arange(0, BLOCK)
+    values = tl.load(X + offs, mask=offs < N)  # a comment
+    tl.store(X + offs, _helper(values), mask=offs < N)
+'''
+
+
+def _identity_of_source(tmp_path, source: str, name: str) -> str:
+    import importlib.util
+
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return identity_of([module._kernel])
+
+
+@pytest.mark.parametrize("edit, same", [
+    (lambda s: "# a glossary\n# of symbols\n\n" + s, True),
+    (lambda s: s.replace("# a comment", "# another comment"), True),
+    (lambda s: s.replace('"""A docstring."""', '"""Another docstring,\n    on two lines."""'), True),
+    (lambda s: s.replace("    return x * SCALE", "    # why\n    return x * SCALE"), True),
+    (lambda s: s.replace("x * SCALE", "SCALE * x"), False),  # code
+    (lambda s: s.replace("tl.constexpr(2.0)", "tl.constexpr(4.0)"), False),  # a constexpr global the callee reads
+    (lambda s: s.replace("values", "vals"), False),  # a renamed local: tools/carry_table_entries.py proves it
+])
+def test_kernel_identity_follows_code_and_callees_not_comments(tmp_path, edit, same):
+    base = _identity_of_source(tmp_path, _KERNEL_SOURCE, "kernel_base")
+    edited = _identity_of_source(tmp_path, edit(_KERNEL_SOURCE), "kernel_edited")
+    assert (edited == base) is same
+
+
+def test_kernel_families_cover_every_kernel_the_launchers_start():
+    """Every kernel the launchers start belongs to a family (so its identity covers everything
+    those launches compile), and every family's kernels exist."""
+    launched = set()
+    for path in (ROOT / "flash_inductor" / "launch").glob("*.py"):
+        launched |= set(re.findall(r"common\.launcher\((\w+)\)\[", path.read_text()))
+    listed = {spec.split(":")[1] for specs in KERNEL_FAMILIES.values() for spec in specs}
+    assert launched and launched <= listed, launched - listed
+    identities = cache.family_identities()
+    assert len(set(identities.values())) == len(KERNEL_FAMILIES)
+    assert all(re.fullmatch(r"[0-9a-f]{16}", identity) for identity in identities.values())
+
+
+# ------------------------------------------------------------------------------------------
+# The shipped tables
+# ------------------------------------------------------------------------------------------
 
 
 def test_shipped_tables_read_with_this_schema_and_these_kernels():
-    """Every table shipped in the package parses under the current schema, and its entries were
-    tuned for the kernel files in this checkout (a kernel change without a re-tune shows here as
-    a list of stale families, and at run time as one warning)."""
-    shipped = sorted((ROOT / "flash_inductor" / "tuning" / "tables").glob("*.json"))
-    assert shipped
+    """Every table shipped in the package parses under the current schema, every entry is well
+    formed and was tuned for the kernels in this checkout (a kernel change without a re-tune
+    shows here as a list of stale families, and at run time as one warning), and together they
+    stay small: they hold configs and validity only."""
+    shipped = sorted(SHIPPED_DIR.glob("*.json"))
+    assert shipped and sum(path.stat().st_size for path in shipped) <= 100_000
     for path in shipped:
         table = cache.read_table(path)
-        assert table.stale_reason() is None or "tuned with" in table.stale_reason(), path  # torch/Triton may differ here
-        assert table.schema == cache.SCHEMA_VERSION and table.entries, path
+        assert table.schema == cache.SCHEMA_VERSION and table.entries and not table.dropped, path
+        assert all(set(entry) == set(cache.LOOKUP_FIELDS) for entry in table.entries.values()), path
         assert table.stale_families() == {}, (
-            f"{path.name}: entries tuned for other kernel sources {table.stale_families()}; re-tune them on that "
-            "GPU (tools/gpu_autotune.sh with the shipped table in tuning_resume/) and ship the result")
+            f"{path.name}: entries tuned for other kernel sources {table.stale_families()}: if only the source "
+            "changed, tools/carry_table_entries.py --since <rev> re-keys them; else re-tune them on that GPU")
+
+
+# The torch releases we support and the Triton each brings.
+TORCH_TRITON = [("2.11.0", "3.6.0"), ("2.13.0", "3.7.1"), ("2.14.0", "3.8.0")]
+
+
+@pytest.mark.parametrize("torch_version, triton_version", TORCH_TRITON, ids=[t for t, _ in TORCH_TRITON])
+def test_the_shipped_h200_table_is_used_under_every_supported_torch(torch_version, triton_version, fake_h200,
+                                                                    monkeypatch, caplog):
+    """On an H200 (its device properties, as the launch path reads them), each bucket of the
+    shipped table gets the table's configs, not the heuristic's, with no warning: an entry tuned
+    under another Triton is used, and said so at INFO level."""
+    monkeypatch.setattr(cache, "shipped_tables_dir", lambda: SHIPPED_DIR)
+    monkeypatch.setattr(torch, "__version__", torch_version)
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    shipped = json.loads((SHIPPED_DIR / cache.table_filename(H200_KEY)).read_text())["entries"]
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    differs = 0
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger=cache.__name__):
+        warnings.simplefilter("error")
+        for key, entry in shipped.items():
+            bucket = Bucket.parse(key)
+            query = query_on(fake_h200, dtypes[bucket.dtype], bucket.seq, bucket.width)
+            got = select_configs(query, bucket.width, bucket.width, False, mask_kind=bucket.mask,
+                                 schedule=bucket.schedule)
+            heuristic = cuda_heuristic_configs((9, 0), 2, bucket.width, bucket.width, bucket.schedule, bucket.mask)
+            for role, config in entry["configs"].items():
+                assert getattr(got, role) == KernelConfig.from_dict(config), (key, role)
+                differs += getattr(heuristic, role) != getattr(got, role)
+    assert differs > len(shipped) // 4  # the table is not the heuristic written down
+    other_version = [r.getMessage() for r in caplog.records if "another Triton version" in r.getMessage()]
+    assert len(other_version) == (0 if triton_version == "3.6.0" else 1)
+    assert all(r.levelno == logging.INFO for r in caplog.records)
+
+
+def test_an_exact_triton_entry_wins_over_another_versions(monkeypatch):
+    key = "stable/fp16/e64/none/s1024/forward"
+    monkeypatch.setattr(triton, "__version__", "3.7.1")
+    shipped_new = table_of(**{key.replace("/", "__"): fwd_entry(64, 64)})  # stamped 3.7.1
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    user_old = table_of(**{key.replace("/", "__"): fwd_entry(32, 32)})  # stamped 3.6.0
+    bucket = Bucket.parse(key)
+    assert cache.TableView([shipped_new, user_old], "3.7.1").lookup(bucket) == {"forward": cfg_dict(64, 64)}
+    assert cache.TableView([shipped_new, user_old], "3.6.0").lookup(bucket) == {"forward": cfg_dict(32, 32)}
+    # Neither exact: the user's entry, as always.
+    assert cache.TableView([shipped_new, user_old], "3.8.0").lookup(bucket) == {"forward": cfg_dict(32, 32)}
 
 
 def test_user_entries_shadow_shipped_ones(tmp_path):
@@ -218,12 +298,11 @@ def test_lookup_uses_the_nearest_tuned_length():
     assert view.lookup(fwd.replace(mask="causal")) is None  # another family: the heuristic decides
 
 
-def test_no_table_on_a_gpu_warns_once_naming_the_command(monkeypatch):
-    monkeypatch.setattr(cache, "device_gpu_key", lambda device: "fake-gpu_sm90_132sm")
+def test_no_table_on_a_gpu_warns_once_naming_the_command(fake_h200):
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         for _ in range(3):
-            assert cache.active_table(torch.device("cuda"), interpreted=False) is None
+            assert cache.active_table(fake_h200, interpreted=False) is None
     assert len(record) == 1 and "python -m flash_inductor.autotune" in str(record[0].message)
     # The interpreter keeps its fixed tiles and reads nothing.
     assert cache.active_table(torch.device("cpu"), interpreted=True) is None

@@ -1,9 +1,11 @@
-"""Shared helpers of the tuning tests (test_autotune.py, test_tuning_tables.py): isolated table
-folders, table and entry builders, tiny search settings and a fake timer."""
+"""Shared helpers of the tuning tests (test_autotune.py, test_tuning_tables.py,
+test_tuning_cache_robustness.py): isolated table folders, an H200 as the CPU sees it, table and
+entry builders, tiny search settings and a fake timer."""
 
 from __future__ import annotations
 
 import pathlib
+import types
 
 import pytest
 import torch
@@ -19,6 +21,10 @@ from flash_inductor.tuning.search_space import SearchSpace
 from helpers import DEVICE
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent  # the repository
+SHIPPED_DIR = ROOT / "flash_inductor" / "tuning" / "tables"
+H200_KEY = "nvidia-h200_sm90_132sm"
+H200 = types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132,
+                             shared_memory_per_block_optin=232448)
 INTERPRETER_CONFIGS = AttentionConfigs(*(KernelConfig(16, 16, 1, 1),) * 3)
 
 
@@ -30,6 +36,24 @@ def isolated_tables(tmp_path, monkeypatch):
     cache.clear_cache()
     yield
     cache.clear_cache()
+
+
+@pytest.fixture
+def fake_h200(monkeypatch) -> torch.device:
+    """torch.cuda answers as on an H200 (no GPU needed): the device the launch-path lookup sees."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: H200)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (H200.major, H200.minor))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    cache._cuda_gpu_key.cache_clear()
+    cache._cuda_smem_limit.cache_clear()
+    yield torch.device("cuda", 0)
+    cache._cuda_gpu_key.cache_clear()
+    cache._cuda_smem_limit.cache_clear()
+
+
+def query_on(device: torch.device, dtype: torch.dtype = torch.bfloat16, seq: int = 4096, head_dim: int = 128):
+    """What select_configs reads of a query (device, dtype, shape), without allocating on the device."""
+    return types.SimpleNamespace(device=device, dtype=dtype, shape=(1, 8, seq, head_dim))
 
 
 def cfg_dict(bm, bn, warps=4, stages=1) -> dict:

@@ -1,5 +1,6 @@
-"""Carry a tuned table's entries over a kernel change that moves no tile's footprint.
+"""Re-key a tuning table's entries across a kernel edit that leaves the compiled code unchanged.
 
+<<<<<<< HEAD
     python tools/carry_table_entries.py --family backward \
         --reason "attn_bwd.py: a loop-invariant multiply hoisted; same tiles and PTX elsewhere"
 
@@ -12,50 +13,142 @@ with the current hash and marks each with ``carried_from`` (the reason), so the 
 picks were measured on other code; the next re-tune replaces them. Entries already current, and
 other families', are left alone. Run it only after the GPU has shown the change keeps the picks'
 speed (an A/B at the shipped configs) and the table-edge test passes on the carried picks.
+=======
+    python tools/carry_table_entries.py --since main            # kernels at `main` -> this checkout
+    python tools/carry_table_entries.py --since HEAD~3 --head-dims 64,128 --dry-run
+
+Each entry records its kernel family's source identity (``tuning/kernel_identity.py``), which
+ignores comments, docstrings and line numbers but changes with any edit of the code, including
+ones the compiler erases (a renamed local, a helper split in two). After such an edit the
+launchers skip the family's entries until it is re-tuned, which costs GPU time for nothing.
+
+This tool proves that nothing changed and re-keys the entries: for every family whose identity
+differs between the kernels at ``--since`` and this checkout's, it compiles both versions for
+sm_90 on this machine (tools/ptx_digest.py: the launchers' real constexprs, no GPU needed) for
+each case (head dim x mask x dtype x schedule) and compares the PTX of every kernel of the
+family. Entries that recorded the old identity get the new one only when every digest matches;
+otherwise the tool names the kernels whose code changed, and those buckets need a re-tune.
+>>>>>>> table
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
+import shutil
+import subprocess
 import sys
+import tempfile
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from flash_inductor.tuning.buckets import Bucket  # noqa: E402
-from flash_inductor.tuning.cache import KERNEL_FAMILIES, entry_is_current, entry_kernel_hash, kernel_family  # noqa: E402
+from flash_inductor.tuning import cache  # noqa: E402
+from flash_inductor.tuning.kernel_identity import KERNEL_FAMILIES, family_identities  # noqa: E402
 
-SHIPPED = pathlib.Path(__file__).resolve().parents[1] / "flash_inductor" / "tuning" / "tables" / "nvidia-h200_sm90_132sm.json"
+SHIPPED = cache.shipped_tables_dir() / "nvidia-h200_sm90_132sm.json"
+_IDENTITIES = "import json; from flash_inductor.tuning.kernel_identity import family_identities as f; print(json.dumps(f()))"
 
 
-def carry(table: dict, family: str, reason: str) -> list[str]:
-    """Re-stamp ``family``'s stale entries of ``table`` in place; returns their keys."""
-    carried = []
-    for key, entry in table["entries"].items():
-        if entry is None or kernel_family(Bucket.parse(key)) != family or entry_is_current(key, entry):
-            continue
-        entry["kernel_hash"] = entry_kernel_hash(key)
-        entry["carried_from"] = reason
-        carried.append(key)
-    return carried
+def family_kernel_names(family: str) -> set[str]:
+    return {spec.split(":")[1] for spec in KERNEL_FAMILIES[family]}
+
+
+def tree_with_kernels_of(rev: str, into: pathlib.Path) -> pathlib.Path:
+    """This checkout's package and digest tools, with ``flash_inductor/kernels`` as at ``rev``."""
+    shutil.copytree(ROOT / "flash_inductor", into / "flash_inductor",
+                    ignore=shutil.ignore_patterns("__pycache__", "tables"))
+    (into / "tools").mkdir()
+    for name in ("ptx_digest.py", "smem_check.py"):
+        shutil.copy(ROOT / "tools" / name, into / "tools" / name)
+    shutil.rmtree(into / "flash_inductor" / "kernels")
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "flash_inductor/kernels"],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def _python(tree: pathlib.Path, *args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env.pop("TRITON_INTERPRET", None)  # interpreted kernels are not compiled
+    return subprocess.run([sys.executable, *args], cwd=tree, env=env, check=True, capture_output=True,
+                          text=True).stdout
+
+
+def identities_in(tree: pathlib.Path) -> dict[str, str]:
+    return json.loads(_python(tree, "-c", _IDENTITIES).strip().splitlines()[-1])
+
+
+def digests_in(tree: pathlib.Path, options: list[str]) -> dict[str, dict[str, str]]:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        _python(tree, str(tree / "tools" / "ptx_digest.py"), "--out", out.name, *options)
+        return json.loads(pathlib.Path(out.name).read_text())
+
+
+def changed_kernels(before: dict, after: dict, kernels: set[str]) -> list[str]:
+    """'case kernel' for each of ``kernels`` whose code differs (or was compiled on one side only)."""
+    changed = []
+    for case in sorted(set(before) | set(after)):
+        old, new = before.get(case, {}), after.get(case, {})
+        for name in sorted(kernels & (set(old) | set(new))):
+            if old.get(name) is None or old.get(name) != new.get(name):
+                changed.append(f"{case} {name}")
+    if not any(kernels & set(compiled) for compiled in after.values()):
+        changed.append(f"no case compiled any of {sorted(kernels)}")
+    return changed
+
+
+def rekey(entries: dict[str, dict], old_identity: str, new_identity: str) -> list[str]:
+    """Give the entries recorded for ``old_identity`` the new one, in place; their keys."""
+    moved = [key for key, entry in entries.items() if isinstance(entry, dict) and entry.get("kernel") == old_identity]
+    for key in moved:
+        entries[key]["kernel"] = new_identity
+    return moved
+
+
+def digest_options(args, family: str) -> list[str]:
+    schedules = "fp8" if family == "fp8_forward" else args.schedules
+    return ["--head-dims", args.head_dims, "--masks", args.masks, "--dtypes", args.dtypes, "--schedules", schedules]
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--table", type=pathlib.Path, default=SHIPPED)
-    parser.add_argument("--family", required=True, choices=sorted(KERNEL_FAMILIES))
-    parser.add_argument("--reason", required=True, help="what changed, and where it was measured")
-    parser.add_argument("--meta-key", help="also record the reason under the table's meta[KEY]")
-    args = parser.parse_args(argv)
-    if not args.reason.strip():
-        parser.error("--reason: say what changed")
-    table = json.loads(args.table.read_text())
-    carried = carry(table, args.family, args.reason)
-    if args.meta_key:
-        table.setdefault("meta", {})[args.meta_key] = f"{len(carried)} {args.family} entries carried: {args.reason}"
-    args.table.write_text(json.dumps(table, indent=1) + "\n")
-    print(f"carried {len(carried)} {args.family} entries in {args.table}")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--since", required=True, help="git revision whose kernels the entries were tuned on")
+    p.add_argument("--table", type=pathlib.Path, default=SHIPPED)
+    p.add_argument("--head-dims", default="64,128,256")
+    p.add_argument("--masks", default="none,causal")
+    p.add_argument("--dtypes", default="bf16,fp16")
+    p.add_argument("--schedules", default="stable,fast,accurate", help="for the 16-bit families (fp8: its own)")
+    p.add_argument("--dry-run", action="store_true", help="report, write nothing")
+    args = p.parse_args(argv)
+    data = json.loads(args.table.read_text())
+    new = family_identities()
+    with tempfile.TemporaryDirectory() as tmp:
+        old_tree = tree_with_kernels_of(args.since, pathlib.Path(tmp))
+        old = identities_in(old_tree)
+        recorded = {entry.get("kernel") for entry in data["entries"].values() if isinstance(entry, dict)}
+        todo = [f for f in KERNEL_FAMILIES if old[f] != new[f] and old[f] in recorded]
+        if not todo:
+            print("nothing to carry: no family with entries changed its identity since", args.since)
+            return 0
+        moved_in_all = 0
+        for family in todo:
+            options = digest_options(args, family)
+            changed = changed_kernels(digests_in(old_tree, options), digests_in(ROOT, options),
+                                      family_kernel_names(family))
+            if changed:
+                print(f"{family}: compiled code changed, its entries need a re-tune:\n  " + "\n  ".join(changed))
+                continue
+            moved = rekey(data["entries"], old[family], new[family])
+            moved_in_all += len(moved)
+            print(f"{family}: same PTX in every case; {len(moved)} entries {old[family]} -> {new[family]}")
+    if moved_in_all and not args.dry_run:
+        table = cache.TuningTable(gpu=data["gpu"], entries=data["entries"], schema=data["schema"],
+                                  meta=data.get("meta", {}))
+        cache._atomic_write_text(args.table, cache.table_text(table))
+        print(f"wrote {args.table}")
     return 0
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Re-tune a chosen set of the shipped table's buckets in one device call, heated: drop them from a
 # copy of the shipped table, run the tuner with --resume (so only the dropped ones run), and leave
-# the whole table and the run's summary in $OUT. Copy $OUT/tables/<gpu>.json back over
-# flash_inductor/tuning/tables/ and add a line to its `meta`.
+# the whole table and the run's summary in $OUT. Ship it with
+# `python tools/ship_table.py $OUT/tables/<gpu>.json` (configs into the package, records to results).
 #
 #   SCHED=stable PASSES=forward,backward DIMS=64,128 SEQS=1024 TAG=s1024 bash tools/gpu_retune.sh
 #   SCHED=fast PASSES=backward DIMS=256 BUDGET=500 TAG=fast-e256 bash tools/gpu_retune.sh

@@ -25,6 +25,12 @@ MIN_SEQ_BUCKET = 128
 MAX_SEQ_BUCKET = 65536
 # The bucket of a symbolic length that has no hint (an unbacked size): a mid-size problem.
 DEFAULT_SEQ_BUCKET = 4096
+# Padded head widths: tl.dot needs K >= 16, and the kernels support head dims up to 256.
+MIN_WIDTH, MAX_WIDTH = 16, 256
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -51,6 +57,12 @@ class Bucket:
                              "(schedule/dtype/e<width>/mask/s<seq>/pass)") from None
         if dtype not in DTYPE_NAMES.values() or mask not in MASK_KINDS or pass_name not in PASSES:
             raise ValueError(f"tuning table: {key!r} names an unknown dtype, mask kind or pass")
+        # A lookup takes log2 of the length and the launchers pad widths to powers of two: other
+        # values could never be launched, and s0 would fail in the lookup, not here.
+        if not (_is_power_of_two(bucket.seq) and bucket.seq <= MAX_SEQ_BUCKET):
+            raise ValueError(f"tuning table: {key!r}: the length bucket must be a power of two <= {MAX_SEQ_BUCKET}")
+        if not (_is_power_of_two(bucket.width) and MIN_WIDTH <= bucket.width <= MAX_WIDTH):
+            raise ValueError(f"tuning table: {key!r}: the width must be a power of two in [{MIN_WIDTH}, {MAX_WIDTH}]")
         return bucket
 
     @property

@@ -1,25 +1,42 @@
-"""Per-GPU tuning tables: JSON files, where they live, when they are stale, and lookup.
+"""Per-GPU tuning tables: JSON files, where they live, what an entry is valid for, and lookup.
 
-A table maps bucket keys (``tuning/buckets.py``) to tuned launch configs for one GPU model.
-Its file records the schema version, the GPU key and the torch and Triton versions, and each
-entry records the hash of the kernel files its launch is built from (its kernel family: the
-16-bit forward, the backward, the fp8 forward). A table whose record differs from the running
-code is ignored, and so is an entry whose family changed (each with one warning), because a
-config tuned for other kernels or another compiler may no longer be the fastest, or may no
-longer fit in shared memory. Hashing per family keeps the other families' entries when one
-kernel changes, so a re-tune covers only the buckets that need it.
+A table maps bucket keys (``tuning/buckets.py``) to tuned launch configs for one GPU model. Each
+entry records what it is valid for:
+
+* ``kernel``: the source identity of its kernel family (``kernel_identity.py``: the syntax trees
+  of the kernels the family launches, their ``@triton.jit`` callees and the constexpr globals
+  they read; comments, docstrings and line numbers do not count). An entry whose identity
+  differs from the running kernels is skipped (one warning per file): it was tuned for other
+  code, and may no longer be the fastest or even fit in shared memory.
+* ``triton``: the Triton version it was tuned with. The rule: **an entry tuned under another
+  Triton version is still used**, because a config only chooses tile sizes, warps and stages
+  for the same kernel source; every config is checked against the GPU's limits when the table
+  is loaded, so one that cannot launch is dropped rather than tried. Where entries of the same
+  bucket exist for the running Triton and for another (e.g. a user's re-tune beside the shipped
+  table), the exact-version entry wins. Using other-version entries is reported at INFO level
+  (``logging``), not as a warning: it is the expected state after a Triton upgrade.
+
+The torch version is not recorded: torch does not take part in compiling these kernels.
 
 Where tables live:
 
-* shipped with the package: ``flash_inductor/tuning/tables/<gpu key>.json``;
+* shipped with the package: ``flash_inductor/tuning/tables/<gpu key>.json`` (configs and
+  validity only; the search records go to the autotuner's summary, see ``tables/README.md``);
 * the user's own (what ``python -m flash_inductor.autotune`` writes by default):
   ``$FLASH_INDUCTOR_CACHE_DIR``, else ``$XDG_CACHE_HOME/flash_inductor``, else
   ``~/.cache/flash_inductor``; never the current directory.
 
-A user entry shadows the shipped entry of the same bucket. Files are read once per process
-(per GPU model) and served from memory afterwards: the launch path does no file I/O. Writes
-take a file lock, merge with what is on disk, and replace the file atomically, so concurrent
-tuning runs never lose each other's entries and a crash never leaves half a file.
+Precedence per bucket: an exact-Triton entry over another version's, then the user's entry over
+the shipped one. Files are read once per process (per GPU model) and served from memory
+afterwards: the launch path does no file I/O.
+
+Robustness: a table can never make an attention call fail. A file that cannot be read or is not
+a table gives one warning naming it and is ignored; an entry that is malformed or exceeds the
+GPU's limits (block sizes, warps, stages, an estimate of its shared memory) is dropped with one
+warning per file naming it; the launch-path lookup turns any other error into one warning and
+the heuristic configs (``configs.select_configs``). Writes take a file lock, merge with what is
+on disk, and replace the file atomically, so concurrent tuning runs never lose each other's
+entries and a crash never leaves half a file.
 """
 
 from __future__ import annotations
@@ -29,6 +46,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import pathlib
@@ -40,11 +58,14 @@ from typing import Iterator, Mapping, Optional
 import torch
 
 from .buckets import Bucket
+from .kernel_identity import KERNEL_FAMILIES, family_identities, family_identity
 
-SCHEMA_VERSION = 2  # 2: kernel hashes per entry (1: one hash per table)
+SCHEMA_VERSION = 3  # 3: kernel identity and Triton version per entry (2: file hashes, table-wide torch/Triton)
 CACHE_DIR_ENV = "FLASH_INDUCTOR_CACHE_DIR"
 AUTOTUNE_COMMAND = "python -m flash_inductor.autotune"
 _LOCK_TIMEOUT_S = 120
+_log = logging.getLogger(__name__)
+
 
 
 # ------------------------------------------------------------------------------------------
@@ -73,9 +94,22 @@ def _cuda_gpu_key(index: int) -> str:
     return gpu_key(props.name, (props.major, props.minor), props.multi_processor_count)
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_smem_limit(index: int) -> int:
+    """Shared memory a block may opt in to on this GPU (older torch: by capability)."""
+    from .search_space import DEFAULT_OPTIN_SMEM_BYTES, OPTIN_SMEM_BYTES
+
+    props = torch.cuda.get_device_properties(index)
+    smem = getattr(props, "shared_memory_per_block_optin", 0)
+    return int(smem) or OPTIN_SMEM_BYTES.get((props.major, props.minor), DEFAULT_OPTIN_SMEM_BYTES)
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def device_gpu_key(device: torch.device) -> str:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_gpu_key(index)
+    return _cuda_gpu_key(_cuda_index(device))
 
 
 def user_cache_dir() -> pathlib.Path:
@@ -96,28 +130,8 @@ def table_filename(gpu: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------
-# What a table must match
+# What an entry is valid for
 # ------------------------------------------------------------------------------------------
-
-
-# The kernel files each family of tuned launches is built from (``kernels/``); the monitoring
-# kernels launch with fixed sizes and belong to none. tests/test_tuning_tables.py checks that every
-# other kernel file is in a family and that a family's files import only from the family.
-KERNEL_FAMILIES: dict[str, frozenset[str]] = {
-    "forward": frozenset({"attn_fwd.py", "common.py"}),
-    "backward": frozenset({"attn_bwd.py", "common.py", "tile_loads.py"}),
-    "fp8_forward": frozenset({"attn_fwd_fp8.py", "common.py"}),
-}
-_KERNELS_DIR = pathlib.Path(__file__).resolve().parent.parent / "kernels"
-
-
-def hash_files(paths) -> str:
-    """sha256 over the given files, in name order, names included."""
-    hasher = hashlib.sha256()
-    for path in sorted(pathlib.Path(p) for p in paths):
-        hasher.update(path.name.encode())
-        hasher.update(path.read_bytes())
-    return hasher.hexdigest()
 
 
 def kernel_family(bucket: Bucket) -> str:
@@ -129,34 +143,109 @@ def kernel_family(bucket: Bucket) -> str:
     return bucket.pass_name
 
 
-@functools.lru_cache(maxsize=None)
-def family_hash(family: str) -> str:
-    return hash_files(_KERNELS_DIR / name for name in KERNEL_FAMILIES[family])
-
-
-def kernel_hashes() -> dict[str, str]:
-    """Every family's current hash (for reports)."""
-    return {family: family_hash(family) for family in KERNEL_FAMILIES}
-
-
-def entry_kernel_hash(key: str) -> str:
-    """The hash an entry for bucket ``key`` must record to describe the running kernels."""
-    return family_hash(kernel_family(Bucket.parse(key)))
+def entry_kernel_identity(key: str) -> str:
+    """The identity an entry for bucket ``key`` must record to describe the running kernels."""
+    return family_identity(kernel_family(Bucket.parse(key)))
 
 
 def entry_is_current(key: str, entry: dict) -> bool:
-    return entry.get("kernel_hash") == entry_kernel_hash(key)
+    return entry.get("kernel") == entry_kernel_identity(key)
 
 
-def runtime_versions() -> dict[str, str]:
-    """torch's release (a local tag like '+cu128' does not change Triton's code) and Triton's version."""
+def running_triton_version() -> str:
     try:
         import triton
-
-        triton_version = triton.__version__
     except ImportError:
-        triton_version = "none"
-    return {"torch": torch.__version__.split("+")[0], "triton": triton_version}
+        return "none"
+    return str(triton.__version__)
+
+
+# What a lookup needs; everything else an entry may carry (times, runner-up, ranking) is the
+# autotuner's record, kept in user tables for --resume and stripped from shipped ones.
+LOOKUP_FIELDS = ("configs", "kernel", "triton")
+
+
+def shipped_entry(entry: dict) -> dict:
+    """``entry`` reduced to what a lookup needs."""
+    return {field: entry[field] for field in LOOKUP_FIELDS if field in entry}
+
+
+# ------------------------------------------------------------------------------------------
+# Validation: structure, then the GPU's limits
+# ------------------------------------------------------------------------------------------
+
+
+_ROLES = {"forward": ("forward",), "backward": ("backward_dkdv", "backward_dq")}
+_CONFIG_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
+# Bounds wider than anything the autotuner searches (tiles 32 to 128, 4 or 8 warps, 1 to 4 stages;
+# the interpreter's 16x16, 1 warp, 1 stage) and within what a launch can take (tl.dot needs 16 rows
+# or columns; 16 warps are 512 threads, a block may have 1024): a value outside them comes from a
+# damaged or hand-edited file, and could fail the launch instead of merely running slowly.
+BLOCK_RANGE = (16, 256)
+ALLOWED_WARPS = (1, 2, 4, 8, 16)
+STAGE_RANGE = (1, 8)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _config_problem(config) -> Optional[str]:
+    if not isinstance(config, dict) or any(not _is_int(config.get(field)) for field in _CONFIG_FIELDS):
+        return f"needs integer {', '.join(_CONFIG_FIELDS)}"
+    low, high = BLOCK_RANGE
+    for block in ("block_m", "block_n"):
+        size = config[block]
+        if not (low <= size <= high and size & (size - 1) == 0):
+            return f"{block}={size} is not a power of two in [{low}, {high}]"
+    if config["num_warps"] not in ALLOWED_WARPS:
+        return f"num_warps={config['num_warps']} is not one of {ALLOWED_WARPS}"
+    if not STAGE_RANGE[0] <= config["num_stages"] <= STAGE_RANGE[1]:
+        return f"num_stages={config['num_stages']} is outside {list(STAGE_RANGE)}"
+    return None
+
+
+def entry_problem(key: str, entry) -> Optional[str]:
+    """Why the entry at ``key`` cannot be used on any GPU, or None when it is well formed."""
+    from .schedules import SCHEDULES
+
+    try:
+        bucket = Bucket.parse(key)
+    except ValueError as error:
+        return str(error)
+    if bucket.schedule not in SCHEDULES:
+        return f"unknown schedule {bucket.schedule!r}"
+    if not isinstance(entry, dict):
+        return "not an object"
+    configs = entry.get("configs")
+    roles = _ROLES[bucket.pass_name]
+    if not isinstance(configs, dict) or set(configs) != set(roles):
+        return f"'configs' must hold exactly {roles}"
+    for role in roles:
+        problem = _config_problem(configs[role])
+        if problem is not None:
+            return f"{role}: {problem}"
+    for field in ("kernel", "triton"):
+        if not isinstance(entry.get(field), str):
+            return f"no {field!r} string"
+    return None
+
+
+def smem_problem(key: str, entry: dict, smem_limit: Optional[int]) -> Optional[str]:
+    """Why a well-formed entry cannot launch on a GPU with ``smem_limit`` bytes of shared memory
+    per block, by the autotuner's estimate (``search_space.smem_bytes``, the same estimate that
+    pruned its candidates); None when it fits or the limit is unknown."""
+    if smem_limit is None:
+        return None
+    from .configs import KernelConfig
+    from .search_space import smem_bytes, tile_bytes_for
+
+    tiles = tile_bytes_for(Bucket.parse(key))
+    for role, config in entry["configs"].items():
+        needed = smem_bytes(role, KernelConfig.from_dict(config), tiles)
+        if needed > smem_limit:
+            return f"{role} needs about {needed} bytes of shared memory, this GPU has {smem_limit}"
+    return None
 
 
 # ------------------------------------------------------------------------------------------
@@ -166,53 +255,54 @@ def runtime_versions() -> dict[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class TuningTable:
-    """One GPU model's tuned entries plus the record that says which code they were tuned for.
+    """One GPU model's tuned entries.
 
     ``entries`` maps a bucket key to a dict whose ``"configs"`` maps a kernel role ("forward",
     or "backward_dkdv" and "backward_dq") to ``{"block_m", "block_n", "num_warps",
-    "num_stages"}``; the other fields (times, errors, runner-up) are the autotuner's record.
+    "num_stages"}``, plus ``"kernel"`` and ``"triton"`` (what it is valid for; see the module
+    docstring). ``dropped`` names the entries of the file that failed validation, and why.
     """
 
     gpu: str
     entries: Mapping[str, dict]
-    torch: str
-    triton: str
     schema: int = SCHEMA_VERSION
     meta: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    dropped: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
     @classmethod
     def for_current_code(cls, gpu: str, entries: Optional[Mapping[str, dict]] = None, **meta) -> "TuningTable":
-        """A table of entries measured with the running code: each is stamped with its family's hash."""
-        stamped = {key: {**entry, "kernel_hash": entry_kernel_hash(key)} for key, entry in (entries or {}).items()}
-        return cls(gpu=gpu, entries=stamped, meta=meta, **runtime_versions())
+        """A table of entries measured with the running code: each is stamped with its kernel
+        family's identity and the running Triton version."""
+        triton = running_triton_version()
+        stamped = {key: {**entry, "kernel": entry_kernel_identity(key), "triton": triton}
+                   for key, entry in (entries or {}).items()}
+        return cls(gpu=gpu, entries=stamped, meta=meta)
 
     def to_json(self) -> dict:
-        return {
-            "schema": self.schema, "gpu": self.gpu, "torch": self.torch, "triton": self.triton,
-            "meta": dict(self.meta),
-            "entries": {key: self.entries[key] for key in sorted(self.entries)},
-        }
+        return {"schema": self.schema, "gpu": self.gpu, "meta": dict(self.meta),
+                "entries": {key: self.entries[key] for key in sorted(self.entries)}}
 
     @classmethod
-    def from_json(cls, data: dict) -> "TuningTable":
-        if not isinstance(data, dict) or "entries" not in data:
-            raise ValueError("not a flash_inductor tuning table (no 'entries')")
-        entries = data["entries"]
-        for key, entry in entries.items():
-            Bucket.parse(key)
-            _check_entry(key, entry)
-        return cls(gpu=str(data["gpu"]), entries=dict(entries), torch=str(data["torch"]), triton=str(data["triton"]),
-                   schema=int(data["schema"]), meta=dict(data.get("meta", {})))
-
-    def stale_reason(self) -> Optional[str]:
-        """Why this table no longer describes the running code, or None when it does."""
-        if self.schema != SCHEMA_VERSION:
-            return f"schema {self.schema} (this flash_inductor reads schema {SCHEMA_VERSION})"
-        versions = runtime_versions()
-        for name in ("torch", "triton"):
-            if getattr(self, name) != versions[name]:
-                return f"tuned with {name} {getattr(self, name)}, running {name} {versions[name]}"
-        return None
+    def from_json(cls, data) -> "TuningTable":
+        """The table in ``data``; ValueError when it is not a table of this schema. Malformed
+        entries are left out and listed in ``dropped``."""
+        if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
+            raise ValueError("not a flash_inductor tuning table ('entries' must be an object)")
+        schema = data.get("schema")
+        if schema != SCHEMA_VERSION:
+            raise ValueError(f"schema {schema!r}, this flash_inductor reads schema {SCHEMA_VERSION}")
+        if not isinstance(data.get("gpu"), str):
+            raise ValueError("no 'gpu' string")
+        meta = data.get("meta", {})
+        entries, dropped = {}, {}
+        for key, entry in data["entries"].items():
+            problem = entry_problem(key, entry)
+            if problem is None:
+                entries[key] = entry
+            else:
+                dropped[key] = problem
+        return cls(gpu=data["gpu"], entries=entries, schema=schema, meta=meta if isinstance(meta, dict) else {},
+                   dropped=dropped)
 
     def stale_families(self) -> dict[str, int]:
         """How many entries, per kernel family, were tuned for other kernel sources."""
@@ -227,23 +317,16 @@ class TuningTable:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
 
 
-_CONFIG_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
-_ROLES = {"forward": ("forward",), "backward": ("backward_dkdv", "backward_dq")}
-
-
-def _check_entry(key: str, entry: dict) -> None:
-    roles = _ROLES[Bucket.parse(key).pass_name]
-    configs = entry.get("configs") if isinstance(entry, dict) else None
-    if not isinstance(configs, dict) or set(configs) != set(roles):
-        raise ValueError(f"tuning table entry {key!r}: 'configs' must hold exactly {roles}")
-    for role, config in configs.items():
-        if not isinstance(config, dict) or any(
-            not isinstance(config.get(f), int) or config[f] <= 0 for f in _CONFIG_FIELDS
-        ):
-            raise ValueError(f"tuning table entry {key!r}: {role} needs positive ints {_CONFIG_FIELDS}")
-        for block in ("block_m", "block_n"):
-            if config[block] < 16 or config[block] & (config[block] - 1):
-                raise ValueError(f"tuning table entry {key!r}: {role}.{block} must be a power of two >= 16")
+def table_text(table: TuningTable) -> str:
+    """The file's text: the header indented, then one entry per line (a diff shows which buckets
+    moved, and the shipped table stays small)."""
+    data = table.to_json()
+    entries = data.pop("entries")
+    head = json.dumps(data, indent=1, allow_nan=False)
+    lines = [f" {json.dumps(key)}: {json.dumps(entry, separators=(',', ':'), allow_nan=False)}"
+             for key, entry in entries.items()]
+    body = "{\n" + ",\n".join(lines) + "\n}" if lines else "{}"
+    return head[:-2] + ',\n "entries": ' + body + "\n}\n"
 
 
 # ------------------------------------------------------------------------------------------
@@ -252,16 +335,33 @@ def _check_entry(key: str, entry: dict) -> None:
 
 
 def read_table(path: os.PathLike) -> Optional[TuningTable]:
-    """The table at ``path``; None when there is no file. A malformed file raises ValueError."""
+    """The table at ``path``; None when there is no file. A file that cannot be read (a folder
+    in its place, no permission, not JSON, not a table of this schema) raises ValueError."""
     path = pathlib.Path(path)
     try:
         text = path.read_text()
     except FileNotFoundError:
         return None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: cannot read it: {error}") from error
     try:
         return TuningTable.from_json(json.loads(text))
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{path}: unreadable tuning table: {error}") from error
+
+
+def check_writable_dir(directory: os.PathLike) -> None:
+    """Create ``directory`` if needed and prove a file can be created there; raise OSError with
+    what to do otherwise (the autotuner calls this before measuring anything)."""
+    directory = pathlib.Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".flash_inductor_write_check.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        raise OSError(f"cannot write to {directory} ({error.strerror or error}); set {CACHE_DIR_ENV} to a "
+                      "writable folder, or pass --output") from error
 
 
 def _atomic_write_text(path: pathlib.Path, text: str) -> None:
@@ -274,6 +374,8 @@ def _atomic_write_text(path: pathlib.Path, text: str) -> None:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
+        with contextlib.suppress(FileNotFoundError):  # mkstemp's 0600 would hide a shared table from others
+            os.chmod(tmp, os.stat(path).st_mode & 0o777)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -285,7 +387,7 @@ def _atomic_write_text(path: pathlib.Path, text: str) -> None:
 def _file_lock(path: pathlib.Path) -> Iterator[None]:
     from filelock import FileLock
 
-    path.parent.mkdir(parents=True, exist_ok=True)
+    check_writable_dir(path.parent)  # a clear message instead of the lock file's bare OSError
     with FileLock(str(path) + ".lock", timeout=_LOCK_TIMEOUT_S):
         yield
 
@@ -294,8 +396,9 @@ def update_table(path: os.PathLike, table: TuningTable) -> TuningTable:
     """Merge ``table``'s entries into the file at ``path`` (its entries win) and write it back.
 
     Under the lock the file is re-read, so two processes tuning different buckets both keep
-    theirs. Entries on disk are dropped when that file was tuned for another GPU, another torch
-    or Triton, or (entry by entry) other kernel sources. Returns the table as written.
+    theirs. Entries on disk are dropped when that file is for another GPU or schema, or (entry
+    by entry) was tuned for other kernel sources; entries of other Triton versions stay (see the
+    module docstring). Returns the table as written. Raises OSError when ``path`` cannot be written.
     """
     path = pathlib.Path(path)
     with _file_lock(path):
@@ -303,11 +406,10 @@ def update_table(path: os.PathLike, table: TuningTable) -> TuningTable:
             existing = read_table(path)
         except ValueError:
             existing = None  # a corrupt file is replaced, not merged
-        if existing is not None and existing.gpu == table.gpu and existing.stale_reason() is None \
-                and (existing.torch, existing.triton) == (table.torch, table.triton):
+        if existing is not None and existing.gpu == table.gpu:
             kept = {key: entry for key, entry in existing.entries.items() if entry_is_current(key, entry)}
             table = dataclasses.replace(table, entries={**kept, **table.entries}, meta={**existing.meta, **table.meta})
-        _atomic_write_text(path, json.dumps(table.to_json(), indent=1, sort_keys=False, allow_nan=False) + "\n")
+        _atomic_write_text(path, table_text(table))
     clear_cache()  # this process reads its own write on the next launch
     return table
 
@@ -318,18 +420,31 @@ def update_table(path: os.PathLike, table: TuningTable) -> TuningTable:
 
 
 class TableView:
-    """The entries a launch may use for one GPU model: user entries over shipped ones, indexed
-    by bucket family so that a lookup is a dict access plus a scan of a few lengths."""
+    """The entries a launch may use for one GPU model, indexed by bucket family so that a lookup
+    is a dict access plus a scan of a few lengths.
 
-    def __init__(self, tables: list[TuningTable]):
-        self.tables = tuple(tables)  # lowest precedence first
-        merged: dict[str, dict] = {}
-        for table in self.tables:
-            merged.update(table.entries)
+    ``tables`` are given lowest precedence first (shipped, then user). Per bucket key the entry
+    tuned with the running Triton wins over other versions', then the later table's over the
+    earlier's; entries tuned for other kernel sources are left out.
+    """
+
+    def __init__(self, tables: list[TuningTable], triton_version: Optional[str] = None):
+        self.tables = tuple(tables)
+        self.triton_version = running_triton_version() if triton_version is None else triton_version
+        chosen: dict[str, tuple[tuple[bool, int], dict]] = {}
+        for precedence, table in enumerate(self.tables):
+            for key, entry in table.entries.items():
+                if not entry_is_current(key, entry):
+                    continue
+                rank = (entry.get("triton") == self.triton_version, precedence)
+                if key not in chosen or rank > chosen[key][0]:
+                    chosen[key] = (rank, entry)
+        self.other_triton: dict[str, int] = {}  # version -> entries used from it
         self._families: dict[tuple, list[tuple[int, dict]]] = {}
-        for key, entry in merged.items():
-            if not entry_is_current(key, entry):
-                continue
+        for key, ((exact, _), entry) in chosen.items():
+            if not exact:
+                version = str(entry.get("triton"))
+                self.other_triton[version] = self.other_triton.get(version, 0) + 1
             bucket = Bucket.parse(key)
             self._families.setdefault(bucket.family, []).append((bucket.seq, entry))
         self._memo: dict[Bucket, Optional[dict]] = {}
@@ -356,26 +471,46 @@ _OVERRIDES: list[TableView] = []
 _WARNED: set[str] = set()
 
 
-def _warn_once(gpu: str, message: str) -> None:
-    if gpu not in _WARNED:
-        _WARNED.add(gpu)
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
         warnings.warn(message, stacklevel=3)
 
 
-def _valid_table(path: pathlib.Path, gpu: str, origin: str) -> Optional[TuningTable]:
+def warn_lookup_failed(error: BaseException) -> None:
+    """The launch path's last resort: a table error it did not expect becomes one warning."""
+    _warn_once("lookup-failed",  # once per process: every later launch would fail the same way
+               f"flash_inductor: the tuning-table lookup failed ({type(error).__name__}: {error}); using the "
+               f"built-in heuristic launch configs. Please report this; `{AUTOTUNE_COMMAND}` rewrites the user table.")
+
+
+def _usable_table(path: pathlib.Path, gpu: str, origin: str, smem_limit: Optional[int]) -> Optional[TuningTable]:
+    """The table at ``path`` without the entries this GPU cannot use, or None (one warning
+    naming the file when it exists but cannot be used)."""
     try:
         table = read_table(path)
     except ValueError as error:
-        _warn_once(f"{gpu}:{origin}", f"flash_inductor: ignoring the {origin} tuning table: {error}. "
-                   f"Re-run `{AUTOTUNE_COMMAND}`.")
+        _warn_once(f"{gpu}:{origin}", f"flash_inductor: ignoring the {origin} tuning table: {error}; using the "
+                   f"built-in heuristic configs. Re-run `{AUTOTUNE_COMMAND}` to write a new one.")
         return None
     if table is None:
         return None
-    reason = table.stale_reason() or (None if table.gpu == gpu else f"it is for {table.gpu}")
-    if reason is not None:
-        _warn_once(f"{gpu}:{origin}", f"flash_inductor: ignoring the {origin} tuning table {path} ({reason}); "
-                   f"using the built-in heuristic configs where it had entries. Re-run `{AUTOTUNE_COMMAND}`.")
+    if table.gpu != gpu:
+        _warn_once(f"{gpu}:{origin}", f"flash_inductor: ignoring the {origin} tuning table {path}: it is for "
+                   f"{table.gpu}; using the built-in heuristic configs. Re-run `{AUTOTUNE_COMMAND}`.")
         return None
+    dropped = dict(table.dropped)
+    for key, entry in table.entries.items():
+        problem = smem_problem(key, entry, smem_limit)
+        if problem is not None:
+            dropped[key] = problem
+    if dropped:
+        listed = "; ".join(f"{key}: {why}" for key, why in sorted(dropped.items())[:5])
+        more = f" (and {len(dropped) - 5} more)" if len(dropped) > 5 else ""
+        _warn_once(f"{gpu}:{origin}:dropped", f"flash_inductor: the {origin} tuning table {path} has "
+                   f"{len(dropped)} unusable entries, left out (those buckets use the heuristic configs): "
+                   f"{listed}{more}")
+        table = dataclasses.replace(table, entries={k: e for k, e in table.entries.items() if k not in dropped})
     stale = table.stale_families()
     if stale:
         counts = ", ".join(f"{count} {family}" for family, count in sorted(stale.items()))
@@ -385,20 +520,39 @@ def _valid_table(path: pathlib.Path, gpu: str, origin: str) -> Optional[TuningTa
     return table
 
 
+def _report_other_triton(gpu: str, view: TableView) -> None:
+    if view.other_triton:
+        versions = ", ".join(f"{count} with Triton {version}" for version, count in sorted(view.other_triton.items()))
+        _log.info("flash_inductor: using tuning-table entries for %s tuned under another Triton version (%s; "
+                  "running %s). Their configs were checked against this GPU's limits; a re-tune under this "
+                  "Triton would take precedence.", gpu, versions, view.triton_version)
+
+
 @functools.lru_cache(maxsize=None)
-def load_tables(gpu: str) -> Optional[TableView]:
-    """The valid tables for ``gpu`` (shipped, then the user's), read once per process."""
-    tables = []
+def load_tables(gpu: str, smem_limit: Optional[int] = None) -> Optional[TableView]:
+    """The usable tables for ``gpu`` (shipped, then the user's), read once per process. Configs
+    needing more than ``smem_limit`` bytes of shared memory per block are left out."""
+    tables, found = [], False
     for directory, origin in ((shipped_tables_dir(), "shipped"), (user_cache_dir(), "user")):
-        table = _valid_table(directory / table_filename(gpu), gpu, origin)
+        path = directory / table_filename(gpu)
+        found = found or os.path.lexists(path)
+        try:
+            table = _usable_table(path, gpu, origin, smem_limit)
+        except Exception as error:  # a table must never fail an attention call
+            _warn_once(f"{gpu}:{origin}", f"flash_inductor: ignoring the {origin} tuning table {path}: "
+                       f"{type(error).__name__}: {error}; using the built-in heuristic configs.")
+            table = None
         if table is not None:
             tables.append(table)
-    if not tables:
+    if not tables and not found:  # a file that was found but not used had its own warning
         _warn_once(gpu, f"flash_inductor: no tuning table for this GPU ({gpu}); using the built-in heuristic "
                    f"launch configs, which may be slower. Run `{AUTOTUNE_COMMAND}` once to tune them "
                    f"(writes {user_cache_dir() / table_filename(gpu)}).")
+    if not tables:
         return None
-    return TableView(tables)
+    view = TableView(tables)
+    _report_other_triton(gpu, view)
+    return view
 
 
 def active_table(device: torch.device, interpreted: bool) -> Optional[TableView]:
@@ -408,7 +562,8 @@ def active_table(device: torch.device, interpreted: bool) -> Optional[TableView]
         return _OVERRIDES[-1]
     if interpreted or device.type != "cuda":
         return None
-    return load_tables(device_gpu_key(device))
+    index = _cuda_index(device)
+    return load_tables(_cuda_gpu_key(index), _cuda_smem_limit(index))
 
 
 @contextlib.contextmanager
@@ -442,7 +597,11 @@ def tables_digest() -> str:
         return "no-cuda"
     parts = []
     for index in range(torch.cuda.device_count()):
-        gpu = _cuda_gpu_key(index)
-        view = load_tables(gpu)
+        try:
+            gpu = _cuda_gpu_key(index)
+            view = load_tables(gpu, _cuda_smem_limit(index))
+        except Exception as error:  # the launches fall back to the heuristic too (warn_lookup_failed)
+            parts.append(f"{index}=error:{type(error).__name__}")
+            continue
         parts.append(f"{gpu}={view.digest if view is not None else 'none'}")
     return ";".join(parts)

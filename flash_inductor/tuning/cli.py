@@ -7,9 +7,14 @@
 The table goes to the user cache (``$FLASH_INDUCTOR_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/flash_inductor``, else ``~/.cache/flash_inductor``), or to ``--output``, or
 into the package with ``--ship``; it is rewritten atomically after every finished bucket, so an
-interrupted run loses at most the buckets in flight and ``--resume`` skips the rest. A summary
-(winner, TFLOP/s, error, runner-up, gain over the heuristic per bucket) is printed and written
-as JSON beside the table (or to ``--summary``) for committing under benchmarks/results/.
+interrupted run loses at most the buckets in flight and ``--resume`` skips the rest. Before
+anything is measured, the run checks that it can write there. A summary (winner, TFLOP/s, error,
+runner-up, gain over the heuristic per bucket) is printed and written as JSON beside the table
+(or to ``--summary``) for committing under benchmarks/results/.
+
+A user table keeps each entry's search record (``--resume`` seeds shortlists from it); a
+shipped table (``--ship``) keeps only what a lookup needs, the record going to the summary
+(whose default folder is then benchmarks/results/ of the checkout).
 """
 
 from __future__ import annotations
@@ -66,7 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a tiny grid (bf16, E=128, none/causal, L=4096, stable, small search space)")
     p.add_argument("--exhaustive", action="store_true", help="sweep the whole search space in every bucket")
     p.add_argument("--output", default=None, help="table file or folder (default: the user cache)")
-    p.add_argument("--ship", action="store_true", help="write into flash_inductor/tuning/tables/")
+    p.add_argument("--ship", action="store_true",
+                   help="write into flash_inductor/tuning/tables/, configs only (the search record goes to the summary)")
     p.add_argument("--summary", default=None, help="summary JSON path (default: beside the table)")
     p.add_argument("--resume", action="store_true", help="skip buckets already in the output table")
     p.add_argument("--incumbents", default=None, metavar="TABLE",
@@ -180,19 +186,38 @@ def _winner_label(entry: Optional[dict]) -> str:
     return "no candidate passed" if entry is None else _label(entry["configs"])
 
 
+def _summary_dir(args, table_path: pathlib.Path) -> pathlib.Path:
+    """Beside the table; for --ship the checkout's benchmarks/results/ (the package holds tables
+    only), else the user cache."""
+    if not args.ship:
+        return table_path.parent
+    results = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    return results if results.is_dir() else cache.user_cache_dir()
+
+
 def summary_path_for(args, table_path: pathlib.Path, gpu: str) -> pathlib.Path:
     """``--summary`` as given; else ``autotune_<gpu>_<date>[_quick].json`` beside the table,
     numbered ``-2``, ``-3``, ... when an earlier run that day left one. A second run (another
-    head dim, a resume) must not overwrite what the first measured: session 22 lost a 24-bucket
-    summary that way (the table keeps every entry, the summary each run's timing settings)."""
+    head dim, a resume) must not overwrite what the first measured (the table keeps every
+    entry, the summary each run's timing settings)."""
     if args.summary:
         return pathlib.Path(args.summary)
+    folder = _summary_dir(args, table_path)
     stem = f"autotune_{gpu}_{datetime.date.today():%Y%m%d}{'_quick' if args.quick else ''}"
-    candidate, number = table_path.parent / f"{stem}.json", 1
+    candidate, number = folder / f"{stem}.json", 1
     while candidate.exists():
         number += 1
-        candidate = table_path.parent / f"{stem}-{number}.json"
+        candidate = folder / f"{stem}-{number}.json"
     return candidate
+
+
+def check_outputs_writable(table_path: pathlib.Path, summary_path: pathlib.Path) -> None:
+    """Fail now, not after the tuning, when the table or the summary cannot be written."""
+    for folder in dict.fromkeys((table_path.parent, summary_path.parent)):
+        try:
+            cache.check_writable_dir(folder)
+        except OSError as error:
+            raise SystemExit(f"flash_inductor.autotune: {error}")
 
 
 def summary_rows(plan: list[PlannedBucket], entries: dict) -> list[dict]:
@@ -200,7 +225,9 @@ def summary_rows(plan: list[PlannedBucket], entries: dict) -> list[dict]:
     for planned in plan:
         entry = entries.get(planned.bucket.key())
         row = {"bucket": planned.bucket.key(), "mode": planned.kind, "tuned": entry is not None}
-        if entry is not None:
+        if entry is not None and "ms" not in entry:  # a shipped entry kept by --resume: configs only
+            row.update(winner=_label(entry["configs"]), record=False)
+        elif entry is not None:
             runner_up = entry.get("runner_up") or {}
             row.update(
                 winner=_label(entry["configs"]), ms=entry["ms"], tflops=entry["tflops"], error=entry["error"],
@@ -226,6 +253,9 @@ def format_summary(rows: list[dict]) -> str:
         if not r["tuned"]:
             lines.append((r["bucket"], "not tuned") + ("-",) * (len(header) - 2))
             continue
+        if r.get("record") is False:
+            lines.append((r["bucket"], r["winner"]) + ("(kept, no record)",) + ("-",) * (len(header) - 3))
+            continue
         ratio = r["speedup_vs_heuristic"]
         line = (r["bucket"], r["winner"], f"{r['tflops']:.1f}", f"{r['error']:.1e}", f"{r['error_ratio']:.2f}",
                 r["runner_up"], "heuristic rejected" if ratio is None else f"{ratio:.3f}x")
@@ -242,6 +272,11 @@ def _versus_incumbent(row: dict) -> str:
     if row["speedup_vs_incumbent"] is None:
         return "incumbent rejected"
     return "kept" if row["incumbent"] == row["winner"] else f"{row['speedup_vs_incumbent']:.3f}x"
+
+
+def _versions() -> dict[str, str]:
+    """What the summary records of the run's software (the table records Triton per entry)."""
+    return {"torch": torch.__version__, "triton": cache.running_triton_version()}
 
 
 def _write_json(path: pathlib.Path, data: dict) -> None:
@@ -274,6 +309,28 @@ def _default_settings(args, device: torch.device) -> Settings:
                     timer=do_bench_timer(args.warmup_ms, args.rep_ms, args.heat_ms))
 
 
+def _resumable_entries(path: pathlib.Path, gpu: str) -> dict[str, dict]:
+    """The entries of the table at ``path`` a resumed run keeps: this GPU's, tuned for the
+    running kernels (under any Triton version, as lookups use them)."""
+    try:
+        existing = cache.read_table(path)
+    except ValueError as error:
+        print(f"autotune: not resuming from {path}: {error}")
+        return {}
+    if existing is None:
+        return {}
+    if existing.gpu != gpu:
+        print(f"autotune: not resuming from {path}: it is for {existing.gpu}")
+        return {}
+    return {key: entry for key, entry in existing.entries.items() if cache.entry_is_current(key, entry)}
+
+
+def _already_tuned(entry: Optional[dict], space: str) -> bool:
+    """Whether a resumed run may keep ``entry``: tuned in this search space, or a shipped entry
+    (which records no space: its configs stand, and the shortlists it seeds race them)."""
+    return entry is not None and entry.get("space", space) == space
+
+
 def _device(dry_run: bool) -> torch.device:
     from ..launch import interpreter_enabled
 
@@ -293,6 +350,8 @@ def main(argv=None, *, settings: Optional[Settings] = None, device: Optional[tor
     plan = make_plan(grid, exhaustive=args.exhaustive)
     path = output_path(args, gpu)
     summary_path = summary_path_for(args, path, gpu)
+    if not args.dry_run:
+        check_outputs_writable(path, summary_path)
     print(f"autotune: {gpu} ({device_name}); {len(plan)} buckets "
           f"({sum(p.kind == SWEEP for p in plan)} sweeps, {sum(p.kind == COPY for p in plan)} copies) -> {path}")
     if args.dry_run:
@@ -322,18 +381,12 @@ def main(argv=None, *, settings: Optional[Settings] = None, device: Optional[tor
     entries: dict[str, dict] = {}
     done: dict[Bucket, BucketTask] = {}
     if args.resume:
-        existing = cache.read_table(path) if path.exists() else None
-        reason = None if existing is None else (existing.stale_reason() or
-                                                (None if existing.gpu == gpu else f"it is for {existing.gpu}"))
-        if existing is not None and reason is None:
-            entries.update({k: e for k, e in existing.entries.items() if cache.entry_is_current(k, e)})
-        elif existing is not None:
-            print(f"autotune: not resuming from {path}: {reason}")
+        entries.update(_resumable_entries(path, gpu))
     incumbents = _incumbent_entries(args.incumbents, gpu)
     tasks = []
     for planned in plan:
         entry = entries.get(planned.bucket.key())
-        if entry is not None and entry.get("space") == settings.space.name:
+        if _already_tuned(entry, settings.space.name):
             done[planned.bucket] = task_from_entry(planned, tuner.heuristic(planned.bucket), entry)
         else:
             tasks.append(tuner.task(planned, incumbents.get(planned.bucket.key())))
@@ -349,7 +402,7 @@ def main(argv=None, *, settings: Optional[Settings] = None, device: Optional[tor
 
     def write_summary(remaining: list) -> None:
         _write_json(summary_path, {
-            "gpu": gpu, **meta, **cache.runtime_versions(), "kernel_hashes": cache.kernel_hashes(),
+            "gpu": gpu, **meta, **_versions(), "kernel_identities": cache.family_identities(),
             "table": str(path), "complete": not remaining, "remaining": [t.bucket.key() for t in remaining],
             "wall_s": time.monotonic() - started, "stats": tuner.stats,
             "timing_shape": {"tokens": settings.tokens, "hidden": settings.hidden},
@@ -361,7 +414,8 @@ def main(argv=None, *, settings: Optional[Settings] = None, device: Optional[tor
         progress.bucket(task)
         if task.entry is not None:
             entries[task.bucket.key()] = task.entry
-            cache.update_table(path, cache.TuningTable.for_current_code(gpu, {task.bucket.key(): task.entry}, **meta))
+            written = cache.shipped_entry(task.entry) if args.ship else task.entry
+            cache.update_table(path, cache.TuningTable.for_current_code(gpu, {task.bucket.key(): written}, **meta))
         write_summary([t for t in tasks if not t.done])  # a run killed mid-way still leaves its summary
 
     progress = _Progress(sum(tuner.estimate_candidates(t) for t in plan if t.bucket not in done), len(tasks))

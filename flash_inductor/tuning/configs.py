@@ -154,10 +154,17 @@ def select_configs(
 
     Every eager call asks this, twice per training step, so with plain-integer lengths the answer
     is memoised per problem and table view: on the H200's host the lookup (device capability,
-    bucket, three table reads) was about a fifth of an eager forward's host time (session 23).
-    A new table (``cache.clear_cache``, ``cache.override_table``) is a new view, so a new key.
+    bucket, three table reads) was about a fifth of an eager forward's host time. A new table
+    (``cache.clear_cache``, ``cache.override_table``) is a new view, so a new key.
+
+    The tables never fail a launch: an error in finding or reading them gives one warning and
+    the heuristic configs.
     """
-    table = cache.active_table(query.device, interpreted)
+    try:
+        table = cache.active_table(query.device, interpreted)
+    except Exception as error:
+        cache.warn_lookup_failed(error)
+        table = None
     seq_q = query.shape[-2] if seq_q is None else seq_q
     seq_k = seq_q if seq_k is None else seq_k
     args = (table, query.device, query.dtype, head_dim, head_dim_v, interpreted, seq_q, seq_k, mask_kind, schedule)
@@ -176,13 +183,17 @@ def _select(table: Optional[cache.TableView], device: torch.device, dtype: torch
     bucket = bucket_for(schedule or DEFAULT_SCHEDULE, dtype, width, mask_kind, seq_q, seq_k, "forward")
     if bucket is None:
         return heuristic
-    forward = table.lookup(bucket)
-    backward = table.lookup(bucket.replace(pass_name="backward"))
-    return AttentionConfigs(
-        forward=KernelConfig.from_dict(forward["forward"]) if forward else heuristic.forward,
-        backward_dkdv=KernelConfig.from_dict(backward["backward_dkdv"]) if backward else heuristic.backward_dkdv,
-        backward_dq=KernelConfig.from_dict(backward["backward_dq"]) if backward else heuristic.backward_dq,
-    )
+    try:
+        forward = table.lookup(bucket)
+        backward = table.lookup(bucket.replace(pass_name="backward"))
+        return AttentionConfigs(
+            forward=KernelConfig.from_dict(forward["forward"]) if forward else heuristic.forward,
+            backward_dkdv=KernelConfig.from_dict(backward["backward_dkdv"]) if backward else heuristic.backward_dkdv,
+            backward_dq=KernelConfig.from_dict(backward["backward_dq"]) if backward else heuristic.backward_dq,
+        )
+    except Exception as error:  # a table must never fail an attention call
+        cache.warn_lookup_failed(error)
+        return heuristic
 
 
 # Bounded: a process that sees many distinct lengths (a dynamic-shape eager loop) evicts old ones.

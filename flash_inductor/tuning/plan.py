@@ -105,7 +105,7 @@ def make_plan(grid: Grid, exhaustive: bool = False) -> list[PlannedBucket]:
         dtype = next(d for d in grid.dtypes if _dtype_class(d) == _dtype_class(b.dtype))
         # A schedule whose tiles hold operands of other widths than the default's (fp8 Q/K/V;
         # fp32 P and dS under `accurate`) fits and ranks other tiles, so it sweeps for itself:
-        # raced on the default's best few, `accurate` at E = 256 kept only the heuristic (session 19).
+        # raced on the default's best few, `accurate` at E = 256 kept only the heuristic on the H200.
         same_tiles = _operand_widths(b.schedule) == _operand_widths(default_schedule)
         schedule = default_schedule if same_tiles else b.schedule
         return Bucket(schedule, dtype, b.width, sweep_mask, rep, b.pass_name)

@@ -16,7 +16,7 @@ The one exception: workers also run each search's winner at lengths of 1 (L = 7,
 L = 1, S = 7) before it becomes a table entry. Triton compiles an integer argument equal to 1
 into the kernel as a constant, and Inductor does the same for a size statically 1, so those
 lengths run other kernels than every other length; on Triton 3.6 / sm_90 one such kernel read
-shared memory out of range (session 17). The tuner must never run such a config itself, since a
+shared memory out of range. The tuner must never run such a config itself, since a
 fault poisons the process's CUDA context, so this probe's verdict comes from here. Only winners
 are probed: a probe compiles the kernels twice more, for lengths no timing uses. A fault in a
 worker poisons that worker too, and the worker's later jobs then fail for nothing of their own:

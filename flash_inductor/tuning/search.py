@@ -16,9 +16,9 @@ Every candidate list contains the heuristic's configs, and a candidate replaces 
 only when it is faster by more than ``min_gain``: timing noise never makes the table slower
 than the default. A re-tune can also give each bucket an incumbent, the pick it would replace
 (``--incumbents``): the incumbent races with the first candidates, and a candidate replaces it
-only when faster by more than ``min_gain`` in the same run. Session 26's re-tune without it moved
-29 of 32 picks, and the new picks were no faster than the old in a forward+backward A/B (median
-0.998x; benchmarks/NOTES.md). A candidate is timed only after it passes the accuracy check and the stability
+only when faster by more than ``min_gain`` in the same run. A re-tune of 32 buckets without it
+moved 29 picks, and the new picks were no faster than the old in a forward+backward A/B (median
+0.998x). A candidate is timed only after it passes the accuracy check and the stability
 probes (``measure.py``).
 
 Rounds: each round takes the next candidate list of several buckets, optionally compiles all of
@@ -52,8 +52,8 @@ from .measure import (
 )
 from .plan import COPY, SHORTLIST, SWEEP, PlannedBucket
 from .precompile import RoundReport
-from .search_space import FULL_SPACE, ROLES, DeviceLimits, SearchSpace, TileBytes, depth_candidates, shape_candidates
-from .schedules import get_schedule
+from .search_space import (FULL_SPACE, ROLES, DeviceLimits, SearchSpace, TileBytes, depth_candidates, shape_candidates,
+                           tile_bytes_for)
 
 
 @dataclasses.dataclass
@@ -67,8 +67,8 @@ class Settings:
     top_k: int = 3  # configs per role a shortlist takes from its sweep
     # A sweep then tries the other pipeline depths of its best shape and of every shape within
     # depth_margin of it, up to depth_shapes shapes: at a near tie the first shape's reference depth
-    # can hide a faster depth of the second (session 19: E = 64's 128x64/w8/s4 lost its place to
-    # 64x64/w4/s3, 1 % ahead at s3, and s4 was never timed).
+    # can hide a faster depth of the second (on the H200, E = 64's 128x64/w8/s4 lost its place to
+    # 64x64/w4/s3, 1 % ahead at s3, when s4 was never timed).
     depth_shapes: int = 3
     depth_margin: float = 0.05
     min_gain: float = 0.01  # a candidate must beat the heuristic by this fraction to replace it
@@ -200,14 +200,7 @@ class Tuner:
                                             self.limits)) + len(self.settings.space.stages) - 1 for r in roles)
 
     def _tiles(self, bucket: Bucket) -> TileBytes:
-        from ..launch import schedule_switches
-
-        sched = get_schedule(bucket.schedule)
-        size = torch_dtype(bucket.dtype).itemsize
-        mask = {"none": 0, "causal": 0, "bool": 1, "float": size}[bucket.mask]
-        exact_delta = schedule_switches(torch_dtype(bucket.dtype), bucket.schedule)["EXACT_DELTA"]
-        return TileBytes(bucket.width, size, 4 if sched.p_in_fp32 else size, 4 if sched.ds_in_fp32 else size, mask,
-                         exact_delta=exact_delta)
+        return tile_bytes_for(bucket)
 
     def _sweep(self, task: BucketTask) -> Iterator[list[AttentionConfigs]]:
         tiles, space = self._tiles(task.bucket), self.settings.space
@@ -474,6 +467,8 @@ def incumbent_configs(heuristic: AttentionConfigs, roles, entry: Optional[dict])
 def task_from_entry(planned: PlannedBucket, heuristic: AttentionConfigs, entry: Optional[dict]) -> BucketTask:
     """A finished task rebuilt from a saved entry (``--resume``): enough for the shortlists it seeds."""
     task = BucketTask(planned, heuristic)
-    task.saved_ranking = (entry or {}).get("ranking", {})
+    # A shipped entry keeps no ranking: its own configs are then the best the shortlists know.
+    configs = (entry or {}).get("configs") or {}
+    task.saved_ranking = (entry or {}).get("ranking") or {role: [config] for role, config in configs.items()}
     task.entry, task.done = entry, True
     return task

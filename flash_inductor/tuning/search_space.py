@@ -24,7 +24,9 @@ from typing import Iterable, Optional
 
 import torch
 
+from .buckets import Bucket
 from .configs import KernelConfig
+from .schedules import get_schedule
 
 ROLES = {"forward": ("forward",), "backward": ("backward_dkdv", "backward_dq")}
 MAX_FP32_REGS_PER_THREAD = 256
@@ -78,6 +80,19 @@ class TileBytes:
     ds_itemsize: int  # dS as the dQ/dK dot's operand
     mask_itemsize: int  # 0 without a mask
     exact_delta: bool = False  # the dQ pass also feeds P to a P·K dot and keeps its accumulator
+
+
+_ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def tile_bytes_for(bucket: Bucket) -> TileBytes:
+    """The element sizes of a bucket's launches (the schedule's P and dS widths, the mask's bytes;
+    the dQ pass's exact Δ is the schedule's except with fp32 inputs, as launch.schedule_switches)."""
+    sched = get_schedule(bucket.schedule)
+    size = _ITEMSIZE[bucket.dtype]
+    mask = {"none": 0, "causal": 0, "bool": 1, "float": size}[bucket.mask]
+    return TileBytes(bucket.width, size, 4 if sched.p_in_fp32 else size, 4 if sched.ds_in_fp32 else size, mask,
+                     exact_delta=sched.exact_delta and bucket.dtype != "fp32")
 
 
 def smem_bytes(role: str, cfg: KernelConfig, t: TileBytes) -> int:
