@@ -40,7 +40,7 @@ from kernel_time import kernel_times_us  # noqa: E402
 
 from flash_inductor import launch  # noqa: E402
 from flash_inductor.tuning.configs import KernelConfig  # noqa: E402
-from flash_inductor.tuning.schedules import get_schedule  # noqa: E402
+from flash_inductor.schedules import get_schedule  # noqa: E402
 
 # Tile shapes tried per pass by --sweep: block_m x block_n / warps / stages.
 SWEEP = {

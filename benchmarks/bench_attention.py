@@ -149,7 +149,7 @@ def heat(fn, ms, clock=time.monotonic, synchronize=None):
     sustained, power-limited clock; timed straight after an idle compile a step gets the boost clock,
     and which provider gets it depends on the grid's order (docs/performance.md)."""
     import_flash_inductor()  # in a plain checkout this puts the package on the path
-    from flash_inductor.tuning.measure import run_for
+    from flash_inductor.autotune.measure import run_for
 
     run_for(fn, ms, clock=clock, synchronize=synchronize)
 

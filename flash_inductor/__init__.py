@@ -17,7 +17,7 @@ from .backend import backend, make_backend
 from .explanation import explain
 from .monitoring import monitor
 from .passes.report import last_report
-from .tuning.schedules import DEFAULT_SCHEDULE, SCHEDULES, PrecisionSchedule
+from .schedules import DEFAULT_SCHEDULE, SCHEDULES, PrecisionSchedule
 
 __version__ = "0.1.0"
 

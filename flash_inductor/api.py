@@ -18,7 +18,7 @@ from .monitoring import ops as _monitor_ops  # registers the recording ops
 from .monitoring import session as _monitor_session
 from .ops import attention as _attention_ops  # registers the ops
 from .launch.fp8 import check_fp8_device
-from .tuning.schedules import get_schedule
+from .schedules import get_schedule
 
 try:  # CausalBias exists in every supported torch, but keep the import failure local.
     from torch.nn.attention.bias import CausalBias, CausalVariant
@@ -74,7 +74,7 @@ def flash_attention(
         enable_gqa: allow ``Hq`` to be a multiple of ``Hkv`` (grouped-query / multi-query
             attention). K/V are indexed per group, never repeated in memory.
         schedule: precision schedule name (``"stable"`` default, ``"fast"``, ``"accurate"``, ``"fp8"``),
-            see ``flash_inductor.tuning.schedules``. ``"fp8"`` needs a GPU with fp8 tensor cores
+            see ``flash_inductor.schedules``. ``"fp8"`` needs a GPU with fp8 tensor cores
             (compute capability 8.9+) and raises a ValueError on an older one; on CPU, as
             every schedule, it runs the float32 reference.
 

@@ -18,16 +18,18 @@ import pytest
 import torch
 
 from flash_inductor import launch
-from flash_inductor.tuning import cache, cli
+from flash_inductor.autotune import cli
+from flash_inductor.tuning import cache
 from flash_inductor.tuning.buckets import Bucket, bucket_for, length_hint, mask_kind, seq_bucket
 from flash_inductor.tuning.configs import KernelConfig
-from flash_inductor.tuning.measure import LaunchRunner, Shape, Verdict
-from flash_inductor.tuning.plan import COPY, SHORTLIST, SWEEP, Grid, PlannedBucket, make_plan
-from flash_inductor.tuning import precompile
-from flash_inductor.tuning.precompile import ParallelPrecompiler, RoundReport, _encode, probe_lengths_of_one, warm
-from flash_inductor.tuning.schedules import SCHEDULES, schedules_markdown_table
-from flash_inductor.tuning.search import BucketTask, Measurement, Tuner, incumbent_configs
-from flash_inductor.tuning.search_space import DeviceLimits, SearchSpace, TileBytes, fits, shape_candidates
+from flash_inductor.autotune.measure import LaunchRunner, Shape, Verdict
+from flash_inductor.autotune.plan import COPY, SHORTLIST, SWEEP, Grid, PlannedBucket, make_plan
+from flash_inductor.autotune import precompile
+from flash_inductor.autotune.precompile import ParallelPrecompiler, RoundReport, _encode, probe_lengths_of_one, warm
+from flash_inductor.schedules import SCHEDULES, schedules_markdown_table
+from flash_inductor.autotune.search import BucketTask, Measurement, Tuner, incumbent_configs
+from flash_inductor.tuning.footprint import DeviceLimits, TileBytes, fits
+from flash_inductor.autotune.search_space import SearchSpace, shape_candidates
 from helpers import DEVICE
 from tuning_helpers import (  # noqa: F401  (isolated_tables: an autouse fixture)
     ROOT, INTERPRETER_CONFIGS, isolated_tables, cfg_dict, tiny_settings, builtin_configs, cost_key, table_file,

@@ -216,7 +216,7 @@ def test_heating_is_skipped_without_a_gpu(monkeypatch):
     """The tuner's and the harness's heat settles a GPU's clock; under the CPU interpreter it would
     only spend seconds per call, so without CUDA (and no explicit sync) it calls nothing."""
     import torch
-    from flash_inductor.tuning.measure import run_for
+    from flash_inductor.autotune.measure import run_for
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     calls = []

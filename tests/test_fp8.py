@@ -19,8 +19,8 @@ from flash_inductor import launch
 from flash_inductor.launch import fp8 as launch_fp8
 from flash_inductor.tuning import cache
 from flash_inductor.tuning.buckets import Bucket
-from flash_inductor.tuning.plan import Grid, make_plan
-from flash_inductor.tuning.schedules import FP8_SQNR_BUDGET_DB, SCHEDULES
+from flash_inductor.autotune.plan import Grid, make_plan
+from flash_inductor.schedules import FP8_SQNR_BUDGET_DB, SCHEDULES
 from helpers import (DEVICE, ON_CUDA, assert_close_to_ref, assert_dead_rows_exact, attention_ref, make_mask, make_qkv,
                      randn, ref_forward_backward)
 

@@ -10,7 +10,7 @@ import torch
 from flash_inductor import launch
 from flash_inductor.tuning.buckets import Bucket
 from flash_inductor.tuning.configs import heuristic_configs
-from flash_inductor.tuning.measure import LaunchRunner, Shape, make_problem
+from flash_inductor.autotune.measure import LaunchRunner, Shape, make_problem
 from helpers import DEVICE
 
 triton_lib = pytest.importorskip("torch._library.triton")
@@ -35,7 +35,7 @@ def test_without_torchs_switch_calls_go_through_as_before_and_eager_takes_the_op
     monkeypatch.setattr(launch, "kernel_supports", lambda *tensors: True)  # as on a GPU
     q = torch.randn(1, 2, 8, 16, device=DEVICE)
     assert ops.eager_fast_path_applies(q, q, q, None, None)
-    monkeypatch.setattr(launch, "_set_wrap_triton_enabled", None)
+    monkeypatch.setattr(launch.common, "_set_wrap_triton_enabled", None)
     assert not launch.can_launch_directly()
     with launch.direct_kernel_calls():
         assert triton_lib.is_wrap_triton_enabled()

@@ -27,8 +27,8 @@ from flash_inductor import launch
 from flash_inductor.tuning import cache
 from flash_inductor.tuning.buckets import Bucket
 from flash_inductor.tuning.configs import AttentionConfigs, KernelConfig
-from flash_inductor.tuning.measure import sqnr_db
-from flash_inductor.tuning.schedules import FP8_SQNR_BUDGET_DB
+from flash_inductor.autotune.measure import sqnr_db
+from flash_inductor.schedules import FP8_SQNR_BUDGET_DB
 from helpers import ON_CUDA, make_mask, make_qkv, ref_forward_backward
 from test_kernels import Case, check_case
 

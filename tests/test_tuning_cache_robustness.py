@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from flash_inductor import launch
-from flash_inductor.tuning import cache, cli
+from flash_inductor.autotune import cli
+from flash_inductor.tuning import cache
 from flash_inductor.tuning.configs import KernelConfig, cuda_heuristic_configs, select_configs
 from helpers import make_qkv
 from tuning_helpers import (  # noqa: F401  (isolated_tables: an autouse fixture)

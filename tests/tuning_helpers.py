@@ -14,10 +14,10 @@ from flash_inductor import launch
 from flash_inductor.tuning import cache
 from flash_inductor.tuning.buckets import Bucket
 from flash_inductor.tuning.configs import AttentionConfigs, KernelConfig, heuristic_configs
-from flash_inductor.tuning.measure import Shape
-from flash_inductor.tuning.plan import PlannedBucket
-from flash_inductor.tuning.search import BucketTask, Settings, Tuner
-from flash_inductor.tuning.search_space import SearchSpace
+from flash_inductor.autotune.measure import Shape
+from flash_inductor.autotune.plan import PlannedBucket
+from flash_inductor.autotune.search import BucketTask, Settings, Tuner
+from flash_inductor.autotune.search_space import SearchSpace
 from helpers import DEVICE
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent  # the repository

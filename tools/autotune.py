@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from flash_inductor.tuning.cli import main  # noqa: E402
+from flash_inductor.autotune.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tune this GPU's launch-config table in one device call (see flash_inductor/tuning/cli.py).
+# Tune this GPU's launch-config table in one device call (see flash_inductor/autotune/cli.py).
 #
 #   bash tools/gpu_autotune.sh --quick     # bf16, E=128, none/causal, L=4096: a few minutes
 #   bash tools/gpu_autotune.sh             # the default grid; stops cleanly after $BUDGET seconds

@@ -27,7 +27,7 @@ import pathlib, sys, torch
 from flash_inductor.tuning import cache
 from flash_inductor.tuning.buckets import Bucket
 from flash_inductor.tuning.configs import cuda_heuristic_configs
-from flash_inductor.tuning.search_space import ROLES
+from flash_inductor.autotune.search_space import ROLES
 device = torch.device("cuda")
 gpu, capability = cache.device_gpu_key(device), torch.cuda.get_device_capability(device)
 shipped = cache.read_table(cache.shipped_tables_dir() / cache.table_filename(gpu))

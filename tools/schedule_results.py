@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flash_inductor.tuning.schedules import SCHEDULES as _SCHEDULES  # noqa: E402
+from flash_inductor.schedules import SCHEDULES as _SCHEDULES  # noqa: E402
 
 SCHEDULES = tuple(_SCHEDULES)
 

@@ -114,7 +114,7 @@ def check(head_dim: int, mask_kind: str, dtype_name: str, schedule: str, seq: in
 
 
 def main(argv=None) -> int:
-    from flash_inductor.tuning.search_space import OPTIN_SMEM_BYTES
+    from flash_inductor.tuning.footprint import OPTIN_SMEM_BYTES
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--head-dims", default="64,128,256")

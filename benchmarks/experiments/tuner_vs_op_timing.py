@@ -6,7 +6,7 @@ call through the op?
     TRITON_INTERPRET=1 python benchmarks/experiments/tuner_vs_op_timing.py --quick --device cpu
 
 On the H200 on 2026-12-01 (results/s1024_timing_nvidia-h200_20261201_s22.txt), the autotuner's way
-of timing the bf16 E=64 causal L=S=1024 backward (``tuning.measure.LaunchRunner.backward`` with the
+of timing the bf16 E=64 causal L=S=1024 backward (``autotune.measure.LaunchRunner.backward`` with the
 configs forced, under ``triton.testing.do_bench``) read 2.28 ms in four of four samples, while the
 same inputs and configs through ``flash_attention`` and autograd read 1.18 ms, and
 ``probe_timing.py`` (CUDA-graph replay included) read 1.16-1.18 ms every time. At E=128 the

@@ -1,6 +1,6 @@
 """Forward flash-attention kernel with a stabilised online softmax.
 
-Numerics (see ``tuning/schedules.py`` for the switchable parts):
+Numerics (see ``schedules.py`` for the switchable parts):
   * S = Q K^T accumulates in fp32; the softmax scale multiplies S in fp32, folded with
     log2(e) so one multiply feeds ``exp2``.
   * The running max, running sum and LSE are fp32. A row that has seen only masked keys

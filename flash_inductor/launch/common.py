@@ -17,7 +17,7 @@ import torch
 
 from ..tuning.buckets import mask_kind
 from ..tuning.configs import padded_head_dim, select_configs
-from ..tuning.schedules import get_schedule
+from ..schedules import get_schedule
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256

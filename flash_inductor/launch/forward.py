@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..tuning.configs import AttentionConfigs
-from ..tuning.schedules import get_schedule
+from ..tuning.kernel_config import AttentionConfigs
+from ..schedules import get_schedule
 # The launch wrapper is looked up on the module at every launch, so that tools can swap it
 # (tools/smem_check.py compiles for sm_90 instead of launching; tests spy on launches).
 from . import common

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tuning.configs import AttentionConfigs
+from ..tuning.kernel_config import AttentionConfigs
 # The launch wrapper is looked up on the module at every launch, so that tools can swap it
 # (tools/smem_check.py compiles for sm_90 instead of launching; tests spy on launches).
 from . import common

@@ -20,7 +20,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ..tuning import cache as tuning_cache
 from ..monitoring.naming import graph_site_name
-from ..tuning.schedules import get_schedule
+from ..schedules import get_schedule
 from . import handwritten, mha, sdpa
 from .report import RewriteReport, SiteRecord, count_pass_run, publish
 from .site import AttentionSite, KeptSite, describe_rewrite, example_value, module_path, rewrite_site

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..api import flash_attention
-from ..tuning.schedules import DEFAULT_SCHEDULE, SCHEDULES
+from ..schedules import DEFAULT_SCHEDULE, SCHEDULES
 from .cases import Problem
 
 # 2^31 scores: 4 GiB in fp16 per intermediate. The 32k case (1 x 2 heads x 32k x 32k) is at the

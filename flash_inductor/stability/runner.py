@@ -36,7 +36,7 @@ from typing import Iterable, Optional
 import torch
 from torch import Tensor
 
-from ..tuning.schedules import DEFAULT_SCHEDULE
+from ..schedules import DEFAULT_SCHEDULE
 from .anchors import MAX_MATERIALISED, Implementation, NotApplicable, ours_name
 from .cases import Case, Problem, Sizes
 from .truth import reference

@@ -57,7 +57,10 @@ from typing import Iterator, Mapping, Optional
 
 import torch
 
+from ..schedules import SCHEDULES, get_schedule
 from .buckets import Bucket
+from .footprint import DEFAULT_OPTIN_SMEM_BYTES, OPTIN_SMEM_BYTES, smem_bytes, tile_bytes_for
+from .kernel_config import KernelConfig
 from .kernel_identity import KERNEL_FAMILIES, family_identities, family_identity
 
 SCHEMA_VERSION = 3  # 3: kernel identity and Triton version per entry (2: file hashes, table-wide torch/Triton)
@@ -97,7 +100,6 @@ def _cuda_gpu_key(index: int) -> str:
 @functools.lru_cache(maxsize=None)
 def _cuda_smem_limit(index: int) -> int:
     """Shared memory a block may opt in to on this GPU (older torch: by capability)."""
-    from .search_space import DEFAULT_OPTIN_SMEM_BYTES, OPTIN_SMEM_BYTES
 
     props = torch.cuda.get_device_properties(index)
     smem = getattr(props, "shared_memory_per_block_optin", 0)
@@ -136,7 +138,6 @@ def table_filename(gpu: str) -> str:
 
 def kernel_family(bucket: Bucket) -> str:
     """The family whose kernels a bucket's launch runs."""
-    from .schedules import get_schedule
 
     if get_schedule(bucket.schedule).fp8_forward and bucket.pass_name == "forward":
         return "fp8_forward"
@@ -207,7 +208,6 @@ def _config_problem(config) -> Optional[str]:
 
 def entry_problem(key: str, entry) -> Optional[str]:
     """Why the entry at ``key`` cannot be used on any GPU, or None when it is well formed."""
-    from .schedules import SCHEDULES
 
     try:
         bucket = Bucket.parse(key)
@@ -237,8 +237,6 @@ def smem_problem(key: str, entry: dict, smem_limit: Optional[int]) -> Optional[s
     pruned its candidates); None when it fits or the limit is unknown."""
     if smem_limit is None:
         return None
-    from .configs import KernelConfig
-    from .search_space import smem_bytes, tile_bytes_for
 
     tiles = tile_bytes_for(Bucket.parse(key))
     for role, config in entry["configs"].items():

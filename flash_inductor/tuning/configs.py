@@ -16,39 +16,11 @@ from typing import Optional
 
 import torch
 
+from ..schedules import DEFAULT_SCHEDULE, SCHEDULES
 from . import cache
 from .buckets import bucket_for
-from .schedules import DEFAULT_SCHEDULE, SCHEDULES
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "KernelConfig":
-        return cls(int(data["block_m"]), int(data["block_n"]), int(data["num_warps"]), int(data["num_stages"]))
-
-    def label(self) -> str:
-        return f"{self.block_m}x{self.block_n}/w{self.num_warps}/s{self.num_stages}"
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionConfigs:
-    forward: KernelConfig
-    backward_dkdv: KernelConfig
-    backward_dq: KernelConfig
-
-
-def padded_head_dim(head_dim: int) -> int:
-    """tl.arange needs a power of two and tl.dot needs K >= 16."""
-    return max(16, 1 << (head_dim - 1).bit_length())
+from .footprint import OPTIN_SMEM_BYTES, DeviceLimits, TileBytes, fits
+from .kernel_config import AttentionConfigs, KernelConfig, padded_head_dim
 
 
 # The Triton interpreter runs tiles through NumPy: small tiles keep CPU tests fast while still
@@ -107,8 +79,6 @@ def _wide_head_hopper_backward(itemsize: int, width: int, schedule: Optional[str
     """The measured wide-head tiles where the schedule rounds P and dS to 16 bits and each tile fits
     Hopper's shared memory with the call's mask tile (a float mask counted at 4 bytes, the widest it
     can be); the given small tiles otherwise."""
-    from .search_space import OPTIN_SMEM_BYTES, DeviceLimits, TileBytes, fits  # imports this module
-
     sched = SCHEDULES[schedule or DEFAULT_SCHEDULE]
     if sched.p_in_fp32 or sched.ds_in_fp32:
         return dkdv, dq

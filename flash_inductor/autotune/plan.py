@@ -26,8 +26,8 @@ import dataclasses
 import math
 from typing import Optional
 
-from .buckets import MAX_SEQ_BUCKET, MIN_SEQ_BUCKET, Bucket
-from .schedules import DEFAULT_SCHEDULE, get_schedule
+from ..tuning.buckets import MAX_SEQ_BUCKET, MIN_SEQ_BUCKET, Bucket
+from ..schedules import DEFAULT_SCHEDULE, get_schedule
 
 SWEEP, SHORTLIST, COPY = "sweep", "shortlist", "copy"
 REPRESENTATIVE_SEQ = 4096

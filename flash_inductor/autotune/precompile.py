@@ -35,8 +35,8 @@ from typing import Optional
 
 import torch
 
-from .buckets import Bucket
-from .configs import AttentionConfigs, KernelConfig
+from ..tuning.buckets import Bucket
+from ..tuning.configs import AttentionConfigs, KernelConfig
 from .measure import LaunchRunner, Shape, check_problems, make_problem, run_pass
 from .plan import kernel_signature
 

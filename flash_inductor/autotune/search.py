@@ -35,8 +35,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from .buckets import Bucket
-from .configs import AttentionConfigs, KernelConfig, cuda_heuristic_configs, heuristic_configs
+from ..tuning.buckets import Bucket
+from ..tuning.configs import AttentionConfigs, KernelConfig, cuda_heuristic_configs, heuristic_configs
 from .measure import (
     AccuracyCheck,
     KernelRunner,
@@ -52,8 +52,8 @@ from .measure import (
 )
 from .plan import COPY, SHORTLIST, SWEEP, PlannedBucket
 from .precompile import RoundReport
-from .search_space import (FULL_SPACE, ROLES, DeviceLimits, SearchSpace, TileBytes, depth_candidates, shape_candidates,
-                           tile_bytes_for)
+from ..tuning.footprint import DeviceLimits, TileBytes, tile_bytes_for
+from .search_space import FULL_SPACE, ROLES, SearchSpace, depth_candidates, shape_candidates
 
 
 @dataclasses.dataclass

@@ -1,6 +1,7 @@
-"""The configs the autotuner may try, pruned by what fits on the chip.
+"""What a launch config costs on the chip: shared memory and registers, by a simple estimate.
 
-Each kernel role ("forward", "backward_dkdv", "backward_dq") draws from the same grid of tile
+The autotuner prunes its candidates with it (``autotune/search_space.py``) and the table loader
+rejects entries that cannot fit (``tuning/cache.py``). Each kernel role ("forward", "backward_dkdv", "backward_dq") draws from the same grid of tile
 shapes (BLOCK_M x BLOCK_N), warp counts and pipeline depths. Compiling a config costs far more
 than timing it, so configs that cannot fit are dropped before they are compiled, using a
 deliberately simple estimate of each kernel's shared memory and registers:
@@ -20,33 +21,17 @@ estimate says.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 
+from ..schedules import get_schedule
 from .buckets import Bucket
-from .configs import KernelConfig
-from .schedules import get_schedule
+from .kernel_config import KernelConfig
 
-ROLES = {"forward": ("forward",), "backward": ("backward_dkdv", "backward_dq")}
 MAX_FP32_REGS_PER_THREAD = 256
 # Eight warps need a tile big enough to give each warp its own MMA rows and columns.
 MIN_TILE_FOR_8_WARPS = 64 * 64
-
-
-@dataclasses.dataclass(frozen=True)
-class SearchSpace:
-    name: str = "full"  # recorded in each entry: --resume re-tunes entries from another space
-    blocks_m: tuple[int, ...] = (32, 64, 128)
-    blocks_n: tuple[int, ...] = (32, 64, 128)
-    warps: tuple[int, ...] = (4, 8)
-    stages: tuple[int, ...] = (1, 2, 3, 4)
-
-
-FULL_SPACE = SearchSpace()
-# --quick: the tiles and depths that win most often on Hopper-class parts, to finish in minutes.
-QUICK_SPACE = SearchSpace(name="quick", blocks_m=(64, 128), blocks_n=(64, 128), warps=(4, 8), stages=(2, 3))
-
 
 # Opt-in shared memory per block of the architectures we run on, by compute capability (what older
 # torch does not report), and the default for any other.
@@ -129,31 +114,3 @@ def fits(role: str, cfg: KernelConfig, tiles: TileBytes, limits: DeviceLimits) -
             fp32_regs_per_thread(role, cfg, tiles.width, tiles.exact_delta) > limits.max_fp32_regs:
         return False
     return True
-
-
-def shape_candidates(role: str, space: SearchSpace, reference_stages: int, tiles: TileBytes,
-                     limits: DeviceLimits) -> list[KernelConfig]:
-    """First round of a sweep: every tile shape and warp count, at the reference depth (or the
-    deepest shallower one that fits)."""
-    found = []
-    for bm in space.blocks_m:
-        for bn in space.blocks_n:
-            for warps in space.warps:
-                for stages in sorted((s for s in space.stages if s <= reference_stages), reverse=True) or [1]:
-                    cfg = KernelConfig(bm, bn, warps, stages)
-                    if fits(role, cfg, tiles, limits):
-                        found.append(cfg)
-                        break
-    return found
-
-
-def depth_candidates(role: str, shapes: Iterable[KernelConfig], space: SearchSpace, tiles: TileBytes,
-                     limits: DeviceLimits) -> list[KernelConfig]:
-    """Second round: the other pipeline depths of the best shapes."""
-    found = []
-    for shape in shapes:
-        for stages in space.stages:
-            cfg = dataclasses.replace(shape, num_stages=stages)
-            if cfg != shape and fits(role, cfg, tiles, limits):
-                found.append(cfg)
-    return found

@@ -32,9 +32,9 @@ from typing import Callable, Optional, Protocol
 import torch
 import torch.nn.functional as F
 
-from .buckets import Bucket
-from .configs import AttentionConfigs
-from .schedules import get_schedule
+from ..tuning.buckets import Bucket
+from ..tuning.configs import AttentionConfigs
+from ..schedules import get_schedule
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 FLOOR_ULPS = 2  # of the result's dtype, for its final rounding

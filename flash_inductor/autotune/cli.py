@@ -30,14 +30,15 @@ from typing import Optional
 
 import torch
 
-from . import cache
-from .buckets import MASK_KINDS, Bucket
-from .configs import KernelConfig, padded_head_dim
+from ..tuning import cache
+from ..tuning.buckets import MASK_KINDS, Bucket
+from ..tuning.configs import KernelConfig, padded_head_dim
 from .measure import do_bench_timer
 from .plan import COPY, SWEEP, Grid, PlannedBucket, make_plan, seq_buckets
-from .schedules import SCHEDULES
+from ..schedules import SCHEDULES
 from .search import BucketTask, Settings, Tuner, task_from_entry
-from .search_space import FULL_SPACE, OPTIN_SMEM_BYTES, QUICK_SPACE, ROLES, DeviceLimits
+from ..tuning.footprint import OPTIN_SMEM_BYTES, DeviceLimits
+from .search_space import FULL_SPACE, QUICK_SPACE, ROLES
 
 INTERPRETER_GPU_KEY = "triton-interpreter"
 _DTYPES = ("bf16", "fp16", "fp32")

@@ -1,0 +1,35 @@
+"""A kernel launch's config (tile shape, warps, pipeline depth) and the three a problem needs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "KernelConfig":
+        return cls(int(data["block_m"]), int(data["block_n"]), int(data["num_warps"]), int(data["num_stages"]))
+
+    def label(self) -> str:
+        return f"{self.block_m}x{self.block_n}/w{self.num_warps}/s{self.num_stages}"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfigs:
+    forward: KernelConfig
+    backward_dkdv: KernelConfig
+    backward_dq: KernelConfig
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """tl.arange needs a power of two and tl.dot needs K >= 16."""
+    return max(16, 1 << (head_dim - 1).bit_length())
