@@ -33,8 +33,21 @@ class HopperForwardConfig:
     block_n: int = 128
     num_stages: int = 2
     num_consumers: int = 2
-    consumer_regs: int = 240
+    pingpong: bool = False
     loader_regs: int = 24
+
+    @property
+    def maxnreg(self) -> int:
+        """Registers per thread at entry: the whole file over 4 * (consumers + 1) warps (the
+        loader's single warp still takes a warpgroup's allocation)."""
+        return 65536 // (128 * (self.num_consumers + 1)) // 8 * 8
+
+    @property
+    def consumer_regs(self) -> int:
+        """What setmaxnreg gives each consumer once the loader drops to ``loader_regs``; the
+        default partition (consumer 0) gets what is left, which is at least as much."""
+        spare = 65536 // 128 - self.loader_regs
+        return min(240, spare // self.num_consumers // 8 * 8)
 
 
 def default_config(head_dim: int, is_causal: bool) -> HopperForwardConfig:
@@ -137,11 +150,11 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
         _descriptor(out, cfg.block_m), lse,
         seq_q, seq_k, heads_q, heads_q // heads_kv, causal_offset if is_causal else 0, scale * _LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-        NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal,
+        NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal, PINGPONG=cfg.pingpong,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
-        # 12 warps (two consumer warpgroups and the loader's, padded to a warpgroup) at 168
-        # registers fill the register file; setmaxnreg then moves the loader's to the consumers.
-        num_warps=4, maxnreg=168,
+        # The entry cap fills the register file; setmaxnreg then moves the loader's registers to
+        # the consumers (2 consumers: 168 -> 240/240/24; 3: 128 -> 160/160/160/24).
+        num_warps=4, maxnreg=cfg.maxnreg,
     )
     return out, lse
 

@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -137,7 +138,7 @@ def correctness(args, configs):
 
 # ----------------------------------------------------------------------------- speed
 
-def providers(configs, causal):
+def providers(configs, causal, baselines=("ours-triton", "cudnn", "fa2")):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import flash_inductor
@@ -146,8 +147,11 @@ def providers(configs, causal):
     for name, cfg in configs.items():
         c = cfg[0] if cfg else None
         out[name] = (lambda c: lambda q, k, v: hopper_attention_forward(q, k, v, is_causal=causal, config=c))(c)
-    out["ours-triton"] = lambda q, k, v: flash_inductor.flash_attention(q, k, v, is_causal=causal)
+    if "ours-triton" in baselines:
+        out["ours-triton"] = lambda q, k, v: flash_inductor.flash_attention(q, k, v, is_causal=causal)
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
+        if name not in baselines:
+            continue
         def sdpa(q, k, v, backend=backend):
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -179,7 +183,8 @@ def speed(args, configs, deadline):
         flops = 4 * batch * heads * seq * seq * e * (0.5 if causal else 1.0)
         cell = dict(dtype=dname, head_dim=e, causal=causal, seq=seq, batch=batch, heads=heads, tflops={}, ms={})
         with torch.no_grad():
-            for name, fn in providers({n: c for n, c in configs.items() if c is None or e in c[1]}, causal).items():
+            for name, fn in providers({n: c for n, c in configs.items() if c is None or e in c[1]}, causal,
+                                      args.baselines).items():
                 step = (lambda fn: lambda: fn(q, k, v))(fn)
                 try:
                     step()
@@ -205,11 +210,16 @@ def speed(args, configs, deadline):
 
 
 def parse_config(text):
-    """'128x2' -> BLOCK_N 128, 2 stages; an optional ':64' limits it to that head dim."""
+    """'128x2' -> BLOCK_N 128, 2 stages; 'w3' appended: 3 consumer warpgroups; 'p': ping-pong;
+    an optional ':64' limits it to that head dim. E.g. '128x3w3p:64'."""
     spec, _, dims = text.partition(":")
-    bn, st = (int(x) for x in spec.split("x"))
+    m = re.fullmatch(r"(\d+)x(\d+)(?:w(\d))?(p?)", spec)
+    if m is None:
+        raise ValueError(f"--configs {text!r}: expected BLOCK_NxSTAGES[wCONSUMERS][p][:E,...]")
     heads = tuple(int(d) for d in dims.split(",")) if dims else (64, 128)
-    return HopperForwardConfig(block_n=bn, num_stages=st), heads
+    cfg = HopperForwardConfig(block_n=int(m[1]), num_stages=int(m[2]), num_consumers=int(m[3] or 2),
+                              pingpong=bool(m[4]))
+    return cfg, heads
 
 
 def main(argv=None):
@@ -221,6 +231,8 @@ def main(argv=None):
     p.add_argument("--seqs", nargs="*", type=int, default=[2048, 4096, 8192, 16384, 32768])
     p.add_argument("--configs", nargs="*", default=[],
                    help="extra Gluon configs BLOCK_NxSTAGES[:E,...] timed beside the default")
+    p.add_argument("--baselines", nargs="*", default=["ours-triton", "cudnn", "fa2"],
+                   choices=["ours-triton", "cudnn", "fa2"])
     p.add_argument("--heat", type=float, default=0.3, help="seconds of heating before each timing")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     p.add_argument("--budget", type=float, default=240.0, help="seconds for the whole run")

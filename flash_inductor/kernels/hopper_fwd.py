@@ -27,6 +27,9 @@ Constexpr switches:
   NUM_CONSUMERS consumer warpgroups per CTA; the CTA owns NUM_CONSUMERS·BLOCK_M query rows and
                 every consumer reads every K/V tile of the ring (so K/V are loaded once per CTA).
   IS_CAUSAL     key j is visible to query i iff j <= i + causal_offset (0: top-left, SDPA's).
+  PINGPONG      the consumers take turns issuing their MMAs (a token passed round-robin through
+                mbarriers, FA3's warp scheduler barrier), so one warpgroup's softmax runs while
+                the next one's GEMMs own the tensor cores, rather than all contending at once.
 
 Schedule (per consumer, FA3's intra-warpgroup overlap): the Q·Kᵀ of tile j is issued before
 the P·V of tile j-1, so the softmax of tile j runs while the tensor cores finish P·V of j-1;
@@ -125,12 +128,30 @@ def _softmax_step(s, m_i, l_i, qk_scale, row_ids, j, n_full, S, causal_offset,
 
 
 @gluon.jit
+def _take_turn(turn, round, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr):
+    """Wait for this warpgroup's turn to issue MMAs in round ``round``. Consumer c waits on
+    turn[c], which consumer c-1 arrives on after issuing; consumer 0 goes first (a fresh mbarrier
+    passes a wait on parity 1) and thereafter waits for the last consumer's previous round."""
+    if PINGPONG:
+        if CONSUMER == 0:
+            mbarrier.wait(turn.index(CONSUMER), (round & 1) ^ 1)
+        else:
+            mbarrier.wait(turn.index(CONSUMER), round & 1)
+
+
+@gluon.jit
+def _pass_turn(turn, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn.index((CONSUMER + 1) % NUM_CONSUMERS), count=1)
+
+
+@gluon.jit
 def _hopper_fwd_consumer(o_desc, q_smem, k_smem, v_smem,
                          q_ready, k_ready, v_ready, k_empty, v_empty,
                          LSE, L, S, H, causal_offset, qk_scale,
-                         CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr,
+                         turn, CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                         NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                         NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     """One warpgroup: BLOCK_M query rows against every key tile the loader brings."""
     ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
     dtype: gl.constexpr = o_desc.dtype
@@ -161,9 +182,11 @@ def _hopper_fwd_consumer(o_desc, q_smem, k_smem, v_smem,
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
 
     # Prologue: S_0 and its softmax; there is no P·V in flight yet.
+    _take_turn(turn, 0, CONSUMER, PINGPONG)
     mbarrier.wait(k_ready.index(0), 0)
     k_tile = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
     s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(0), count=1)
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, row_ids, 0, n_full, S, causal_offset,
@@ -176,12 +199,14 @@ def _hopper_fwd_consumer(o_desc, q_smem, k_smem, v_smem,
         prev = (j - 1) % NUM_STAGES
         prev_phase = ((j - 1) // NUM_STAGES) & 1
         # Issue S_j = Q·K_jᵀ first, then P_{j-1}·V_{j-1}: the softmax of S_j below overlaps P·V.
+        _take_turn(turn, j, CONSUMER, PINGPONG)
         mbarrier.wait(k_ready.index(slot), phase)
         k_tile = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
         s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(prev), prev_phase)
         v_tile = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
         acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+        _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
         # wgmma groups retire in issue order: one outstanding means S_j is done, P·V may not be.
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
@@ -195,9 +220,11 @@ def _hopper_fwd_consumer(o_desc, q_smem, k_smem, v_smem,
 
     last = (n_tiles - 1) % NUM_STAGES
     last_phase = ((n_tiles - 1) // NUM_STAGES) & 1
+    _take_turn(turn, n_tiles, CONSUMER, PINGPONG)
     mbarrier.wait(v_ready.index(last), last_phase)
     v_tile = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
     acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+    _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
     acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op))
     mbarrier.arrive(v_empty.index(last), count=1)
 
@@ -221,22 +248,24 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE,
                      L, S, H, GROUP, causal_offset, qk_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(L, BLOCK_M * NUM_CONSUMERS), B * H). Q/K/V/O descriptors are 4-D over
     (B, H, L or S, E) with boxes (1, 1, rows, E), so TMA clips and zero-fills per head."""
-    gl.static_assert(NUM_CONSUMERS == 2, "one default and one worker consumer partition")
+    gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "two or three consumer warpgroups")
     dtype: gl.constexpr = q_desc.dtype
     qk_scale = qk_scale.to(gl.float32)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
+        mbarrier.init(turn.index(c), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -244,15 +273,34 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE,
         mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
         mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
 
-    gl.warp_specialize([
-        (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                                LSE, L, S, H, causal_offset, qk_scale,
-                                0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL)),
-        (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                                LSE, L, S, H, causal_offset, qk_scale,
-                                1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL)),
-        (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
-                              q_ready, k_ready, v_ready, k_empty, v_empty,
-                              L, S, H, GROUP, causal_offset,
-                              BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    # Worker partitions take no tensors, only descriptors, shared memory and scalars, so every
+    # partition gets its arguments spelled out; the default partition is consumer 0.
+    if NUM_CONSUMERS == 2:
+        gl.warp_specialize([
+            (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                                    LSE, L, S, H, causal_offset, qk_scale, turn,
+                                    0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG)),
+            (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                                    LSE, L, S, H, causal_offset, qk_scale, turn,
+                                    1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG)),
+            (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+                                  q_ready, k_ready, v_ready, k_empty, v_empty,
+                                  L, S, H, GROUP, causal_offset,
+                                  BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                                    LSE, L, S, H, causal_offset, qk_scale, turn,
+                                    0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG)),
+            (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                                    LSE, L, S, H, causal_offset, qk_scale, turn,
+                                    1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG)),
+            (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                                    LSE, L, S, H, causal_offset, qk_scale, turn,
+                                    2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG)),
+            (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+                                  q_ready, k_ready, v_ready, k_empty, v_empty,
+                                  L, S, H, GROUP, causal_offset,
+                                  BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
