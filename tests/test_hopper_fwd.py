@@ -23,7 +23,7 @@ def _hopper_skip_reason():
     return None
 
 
-pytestmark = pytest.mark.skipif(_hopper_skip_reason() is not None, reason=str(_hopper_skip_reason()))
+needs_hopper = pytest.mark.skipif(_hopper_skip_reason() is not None, reason=str(_hopper_skip_reason()))
 
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -79,6 +79,7 @@ def _check(q, k, v, is_causal, causal_offset=0):
         assert (lse.double() - lse_ref).abs()[live].max().item() <= 1e-3
 
 
+@needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("is_causal", (False, True))
@@ -87,22 +88,26 @@ def test_matches_fp64(dtype, head_dim, is_causal, seq_q, seq_k):
     _check(*_inputs(dtype, head_dim, 2, 3, 3, seq_q, seq_k), is_causal)
 
 
+@needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", (64, 128))
 def test_gqa_and_strided_views(dtype, head_dim):
     _check(*_inputs(dtype, head_dim, 2, 8, 2, 333, 513, transposed=True), True)
 
 
+@needs_hopper
 @pytest.mark.parametrize("head_dim", (64, 128))
 def test_rows_that_see_no_key(head_dim):
     # Lower-right causal with L > S: query i sees keys j <= i - (L - S); the first L - S rows none.
     _check(*_inputs(torch.bfloat16, head_dim, 1, 2, 1, 400, 150), True, causal_offset=150 - 400)
 
 
+@needs_hopper
 def test_length_one():
     _check(*_inputs(torch.float16, 64, 3, 2, 2, 1, 1), True)
 
 
+@needs_hopper
 def test_declines_what_it_does_not_implement():
     from flash_inductor.launch_hopper import hopper_forward_unsupported_reason
 
@@ -112,3 +117,23 @@ def test_declines_what_it_does_not_implement():
     assert "dtype" in hopper_forward_unsupported_reason(q.float(), k.float(), v.float())
     q96, k96, v96 = _inputs(torch.bfloat16, 96, 1, 2, 2, 64, 64)
     assert "head dims" in hopper_forward_unsupported_reason(q96, k96, v96)
+
+
+def test_declines_off_hopper_without_touching_a_gpu():
+    """Runs anywhere: CPU tensors are declined with a reason, before any CUDA or Gluon call."""
+    from flash_inductor.launch_hopper import hopper_forward_supported, hopper_forward_unsupported_reason
+
+    q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
+    assert hopper_forward_unsupported_reason(q, q, q) == "not on a CUDA device"
+    assert not hopper_forward_supported(q, q, q)
+
+
+def test_register_plan_fills_the_register_file():
+    """The entry cap times all warps, and the setmaxnreg split, stay within 64K registers."""
+    from flash_inductor.launch_hopper import HopperForwardConfig, default_config
+
+    for cfg in (default_config(64, False), default_config(128, True), HopperForwardConfig()):
+        warpgroups = cfg.num_consumers + 1
+        assert cfg.maxnreg * 128 * warpgroups <= 65536
+        assert cfg.consumer_regs * 128 * cfg.num_consumers + cfg.loader_regs * 128 <= 65536
+        assert cfg.maxnreg % 8 == 0 and cfg.consumer_regs % 8 == 0

@@ -2,7 +2,8 @@
 and report what the launch would cost: registers, shared memory, spills, and whether the SASS has
 the wgmma (HGMMA) and TMA (UTMALDG/UTMASTG) instructions it is built on.
 
-    python tools/hopper_fwd_compile.py                       # the probe's configs
+    python tools/hopper_fwd_compile.py --head-dim 128 --pingpong             # E=128 default
+    python tools/hopper_fwd_compile.py --head-dim 64 --consumers 3 --pingpong  # E=64 default
     python tools/hopper_fwd_compile.py --head-dim 64 --causal --dump /tmp/hfwd
 
 Needs a Triton with Gluon (3.6 on the H200) and its bundled ptxas/cuobjdump; no torch. The

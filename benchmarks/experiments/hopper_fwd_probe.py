@@ -4,7 +4,11 @@ cuDNN and FlashAttention-2 (both through SDPA), in one process.
 
     PYTHONPATH=$PWD python3 benchmarks/experiments/hopper_fwd_probe.py --out $OUT
     python3 benchmarks/experiments/hopper_fwd_probe.py --check-only
-    python3 benchmarks/experiments/hopper_fwd_probe.py --skip-check --seqs 4096 --configs 128x2 64x3
+    python3 benchmarks/experiments/hopper_fwd_probe.py --skip-check --seqs 4096 --configs 128x2:128 128x3w3p:64
+
+"gluon" is launch_hopper.default_config; each --configs entry is timed beside it (syntax in
+parse_config). The committed results (benchmarks/results/hopper_fwd_nvidia-h200_20261202.json)
+say which commands produced them.
 
 Correctness: for every result, max|ours - fp64| <= 2 * max|SDPA same dtype - fp64| + 2 eps(dtype)
 max|fp64| (the project's rule, tests/helpers.py); the LSE within 1e-3 of the fp64 one; a row

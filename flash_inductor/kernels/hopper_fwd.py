@@ -110,8 +110,9 @@ def _softmax_step(s, m_i, l_i, qk_scale, row_ids, j, n_full, S, causal_offset,
                   s_layout: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """Fold one tile of unscaled scores into (m_i, l_i); returns (p in fp32, alpha, m_i, l_i)."""
     if j >= n_full:
-        # Diagonal or ragged-tail tile: keys past S (zero-filled by TMA, or another head's rows
-        # in no case: the 4-D descriptor clips per head) and keys above the diagonal go to -inf.
+        # Diagonal or ragged-tail tile: keys past S (zero rows that TMA filled in; the 4-D
+        # descriptor clips per head, so they are never another head's keys) and keys above the
+        # diagonal go to -inf.
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         visible = gl.expand_dims(cols < S, 0)
         if IS_CAUSAL:
@@ -167,11 +168,13 @@ def _hopper_fwd_consumer(o_desc, q_smem, k_smem, v_smem,
     start_m, b, h = _block_coords(L, H, ROWS, IS_CAUSAL)
     row0 = start_m + CONSUMER * BLOCK_M
     row_ids = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
-    # Every consumer walks the CTA's tile count (the loader's), so each ring slot is released by
-    # all of them; tiles past this warpgroup's own diagonal are wholly masked (p = 0). Only the
-    # unmasked prefix is this warpgroup's own.
+    # Every consumer walks the CTA's tile count (the loader's): each ring slot then gets one
+    # release from every consumer, and under PINGPONG every consumer takes the same number of
+    # turns. Under causal masking the last tiles can lie wholly above this warpgroup's diagonal;
+    # they are fully masked (p = 0), which costs their MMAs but no special case. n_full is this
+    # warpgroup's own unmasked prefix.
     n_tiles, n_full_cta = _tile_counts(start_m, S, causal_offset, ROWS, BLOCK_N, IS_CAUSAL)
-    n_own, n_full = _tile_counts(row0, S, causal_offset, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    n_tiles_own, n_full = _tile_counts(row0, S, causal_offset, BLOCK_M, BLOCK_N, IS_CAUSAL)
 
     q_tile = q_smem.index(CONSUMER).reshape([BLOCK_M, HEAD_DIM])
     mbarrier.wait(q_ready.index(CONSUMER), 0)
