@@ -1,0 +1,309 @@
+"""Hopper (sm_90) attention forward in Gluon: TMA + mbarrier ring, a loader warp, and
+warpgroup-MMA consumer warpgroups.
+
+Glossary
+--------
+Symbols (per consumer warpgroup, which owns BLOCK_M query rows of one (batch, head)):
+  s        S = Q·Kᵀ for one key tile, fp32 straight out of wgmma, *unscaled*.
+  qk_scale softmax scale · log2(e), an fp32 scalar. Scores in base 2 are ``s * qk_scale``;
+           the product is never rounded to 16 bits (exp2's argument is one FFMA per score).
+  m_i      running row max of the base-2 scores (fp32), -inf until a visible key is seen.
+  m_ref    m_i with -inf replaced by 0: what the exponentials subtract, so a row that has
+           seen only invisible keys computes exp2(-inf - 0) = 0 and never -inf - (-inf).
+  alpha    exp2(m_old - m_ref), the factor that moves acc and l_i onto the new max.
+  l_i      running row sum of exp2(s·qk_scale - m_ref) (fp32), taken on the fp32 P before it
+           is rounded, so the normaliser is the exact sum of what the softmax means.
+  p        P = exp2(s·qk_scale - m_ref), rounded to the input dtype for P·V.
+  acc      O accumulator (fp32, wgmma register accumulator), unnormalised.
+  LSE      (m_i + log2 l_i) is the log-sum-exp in base 2; it is stored times ln 2, i.e. in
+           natural log, the convention of ``launch.attention_forward`` (B, H, L) fp32.
+           A row that saw no visible key has l_i = 0: output 0 and LSE -inf (guarded 1/l).
+
+Constexpr switches:
+  HEAD_DIM      E, the head dim of Q, K and V (64 or 128; one TMA box covers it).
+  BLOCK_M       query rows per consumer warpgroup (64: one m64 wgmma row block).
+  BLOCK_N       keys per tile (the N of Q·Kᵀ and the K of P·V).
+  NUM_STAGES    depth of the K/V shared-memory ring the loader fills ahead of the consumers.
+  NUM_CONSUMERS consumer warpgroups per CTA; the CTA owns NUM_CONSUMERS·BLOCK_M query rows and
+                every consumer reads every K/V tile of the ring (so K/V are loaded once per CTA).
+  IS_CAUSAL     key j is visible to query i iff j <= i + causal_offset (0: top-left, SDPA's).
+  PINGPONG      the consumers take turns issuing their MMAs (a token passed round-robin through
+                mbarriers, FA3's warp scheduler barrier), so one warpgroup's softmax runs while
+                the next one's GEMMs own the tensor cores, rather than all contending at once.
+
+Schedule (per consumer, FA3's intra-warpgroup overlap): the Q·Kᵀ of tile j is issued before
+the P·V of tile j-1, so the softmax of tile j runs while the tensor cores finish P·V of j-1;
+the consumers are independent partitions, so one warpgroup's softmax also overlaps the other's
+MMAs. Tiles below the causal diagonal and inside S skip the visibility select.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _tile_counts(row0, S, causal_offset, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """(key tiles to visit, leading tiles wholly visible to rows [row0, row0 + ROWS)).
+
+    At least one tile is visited, so a block whose rows see no key still runs the loop once and
+    leaves l_i = 0 (output 0, LSE -inf) instead of an unwritten output."""
+    if IS_CAUSAL:
+        hi = gl.minimum(S, row0 + ROWS + causal_offset)
+        n_full = gl.minimum(row0 + causal_offset + 1, S) // BLOCK_N
+    else:
+        hi = S
+        n_full = S // BLOCK_N
+    n_tiles = gl.cdiv(gl.maximum(hi, 1), BLOCK_N)
+    return n_tiles, gl.maximum(n_full, 0)
+
+
+@gluon.jit
+def _hopper_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+                       q_ready, k_ready, v_ready, k_empty, v_empty,
+                       L, S, H, GROUP, causal_offset,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                       NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """One warp: Q once per consumer, then K/V tiles into the ring as slots free up."""
+    ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
+    start_m, b, h = _block_coords(L, H, ROWS, IS_CAUSAL)
+    h_kv = h // GROUP  # grouped-query attention: K/V heads are indexed, never repeated
+    for c in gl.static_range(NUM_CONSUMERS):
+        mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, start_m + c * BLOCK_M, 0], q_ready.index(c), q_smem.index(c))
+    n_tiles, n_full = _tile_counts(start_m, S, causal_offset, ROWS, BLOCK_N, IS_CAUSAL)
+    for j in range(n_tiles):
+        slot = j % NUM_STAGES
+        # A fresh mbarrier counts as having completed the phase before phase 0, so the first
+        # pass over the ring waits on parity 1 and goes straight through.
+        empty_phase = ((j // NUM_STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), empty_phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, h_kv, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        # V has its own barriers so Q·Kᵀ can start before V lands.
+        mbarrier.wait(v_empty.index(slot), empty_phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, h_kv, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _block_coords(L, H, ROWS: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """(first query row, batch, head) of this CTA. Causal blocks run in reverse row order so the
+    longest (bottom) blocks start first and the short ones fill the tail of the grid."""
+    pid_m = gl.program_id(0)
+    if IS_CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    bh = gl.program_id(1)
+    return pid_m * ROWS, bh // H, bh % H
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, qk_scale, row_ids, j, n_full, S, causal_offset,
+                  s_layout: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Fold one tile of unscaled scores into (m_i, l_i); returns (p in fp32, alpha, m_i, l_i)."""
+    if j >= n_full:
+        # Diagonal or ragged-tail tile: keys past S (zero rows that TMA filled in; the 4-D
+        # descriptor clips per head, so they are never another head's keys) and keys above the
+        # diagonal go to -inf.
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = gl.expand_dims(cols < S, 0)
+        if IS_CAUSAL:
+            visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(row_ids, 1) + causal_offset)
+        s = gl.where(visible, s, float("-inf"))
+    # Max on the unscaled scores, scaled once: exact for qk_scale > 0 (x -> fl(c·x) is monotonic),
+    # and exp2's argument below is then a single FFMA per score.
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_ref)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_ref, 1))
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _take_turn(turn, round, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr):
+    """Wait for this warpgroup's turn to issue MMAs in round ``round``. Consumer c waits on
+    turn[c], which consumer c-1 arrives on after issuing; consumer 0 goes first (a fresh mbarrier
+    passes a wait on parity 1) and thereafter waits for the last consumer's previous round."""
+    if PINGPONG:
+        if CONSUMER == 0:
+            mbarrier.wait(turn.index(CONSUMER), (round & 1) ^ 1)
+        else:
+            mbarrier.wait(turn.index(CONSUMER), round & 1)
+
+
+@gluon.jit
+def _pass_turn(turn, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn.index((CONSUMER + 1) % NUM_CONSUMERS), count=1)
+
+
+@gluon.jit
+def _hopper_fwd_consumer(o_desc, q_smem, k_smem, v_smem,
+                         q_ready, k_ready, v_ready, k_empty, v_empty,
+                         LSE, L, S, H, causal_offset, qk_scale,
+                         turn, CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                         NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    """One warpgroup: BLOCK_M query rows against every key tile the loader brings."""
+    ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
+    dtype: gl.constexpr = o_desc.dtype
+    # wgmma accumulators: one m64 row block per warpgroup, N = the whole tile in one instruction.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    # P feeds P·V from registers: the QKᵀ accumulator's fragment is already the A-operand's.
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    start_m, b, h = _block_coords(L, H, ROWS, IS_CAUSAL)
+    row0 = start_m + CONSUMER * BLOCK_M
+    row_ids = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
+    # Every consumer walks the CTA's tile count (the loader's): each ring slot then gets one
+    # release from every consumer, and under PINGPONG every consumer takes the same number of
+    # turns. Under causal masking the last tiles can lie wholly above this warpgroup's diagonal;
+    # they are fully masked (p = 0), which costs their MMAs but no special case. n_full is this
+    # warpgroup's own unmasked prefix.
+    n_tiles, n_full_cta = _tile_counts(start_m, S, causal_offset, ROWS, BLOCK_N, IS_CAUSAL)
+    n_tiles_own, n_full = _tile_counts(row0, S, causal_offset, BLOCK_M, BLOCK_N, IS_CAUSAL)
+
+    q_tile = q_smem.index(CONSUMER).reshape([BLOCK_M, HEAD_DIM])
+    mbarrier.wait(q_ready.index(CONSUMER), 0)
+
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+
+    # Prologue: S_0 and its softmax; there is no P·V in flight yet.
+    _take_turn(turn, 0, CONSUMER, PINGPONG)
+    mbarrier.wait(k_ready.index(0), 0)
+    k_tile = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
+    s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, row_ids, 0, n_full, S, causal_offset,
+                                       s_layout, BLOCK_N, IS_CAUSAL)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    for j in range(1, n_tiles):
+        slot = j % NUM_STAGES
+        phase = (j // NUM_STAGES) & 1
+        prev = (j - 1) % NUM_STAGES
+        prev_phase = ((j - 1) // NUM_STAGES) & 1
+        # Issue S_j = Q·K_jᵀ first, then P_{j-1}·V_{j-1}: the softmax of S_j below overlaps P·V.
+        _take_turn(turn, j, CONSUMER, PINGPONG)
+        mbarrier.wait(k_ready.index(slot), phase)
+        k_tile = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev), prev_phase)
+        v_tile = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
+        acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+        _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
+        # wgmma groups retire in issue order: one outstanding means S_j is done, P·V may not be.
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, row_ids, j, n_full, S, causal_offset,
+                                           s_layout, BLOCK_N, IS_CAUSAL)
+        # p_op stays in deps so its registers are not reused while the P·V that reads them runs.
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    last = (n_tiles - 1) % NUM_STAGES
+    last_phase = ((n_tiles - 1) // NUM_STAGES) & 1
+    _take_turn(turn, n_tiles, CONSUMER, PINGPONG)
+    mbarrier.wait(v_ready.index(last), last_phase)
+    v_tile = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
+    acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+    _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
+    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op))
+    mbarrier.arrive(v_empty.index(last), count=1)
+
+    # l_i == 0 exactly when no key was visible: output 0 and LSE -inf instead of 0/0.
+    empty_row = l_i == 0.0
+    l_safe = gl.where(empty_row, 1.0, l_i)
+    inv_l = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
+    out = (acc * gl.expand_dims(inv_l, 1)).to(dtype)
+    lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
+    gl.store(LSE + (b * H + h).to(gl.int64) * L + row_ids, lse, mask=row_ids < L)
+
+    # Q's tile is free (its last wgmma has retired): stage O there and let TMA clip rows >= L.
+    q_tile.store(out)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], q_smem.index(CONSUMER))
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE,
+                     L, S, H, GROUP, causal_offset, qk_scale,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    """Grid (cdiv(L, BLOCK_M * NUM_CONSUMERS), B * H). Q/K/V/O descriptors are 4-D over
+    (B, H, L or S, E) with boxes (1, 1, rows, E), so TMA clips and zero-fills per head."""
+    gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "two or three consumer warpgroups")
+    dtype: gl.constexpr = q_desc.dtype
+    qk_scale = qk_scale.to(gl.float32)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(q_ready.index(c), count=1)
+        mbarrier.init(turn.index(c), count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        # A slot is free once every consumer has released it.
+        mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
+
+    # Worker partitions take no tensors, only descriptors, shared memory and scalars, so every
+    # partition gets its arguments spelled out; the default partition is consumer 0.
+    if NUM_CONSUMERS == 2:
+        gl.warp_specialize([
+            (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                                    LSE, L, S, H, causal_offset, qk_scale, turn,
+                                    0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG)),
+            (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                                    LSE, L, S, H, causal_offset, qk_scale, turn,
+                                    1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG)),
+            (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+                                  q_ready, k_ready, v_ready, k_empty, v_empty,
+                                  L, S, H, GROUP, causal_offset,
+                                  BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                                    LSE, L, S, H, causal_offset, qk_scale, turn,
+                                    0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG)),
+            (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                                    LSE, L, S, H, causal_offset, qk_scale, turn,
+                                    1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG)),
+            (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                                    LSE, L, S, H, causal_offset, qk_scale, turn,
+                                    2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG)),
+            (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+                                  q_ready, k_ready, v_ready, k_empty, v_empty,
+                                  L, S, H, GROUP, causal_offset,
+                                  BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])

@@ -1,0 +1,174 @@
+"""Launcher for the Gluon Hopper forward (kernels/hopper_fwd.py): which calls it takes, its tile
+config, and the TMA descriptors.
+
+``hopper_forward_supported`` says whether a call can take this path; ``hopper_attention_forward``
+runs it and returns what ``launch.attention_forward`` returns: out (B, Hq, L, E) in the input
+dtype and lse (B, Hq, L) fp32 in natural log (-inf for a row that sees no key), so the two are
+interchangeable for the backward.
+
+What it covers now: sm_90, bf16/fp16, E = Ev in {64, 128}, no mask, no dropout, causal or not
+(any ``causal_offset``), grouped-query attention, and any strides TMA can address (last dim
+contiguous, the others 16-byte multiples, a 16-byte-aligned base), so (B, L, H, E) views
+transposed to (B, H, L, E) need no copy. Everything else keeps the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+_LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class HopperForwardConfig:
+    """Tile config. The CTA owns ``num_consumers * block_m`` query rows (one warpgroup each) and
+    streams ``block_n``-key K/V tiles through a ``num_stages``-deep shared-memory ring."""
+
+    block_m: int = 64
+    block_n: int = 128
+    num_stages: int = 2
+    num_consumers: int = 2
+    pingpong: bool = False
+    loader_regs: int = 24
+
+    @property
+    def maxnreg(self) -> int:
+        """Registers per thread at entry: the whole file over 4 * (consumers + 1) warps (the
+        loader's single warp still takes a warpgroup's allocation)."""
+        return 65536 // (128 * (self.num_consumers + 1)) // 8 * 8
+
+    @property
+    def consumer_regs(self) -> int:
+        """What setmaxnreg gives each consumer once the loader drops to ``loader_regs``; the
+        default partition (consumer 0) gets what is left, which is at least as much."""
+        spare = 65536 // 128 - self.loader_regs
+        return min(240, spare // self.num_consumers // 8 * 8)
+
+
+def default_config(head_dim: int, is_causal: bool) -> HopperForwardConfig:
+    """The measured best on the H200 (benchmarks/results/hopper_fwd_nvidia-h200_20261202.json).
+
+    E=128: two consumers (64 rows each) with ping-pong. It beat the same kernel without ping-pong
+    in 16 of 20 cells of the grid and, unlike it, held steady between runs (bf16 16k: 603 with,
+    563 to 631 without across two runs). Shared memory: Q 2x64x128 plus 2 stages of 128x128 K
+    and V, 164 KiB; a third stage would need 228 KiB, past Hopper's 227. BLOCK_N=64 with 3
+    stages was 9-12 % slower.
+    E=64: three consumers (192 rows per CTA, 160 registers each, as FA3 does for this head dim)
+    with ping-pong, 3 stages (123 KiB): 1.03-1.12x cuDNN at every length for full attention and
+    for causal from 8k; at causal 2k-4k it and the two-consumer kernel are both 0.89-0.96x.
+    """
+    del is_causal  # the same tiles measured best for both
+    if head_dim == 128:
+        return HopperForwardConfig(num_stages=2, num_consumers=2, pingpong=True)
+    return HopperForwardConfig(num_stages=3, num_consumers=3, pingpong=True)
+
+
+@functools.cache
+def _gluon_available() -> bool:
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
+    except Exception:  # an older Triton, or no Triton at all
+        return False
+    return True
+
+
+def _tma_addressable(t: torch.Tensor) -> bool:
+    """A 4-D tensor a TMA descriptor can describe: last dim contiguous, other strides and the
+    base 16-byte aligned."""
+    elem = t.element_size()
+    return (t.dim() == 4 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all((s * elem) % 16 == 0 for s in t.stride()[:-1]))
+
+
+def hopper_forward_unsupported_reason(query, key, value, attn_mask=None, dropout_p: float = 0.0,
+                                      scale: float | None = None) -> str | None:
+    """None if the Hopper forward takes this call, else why not (for explain() and the logs)."""
+    if not (query.is_cuda and key.is_cuda and value.is_cuda):
+        return "not on a CUDA device"
+    if torch.cuda.get_device_capability(query.device) != (9, 0):
+        return "not an sm_90 (Hopper) GPU"
+    if not _gluon_available():
+        return "this Triton has no Gluon Hopper support"
+    if query.dtype not in DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
+        return f"dtype {query.dtype} (bf16/fp16 only, all three alike)"
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return "inputs are not 4-D (B, H, L, E)"
+    head_dim = query.shape[-1]
+    if head_dim not in HEAD_DIMS or key.shape[-1] != head_dim or value.shape[-1] != head_dim:
+        return f"head dims q/k/v {query.shape[-1]}/{key.shape[-1]}/{value.shape[-1]} (64 or 128, all equal)"
+    if attn_mask is not None:
+        return "an attention mask (not implemented on this path yet)"
+    if dropout_p > 0.0:
+        return "dropout (not implemented on this path yet)"
+    if scale is not None and not scale > 0:
+        return "a non-positive scale (the kernel takes the row max on unscaled scores)"
+    if query.shape[1] % key.shape[1] != 0 or key.shape[1] != value.shape[1]:
+        return "query heads are not a multiple of key/value heads"
+    if query.shape[0] != key.shape[0] or key.shape[2] != value.shape[2]:
+        return "batch or key length mismatch"
+    if min(query.shape[2], key.shape[2]) == 0 or max(query.shape[2], key.shape[2]) >= 2**31:
+        return "an empty or over-long sequence"
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not _tma_addressable(t):
+            return f"{name} strides {tuple(t.stride())} are not TMA-addressable (need a contiguous last dim and 16-byte strides)"
+    return None
+
+
+def hopper_forward_supported(query, key, value, attn_mask=None, dropout_p: float = 0.0,
+                             scale: float | None = None) -> bool:
+    """Whether ``hopper_attention_forward`` implements this call (see the module docstring)."""
+    return hopper_forward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale) is None
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    gl_dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    box = [1, 1, rows, t.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(box, gl_dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), box, layout)
+
+
+def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                             scale: float | None = None, is_causal: bool = False, causal_offset: int = 0,
+                             config: HopperForwardConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward on the Gluon Hopper kernel. ``query`` (B, Hq, L, E), ``key``/``value``
+    (B, Hkv, S, E) with Hq a multiple of Hkv. Key j is visible to query i iff
+    ``j <= i + causal_offset`` when ``is_causal`` (0: top-left, SDPA's convention).
+
+    Returns (out (B, Hq, L, E) in the input dtype, lse (B, Hq, L) fp32, natural log). Call only
+    where ``hopper_forward_supported`` says so."""
+    from .kernels.hopper_fwd import _attn_fwd_hopper
+
+    batch, heads_q, seq_q, head_dim = query.shape
+    heads_kv, seq_k = key.shape[1], key.shape[2]
+    if scale is None:
+        scale = head_dim ** -0.5
+    cfg = config or default_config(head_dim, is_causal)
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
+    rows = cfg.block_m * cfg.num_consumers
+    grid = (triton_cdiv(seq_q, rows), batch * heads_q)
+    _attn_fwd_hopper[grid](
+        _descriptor(query, cfg.block_m), _descriptor(key, cfg.block_n), _descriptor(value, cfg.block_n),
+        _descriptor(out, cfg.block_m), lse,
+        seq_q, seq_k, heads_q, heads_q // heads_kv, causal_offset if is_causal else 0, scale * _LOG2E,
+        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+        NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal, PINGPONG=cfg.pingpong,
+        CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
+        # The entry cap fills the register file; setmaxnreg then moves the loader's registers to
+        # the consumers (2 consumers: 168 -> 240/240/24; 3: 128 -> 160/160/160/24).
+        num_warps=4, maxnreg=cfg.maxnreg,
+    )
+    return out, lse
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

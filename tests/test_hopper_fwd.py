@@ -1,0 +1,139 @@
+"""The Gluon Hopper forward (launch_hopper.py) against the fp64 reference with the project's
+tolerance rule (tests/helpers.py): dtype x head dim x causal x odd lengths, grouped-query heads,
+strided (B, L, H, E) views, and rows that see no key. Runs only on an sm_90 GPU with a Triton
+that has Gluon; elsewhere each test is skipped with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import ON_CUDA
+
+
+def _hopper_skip_reason():
+    if not ON_CUDA:
+        return "needs a CUDA GPU"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return f"needs sm_90 (Hopper), this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability()))}"
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
+    except Exception:
+        return "this Triton has no Gluon Hopper support"
+    return None
+
+
+needs_hopper = pytest.mark.skipif(_hopper_skip_reason() is not None, reason=str(_hopper_skip_reason()))
+
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _inputs(dtype, head_dim, batch, heads_q, heads_kv, seq_q, seq_k, transposed=False, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(h, n):
+        if transposed:
+            return torch.randn(batch, n, h, head_dim, device="cuda", dtype=dtype, generator=gen).transpose(1, 2)
+        return torch.randn(batch, h, n, head_dim, device="cuda", dtype=dtype, generator=gen)
+    return rand(heads_q, seq_q), rand(heads_kv, seq_k), rand(heads_kv, seq_k)
+
+
+def _reference(q, k, v, scale, is_causal, causal_offset):
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    s = (q.double() @ k.transpose(-1, -2)) * scale
+    visible = torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device)
+    if is_causal:
+        visible = (torch.arange(k.shape[2], device=q.device)[None, :]
+                   <= torch.arange(q.shape[2], device=q.device)[:, None] + causal_offset)
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return p @ v, lse, visible
+
+
+def _check(q, k, v, is_causal, causal_offset=0):
+    import torch.nn.functional as F
+
+    from flash_inductor.launch_hopper import hopper_attention_forward, hopper_forward_supported
+
+    scale = q.shape[-1] ** -0.5
+    assert hopper_forward_supported(q, k, v, None, 0.0, scale)
+    out, lse = hopper_attention_forward(q, k, v, scale=scale, is_causal=is_causal, causal_offset=causal_offset)
+    ref, lse_ref, visible = _reference(q, k, v, scale, is_causal, causal_offset)
+    group = q.shape[1] // k.shape[1]
+    base = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                          attn_mask=visible, scale=scale)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    empty = torch.isinf(lse_ref)
+    live = ~empty
+    # Rows with no visible key: exactly 0 and -inf, not NaN (SDPA gives NaN there).
+    assert (out[empty] == 0).all() and (lse[empty] == float("-inf")).all()
+    assert torch.isfinite(out).all()
+    if live.any():
+        err = (out.double() - ref).abs()[live].max().item()
+        base_err = (base.double() - ref).abs()[live & torch.isfinite(base).all(-1)].max().item()
+        floor = 2 * torch.finfo(q.dtype).eps * ref.abs().max().item()
+        assert err <= 2 * base_err + floor, (err, base_err, floor)
+        assert (lse.double() - lse_ref).abs()[live].max().item() <= 1e-3
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("is_causal", (False, True))
+@pytest.mark.parametrize("seq_q, seq_k", [(97, 97), (300, 300), (1025, 1025), (256, 700), (700, 256)])
+def test_matches_fp64(dtype, head_dim, is_causal, seq_q, seq_k):
+    _check(*_inputs(dtype, head_dim, 2, 3, 3, seq_q, seq_k), is_causal)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_gqa_and_strided_views(dtype, head_dim):
+    _check(*_inputs(dtype, head_dim, 2, 8, 2, 333, 513, transposed=True), True)
+
+
+@needs_hopper
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_rows_that_see_no_key(head_dim):
+    # Lower-right causal with L > S: query i sees keys j <= i - (L - S); the first L - S rows none.
+    _check(*_inputs(torch.bfloat16, head_dim, 1, 2, 1, 400, 150), True, causal_offset=150 - 400)
+
+
+@needs_hopper
+def test_length_one():
+    _check(*_inputs(torch.float16, 64, 3, 2, 2, 1, 1), True)
+
+
+@needs_hopper
+def test_declines_what_it_does_not_implement():
+    from flash_inductor.launch_hopper import hopper_forward_unsupported_reason
+
+    q, k, v = _inputs(torch.bfloat16, 64, 1, 2, 2, 64, 64)
+    assert "mask" in hopper_forward_unsupported_reason(q, k, v, torch.ones(64, 64, dtype=torch.bool, device="cuda"))
+    assert "dropout" in hopper_forward_unsupported_reason(q, k, v, None, 0.1)
+    assert "dtype" in hopper_forward_unsupported_reason(q.float(), k.float(), v.float())
+    q96, k96, v96 = _inputs(torch.bfloat16, 96, 1, 2, 2, 64, 64)
+    assert "head dims" in hopper_forward_unsupported_reason(q96, k96, v96)
+
+
+def test_declines_off_hopper_without_touching_a_gpu():
+    """Runs anywhere: CPU tensors are declined with a reason, before any CUDA or Gluon call."""
+    from flash_inductor.launch_hopper import hopper_forward_supported, hopper_forward_unsupported_reason
+
+    q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
+    assert hopper_forward_unsupported_reason(q, q, q) == "not on a CUDA device"
+    assert not hopper_forward_supported(q, q, q)
+
+
+def test_register_plan_fills_the_register_file():
+    """The entry cap times all warps, and the setmaxnreg split, stay within 64K registers."""
+    from flash_inductor.launch_hopper import HopperForwardConfig, default_config
+
+    for cfg in (default_config(64, False), default_config(128, True), HopperForwardConfig()):
+        warpgroups = cfg.num_consumers + 1
+        assert cfg.maxnreg * 128 * warpgroups <= 65536
+        assert cfg.consumer_regs * 128 * cfg.num_consumers + cfg.loader_regs * 128 <= 65536
+        assert cfg.maxnreg % 8 == 0 and cfg.consumer_regs % 8 == 0
