@@ -1,4 +1,4 @@
-"""The Gluon Hopper forward (launch_hopper.py) against the fp64 reference with the project's
+"""The Gluon Hopper forward (launch/hopper.py) against the fp64 reference with the project's
 tolerance rule (tests/helpers.py): dtype x head dim x causal x odd lengths, grouped-query heads,
 strided (B, L, H, E) views, and rows that see no key. Runs only on an sm_90 GPU with a Triton
 that has Gluon; elsewhere each test is skipped with the reason."""
@@ -56,7 +56,7 @@ def _reference(q, k, v, scale, is_causal, causal_offset):
 def _check(q, k, v, is_causal, causal_offset=0):
     import torch.nn.functional as F
 
-    from flash_inductor.launch_hopper import hopper_attention_forward, hopper_forward_supported
+    from flash_inductor.launch.hopper import hopper_attention_forward, hopper_forward_supported
 
     scale = q.shape[-1] ** -0.5
     assert hopper_forward_supported(q, k, v, None, 0.0, scale)
@@ -109,7 +109,7 @@ def test_length_one():
 
 @needs_hopper
 def test_declines_what_it_does_not_implement():
-    from flash_inductor.launch_hopper import hopper_forward_unsupported_reason
+    from flash_inductor.launch.hopper import hopper_forward_unsupported_reason
 
     q, k, v = _inputs(torch.bfloat16, 64, 1, 2, 2, 64, 64)
     assert "mask" in hopper_forward_unsupported_reason(q, k, v, torch.ones(64, 64, dtype=torch.bool, device="cuda"))
@@ -121,7 +121,7 @@ def test_declines_what_it_does_not_implement():
 
 def test_declines_off_hopper_without_touching_a_gpu():
     """Runs anywhere: CPU tensors are declined with a reason, before any CUDA or Gluon call."""
-    from flash_inductor.launch_hopper import hopper_forward_supported, hopper_forward_unsupported_reason
+    from flash_inductor.launch.hopper import hopper_forward_supported, hopper_forward_unsupported_reason
 
     q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
     assert hopper_forward_unsupported_reason(q, q, q) == "not on a CUDA device"
@@ -130,10 +130,104 @@ def test_declines_off_hopper_without_touching_a_gpu():
 
 def test_register_plan_fills_the_register_file():
     """The entry cap times all warps, and the setmaxnreg split, stay within 64K registers."""
-    from flash_inductor.launch_hopper import HopperForwardConfig, default_config
+    from flash_inductor.launch.hopper import HopperForwardConfig, default_config
 
     for cfg in (default_config(64, False), default_config(128, True), HopperForwardConfig()):
         warpgroups = cfg.num_consumers + 1
         assert cfg.maxnreg * 128 * warpgroups <= 65536
         assert cfg.consumer_regs * 128 * cfg.num_consumers + cfg.loader_regs * 128 <= 65536
         assert cfg.maxnreg % 8 == 0 and cfg.consumer_regs % 8 == 0
+
+
+def _count_hopper_launches(monkeypatch):
+    from flash_inductor.launch import hopper
+
+    calls = []
+    real = hopper.hopper_attention_forward
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("is_causal"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(hopper, "hopper_attention_forward", spy)
+    return calls
+
+
+@needs_hopper
+@pytest.mark.parametrize("compiled", (False, True), ids=("eager", "compiled"))
+def test_the_op_runs_its_forward_on_hopper_and_trains(monkeypatch, compiled):
+    """flash_attention takes the Gluon forward on an sm_90 GPU, eagerly and under torch.compile
+    (through its opaque op), and the backward on the Triton kernels consumes its out and LSE."""
+    from flash_inductor import flash_attention
+
+    calls = _count_hopper_launches(monkeypatch)
+    q, k, v = (t.detach().requires_grad_(True) for t in _inputs(torch.bfloat16, 128, 2, 4, 2, 300, 300))
+    fn = (lambda *a: flash_attention(*a, is_causal=True, enable_gqa=True))
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, fullgraph=True)
+    out = fn(q, k, v)
+    out.float().square().sum().backward()
+    assert calls == [True]
+    ref, _, _ = _reference(q.detach(), k.detach(), v.detach(), 128 ** -0.5, True, 0)
+    assert (out.double() - ref).abs().max().item() < 2e-2
+    qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    torch.nn.functional.scaled_dot_product_attention(qd, kd.repeat_interleave(2, 1), vd.repeat_interleave(2, 1),
+                                                     is_causal=True).square().sum().backward()
+    for got, want in ((q.grad, qd.grad), (k.grad, kd.grad), (v.grad, vd.grad)):
+        rel = ((got.double() - want).norm() / want.norm()).item()
+        assert rel < 2e-2, rel
+
+
+@needs_hopper
+def test_strides_tma_cannot_address_fall_back_to_triton(monkeypatch):
+    """A query whose base is not 16-byte aligned passes the static check (fake tensors know no
+    pointers) but not TMA's: the op's Hopper branch then runs the Triton forward, correctly."""
+    from flash_inductor import flash_attention
+
+    calls = _count_hopper_launches(monkeypatch)
+    storage = torch.randn(2 * 4 * 256 * 64 + 1, device="cuda", dtype=torch.float16)
+    q = storage[1:].view(2, 4, 256, 64)  # 2-byte offset
+    _, k, v = _inputs(torch.float16, 64, 2, 4, 4, 256, 256)
+    out = flash_attention(q, k, v)
+    assert calls == []
+    ref, _, _ = _reference(q, k, v, 64 ** -0.5, False, 0)
+    assert (out.double() - ref).abs().max().item() < 1e-2
+
+
+@needs_hopper
+def test_the_accurate_schedule_keeps_the_triton_forward(monkeypatch):
+    from flash_inductor import flash_attention
+
+    calls = _count_hopper_launches(monkeypatch)
+    flash_attention(*_inputs(torch.bfloat16, 64, 1, 2, 2, 128, 128), schedule="accurate")
+    assert calls == []
+
+
+def test_the_static_choice_on_a_mocked_hopper(monkeypatch):
+    """Runs anywhere: with the capability and Gluon mocked, the static check takes exactly the
+    calls the kernel implements and names the reason for each one it declines."""
+    from flash_inductor.launch import hopper
+
+    monkeypatch.setattr(hopper, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(hopper, "_gluon_available", lambda: True)
+
+    class Cuda(torch.Tensor):  # a CPU tensor that says it is on a GPU: the check reads only metadata
+        @property
+        def is_cuda(self):
+            return True
+
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.empty(shape, dtype=dtype).as_subclass(Cuda)
+
+    q, kv = t(2, 8, 64, 128), t(2, 2, 64, 128)
+    assert hopper.hopper_forward_unsupported_reason(q, kv, kv, None, 0.0, None, "stable") is None
+    assert hopper.hopper_forward_unsupported_reason(q, kv, kv, None, 0.0, None, "fast") is None
+    assert "accurate" in hopper.hopper_forward_unsupported_reason(q, kv, kv, None, 0.0, None, "accurate")
+    assert "fp8" in hopper.hopper_forward_unsupported_reason(q, kv, kv, None, 0.0, None, "fp8")
+    assert "mask" in hopper.hopper_forward_unsupported_reason(q, kv, kv, t(2, 8, 64, 64, dtype=torch.bool))
+    assert "dropout" in hopper.hopper_forward_unsupported_reason(q, kv, kv, None, 0.1)
+    assert "head dims" in hopper.hopper_forward_unsupported_reason(t(2, 8, 64, 96), t(2, 2, 64, 96), t(2, 2, 64, 96))
+    assert "dtype" in hopper.hopper_forward_unsupported_reason(t(2, 8, 64, 64, dtype=torch.float32),
+                                                                 t(2, 2, 64, 64, dtype=torch.float32),
+                                                                 t(2, 2, 64, 64, dtype=torch.float32))
+    assert "multiple" in hopper.hopper_forward_unsupported_reason(t(2, 6, 64, 64), t(2, 4, 64, 64), t(2, 4, 64, 64))

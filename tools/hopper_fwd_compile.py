@@ -36,7 +36,7 @@ def _kernel_module():
 
 def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int, block_n: int, stages: int,
                    consumers: int = 2, pingpong: bool = False, loader_regs: int = 24):
-    # Same register plan as launch_hopper: the entry cap fills the file for 4*(consumers+1) warps.
+    # Same register plan as launch/hopper.py: the entry cap fills the file for 4*(consumers+1) warps.
     consumer_regs, maxnreg = (240, 168) if consumers == 2 else (160, 128)
     import triton
     from triton.backends.compiler import GPUTarget

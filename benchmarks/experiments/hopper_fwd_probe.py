@@ -1,4 +1,4 @@
-"""Probe of the Gluon Hopper forward (kernels/hopper_fwd.py, launch_hopper.py) on an sm_90 GPU:
+"""Probe of the Gluon Hopper forward (kernels/hopper_fwd.py, launch/hopper.py) on an sm_90 GPU:
 correctness against an fp64 reference, then forward TFLOP/s side by side with our Triton forward,
 cuDNN and FlashAttention-2 (both through SDPA), in one process.
 
@@ -6,7 +6,7 @@ cuDNN and FlashAttention-2 (both through SDPA), in one process.
     python3 benchmarks/experiments/hopper_fwd_probe.py --check-only
     python3 benchmarks/experiments/hopper_fwd_probe.py --skip-check --seqs 4096 --configs 128x2:128 128x3w3p:64
 
-"gluon" is launch_hopper.default_config; each --configs entry is timed beside it (syntax in
+"gluon" is launch.hopper.default_config; each --configs entry is timed beside it (syntax in
 parse_config). The committed results (benchmarks/results/hopper_fwd_nvidia-h200_20261202.json)
 say which commands produced them.
 
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))
 
-from flash_inductor.launch_hopper import (  # noqa: E402
+from flash_inductor.launch.hopper import (  # noqa: E402
     HopperForwardConfig,
     default_config,
     hopper_attention_forward,

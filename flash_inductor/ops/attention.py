@@ -1,7 +1,8 @@
 """The ``flash_inductor::`` attention ops: registration, fake kernels and autograd.
 
 Two public ops, both ``torch.library.triton_op`` so that under ``torch.compile`` on CUDA
-Inductor sees (and inlines) the Triton kernels they launch:
+Inductor sees (and inlines) the Triton kernels they launch (the Gluon Hopper forward is the
+exception: an opaque op of its own, see below):
 
 * ``flash_inductor::attention_forward(q, k, v, mask?, seed?, dropout_p, is_causal,
   causal_offset, scale, schedule) -> (out, lse)``
@@ -27,6 +28,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import launch
+from ..launch import hopper
 
 # What the eager fast path needs besides launch.can_launch_directly(), looked up once (torch
 # 2.11-2.14 all have it; where it is missing every call takes the registered op instead).
@@ -61,6 +63,45 @@ def attention_backward_reference(
 
 
 # --------------------------------------------------------------------------------------
+# Hopper forward (Gluon): opaque, since Inductor cannot inline a kernel that takes TMA
+# descriptors; chosen from static facts at trace time, checked against the real strides here.
+# --------------------------------------------------------------------------------------
+
+
+def _forward_on_hopper(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, causal_offset: int,
+                       scale: float, schedule: str) -> tuple[Tensor, Tensor]:
+    reason = hopper.tma_unsupported_reason(query, key, value)
+    if reason is None:
+        return hopper.hopper_attention_forward(query, key, value, scale=scale, is_causal=is_causal,
+                                               causal_offset=causal_offset)
+    hopper.log_triton_forward(reason)
+    with launch.direct_kernel_calls():
+        return launch.attention_forward(query, key, value, None, None, 0.0, is_causal, causal_offset, scale, schedule)
+
+
+attention_forward_hopper = torch.library.custom_op("flash_inductor::attention_forward_hopper", mutates_args=())(
+    _forward_on_hopper)
+
+
+@attention_forward_hopper.register_fake
+def _hopper_forward_fake(query, key, value, is_causal, causal_offset, scale, schedule):
+    return _forward_fake(query, key, value, None, None, 0.0, is_causal, causal_offset, scale)
+
+
+def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
+                    *, hopper_call=attention_forward_hopper):
+    """The CUDA forward: the Gluon Hopper kernel where it applies, else the Triton kernels.
+    ``hopper_call`` is the opaque op inside the registered op, the plain function on the eager
+    fast path (no dispatcher there)."""
+    reason = hopper.hopper_forward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule)
+    if reason is None:
+        return hopper_call(query, key, value, is_causal, causal_offset, scale, schedule)
+    hopper.log_triton_forward(reason)
+    return launch.attention_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
+                                    scale, schedule)
+
+
+# --------------------------------------------------------------------------------------
 # Public ops
 # --------------------------------------------------------------------------------------
 
@@ -71,9 +112,8 @@ def attention_forward(
     dropout_p: float, is_causal: bool, causal_offset: int, scale: float, schedule: str,
 ) -> tuple[Tensor, Tensor]:
     if launch.kernel_supports(query, key, value):
-        return launch.attention_forward(
-            query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule
-        )
+        return _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
+                               schedule)
     # The reference computes in fp32/fp64 throughout, Delta included (the `accurate` schedule's
     # stages): the schedule has nothing to select there.
     return attention_forward_reference(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale)
@@ -211,9 +251,8 @@ class _EagerKernelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule):
         with launch.direct_kernel_calls():
-            out, lse = launch.attention_forward(
-                query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule
-            )
+            out, lse = _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
+                                       scale, schedule, hopper_call=_forward_on_hopper)
         _setup_context(ctx, (query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
                              schedule), (out, lse))
         return out, lse
@@ -255,12 +294,11 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
     if eager_fast_path_applies(query, key, value, attn_mask, rng_seed):
         if not _needs_autograd(query, key, value, attn_mask):
             # Inference: the launch alone. autograd.Function.apply would record nothing here and
-            # cost ~20-35 µs of host time a call (2-core CPU, launches stubbed; session 22), which
+            # cost ~20-35 µs of host time a call (2-core CPU, launches stubbed), which
             # a short problem's GPU time may not hide.
             with launch.direct_kernel_calls():
-                return launch.attention_forward(
-                    query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule
-                )
+                return _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
+                                       scale, schedule, hopper_call=_forward_on_hopper)
         return _EagerKernelAttention.apply(
             query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule
         )

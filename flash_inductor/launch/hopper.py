@@ -1,25 +1,41 @@
 """Launcher for the Gluon Hopper forward (kernels/hopper_fwd.py): which calls it takes, its tile
 config, and the TMA descriptors.
 
-``hopper_forward_supported`` says whether a call can take this path; ``hopper_attention_forward``
-runs it and returns what ``launch.attention_forward`` returns: out (B, Hq, L, E) in the input
-dtype and lse (B, Hq, L) fp32 in natural log (-inf for a row that sees no key), so the two are
-interchangeable for the backward.
+The choice is made in two steps, because the first runs while ``torch.compile`` traces the op
+with fake tensors, where neither data pointers nor (under dynamic shapes) strides are known:
+
+* ``hopper_forward_unsupported_reason`` decides from what is static (device, dtypes, head dims,
+  mask, dropout, schedule); the op then calls ``flash_inductor::attention_forward_hopper``, an
+  opaque custom op, since Inductor cannot inline a Gluon kernel that takes TMA descriptors;
+* ``tma_unsupported_reason`` checks the real tensors' strides and alignment inside that op, which
+  falls back to the Triton forward when TMA cannot address them.
+
+``hopper_attention_forward`` returns what ``launch.attention_forward`` returns: out (B, Hq, L, E)
+in the input dtype and lse (B, Hq, L) fp32 in natural log (-inf for a row that sees no key), so
+the two are interchangeable for the backward, which stays on the Triton kernels.
 
 What it covers now: sm_90, bf16/fp16, E = Ev in {64, 128}, no mask, no dropout, causal or not
-(any ``causal_offset``), grouped-query attention, and any strides TMA can address (last dim
-contiguous, the others 16-byte multiples, a 16-byte-aligned base), so (B, L, H, E) views
-transposed to (B, H, L, E) need no copy. Everything else keeps the Triton kernels.
+(any ``causal_offset``), grouped-query attention, the schedules whose forward rounds P to the
+input dtype (`fast`, `stable`), and any strides TMA can address (last dim contiguous, the others
+16-byte multiples, a 16-byte-aligned base), so (B, L, H, E) views transposed to (B, H, L, E)
+need no copy. Everything else keeps the Triton kernels.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 
-_LOG2E = 1.4426950408889634
+from ..schedules import get_schedule
+from .common import LOG2E, cdiv
+
+log = logging.getLogger("flash_inductor")
+# Reasons that say only that this is not a Hopper machine: not worth a log line.
+_NOT_HOPPER = ("not on a CUDA device", "not an sm_90 (Hopper) GPU", "this Triton has no Gluon Hopper support")
+
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -86,15 +102,35 @@ def _tma_addressable(t: torch.Tensor) -> bool:
             and all((s * elem) % 16 == 0 for s in t.stride()[:-1]))
 
 
+def _capability(device: torch.device) -> tuple[int, int]:
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_of(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.lru_cache(maxsize=None)
+def log_triton_forward(reason: str) -> None:
+    """Say once per reason, at INFO, why a forward on a Hopper GPU runs the Triton kernel."""
+    if reason not in _NOT_HOPPER:
+        log.info("flash_inductor: forward on the Triton kernel, not the Hopper (Gluon) one: %s", reason)
+
+
 def hopper_forward_unsupported_reason(query, key, value, attn_mask=None, dropout_p: float = 0.0,
-                                      scale: float | None = None) -> str | None:
-    """None if the Hopper forward takes this call, else why not (for explain() and the logs)."""
+                                      scale: float | None = None, schedule: str | None = None) -> str | None:
+    """None if the Hopper forward takes this call as far as its static properties go, else why
+    not (for the logs). Safe on fake tensors: it reads no data pointer and no stride."""
     if not (query.is_cuda and key.is_cuda and value.is_cuda):
         return "not on a CUDA device"
-    if torch.cuda.get_device_capability(query.device) != (9, 0):
+    if _capability(query.device) != (9, 0):
         return "not an sm_90 (Hopper) GPU"
     if not _gluon_available():
         return "this Triton has no Gluon Hopper support"
+    sched = get_schedule(schedule)
+    if sched.p_in_fp32 or sched.fp8_forward:
+        return f"schedule {sched.name!r} (its forward rounds P as the Triton kernels do; fast and stable only)"
     if query.dtype not in DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
         return f"dtype {query.dtype} (bf16/fp16 only, all three alike)"
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
@@ -112,6 +148,11 @@ def hopper_forward_unsupported_reason(query, key, value, attn_mask=None, dropout
         return "query heads are not a multiple of key/value heads"
     if query.shape[0] != key.shape[0] or key.shape[2] != value.shape[2]:
         return "batch or key length mismatch"
+    return None
+
+
+def tma_unsupported_reason(query, key, value) -> str | None:
+    """None if TMA descriptors can address these (real) tensors, else why not."""
     if min(query.shape[2], key.shape[2]) == 0 or max(query.shape[2], key.shape[2]) >= 2**31:
         return "an empty or over-long sequence"
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -121,9 +162,10 @@ def hopper_forward_unsupported_reason(query, key, value, attn_mask=None, dropout
 
 
 def hopper_forward_supported(query, key, value, attn_mask=None, dropout_p: float = 0.0,
-                             scale: float | None = None) -> bool:
-    """Whether ``hopper_attention_forward`` implements this call (see the module docstring)."""
-    return hopper_forward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale) is None
+                             scale: float | None = None, schedule: str | None = None) -> bool:
+    """Whether ``hopper_attention_forward`` implements this call (real tensors; see the module docstring)."""
+    return (hopper_forward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule) is None
+            and tma_unsupported_reason(query, key, value) is None)
 
 
 def _descriptor(t: torch.Tensor, rows: int):
@@ -145,7 +187,7 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
 
     Returns (out (B, Hq, L, E) in the input dtype, lse (B, Hq, L) fp32, natural log). Call only
     where ``hopper_forward_supported`` says so."""
-    from .kernels.hopper_fwd import _attn_fwd_hopper
+    from ..kernels.hopper_fwd import _attn_fwd_hopper
 
     batch, heads_q, seq_q, head_dim = query.shape
     heads_kv, seq_k = key.shape[1], key.shape[2]
@@ -155,11 +197,11 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
     rows = cfg.block_m * cfg.num_consumers
-    grid = (triton_cdiv(seq_q, rows), batch * heads_q)
+    grid = (cdiv(seq_q, rows), batch * heads_q)
     _attn_fwd_hopper[grid](
         _descriptor(query, cfg.block_m), _descriptor(key, cfg.block_n), _descriptor(value, cfg.block_n),
         _descriptor(out, cfg.block_m), lse,
-        seq_q, seq_k, heads_q, heads_q // heads_kv, causal_offset if is_causal else 0, scale * _LOG2E,
+        seq_q, seq_k, heads_q, heads_q // heads_kv, causal_offset if is_causal else 0, scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal, PINGPONG=cfg.pingpong,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
@@ -169,6 +211,3 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     )
     return out, lse
 
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
