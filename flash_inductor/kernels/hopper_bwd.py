@@ -1,0 +1,293 @@
+"""Hopper (sm_90) attention backward in Gluon, FA3's one-pass shape: one CTA per (key block,
+batch, KV head) keeps its K and V in shared memory, streams every (query head of the GQA group,
+query tile) through a TMA + mbarrier ring that a loader warp fills, and computes the five GEMMs
+of the tile pair in consumer warpgroups; dQ is summed across key blocks with fp32 atomics.
+
+Glossary
+--------
+Symbols (consumer warpgroup c owns keys [n0 + 64c, n0 + 64c + 64) of the CTA's BLOCK_N = 128;
+everything is computed *transposed*, keys along the MMA's M, query rows along its N, so that P
+and dS come out of their wgmma already in the A-operand fragment of the dV and dK GEMMs):
+  st       Sᵀ = K_c·Qᵀ for one query tile, fp32 straight out of wgmma, *unscaled*.
+  qk_scale softmax scale · log2(e) (fp32). Scores in base 2 are ``st * qk_scale``.
+  lse2     the forward's LSE in base 2 (LSE · log2 e), one per query row (a column of Sᵀ).
+           A row that saw no key has LSE -inf; it is replaced by +inf, so every P of that row is
+           exp2(s - inf) = 0 and the row's gradients are exactly 0 (never exp2(-inf + inf)).
+           Query rows past L (TMA zero fill) load +inf too.
+  pt       Pᵀ = exp2(st·qk_scale - lse2) in fp32 (the forward's P, recomputed from the LSE).
+  dpt      dPᵀ = V_c·dOᵀ, fp32.
+  delta    Δ_i = rowsum(dO_i ∘ O_i) - dLSE_i (the `fast` schedule's Δ, from the preprocess).
+  dst      dSᵀ = Pᵀ∘(dPᵀ - Δ) in fp32; rounded to the input dtype only where it meets the
+           matrix unit (FA2's direct cast; no fp16 rescaling yet).
+  dv, dk   fp32 wgmma accumulators (64 keys x E) held for the whole query sweep:
+           dV += Pᵀ·dO, dK += dSᵀ·Q; dK is multiplied by the softmax scale once at the end.
+  dq       dQ_partial = scale·dS·K for this tile pair, fp32, added into DQ_ACCUM (B, Hq, L, E)
+           fp32 zeros with relaxed atomic adds (REDG); the launcher only casts it.
+
+Constexpr switches:
+  HEAD_DIM    E of Q, K, V (64 or 128).
+  BLOCK_M     query rows per streamed tile (the N of Sᵀ, the K of the dV/dK GEMMs).
+  BLOCK_N     keys per CTA, 64 per consumer warpgroup (two consumers: 128).
+  NUM_STAGES  depth of the Q/dO ring.
+  IS_CAUSAL   key j is visible to query i iff j <= i + causal_offset (0: top-left, SDPA's).
+  DQ_SPLIT    False: each consumer computes dS_c·K_c (BLOCK_M x E, over its own 64 keys) and
+              adds it atomically, two partial dQ per tile pair. True (FA3's split): both
+              consumers' dSᵀ go to one shared (128 x BLOCK_M) buffer and consumer c computes
+              columns [c·E/2, (c+1)·E/2) of dS·K over all 128 keys: half the atomics and half
+              the dQ accumulator registers, for one mbarrier handshake per tile between the two.
+
+Precision contract as ``kernels/attn_bwd.py`` under the `fast` schedule: S, P, dP and dS stay
+fp32 until dS meets the matrix unit; P rounded to the input dtype for dV, dS for dK and dQ.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LOG2E = gl.constexpr(1.4426950408889634)
+KEYS_PER_CONSUMER = gl.constexpr(64)
+NUM_CONSUMERS = gl.constexpr(2)
+
+
+@gluon.jit
+def _q_tiles(n0, L, causal_offset, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """(first query tile, number of query tiles) that can see a key of [n0, n0 + BLOCK_N).
+    Under causal masking query i sees key n0 iff i >= n0 - causal_offset."""
+    n_all = gl.cdiv(L, BLOCK_M)
+    if IS_CAUSAL:
+        first = gl.maximum(n0 - causal_offset, 0) // BLOCK_M
+        first = gl.minimum(first, n_all)
+    else:
+        first = n0 * 0
+    return first, n_all - first
+
+
+@gluon.jit
+def _rows4d(kv_smem, c, desc):
+    """Consumer c's 64 rows of a (BLOCK_N, E) K/V tile, seen with the descriptor's 4-D box."""
+    return kv_smem.slice(c * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER, dim=2)
+
+
+@gluon.jit
+def _cta_coords(H_KV, BLOCK_N: gl.constexpr):
+    """(first key, batch, KV head). Key blocks run in reverse order under causal masking too: the
+    first key blocks see the most query tiles, so they are started first (longest first)."""
+    pid_n = gl.program_id(0)
+    bh = gl.program_id(1)
+    return pid_n * BLOCK_N, bh // H_KV, bh % H_KV
+
+
+@gluon.jit
+def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem,
+                       kv_ready, q_ready, do_ready, q_empty,
+                       L, H_KV, GROUP, causal_offset,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                       IS_CAUSAL: gl.constexpr):
+    """One warp: each consumer's K and V once, then Q and dO tiles into the ring."""
+    n0, b, h_kv = _cta_coords(H_KV, BLOCK_N)
+    for c in gl.static_range(NUM_CONSUMERS):
+        mbarrier.expect(kv_ready.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, h_kv, n0 + c * KEYS_PER_CONSUMER, 0], kv_ready.index(c),
+                                        _rows4d(k_smem, c, k_desc))
+        tma.async_copy_global_to_shared(v_desc, [b, h_kv, n0 + c * KEYS_PER_CONSUMER, 0], kv_ready.index(c),
+                                        _rows4d(v_smem, c, v_desc))
+    first, n_m = _q_tiles(n0, L, causal_offset, BLOCK_M, IS_CAUSAL)
+    for t in range(GROUP * n_m):
+        slot = t % NUM_STAGES
+        # A fresh mbarrier counts as having completed the phase before phase 0: the first pass
+        # over the ring waits on parity 1 and goes straight through.
+        mbarrier.wait(q_empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
+        h = h_kv * GROUP + t // n_m
+        m = (first + t % n_m) * BLOCK_M
+        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, m, 0], q_ready.index(slot), q_smem.index(slot))
+        mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [b, h, m, 0], do_ready.index(slot), do_smem.index(slot))
+
+
+@gluon.jit
+def _hopper_bwd_consumer(dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, ds_smem,
+                         kv_ready, q_ready, do_ready, q_empty, ds_ready,
+                         LSE, DELTA, DQ_ACCUM, L, S, H_KV, GROUP, causal_offset, qk_scale, sm_scale,
+                         CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                         DQ_SPLIT: gl.constexpr):
+    dtype: gl.constexpr = dk_desc.dtype
+    KC: gl.constexpr = KEYS_PER_CONSUMER
+    # Sᵀ and dPᵀ: (64 keys) x (BLOCK_M query rows); dK, dV: (64 keys) x E.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    if DQ_SPLIT:
+        DQ_COLS: gl.constexpr = HEAD_DIM // NUM_CONSUMERS
+    else:
+        DQ_COLS: gl.constexpr = HEAD_DIM
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_COLS, 16])
+    # Pᵀ and dSᵀ feed the dV and dK GEMMs from registers: Sᵀ's accumulator fragment is already
+    # the A operand's, so the conversion moves no data across threads.
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)   # one value per query row
+    key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)   # one value per key
+
+    n0, b, h_kv = _cta_coords(H_KV, BLOCK_N)
+    k0 = n0 + CONSUMER * KC
+    key_ids = k0 + gl.arange(0, KC, layout=key_layout)
+    first, n_m = _q_tiles(n0, L, causal_offset, BLOCK_M, IS_CAUSAL)
+    H_Q = H_KV * GROUP
+
+    k_2d = k_smem.reshape([BLOCK_N, HEAD_DIM])
+    v_2d = v_smem.reshape([BLOCK_N, HEAD_DIM])
+    k_tile = k_2d.slice(CONSUMER * KC, KC, dim=0)
+    v_tile = v_2d.slice(CONSUMER * KC, KC, dim=0)
+    if DQ_SPLIT:
+        # All 128 keys of K, columns of this consumer's half of E: the B operand of dS·K.
+        k_all = k_2d.slice(CONSUMER * DQ_COLS, DQ_COLS, dim=1)
+    dk = gl.zeros([KC, HEAD_DIM], gl.float32, layout=kv_layout)
+    dv = gl.zeros([KC, HEAD_DIM], gl.float32, layout=kv_layout)
+    s_zero = gl.zeros([KC, BLOCK_M], gl.float32, layout=s_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
+    dq_rows0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    dq_cols = gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
+    if DQ_SPLIT:
+        dq_cols = dq_cols + CONSUMER * DQ_COLS
+    mbarrier.wait(kv_ready.index(CONSUMER), 0)
+
+    for t in range(GROUP * n_m):
+        slot = t % NUM_STAGES
+        phase = (t // NUM_STAGES) & 1
+        h = h_kv * GROUP + t // n_m
+        m = (first + t % n_m) * BLOCK_M
+        row_base = (b * H_Q + h).to(gl.int64) * L
+        q_ids = m + gl.arange(0, BLOCK_M, layout=col_layout)
+        q_in = q_ids < L
+        # Row statistics go out before the GEMMs wait on them (L2-resident vectors).
+        lse2 = gl.load(LSE + row_base + q_ids, mask=q_in, other=float("inf")) * LOG2E
+        lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
+        delta = gl.load(DELTA + row_base + q_ids, mask=q_in, other=0.0)
+
+        q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        mbarrier.wait(q_ready.index(slot), phase)
+        st_tok = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(slot), phase)
+        dpt_tok = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
+        if IS_CAUSAL:
+            # Masking binds where some key of this consumer lies above some row's diagonal, or
+            # past S (the zero keys TMA filled in score 0, and exp2(0 - lse2) need not be small).
+            needs_mask = (m + causal_offset < k0 + KC - 1) | (k0 + KC > S)
+        else:
+            needs_mask = k0 + KC > S
+        if needs_mask:
+            visible = gl.expand_dims(key_ids < S, 1)
+            if IS_CAUSAL:
+                visible = visible & (gl.expand_dims(key_ids, 1) <= gl.expand_dims(q_ids, 0) + causal_offset)
+            st = gl.where(visible, st, float("-inf"))
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        pt_op = gl.convert_layout(pt.to(dtype), a_layout)
+        # dV += Pᵀ·dO runs while dSᵀ is formed (wgmma groups retire in issue order, so one
+        # outstanding after dPᵀ's wait means dPᵀ is done, dV may not be).
+        dv_tok = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt_tok, ))
+        dst = pt * (dpt - gl.expand_dims(delta, 0))
+        dst16 = dst.to(dtype)
+        ds_op = gl.convert_layout(dst16, a_layout)
+        dk_tok = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+        if DQ_SPLIT:
+            # Double-buffered by tile parity: a consumer reaches tile t + 2's store only after the
+            # other has arrived for tile t + 1, i.e. after its dQ GEMM of tile t retired.
+            buf = ds_smem.index(t % 2)
+            buf.slice(CONSUMER * KC, KC, dim=0).store(dst16)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(t % 2), count=1)
+            mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
+            dq_tok = warpgroup_mma(buf.permute((1, 0)), k_all, dq_zero, use_acc=False, is_async=True)
+        else:
+            buf = ds_smem.index(CONSUMER)
+            buf.store(dst16)
+            fence_async_shared()
+            dq_tok = warpgroup_mma(buf.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
+        # pt_op/ds_op stay in deps so their registers are not reused under the running wgmma.
+        dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
+        mbarrier.arrive(q_empty.index(slot), count=1)
+        # The softmax scale goes on in fp32 here, after the cast of dS, so dS's rounding is FA2's.
+        dq = dq * sm_scale
+        dq_rows = m + dq_rows0
+        dq_ptrs = (DQ_ACCUM + (row_base + gl.expand_dims(dq_rows, 1)) * HEAD_DIM + gl.expand_dims(dq_cols, 0))
+        gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(dq_rows < L, 1), sem="relaxed")
+
+    # Epilogue: dK (times the softmax scale) and dV through this consumer's K/V tiles (their
+    # last wgmma has retired) and TMA stores, which clip keys >= S. Under DQ_SPLIT the other
+    # consumer may still read this K half, so dK goes through the V tile after dV has left.
+    v_tile.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dv_desc, [b, h_kv, k0, 0], _rows4d(v_smem, CONSUMER, dv_desc))
+    tma.store_wait(pendings=0)
+    v_tile.store((dk * sm_scale).to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, h_kv, k0, 0], _rows4d(v_smem, CONSUMER, dk_desc))
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ_ACCUM,
+                     L, S, H_KV, GROUP, causal_offset, qk_scale, sm_scale,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    """Grid (cdiv(S, BLOCK_N), B * H_KV). Descriptors are 4-D over (B, H, L or S, E): Q and dO
+    boxes (1, 1, BLOCK_M, E); K, V, dK, dV boxes (1, 1, 64, E). DQ_ACCUM is (B, Hq, L, E) fp32
+    zeros, contiguous; LSE (natural log) and DELTA are (B, Hq, L) fp32, contiguous."""
+    gl.static_assert(BLOCK_N == NUM_CONSUMERS * KEYS_PER_CONSUMER, "BLOCK_N is 64 keys per consumer")
+    dtype: gl.constexpr = q_desc.dtype
+    qk_scale = qk_scale.to(gl.float32)
+    sm_scale = sm_scale.to(gl.float32)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
+    # K and V as one (BLOCK_N, E) tile each, so that dS·K can take all 128 keys (DQ_SPLIT); each
+    # consumer's 64 rows are a row slice, which TMA fills and drains through a 4-D view.
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, HEAD_DIM], dtype)
+    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], kv_layout)
+    if DQ_SPLIT:
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    else:
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS_PER_CONSUMER, BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KEYS_PER_CONSUMER, BLOCK_M], ds_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(kv_ready.index(c), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=NUM_CONSUMERS)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        # A slot is free once both consumers have released it.
+        mbarrier.init(q_empty.index(i), count=NUM_CONSUMERS)
+
+    gl.warp_specialize([
+        (_hopper_bwd_consumer, (dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, ds_smem,
+                                kv_ready, q_ready, do_ready, q_empty, ds_ready,
+                                LSE, DELTA, DQ_ACCUM, L, S, H_KV, GROUP, causal_offset, qk_scale, sm_scale,
+                                0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, DQ_SPLIT)),
+        (_hopper_bwd_consumer, (dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, ds_smem,
+                                kv_ready, q_ready, do_ready, q_empty, ds_ready,
+                                LSE, DELTA, DQ_ACCUM, L, S, H_KV, GROUP, causal_offset, qk_scale, sm_scale,
+                                1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, DQ_SPLIT)),
+        (_hopper_bwd_loader, (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem,
+                              kv_ready, q_ready, do_ready, q_empty,
+                              L, H_KV, GROUP, causal_offset, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -1,0 +1,98 @@
+"""Compile the Gluon Hopper backward (kernels/hopper_bwd.py) for sm_90a on a machine without a GPU
+and report registers, shared memory, spills, and whether the SASS has HGMMA, TMA and the dQ
+atomics (RED) it is built on. Reuses tools/hopper_fwd_compile.py's ptxas/cuobjdump helpers.
+
+    python tools/hopper_bwd_compile.py                        # E 64 and 128, both dQ schemes
+    python tools/hopper_bwd_compile.py --head-dim 128 --dq-split 1 --causal --dump /tmp/hbwd
+
+Needs a Triton with Gluon (3.6 on the H200) and its bundled ptxas/cuobjdump; no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name, *parts):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(_ROOT, *parts))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_fwd_tool = _load("hopper_fwd_compile", "tools", "hopper_fwd_compile.py")
+
+
+def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int = 64, stages: int = 2,
+                   dq_split: bool = False, consumer_regs: int = 240, loader_regs: int = 24, maxnreg: int = 168):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    kernel = _load("hopper_bwd", "flash_inductor", "kernels", "hopper_bwd.py")._attn_bwd_hopper
+    gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+
+    def sig(rows):
+        box = [1, 1, rows, head_dim]
+        layout = gl.NVMMASharedLayout.get_default_for(box, gl_dtype)
+        return f"tensordesc<{dtype}[{', '.join(map(str, box))}],{layout!r}>"
+
+    q_sig, kv_sig = sig(block_m), sig(64)
+    signature = {
+        "q_desc": q_sig, "k_desc": kv_sig, "v_desc": kv_sig, "do_desc": q_sig, "dk_desc": kv_sig, "dv_desc": kv_sig,
+        "LSE": "*fp32", "DELTA": "*fp32", "DQ_ACCUM": "*fp32",
+        "L": "i32", "S": "i32", "H_KV": "i32", "GROUP": "i32", "causal_offset": "i32", "qk_scale": "fp32",
+        "sm_scale": "fp32",
+    }
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=128, NUM_STAGES=stages, IS_CAUSAL=causal,
+                      DQ_SPLIT=dq_split, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs)
+    signature.update({k: "constexpr" for k in constexprs})
+    src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
+
+
+def report(kernel) -> dict:
+    r = _fwd_tool.report(kernel)
+    sass = _fwd_tool.sass_of(kernel)
+    ptx = kernel.asm["ptx"]
+    r.update(red=len(re.findall(r"\bRED\b|REDG", sass)), red_ptx=sorted(set(re.findall(r"red\.[\w.:]+", ptx))),
+             atom_ptx=sorted(set(re.findall(r"atom\.[\w.:]+", ptx))),
+             hgmma_shapes=sorted(set(re.findall(r"HGMMA\.\w+", sass))))
+    return r
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--head-dim", type=int, nargs="*", default=[64, 128])
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--block-m", type=int, default=64)
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--dq-split", type=int, nargs="*", default=[0, 1])
+    ap.add_argument("--dump", default=None, help="folder for the ttgir/ptx/sass of each config")
+    args = ap.parse_args()
+    for e in args.head_dim:
+        for split in args.dq_split:
+            k = compile_config(e, args.dtype, args.causal, args.block_m, args.stages, bool(split))
+            print(f"E={e} {args.dtype} causal={args.causal} BM={args.block_m} stages={args.stages} "
+                  f"dq_split={bool(split)}: {report(k)}", flush=True)
+            if args.dump:
+                os.makedirs(args.dump, exist_ok=True)
+                tag = f"e{e}_{args.dtype}_{'c' if args.causal else 'n'}_bm{args.block_m}_s{args.stages}_split{split}"
+                for ext in ("ttgir", "ptx"):
+                    with open(os.path.join(args.dump, f"{tag}.{ext}"), "w") as f:
+                        f.write(k.asm[ext])
+                with open(os.path.join(args.dump, f"{tag}.sass"), "w") as f:
+                    f.write(_fwd_tool.sass_of(k))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
