@@ -253,7 +253,7 @@ def _warm_job(job):
             run_case(*payload)
         else:
             dname, e, causal, seq, providers = payload
-            q, k, v, do = cell_inputs(dname, e, seq, batch=1, heads=1)
+            q, k, v, do = cell_inputs(dname, e, seq, batch=1)  # the same kernel specialisations, less work
             for name, step in backward_steps(q, k, v, do, causal, providers).items():
                 try:
                     step()
@@ -265,10 +265,25 @@ def _warm_job(job):
         return f"{job}: {type(exc).__name__}: {exc}"
 
 
-def precompile(jobs, workers):
+def precompile(jobs, workers, timeout):
+    """(errors, jobs still running after ``timeout`` s). A job still running then is most likely a
+    kernel that never finishes (a barrier protocol bug): the workers are killed, not waited for."""
     ctx = mp.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        return [r for r in pool.map(_warm_job, jobs) if r]
+    pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+    futures = {pool.submit(_warm_job, j): j for j in jobs}
+    done, pending = cf.wait(futures, timeout=timeout)
+    errors = [f.result() for f in done if f.result()]
+    if pending:
+        for proc in list(pool._processes.values()):
+            proc.kill()
+    pool.shutdown(wait=not pending, cancel_futures=True)
+    return errors, [repr(futures[f]) for f in pending]
+
+
+def _dump(out, record):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "hopper_bwd.json"), "w") as f:
+        json.dump(record, f, indent=1)
 
 
 def main(argv=None):
@@ -285,6 +300,7 @@ def main(argv=None):
     p.add_argument("--rep", type=int, default=60, help="do_bench repetition time, ms")
     p.add_argument("--budget", type=float, default=200.0, help="seconds for the whole run")
     p.add_argument("--precompile", type=int, default=12, help="worker processes for the compile pass (0: none)")
+    p.add_argument("--precompile-timeout", type=float, default=110.0, help="seconds before the compile pass is abandoned")
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--skip-check", action="store_true")
     args = p.parse_args(argv)
@@ -303,15 +319,23 @@ def main(argv=None):
         jobs = [("case", c) for c in cases]
         if not args.check_only:
             jobs += [("cell", (d, e, c, s, args.providers)) for d, e, c, s in speed_cells(args)]
-        record["precompile_errors"] = precompile(jobs, args.precompile)
+        record["precompile_errors"], record["precompile_hung"] = precompile(jobs, args.precompile,
+                                                                            args.precompile_timeout)
         record["precompile_seconds"] = time.monotonic() - start
         print(f"precompile: {len(jobs)} jobs in {record['precompile_seconds']:.0f} s, "
               f"{len(record['precompile_errors'])} errors {record['precompile_errors'][:3]}", flush=True)
+        if record["precompile_hung"]:
+            print(f"precompile: {len(record['precompile_hung'])} jobs did not finish (a hang?): "
+                  f"{record['precompile_hung'][:6]}", flush=True)
+            _dump(args.out, record)
+            return 1
+        _dump(args.out, record)
     if cases:
         record["check"] = []
         for case, cfg in cases:
             res = run_case(case, cfg)
             record["check"].append(dict(case, config=cfg, **res))
+            _dump(args.out, record)
             print(f"[check {'ok ' if res['ok'] else 'BAD'}] {cfg:>13} {case} -> " + ", ".join(
                 f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items() if k != "ok"),
                 flush=True)
@@ -322,9 +346,7 @@ def main(argv=None):
         if record["skipped"]:
             print(f"time budget reached; {len(record['skipped'])} cells left out: {record['skipped']}")
     record["seconds"] = time.monotonic() - start
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "hopper_bwd.json"), "w") as f:
-        json.dump(record, f, indent=1)
+    _dump(args.out, record)
     if record.get("speed"):
         print("\nbackward TFLOP/s (ratio vs cuDNN)")
         for c in record["speed"]:
