@@ -1,17 +1,12 @@
-"""tools/carry_table_entries.py: a family's stale entries are re-stamped and marked; nothing else moves."""
+"""tools.carry_table_entries: a family's stale entries are re-stamped and marked; nothing else moves."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 
 from flash_inductor.tuning.cache import entry_is_current, entry_kernel_hash
-
-TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "carry_table_entries.py"
-_spec = importlib.util.spec_from_file_location("carry_table_entries", TOOL)
-carry_tool = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(carry_tool)
+from tools import carry_table_entries as carry_tool
 
 BWD_STALE = "stable/bf16/e64/none/s4096/backward"
 BWD_CURRENT = "stable/bf16/e128/none/s4096/backward"

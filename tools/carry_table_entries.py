@@ -1,6 +1,6 @@
 """Carry a tuned table's entries over a kernel change that moves no tile's footprint.
 
-    python tools/carry_table_entries.py --family backward \
+    python -m tools.carry_table_entries --family backward \
         --reason "attn_bwd.py: a loop-invariant multiply hoisted; same tiles and PTX elsewhere"
 
 Every entry records the hash of its kernel family's files (``tuning/cache.py``); after any edit
@@ -21,10 +21,8 @@ import json
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from flash_inductor.tuning.buckets import Bucket  # noqa: E402
-from flash_inductor.tuning.cache import KERNEL_FAMILIES, entry_is_current, entry_kernel_hash, kernel_family  # noqa: E402
+from flash_inductor.tuning.buckets import Bucket
+from flash_inductor.tuning.cache import KERNEL_FAMILIES, entry_is_current, entry_kernel_hash, kernel_family
 
 SHIPPED = pathlib.Path(__file__).resolve().parents[1] / "flash_inductor" / "tuning" / "tables" / "nvidia-h200_sm90_132sm.json"
 
