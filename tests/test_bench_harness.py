@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import pathlib
 import time
 
 import pytest

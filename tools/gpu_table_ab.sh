@@ -21,7 +21,7 @@ OLD_DIR=$(mktemp -d)
 cp "$OLD_TABLE" "$OLD_DIR/"
 EMPTY_CACHE=$(mktemp -d)
 TAG=${TAG:-table-ab}; BUDGET=${BUDGET:-200}
-BENCH=(python3 benchmarks/bench_attention.py --seqs "${SEQS:-4096,16384}" --dtypes "${DTYPES:-bf16,fp16}"
+BENCH=(python3 -m benchmarks.bench_attention --seqs "${SEQS:-4096,16384}" --dtypes "${DTYPES:-bf16,fp16}"
        --head-dims "${DIMS:-64,128}" --causal both --modes fwd_bwd --providers "${PROVIDERS:-ours-fast,flex}"
        --rep 40 --warmup 10 --heat-ms 500 --time-budget "$BUDGET" --out "$OUT")
 FLASH_INDUCTOR_CACHE_DIR=$EMPTY_CACHE timeout $((BUDGET + 60)) "${BENCH[@]}" --tag "$TAG-new" 2>&1 | grep -v "it/s\]" | tail -3
