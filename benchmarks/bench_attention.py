@@ -36,11 +36,11 @@ import time
 import torch
 import torch.nn.functional as F
 
+from benchmarks import precompile
 from benchmarks.common import (DTYPES, GPTBlock, attention_flops, bench_ms, call_recorded, dynamo_limits,
                                environment, first_line, flash_inductor_backend, heat, is_fatal, make_attention,
                                make_inputs, make_step, module_command, no_donated_buffers, output_stem,
                                progress, release_memory, tflops)
-from benchmarks import precompile
 from benchmarks.gpu_telemetry import GpuTelemetry
 from benchmarks.kernel_time import gpu_busy
 from benchmarks.plot_results import (MODES, PROVIDERS as ALL_PROVIDERS, format_extras, format_table,

@@ -27,10 +27,12 @@ import time
 
 import torch
 
-import flash_inductor
 from benchmarks.common import DTYPES, GPTBlock, add_cell_args, environment, module_command, write_record
+import flash_inductor
 
 TARGET_OVERHEAD = 0.05
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_cell_args(p, dtype="bf16", batch=4, heads=16, seq=4096, head_dim=128)
