@@ -1,10 +1,10 @@
 """Where the backward's time goes: each launch timed on its own, with its registers and spills.
 
-    python benchmarks/backward_breakdown.py                      # GPU: bf16, E=128, L=S=4096, B=4, H=16
-    python benchmarks/backward_breakdown.py --causal --sweep     # also sweep each pass's launch config
-    python benchmarks/backward_breakdown.py --profile-once       # one backward, nothing else (under ncu)
-    python benchmarks/backward_breakdown.py --step --head-dim 64 --seq 1024 --batch 16  # host- or GPU-bound?
-    python benchmarks/backward_breakdown.py --quick --device cpu # smoke run (interpreter)
+    python -m benchmarks.backward_breakdown                      # GPU: bf16, E=128, L=S=4096, B=4, H=16
+    python -m benchmarks.backward_breakdown --causal --sweep     # also sweep each pass's launch config
+    python -m benchmarks.backward_breakdown --profile-once       # one backward, nothing else (under ncu)
+    python -m benchmarks.backward_breakdown --step --head-dim 64 --seq 1024 --batch 16  # host- or GPU-bound?
+    python -m benchmarks.backward_breakdown --quick --device cpu # smoke run (interpreter)
 
 The harness (``bench_attention.py``) times a whole backward; this script splits it. It runs
 ``launch.attention_backward`` under ``torch.profiler`` and sums the CUDA time of every kernel it
@@ -19,6 +19,9 @@ SDPA's flash backend): the wall time per step in a loop of back-to-back steps ag
 of its kernels' CUDA time. Wall time well above the kernel time means the step is host-bound
 (launch and Python overhead), which a GPU-side change cannot fix. Writes
 ``backward_breakdown_<gpu>_<date>[_<tag>].json``.
+
+It times the ``flash_inductor`` of the tree it is run from; for an A/B of two versions, run it
+from the root of each tree in turn.
 """
 
 from __future__ import annotations
@@ -26,21 +29,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import os
 import sys
 
 import torch
 
-# The checkout last: a baseline tree put first on PYTHONPATH (an A/B of two versions) must win;
-# with this line first, an A/B times the same code twice.
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import DTYPES, add_cell_args, add_output_args, environment, write_record  # noqa: E402
-from kernel_time import kernel_times_us  # noqa: E402
-
-from flash_inductor import launch  # noqa: E402
-from flash_inductor.tuning.configs import KernelConfig  # noqa: E402
-from flash_inductor.schedules import get_schedule  # noqa: E402
+from benchmarks.common import DTYPES, add_cell_args, add_output_args, environment, module_command, write_record
+from benchmarks.kernel_time import kernel_times_us
+from flash_inductor import launch
+from flash_inductor.tuning.configs import KernelConfig
+from flash_inductor.schedules import get_schedule
 
 # Tile shapes tried per pass by --sweep: block_m x block_n / warps / stages.
 SWEEP = {
@@ -277,7 +274,7 @@ def main(argv=None) -> int:
 
 def _write(args, argv, payload: dict) -> None:
     if not args.no_write:
-        env = environment(sys.argv if argv is None else ["backward_breakdown.py", *argv])
+        env = environment(module_command("benchmarks.backward_breakdown", argv))
         write_record(args.out, "backward_breakdown", env, payload, args.tag, args.device)
 
 

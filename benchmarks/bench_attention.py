@@ -5,16 +5,18 @@ Shapes follow shared/ANCHORS.md: batch * seq = --tokens, heads = 2048 / E, L = S
 Each figure is the median of ``triton.testing.do_bench``; FLOPs are 4*B*H*L*S*E, x0.5 when
 causal, and backward / forward+backward count 2.5x / 3.5x the forward.
 
-    python benchmarks/bench_attention.py --quick          # first speed figure, < 2 min on an H200
-    python benchmarks/bench_attention.py                  # full grid, all providers
-    python benchmarks/bench_attention.py --memory --e2e   # plus peak memory and a GPT block
-    python benchmarks/bench_attention.py --selftest       # no GPU: writer, table and plot on fake data
+    python -m benchmarks.bench_attention --quick          # first speed figure, < 2 min on an H200
+    python -m benchmarks.bench_attention                  # full grid, all providers
+    python -m benchmarks.bench_attention --memory --e2e   # plus peak memory and a GPT block
+    python -m benchmarks.bench_attention --selftest       # no GPU: writer, table and plot on fake data
+
+Run it from the repository root: it times the ``flash_inductor`` of the tree it is run from.
 
 Long grids: --time-budget stops starting cases after that many seconds and writes what it has
 (the rest are recorded as skipped); every finished record is also appended to <stem>.partial.jsonl
 as it lands, so a run killed from outside still leaves its measurements. --resume FILE... skips
 the cells those files measured; plot_results.py merges the files afterwards. --precompile N first
-builds every kernel the grid needs in N worker processes (benchmarks/precompile.py), so the timed
+builds every kernel the grid needs in N worker processes (benchmarks.precompile), so the timed
 run loads the kernels from the shared caches instead of compiling them cell by cell.
 """
 from __future__ import annotations
@@ -22,35 +24,28 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import datetime
 import importlib
 import json
 import math
 import os
-import re
-import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import warnings
 
 import torch
 import torch.nn.functional as F
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if _HERE not in sys.path:  # the sibling plot_results.py, when this file is imported rather than run
-    sys.path.insert(0, _HERE)
-from gpu_telemetry import GpuTelemetry  # noqa: E402
-from kernel_time import gpu_busy  # noqa: E402
-from plot_results import (MODES, PROVIDERS as ALL_PROVIDERS, format_extras, format_table,  # noqa: E402
-                          plot_kernel_time, plot_results, target_report)
+from benchmarks import precompile
+from benchmarks.common import (DTYPES, GPTBlock, attention_flops, bench_ms, call_recorded, dynamo_limits,
+                               environment, first_line, flash_inductor_backend, heat, is_fatal, make_attention,
+                               make_inputs, make_step, module_command, no_donated_buffers, output_stem,
+                               progress, release_memory, tflops)
+from benchmarks.gpu_telemetry import GpuTelemetry
+from benchmarks.kernel_time import gpu_busy
+from benchmarks.plot_results import (MODES, PROVIDERS as ALL_PROVIDERS, format_extras, format_table,
+                                     plot_kernel_time, plot_results, target_report)
 
-SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
-                 "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
-MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MATH_MAX_SEQ = 4096  # the math backend materialises B*H*L*S scores; beyond this it only measures memory traffic
 HIDDEN = 2048  # heads * head_dim, as in ANCHORS.md
 MEMORY_SEQS, MEMORY_HEADS, MEMORY_E = (16384, 32768), 16, 128
@@ -98,7 +93,7 @@ def parse_args(argv=None):
     p.add_argument("--precompile", type=int, default=0, metavar="N",
                    help="first compile the grid's kernels (ours*, flex) in N worker processes, untimed, so the "
                         "timed run loads them from the on-disk caches; the time counts against --time-budget "
-                        "(0: off; benchmarks/precompile.py)")
+                        "(0: off; benchmarks.precompile)")
     p.add_argument("--dry-run", action="store_true", help="import everything, print the grid, run nothing")
     p.add_argument("--selftest", action="store_true", help="exercise table/CSV/JSON/plot on synthetic records")
     args = p.parse_args(argv)
@@ -128,175 +123,7 @@ def build_grid(args):
             for s in args.seqs for m in args.modes]
 
 
-# ----------------------------------------------------------------------------- FLOPs, timing
-
-def attention_flops(batch, heads, seq_q, seq_k, head_dim, causal, mode):
-    fwd = 4.0 * batch * heads * seq_q * seq_k * head_dim * (0.5 if causal else 1.0)
-    return fwd * MODE_FLOP_FACTOR[mode]
-
-
-def tflops(flops, ms):
-    return flops / (ms * 1e-3) / 1e12
-
-
-def bench_ms(fn, warmup, rep, grad_to_none=None):
-    from triton.testing import do_bench
-    return float(do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median"))
-
-
-def heat(fn, ms, clock=time.monotonic, synchronize=None):
-    """Run fn back to back for about ``ms`` before it is timed, so every provider is timed at the card's
-    sustained, power-limited clock; timed straight after an idle compile a step gets the boost clock,
-    and which provider gets it depends on the grid's order (docs/performance.md)."""
-    import_flash_inductor()  # in a plain checkout this puts the package on the path
-    from flash_inductor.autotune.measure import run_for
-
-    run_for(fn, ms, clock=clock, synchronize=synchronize)
-
-
-class ProviderError(RuntimeError):
-    """A provider's failure, its message already the one line we record."""
-
-
-def first_line(exc):
-    if isinstance(exc, ProviderError):
-        return str(exc)
-    lines = [x.strip() for x in (str(exc).strip() or type(exc).__name__).splitlines() if x.strip()]
-    text = lines[0][:300]
-    if text.endswith(":") and len(lines) > 1:  # Triton's CompilationError: 'at 76:76:', source, then the error
-        text += " ... " + lines[-1][:300]
-    return f"{type(exc).__name__}: {text}"
-
-
-def is_fatal(record):
-    """A CUDA fault (illegal address, device assert) poisons the context: every later measurement would fail."""
-    err = record.get("error") or ""
-    return "CUDA error" in err and "out of memory" not in err
-
-
-# ----------------------------------------------------------------------------- providers
-
-@contextlib.contextmanager
-def dynamo_limits(limit=4096):
-    """Raise dynamo's recompile limits for our run only: past the default 8 recompiles of one
-    code object, FlexAttention silently runs an eager ~10 TFLOP/s path."""
-    cfg = torch._dynamo.config
-    patch = {}
-    for new, old in (("recompile_limit", "cache_size_limit"),
-                     ("accumulated_recompile_limit", "accumulated_cache_size_limit")):
-        name = new if hasattr(cfg, new) else old if hasattr(cfg, old) else None
-        if name:
-            patch[name] = limit
-    with cfg.patch(patch):
-        yield
-
-
-@contextlib.contextmanager
-def no_donated_buffers():
-    """Compiled graphs that donate saved buffers refuse backward(retain_graph=True), which the 'bwd' mode
-    needs; donation only lets backward reuse memory, so the grid turns it off (the memory section keeps it)."""
-    cfg = torch._functorch.config
-    with cfg.patch(donated_buffer=False) if hasattr(cfg, "donated_buffer") else contextlib.nullcontext():
-        yield
-
-
-def _causal_mask_mod(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
-_COMPILED_FLEX = None
-
-
-def _compiled_flex():
-    global _COMPILED_FLEX
-    if _COMPILED_FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
-        # Static shapes: every benchmark shape gets its own specialised kernel, as a user's would.
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
-    return _COMPILED_FLEX
-
-
-def make_attention(provider, causal, seq_q, seq_k, device):
-    """Return attn(q, k, v) -> out for a provider; anything shape-specific is built here, untimed."""
-    if provider in ("ours", "ours-fast", "ours-fp8"):
-        flash_inductor = import_flash_inductor()
-        schedule = {"ours": None, "ours-fast": "fast", "ours-fp8": "fp8"}[provider]
-        return lambda q, k, v: flash_inductor.flash_attention(q, k, v, is_causal=causal, schedule=schedule)
-    if provider == "ours-compiled":
-        return _compiled_ours(causal)
-    if provider == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask
-        flex = _compiled_flex()
-        mask = (create_block_mask(_causal_mask_mod, B=None, H=None, Q_LEN=seq_q, KV_LEN=seq_k, device=device)
-                if causal else None)
-        return lambda q, k, v: flex(q, k, v, block_mask=mask)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    backend = getattr(SDPBackend, SDPA_BACKENDS[provider])
-
-    def attn(q, k, v):
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return attn
-
-
-def _compiled_ours(causal):
-    """SDPA compiled with flash_inductor.backend, static shapes, as a model compiled for one shape
-    would run it: the pass replaces the call with our op and Inductor's wrapper launches it. One
-    code object serves every cell (dynamo_limits keeps its recompiles from falling back)."""
-    backend = _flash_inductor_backend()
-    if backend is None:
-        raise RuntimeError("flash_inductor.backend is not available")
-
-    def sdpa(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return torch.compile(sdpa, backend=backend, dynamic=False)
-
-
-def import_flash_inductor():
-    """The installed package, else the checkout this script sits in (a plain `python benchmarks/...`)."""
-    try:
-        import flash_inductor
-    except ImportError:
-        sys.path.insert(0, os.path.dirname(_HERE))
-        import flash_inductor
-    return flash_inductor
-
-
-def make_inputs(batch, heads, seq, head_dim, dtype, device):
-    shape = (batch, heads, seq, head_dim)
-    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    return q, k, v, torch.randn(shape, device=device, dtype=dtype)
-
-
-def make_step(attn, mode, q, k, v, dout):
-    """The callable that do_bench times for a mode (backward-only keeps one graph alive)."""
-    if mode == "fwd":
-        return lambda: attn(q, k, v)
-    if mode == "fwd_bwd":
-        return lambda: torch.autograd.grad(attn(q, k, v), (q, k, v), dout)
-    out = attn(q, k, v)
-    return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-
-
-def call_recorded(fn):
-    """Run fn; when it fails, append the warnings it raised (SDPA gives its reasons only as warnings)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            return fn()
-        except Exception as exc:
-            reasons = [re.sub(r"\s*\(Triggered internally at [^)]*\)", "", " ".join(str(w.message).split()))
-                       for w in caught]
-            reasons = list(dict.fromkeys(r[:160] for r in reasons if r and not r.endswith(("because:", "runtime disabled."))))
-            raise ProviderError(first_line(exc) + "".join(" | " + r for r in reasons[:3])) from exc
-
-
 # ----------------------------------------------------------------------------- measurements
-
-def release_memory():
-    with contextlib.suppress(Exception):  # after a CUDA fault this raises too; the record says why already
-        torch.cuda.empty_cache()
-
 
 def cell_shape(case, tokens):
     """(batch, heads) of a cell: batch * seq = tokens, heads * E = HIDDEN, as in ANCHORS.md."""
@@ -364,40 +191,6 @@ def run_memory(provider, dtype, causal, seq, device="cuda"):
         release_memory()
 
 
-class GPTBlock(torch.nn.Module):
-    """nanoGPT's Block with its hand-written CausalSelfAttention (the tril-buffer pattern)."""
-
-    def __init__(self, d_model=1024, n_head=16, max_seq=2048):
-        super().__init__()
-        self.n_head = n_head
-        self.ln_1, self.ln_2 = torch.nn.LayerNorm(d_model), torch.nn.LayerNorm(d_model)
-        self.c_attn = torch.nn.Linear(d_model, 3 * d_model)
-        self.c_proj = torch.nn.Linear(d_model, d_model)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(d_model, 4 * d_model), torch.nn.GELU(),
-                                       torch.nn.Linear(4 * d_model, d_model))
-        self.register_buffer("bias", torch.tril(torch.ones(max_seq, max_seq)).view(1, 1, max_seq, max_seq))
-
-    def attention(self, x):
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
-        y = F.softmax(att, dim=-1) @ v
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
-
-    def forward(self, x):
-        x = x + self.attention(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-def _flash_inductor_backend():
-    backend = getattr(import_flash_inductor(), "backend", None)
-    if backend is not None and not callable(backend):  # the submodule, not the backend function
-        backend = getattr(backend, "backend", None)
-    return backend if callable(backend) else None
-
-
 def run_e2e(args, device="cuda", batch=8, seq=2048, d_model=1024, n_head=16):
     torch.manual_seed(0)
     model = GPTBlock(d_model, n_head, seq).to(device=device, dtype=torch.bfloat16)
@@ -407,7 +200,7 @@ def run_e2e(args, device="cuda", batch=8, seq=2048, d_model=1024, n_head=16):
     with torch.no_grad():
         ref = model(x).float()
     variants = {"eager": lambda: model, "compile": lambda: torch.compile(model)}
-    fi_backend = _flash_inductor_backend()
+    fi_backend = flash_inductor_backend()
     variants["flash_inductor"] = (lambda: torch.compile(model, backend=fi_backend)) if fi_backend else None
     records = []
     for name, build in variants.items():
@@ -440,69 +233,7 @@ def run_e2e(args, device="cuda", batch=8, seq=2048, d_model=1024, n_head=16):
     return records
 
 
-# ----------------------------------------------------------------------------- environment, output
-
-def environment(argv):
-    env = dict(gpu=None, compute_capability=None, sm_count=None, torch=torch.__version__, triton=None,
-               cuda=torch.version.cuda, python=sys.version.split()[0],
-               date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-               command=" ".join(shlex.quote(a) for a in [sys.executable, *argv]))
-    try:
-        import triton
-        env["triton"] = triton.__version__
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        env.update(gpu=torch.cuda.get_device_name(0), compute_capability=list(torch.cuda.get_device_capability(0)),
-                   sm_count=props.multi_processor_count)
-    try:
-        commit = subprocess.run(["git", "-C", _HERE, "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=10).stdout.strip()
-        env["git_commit"] = commit if re.fullmatch(r"[0-9a-f]{40}", commit) else None
-        env["git_dirty"] = bool(subprocess.run(["git", "-C", _HERE, "status", "--porcelain", "--untracked-files=no"],
-                                               capture_output=True, text=True, timeout=10).stdout.strip())
-    except Exception:
-        env["git_commit"] = None
-    return env
-
-
-def slug(text):
-    return re.sub(r"[^a-z0-9]+", "-", (text or "unknown-gpu").lower()).strip("-")
-
-
-def output_stem(out_dir, env, tag=None, prefix="bench", device=None):
-    """<out_dir>/<prefix>_<gpu>_<yyyymmdd>[_<tag>] (off CUDA the device stands in for the GPU)."""
-    date = env["date"][:10].replace("-", "")
-    return os.path.join(out_dir, f"{prefix}_{slug(env['gpu'] or device)}_{date}" + (f"_{slug(tag)}" if tag else ""))
-
-
-def add_cell_args(p, *, dtype, batch, heads, seq, head_dim):
-    """The one-shape flags of the single-cell scripts (probe_timing, bench_monitor, backward_breakdown)."""
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=DTYPES, default=dtype)
-    p.add_argument("--batch", type=int, default=batch)
-    p.add_argument("--heads", type=int, default=heads)
-    p.add_argument("--seq", type=int, default=seq)
-    p.add_argument("--head-dim", type=int, default=head_dim)
-
-
-def add_output_args(p):
-    """--tag, --out and --no-write of the single-cell scripts (their records go through write_record)."""
-    p.add_argument("--tag", default=None, help="appended to the output file's name")
-    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
-    p.add_argument("--no-write", action="store_true")
-
-
-def write_record(out_dir, prefix, env, payload, tag=None, device=None) -> str:
-    """One JSON file {"header": env, **payload} named by ``output_stem``; returns its path."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = output_stem(out_dir, env, tag, prefix, device) + ".json"
-    with open(path, "w") as f:
-        json.dump({"header": env, **payload}, f, indent=1)
-    print(f"wrote {path}")
-    return path
-
+# ----------------------------------------------------------------------------- output, driver
 
 def write_results(stem, env, records):
     """<stem>.json: {"header": env, "results": [...]}; <stem>.csv: '# key: value' header lines, then rows."""
@@ -516,24 +247,6 @@ def write_results(stem, env, records):
         writer.writeheader()
         writer.writerows(records)
     return [stem + ".json", stem + ".csv"]
-
-
-# ----------------------------------------------------------------------------- driver
-
-def progress(items, desc, total=None):
-    try:
-        from tqdm import tqdm
-        return tqdm(items, desc=desc, total=total, dynamic_ncols=True,
-                    mininterval=0.1 if sys.stderr.isatty() else 10.0)
-    except ImportError:
-        return _plain_progress(items, desc)
-
-
-def _plain_progress(items, desc):
-    items = list(items)
-    for i, item in enumerate(items, 1):
-        print(f"[{desc} {i}/{len(items)}] {item}", file=sys.stderr, flush=True)
-        yield item
 
 
 def load_records(path):
@@ -567,7 +280,6 @@ def run_all(args, partial_path=None, clock=time.monotonic, telemetry=None):
         os.makedirs(os.path.dirname(partial_path) or ".", exist_ok=True)
     deadline = None if args.time_budget is None else clock() + args.time_budget
     if args.precompile > 0 and grid:
-        import precompile
         items = precompile.plan(grid, lambda case: cell_shape(case, args.tokens))
         print(precompile.describe(precompile.warm(items, args.precompile, deadline=deadline, clock=clock)),
               file=sys.stderr, flush=True)
@@ -614,7 +326,7 @@ def finish(records, env, args):
             kernel_png = plot_kernel_time(records, files[0][:-len(".json")] + "_kernel-time.png", title)
             files += [kernel_png] if kernel_png else []
         except ImportError as exc:
-            print(f"no plot ({exc}); redraw later with benchmarks/plot_results.py", file=sys.stderr)
+            print(f"no plot ({exc}); redraw later with python -m benchmarks.plot_results", file=sys.stderr)
     print("wrote " + ", ".join(files))
     return files
 
@@ -681,8 +393,8 @@ def dry_run(args):
               "tqdm (optional)": lambda: __import__("tqdm").__version__,
               "flex_attention": lambda: importlib.import_module("torch.nn.attention.flex_attention").flex_attention,
               "sdpa_kernel": lambda: __import__("torch.nn.attention").nn.attention.sdpa_kernel,
-              "flash_inductor.flash_attention": lambda: import_flash_inductor().flash_attention,
-              "flash_inductor.backend (optional)": lambda: _flash_inductor_backend() or "absent"}
+              "flash_inductor.flash_attention": lambda: importlib.import_module("flash_inductor").flash_attention,
+              "flash_inductor.backend (optional)": lambda: flash_inductor_backend() or "absent"}
     failed = 0
     for name, check in checks.items():
         try:
@@ -726,7 +438,7 @@ def synthetic_records(args):
 def selftest(args):
     args.dtypes, args.head_dims, args.seqs, args.modes = ["bf16", "fp32"], [128], [1024, 8192], ["fwd", "fwd_bwd"]
     records = synthetic_records(args)
-    env = dict(environment(sys.argv), gpu="NVIDIA H200 (synthetic)", compute_capability=[9, 0], sm_count=132)
+    env = dict(environment(module_command("benchmarks.bench_attention")), gpu="NVIDIA H200 (synthetic)", compute_capability=[9, 0], sm_count=132)
     with tempfile.TemporaryDirectory() as tmp:
         args.out, args.tag = tmp, "selftest"
         files = finish(records, env, args)
@@ -749,9 +461,9 @@ def main(argv=None):
     if args.dry_run:
         sys.exit(dry_run(args))
     if not torch.cuda.is_available():
-        sys.exit("bench_attention.py needs a CUDA GPU (torch.cuda.is_available() is False); "
+        sys.exit("benchmarks.bench_attention needs a CUDA GPU (torch.cuda.is_available() is False); "
                  "use --dry-run or --selftest on a machine without one.")
-    env = environment([sys.argv[0], *argv])
+    env = environment(module_command("benchmarks.bench_attention", argv))
     partial = fresh_partial_path(output_stem(args.out, env, args.tag))
     env["heat_ms"] = args.heat_ms
     with GpuTelemetry() as telemetry:

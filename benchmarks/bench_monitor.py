@@ -1,7 +1,7 @@
 """What ``flash_inductor.monitor()`` costs: forward (and forward+backward) time with it on vs off.
 
-    python benchmarks/bench_monitor.py                        # GPU: bf16, B=4, H=16, L=S=4096, E=128
-    python benchmarks/bench_monitor.py --quick --device cpu   # smoke size on a CPU
+    python -m benchmarks.bench_monitor                        # GPU: bf16, B=4, H=16, L=S=4096, E=128
+    python -m benchmarks.bench_monitor --quick --device cpu   # smoke size on a CPU
 
 Two settings, each timed off and on in the same process:
 
@@ -27,12 +27,12 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import (  # noqa: E402
-    DTYPES, GPTBlock, add_cell_args, environment, import_flash_inductor, write_record,
-)
+from benchmarks.common import DTYPES, GPTBlock, add_cell_args, environment, module_command, write_record
+import flash_inductor
 
 TARGET_OVERHEAD = 0.05
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_cell_args(p, dtype="bf16", batch=4, heads=16, seq=4096, head_dim=128)
@@ -134,14 +134,13 @@ def format_table(records) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    fi = import_flash_inductor()
-    records = measure(fi, args)
+    records = measure(flash_inductor, args)
     print(format_table(records))
     forward = [r for r in records if r["mode"] == "fwd"]
     within = all(r["overhead"] <= TARGET_OVERHEAD for r in forward)
     print(f"forward overhead within {TARGET_OVERHEAD:.0%}: {'yes' if within else 'no'}")
     if not args.no_write:
-        env = environment(sys.argv if argv is None else ["bench_monitor.py", *argv])
+        env = environment(module_command("benchmarks.bench_monitor", argv))
         write_record(args.out, "monitor_overhead", env,
                      {"target_forward_overhead": TARGET_OVERHEAD, "results": records}, device=args.device)
     return 0

@@ -20,13 +20,12 @@ import argparse
 import dataclasses
 import math
 import os
-import sys
 import tempfile
 import time
 
 import torch
 
-from benchmarks import bench_attention as bench
+from benchmarks import common
 
 TASKS = ("train", "infer")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -70,25 +69,25 @@ def vit_image_size(seq: int) -> int:
 def build_model(spec: ModelSpec, seq: int, attn_implementation: str, device, dtype) -> torch.nn.Module:
     import transformers as tf
 
-    common = dict(attn_implementation=attn_implementation)
+    attn_kwargs = dict(attn_implementation=attn_implementation)
     if spec.family == "llama":
         cfg = tf.LlamaConfig(hidden_size=spec.hidden, intermediate_size=int(spec.hidden * 8 / 3) // 64 * 64 or 64,
                              num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
                              num_key_value_heads=spec.kv_heads, vocab_size=spec.vocab, max_position_embeddings=seq)
-        model = tf.AutoModelForCausalLM.from_config(cfg, **common)
+        model = tf.AutoModelForCausalLM.from_config(cfg, **attn_kwargs)
     elif spec.family == "gpt2":
         cfg = tf.GPT2Config(n_embd=spec.hidden, n_layer=spec.layers, n_head=spec.heads, vocab_size=spec.vocab,
                             n_positions=seq)
-        model = tf.AutoModelForCausalLM.from_config(cfg, **common)
+        model = tf.AutoModelForCausalLM.from_config(cfg, **attn_kwargs)
     elif spec.family == "bert":
         cfg = tf.BertConfig(hidden_size=spec.hidden, num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
                             intermediate_size=4 * spec.hidden, vocab_size=spec.vocab, max_position_embeddings=seq)
-        model = tf.AutoModelForMaskedLM.from_config(cfg, **common)
+        model = tf.AutoModelForMaskedLM.from_config(cfg, **attn_kwargs)
     elif spec.family == "vit":
         cfg = tf.ViTConfig(hidden_size=spec.hidden, num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
                            intermediate_size=4 * spec.hidden, image_size=vit_image_size(seq), patch_size=VIT_PATCH,
                            num_labels=1000)
-        model = tf.AutoModelForImageClassification.from_config(cfg, **common)
+        model = tf.AutoModelForImageClassification.from_config(cfg, **attn_kwargs)
     else:
         raise ValueError(f"unknown model family {spec.family!r}")
     # Dropout off: both contenders then compute the same function, and their losses compare.
@@ -165,8 +164,8 @@ def time_step(step, args, device) -> float:
             step()
             times.append((time.perf_counter() - start) * 1e3)
         return sorted(times)[len(times) // 2]
-    bench.heat(step, args.heat_ms)
-    return bench.bench_ms(step, args.warmup, args.rep)
+    common.heat(step, args.heat_ms)
+    return common.bench_ms(step, args.warmup, args.rep)
 
 
 def run_cell(name: str, spec: ModelSpec, seq: int, attn: str, task: str, args, compile_fn=compile_with) -> list[dict]:
@@ -180,9 +179,9 @@ def run_cell(name: str, spec: ModelSpec, seq: int, attn: str, task: str, args, c
         try:
             torch._dynamo.reset()
             torch.manual_seed(0)
-            model = build_model(spec, seq, attn, args.device, bench.DTYPES[args.dtype])
+            model = build_model(spec, seq, attn, args.device, common.DTYPES[args.dtype])
             model.train(task == "train")
-            inputs = make_batch(spec, seq, batch, args.device, bench.DTYPES[args.dtype])
+            inputs = make_batch(spec, seq, batch, args.device, common.DTYPES[args.dtype])
             step = make_task(model, compile_fn(contender, model), inputs, task)
             start = time.perf_counter()
             first = step()
@@ -193,8 +192,8 @@ def run_cell(name: str, spec: ModelSpec, seq: int, attn: str, task: str, args, c
             record["status"] = "ok"
             del model, inputs, step, first
         except Exception as exc:  # one failing cell must not end a long run
-            record.update(status="error", error=bench.first_line(exc))
-        bench.release_memory()
+            record.update(status="error", error=common.first_line(exc))
+        common.release_memory()
         records.append(record)
     return records
 
@@ -271,7 +270,7 @@ def parse_args(argv=None):
     p.add_argument("--time-budget", type=float, default=None, help="seconds; cells past it are skipped")
     p.add_argument("--cold", action="store_true",
                    help="fresh Triton and Inductor caches, so first_call_s is a cold start")
-    bench.add_output_args(p)
+    common.add_output_args(p)
     return p.parse_args(argv)
 
 
@@ -291,12 +290,12 @@ def main(argv=None, compile_fn=compile_with) -> list[dict]:
         fresh = tempfile.mkdtemp(prefix="e2e_cold_")
         os.environ["TRITON_CACHE_DIR"] = os.path.join(fresh, "triton")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(fresh, "inductor")
-    env = bench.environment(sys.argv if argv is None else ["-m", "benchmarks.e2e_models", *argv])
+    env = common.environment(common.module_command("benchmarks.e2e_models", argv))
     cells = plan(args)
     deadline = time.monotonic() + args.time_budget if args.time_budget else None
     records = []
-    with bench.dynamo_limits():
-        for name, spec, seq, attn, task in bench.progress(cells, "e2e cells"):
+    with common.dynamo_limits():
+        for name, spec, seq, attn, task in common.progress(cells, "e2e cells"):
             if deadline is not None and time.monotonic() > deadline:
                 records.append(dict(model=name, seq=seq, attn=attn, task=task, status="skipped",
                                     error="past --time-budget"))
@@ -305,7 +304,7 @@ def main(argv=None, compile_fn=compile_with) -> list[dict]:
     rows = summarise([r for r in records if "contender" in r])
     print(markdown_table(rows))
     if not args.no_write:
-        path = bench.write_record(args.out, "e2e_models", env, dict(results=records, summary=rows), args.tag,
+        path = common.write_record(args.out, "e2e_models", env, dict(results=records, summary=rows), args.tag,
                                   args.device)
         plot(rows, path[: -len(".json")] + ".png", f"{env.get('gpu') or args.device}, torch {env['torch']}, "
              f"{args.dtype}, {args.tokens} tokens per step")

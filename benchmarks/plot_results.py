@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Tables and plots for bench_attention.py results; also redraws the PNG of an earlier run.
 
-    python benchmarks/plot_results.py benchmarks/results/bench_nvidia-h200_20261202_grid.json
-    python benchmarks/plot_results.py A.json B.json --out benchmarks/results/bench_..._grid   # merge runs
+    python -m benchmarks.plot_results benchmarks/results/bench_nvidia-h200_20261202_grid.json
+    python -m benchmarks.plot_results A.json B.json --out benchmarks/results/bench_..._grid   # merge runs
 
 Several files (a grid split over GPUs or calls) are merged into one record set: for the same cell
 and provider a measured record beats a skipped or failed one, and a later file beats an earlier.

@@ -8,11 +8,12 @@ run each compiling cell's step once, sharing the on-disk caches (Triton's and In
 timed run then loads kernels instead of building them. Nothing is timed here. A cell that fails here
 fails again in the timed run, which records why.
 
-    python benchmarks/bench_attention.py ... --precompile 14      # the usual way in
-    python benchmarks/precompile.py --items I.json --shard 0 --shards 2 --log L.jsonl   # one worker
+    python -m benchmarks.bench_attention ... --precompile 14      # the usual way in
+    python -m benchmarks.precompile --items I.json --shard 0 --shards 2 --log L.jsonl   # one worker
 
 The workers inherit this process's environment, so they share TRITON_CACHE_DIR and
-TORCHINDUCTOR_CACHE_DIR with the timed run that follows.
+TORCHINDUCTOR_CACHE_DIR with the timed run that follows. They run from the repository root that
+holds this package, so they import the same ``flash_inductor`` as a run started there.
 """
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ import sys
 import tempfile
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+from benchmarks import common
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the tree holding the benchmarks package
 
 # Providers whose first call compiles something; SDPA's backends ship compiled kernels.
 COMPILING_PROVIDERS = ("ours", "ours-fast", "ours-fp8", "ours-compiled", "flex")
@@ -68,22 +71,18 @@ def compile_item(item, device):
     """Run the item's step once, exactly as bench_attention.run_case's first call does."""
     import torch
 
-    import bench_attention as bench
-    q, k, v, dout = bench.make_inputs(item["batch"], item["heads"], item["seq"], item["head_dim"],
-                                      bench.DTYPES[item["dtype"]], device)
-    attn = bench.make_attention(item["provider"], item["causal"], item["seq"], item["seq"], device)
-    step = bench.make_step(attn, item["mode"], q, k, v, dout)
-    bench.call_recorded(step)
+    q, k, v, dout = common.make_inputs(item["batch"], item["heads"], item["seq"], item["head_dim"],
+                                       common.DTYPES[item["dtype"]], device)
+    attn = common.make_attention(item["provider"], item["causal"], item["seq"], item["seq"], device)
+    step = common.make_step(attn, item["mode"], q, k, v, dout)
+    common.call_recorded(step)
     if device == "cuda":
         torch.cuda.synchronize()  # a fault surfaces here, in this item's record, not the next one's
 
 
 def run_worker(items, log_path, device):
     """Compile each item; append one JSON line per item to ``log_path`` as it finishes."""
-    if _HERE not in sys.path:
-        sys.path.insert(0, _HERE)
-    import bench_attention as bench
-    with bench.dynamo_limits(), bench.no_donated_buffers():
+    with common.dynamo_limits(), common.no_donated_buffers():
         for item in items:
             started = time.monotonic()
             line = dict(item)
@@ -91,13 +90,13 @@ def run_worker(items, log_path, device):
                 compile_item(item, device)
                 line["status"] = "ok"
             except Exception as exc:
-                line.update(status="error", error=bench.first_line(exc))
+                line.update(status="error", error=common.first_line(exc))
             finally:
-                bench.release_memory()
+                common.release_memory()
             line["seconds"] = round(time.monotonic() - started, 2)
             with open(log_path, "a") as f:
                 f.write(json.dumps(line) + "\n")
-            if line["status"] == "error" and bench.is_fatal(line):
+            if line["status"] == "error" and common.is_fatal(line):
                 return 1  # a CUDA fault poisons this process; the other workers go on
     return 0
 
@@ -171,9 +170,9 @@ def warm(items, workers, *, deadline=None, clock=time.monotonic, device="cuda", 
         for i in range(count):
             with open(stderr_paths[i], "w") as err:
                 procs.append(subprocess.Popen(
-                    [python, os.path.join(_HERE, "precompile.py"), "--items", items_path, "--shard", str(i),
+                    [python, "-m", "benchmarks.precompile", "--items", items_path, "--shard", str(i),
                      "--shards", str(count), "--log", logs[i], "--device", device],
-                    stdout=subprocess.DEVNULL, stderr=err))
+                    cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err))
         bar = _Progress(len(items))
         try:
             while True:

@@ -1,9 +1,9 @@
 """Is one attention call's time reproducible? Repeated timings of a single cell, four ways.
 
-    python benchmarks/probe_timing.py                         # GPU: the bimodal cell (fp16, causal, E=64, L=S=1024)
-    python benchmarks/probe_timing.py --dtype bf16 --seq 4096
-    python benchmarks/probe_timing.py --mode bwd --dtype bf16 --causal no  # the backward alone
-    python benchmarks/probe_timing.py --quick --device cpu    # smoke run
+    python -m benchmarks.probe_timing                         # GPU: the bimodal cell (fp16, causal, E=64, L=S=1024)
+    python -m benchmarks.probe_timing --dtype bf16 --seq 4096
+    python -m benchmarks.probe_timing --mode bwd --dtype bf16 --causal no  # the backward alone
+    python -m benchmarks.probe_timing --quick --device cpu    # smoke run
 
 On 2026-11-30 the same launch config on the same problem took 0.24 ms in one process and
 0.50-0.57 ms in others (fp16 causal forward, B=16, H=32, L=S=1024, E=64), while FA2 read
@@ -35,17 +35,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import (  # noqa: E402
-    DTYPES, add_cell_args, add_output_args, environment, make_attention, make_inputs, make_step, write_record,
-)
+from benchmarks.common import (DTYPES, add_cell_args, add_output_args, environment, make_attention, make_inputs,
+                               make_step, module_command, write_record)
 
 # cudagraph last: a capture that fails can leave the stream unusable for what follows.
 KINDS = ("do_bench", "fresh_inputs", "plain_loop", "cudagraph")
@@ -168,7 +165,7 @@ def main(argv=None) -> int:
     records = measure(args)
     print(format_table(records))
     if not args.no_write:
-        env = environment(sys.argv if argv is None else ["probe_timing.py", *argv])
+        env = environment(module_command("benchmarks.probe_timing", argv))
         write_record(args.out, "probe_timing", env, {"results": records}, args.tag, args.device)
     return 0
 

@@ -1,43 +1,23 @@
-"""benchmarks/backward_breakdown.py: the per-launch backward breakdown runs, sweeps and writes its record."""
+"""benchmarks.backward_breakdown: the per-launch backward breakdown runs, sweeps and writes its record."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
-import sys
 
+from benchmarks import backward_breakdown
 from helpers import DEVICE, ON_CUDA
-
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "backward_breakdown.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("backward_breakdown", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_config_labels_parse_into_launch_configs():
-    module = _load()
-    try:
-        cfg = module.parse_config("64x128/w8/s3")
-        assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (64, 128, 8, 3)
-        assert cfg.label() == "64x128/w8/s3"
-        for labels in module.SWEEP.values():
-            assert all(module.parse_config(label).label() == label for label in labels)
-    finally:
-        sys.modules.pop("backward_breakdown", None)
+    cfg = backward_breakdown.parse_config("64x128/w8/s3")
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (64, 128, 8, 3)
+    assert cfg.label() == "64x128/w8/s3"
+    for labels in backward_breakdown.SWEEP.values():
+        assert all(backward_breakdown.parse_config(label).label() == label for label in labels)
 
 
 def test_breakdown_writes_a_record_per_schedule(tmp_path, capsys):
-    module = _load()
-    try:
-        assert module.main(["--quick", "--device", DEVICE, "--out", str(tmp_path), "--tag", "smoke"]) == 0
-    finally:
-        sys.modules.pop("backward_breakdown", None)
+    assert backward_breakdown.main(["--quick", "--device", DEVICE, "--out", str(tmp_path), "--tag", "smoke"]) == 0
     (written,) = tmp_path.glob("backward_breakdown_*_smoke.json")
     data = json.loads(written.read_text())
     assert [r["schedule"] for r in data["results"]] == ["stable", "fast"]
@@ -55,11 +35,8 @@ def test_breakdown_writes_a_record_per_schedule(tmp_path, capsys):
 
 
 def test_step_mode_times_whole_training_steps(tmp_path):
-    module = _load()
-    try:
-        assert module.main(["--quick", "--device", DEVICE, "--step", "--out", str(tmp_path), "--tag", "step"]) == 0
-    finally:
-        sys.modules.pop("backward_breakdown", None)
+    argv = ["--quick", "--device", DEVICE, "--step", "--out", str(tmp_path), "--tag", "step"]
+    assert backward_breakdown.main(argv) == 0
     (written,) = tmp_path.glob("backward_breakdown_*_step.json")
     steps = json.loads(written.read_text())["steps"]
     assert [s["name"] for s in steps][:2] == ["ours:stable", "ours:fast"]
@@ -69,21 +46,17 @@ def test_step_mode_times_whole_training_steps(tmp_path):
 
 
 def test_force_rescale_runs_the_rescaling_loop(tmp_path, monkeypatch):
-    module = _load()
     seen = []
-    real = module.launch.attention_backward
+    real = backward_breakdown.launch.attention_backward
 
     def spy(*args, **kwargs):
         seen.append(float(kwargs["ds_bound"]) if kwargs.get("ds_bound") is not None else None)
         return real(*args, **kwargs)
 
     # main() wraps whatever attention_backward is (the spy); monkeypatch restores the real one.
-    monkeypatch.setattr(module.launch, "attention_backward", spy)
-    try:
-        argv = ["--quick", "--device", DEVICE, "--schedules", "stable", "--force-rescale", "--no-write"]
-        if ON_CUDA:
-            argv += ["--dtype", "fp16"]
-        assert module.main(argv) == 0
-    finally:
-        sys.modules.pop("backward_breakdown", None)
+    monkeypatch.setattr(backward_breakdown.launch, "attention_backward", spy)
+    argv = ["--quick", "--device", DEVICE, "--schedules", "stable", "--force-rescale", "--no-write"]
+    if ON_CUDA:
+        argv += ["--dtype", "fp16"]
+    assert backward_breakdown.main(argv) == 0
     assert seen and all(b == float("inf") for b in seen)

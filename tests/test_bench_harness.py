@@ -1,32 +1,28 @@
-"""benchmarks/bench_attention.py and plot_results.py: time budget, partial records, resume, merging
+"""benchmarks.bench_attention and benchmarks.plot_results: time budget, partial records, resume, merging
 and the issue-6 target report. No GPU: run_case is replaced by a fake that returns a measurement."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import pathlib
-import sys
 import time
 
 import pytest
 
-BENCH_DIR = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
-
 
 def _load(name):
-    if str(BENCH_DIR) not in sys.path:
-        sys.path.insert(0, str(BENCH_DIR))
-    spec = importlib.util.spec_from_file_location(name, BENCH_DIR / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 @pytest.fixture(scope="module")
 def bench():
     return _load("bench_attention")
+
+
+@pytest.fixture(scope="module")
+def common():
+    return _load("common")
 
 
 @pytest.fixture(scope="module")
@@ -192,15 +188,15 @@ def test_telemetry_windows_select_samples_by_time(telemetry_module, tmp_path):
     assert telemetry_module.GpuTelemetry(command=None).window(0.0, 1.0) == {}  # no sampler: no fields
 
 
-def test_heat_runs_the_step_for_the_asked_time_with_rare_syncs(bench):
+def test_heat_runs_the_step_for_the_asked_time_with_rare_syncs(common):
     now = [0.0]
     calls, syncs = [], []
     step = lambda: (calls.append(1), now.__setitem__(0, now[0] + 0.001))  # noqa: E731  1 ms a call
-    bench.heat(step, 500, clock=lambda: now[0], synchronize=lambda: syncs.append(1))
+    common.heat(step, 500, clock=lambda: now[0], synchronize=lambda: syncs.append(1))
     assert 0.5 <= now[0] < 0.6 and len(calls) >= 500
     assert len(syncs) < 40  # batches grow to ~20 ms, not one sync a call
     now[0], calls[:] = 0.0, []
-    bench.heat(step, 0, clock=lambda: now[0], synchronize=lambda: None)
+    common.heat(step, 0, clock=lambda: now[0], synchronize=lambda: None)
     assert calls == []
 
 
@@ -287,7 +283,7 @@ def test_gpu_busy_sums_kernel_time_per_call_and_measures_the_gaps(monkeypatch):
     assert result["kernel_ms"] == pytest.approx(4e-3) and result["gpu_busy"] == pytest.approx(8 / 9)
 
 
-def test_ours_compiled_runs_sdpa_through_our_backend(bench):
+def test_ours_compiled_runs_sdpa_through_our_backend(common):
     """The product path's provider: an SDPA call compiled with flash_inductor.backend, whose pass
     puts our op in its graph. It must reach our op, forward and backward, and match a float64
     SDPA within a small multiple of PyTorch's own fp32 error."""
@@ -297,8 +293,8 @@ def test_ours_compiled_runs_sdpa_through_our_backend(bench):
     q, k, v = (torch.randn(2, 3, 24, 16, dtype=torch.float32, generator=torch.Generator().manual_seed(i))
                .requires_grad_(True) for i in range(3))
     dout = torch.randn(2, 3, 24, 16, generator=torch.Generator().manual_seed(3))
-    with bench.dynamo_limits():
-        attn = bench.make_attention("ours-compiled", True, 24, 24, "cpu")
+    with common.dynamo_limits():
+        attn = common.make_attention("ours-compiled", True, 24, 24, "cpu")
         with torch.profiler.profile() as prof:
             out = attn(q, k, v)
             out.backward(dout)
@@ -331,7 +327,7 @@ def test_kernel_time_plot_needs_both_providers_kernel_times(plots, tmp_path):
     assert not (tmp_path / "none.png").exists()
 
 
-# ----------------------------------------------------------------------------- benchmarks/precompile.py
+# ----------------------------------------------------------------------------- benchmarks.precompile
 
 @pytest.fixture(scope="module")
 def precompile(bench):
@@ -387,7 +383,7 @@ def test_precompile_stops_its_workers_at_the_deadline(precompile):
 
 
 def test_bench_runs_precompile_before_timing_within_the_budget(bench, monkeypatch, capsys):
-    import precompile as module
+    from benchmarks import precompile as module
     calls = []
     monkeypatch.setattr(module, "warm", lambda items, workers, **kw: calls.append((items, workers, kw)) or
                         dict(items=len(items), workers=workers, compiled=len(items), failed=0, errors=[],

@@ -7,7 +7,6 @@ revision and computing their identity."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -17,16 +16,8 @@ import pytest
 from flash_inductor.tuning import cache
 from tuning_helpers import ROOT, cfg_dict, isolated_tables, fwd_entry, table_of  # noqa: F401
 
-
-def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-carry_tool = _tool("carry_table_entries")
-ship_tool = _tool("ship_table")
+from tools import carry_table_entries as carry_tool
+from tools import ship_table as ship_tool
 
 BEFORE = {"stable/bf16/e64/none": {"_attn_fwd": "a1", "_attn_bwd_dq": "b1", "_attn_bwd_dkdv": "c1"},
           "stable/bf16/e64/causal": {"_attn_fwd": "a2", "_attn_bwd_dq": "b2", "_attn_bwd_dkdv": "c2"}}

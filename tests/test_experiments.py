@@ -1,4 +1,4 @@
-"""benchmarks/experiments/: the probes still run and their variants still compute attention and its
+"""benchmarks.experiments: the probes still run and their variants still compute attention and its
 gradients (their kernels are leads for the next kernel changes, see NOTES.md)."""
 
 from __future__ import annotations
@@ -12,17 +12,22 @@ import sys
 
 from helpers import DEVICE
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "experiments" / "fwd_ws_probe.py"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def run_quick_probe(script: pathlib.Path, out) -> None:
-    """``script --quick`` on this machine's device (the Triton interpreter on a CPU); fails with
-    the probe's output if it does."""
+def experiment(name: str) -> list[str]:
+    """The command line that runs ``benchmarks.experiments.<name>`` (from ``ROOT``)."""
+    return [sys.executable, "-m", f"benchmarks.experiments.{name}"]
+
+
+def run_quick_probe(name: str, out) -> None:
+    """``python -m benchmarks.experiments.<name> --quick`` on this machine's device (the Triton
+    interpreter on a CPU); fails with the probe's output if it does."""
     env = dict(os.environ)
     if DEVICE == "cpu":
         env["TRITON_INTERPRET"] = "1"
-    run = subprocess.run([sys.executable, str(script), "--quick", "--device", DEVICE, "--out", str(out)],
-                         env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([*experiment(name), "--quick", "--device", DEVICE, "--out", str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
 
 
@@ -35,7 +40,7 @@ WS_VARIANTS = ("tma_ws", "tma_ws_1loop", "host_ws", "host_ws_1loop")
 
 def test_forward_probe_variants_match_the_reference(tmp_path):
     out = tmp_path / "probe.json"
-    run_quick_probe(SCRIPT, out)
+    run_quick_probe("fwd_ws_probe", out)
     rows = json.loads(out.read_text())["rows"]
     variants = ("tma_ws", "tma", "ptr", "tma_ws_1loop", "host_ws", "host", "host_ws_1loop")
     probes = [r for r in rows if r["variant"] in variants]
@@ -51,7 +56,7 @@ def test_forward_probe_variants_match_the_reference(tmp_path):
 
 def test_single_pass_backward_probe_matches_ours_and_fp64(tmp_path):
     """The atomic-dQ single-pass probe (NOTES.md plan step 3) computes our `fast` gradients."""
-    run_quick_probe(SCRIPT.parent / "bwd_single_pass_probe.py", tmp_path)
+    run_quick_probe("bwd_single_pass_probe", tmp_path)
     rows = json.loads((tmp_path / "bwd_single_pass_probe.json").read_text())["rows"]
     single = [r for r in rows if r["variant"] == "single-pass"]
     assert len(single) == 2  # non-causal and causal
@@ -69,12 +74,11 @@ def test_delta_variants_gemm_free_delta_falls_short_on_near_tied_keys(tmp_path):
     E 64/128: benchmarks/results/delta_variants_cpu_20261201.json), quoted per assertion; those of
     the features against 8 seeds at --quick size (--quick --seeds 8), quoted likewise."""
     out = tmp_path / "delta_variants.json"
-    script = SCRIPT.parent / "delta_variants.py"
     # Pure PyTorch on the CPU: beside a suite's other workers on a many-core GPU host, torch's
     # one thread per core in each of them starved this run past its timeout (session 20).
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    run = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)],
-                         env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([*experiment("delta_variants"), "--quick", "--out", str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert {r["case"] for r in rows} >= {"near_tied", "onehot_scale_1e2", "peaked"}
@@ -136,7 +140,7 @@ def test_delta_variants_gemm_free_delta_falls_short_on_near_tied_keys(tmp_path):
 def test_dkdv_features_probe_variants_compute_our_gradients(tmp_path):
     """Every feature combination of the dK/dV probe (session 14: the row shift's cost) gives our
     pass's dK and dV, to the rounding of the dtype it ran in."""
-    run_quick_probe(SCRIPT.parent / "dkdv_features_probe.py", tmp_path)
+    run_quick_probe("dkdv_features_probe", tmp_path)
     rows = json.loads((tmp_path / "dkdv_features_probe.json").read_text())["rows"]
     probes = [r for r in rows if r["variant"] != "ours-fast dkdv"]
     assert {r["variant"] for r in probes} == {"minimal", "MASKED", "SHIFT", "STRIDES", "MASKED+SHIFT+STRIDES"}
@@ -149,14 +153,13 @@ def test_dkdv_features_probe_variants_compute_our_gradients(tmp_path):
 def test_fault_repro_runs_each_case_and_records_it(tmp_path):
     """backward_fault_repro.py (the next GPU session's bisection) runs a case in a child process
     and records it; on the interpreter nothing faults, so every case is 'ok' with no launch named."""
-    script = SCRIPT.parent / "backward_fault_repro.py"
     env = dict(os.environ)
     if DEVICE == "cpu":
         env["TRITON_INTERPRET"] = "1"
     configs = "16x16/w1/s1+16x16/w1/s1" if DEVICE == "cpu" else "64x64/w4/s3+64x64/w4/s3"
-    run = subprocess.run([sys.executable, str(script), "--device", DEVICE, "--shapes", "7x1x64,9x20x32",
+    run = subprocess.run([*experiment("backward_fault_repro"), "--device", DEVICE, "--shapes", "7x1x64,9x20x32",
                           "--kinds", "fp16:stable,fp16:fast", "--configs", configs, "--out", str(tmp_path),
-                          "--tag", "t"], env=env, capture_output=True, text=True, timeout=600)
+                          "--tag", "t"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     records = json.loads((tmp_path / "backward_fault_repro_t.json").read_text())
     assert [(r["seq_q"], r["seq_k"], r["head_dim"], r["schedule"]) for r in records] == [
@@ -167,7 +170,7 @@ def test_fault_repro_runs_each_case_and_records_it(tmp_path):
 def test_tuner_vs_op_timing_probe_times_both_ways(tmp_path):
     """The session-22 timing probe runs all three ways; on a GPU they must give identical gradients
     (same kernels, same configs), else the timing comparison would compare different work."""
-    run_quick_probe(SCRIPT.parent / "tuner_vs_op_timing.py", tmp_path)
+    run_quick_probe("tuner_vs_op_timing", tmp_path)
     record = json.loads((tmp_path / "tuner_vs_op_timing.json").read_text())
     assert [r["way"] for r in record["rows"]] == ["launch_hop", "launch", "op"]
     for row in record["rows"]:
@@ -181,7 +184,7 @@ def test_tuner_vs_op_timing_probe_times_both_ways(tmp_path):
 def test_host_overhead_probe_times_every_way_and_profiles_ours(tmp_path):
     """The session-23 host-time probe: every provider and way gets samples (on a GPU, FA2 too), and
     the profile names our entry point, so a regression in the probe shows before a device session."""
-    run_quick_probe(SCRIPT.parent / "host_overhead.py", tmp_path)
+    run_quick_probe("host_overhead", tmp_path)
     record = json.loads((tmp_path / "host_overhead.json").read_text())
     providers = ("ours", "ours_compiled", "flash") if DEVICE == "cuda" else ("ours", "ours_compiled")
     assert set(record["us_per_call"]) == {f"{p}/{w}" for p in providers for w in ("fwd", "fwd_grad", "fwd_bwd")}
@@ -202,9 +205,8 @@ def test_fp32_tiles_experiment_runs_every_tile_and_matches_fp64(tmp_path):
     env = dict(os.environ)
     if DEVICE == "cpu":
         env["TRITON_INTERPRET"] = "1"
-    script = SCRIPT.parent / "fp32_tiles.py"
-    run = subprocess.run([sys.executable, str(script), "--quick", "--device", DEVICE, "--workers", "2",
-                          "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([*experiment("fp32_tiles"), "--quick", "--device", DEVICE, "--workers", "2",
+                          "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     (path,) = tmp_path.glob("fp32_tiles_*.json")
     rows = json.loads(path.read_text())["rows"]

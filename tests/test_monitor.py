@@ -548,26 +548,17 @@ first non-finite: blocks.0 (backward, record 3): non-finite 5 dq, 2 dv""")
 
 
 # ------------------------------------------------------------------------------------------
-# benchmarks/bench_monitor.py: the overhead measurement runs and writes its result
+# benchmarks.bench_monitor: the overhead measurement runs and writes its result
 # ------------------------------------------------------------------------------------------
 
 
 @pytest.mark.usefixtures("fresh_compiler")
 def test_overhead_benchmark_writes_both_settings(tmp_path, capsys):
-    import importlib.util
     import json
-    import pathlib
-    import sys
 
-    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_monitor.py"
-    spec = importlib.util.spec_from_file_location("bench_monitor", script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        assert module.main(["--quick", "--device", DEVICE, "--dtype", "fp32", "--seq", "64", "--out", str(tmp_path)]) == 0
-    finally:
-        sys.modules.pop(spec.name, None)
+    from benchmarks import bench_monitor
+
+    assert bench_monitor.main(["--quick", "--device", DEVICE, "--dtype", "fp32", "--seq", "64", "--out", str(tmp_path)]) == 0
     (written,) = tmp_path.glob("monitor_overhead_*.json")
     payload = json.loads(written.read_text())
     got = {(r["setting"], r["mode"]) for r in payload["results"]}

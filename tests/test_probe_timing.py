@@ -1,34 +1,17 @@
-"""benchmarks/probe_timing.py: the timing-reproducibility probe runs and writes every kind of sample."""
+"""benchmarks.probe_timing: the timing-reproducibility probe runs and writes every kind of sample."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import pytest
 
+from benchmarks import probe_timing as probe
 from helpers import DEVICE, ON_CUDA
-
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "probe_timing.py"
-
-
-@pytest.fixture
-def probe():
-    """The script as a module, registered in sys.modules while a test uses it."""
-    spec = importlib.util.spec_from_file_location("probe_timing", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 @pytest.mark.parametrize("mode", ["fwd", "bwd"])
-def test_probe_writes_every_kind_with_its_samples(probe, mode, tmp_path, capsys):
+def test_probe_writes_every_kind_with_its_samples(mode, tmp_path, capsys):
     argv = ["--quick", "--device", DEVICE, "--out", str(tmp_path), "--tag", "smoke", "--mode", mode]
     if ON_CUDA:
         argv += ["--providers", "ours,flash"]
@@ -44,7 +27,7 @@ def test_probe_writes_every_kind_with_its_samples(probe, mode, tmp_path, capsys)
     assert "fresh_inputs" in capsys.readouterr().out
 
 
-def test_a_failing_kind_is_recorded_and_the_others_still_run(probe, tmp_path, capsys, monkeypatch):
+def test_a_failing_kind_is_recorded_and_the_others_still_run(tmp_path, capsys, monkeypatch):
     real_sample = probe._sample
 
     def sample(kind, *args):

@@ -1,4 +1,4 @@
-"""tools/ptx_digest.py: the digest sees code, not where the code sits in its source file.
+"""tools.ptx_digest: the digest sees code, not where the code sits in its source file.
 
 Its use is deciding whether a kernel edit left a variant's compiled code alone (then its tuned
 table entries may be re-stamped instead of re-tuned), so an edit that only moves lines must give
@@ -6,17 +6,7 @@ the same digest, and any change of an instruction a different one."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
-TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "ptx_digest.py"
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("ptx_digest", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tools.ptx_digest import ptx_digest
 
 
 PTX = """//
@@ -46,8 +36,7 @@ def _ptx(line, label, path):
 
 
 def test_digest_ignores_line_numbers_paths_and_debug_labels():
-    digest = _tool().ptx_digest
-    base = digest(_ptx(120, 3, "/a/attn_bwd.py"))
-    assert digest(_ptx(161, 9, "/b/attn_bwd.py")) == base
+    base = ptx_digest(_ptx(120, 3, "/a/attn_bwd.py"))
+    assert ptx_digest(_ptx(161, 9, "/b/attn_bwd.py")) == base
     changed = _ptx(120, 3, "/a/attn_bwd.py").replace("mul.f32", "fma.rn.f32")
-    assert digest(changed) != base
+    assert ptx_digest(changed) != base

@@ -1,4 +1,4 @@
-"""tools/sass_mix.py: the backward's inner loops spend one exp2 per score.
+"""tools.sass_mix: the backward's inner loops spend one exp2 per score.
 
 At E = 64 the backward passes are bound by per-score ALU work, and exp2 runs on the slowest pipe
 (MUFU, 16 per cycle per SM against 128 fp32 adds). The tool compiles the launches for sm_90 on a
@@ -16,16 +16,16 @@ import sys
 
 import pytest
 
-TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "sass_mix.py"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 ONE_EXP2_PER_SCORE = ["_attn_bwd_dkdv", "_attn_bwd_dq"]
 
 
 @pytest.fixture(scope="module")
 def sass_mix_output():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # interpreted kernels do not compile
-    run = subprocess.run([sys.executable, str(TOOL), "--head-dim", "64", "--seq", "4096", "--schedule", "fast",
-                          "--dkdv", "64,64,4,2", "--dq", "64,64,4,2"],
-                         env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, "-m", "tools.sass_mix", "--head-dim", "64", "--seq", "4096",
+                          "--schedule", "fast", "--dkdv", "64,64,4,2", "--dq", "64,64,4,2"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run.stdout
 
@@ -47,8 +47,7 @@ def test_backward_loops_take_one_exp2_per_score(sass_mix_output, kernel):
 def test_mma_kind_tells_wgmma_from_mma_sync():
     """The kernel line names the matrix instructions: a dot whose M side is under wgmma's 64 rows
     compiles to mma.sync (HMMA) on sm_90, as the E = 256 dK/dV pass's 32-key block does."""
-    sys.path.insert(0, str(TOOL.parent))
-    import sass_mix
+    from tools import sass_mix
 
     wgmma = "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24, gsb0"
     sync = "HMMA.16816.F32.BF16 R4, R8, R12, R4"

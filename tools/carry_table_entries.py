@@ -1,21 +1,7 @@
 """Re-key a tuning table's entries across a kernel edit that leaves the compiled code unchanged.
 
-<<<<<<< HEAD
-    python tools/carry_table_entries.py --family backward \
-        --reason "attn_bwd.py: a loop-invariant multiply hoisted; same tiles and PTX elsewhere"
-
-Every entry records the hash of its kernel family's files (``tuning/cache.py``); after any edit
-to those files the launchers ignore the entry and fall back to the heuristic until the family is
-re-tuned. A full re-tune costs about half an hour of H200 time,
-while some changes (an instruction removed from a loop, a comment) leave every config's shared
-memory, registers and ranking where they were. This re-stamps the named family's stale entries
-with the current hash and marks each with ``carried_from`` (the reason), so the table says which
-picks were measured on other code; the next re-tune replaces them. Entries already current, and
-other families', are left alone. Run it only after the GPU has shown the change keeps the picks'
-speed (an A/B at the shipped configs) and the table-edge test passes on the carried picks.
-=======
-    python tools/carry_table_entries.py --since main            # kernels at `main` -> this checkout
-    python tools/carry_table_entries.py --since HEAD~3 --head-dims 64,128 --dry-run
+    python -m tools.carry_table_entries --since main            # kernels at `main` -> this checkout
+    python -m tools.carry_table_entries --since HEAD~3 --head-dims 64,128 --dry-run
 
 Each entry records its kernel family's source identity (``tuning/kernel_identity.py``), which
 ignores comments, docstrings and line numbers but changes with any edit of the code, including
@@ -28,7 +14,6 @@ sm_90 on this machine (tools/ptx_digest.py: the launchers' real constexprs, no G
 each case (head dim x mask x dtype x schedule) and compares the PTX of every kernel of the
 family. Entries that recorded the old identity get the new one only when every digest matches;
 otherwise the tool names the kernels whose code changed, and those buckets need a re-tune.
->>>>>>> table
 """
 
 from __future__ import annotations
@@ -43,10 +28,9 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from flash_inductor.tuning import cache  # noqa: E402
-from flash_inductor.tuning.kernel_identity import KERNEL_FAMILIES, family_identities  # noqa: E402
+from flash_inductor.tuning import cache
+from flash_inductor.tuning.kernel_identity import KERNEL_FAMILIES, family_identities
 
 SHIPPED = cache.shipped_tables_dir() / "nvidia-h200_sm90_132sm.json"
 _IDENTITIES = "import json; from flash_inductor.tuning.kernel_identity import family_identities as f; print(json.dumps(f()))"
@@ -61,7 +45,7 @@ def tree_with_kernels_of(rev: str, into: pathlib.Path) -> pathlib.Path:
     shutil.copytree(ROOT / "flash_inductor", into / "flash_inductor",
                     ignore=shutil.ignore_patterns("__pycache__", "tables"))
     (into / "tools").mkdir()
-    for name in ("ptx_digest.py", "smem_check.py"):
+    for name in ("__init__.py", "ptx_digest.py", "smem_check.py"):
         shutil.copy(ROOT / "tools" / name, into / "tools" / name)
     shutil.rmtree(into / "flash_inductor" / "kernels")
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "flash_inductor/kernels"],
@@ -83,7 +67,7 @@ def identities_in(tree: pathlib.Path) -> dict[str, str]:
 
 def digests_in(tree: pathlib.Path, options: list[str]) -> dict[str, dict[str, str]]:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        _python(tree, str(tree / "tools" / "ptx_digest.py"), "--out", out.name, *options)
+        _python(tree, "-m", "tools.ptx_digest", "--out", out.name, *options)
         return json.loads(pathlib.Path(out.name).read_text())
 
 

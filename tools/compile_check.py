@@ -3,7 +3,7 @@ errors before spending device time), from hand-written signatures and constexprs
 ``tools/smem_check.py`` compiles what the launchers really start (bf16/fp16, their shared memory);
 the monitoring kernels are compiled by their own tests.
 
-`python tools/compile_check.py` compiles a representative subset (a few minutes);
+`python -m tools.compile_check` compiles a representative subset (a few minutes);
 `--full` compiles every dtype x mask x dropout x causal variant (about nine minutes on 2 cores).
 """
 

@@ -6,7 +6,7 @@
 #
 #   bash tools/gpu_grid.sh                                   # first call
 #   RESUME=prev/bench_..._grid.json TAG=grid-2 bash tools/gpu_grid.sh   # next call: skips measured cells
-#   python benchmarks/plot_results.py A.json B.json --out benchmarks/results/bench_<gpu>_<date>_grid
+#   python -m benchmarks.plot_results A.json B.json --out benchmarks/results/bench_<gpu>_<date>_grid
 #
 # RESUME: bench_*.json / .partial.jsonl files of earlier calls (in the working tree: carry them if
 # git ignores them). BUDGET: seconds before no new cell starts (530, inside a 600 s call). TAG
@@ -25,7 +25,7 @@ if [ -n "${RESUME:-}" ]; then
   RESUME_ARGS=(--resume "${RESUME_FILES[@]}")
 fi
 T0=$(date +%s)
-timeout -s INT -k 20 $((BUDGET + 50)) python3 benchmarks/bench_attention.py --dtypes "${DTYPES:-bf16,fp16}" \
+timeout -s INT -k 20 $((BUDGET + 50)) python3 -m benchmarks.bench_attention --dtypes "${DTYPES:-bf16,fp16}" \
   --head-dims "${DIMS:-64,128,256}" --seqs "${SEQS:-512,1024,2048,4096,8192,16384,32768}" --causal both \
   --modes fwd,fwd_bwd --providers "${PROVIDERS:-ours,ours-fast,flash,cudnn,flex}" --rep 40 --warmup 10 \
   --heat-ms 500 --precompile 14 --time-budget "$BUDGET" --tag "${TAG:-grid}" --out "$OUT" \

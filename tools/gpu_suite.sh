@@ -70,7 +70,7 @@ DIST=$(python3 -c "import xdist; v = tuple(int(p) for p in xdist.__version__.spl
 timeout -s INT -k 30 "${SUITE_SECONDS:-420}" python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider -p no:benchmark \
   -n "${WORKERS:-14}" --dist "$DIST" --timeout 300 --durations=25 --junitxml="$OUT/pytest_gpu.xml" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  timeout "${BENCH_SECONDS:-150}" python3 benchmarks/bench_attention.py --quick --out "$OUT" 2>&1 | tail -12
+  timeout "${BENCH_SECONDS:-150}" python3 -m benchmarks.bench_attention --quick --out "$OUT" 2>&1 | tail -12
 fi
 exit
 fi
@@ -166,6 +166,6 @@ rm -f "$PARTS"/.rc_gpu*
 tar czf "$OUT/pytest_gpus.tgz" -C "$OUT" pytest_gpus && rm -rf "$PARTS"
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  CUDA_VISIBLE_DEVICES=${DEVICES[0]} timeout "${BENCH_SECONDS:-150}" python3 benchmarks/bench_attention.py --quick --out "$OUT" 2>&1 | tail -12
+  CUDA_VISIBLE_DEVICES=${DEVICES[0]} timeout "${BENCH_SECONDS:-150}" python3 -m benchmarks.bench_attention --quick --out "$OUT" 2>&1 | tail -12
 fi
 exit "$STATUS"

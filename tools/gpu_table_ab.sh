@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Forward+backward A/B of two tuning tables in one device call: the bench runs once on the table in
 # the tree, then once more with OLD_TABLE shadowing it (a user table shadows the shipped one), both
-# heated, with Flex in each run as the yardstick of the run-to-run drift. Use it to keep a
-# re-tune's picks per cell (docs/performance.md); the tuner times each pass alone at its own
+# heated, with Flex in each run as the yardstick of the run-to-run drift. Session 26 used this to
+# keep a re-tune's picks per cell (benchmarks/NOTES.md); the tuner times each pass alone at its own
 # shape, so this is the check of what a training step sees.
 #
 #   OLD_TABLE=tables_before/nvidia-h200_sm90_132sm.json bash tools/gpu_table_ab.sh
@@ -27,7 +27,7 @@ import pathlib, sys, torch
 from flash_inductor.tuning import cache
 from flash_inductor.tuning.buckets import Bucket
 from flash_inductor.tuning.configs import cuda_heuristic_configs
-from flash_inductor.autotune.search_space import ROLES
+from flash_inductor.tuning.search_space import ROLES
 device = torch.device("cuda")
 gpu, capability = cache.device_gpu_key(device), torch.cuda.get_device_capability(device)
 shipped = cache.read_table(cache.shipped_tables_dir() / cache.table_filename(gpu))
@@ -57,7 +57,7 @@ print(f"new = the shipped table: {len(view) if view else 0} entries used on {cac
       f"(torch {torch.__version__}, Triton {triton.__version__}; tuned with Triton {sorted(view.other_triton) or 'this'})")
 PY
 TAG=${TAG:-table-ab}; BUDGET=${BUDGET:-200}
-BENCH=(python3 benchmarks/bench_attention.py --seqs "${SEQS:-4096,16384}" --dtypes "${DTYPES:-bf16,fp16}"
+BENCH=(python3 -m benchmarks.bench_attention --seqs "${SEQS:-4096,16384}" --dtypes "${DTYPES:-bf16,fp16}"
        --head-dims "${DIMS:-64,128}" --causal both --modes "${MODES:-fwd_bwd}" --providers "${PROVIDERS:-ours-fast,flex}"
        --rep 40 --warmup 10 --heat-ms 500 --precompile "${PRECOMPILE:-0}" --time-budget "$BUDGET" --no-plot --out "$OUT")
 FLASH_INDUCTOR_CACHE_DIR=$EMPTY_CACHE timeout $((BUDGET + 60)) "${BENCH[@]}" --tag "$TAG-new" 2>&1 | grep -v "it/s\]" | tail -3

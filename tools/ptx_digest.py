@@ -1,9 +1,9 @@
 """Digests of the PTX our launchers compile for sm_90, so two versions of a kernel file can be
 compared without a GPU.
 
-    python tools/ptx_digest.py --out before.json        # on main
+    python -m tools.ptx_digest --out before.json        # on main
     (apply the kernel change)
-    python tools/ptx_digest.py --out after.json --compare before.json
+    python -m tools.ptx_digest --out after.json --compare before.json
 
 Why: a tuning table entry carries its kernel family's source hash, so any edit of attn_bwd.py
 makes every backward entry stale, even for variants whose compiled code the edit does not touch
@@ -26,10 +26,7 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from smem_check import check  # noqa: E402
+from tools.smem_check import check
 
 # Header lines, and the debug anchors: line directives and the `$L__tmpN:` labels they point at.
 _HEADER = re.compile(r"^\s*(//|\.version|\.target|\.address_size|\.loc\b|\.file\b|\$L__tmp\d+:)")

@@ -1,7 +1,7 @@
 """The instruction mix of the attention kernels' loops, compiled for sm_90 on any machine.
 
-    python tools/sass_mix.py                                   # bf16, E=64, L=4096, `fast`, heuristic configs
-    python tools/sass_mix.py --schedule stable --head-dim 128 --dkdv 64,64,4,2 --dq 64,64,4,2
+    python -m tools.sass_mix                                   # bf16, E=64, L=4096, `fast`, heuristic configs
+    python -m tools.sass_mix --schedule stable --head-dim 128 --dkdv 64,64,4,2 --dq 64,64,4,2
 
 At E = 64 the backward passes are bound by the work done per score (exp2 on the MUFU pipe, fp32
 adds and multiplies, conversions), not by the tensor cores (docs/performance.md), so
@@ -26,10 +26,7 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from smem_check import DTYPES, check  # noqa: E402
+from tools.smem_check import DTYPES, check
 
 _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);")
 _LABEL = re.compile(r"\s*\.(L_x_\d+):")

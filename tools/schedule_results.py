@@ -1,6 +1,6 @@
 """The README's measured schedule table, from committed GPU results.
 
-    python tools/schedule_results.py \
+    python -m tools.schedule_results \
         --stability benchmarks/results/stability_nvidia-h200_20261130_all.json \
         --autotune benchmarks/results/autotune_nvidia-h200_sm90_132sm_20261130_full.json \
                    benchmarks/results/autotune_nvidia-h200_sm90_132sm_20261130_bwd-retune.json
@@ -19,11 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flash_inductor.schedules import SCHEDULES as _SCHEDULES  # noqa: E402
+from flash_inductor.schedules import SCHEDULES as _SCHEDULES
 
 SCHEDULES = tuple(_SCHEDULES)
 

@@ -1,7 +1,7 @@
 """Ship a tuning table: keep what a lookup needs in the package, move the search records to a result file.
 
-    python tools/ship_table.py $OUT/nvidia-h200_sm90_132sm.json      # a re-tune's table (schema 3)
-    python tools/ship_table.py flash_inductor/tuning/tables/nvidia-h200_sm90_132sm.json  # convert schema 2
+    python -m tools.ship_table $OUT/nvidia-h200_sm90_132sm.json      # a re-tune's table (schema 3)
+    python -m tools.ship_table flash_inductor/tuning/tables/nvidia-h200_sm90_132sm.json  # convert schema 2
 
 The entries of SOURCE that describe this checkout's kernels are reduced to their configs, kernel
 identity and Triton version (``cache.shipped_entry``) and merged into the shipped table of their
@@ -24,11 +24,10 @@ import pathlib
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from flash_inductor.tuning import cache  # noqa: E402
-from flash_inductor.tuning.buckets import Bucket  # noqa: E402
-from flash_inductor.tuning.configs import KernelConfig  # noqa: E402
+from flash_inductor.tuning import cache
+from flash_inductor.tuning.buckets import Bucket
+from flash_inductor.tuning.configs import KernelConfig
 
 # Schema 2's kernel families: the files each family's hash covered.
 SCHEMA2_FAMILY_FILES = {

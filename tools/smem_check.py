@@ -1,7 +1,7 @@
 """Shared memory of the kernels our launchers would start on a Hopper GPU, measured on any machine.
 
-    python tools/smem_check.py                  # E 64/128/256 x masks x bf16/fp16 x schedules: 15-25 min
-    python tools/smem_check.py --head-dims 256 --masks bool --schedules stable
+    python -m tools.smem_check                  # E 64/128/256 x masks x bf16/fp16 x schedules: 15-25 min
+    python -m tools.smem_check --head-dims 256 --masks bool --schedules stable
 
 A backward change was once re-tuned before the GPU tests found that one launch (E=256
 dQ pass with a bool mask, a heuristic config: mask kinds other than none/causal are not tuned)
@@ -28,8 +28,6 @@ import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ARCH = (9, 0)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -90,7 +88,7 @@ def check(head_dim: int, mask_kind: str, dtype_name: str, schedule: str, seq: in
           compiled_by_name: dict | None = None) -> list[tuple[str, int]]:
     """(kernel, shared bytes) for one forward and one backward of length ``seq``, with ``configs``
     (default: Hopper's heuristic ones); the compiled kernels go to ``compiled_by_name`` if given."""
-    from flash_inductor.launch import common
+    from flash_inductor import launch
     from flash_inductor.tuning.configs import cuda_heuristic_configs
 
     dtype = DTYPES[dtype_name]

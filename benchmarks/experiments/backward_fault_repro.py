@@ -1,7 +1,7 @@
 """EXPERIMENT: which backward launch faults, and under which configs?
 
-    CUDA_LAUNCH_BLOCKING=1 python benchmarks/experiments/backward_fault_repro.py --out DIR   # GPU
-    TRITON_INTERPRET=1 python benchmarks/experiments/backward_fault_repro.py --device cpu --quick
+    CUDA_LAUNCH_BLOCKING=1 python -m benchmarks.experiments.backward_fault_repro --out DIR   # GPU
+    TRITON_INTERPRET=1 python -m benchmarks.experiments.backward_fault_repro --device cpu --quick
 
 Written when three backward patches (``dq_row_scale``, ``even_tiles``, ``dq_seen_sum_mma``),
 re-tuned, and ran tests/test_kernels.py on the H200: 214 passed, and
@@ -24,6 +24,7 @@ fault poisons the CUDA context, so each case runs in a child process, and cases 
 one. It prints one line a case and writes them as JSON. Run it once per patch stage (main, and
 after each patch, in order) to find the change and the config that fault; then
 ``compute-sanitizer`` on the first faulting case gives the kernel and the instruction.
+Each stage is the tree the script is run from (``cd <tree> && python -m ...``).
 """
 
 from __future__ import annotations
@@ -34,9 +35,6 @@ import multiprocessing as mp
 import os
 import sys
 import traceback
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.append(ROOT)  # last: a baseline tree put first on PYTHONPATH (an A/B) must win
 
 # (L, S, E): the faulting shape, its neighbours (a zero-trip first key loop: S < BLOCK_N; a
 # single partial query block: L < BLOCK_M), and the passing L=S=129 control.

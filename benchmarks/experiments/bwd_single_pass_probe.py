@@ -1,8 +1,8 @@
 """EXPERIMENT: is a single-pass backward with fp32 atomics for dQ faster than our two passes?
 (No: benchmarks/results/bwd_single_pass_probe_nvidia-h200_20261130.json; docs/performance.md.)
 
-    python benchmarks/experiments/bwd_single_pass_probe.py                 # GPU
-    TRITON_INTERPRET=1 python benchmarks/experiments/bwd_single_pass_probe.py --quick --device cpu
+    python -m benchmarks.experiments.bwd_single_pass_probe                 # GPU
+    TRITON_INTERPRET=1 python -m benchmarks.experiments.bwd_single_pass_probe --quick --device cpu
 
 Our backward runs a dQ pass (3 GEMMs per tile pair under `fast`, 4 under `stable`) and a dK/dV
 pass (4 GEMMs). A single pass folds dQ into the dK/dV pass: each (key block, query block) pair
@@ -18,6 +18,8 @@ it times, in one process (CUDA time per kernel, torch.profiler):
     cast to the input dtype.
 and checks the single pass's gradients against ours and a float64 reference. Writes
 ``bwd_single_pass_probe.json`` to ``--out`` (default ``$OUT`` or the current folder).
+It measures the ``flash_inductor`` of the tree it is run from: for an A/B, run it from the root
+of each tree in turn.
 """
 
 from __future__ import annotations
@@ -33,12 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.append(ROOT)  # last: a baseline tree put first on PYTHONPATH (an A/B) must win
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-from kernel_time import kernel_times_us  # noqa: E402
-from flash_inductor import launch  # noqa: E402
+from benchmarks.kernel_time import kernel_times_us
+from flash_inductor import launch
 
 LOG2E = 1.4426950408889634
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -1,8 +1,8 @@
 """EXPERIMENT: can a GEMM-free Δ match `stable`'s exact Δ in the 16-bit backward? (Not everywhere.)
 
-    python benchmarks/experiments/delta_variants.py --out r.json   # 3 seeds, L 256/1024, E 64/128, all features: ~9 min
-    python benchmarks/experiments/delta_variants.py --quick        # CI: 2 seeds, L 256, E 64 (features: 4 cases): ~15 s
-    python benchmarks/experiments/delta_variants.py --quick --seeds 8 --cases onehot_scale_1e2 --features base,dropout
+    python -m benchmarks.experiments.delta_variants --out r.json   # 3 seeds, L 256/1024, E 64/128, all features: ~9 min
+    python -m benchmarks.experiments.delta_variants --quick        # CI: 2 seeds, L 256, E 64 (features: 4 cases): ~15 s
+    python -m benchmarks.experiments.delta_variants --quick --seeds 8 --cases onehot_scale_1e2 --features base,dropout
 
 Pure PyTorch on the CPU: the kernels' rounding (attn_fwd.py, attn_bwd.py) is emulated in fp32 with
 16-bit casts where the kernels cast; no Triton. The backward needs Δᵢ = rowsum(dOᵢ∘Oᵢ) − dLSEᵢ:

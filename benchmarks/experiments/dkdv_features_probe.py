@@ -1,7 +1,7 @@
 """EXPERIMENT: what makes our dK/dV pass slower than a minimal one?
 
-    python benchmarks/experiments/dkdv_features_probe.py            # GPU, ~1 minute
-    TRITON_INTERPRET=1 python benchmarks/experiments/dkdv_features_probe.py --quick --device cpu
+    python -m benchmarks.experiments.dkdv_features_probe            # GPU, ~1 minute
+    TRITON_INTERPRET=1 python -m benchmarks.experiments.dkdv_features_probe --quick --device cpu
 
 The single-pass probe (``bwd_single_pass_probe.py``) timed a minimal dK/dV kernel (no
 mask, dropout, GQA or fp16 rescale) at 1954 us (64x64/w4/s2) against our pass's 2289 us (bf16,
@@ -14,6 +14,8 @@ minimal kernel and adds, one constexpr at a time, what ours does on every tile:
     layout, instead of the contiguous (B*H, L, E) layout folded into constants.
 Per problem it times each combination under a few configs (CUDA time of the kernel alone,
 torch.profiler), beside our pass at the same configs, and checks dK/dV against ours.
+It measures the ``flash_inductor`` of the tree it is run from: for an A/B, run it from the root
+of each tree in turn.
 
 RESULT (H200, torch 2.11, Triton 3.6, bf16, `fast`; us at 32x64/w4/s3, 64x64/w4/s2, 64x128/w8/s3;
 benchmarks/results/dkdv_features_probe_nvidia-h200_20261201_e{128,64}.json):
@@ -50,13 +52,9 @@ import torch
 import triton
 import triton.language as tl
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.append(ROOT)  # last: a baseline tree put first on PYTHONPATH (an A/B) must win
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-from kernel_time import kernel_times_us  # noqa: E402
-from flash_inductor import launch  # noqa: E402
-from flash_inductor.tuning.configs import KernelConfig  # noqa: E402
+from benchmarks.kernel_time import kernel_times_us
+from flash_inductor import launch
+from flash_inductor.tuning.configs import KernelConfig
 
 LOG2E = 1.4426950408889634
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -1,7 +1,7 @@
 """fp32 launch tiles on the GPU: today's heuristic against tiles that do not spill (docs/performance.md, Open leads).
 
-    python benchmarks/experiments/fp32_tiles.py --workers 14             # GPU: one device call
-    TRITON_INTERPRET=1 python benchmarks/experiments/fp32_tiles.py --quick --device cpu   # smoke run
+    python -m benchmarks.experiments.fp32_tiles --workers 14             # GPU: one device call
+    TRITON_INTERPRET=1 python -m benchmarks.experiments.fp32_tiles --quick --device cpu   # smoke run
 
 Compiled for sm_90 on a CPU, the fp32 heuristic configs behave badly: at E 128 the forward, dK/dV and
 dQ tiles keep 32 registers a thread and spill 10-13 KB to the stack, the dK/dV pass takes ~70 s to
@@ -37,15 +37,12 @@ import time
 
 import torch
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))  # benchmarks/: bench_attention, kernel_time
-sys.path.append(os.path.dirname(os.path.dirname(_HERE)))  # the checkout, after an installed package
-from backward_breakdown import parse_config  # noqa: E402  (labels as 64x32/w4/s2)
-from bench_attention import add_output_args, environment, progress, write_record  # noqa: E402
-from kernel_time import kernel_times_us  # noqa: E402
+from benchmarks.backward_breakdown import parse_config  # labels as 64x32/w4/s2
+from benchmarks.common import add_output_args, environment, module_command, progress, write_record
+from benchmarks.kernel_time import kernel_times_us
 
-from flash_inductor import launch  # noqa: E402
-from flash_inductor.tuning.configs import AttentionConfigs, cuda_heuristic_configs  # noqa: E402
+from flash_inductor import launch
+from flash_inductor.tuning.configs import AttentionConfigs, cuda_heuristic_configs
 
 # Candidates per pass beside the heuristic (block_m x block_n / warps / stages); the CPU compile
 # (fp32_tiles_sm90_cpu_20261202.json) found these without spills, or almost none, at E 128.
@@ -259,7 +256,7 @@ def main(argv=None) -> int:
     print("\n".join(lines))
     print(f"compile phase {compile_wall:.0f} s wall; * = today's heuristic tile")
     if not args.no_write:
-        env = environment(sys.argv if argv is None else ["fp32_tiles.py", *argv])
+        env = environment(module_command("benchmarks.experiments.fp32_tiles", argv))
         payload = dict(batch=args.batch, heads=args.heads, seq=args.seq, calls=args.calls, workers=args.workers,
                        compile_wall_s=round(compile_wall, 1), rows=rows)
         write_record(args.out, "fp32_tiles", env, payload, args.tag, args.device)

@@ -18,9 +18,10 @@ scale*log2(e), base-2 online softmax with fp32 max/sum, P in the input dtype for
 accumulator, LSE in nats.
 Compiles run in child processes first (Triton's Hopper WS pass has died on C++ assertions, e.g.
 triton issue #9728, which no try/except survives); the parent loads the cached binaries. Usage:
-  python benchmarks/experiments/fwd_ws_probe.py [--budget-s 200] [--out PATH]           # GPU run
-  TRITON_INTERPRET=1 python benchmarks/experiments/fwd_ws_probe.py --quick --device cpu  # correctness, CPU
-  python benchmarks/experiments/fwd_ws_probe.py --aot                                   # sm_90 compile only, no GPU
+  python -m benchmarks.experiments.fwd_ws_probe [--budget-s 200] [--out PATH]           # GPU run
+  TRITON_INTERPRET=1 python -m benchmarks.experiments.fwd_ws_probe --quick --device cpu  # correctness, CPU
+  python -m benchmarks.experiments.fwd_ws_probe --aot                                   # sm_90 compile only, no GPU
+The baselines are the ``flash_inductor`` of the tree it is run from.
 """
 import argparse
 import json
@@ -36,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the checkout, after PYTHONPATH
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds the benchmarks package
 
 LOG2E = 1.4426950408889634
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -310,9 +311,9 @@ def run_children(jobs, args, stop_at, aot=False):
         while pending and len(running) < args.jobs and time.time() < stop_at:
             key, spec = pending.pop(0)
             out = tempfile.TemporaryFile("w+")  # a file, not a pipe: MLIR dumps overflow pipes
-            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child",
+            proc = subprocess.Popen([sys.executable, "-m", "benchmarks.experiments.fwd_ws_probe", "--child",
                                      json.dumps(dict(spec, aot=aot, device=args.device))],
-                                    stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
+                                    cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
             running[key] = (proc, out, time.time())
         if pending and time.time() >= stop_at:
             results.update({key: (False, "skipped: compile budget spent") for key, _ in pending})

@@ -33,11 +33,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))
 
-from flash_inductor.launch.hopper import hopper_attention_forward  # noqa: E402
-from flash_inductor.launch.hopper_bwd import (  # noqa: E402
+from flash_inductor.launch.hopper import hopper_attention_forward
+from flash_inductor.launch.hopper_bwd import (
     HopperBackwardConfig,
     hopper_attention_backward,
     hopper_backward_unsupported_reason,

@@ -2,9 +2,9 @@
 correctness against an fp64 reference, then forward TFLOP/s side by side with our Triton forward,
 cuDNN and FlashAttention-2 (both through SDPA), in one process.
 
-    PYTHONPATH=$PWD python3 benchmarks/experiments/hopper_fwd_probe.py --out $OUT
-    python3 benchmarks/experiments/hopper_fwd_probe.py --check-only
-    python3 benchmarks/experiments/hopper_fwd_probe.py --skip-check --seqs 4096 --configs 128x2:128 128x3w3p:64
+    python3 -m benchmarks.experiments.hopper_fwd_probe --out $OUT
+    python3 -m benchmarks.experiments.hopper_fwd_probe --check-only
+    python3 -m benchmarks.experiments.hopper_fwd_probe --skip-check --seqs 4096 --configs 128x2:128 128x3w3p:64
 
 "gluon" is launch.hopper.default_config; each --configs entry is timed beside it (syntax in
 parse_config). The committed results (benchmarks/results/hopper_fwd_nvidia-h200_20261202.json)
@@ -31,10 +31,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))
 
-from flash_inductor.launch.hopper import (  # noqa: E402
+from flash_inductor.launch.hopper import (
     HopperForwardConfig,
     default_config,
     hopper_attention_forward,

@@ -1,7 +1,7 @@
 """EXPERIMENT: how much host time does one eager attention call cost?
 
-    python benchmarks/experiments/host_overhead.py --out DIR            # GPU
-    TRITON_INTERPRET=1 python benchmarks/experiments/host_overhead.py --quick --device cpu
+    python -m benchmarks.experiments.host_overhead --out DIR            # GPU
+    TRITON_INTERPRET=1 python -m benchmarks.experiments.host_overhead --quick --device cpu
 
 Why: on the H200, ``bench_attention.py --kernel-time`` found our 1k causal cells with the GPU
 busy only 65-80 % of a back-to-back loop (FA2: 100 %), so there the GPU waits for Python. This
@@ -21,6 +21,8 @@ launches our kernels), flash = SDPA's flash backend. Ways, per provider:
 * ``fwd_grad``: forward on tensors that require grad (what a training step's forward pays);
 * ``fwd_bwd``: forward and ``backward`` (one training step's attention).
 Writes ``host_overhead.json`` and ``host_overhead_profile.txt`` to ``--out``.
+It measures the ``flash_inductor`` of the tree it is run from: for an A/B, run it from the root
+of each tree in turn.
 """
 
 from __future__ import annotations
@@ -32,17 +34,13 @@ import json
 import os
 import pstats
 import statistics
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.append(ROOT)  # last: a baseline tree put first on PYTHONPATH (an A/B) must win
-
-import flash_inductor  # noqa: E402
-from flash_inductor import flash_attention  # noqa: E402
+import flash_inductor
+from flash_inductor import flash_attention
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

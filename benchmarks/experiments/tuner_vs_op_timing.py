@@ -1,9 +1,9 @@
 """EXPERIMENT: why did the tuner's timing of a backward call read up to 2x slower than the same
 call through the op?
 
-    python benchmarks/experiments/tuner_vs_op_timing.py                      # GPU: bf16, E=64, causal, L=S=1024
-    python benchmarks/experiments/tuner_vs_op_timing.py --head-dim 128 --dtype fp16
-    TRITON_INTERPRET=1 python benchmarks/experiments/tuner_vs_op_timing.py --quick --device cpu
+    python -m benchmarks.experiments.tuner_vs_op_timing                      # GPU: bf16, E=64, causal, L=S=1024
+    python -m benchmarks.experiments.tuner_vs_op_timing --head-dim 128 --dtype fp16
+    TRITON_INTERPRET=1 python -m benchmarks.experiments.tuner_vs_op_timing --quick --device cpu
 
 On the H200 on 2026-12-01 (results/s1024_timing_nvidia-h200_20261201_s22.txt), the autotuner's way
 of timing the bf16 E=64 causal L=S=1024 backward (``autotune.measure.LaunchRunner.backward`` with the
@@ -33,6 +33,8 @@ data-dependent branch such as the row shift); if the kernels' sum stays put whil
 doubles, the GPU idles between launches (host time). All ways must also give the same gradients
 (checked bit for bit on a GPU: same kernels and configs; on a CPU the op takes its reference
 path, so there only the difference is recorded). Writes ``tuner_vs_op_timing.json`` to ``--out``.
+It measures the ``flash_inductor`` of the tree it is run from: for an A/B, run it from the root
+of each tree in turn.
 """
 
 from __future__ import annotations
@@ -46,14 +48,10 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.append(ROOT)  # last: a baseline tree put first on PYTHONPATH (an A/B) must win
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-from kernel_time import kernel_times_us  # noqa: E402
-from flash_inductor import flash_attention, launch  # noqa: E402
-from flash_inductor.tuning import measure  # noqa: E402
-from flash_inductor.tuning.buckets import Bucket  # noqa: E402
+from benchmarks.kernel_time import kernel_times_us
+from flash_inductor import flash_attention, launch
+from flash_inductor.autotune import measure
+from flash_inductor.tuning.buckets import Bucket
 
 WAYS = ("launch_hop", "launch", "op")
 
