@@ -76,7 +76,8 @@ Constexpr switches
 
 Argument groups. The kernels' own signatures stay flat, one scalar per stride, as launched:
 torch's ``wrap_triton`` (how the launchers reach Inductor) types each argument of a user kernel
-as a tensor or a scalar and has no tuple case (torch 2.13, ``_inductor/codegen/wrapper.py``).
+as a tensor or a scalar and has no tuple case (torch 2.13: ``define_user_defined_triton_kernel``
+in ``_inductor/codegen/wrapper.py``).
 Inside, the kernels hand their helpers tuples, which Triton inlines away (the compiled code is
 the same as with the values passed one by one):
 

@@ -41,14 +41,17 @@ Constexpr switches
     HAS_DROPOUT             dropout on P, from SEED (``common.dropout_keep``)
     FP32_DOT                input_precision of the dots ("ieee", "tf32" or "tf32x3" for fp32 operands)
     P_IN_FP32               P meets V in fp32 rather than rounded to the input dtype
-    FOLD_SCALE              fold the scale into exp2's argument (no additive mask; see ``_attn_fwd``)
+    FOLD_SCALE              fold the scale into exp2's argument (a positive scale and no mask:
+                            ``launch/forward.py``; why it is exact: ``_attn_fwd``)
     CHECK_BOUNDS            (``_attn_fwd_inner`` only) apply the bounds / causal select to the block
 
 The kernel's signature stays flat, one scalar per stride, as launched: torch's ``wrap_triton``
-types each argument of a user kernel as a tensor or a scalar (torch 2.13) and has no tuple case.
+types each argument of a user kernel as a tensor or a scalar and has no tuple case (torch 2.13:
+``define_user_defined_triton_kernel`` in ``_inductor/codegen/wrapper.py``).
 Its helper takes tuples, which Triton inlines away: ``*_strides`` (batch, head, row, column) of
 one tensor, ``query_block`` (q, offs_m, rng_rows), ``dropout`` (seed, dropout_p).
 """
+
 import triton
 import triton.language as tl
 
