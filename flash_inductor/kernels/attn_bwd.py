@@ -75,9 +75,9 @@ Constexpr switches
     SHIFT                   some row may have a non-zero row_shift (dK/dV pass; SHIFT_FLAG)
 
 Argument groups. The kernels' own signatures stay flat, one scalar per stride, as launched:
-torch's ``wrap_triton`` (how the launchers reach Inductor) types each argument of a user kernel
-as a tensor or a scalar and has no tuple case (torch 2.13: ``define_user_defined_triton_kernel``
-in ``_inductor/codegen/wrapper.py``).
+the launchers reach Inductor through torch's ``wrap_triton``, whose code generation for a user
+kernel takes tensors and scalars only (torch 2.13's ``UserDefinedTritonKernel`` in
+``_inductor/ir.py`` raises "Unsupported arg type" on a tuple).
 Inside, the kernels hand their helpers tuples, which Triton inlines away (the compiled code is
 the same as with the values passed one by one):
 

@@ -45,9 +45,10 @@ Constexpr switches
                             ``launch/forward.py``; why it is exact: ``_attn_fwd``)
     CHECK_BOUNDS            (``_attn_fwd_inner`` only) apply the bounds / causal select to the block
 
-The kernel's signature stays flat, one scalar per stride, as launched: torch's ``wrap_triton``
-types each argument of a user kernel as a tensor or a scalar and has no tuple case (torch 2.13:
-``define_user_defined_triton_kernel`` in ``_inductor/codegen/wrapper.py``).
+The kernel's signature stays flat, one scalar per stride, as launched: the launchers reach
+Inductor through torch's ``wrap_triton``, whose code generation for a user kernel takes tensors
+and scalars only (torch 2.13's ``UserDefinedTritonKernel`` in ``_inductor/ir.py`` raises
+"Unsupported arg type" on a tuple).
 Its helper takes tuples, which Triton inlines away: ``*_strides`` (batch, head, row, column) of
 one tensor, ``query_block`` (q, offs_m, rng_rows), ``dropout`` (seed, dropout_p).
 """
