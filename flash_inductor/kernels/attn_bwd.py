@@ -24,20 +24,21 @@ Symbols (i a query row, j a key; vectors are per row of a query block)
     P_ij              p (dQ), p_t (dK/dV)       softmax probability, fp32 (p is P / row_scale)
     P_ij with dropout p_used_t                  P · keep / (1 - dropout_p), the P that multiplied V
     keep_ij           keep                      the dropout keep mask (``common.dropout_keep``)
-    1 / (1 - p_drop)  keep_scale                the dropout keep scale, 1 without dropout
+    1/(1-dropout_p)   keep_scale                the dropout keep scale, 1 without dropout
     dP_ij             dp, dp_t                  dO_i·v_j (times keep · keep_scale under dropout)
     dLSE_i            DLSE, dlse                the gradient of the LSE output (HAS_DLSE)
     Δ_i               delta (DELTA)             rowsum(dO_i ∘ O_i) − dLSE_i, from ``_attn_bwd_preprocess``
     Δ*_i              delta + correction        exact Δ: stored over Δ in DELTA by the dQ pass
     c_i, c̃_i          correction,               σ_i / Λ_i − dLSE_i and σ̃_i / Λ_i − dLSE_i
                       seen_correction
-    dS_ij             ds, ds_t                  P_ij (dP_ij − Δ_i), fp32 (times ds_up in the plain loop)
+    dS_ij             ds, ds_t                  P_ij (dP_ij − Δ_i) in fp32; times ds_up in DS_RESCALE's
+                                                plain loop; ds_t is (keys, queries)
     dS as rounded     (ds_tile, ds_factor)      the matrix unit's operand: ds_tile · ds_factor is dS
     σ_i               ds_sum                    Σ_j dS_ij, fp32 (exact Δ)
     σ̃_i               ds_seen_sum               Σ_j dS_ij as the dQ dot saw it, rounded (exact Δ)
     Λ_i               p_sum                     Σ_j P_ij (exact Δ)
     K̄_i               p_k                       Σ_j P_ij k_j, a (rows, BLOCK_E) tile (exact Δ)
-    B                 bound (``_ds_loop_choice``) the call's bound on |dS|, from DS_STATS
+    B                 bound                     the call's bound on |dS| (``_ds_loop_choice``, from DS_STATS)
     ds_up             ds_up                     the plain loop's power-of-two scale-up of dS (1 unless
                                                 DS_RESCALE)
 
@@ -216,8 +217,8 @@ def _ds_operand(ds, dtype, DS_IN_FP32: tl.constexpr, RESCALE: tl.constexpr):
         # (|V| or |dO| ~ 1e4). Scale the tile by a power of two (exact) so its largest
         # element stays below 2^14 when rounded, and undo the scale on the fp32 product.
         amax = tl.max(tl.abs(ds))
-        shift = tl.where(amax > 16384.0, tl.ceil(tl.log2(amax)) - 14.0, 0.0)
-        factor = tl.math.exp2(shift)
+        exponent = tl.where(amax > 16384.0, tl.ceil(tl.log2(amax)) - 14.0, 0.0)  # not the row shift
+        factor = tl.math.exp2(exponent)
         return (ds / factor).to(dtype), factor
     else:
         return ds.to(dtype), 1.0
