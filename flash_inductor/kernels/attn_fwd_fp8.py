@@ -18,7 +18,8 @@ dividing it back out is exact. The softmax statistics, the mask, the scale and O
 V is stored transposed (sequence contiguous): the fp8 tensor-core product on sm_90 reads both
 operands K-major, i.e. contiguous along the reduction axis, which for P·V is the key axis.
 
-Symbols (beyond ``attn_fwd``'s, whose m_i, l_i, alpha, acc, s2 and LSE mean the same here)
+Symbols (beyond ``attn_fwd``'s, whose s2, m_i, l_i, alpha and LSE mean the same here; acc holds
+Σ_j e4m3(P_ij·2⁸)·v8_je, which the end multiplies by dv_e / 2⁸ along with 1 / l_i)
 
     symbol             code                      meaning
     -----------------  ------------------------  ---------------------------------------------
