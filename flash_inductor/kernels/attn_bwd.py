@@ -1,12 +1,96 @@
-"""Backward flash-attention kernels: a row-sum preprocess, a dQ pass, then a dK/dV pass.
+"""Backward flash-attention kernels: a row-sum preprocess, a row reference, a dQ pass, then a dK/dV pass.
 
 P is recomputed from the saved LSE (through a per-row reference and shift, see
 ``_attn_bwd_row_reference``); no (L, S) matrix is stored (except dS itself when the
 caller asks for the gradient of a float mask). dS = P∘(dP − Δ) stays fp32 until it meets
-the matrix unit, where ``ds_dot`` rounds it as the precision schedule says.
+the matrix unit, where ``_ds_tile`` rounds it as the precision schedule says.
 
-Δ_i = rowsum(dO_i ∘ O_i) − dLSE_i: the LSE output's own gradient enters dS exactly as a
-shift of Δ, because ∂lse_i/∂s_ij = P_ij.
+Launch order (``launch/backward.py``): ``_attn_bwd_preprocess`` (Δ, and the |dS| bound's
+statistics), ``_attn_bwd_row_reference``, ``_attn_bwd_dq`` (which under exact Δ rewrites Δ into
+Δ*), ``_attn_bwd_dkdv`` (which reads Δ*).
+
+Symbols (i a query row, j a key; vectors are per row of a query block)
+
+    symbol            code                      meaning
+    ----------------  ------------------------  ---------------------------------------------------
+    s_ij              --                        scale · q_i·k_j (+ the additive mask), natural units
+    s2                s2 (dQ), s2_t (dK/dV)     log2(e) · s_ij: scores in base 2; s2_t is (keys, queries)
+    scale             sm_scale                  the softmax scale; qk_scale_log2 = scale · log2(e)
+    lse_i             LSE, lse                  the forward's log-sum-exp, natural log (as stored)
+    lse_i · log2(e)   row_ref (ROW_REF)         the LSE in base 2: the row reference P is taken against
+    shift_i           row_shift (ROW_SHIFT)     log2 of the row sum, non-zero only for rows at the mask
+                                                clamp; P = exp2((s2 - row_ref) - row_shift)
+    2^-shift_i        row_scale                 the dQ pass's row factor: its loop works with P / row_scale
+    P_ij              p (dQ), p_t (dK/dV)       softmax probability, fp32 (p is P / row_scale)
+    P_ij with dropout p_used_t                  P · keep / (1 - dropout_p), the P that multiplied V
+    keep_ij           keep                      the dropout keep mask (``common.dropout_keep``)
+    1/(1-dropout_p)   keep_scale                the dropout keep scale, 1 without dropout
+    dP_ij             dp, dp_t                  dO_i·v_j (times keep · keep_scale under dropout)
+    dLSE_i            DLSE, dlse                the gradient of the LSE output (HAS_DLSE)
+    Δ_i               delta (DELTA)             rowsum(dO_i ∘ O_i) − dLSE_i, from ``_attn_bwd_preprocess``
+    Δ*_i              delta + correction        exact Δ: stored over Δ in DELTA by the dQ pass
+    c_i, c̃_i          correction,               σ_i / Λ_i − dLSE_i and σ̃_i / Λ_i − dLSE_i
+                      seen_correction
+    dS_ij             ds, ds_t                  P_ij (dP_ij − Δ_i) in fp32; times ds_up in DS_RESCALE's
+                                                plain loop; ds_t is (keys, queries)
+    dS as rounded     (ds_tile, ds_factor)      the matrix unit's operand: ds_tile · ds_factor is dS
+    σ_i               ds_sum                    Σ_j dS_ij, fp32 (exact Δ)
+    σ̃_i               ds_seen_sum               Σ_j dS_ij as the dQ dot saw it, rounded (exact Δ)
+    Λ_i               p_sum                     Σ_j P_ij (exact Δ)
+    K̄_i               p_k                       Σ_j P_ij k_j, a (rows, BLOCK_E) tile (exact Δ)
+    B                 bound                     the call's bound on |dS| (``_ds_loop_choice``, from DS_STATS)
+    ds_up             ds_up                     the plain loop's power-of-two scale-up of dS (1 unless
+                                                DS_RESCALE)
+
+Indices and sizes: b (batch), h (query head), h_kv = h // GROUP (its K/V head; GROUP = H_Q /
+H_KV query heads share one), bh = b · H_Q + h, L / S (query / key lengths), row_ids = bh · L +
+row (a row of the flattened (B·H_Q, L) vectors DELTA, ROW_REF, ROW_SHIFT, DLSE and of DMASK),
+causal_offset (key j is visible from row i when j <= i + causal_offset), offs_m / offs_n / offs_e /
+offs_ev (a block's rows, keys, head-dim and value-dim columns), lo / split / mid / hi (block
+ranges of the loops, see the passes). Pointers are UPPER_CASE, strides ``stride_<tensor><dim>``.
+
+Constexpr switches
+
+    HEAD_DIM, HEAD_DIM_V    E and Ev, the head dims of Q/K and of V
+    BLOCK_E, BLOCK_EV       their padded tile widths (powers of two, equal: ``launch/common.py``)
+    BLOCK_M, BLOCK_N        query rows and keys per tile (the launch config)
+    HAS_MASK, MASK_IS_BOOL  a mask is given; bool (True = attend) or additive float
+    IS_CAUSAL               keys past i + causal_offset are invisible
+    HAS_DROPOUT             dropout on P, regenerated from SEED (``common.dropout_keep``)
+    FP32_DOT                input_precision of every dot ("ieee", "tf32" or "tf32x3" for fp32 operands)
+    P_IN_FP32               P meets dO (dV) and K (K̄) in fp32 rather than rounded to the input dtype
+    DS_IN_FP32              dS meets Q (dK) and K (dQ) in fp32 rather than rounded
+    DS_RESCALE              fp16 dS may overflow: each program picks the plain loop (dS · ds_up) or,
+                            past DS_RESCALE_ABOVE, the per-tile rescaling loop (``_ds_loop_choice``)
+    EXACT_DELTA             the dQ pass corrects dq and Δ with σ, σ̃, Λ and K̄ (below)
+    HAS_DLSE                the LSE output has a gradient (DLSE), which shifts Δ
+    WRITE_DMASK             write dS into DMASK, the float mask's gradient (the dQ pass without exact
+                            Δ, the dK/dV pass with it: only there is dS final)
+    COLLECT_DS_STATS        the preprocess also collects the |dS| bound's maxima into DS_STATS
+    EVEN_N, EVEN_M          S (dQ pass) / L (dK/dV pass) is a whole number of blocks: no row masks on
+                            the looped-over loads (``tile_loads``)
+    EVEN_E                  both head dims equal their padded width: no column masks on those loads
+    inner helpers only:
+    RESCALE                 this loop is the rescaling one (per-tile scale of dS, ``_ds_tile``)
+    CHECK                   the tile may hold invisible keys: apply the bounds / causal select
+    SHIFT                   some row may have a non-zero row_shift (dK/dV pass; SHIFT_FLAG)
+
+Argument groups. The kernels' own signatures stay flat, one scalar per stride, as launched:
+the launchers reach Inductor through torch's ``wrap_triton``, whose code generation for a user
+kernel takes tensors and scalars only (torch 2.13's ``UserDefinedTritonKernel`` in
+``_inductor/ir.py`` raises "Unsupported arg type" on a tuple).
+Inside, the kernels hand their helpers tuples, which Triton inlines away (the compiled code is
+the same as with the values passed one by one):
+
+    *_strides       (batch, head, row, column) strides of one tensor
+    key_block       (k, v, offs_n, kv_rows_ok): the dK/dV program's keys and values
+    query_block     (q, do, offs_m, q_rows_ok, row_ids): the dQ program's rows
+    row_pointers    (ROW_REF, ROW_SHIFT, DELTA); row_values (row_ref, row_scale, delta)
+    exact_sums      (σ, σ̃, Λ, K̄) = (ds_sum, ds_seen_sum, p_sum, p_k)
+    dropout         (seed, keep_scale, dropout_p)
+
+Δ and the LSE's gradient. Δ_i = rowsum(dO_i ∘ O_i) − dLSE_i: the LSE output's own gradient
+enters dS exactly as a shift of Δ, because ∂lse_i/∂s_ij = P_ij.
 
 Exact Δ (``EXACT_DELTA``, the schedule's ``exact_delta``). rowsum(dO_i ∘ O_i) stands for
 Σ_j P_ij dP_ij, but O is stored rounded to the input dtype, so it is off by
@@ -28,14 +112,14 @@ itself, shared component included, which on near-tied keys costs as much as the 
 Δ* itself comes from σ_i, unrounded; the dQ pass stores it in place of Δ, and the dK/dV pass,
 launched after it, reads it.
 
-The dK/dV pass owns one key block of one KV head and walks every query head of its GQA
+GQA. The dK/dV pass owns one key block of one KV head and walks every query head of its GQA
 group, so grouped K/V gradients are summed in registers, without atomics or repeated K/V.
 
-Both passes split their loop as the forward does: tiles whose keys all lie inside S and are all
-visible to every row under causal masking skip the visibility select (``mask_scores``'s
-CHECK=False); the causal diagonal and a ragged last key block keep it. The last key block must:
-its zero-padded keys score 0, and against a row whose LSE is very negative exp2(0 - LSE) is
-inf, which the select is what turns into 0.
+Loop split. Both passes split their loop as the forward does: tiles whose keys all lie inside S
+and are all visible to every row under causal masking skip the visibility select
+(``mask_scores``'s CHECK=False); the causal diagonal and a ragged last key block keep it. The
+last key block must: its zero-padded keys score 0, and against a row whose LSE is very negative
+exp2(0 - LSE) is inf, which the select is what turns into 0.
 
 fp16 dS rescaling (the ``stable`` schedule's ``ds_rescale``) is decided once per program: the
 preprocess bounds |dS| over the whole call on the device (``_ds_loop_choice``), and only a call
@@ -45,18 +129,18 @@ The plain loop still scales dS, up, by one power of two per call before the fp16
 ds_up = 2^floor(log2(DS_RESCALE_ABOVE / B)) for the bound B, at most 2^40 (``_ds_loop_choice``).
 Where dS is tiny (small |dO| or |V|, or the many small P of peaked attention), cast directly it
 would fall in fp16's subnormals (< 2^-14), which keep fewer significant bits the smaller the
-value; scaled, every |dS| is still <= 2^14, far from 65504. dq and dk then accumulate ds_up times their sums,
-and their final scale is sm_scale / ds_up, exact for a power of two, as is every step between
-(fp32 sums of scaled terms are the scaled sums): only the cast's rounding changes. Under exact
-Δ, σ stays in dS's own units, and so does σ̃ (the factor 1 / ds_up that ``_ds_tile`` returns);
-the correction σ̃·K̄ is scaled by ds_up before it meets the scaled dq. The rescaling loop takes
-ds_up = 1, and kernels without ``DS_RESCALE`` never see it.
+value; scaled, every |dS| is still <= 2^14, far from 65504. dq and dk then accumulate ds_up times
+their sums, and their final scale is sm_scale / ds_up, exact for a power of two, as is every step
+between (fp32 sums of scaled terms are the scaled sums): only the cast's rounding changes. Under
+exact Δ, σ stays in dS's own units, and so does σ̃ (the factor 1 / ds_up that ``_ds_tile``
+returns); the correction σ̃·K̄ is scaled by ds_up before it meets the scaled dq. The rescaling
+loop takes ds_up = 1, and kernels without ``DS_RESCALE`` never see it.
 """
 
 import triton
 import triton.language as tl
 
-from .common import LOG2E, accumulate_ds_dot, dropout_keep, ds_operand, mask_scores
+from .common import LOG2E, dropout_keep, mask_scores
 from .tile_loads import load_rows, load_tile
 
 # LSEs below this (natural log) only come from rows whose every visible key sits at the
@@ -123,17 +207,47 @@ def _ds_unscale(ds_up, DS_RESCALE: tl.constexpr, RESCALE: tl.constexpr):
 
 
 @triton.jit
+def _ds_operand(ds, dtype, DS_IN_FP32: tl.constexpr, RESCALE: tl.constexpr):
+    """dS as the matrix unit receives it: (tile, factor), tile * factor being dS rounded only as the
+    precision schedule allows (factor 1 unless the tile was rescaled)."""
+    if DS_IN_FP32:
+        return ds, 1.0
+    elif RESCALE:
+        # dS = P*(dP - delta) can exceed fp16's 65504 while the gradient it feeds is finite
+        # (|V| or |dO| ~ 1e4). Scale the tile by a power of two (exact) so its largest
+        # element stays below 2^14 when rounded, and undo the scale on the fp32 product.
+        amax = tl.max(tl.abs(ds))
+        exponent = tl.where(amax > 16384.0, tl.ceil(tl.log2(amax)) - 14.0, 0.0)  # not the row shift
+        factor = tl.math.exp2(exponent)
+        return (ds / factor).to(dtype), factor
+    else:
+        return ds.to(dtype), 1.0
+
+
+@triton.jit
+def _accumulate_ds_dot(acc, tile, factor, x, RESCALE: tl.constexpr, FP32_DOT: tl.constexpr):
+    """acc + (tile * factor) @ x in fp32, for a (tile, factor) from ``_ds_operand``.
+
+    Without a rescale the product accumulates into ``acc`` inside the dot, which lets the
+    matrix unit keep the accumulator in its own registers; a rescaled tile's product must be
+    multiplied by its factor first, so it takes a separate result and an add."""
+    if RESCALE:
+        return acc + tl.dot(tile, x.to(tile.dtype), input_precision=FP32_DOT) * factor
+    else:
+        return tl.dot(tile, x.to(tile.dtype), acc, input_precision=FP32_DOT)
+
+
+@triton.jit
 def _ds_tile(ds, dtype, ds_up, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr, RESCALE: tl.constexpr):
-    """``ds_operand`` for ``_ds_scores``' tile: (tile, factor), tile * factor being dS as the
+    """``_ds_operand`` for ``_ds_scores``' tile: (tile, factor), tile * factor being dS as the
     schedule rounds it. In DS_RESCALE's plain loop the tile is dS * ds_up and factor 1 / ds_up;
-    ``accumulate_ds_dot`` adds the plain loop's tiles without their factor, so dq and dk hold ds_up
-    times their sums until the kernels' final scale. (Kept here, not in common.py, whose hash
-    every kernel family's tuning entries carry.)"""
+    ``_accumulate_ds_dot`` adds the plain loop's tiles without their factor, so dq and dk hold ds_up
+    times their sums until the kernels' final scale."""
     if DS_RESCALE and not RESCALE:
-        tile, _ = ds_operand(ds, dtype, DS_IN_FP32, False)
+        tile, _ = _ds_operand(ds, dtype, DS_IN_FP32=DS_IN_FP32, RESCALE=False)
         return tile, 1.0 / ds_up
     else:
-        return ds_operand(ds, dtype, DS_IN_FP32, RESCALE)
+        return _ds_operand(ds, dtype, DS_IN_FP32=DS_IN_FP32, RESCALE=RESCALE)
 
 
 @triton.jit
@@ -161,7 +275,7 @@ def _attn_bwd_preprocess(
     beside the reads of dO the preprocess makes anyway, the bound needs no launches of its own.
     Computed by torch reductions instead (two norms, two maxima and the products: about eight
     launches), it cost an eager fp16 training step 0.1-0.3 ms of kernel time at 16k tokens on an
-    H200, where Inductor fused it in compiled graphs (session 24, benchmarks/NOTES.md)."""
+    H200, where Inductor fused it in compiled graphs (2026-12-01, benchmarks/NOTES.md)."""
     start_m = tl.program_id(0) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     bh = tl.program_id(1)
@@ -250,7 +364,8 @@ def _attn_bwd_row_reference(
                         mask=kv_rows_ok[None, :] & (offs_e[:, None] < HEAD_DIM), other=0.0)
             s2 = tl.dot(q, k, input_precision=FP32_DOT) * qk_scale_log2
             s2 = mask_scores(s2, mask_base, offs_m[:, None], offs_n[None, :], row_ok[:, None] & kv_rows_ok[None, :],
-                             stride_mm, stride_mn, causal_offset, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL)
+                             stride_mm, stride_mn, causal_offset,
+                             HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL)
             new_max = tl.maximum(row_max, tl.max(s2, 1))
             safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
             row_sum = row_sum * tl.math.exp2(row_max - safe_max) + tl.sum(tl.math.exp2(s2 - safe_max[:, None]), 1)
@@ -265,11 +380,9 @@ def _attn_bwd_row_reference(
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, k, v, q_base, do_base, mask_base, seed, keep_scale, ds_up, bh,
-    ROW_REF, ROW_SHIFT, DELTA, DMASK,
-    offs_n, offs_m_base, offs_e, offs_ev, kv_rows_ok, lo, hi,
-    stride_qm, stride_qe, stride_mm, stride_mn, stride_dom, stride_doe,
-    L, S, causal_offset, qk_scale_log2, dropout_p,
+    dk, dv, key_block, q_base, do_base, mask_base, bh, row_pointers, DMASK, dropout, ds_up,
+    offs_m_base, offs_e, offs_ev, lo, hi, q_strides, do_strides, mask_strides,
+    L, S, causal_offset, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
@@ -280,23 +393,30 @@ def _dkdv_tiles(
     1 / ds_up under DS_RESCALE's plain loop. Without SHIFT every row's shift is known to be 0;
     EVEN_M (L a multiple of BLOCK_M) and EVEN_E (head dims at their padded widths) drop the load
     masks that cannot bind."""
+    k, v, offs_n, kv_rows_ok = key_block
+    ROW_REF, ROW_SHIFT, DELTA = row_pointers
+    seed, keep_scale, dropout_p = dropout
+    _, _, stride_qm, stride_qe = q_strides
+    _, _, stride_dom, stride_doe = do_strides
+    _, _, stride_mm, stride_mn = mask_strides
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m_base
         q_rows_ok = offs_m < L
         q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_e[None, :] * stride_qe,
-                      q_rows_ok, offs_e < HEAD_DIM, EVEN_M, EVEN_E)
+                      q_rows_ok, offs_e < HEAD_DIM, EVEN_ROWS=EVEN_M, EVEN_COLS=EVEN_E)
         do = load_tile(do_base + offs_m[:, None] * stride_dom + offs_ev[None, :] * stride_doe,
-                       q_rows_ok, offs_ev < HEAD_DIM_V, EVEN_M, EVEN_E)
+                       q_rows_ok, offs_ev < HEAD_DIM_V, EVEN_ROWS=EVEN_M, EVEN_COLS=EVEN_E)
         row_ids = bh * L + offs_m
-        row_ref = load_rows(ROW_REF + row_ids, q_rows_ok, float("inf"), EVEN_M)
-        delta = load_rows(DELTA + row_ids, q_rows_ok, 0.0, EVEN_M)
+        row_ref = load_rows(ROW_REF + row_ids, q_rows_ok, float("inf"), EVEN_ROWS=EVEN_M)
+        delta = load_rows(DELTA + row_ids, q_rows_ok, 0.0, EVEN_ROWS=EVEN_M)
 
         # Transposed tiles (keys x queries) so dK and dV come out of the dots directly.
         s2_t = tl.dot(k, tl.trans(q), input_precision=FP32_DOT) * qk_scale_log2
         s2_t = mask_scores(s2_t, mask_base, offs_m[None, :], offs_n[:, None], kv_rows_ok[:, None] & q_rows_ok[None, :],
-                           stride_mm, stride_mn, causal_offset, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, CHECK)
+                           stride_mm, stride_mn, causal_offset,
+                           HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL, CHECK=CHECK)
         if SHIFT:
-            row_shift = load_rows(ROW_SHIFT + row_ids, q_rows_ok, 0.0, EVEN_M)
+            row_shift = load_rows(ROW_SHIFT + row_ids, q_rows_ok, 0.0, EVEN_ROWS=EVEN_M)
             p_t = tl.math.exp2((s2_t - row_ref[None, :]) - row_shift[None, :])
         else:
             p_t = tl.math.exp2(s2_t - row_ref[None, :])
@@ -311,25 +431,24 @@ def _dkdv_tiles(
             dv = tl.dot(p_used_t, do.to(tl.float32), dv, input_precision=FP32_DOT)
         else:
             dv = tl.dot(p_used_t.to(do.dtype), do, dv, input_precision=FP32_DOT)
-        ds_t = _ds_scores(p_t, dp_t, delta[None, :], ds_up, DS_RESCALE, RESCALE)
+        ds_t = _ds_scores(p_t, dp_t, delta[None, :], ds_up, DS_RESCALE=DS_RESCALE, RESCALE=RESCALE)
         if WRITE_DMASK:
             # dL/d(additive mask) is dS itself; DMASK is a dense (B*Hq, L, S) fp32 buffer. Written
             # here under exact Δ: the dQ pass knows a row's correction only after its last tile.
-            tl.store(DMASK + row_ids[None, :] * S + offs_n[:, None], ds_t * _ds_unscale(ds_up, DS_RESCALE, RESCALE),
+            tl.store(DMASK + row_ids[None, :] * S + offs_n[:, None],
+                     ds_t * _ds_unscale(ds_up, DS_RESCALE=DS_RESCALE, RESCALE=RESCALE),
                      mask=kv_rows_ok[:, None] & q_rows_ok[None, :])
-        ds_tile, ds_factor = _ds_tile(ds_t, q.dtype, ds_up, DS_IN_FP32, DS_RESCALE, RESCALE)
-        dk = accumulate_ds_dot(dk, ds_tile, ds_factor, q, RESCALE, FP32_DOT)
+        ds_tile, ds_factor = _ds_tile(ds_t, q.dtype, ds_up, DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE,
+                                      RESCALE=RESCALE)
+        dk = _accumulate_ds_dot(dk, ds_tile, ds_factor, q, RESCALE=RESCALE, FP32_DOT=FP32_DOT)
     return dk, dv
 
 
 @triton.jit
 def _dkdv_heads(
-    dk, dv, k, v, Q, DO, MASK, seed, keep_scale, ds_up, b, h_kv,
-    ROW_REF, ROW_SHIFT, DELTA, DMASK,
-    offs_n, offs_m_base, offs_e, offs_ev, kv_rows_ok, lo, mid,
-    stride_qb, stride_qh, stride_qm, stride_qe, stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_dob, stride_doh, stride_dom, stride_doe,
-    H_Q, GROUP, L, S, causal_offset, qk_scale_log2, dropout_p,
+    dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
+    offs_m_base, offs_e, offs_ev, lo, mid, q_strides, do_strides, mask_strides,
+    H_Q, GROUP, L, S, causal_offset, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
@@ -337,27 +456,35 @@ def _dkdv_heads(
     SHIFT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Every query head of the GQA group: blocks [lo, mid) with the visibility select, [mid, L) without."""
+    stride_qb, stride_qh, _, _ = q_strides
+    stride_dob, stride_doh, _, _ = do_strides
+    stride_mb, stride_mh, _, _ = mask_strides
     for g in range(GROUP):
         h = h_kv * GROUP + g
         bh = b * H_Q + h
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
         mask_base = MASK + b * stride_mb + h * stride_mh
+        # The two calls differ only in their range and CHECK.
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, mask_base, seed, keep_scale, ds_up, bh, ROW_REF, ROW_SHIFT, DELTA, DMASK,
-            offs_n, offs_m_base, offs_e, offs_ev, kv_rows_ok, lo, mid,
-            stride_qm, stride_qe, stride_mm, stride_mn, stride_dom, stride_doe,
-            L, S, causal_offset, qk_scale_log2, dropout_p,
-            HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            DS_RESCALE, RESCALE, True, WRITE_DMASK, FP32_DOT, SHIFT, EVEN_M, EVEN_E, BLOCK_M,
+            dk, dv, key_block, q_base, do_base, mask_base, bh, row_pointers, DMASK, dropout, ds_up,
+            offs_m_base, offs_e, offs_ev, lo, mid, q_strides, do_strides, mask_strides,
+            L, S, causal_offset, qk_scale_log2,
+            CHECK=True,
+            RESCALE=RESCALE, SHIFT=SHIFT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK,
+            MASK_IS_BOOL=MASK_IS_BOOL, HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, P_IN_FP32=P_IN_FP32,
+            DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
+            EVEN_M=EVEN_M, EVEN_E=EVEN_E, BLOCK_M=BLOCK_M,
         )
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, mask_base, seed, keep_scale, ds_up, bh, ROW_REF, ROW_SHIFT, DELTA, DMASK,
-            offs_n, offs_m_base, offs_e, offs_ev, kv_rows_ok, mid, L,
-            stride_qm, stride_qe, stride_mm, stride_mn, stride_dom, stride_doe,
-            L, S, causal_offset, qk_scale_log2, dropout_p,
-            HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            DS_RESCALE, RESCALE, False, WRITE_DMASK, FP32_DOT, SHIFT, EVEN_M, EVEN_E, BLOCK_M,
+            dk, dv, key_block, q_base, do_base, mask_base, bh, row_pointers, DMASK, dropout, ds_up,
+            offs_m_base, offs_e, offs_ev, mid, L, q_strides, do_strides, mask_strides,
+            L, S, causal_offset, qk_scale_log2,
+            CHECK=False,
+            RESCALE=RESCALE, SHIFT=SHIFT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK,
+            MASK_IS_BOOL=MASK_IS_BOOL, HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, P_IN_FP32=P_IN_FP32,
+            DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
+            EVEN_M=EVEN_M, EVEN_E=EVEN_E, BLOCK_M=BLOCK_M,
         )
     return dk, dv
 
@@ -428,35 +555,45 @@ def _attn_bwd_dkdv(
     ds_up = 1.0
     if DS_RESCALE:
         needs_rescale, ds_up = _ds_loop_choice(DS_STATS, keep_scale)
+    key_block = (k, v, offs_n, kv_rows_ok)
+    row_pointers = (ROW_REF, ROW_SHIFT, DELTA)
+    dropout = (seed, keep_scale, dropout_p)
+    q_strides = (stride_qb, stride_qh, stride_qm, stride_qe)
+    do_strides = (stride_dob, stride_doh, stride_dom, stride_doe)
+    mask_strides = (stride_mb, stride_mh, stride_mm, stride_mn)
+    # The three calls differ only in RESCALE and SHIFT.
     if needs_rescale:
         dk, dv = _dkdv_heads(
-            dk, dv, k, v, Q, DO, MASK, seed, keep_scale, ds_up, b, h_kv, ROW_REF, ROW_SHIFT, DELTA, DMASK,
-            offs_n, offs_m_base, offs_e, offs_ev, kv_rows_ok, lo, mid,
-            stride_qb, stride_qh, stride_qm, stride_qe, stride_mb, stride_mh, stride_mm, stride_mn,
-            stride_dob, stride_doh, stride_dom, stride_doe,
-            H_Q, GROUP, L, S, causal_offset, qk_scale_log2, dropout_p,
-            HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            DS_RESCALE, True, WRITE_DMASK, FP32_DOT, True, EVEN_M, EVEN_E, BLOCK_M,
+            dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
+            offs_m_base, offs_e, offs_ev, lo, mid, q_strides, do_strides, mask_strides,
+            H_Q, GROUP, L, S, causal_offset, qk_scale_log2,
+            RESCALE=True, SHIFT=True,
+            HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
+            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
+            DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT, EVEN_M=EVEN_M, EVEN_E=EVEN_E,
+            BLOCK_M=BLOCK_M,
         )
     elif tl.load(SHIFT_FLAG) != 0:
         dk, dv = _dkdv_heads(
-            dk, dv, k, v, Q, DO, MASK, seed, keep_scale, ds_up, b, h_kv, ROW_REF, ROW_SHIFT, DELTA, DMASK,
-            offs_n, offs_m_base, offs_e, offs_ev, kv_rows_ok, lo, mid,
-            stride_qb, stride_qh, stride_qm, stride_qe, stride_mb, stride_mh, stride_mm, stride_mn,
-            stride_dob, stride_doh, stride_dom, stride_doe,
-            H_Q, GROUP, L, S, causal_offset, qk_scale_log2, dropout_p,
-            HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            DS_RESCALE, False, WRITE_DMASK, FP32_DOT, True, EVEN_M, EVEN_E, BLOCK_M,
+            dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
+            offs_m_base, offs_e, offs_ev, lo, mid, q_strides, do_strides, mask_strides,
+            H_Q, GROUP, L, S, causal_offset, qk_scale_log2,
+            RESCALE=False, SHIFT=True,
+            HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
+            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
+            DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT, EVEN_M=EVEN_M, EVEN_E=EVEN_E,
+            BLOCK_M=BLOCK_M,
         )
     else:
         dk, dv = _dkdv_heads(
-            dk, dv, k, v, Q, DO, MASK, seed, keep_scale, ds_up, b, h_kv, ROW_REF, ROW_SHIFT, DELTA, DMASK,
-            offs_n, offs_m_base, offs_e, offs_ev, kv_rows_ok, lo, mid,
-            stride_qb, stride_qh, stride_qm, stride_qe, stride_mb, stride_mh, stride_mm, stride_mn,
-            stride_dob, stride_doh, stride_dom, stride_doe,
-            H_Q, GROUP, L, S, causal_offset, qk_scale_log2, dropout_p,
-            HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            DS_RESCALE, False, WRITE_DMASK, FP32_DOT, False, EVEN_M, EVEN_E, BLOCK_M,
+            dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
+            offs_m_base, offs_e, offs_ev, lo, mid, q_strides, do_strides, mask_strides,
+            H_Q, GROUP, L, S, causal_offset, qk_scale_log2,
+            RESCALE=False, SHIFT=False,
+            HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
+            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
+            DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT, EVEN_M=EVEN_M, EVEN_E=EVEN_E,
+            BLOCK_M=BLOCK_M,
         )
 
     if DS_RESCALE:
@@ -470,11 +607,9 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _dq_tiles(
-    dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_scale, delta, row_ids,
-    k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
-    offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, lo, hi,
-    stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
-    S, causal_offset, qk_scale_log2, dropout_p,
+    dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
+    offs_n_base, offs_e, offs_ev, lo, hi, k_strides, v_strides, mask_strides,
+    S, causal_offset, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
@@ -485,41 +620,50 @@ def _dq_tiles(
     """Fold key blocks [lo, hi) into this query block's dq (and, under exact Δ, σ, σ̃, Λ, K̄); dq in
     units of 1 / ds_up under DS_RESCALE's plain loop, the rest in dS's own, and all of them in units
     of 1 / row_scale: the loop leaves out each row's shift (see _attn_bwd_dq)."""
+    ds_sum, ds_seen_sum, p_sum, p_k = exact_sums
+    q, do, offs_m, q_rows_ok, row_ids = query_block
+    row_ref, row_scale, delta = row_values
+    seed, keep_scale, dropout_p = dropout
+    _, _, stride_kn, stride_ke = k_strides
+    _, _, stride_vn, stride_ve = v_strides
+    _, _, stride_mm, stride_mn = mask_strides
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
         kv_rows_ok = offs_n < S
         k = load_tile(k_base + offs_n[:, None] * stride_kn + offs_e[None, :] * stride_ke,
-                      kv_rows_ok, offs_e < HEAD_DIM, EVEN_N, EVEN_E)
+                      kv_rows_ok, offs_e < HEAD_DIM, EVEN_ROWS=EVEN_N, EVEN_COLS=EVEN_E)
         v = load_tile(v_base + offs_n[:, None] * stride_vn + offs_ev[None, :] * stride_ve,
-                      kv_rows_ok, offs_ev < HEAD_DIM_V, EVEN_N, EVEN_E)
+                      kv_rows_ok, offs_ev < HEAD_DIM_V, EVEN_ROWS=EVEN_N, EVEN_COLS=EVEN_E)
         s2 = tl.dot(q, tl.trans(k), input_precision=FP32_DOT) * qk_scale_log2
         tile_ok = q_rows_ok[:, None] & kv_rows_ok[None, :]
-        s2 = mask_scores(s2, mask_base, offs_m[:, None], offs_n[None, :], tile_ok,
-                         stride_mm, stride_mn, causal_offset, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, CHECK)
+        s2 = mask_scores(s2, mask_base, offs_m[:, None], offs_n[None, :], tile_ok, stride_mm, stride_mn, causal_offset,
+                         HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL, CHECK=CHECK)
         p = tl.math.exp2(s2 - row_ref[:, None])  # P / row_scale
         dp = tl.dot(do, tl.trans(v), input_precision=FP32_DOT)
         if HAS_DROPOUT:
             keep = dropout_keep(seed, row_ids[:, None], offs_n[None, :], S, dropout_p)
             dp = tl.where(keep, dp * keep_scale, 0.0)
-        ds = _ds_scores(p, dp, delta[:, None], ds_up, DS_RESCALE, RESCALE)
+        ds = _ds_scores(p, dp, delta[:, None], ds_up, DS_RESCALE=DS_RESCALE, RESCALE=RESCALE)
         if WRITE_DMASK:
             # dL/d(additive mask) is dS itself; DMASK is a dense (B*Hq, L, S) fp32 buffer. Only
             # without exact Δ: with it, this dS still lacks the row's correction (see the dK/dV pass).
             tl.store(DMASK + row_ids[:, None] * S + offs_n[None, :],
-                     ds * (row_scale * _ds_unscale(ds_up, DS_RESCALE, RESCALE))[:, None], mask=tile_ok)
-        ds_tile, ds_factor = _ds_tile(ds, k.dtype, ds_up, DS_IN_FP32, DS_RESCALE, RESCALE)
-        dq = accumulate_ds_dot(dq, ds_tile, ds_factor, k, RESCALE, FP32_DOT)
+                     ds * (row_scale * _ds_unscale(ds_up, DS_RESCALE=DS_RESCALE, RESCALE=RESCALE))[:, None],
+                     mask=tile_ok)
+        ds_tile, ds_factor = _ds_tile(ds, k.dtype, ds_up, DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE,
+                                      RESCALE=RESCALE)
+        dq = _accumulate_ds_dot(dq, ds_tile, ds_factor, k, RESCALE=RESCALE, FP32_DOT=FP32_DOT)
         if EXACT_DELTA:
             # σ from the fp32 dS gives the dK/dV pass its Δ; σ̃ from dS as the dot above saw it
             # (rounded; ds_factor brings a scaled-up tile back to dS's units) corrects dq, so that
             # the rounding's common part goes too (see the module docstring). P is rounded for P·K
             # as for Pᵀ·dO: K̄ only multiplies corrections of order u, so its own rounding enters
             # at second order.
-            ds_sum += tl.sum(ds, 1) * _ds_unscale(ds_up, DS_RESCALE, RESCALE)
+            ds_sum += tl.sum(ds, 1) * _ds_unscale(ds_up, DS_RESCALE=DS_RESCALE, RESCALE=RESCALE)
             # σ̃ by fp32 adds. Summing the 16-bit tile on the matrix unit instead (its product with
             # a ones column) saved ~100 instructions per tile, but on Triton 3.6 / sm_90 that extra
             # small wgmma made the compiled kernel fault (out-of-range shared address) when
-            # S == 1 is specialised into it, at 64x64 tiles with 4 warps (session 17,
+            # S == 1 is specialised into it, at 64x64 tiles with 4 warps (H200, 2026-12-01:
             # benchmarks/experiments/backward_fault_repro.py).
             ds_seen_sum += tl.sum(ds_tile.to(tl.float32), 1) * ds_factor
             p_sum += tl.sum(p, 1)
@@ -527,16 +671,14 @@ def _dq_tiles(
                 p_k = tl.dot(p, k.to(tl.float32), p_k, input_precision=FP32_DOT)
             else:
                 p_k = tl.dot(p.to(k.dtype), k, p_k, input_precision=FP32_DOT)
-    return dq, ds_sum, ds_seen_sum, p_sum, p_k
+    return dq, (ds_sum, ds_seen_sum, p_sum, p_k)
 
 
 @triton.jit
 def _dq_blocks(
-    dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_scale, delta, row_ids,
-    k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
-    offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, split, hi,
-    stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
-    S, causal_offset, qk_scale_log2, dropout_p,
+    dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
+    offs_n_base, offs_e, offs_ev, split, hi, k_strides, v_strides, mask_strides,
+    S, causal_offset, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
@@ -544,24 +686,27 @@ def _dq_blocks(
     WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Key blocks [0, split) without the visibility select, then [split, hi) with it."""
-    dq, ds_sum, ds_seen_sum, p_sum, p_k = _dq_tiles(
-        dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_scale, delta, row_ids,
-        k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
-        offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, 0, split,
-        stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
-        S, causal_offset, qk_scale_log2, dropout_p,
-        HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-        DS_RESCALE, RESCALE, False, EXACT_DELTA, WRITE_DMASK, FP32_DOT, EVEN_N, EVEN_E, BLOCK_N,
+    """Key blocks [0, split) without the visibility select, then [split, hi) with it (the two
+    calls differ only in their range and CHECK)."""
+    dq, exact_sums = _dq_tiles(
+        dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
+        offs_n_base, offs_e, offs_ev, 0, split, k_strides, v_strides, mask_strides,
+        S, causal_offset, qk_scale_log2,
+        CHECK=False,
+        RESCALE=RESCALE, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
+        HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
+        DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
+        EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
     )
     return _dq_tiles(
-        dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_scale, delta, row_ids,
-        k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
-        offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, split, hi,
-        stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
-        S, causal_offset, qk_scale_log2, dropout_p,
-        HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-        DS_RESCALE, RESCALE, True, EXACT_DELTA, WRITE_DMASK, FP32_DOT, EVEN_N, EVEN_E, BLOCK_N,
+        dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
+        offs_n_base, offs_e, offs_ev, split, hi, k_strides, v_strides, mask_strides,
+        S, causal_offset, qk_scale_log2,
+        CHECK=True,
+        RESCALE=RESCALE, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
+        HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
+        DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
+        EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
     )
 
 
@@ -622,6 +767,7 @@ def _attn_bwd_dq(
     ds_seen_sum = tl.zeros([BLOCK_M], dtype=tl.float32)  # σ̃
     p_sum = tl.zeros([BLOCK_M], dtype=tl.float32)  # Λ
     p_k = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)  # K̄
+    exact_sums = (ds_sum, ds_seen_sum, p_sum, p_k)
     # Key blocks [0, split) are whole and visible to every row of this query block; [split, hi)
     # holds the causal diagonal and the ragged last key block.
     if IS_CAUSAL:
@@ -645,26 +791,36 @@ def _attn_bwd_dq(
     ds_up = 1.0
     if DS_RESCALE:
         needs_rescale, ds_up = _ds_loop_choice(DS_STATS, keep_scale)
+    query_block = (q, do, offs_m, q_rows_ok, row_ids)
+    row_values = (row_ref, row_scale, delta)
+    dropout = (seed, keep_scale, dropout_p)
+    k_strides = (stride_kb, stride_kh, stride_kn, stride_ke)
+    v_strides = (stride_vb, stride_vh, stride_vn, stride_ve)
+    mask_strides = (stride_mb, stride_mh, stride_mm, stride_mn)
+    # The two calls differ only in RESCALE.
     if needs_rescale:
-        dq, ds_sum, ds_seen_sum, p_sum, p_k = _dq_blocks(
-            dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_scale, delta, row_ids,
-            k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
-            offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, split, hi,
-            stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
-            S, causal_offset, qk_scale_log2, dropout_p,
-            HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            DS_RESCALE, True, EXACT_DELTA, WRITE_DMASK, FP32_DOT, EVEN_N, EVEN_E, BLOCK_N,
+        dq, exact_sums = _dq_blocks(
+            dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
+            offs_n_base, offs_e, offs_ev, split, hi, k_strides, v_strides, mask_strides,
+            S, causal_offset, qk_scale_log2,
+            RESCALE=True,
+            HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
+            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
+            DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
+            EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
         )
     else:
-        dq, ds_sum, ds_seen_sum, p_sum, p_k = _dq_blocks(
-            dq, ds_sum, ds_seen_sum, p_sum, p_k, q, do, row_ref, row_scale, delta, row_ids,
-            k_base, v_base, mask_base, seed, keep_scale, ds_up, DMASK,
-            offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, split, hi,
-            stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
-            S, causal_offset, qk_scale_log2, dropout_p,
-            HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, P_IN_FP32, DS_IN_FP32,
-            DS_RESCALE, False, EXACT_DELTA, WRITE_DMASK, FP32_DOT, EVEN_N, EVEN_E, BLOCK_N,
+        dq, exact_sums = _dq_blocks(
+            dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
+            offs_n_base, offs_e, offs_ev, split, hi, k_strides, v_strides, mask_strides,
+            S, causal_offset, qk_scale_log2,
+            RESCALE=False,
+            HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
+            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
+            DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
+            EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
         )
+    ds_sum, ds_seen_sum, p_sum, p_k = exact_sums
 
     if EXACT_DELTA:
         # The corrections c = σ/Λ − dLSE and c̃ = σ̃/Λ − dLSE of the module docstring; 0 on rows

@@ -7,6 +7,50 @@ Numerics (see ``schedules.py`` for the switchable parts):
     keeps m = -inf and is exponentiated against 0, so it never forms -inf - (-inf).
   * A row with no visible key at all ends with l = 0: its output is 0 and its LSE is -inf.
   * O accumulates in fp32; P is rounded to the input dtype for P·V unless P_IN_FP32.
+
+Symbols (i a query row, j a key; vectors are per row of the program's query block)
+
+    symbol            code            meaning
+    ----------------  --------------  ----------------------------------------------------------
+    s_ij              --              scale · q_i·k_j (+ the additive mask), natural units
+    s2                s2              log2(e) · s_ij, the scores in base 2; under FOLD_SCALE the
+                                      unscaled q_i·k_j (+ a bool mask's -inf) until exp2
+    scale · log2(e)   qk_scale_log2   the softmax scale in base 2 (the launcher folds log2(e) in)
+    m_i               m_i             running row max of s2 (base 2); m_ref is m_i with -inf read as 0
+    l_i               l_i             running row sum of exp2(s2 - m_i), before dropout
+    α                 alpha           exp2(m_old - m_new), the rescale of l_i and acc per block
+    P_ij              p               exp2(s2 - m_ref), unnormalised; zeroed where dropout drops
+    O_i               acc, then out   Σ_j P_ij v_j in fp32; out = acc / l_i (/ (1 - dropout_p))
+    lse_i (base 2)    m_i + log2 l_i  the LSE in base 2; stored in natural log, times ln 2 (LSE)
+    keep_ij           keep            the dropout keep mask (``common.dropout_keep``)
+
+Indices and sizes: b (batch), h (query head), h_kv = h // GROUP (its K/V head: GROUP query
+heads share one, so K/V are indexed, never repeated), bh = b · H_Q + h, L / S (query / key
+lengths), causal_offset (key j is visible from row i when j <= i + causal_offset), rng_rows =
+bh · L + row (the dropout counter's row), offs_m / offs_n / offs_e / offs_ev (a block's rows,
+keys, head-dim and value-dim columns), [0, split) / [split, hi) (the key blocks without and with
+the visibility select). Pointers are UPPER_CASE, strides ``stride_<tensor><dim>``.
+
+Constexpr switches
+
+    HEAD_DIM, HEAD_DIM_V    E and Ev, the head dims of Q/K and of V
+    BLOCK_E, BLOCK_EV       their padded tile widths (powers of two, equal: ``launch/common.py``)
+    BLOCK_M, BLOCK_N        query rows per program and keys per step (the launch config)
+    HAS_MASK, MASK_IS_BOOL  a mask is given; bool (True = attend) or additive float
+    IS_CAUSAL               keys past i + causal_offset are invisible
+    HAS_DROPOUT             dropout on P, from SEED (``common.dropout_keep``)
+    FP32_DOT                input_precision of the dots ("ieee", "tf32" or "tf32x3" for fp32 operands)
+    P_IN_FP32               P meets V in fp32 rather than rounded to the input dtype
+    FOLD_SCALE              fold the scale into exp2's argument (a positive scale and no mask:
+                            ``launch/forward.py``; why it is exact: ``_attn_fwd``)
+    CHECK_BOUNDS            (``_attn_fwd_inner`` only) apply the bounds / causal select to the block
+
+The kernel's signature stays flat, one scalar per stride, as launched: the launchers reach
+Inductor through torch's ``wrap_triton``, whose code generation for a user kernel takes tensors
+and scalars only (torch 2.13's ``UserDefinedTritonKernel`` in ``_inductor/ir.py`` raises
+"Unsupported arg type" on a tuple).
+Its helper takes tuples, which Triton inlines away: ``*_strides`` (batch, head, row, column) of
+one tensor, ``query_block`` (q, offs_m, rng_rows), ``dropout`` (seed, dropout_p).
 """
 
 import triton
@@ -17,12 +61,9 @@ from .common import LN2, add_attn_mask, dropout_keep
 
 @triton.jit
 def _attn_fwd_inner(
-    acc, l_i, m_i, q,
-    k_base, v_base, mask_base, seed, rng_rows,
-    offs_m, offs_n_base, offs_e, offs_ev,
-    lo, hi,
-    stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
-    L, S, causal_offset, qk_scale_log2, dropout_p,
+    acc, l_i, m_i, query_block, k_base, v_base, mask_base, dropout,
+    offs_n_base, offs_e, offs_ev, lo, hi, k_strides, v_strides, mask_strides,
+    L, S, causal_offset, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, CHECK_BOUNDS: tl.constexpr,
@@ -33,6 +74,11 @@ def _attn_fwd_inner(
     CHECK_BOUNDS=False is the fast path for blocks known to be fully inside S and fully
     visible under causal masking; the diagonal and ragged-end blocks take CHECK_BOUNDS=True.
     """
+    q, offs_m, rng_rows = query_block
+    seed, dropout_p = dropout
+    _, _, stride_kn, stride_ke = k_strides
+    _, _, stride_vn, stride_ve = v_strides
+    _, _, stride_mm, stride_mn = mask_strides
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
         kv_rows_ok = offs_n < S
@@ -48,7 +94,7 @@ def _attn_fwd_inner(
             in_bounds = (offs_m[:, None] < L) & kv_rows_ok[None, :]
             s2 = add_attn_mask(
                 s2, mask_base + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
-                in_bounds, MASK_IS_BOOL,
+                in_bounds, MASK_IS_BOOL=MASK_IS_BOOL,
             )
         if CHECK_BOUNDS:
             visible = kv_rows_ok[None, :]
@@ -145,21 +191,29 @@ def _attn_fwd(
         split = S
     split = tl.maximum(split // BLOCK_N * BLOCK_N, 0)
 
+    query_block = (q, offs_m, rng_rows)
+    dropout = (seed, dropout_p)
+    k_strides = (stride_kb, stride_kh, stride_kn, stride_ke)
+    v_strides = (stride_vb, stride_vh, stride_vn, stride_ve)
+    mask_strides = (stride_mb, stride_mh, stride_mm, stride_mn)
+    # The two calls differ only in their range and CHECK_BOUNDS.
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, mask_base, seed, rng_rows,
-        offs_m, offs_n_base, offs_e, offs_ev, 0, split,
-        stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
-        L, S, causal_offset, qk_scale_log2, dropout_p,
-        HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, False,
-        P_IN_FP32, FP32_DOT, FOLD_SCALE, BLOCK_N,
+        acc, l_i, m_i, query_block, k_base, v_base, mask_base, dropout,
+        offs_n_base, offs_e, offs_ev, 0, split, k_strides, v_strides, mask_strides,
+        L, S, causal_offset, qk_scale_log2,
+        CHECK_BOUNDS=False,
+        HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
+        HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, P_IN_FP32=P_IN_FP32, FP32_DOT=FP32_DOT,
+        FOLD_SCALE=FOLD_SCALE, BLOCK_N=BLOCK_N,
     )
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, mask_base, seed, rng_rows,
-        offs_m, offs_n_base, offs_e, offs_ev, split, hi,
-        stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
-        L, S, causal_offset, qk_scale_log2, dropout_p,
-        HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, True,
-        P_IN_FP32, FP32_DOT, FOLD_SCALE, BLOCK_N,
+        acc, l_i, m_i, query_block, k_base, v_base, mask_base, dropout,
+        offs_n_base, offs_e, offs_ev, split, hi, k_strides, v_strides, mask_strides,
+        L, S, causal_offset, qk_scale_log2,
+        CHECK_BOUNDS=True,
+        HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
+        HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, P_IN_FP32=P_IN_FP32, FP32_DOT=FP32_DOT,
+        FOLD_SCALE=FOLD_SCALE, BLOCK_N=BLOCK_N,
     )
 
     # l == 0 exactly when no key was visible: output 0 and LSE -inf instead of 0/0.

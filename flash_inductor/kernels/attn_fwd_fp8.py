@@ -17,6 +17,31 @@ dividing it back out is exact. The softmax statistics, the mask, the scale and O
 
 V is stored transposed (sequence contiguous): the fp8 tensor-core product on sm_90 reads both
 operands K-major, i.e. contiguous along the reduction axis, which for P·V is the key axis.
+
+Symbols (beyond ``attn_fwd``'s, whose s2, m_i, l_i, alpha and LSE mean the same here; acc holds
+Σ_j e4m3(P_ij·2⁸)·v8_je, which the end multiplies by dv_e / 2⁸ along with 1 / l_i)
+
+    symbol             code                      meaning
+    -----------------  ------------------------  ---------------------------------------------
+    q8, k8, v8         q8, k8, v8 (Q8, K8, V8)   the e4m3 copies (v8 read through V's transposed storage)
+    dq_i, dk_j         Q_DEQUANT, K_DEQUANT,     per-token dequantisation factors 2⁻ᵏ of Q and K
+                       k_dequant
+    dv_e               V_DEQUANT, v_dequant      per-channel dequantisation factor of V
+    scale·log2(e)·dq_i row_factor                what multiplies row i of q8·k8ᵀ (then times dk_j)
+    2⁸                 P_SHIFT                   P's scale before its e4m3 cast, undone with dv_e
+    448                E4M3_MAX                  e4m3's largest finite value
+
+Constexpr switches: HEAD_DIM(_V), BLOCK_E(_V), BLOCK_M, BLOCK_N, HAS_MASK, MASK_IS_BOOL,
+IS_CAUSAL, HAS_DROPOUT and CHECK_BOUNDS as in ``attn_fwd``; and
+
+    EMULATE_ROUNDING   round to e4m3's grid in fp32 before the cast (the interpreter only, whose
+                       own cast drops the carry: ``_round_to_e4m3``)
+    PER_ROW            ``_quantize_fp8``: one scale per row (Q, K), else per column (V)
+    BLOCK_R            ``_quantize_fp8``: rows per program
+
+The kernels' signatures stay flat, as in ``attn_fwd`` (torch's ``wrap_triton`` has no tuple
+arguments); the helper takes ``query_block`` (q8, row_factor, offs_m, rng_rows), ``dropout``
+(seed, dropout_p) and ``*_strides`` (batch, head, row, column) tuples.
 """
 
 import triton
@@ -81,12 +106,12 @@ def _quantize_fp8(
                 mask=ok, other=0.0).to(tl.float32)
     if PER_ROW:
         scale = _power_of_two_scale(tl.max(tl.abs(x), 1))
-        x8 = _round_to_e4m3(x * scale[:, None], EMULATE_ROUNDING)
+        x8 = _round_to_e4m3(x * scale[:, None], EMULATE=EMULATE_ROUNDING)
         tl.store(DEQUANT + bh.to(tl.int64) * N + offs_r, 1.0 / scale, mask=offs_r < N)
     else:
         amax = tl.load(COLUMN_AMAX + bh.to(tl.int64) * HEAD_DIM + offs_e, mask=offs_e < HEAD_DIM, other=0.0)
         scale = _power_of_two_scale(amax)
-        x8 = _round_to_e4m3(x * scale[None, :], EMULATE_ROUNDING)
+        x8 = _round_to_e4m3(x * scale[None, :], EMULATE=EMULATE_ROUNDING)
         if tl.program_id(0) == 0:
             tl.store(DEQUANT + bh.to(tl.int64) * HEAD_DIM + offs_e, 1.0 / scale, mask=offs_e < HEAD_DIM)
     tl.store(X8 + b * stride_yb + h * stride_yh + offs_r[:, None] * stride_yn + offs_e[None, :] * stride_ye,
@@ -95,11 +120,9 @@ def _quantize_fp8(
 
 @triton.jit
 def _attn_fwd_fp8_inner(
-    acc, l_i, m_i, q8, row_factor,
-    k_base, k_dequant_base, v_base, mask_base, seed, rng_rows,
-    offs_m, offs_n_base, offs_e, offs_ev, lo, hi,
-    stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
-    L, S, causal_offset, dropout_p,
+    acc, l_i, m_i, query_block, k_base, k_dequant_base, v_base, mask_base, dropout,
+    offs_n_base, offs_e, offs_ev, lo, hi, k_strides, v_strides, mask_strides,
+    L, S, causal_offset,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, CHECK_BOUNDS: tl.constexpr, EMULATE_ROUNDING: tl.constexpr,
@@ -107,6 +130,11 @@ def _attn_fwd_fp8_inner(
 ):
     """Fold key blocks [lo, hi) into the running (acc, l, m); ``attn_fwd._attn_fwd_inner`` with
     e4m3 products. ``row_factor`` is the softmax scale (base 2) times each query row's factor."""
+    q8, row_factor, offs_m, rng_rows = query_block
+    seed, dropout_p = dropout
+    _, _, stride_kn, stride_ke = k_strides
+    _, _, stride_vn, stride_ve = v_strides
+    _, _, stride_mm, stride_mn = mask_strides
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
         kv_rows_ok = offs_n < S
@@ -116,7 +144,8 @@ def _attn_fwd_fp8_inner(
         s2 = tl.dot(q8, k8) * row_factor[:, None] * k_dequant[None, :]
         in_bounds = (offs_m[:, None] < L) & kv_rows_ok[None, :]
         s2 = mask_scores(s2, mask_base, offs_m[:, None], offs_n[None, :], in_bounds, stride_mm, stride_mn,
-                         causal_offset, HAS_MASK, MASK_IS_BOOL, IS_CAUSAL, CHECK_BOUNDS)
+                         causal_offset, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL,
+                         CHECK=CHECK_BOUNDS)
         m_new = tl.maximum(m_i, tl.max(s2, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_ref)
@@ -127,7 +156,7 @@ def _attn_fwd_fp8_inner(
             p = tl.where(keep, p, 0.0)
         v8 = tl.load(v_base + offs_n[:, None] * stride_vn + offs_ev[None, :] * stride_ve,
                      mask=kv_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(_round_to_e4m3(p * P_SHIFT, EMULATE_ROUNDING), v8)
+        acc = acc * alpha[:, None] + tl.dot(_round_to_e4m3(p * P_SHIFT, EMULATE=EMULATE_ROUNDING), v8)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -187,17 +216,25 @@ def _attn_fwd_fp8(
         hi = S
         split = S
     split = tl.maximum(split // BLOCK_N * BLOCK_N, 0)
+    query_block = (q8, row_factor, offs_m, rng_rows)
+    dropout = (seed, dropout_p)
+    k_strides = (stride_kb, stride_kh, stride_kn, stride_ke)
+    v_strides = (stride_vb, stride_vh, stride_vn, stride_ve)
+    mask_strides = (stride_mb, stride_mh, stride_mm, stride_mn)
+    # The two calls differ only in their range and CHECK_BOUNDS.
     acc, l_i, m_i = _attn_fwd_fp8_inner(
-        acc, l_i, m_i, q8, row_factor, k_base, k_dequant_base, v_base, mask_base, seed, rng_rows,
-        offs_m, offs_n_base, offs_e, offs_ev, 0, split,
-        stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn, L, S, causal_offset, dropout_p,
-        HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, False, EMULATE_ROUNDING, BLOCK_N,
+        acc, l_i, m_i, query_block, k_base, k_dequant_base, v_base, mask_base, dropout,
+        offs_n_base, offs_e, offs_ev, 0, split, k_strides, v_strides, mask_strides, L, S, causal_offset,
+        CHECK_BOUNDS=False,
+        HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
+        HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, EMULATE_ROUNDING=EMULATE_ROUNDING, BLOCK_N=BLOCK_N,
     )
     acc, l_i, m_i = _attn_fwd_fp8_inner(
-        acc, l_i, m_i, q8, row_factor, k_base, k_dequant_base, v_base, mask_base, seed, rng_rows,
-        offs_m, offs_n_base, offs_e, offs_ev, split, hi,
-        stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn, L, S, causal_offset, dropout_p,
-        HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT, IS_CAUSAL, True, EMULATE_ROUNDING, BLOCK_N,
+        acc, l_i, m_i, query_block, k_base, k_dequant_base, v_base, mask_base, dropout,
+        offs_n_base, offs_e, offs_ev, split, hi, k_strides, v_strides, mask_strides, L, S, causal_offset,
+        CHECK_BOUNDS=True,
+        HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
+        HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, EMULATE_ROUNDING=EMULATE_ROUNDING, BLOCK_N=BLOCK_N,
     )
 
     empty_row = l_i == 0.0

@@ -1,7 +1,16 @@
-"""Triton helpers shared by the forward and backward attention kernels.
+"""Triton helpers shared by the forward (16-bit and fp8) and backward attention kernels.
 
 Everything here is ``@triton.jit`` code. Scores travel in base 2: ``s2 = log2(e) * s``,
 so ``exp(s - m) == exp2(s2 - m2)`` and the exponentials use the fast ``exp2`` unit.
+
+Symbols: s2 (scores in base 2, a tile), q_idx / k_idx (query-row and key indices broadcast to
+the tile's orientation), mask_base (the mask's pointer at this batch and head; strides
+stride_mm / stride_mn), in_bounds (the tile's elements inside L x S), causal_offset (key j is
+visible from row i when j <= i + causal_offset).
+
+Constexpr switches: HAS_MASK (a mask is given), MASK_IS_BOOL (bool, True = attend, or an
+additive float mask), IS_CAUSAL (keys past i + causal_offset are invisible), CHECK (apply the
+bounds / causal select: ``mask_scores``).
 """
 
 import triton
@@ -46,7 +55,8 @@ def mask_scores(s2, mask_base, q_idx, k_idx, in_bounds, stride_mm, stride_mn, ca
     their P against a reference of +inf, which makes it 0.
     """
     if HAS_MASK:
-        s2 = add_attn_mask(s2, mask_base + q_idx * stride_mm + k_idx * stride_mn, in_bounds, MASK_IS_BOOL)
+        s2 = add_attn_mask(s2, mask_base + q_idx * stride_mm + k_idx * stride_mn, in_bounds,
+                           MASK_IS_BOOL=MASK_IS_BOOL)
     if CHECK:
         visible = in_bounds
         if IS_CAUSAL:
@@ -64,34 +74,3 @@ def dropout_keep(seed, rows, cols, S, dropout_p):
     exactly, with no stored bits, whatever tiling either pass uses.
     """
     return tl.rand(seed, rows * S + cols) >= dropout_p
-
-
-@triton.jit
-def ds_operand(ds, dtype, DS_IN_FP32: tl.constexpr, RESCALE: tl.constexpr):
-    """dS as the matrix unit receives it: (tile, factor), tile * factor being dS rounded only as the
-    precision schedule allows (factor 1 unless the tile was rescaled)."""
-    if DS_IN_FP32:
-        return ds, 1.0
-    elif RESCALE:
-        # dS = P*(dP - delta) can exceed fp16's 65504 while the gradient it feeds is finite
-        # (|V| or |dO| ~ 1e4). Scale the tile by a power of two (exact) so its largest
-        # element stays below 2^14 when rounded, and undo the scale on the fp32 product.
-        amax = tl.max(tl.abs(ds))
-        shift = tl.where(amax > 16384.0, tl.ceil(tl.log2(amax)) - 14.0, 0.0)
-        factor = tl.math.exp2(shift)
-        return (ds / factor).to(dtype), factor
-    else:
-        return ds.to(dtype), 1.0
-
-
-@triton.jit
-def accumulate_ds_dot(acc, tile, factor, x, RESCALE: tl.constexpr, FP32_DOT: tl.constexpr):
-    """acc + (tile * factor) @ x in fp32, for a (tile, factor) from ``ds_operand``.
-
-    Without a rescale the product accumulates into ``acc`` inside the dot, which lets the
-    matrix unit keep the accumulator in its own registers; a rescaled tile's product must be
-    multiplied by its factor first, so it takes a separate result and an add."""
-    if RESCALE:
-        return acc + tl.dot(tile, x.to(tile.dtype), input_precision=FP32_DOT) * factor
-    else:
-        return tl.dot(tile, x.to(tile.dtype), acc, input_precision=FP32_DOT)

@@ -9,8 +9,14 @@ no zero-initialised buffer; one single-program kernel then combines the per-bloc
 writes the whole float64 record: two launches forward, four backward. Done with PyTorch
 reductions the same record took about twenty launches.
 
-These kernels are not part of the tuned attention kernels: ``tuning/cache.py`` leaves this
-file out of the kernel-source hash, so changing it does not invalidate tuning tables.
+These kernels are not part of the tuned attention kernels: they launch with fixed block sizes,
+and ``tuning/cache.py`` leaves this file out of the kernel-source hash, so changing it does not
+invalidate tuning tables.
+
+Constexpr switches: COPY (also write the watched tensor's copy, for the recording ops of
+compiled graphs), BLOCK / COUNT_BLOCK (elements per program of a non-finite count) and
+LSE_BLOCK (LSE rows per program). The record's float64 fields follow ``monitoring/stats.py``'s
+FIELDS.
 """
 
 import triton
@@ -59,7 +65,7 @@ def _lse_block(lse_ptr, n_rows, partials_ptr, n_blocks, block, BLOCK: tl.constex
 @triton.jit
 def _count_nonfinite(src_ptr, dst_ptr, numel, counts_ptr, BLOCK: tl.constexpr, COPY: tl.constexpr):
     """One program per block of src: its non-finite count (and, with COPY, its copy)."""
-    _count_block(src_ptr, dst_ptr, numel, counts_ptr, tl.program_id(0), BLOCK, COPY)
+    _count_block(src_ptr, dst_ptr, numel, counts_ptr, tl.program_id(0), BLOCK=BLOCK, COPY=COPY)
 
 
 @triton.jit
@@ -81,9 +87,9 @@ def _forward_partials(out_ptr, copy_ptr, numel, counts_ptr, n_count_blocks, lse_
     if pid < n_count_blocks:
         # Last block first: the attention kernel has just written the output, and its last
         # blocks are the likeliest to still sit in L2 when the first programs here read them.
-        _count_block(out_ptr, copy_ptr, numel, counts_ptr, n_count_blocks - 1 - pid, COUNT_BLOCK, COPY)
+        _count_block(out_ptr, copy_ptr, numel, counts_ptr, n_count_blocks - 1 - pid, BLOCK=COUNT_BLOCK, COPY=COPY)
     if pid < n_lse_blocks:
-        _lse_block(lse_ptr, n_rows, partials_ptr, n_lse_blocks, pid, LSE_BLOCK)
+        _lse_block(lse_ptr, n_rows, partials_ptr, n_lse_blocks, pid, BLOCK=LSE_BLOCK)
 
 
 # Sizes equal to 1 would otherwise be specialised into constants, which have no ``.to``.
@@ -117,7 +123,7 @@ def _forward_record(partials_ptr, n_blocks, n_rows, counts_ptr, n_counts, record
     tl.store(record_ptr + 3, lse_min)
     tl.store(record_ptr + 4, lse_max)
     tl.store(record_ptr + 5, lse_max - tl.cast(log_seq_k, tl.float64))
-    tl.store(record_ptr + 6, _sum_counts(counts_ptr, n_counts, BLOCK).to(tl.float64))
+    tl.store(record_ptr + 6, _sum_counts(counts_ptr, n_counts, BLOCK=BLOCK).to(tl.float64))
     nan = tl.full([], float("nan"), tl.float64)
     tl.store(record_ptr + 7, nan)
     tl.store(record_ptr + 8, nan)
@@ -130,6 +136,6 @@ def _backward_record(dq_counts_ptr, n_dq, dk_counts_ptr, n_dk, dv_counts_ptr, n_
     """One program: NaN in every forward field, then the non-finite counts of dq, dk, dv."""
     fields = tl.arange(0, 16)
     tl.store(record_ptr + fields, tl.full([16], float("nan"), tl.float64), mask=fields < n_fields - 3)
-    tl.store(record_ptr + n_fields - 3, _sum_counts(dq_counts_ptr, n_dq, BLOCK).to(tl.float64))
-    tl.store(record_ptr + n_fields - 2, _sum_counts(dk_counts_ptr, n_dk, BLOCK).to(tl.float64))
-    tl.store(record_ptr + n_fields - 1, _sum_counts(dv_counts_ptr, n_dv, BLOCK).to(tl.float64))
+    tl.store(record_ptr + n_fields - 3, _sum_counts(dq_counts_ptr, n_dq, BLOCK=BLOCK).to(tl.float64))
+    tl.store(record_ptr + n_fields - 2, _sum_counts(dk_counts_ptr, n_dk, BLOCK=BLOCK).to(tl.float64))
+    tl.store(record_ptr + n_fields - 1, _sum_counts(dv_counts_ptr, n_dv, BLOCK=BLOCK).to(tl.float64))

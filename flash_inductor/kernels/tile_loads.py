@@ -1,7 +1,14 @@
-"""Tile loads that drop the bounds masks a launch proves cannot bind (the backward's EVEN_* flags).
+"""Bounded tile loads that drop the masks a launch proves cannot bind (the backward's EVEN_* flags).
 
-Kept apart from common.py so that the forward family's hash (tuning/cache.py) does not change
-when only these helpers do: the forward kernels do not use them.
+The loops of the backward passes load Q/dO (dK/dV pass) or K/V (dQ pass) tiles and per-row
+vectors through these helpers; the launcher tells them which bounds cannot bind.
+
+Symbols: ptrs (a tile's or a row vector's pointers), rows_ok / cols_ok (which rows and columns
+lie inside the tensor), other (the fill value past the rows).
+
+Constexpr switches: EVEN_ROWS (the looped-over length is a whole number of blocks: the
+launcher's EVEN_M / EVEN_N) and EVEN_COLS (the head dim equals its padded width: EVEN_E) drop
+the row and column masks.
 """
 
 import triton
