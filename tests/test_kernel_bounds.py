@@ -71,7 +71,7 @@ _CASES = {
                          ids=["stable-fp16", "fast-fp32"])
 def test_kernels_touch_only_their_tensors(case, schedule, dtype, tiles, monkeypatch):
     if tiles == "wide":
-        monkeypatch.setattr(launch, "_configs", lambda *args, **kwargs: _WIDE)
+        monkeypatch.setattr(launch.common, "launch_configs", lambda *args, **kwargs: _WIDE)
     with checked_addresses() as state:
         ours, _ = run_case(case, dtype, "cpu", schedule)
     assert state.violations == []

@@ -7,10 +7,11 @@ import torch
 
 from ..tuning.kernel_config import AttentionConfigs, padded_head_dim
 from ..schedules import STABLE, get_schedule
-# The launch wrapper is looked up on the module at every launch, so that tools can swap it
-# (tools/smem_check.py compiles for sm_90 instead of launching; tests spy on launches).
+# The launch wrapper and the config lookup are read off the module at every launch, so that tools
+# and tests can swap them (tools/smem_check.py compiles for sm_90 instead of launching; the
+# bounds tests force wide tiles; tests spy on launches).
 from . import common
-from .common import LOG2E, cdiv, common_meta, head_dims, launch_configs, whole_blocks
+from .common import LOG2E, cdiv, common_meta, head_dims, whole_blocks
 from .forward import attention_forward
 
 
@@ -68,7 +69,7 @@ def attention_backward(
         return dq, dk, dv, dmask.to(attn_mask.dtype) if compute_mask_grad else dmask
 
     switches, mask_arg, mask_strides, meta = common_meta(query, key, value, attn_mask, dropout_p, is_causal, schedule)
-    configs = launch_configs(query, key, value, attn_mask, is_causal, schedule, configs)
+    configs = common.launch_configs(query, key, value, attn_mask, is_causal, schedule, configs)
     p_in_fp32, ds_in_fp32, ds_rescale = switches["P_IN_FP32"], switches["DS_IN_FP32"], switches["DS_RESCALE"]
     exact_delta = switches["EXACT_DELTA"]
     seed_arg = rng_seed if rng_seed is not None else query

@@ -6,10 +6,11 @@ import torch
 
 from ..tuning.kernel_config import AttentionConfigs
 from ..schedules import get_schedule
-# The launch wrapper is looked up on the module at every launch, so that tools can swap it
-# (tools/smem_check.py compiles for sm_90 instead of launching; tests spy on launches).
+# The launch wrapper and the config lookup are read off the module at every launch, so that tools
+# and tests can swap them (tools/smem_check.py compiles for sm_90 instead of launching; the
+# bounds tests force wide tiles; tests spy on launches).
 from . import common
-from .common import LOG2E, cdiv, common_meta, forward_outputs, launch_configs
+from .common import LOG2E, cdiv, common_meta, forward_outputs
 from .fp8 import attention_forward_fp8
 
 
@@ -53,7 +54,7 @@ def attention_forward(
         return out, lse
 
     switches, mask_arg, mask_strides, meta = common_meta(query, key, value, attn_mask, dropout_p, is_causal, schedule)
-    cfg = launch_configs(query, key, value, attn_mask, is_causal, schedule, configs).forward
+    cfg = common.launch_configs(query, key, value, attn_mask, is_causal, schedule, configs).forward
     grid = (cdiv(seq_q, cfg.block_m), batch * heads_q)
     common.launcher(_attn_fwd)[grid](
         query, key, value, mask_arg, rng_seed if rng_seed is not None else query, out, lse,

@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 
 from ..tuning.kernel_config import AttentionConfigs
-# The launch wrapper is looked up on the module at every launch, so that tools can swap it
-# (tools/smem_check.py compiles for sm_90 instead of launching; tests spy on launches).
+# The launch wrapper and the config lookup are read off the module at every launch, so that tools
+# and tests can swap them (tools/smem_check.py compiles for sm_90 instead of launching; the
+# bounds tests force wide tiles; tests spy on launches).
 from . import common
-from .common import LOG2E, cdiv, common_meta, forward_outputs, interpreter_enabled, launch_configs
+from .common import LOG2E, cdiv, common_meta, forward_outputs, interpreter_enabled
 
 # fp8 tensor cores: Ada (sm_89) and Hopper (sm_90) onwards.
 FP8_MIN_CAPABILITY = (8, 9)
@@ -104,7 +105,7 @@ def attention_forward_fp8(
     _, mask_arg, mask_strides, meta = common_meta(query, key, value, attn_mask, dropout_p, is_causal, schedule)
     meta.pop("FP32_DOT")  # every product here is e4m3 x e4m3 -> fp32
     meta["BLOCK_E"] = meta["BLOCK_EV"] = max(meta["BLOCK_E"], _FP8_MIN_K)
-    cfg = launch_configs(query, key, value, attn_mask, is_causal, schedule, configs).forward
+    cfg = common.launch_configs(query, key, value, attn_mask, is_causal, schedule, configs).forward
     if cfg.block_n < _FP8_MIN_K and not interpreter_enabled():
         raise ValueError(f"fp8 forward: block_n={cfg.block_n} is below the e4m3 product's minimum of {_FP8_MIN_K}.")
 
