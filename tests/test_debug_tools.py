@@ -148,3 +148,25 @@ def test_errors_name_the_argument(debug):
         debug.bisect_length(lambda n: None, "fp8")
     with pytest.raises(TypeError, match="nn.Module"):
         debug.shadow(lambda x: x)
+
+
+@pytest.mark.parametrize("impl", ["eager", "flash_inductor"])
+def test_shadow_on_hf_llama_in_fp16(impl, debug):
+    """HF Llama in fp16 whose q·kᵀ overflows (model_zoo.make_qk_overflow): its eager attention is
+    diagnosed as written; the same weights on attn_implementation="flash_inductor" hold."""
+    pytest.importorskip("transformers")
+    import model_zoo
+    import flash_inductor.transformers  # noqa: F401  (registers the name)
+
+    torch.manual_seed(0)
+    model = model_zoo.CASES["llama"].build(impl, **model_zoo.OVERFLOW_CONFIG["llama"])
+    model_zoo.make_qk_overflow("llama", model)
+    model = model.half()
+    with debug.shadow(model) as check:
+        model(**model_zoo.token_inputs(False, 0, "cpu")).last_hidden_state.float().sum().backward()
+    report = check.report()
+    assert report.sites == ["layers.0.self_attn", "layers.1.self_attn"]
+    if impl == "eager":
+        assert report.first_failure.site == "layers.0.self_attn" and "q·kᵀ" in report.cause, str(report)
+    else:
+        assert report.first_failure is None, str(report)
