@@ -7,7 +7,7 @@ import importlib
 import json
 import sys
 
-from .bisect import DTYPES, _print_progress, bisect_length
+from .bisect import DTYPES, print_progress, bisect_length
 
 
 def _load(spec: str):
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     result = bisect_length(
         _load(args.factory), args.dtype, min_length=args.min_length, max_length=args.max_length, step=args.step,
         criterion=args.criterion, cast=args.cast, backward=not args.forward_only,
-        progress=None if args.quiet else _print_progress)
+        progress=None if args.quiet else print_progress)
     print(result.format())
     if result.report is not None:
         print(result.report.format())

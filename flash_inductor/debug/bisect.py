@@ -200,5 +200,5 @@ def bisect_length(factory: Callable[[int], Any], dtype: str = "fp16", *, min_len
     return BisectResult(failing, passing, probes, report, dtype)
 
 
-def _print_progress(line: str) -> None:
+def print_progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from ..passes import handwritten, mha, sdpa
-from ..passes.report import RewriteReport, SiteRecord
+from ..passes.report import SiteRecord
 from ..passes.site import AttentionSite, KeptSite, example_value, module_path
 
 _FAMILIES: tuple[Callable[[fx.Graph], Any], ...] = (sdpa.find_sites, mha.find_sites, handwritten.find_sites)
@@ -250,12 +250,9 @@ class InstrumentingBackend:
         for site in kept:
             path, cls = module_path([site.node, *site.related])
             self.session.on_kept(path, site.pattern, site.reason)
-        if self.root is not None and records:
-            from ..explanation import _paths_from_root
-
-            report = RewriteReport(records=records)
-            _paths_from_root(report, self.root)
-            records = report.records
+        if self.root is not None:
+            records = [dataclasses.replace(r, module=_path_from_root(self.root, r.module, r.module_type))
+                       for r in records]
         for site, record in zip(sites, records):
             dropout = float(site.dropout_p or 0.0)
             info = SiteInfo(
@@ -267,6 +264,21 @@ class InstrumentingBackend:
         gm.graph.lint()
         gm.recompile()
         return gm.forward
+
+
+def _path_from_root(root: torch.nn.Module, path: Optional[str], cls: Optional[type]) -> Optional[str]:
+    """After a graph break dynamo traces an inner module's frame and records paths relative to it
+    (as ``explain`` corrects too): complete a path that names a module of ``cls`` under exactly one
+    submodule of ``root``."""
+    modules = dict(root.named_modules())
+
+    def fits(candidate: str) -> bool:
+        return candidate in modules and (cls is None or type(modules[candidate]) is cls)
+
+    if path is None or fits(path):
+        return path
+    owners = [prefix for prefix in modules if prefix and fits(f"{prefix}.{path}")]
+    return f"{owners[0]}.{path}" if len(owners) == 1 else path
 
 
 class Instrumented:
