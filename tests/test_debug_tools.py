@@ -170,3 +170,11 @@ def test_shadow_on_hf_llama_in_fp16(impl, debug):
         assert report.first_failure.site == "layers.0.self_attn" and "q·kᵀ" in report.cause, str(report)
     else:
         assert report.first_failure is None, str(report)
+
+
+def test_bisect_with_the_tolerance_criterion(demo, debug):
+    """A shadow check at every length: the first length that overflows also breaks the tolerance."""
+    result = debug.bisect_length(demo.ramp_gpt, "fp16", min_length=64, max_length=256, step=64,
+                                 criterion="tolerance")
+    assert [p.length for p in result.probes] == [64, 128]
+    assert result.critical_length == 128 and result.site == "blocks.0.attn"

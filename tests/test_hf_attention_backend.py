@@ -279,11 +279,18 @@ def test_compiled_with_aot_eager_and_with_our_backend():
 
 
 @pytest.mark.full_matrix
+@pytest.mark.parametrize("backend", ["inductor", "flash_inductor"])
 @pytest.mark.parametrize("family", ["llama", "t5"])
-def test_inductor_compile_full(family):
+def test_inductor_compile_full(family, backend):
+    """Full Inductor code generation, plain and with our backend (whose pass leaves our op alone)."""
+    import flash_inductor
+
     ours, eager = _pair(family)
     inputs = _inputs(family)
-    ref, _ = _run(eager, inputs)
+    ref, ref_grads = _run(eager, inputs)
     torch._dynamo.reset()
-    out, _ = _run(torch.compile(ours), inputs)
+    compiled = torch.compile(ours, backend=flash_inductor.backend if backend == "flash_inductor" else "inductor")
+    out, grads = _run(compiled, inputs)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads.get(name, grads.get("_orig_mod." + name)), grad, rtol=1e-3, atol=1e-4)
