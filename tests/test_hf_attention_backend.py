@@ -19,9 +19,15 @@ import pytest
 import torch
 
 import model_zoo
+from helpers import DEVICE
 from model_zoo import CASES, output_tensor
 
 transformers = pytest.importorskip("transformers")
+
+# fp32 against eager: rounding only. The CPU path matches eager to a few ulps; the CUDA kernels sum
+# in another order (blocked, online softmax), a few ulps of the larger terms.
+OUT_TOL = dict(rtol=1e-5, atol=2e-5) if DEVICE == "cpu" else dict(rtol=1e-4, atol=1e-4)
+GRAD_TOL = dict(rtol=1e-4, atol=2e-5) if DEVICE == "cpu" else dict(rtol=1e-3, atol=1e-4)
 
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "bert", "t5", "vit")
 # Mistral's window (4) is shorter than the sequence (16), so the band is part of every mask.
@@ -69,7 +75,7 @@ def _pair(family: str, dtype=torch.float32, **overrides):
     eager = case.build("eager", **overrides)
     ours = case.build("flash_inductor", **overrides)
     ours.load_state_dict(eager.state_dict())
-    return ours.to(dtype).train(), eager.to(dtype).train()
+    return ours.to(DEVICE, dtype).train(), eager.to(DEVICE, dtype).train()
 
 
 def _run(model, inputs):
@@ -79,7 +85,7 @@ def _run(model, inputs):
     window over the padding) is 0 in ours and a uniform average in eager, and neither is used."""
     model.zero_grad(set_to_none=True)
     out = output_tensor(model(**inputs))
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.dtype)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device, out.dtype)
     mask = inputs.get("attention_mask")
     if mask is not None and "decoder_input_ids" not in inputs:
         grad_out = grad_out * mask[..., None].to(out.dtype)
@@ -89,7 +95,7 @@ def _run(model, inputs):
 
 
 def _inputs(family: str, padded: bool = True):
-    inputs = CASES[family].inputs(padded, 0, "cpu")
+    inputs = CASES[family].inputs(padded, 0, DEVICE)
     return inputs
 
 
@@ -100,10 +106,10 @@ def test_family_matches_eager_fp32(family, calls):
     out, grads = _run(ours, inputs)
     ref, ref_grads = _run(eager, inputs)
     assert calls, "the model never called flash_inductor"
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(out, ref, **OUT_TOL)
     assert grads.keys() == ref_grads.keys()
     for name in ref_grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads[name], ref_grads[name], **GRAD_TOL, msg=lambda m: f"{name}: {m}")
 
 
 def _assert_within_rule(name, ours, eager, truth):
@@ -125,10 +131,13 @@ def _check_bf16(family):
     ref, ref_grads = _run(eager, inputs)
     truth, truth_grads = _run(truth_model, _inputs(family))
     _assert_within_rule("out", out, ref, truth)
-    for name in ("embeddings", "layers.0", "h.0", "encoder.layer.0", "encoder.block.0"):
-        for key in truth_grads:
-            if key.startswith(name) or f".{name}" in key:
-                _assert_within_rule(key, grads[key], ref_grads[key], truth_grads[key])
+    # Gradients of the attention parameters: the model-wide ones (an FFN's below a ReLU) carry every
+    # other bf16 rounding of the model too, which one seed's comparison cannot separate from ours.
+    attention = ("attn", "attention", "Attention", "self_attn")
+    checked = [k for k in truth_grads if any(a in k for a in attention)]
+    assert checked
+    for key in checked:
+        _assert_within_rule(key, grads[key], ref_grads[key], truth_grads[key])
 
 
 @pytest.mark.parametrize("family", ["llama", "bert"])
@@ -161,7 +170,7 @@ def test_padding_and_sliding_window_reach_the_op_as_a_bool_mask(calls):
     # The window matters at this length: without it the outputs differ.
     wide, _ = _pair("mistral", sliding_window=None)
     assert not torch.allclose(_run(wide, inputs)[0], out, atol=1e-4)
-    torch.testing.assert_close(out, _run(eager, inputs)[0], rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(out, _run(eager, inputs)[0], **OUT_TOL)
 
 
 def test_cross_attention_and_position_bias(calls):
@@ -189,7 +198,7 @@ def test_dropout_in_training_only(calls):
     calls.clear()
     ours.eval(), eager.eval()
     with torch.no_grad():
-        torch.testing.assert_close(output_tensor(ours(**inputs)), output_tensor(eager(**inputs)), rtol=1e-5, atol=2e-5)
+        torch.testing.assert_close(output_tensor(ours(**inputs)), output_tensor(eager(**inputs)), **OUT_TOL)
     assert all(c["dropout_p"] == 0.0 for c in calls)
 
 
@@ -218,20 +227,20 @@ def test_softcapping_is_a_clear_error():
         pad_token_id=0, bos_token_id=1, eos_token_id=2)
     model = transformers.Gemma2Model(config)
     with pytest.raises(ValueError, match="attn_logit_softcapping"):
-        model(input_ids=torch.randint(3, 64, (1, 8)))
+        model(input_ids=torch.randint(3, 64, (1, 8)))  # the first call raises, on any device
 
 
 def test_from_pretrained_and_auto_classes(tmp_path):
     ours, eager = _pair("llama")
     eager.save_pretrained(tmp_path)
-    loaded = transformers.AutoModel.from_pretrained(tmp_path, attn_implementation="flash_inductor")
+    loaded = transformers.AutoModel.from_pretrained(tmp_path, attn_implementation="flash_inductor").to(DEVICE)
     assert loaded.config._attn_implementation == "flash_inductor"
     fresh = transformers.AutoModel.from_config(eager.config, attn_implementation="flash_inductor")
     assert fresh.config._attn_implementation == "flash_inductor"
     inputs = _inputs("llama")
     with torch.no_grad():
         torch.testing.assert_close(output_tensor(loaded.eval()(**inputs)), output_tensor(eager.eval()(**inputs)),
-                                   rtol=1e-5, atol=2e-5)
+                                   **OUT_TOL)
 
 
 def test_register_is_idempotent_and_leaves_other_names_alone():
@@ -262,10 +271,10 @@ def test_compiled_with_aot_eager_and_with_our_backend():
     torch._dynamo.reset()
     compiled = torch.compile(copy.deepcopy(ours), backend="aot_eager")
     out, grads = _run(compiled, inputs)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(out, ref, **OUT_TOL)
     name = "layers.0.self_attn.q_proj.weight"
     torch.testing.assert_close(grads["_orig_mod." + name] if "_orig_mod." + name in grads else grads[name],
-                               ref_grads[name], rtol=1e-4, atol=2e-5)
+                               ref_grads[name], **GRAD_TOL)
 
     import flash_inductor
 
@@ -273,7 +282,7 @@ def test_compiled_with_aot_eager_and_with_our_backend():
     # The pass (as flash_inductor.backend runs it) sees our op and has nothing to rewrite.
     compiled = torch.compile(copy.deepcopy(ours), backend=model_zoo.compile_backend(full=False))
     out, _ = _run(compiled, inputs)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(out, ref, **OUT_TOL)
     report = flash_inductor.last_report()
     assert report is not None and report.rewritten == 0 and not report.sites, str(report)
 
