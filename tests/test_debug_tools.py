@@ -178,3 +178,16 @@ def test_bisect_with_the_tolerance_criterion(demo, debug):
                                  criterion="tolerance")
     assert [p.length for p in result.probes] == [64, 128]
     assert result.critical_length == 128 and result.site == "blocks.0.attn"
+
+
+def test_shadow_on_nn_multihead_attention(debug):
+    """nn.TransformerEncoder: the pass's MHA sites (projections in the prologue/epilogue)."""
+    import model_zoo
+
+    torch.manual_seed(0)
+    model = model_zoo.TorchEncoder().train()
+    with debug.shadow(model) as check:
+        model(**model_zoo.encoder_inputs(False, 0, "cpu")).sum().backward()
+    report = check.report()
+    assert report.sites == ["encoder.layers.0.self_attn", "encoder.layers.1.self_attn"]
+    assert report.first_failure is None and {c.result for c in report.checks} == {"out"}, str(report)

@@ -106,7 +106,10 @@ class ShadowCheck(DebugSession):
         if ref is None:
             return record
         self.checks.append(tolerance_check(record.site, record.call, record.event, "out", out, ref, base))
-        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+        # Self-attention on one tensor (q is k is v, as nn.MultiheadAttention sees it): the model's
+        # gradient there is the sum of dq, dk and dv, which cannot be held to each one: out only.
+        distinct = len({id(t) for t in inputs}) == len(inputs)
+        if distinct and torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(self._upstream_hook(record, ref, base, leaves64, leaves_same))
         return record
 

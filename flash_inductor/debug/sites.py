@@ -135,8 +135,9 @@ def scores(query, key, mask, scale, is_causal, causal_offset, dtype) -> torch.Te
     return s
 
 
-def _reference64(q, k, v, mask, *, scale, is_causal, causal_offset):
-    """Float64 attention with the package's semantics (a row with no visible key gives 0)."""
+def _reference64(q, k, v, mask, *, scale, is_causal, causal_offset, round_to_input=False):
+    """Float64 attention with the package's semantics (a row with no visible key gives 0); with
+    ``round_to_input``, rounded to the inputs' dtype (for an epilogue that multiplies by weights)."""
     with torch.autocast(q.device.type, enabled=False):
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         s = scores(q, k, mask, scale, is_causal, causal_offset, torch.float64)
@@ -145,7 +146,8 @@ def _reference64(q, k, v, mask, *, scale, is_causal, causal_offset):
         unnorm = torch.exp(s - row_max)
         total = unnorm.sum(-1, keepdim=True)
         probs = unnorm / torch.where(total > 0, total, torch.ones_like(total))
-        return probs @ _expand_kv(q, v).to(torch.float64)
+        out = probs @ _expand_kv(q, v).to(torch.float64)
+        return out.to(q.dtype) if round_to_input else out
 
 
 def _baseline_same_dtype(q, k, v, mask, *, scale, is_causal, causal_offset):
@@ -208,12 +210,17 @@ def _instrument_site(graph: fx.Graph, site: AttentionSite, index: int, shadow: b
         ref = base = leaves64 = leaves_same = None
         if shadow:
             sides = []
-            for make_leaf, attention in ((_leaf64, _reference64), (_leaf_same, _baseline_same_dtype)):
+            # nn.MultiheadAttention's prologue and epilogue hold its projections, whose weights are in
+            # the model's dtype: its float64 twin starts after the in-projection and is rounded back
+            # before the out-projection.
+            projected = site.pattern.startswith("mha")
+            twin = (_leaf_same, _reference64, dict(round_to_input=True)) if projected else (_leaf64, _reference64, {})
+            for make_leaf, attention, extra in (twin, (_leaf_same, _baseline_same_dtype, {})):
                 leaves = [graph.call_function(make_leaf, (t,)) for t in (q, k, v)]
                 env = dict(zip((q, k, v), leaves))
                 _copy_nodes(graph, prologue_nodes, env)
                 call = graph.call_function(attention, (env.get(q1, q1), env.get(k1, k1), env.get(v1, v1),
-                                                       env.get(m1, m1)), kwargs)
+                                                       env.get(m1, m1)), {**kwargs, **extra})
                 result = site.epilogue(graph, call) if site.epilogue is not None else call
                 if site.epilogue is not None:
                     _forget_epilogue_replacement(site)
