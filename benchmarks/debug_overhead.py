@@ -1,7 +1,7 @@
 """What flash_inductor.debug and attn_implementation="flash_inductor" cost: training-step times.
 
-    python benchmarks/debug_overhead.py                       # GPU: every measurement, a few minutes
-    python benchmarks/debug_overhead.py --quick --device cpu  # smoke run
+    python -m benchmarks.debug_overhead                       # GPU: every measurement, a few minutes
+    python -m benchmarks.debug_overhead --quick --device cpu  # smoke run
 
 Debug tools, on train_stability's GPT (hand-written attention, no qk offset so every step is
 finite; bf16 autocast on CUDA): the median step (forward + backward) of
@@ -34,9 +34,8 @@ import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import overflow_demo  # noqa: E402
-import train_stability as ts  # noqa: E402
+from benchmarks import overflow_demo
+from benchmarks import train_stability as ts
 
 
 def _sync(device: str) -> None:

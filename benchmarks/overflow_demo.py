@@ -13,14 +13,12 @@ Both are factories for ``bisect-length``: ``factory(length) -> (model, inputs)``
 
 from __future__ import annotations
 
-import math
-import pathlib
 import sys
+
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import train_stability as ts  # noqa: E402
+from benchmarks import train_stability as ts
 
 WIDTH, HEADS, LAYERS, QK_OFFSET = 32, 2, 2, 256.0
 RAMP_LENGTH = 128

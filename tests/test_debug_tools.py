@@ -4,25 +4,17 @@ benchmarks/overflow_demo.py), and the shadow check on our own op."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import pytest
 import torch
 
-_DEMO = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "overflow_demo.py"
-
 
 @pytest.fixture(scope="module")
 def demo():
-    spec = importlib.util.spec_from_file_location("overflow_demo", _DEMO)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    from benchmarks import overflow_demo
+
+    return overflow_demo
 
 
 @pytest.fixture
@@ -135,7 +127,7 @@ def test_bisect_cli(demo, capsys, tmp_path):
     from flash_inductor.debug.__main__ import main
 
     out = tmp_path / "bisect.json"
-    assert main(["bisect-length", "overflow_demo:ramp_gpt", "--dtype", "fp16", "--min-length", "64",
+    assert main(["bisect-length", "benchmarks.overflow_demo:ramp_gpt", "--dtype", "fp16", "--min-length", "64",
                  "--max-length", "256", "--step", "8", "--json", str(out)]) == 0
     captured = capsys.readouterr()
     assert "critical length in fp16: 128" in captured.out and "blocks.0.attn" in captured.out

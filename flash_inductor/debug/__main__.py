@@ -14,7 +14,6 @@ def _load(spec: str):
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise SystemExit(f"bisect-length: expected MODULE:FACTORY (e.g. benchmarks.overflow_demo:ramp_gpt), got {spec!r}")
-    sys.path.insert(0, "")  # the current directory, as `python -m` users expect
     factory = importlib.import_module(module_name)
     for part in attr.split("."):
         factory = getattr(factory, part)
