@@ -43,7 +43,7 @@ _W4_FULL = [
     dict(name="w4_causal_zigzag_fp64", dtype=F64, L=32, seed=20),
     dict(name="w4_causal_contiguous_fp64", dtype=F64, L=32, layout="contiguous", seed=21),
     dict(name="w4_noncausal_fp32", dtype=F32, L=32, causal=False, seed=22),
-    dict(name="w4_gqa_noncausal_fp64", dtype=F64, Hq=6, Hkv=2, L=30, causal=False, seed=23),
+    dict(name="w4_gqa_noncausal_uneven_fp64", dtype=F64, Hq=6, Hkv=2, L=30, causal=False, seq_len_arg=True, seed=23),
     dict(name="w4_padding_float_causal_fp32", dtype=F32, L=48, mask="float", seed=24),
     dict(name="w4_uneven_causal_contiguous_fp64", dtype=F64, L=11, layout="contiguous", seq_len_arg=True,
          seed=25),

@@ -56,6 +56,9 @@ def context_parallel_attention(
 
         seq_len: the full sequence length. Default ``L_r · W``; pass it when the length does not
             divide evenly (chunk sizes then differ by one token, the first chunks the longer).
+            Every rank must pass the same value: checking that would cost a blocking collective
+            per call, so a mismatch surfaces in the backend (gloo: "Received data size doesn't
+            match expected size"; NCCL: a hang until its timeout).
         key_padding_mask: ``(B, L_r)``, sharded as the keys: bool (True = attend) or additive
             float. It travels with its K/V block. Not differentiable.
         dropout_p: must be 0 (see below).
