@@ -240,3 +240,47 @@ def test_needs_a_process_group():
     q = torch.randn(1, 1, 4, 8)
     with pytest.raises(RuntimeError, match="init_process_group"):
         context_parallel_attention(q, q, q)
+
+
+# ------------------------------------------------------------------------------------------
+# The kernels with a row split across calls (what each rank's calls are): interpreter on CPU
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.launches_kernels
+@pytest.mark.parametrize("schedule", ["stable", "accurate"])
+def test_kernels_backward_with_keys_split_across_calls(schedule, device):
+    """The ring's block calls on the Triton kernels: fp16 under schedules with exact Δ. Each call
+    sees half the keys; the merged fp32 O and LSE go to every call's backward, which must then use
+    rowsum(dO∘O) as given (the exact-Δ correction re-derives Δ from the call's own keys: wrong here)."""
+    from flash_inductor import launch
+
+    dtype, seq, split = torch.float16, 40, 24
+    x = case_inputs(dict(dtype=F64, B=1, Hq=2, Hkv=2, L=seq, E=16, Ev=16, seed=30))
+    q, k, v, dout = (x[n].to(dtype).to(device) for n in ("q", "k", "v", "dout"))
+    scale = 0.25
+    calls = [(slice(0, split), 0), (slice(split, seq), -split)]  # (keys, causal_offset): top-left causal
+    out_acc = torch.zeros(q.shape, dtype=F32, device=device)
+    lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=F32, device=device)
+    for keys, offset in calls:
+        out_b, lse_b = launch.attention_forward(q, k[:, :, keys], v[:, :, keys], None, None, 0.0, True, offset,
+                                                scale, schedule)
+        merged = torch.logaddexp(lse_acc, lse_b)
+        shift = torch.where(merged.isneginf(), 0.0, merged)
+        out_acc = out_acc * torch.exp(lse_acc - shift)[..., None] + out_b.float() * torch.exp(lse_b - shift)[..., None]
+        lse_acc = merged
+    dq = torch.zeros(q.shape, dtype=F32, device=device)
+    dk, dv = [], []
+    for keys, offset in calls:
+        dq_b, dk_b, dv_b, _ = launch.attention_backward(dout, q, k[:, :, keys], v[:, :, keys], None, out_acc,
+                                                        lse_acc, None, None, 0.0, True, offset, scale, schedule,
+                                                        False)
+        dq += dq_b.float()
+        dk.append(dk_b)
+        dv.append(dv_b)
+    ours = dict(out=out_acc.to(dtype), dq=dq.to(dtype), dk=torch.cat(dk, 2), dv=torch.cat(dv, 2))
+    ref = ref_forward_backward(q, k, v, causal_offset=0, scale=scale, grad_out=dout)
+    base = sdpa_baseline(q, k, v, causal_offset=0, scale=scale, grad_out=dout)
+    for name, value in ours.items():
+        assert_close_to_ref(f"{schedule} {name}", value.cpu(), ref[name], base[name].cpu(),
+                            terms=ref["terms"].get(name))
