@@ -284,3 +284,24 @@ def test_kernels_backward_with_keys_split_across_calls(schedule, device):
     for name, value in ours.items():
         assert_close_to_ref(f"{schedule} {name}", value.cpu(), ref[name], base[name].cpu(),
                             terms=ref["terms"].get(name))
+
+
+def test_cp_scaling_benchmark_at_world_size_1(tmp_path):
+    """benchmarks/cp_scaling.py through the same code path at world size 1 (gloo, in-process):
+    the command the H200 runs for the overhead against the plain op, at toy sizes."""
+    import json
+
+    import torch.distributed as dist
+    from benchmarks import cp_scaling
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    records = cp_scaling.main(["--device", "cpu", "--seq", "96", "--heads", "2", "--kv-heads", "1", "--head-dim",
+                               "16", "--dtype", "fp32", "--warmup", "1", "--rep", "1", "--baseline",
+                               "--out", str(tmp_path)])
+    assert not dist.is_initialized()
+    (record,) = records
+    assert record["world_size"] == 1 and record["local_tokens"] == 96
+    assert {"ring_ms", "compute_only_ms", "plain_op_ms", "overhead_vs_plain"} <= set(record)
+    (written,) = tmp_path.glob("cp_scaling_cpu_*_w1.json")
+    assert json.loads(written.read_text())["records"] == records
