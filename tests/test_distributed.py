@@ -34,6 +34,7 @@ _W2 = [
          seq_len_arg=True, seed=10),
     dict(name="w2_grad_lse_causal_fp64", dtype=F64, grad_lse=True, seed=11),
     dict(name="w2_schedule_accurate_fp32", dtype=F32, schedule="accurate", mask="bool", seed=12),
+    dict(name="w2_schedule_fp8_backward_reruns_ring_fp32", dtype=F32, schedule="fp8", seed=14),
 ]
 _W4 = [
     dict(name="w4_gqa_causal_zigzag_uneven_padding_fp32", dtype=F32, Hq=4, Hkv=2, L=37, seq_len_arg=True,

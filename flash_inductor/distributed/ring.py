@@ -98,6 +98,7 @@ class _Exchange:
 
     def __init__(self, config: RingConfig, tensors, shapes, send_to: int, recv_from: int, tag: int):
         self.received = [torch.empty(shape, dtype=t.dtype, device=t.device) for t, shape in zip(tensors, shapes)]
+        self.sent = list(tensors)  # alive until wait(), whatever the caller drops meanwhile
         # Distinct tags keep gloo from pairing the K/V and dK/dV messages of one step (NCCL keeps
         # them apart by issue order and ignores tags).
         ops = [dist.P2POp(dist.isend, t, config.peer(send_to), config.group, tag + i) for i, t in enumerate(tensors)]
