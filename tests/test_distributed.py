@@ -51,6 +51,9 @@ _W4_FULL = [
     dict(name="w4_uneven_tiny_zigzag_fp64", dtype=F64, L=6, seq_len_arg=True, seed=26),  # empty chunks
     dict(name="w4_grad_lse_gqa_causal_fp32", dtype=F32, Hq=4, Hkv=2, L=40, grad_lse=True, seed=27),
     dict(name="w4_long_causal_zigzag_fp32", dtype=F32, B=1, L=320, E=32, Ev=32, seed=28),
+    # 16-bit: each block's output is rounded before the fp32 merge (the op returns the input dtype).
+    dict(name="w4_causal_zigzag_fp16", dtype=torch.float16, L=64, seed=40),
+    dict(name="w4_gqa_causal_zigzag_bf16", dtype=torch.bfloat16, Hq=4, Hkv=2, L=64, seed=42),
 ]
 
 _SPLIT = len(_W2) // 2
