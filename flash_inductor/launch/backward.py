@@ -71,7 +71,10 @@ def attention_backward(
     switches, mask_arg, mask_strides, meta = common_meta(query, key, value, attn_mask, dropout_p, is_causal, schedule)
     configs = common.launch_configs(query, key, value, attn_mask, is_causal, schedule, configs)
     p_in_fp32, ds_in_fp32, ds_rescale = switches["P_IN_FP32"], switches["DS_IN_FP32"], switches["DS_RESCALE"]
-    exact_delta = switches["EXACT_DELTA"]
+    # An fp32 O already gives rowsum(dO∘O) to fp32, and the correction re-derives Δ from the P and
+    # dP of this call's keys alone: wrong where a call sees part of each row, as ring attention's
+    # calls do (flash_inductor.distributed passes its fp32 merged O for exactly that reason).
+    exact_delta = switches["EXACT_DELTA"] and out.dtype != torch.float32
     seed_arg = rng_seed if rng_seed is not None else query
 
     delta = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
