@@ -89,7 +89,7 @@ def attention_backward(
             ds_stats[2:] = ds_bound.reshape(1)  # (0, 0, B): the kernels' bound is B itself
     else:
         ds_stats = delta  # never read
-    _launch_preprocess(out, grad_out, grad_lse, value, delta, ds_stats, head_dim_v, meta["BLOCK_EV"],
+    launch_preprocess(out, grad_out, grad_lse, value, delta, ds_stats, head_dim_v, meta["BLOCK_EV"],
                        configs.backward_dq.block_m, collect_ds_stats)
 
     scale_log2 = scale * LOG2E
@@ -144,7 +144,7 @@ def attention_backward(
     return dq, dk, dv, dmask
 
 
-def _launch_preprocess(out, grad_out, grad_lse, value, delta, ds_stats, head_dim_v: int, block_ev: int,
+def launch_preprocess(out, grad_out, grad_lse, value, delta, ds_stats, head_dim_v: int, block_ev: int,
                        block_m: int, collect_ds_stats: bool) -> None:
     """Δ into ``delta``, and under ``collect_ds_stats`` the dS bound's maxima into ``ds_stats``
     (``attn_bwd._attn_bwd_preprocess``); its grid then spans max(L, S) rows, to cover V's."""
@@ -172,7 +172,7 @@ def measure_ds_bound(grad_out: torch.Tensor, value: torch.Tensor, grad_lse: torc
     delta = torch.empty(grad_out.shape[:3], dtype=torch.float32, device=grad_out.device)
     if grad_lse is not None:
         grad_lse = grad_lse.to(torch.float32).contiguous()
-    _launch_preprocess(grad_out, grad_out, grad_lse, value, delta, stats, head_dim_v, padded_head_dim(head_dim_v),
+    launch_preprocess(grad_out, grad_out, grad_lse, value, delta, stats, head_dim_v, padded_head_dim(head_dim_v),
                        64, collect_ds_stats=True)
     keep_scale = 1.0 / (1.0 - dropout_p)
     return ((2.0 * keep_scale) * stats[0].sqrt() * stats[1].sqrt() + stats[2]).reshape(1)

@@ -168,7 +168,7 @@ def hopper_forward_supported(query, key, value, attn_mask=None, dropout_p: float
             and tma_unsupported_reason(query, key, value) is None)
 
 
-def _descriptor(t: torch.Tensor, rows: int):
+def tma_descriptor(t: torch.Tensor, rows: int):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -199,8 +199,8 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     rows = cfg.block_m * cfg.num_consumers
     grid = (cdiv(seq_q, rows), batch * heads_q)
     _attn_fwd_hopper[grid](
-        _descriptor(query, cfg.block_m), _descriptor(key, cfg.block_n), _descriptor(value, cfg.block_n),
-        _descriptor(out, cfg.block_m), lse,
+        tma_descriptor(query, cfg.block_m), tma_descriptor(key, cfg.block_n), tma_descriptor(value, cfg.block_n),
+        tma_descriptor(out, cfg.block_m), lse,
         seq_q, seq_k, heads_q, heads_q // heads_kv, causal_offset if is_causal else 0, scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal, PINGPONG=cfg.pingpong,

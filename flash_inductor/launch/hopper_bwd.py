@@ -25,7 +25,7 @@ import torch
 
 from ..schedules import get_schedule
 from .common import LOG2E, cdiv
-from .hopper import _descriptor, hopper_forward_unsupported_reason, tma_unsupported_reason
+from .hopper import tma_descriptor, hopper_forward_unsupported_reason, tma_unsupported_reason
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     ``hopper_backward_unsupported_reason`` and ``tma_unsupported_reason`` (on query, key, value,
     grad_out) say so."""
     from ..kernels.hopper_bwd import _attn_bwd_hopper
-    from .backward import _launch_preprocess
+    from .backward import launch_preprocess
 
     batch, heads_q, seq_q, head_dim = query.shape
     heads_kv, seq_k = key.shape[1], key.shape[2]
@@ -97,13 +97,13 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
         delta = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
         if grad_lse is not None:
             grad_lse = grad_lse.to(torch.float32).contiguous()
-        _launch_preprocess(out, grad_out, grad_lse, value, delta, delta, head_dim, head_dim, 64, False)
+        launch_preprocess(out, grad_out, grad_lse, value, delta, delta, head_dim, head_dim, 64, False)
     lse = lse.to(torch.float32).contiguous()
     dq_accum = torch.zeros((batch, heads_q, seq_q, head_dim), dtype=torch.float32, device=query.device)
     grid = (cdiv(seq_k, cfg.block_n), batch * heads_kv)
     _attn_bwd_hopper[grid](
-        _descriptor(query, cfg.block_m), _descriptor(key, 64), _descriptor(value, 64),
-        _descriptor(grad_out, cfg.block_m), _descriptor(dk, 64), _descriptor(dv, 64),
+        tma_descriptor(query, cfg.block_m), tma_descriptor(key, 64), tma_descriptor(value, 64),
+        tma_descriptor(grad_out, cfg.block_m), tma_descriptor(dk, 64), tma_descriptor(dv, 64),
         lse, delta, dq_accum,
         seq_q, seq_k, heads_kv, heads_q // heads_kv, causal_offset if is_causal else 0, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
