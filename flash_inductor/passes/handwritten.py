@@ -32,6 +32,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .gqa import peel_repeats
+from .guard import guarded
 from .handwritten_checks import (
     Keep, Scale, bind, check_only_user, describe, fill_value, is_function, is_mask_fill, is_method, method_name,
     known_equal, scalar, tensor_value, triangle, value_users,
@@ -528,6 +529,6 @@ def find_sites(graph: fx.Graph) -> Iterator[Union[AttentionSite, KeptSite]]:
     context = Context({n: i for i, n in enumerate(graph.nodes)})
     for node in list(graph.nodes):
         if _pattern_softmax_1(node) is not None:
-            found = _match_site(node, context)
+            found = guarded("handwritten", node, lambda: _match_site(node, context))
             if found is not None:
                 yield found

@@ -400,14 +400,17 @@ def make_site(plan: Plan) -> AttentionSite:
         out = _from_layout(graph, out, plan.out_groups)
         if plan.out_perm is not None:
             out = graph.call_method("permute", (out, *plan.out_perm))
-        plan.replaced[plan.output] = out
         return out
+
+    def on_rewritten(replacement):
+        plan.replaced[plan.output] = replacement
 
     return AttentionSite(
         pattern=plan.pattern, output=plan.output, query=plan.query.node, key=plan.key.node,
         value=plan.value.node, attn_mask=None, dropout_p=plan.dropout_p, is_causal=plan.is_causal,
         scale=plan.scale, enable_gqa=plan.enable_gqa, consumed=plan.consumed, prologue=prologue,
         epilogue=epilogue, mask_description=_describe_masks(plan), anchors=plan.anchors,
+        on_rewritten=on_rewritten,
     )
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.fx as fx
 
 from ..api import attention
+from .guard import check_replacement, checked_insertion
 
 
 def rewritten_attention(
@@ -65,6 +66,9 @@ class AttentionSite:
     # Nodes besides ``output`` that the site spans (its Q·Kᵀ product, its softmax): the report
     # names the innermost module containing all of them.
     anchors: list[fx.Node] = dataclasses.field(default_factory=list)
+    # Called with the replacement once the rewrite is in the graph (a pattern that tracks what
+    # earlier sites replaced records it here, never before the rewrite is known to go in).
+    on_rewritten: Optional[Callable[[fx.Node], None]] = None
 
 
 @dataclasses.dataclass
@@ -151,25 +155,32 @@ def rewrite_site(graph: fx.Graph, site: AttentionSite, schedule: Optional[str],
                  monitor_site: Optional[str] = None) -> fx.Node:
     """Replace ``site.output`` with a call of :func:`rewritten_attention`; erase dead pattern nodes.
 
-    ``monitor_site``: name under which the call records monitoring statistics; None (the
-    default) leaves the call exactly as without monitoring.
+    The replacement is first run on the graph's fake tensors (``guard.check_replacement``): if
+    the op would reject it, or it would not give the output's shape, dtype and device, the
+    inserted nodes are erased and :class:`guard.Rejected` (or the error) propagates, leaving the
+    graph as it was. ``monitor_site``: name under which the call records monitoring statistics;
+    None (the default) leaves the call exactly as without monitoring.
     """
-    with graph.inserting_before(site.output):
-        q, k, v, mask = site.query, site.key, site.value, site.attn_mask
-        if site.prologue is not None:
-            q, k, v, mask = site.prologue(graph, q, k, v, mask)
-        kwargs = dict(
-            attn_mask=mask, dropout_p=float(site.dropout_p), is_causal=bool(site.is_causal),
-            scale=None if site.scale is None else float(site.scale), enable_gqa=bool(site.enable_gqa),
-            schedule=schedule,
-        )
-        if monitor_site is not None:
-            kwargs["monitor_site"] = monitor_site
-        call = graph.call_function(rewritten_attention, (q, k, v), kwargs)
-        replacement = site.epilogue(graph, call) if site.epilogue is not None else call
+    with checked_insertion(graph) as inserted:
+        with graph.inserting_before(site.output):
+            q, k, v, mask = site.query, site.key, site.value, site.attn_mask
+            if site.prologue is not None:
+                q, k, v, mask = site.prologue(graph, q, k, v, mask)
+            kwargs = dict(
+                attn_mask=mask, dropout_p=float(site.dropout_p), is_causal=bool(site.is_causal),
+                scale=None if site.scale is None else float(site.scale), enable_gqa=bool(site.enable_gqa),
+                schedule=schedule,
+            )
+            if monitor_site is not None:
+                kwargs["monitor_site"] = monitor_site
+            call = graph.call_function(rewritten_attention, (q, k, v), kwargs)
+            replacement = site.epilogue(graph, call) if site.epilogue is not None else call
+        check_replacement(inserted(), site.output, replacement)
     if "example_value" in site.output.meta:
         replacement.meta["example_value"] = site.output.meta["example_value"]
     site.output.replace_all_uses_with(replacement)
+    if site.on_rewritten is not None:
+        site.on_rewritten(replacement)
     # Erase the output and then the pattern's own nodes, in reverse order, only when nothing
     # else uses them: a blanket dead-code pass would also delete in-place ops like masked_fill_.
     erased: set[fx.Node] = set()
