@@ -247,7 +247,8 @@ def _reaches_product(node: Any, depth: int = 8) -> bool:
 
 def _pattern_mask_1(node: fx.Node, head_dim: Any) -> Optional[Step]:
     # BERT / HF Llama: scores + attention_mask (additive, finfo.min or -inf); T5: scores +=
-    # position_bias, which must receive its gradient (a float attn_mask does).
+    # position_bias, which must receive its gradient (a float attn_mask does); Falcon (ALiBi):
+    # scores + alibi.view(...), before its scale.
     inplace = is_function(node, operator.iadd) or is_method(node, "add_")
     if not (inplace or is_function(node, operator.add, torch.add) or is_method(node, "add")):
         return None
@@ -262,6 +263,23 @@ def _pattern_mask_1(node: fx.Node, head_dim: Any) -> Optional[Step]:
                 raise Keep(f"the mask {mask.name} broadcasts the scores to a larger shape")
             return Step("add", node, scores, mask=mask)
     return None
+
+
+def _pattern_mask_4(node: fx.Node, head_dim: Any) -> Optional[Step]:
+    # Older BERT ports, GPT-J style: scores - 10000.0 * (1 - mask), a bias subtracted from the
+    # scores: an additive mask with factor -1 (exact: negation rounds nothing).
+    inplace = is_function(node, operator.isub) or is_method(node, "sub_")
+    if not (inplace or is_function(node, operator.sub, torch.sub) or is_method(node, "sub")):
+        return None
+    args = bind(node, ("input", "other"), dict(alpha=1))
+    if args["alpha"] != 1 or len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
+        return None
+    scores, mask = node.args
+    if not (_is_product(scores) or _reaches_product(scores)):
+        return None  # bias - scores negates the scores: not a supported step
+    if not _same_shape(scores, node):
+        raise Keep(f"the mask {mask.name} broadcasts the scores to a larger shape")
+    return Step("add", node, scores, mask=mask, factor=-1.0)
 
 
 def _fill_step(node: fx.Node, scores: fx.Node, cond: Any, fill: Any, attend_if: bool) -> Step:
@@ -327,7 +345,7 @@ def _pattern_cast_1(node: fx.Node, head_dim: Any = None) -> Optional[Step]:
     return Step("cast", node, node.args[0])
 
 
-_SCORE_PATTERNS = (_pattern_scale_1, _pattern_mask_1, _pattern_mask_2, _pattern_mask_3,
+_SCORE_PATTERNS = (_pattern_scale_1, _pattern_mask_1, _pattern_mask_2, _pattern_mask_3, _pattern_mask_4,
                    _pattern_view_1, _pattern_cast_1)
 
 

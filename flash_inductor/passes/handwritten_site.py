@@ -16,6 +16,7 @@ coarser tensor is unflattened into it and the result flattened back.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from typing import Any, Callable, Optional
 
@@ -24,7 +25,8 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .handwritten_checks import (
-    Keep, Scale, check_dtypes, describe, group_dims, known_equal, mutates, tensor_value, call_ancestors,
+    Keep, Scale, check_dtypes, describe, group_dims, is_mask_fill, known_equal, mutates, tensor_value,
+    call_ancestors,
 )
 from .site import AttentionSite
 
@@ -57,6 +59,7 @@ class Step:
     input: fx.Node
     scale: Scale = Scale()
     mask: Optional[fx.Node] = None  # add: the additive tensor; fill: the condition
+    factor: float = 1.0  # add: the additive tensor's coefficient (-1 for a subtraction)
     attend_if: bool = False  # fill: keys are visible where cond == attend_if
     value: float = 0.0  # fill: the fill value
     causal: Optional[bool] = None  # fill: provably top-left causal (True: from a constant buffer)
@@ -203,7 +206,13 @@ def _check_not_mutated(nodes: list, output: fx.Node, order: dict) -> None:
 
 
 def _masks(match: Match, groups_of: Callable) -> tuple[list["MaskTerm"], Scale, list[Step]]:
-    """The mask terms in order, the total scale, and the fill steps; a scale after a mask keeps."""
+    """The score expression reduced to (scale, masks): the mask terms in order, the scale of
+    Q·Kᵀ, and the fill steps.
+
+    Models scale, add and fill in any order; a constant scale c > 0 after masks is distributed
+    over them, which is exact: ``(QKᵀ + b)·c + m = c·QKᵀ + (c·b + m)`` (Falcon with ALiBi), and a
+    fill stays a fill (``-inf·c = -inf``; a finite fill is checked to still hide keys).
+    """
     product, masks, fills, scale = match.product, [], [], match.product.scale
     if product.bias is not None:
         masks.append(MaskTerm(product.bias, False, tuple(tensor_value(product.bias).shape),
@@ -211,7 +220,7 @@ def _masks(match: Match, groups_of: Callable) -> tuple[list["MaskTerm"], Scale, 
     for step in match.steps:
         if step.kind == "scale":
             if masks:
-                raise Keep(f"the scores are scaled at {step.node.name} after a mask was applied")
+                _distribute_scale(step, masks, fills)
             scale = scale * step.scale
         elif step.kind in ("add", "fill"):
             mask_ev = tensor_value(step.mask)
@@ -219,10 +228,35 @@ def _masks(match: Match, groups_of: Callable) -> tuple[list["MaskTerm"], Scale, 
                 raise Keep(f"the additive mask {step.mask.name} has dtype "
                            f"{mask_ev.dtype if mask_ev is not None else 'unknown'}, not a float dtype")
             masks.append(MaskTerm(step.mask, step.kind == "fill", tuple(mask_ev.shape),
-                                  groups_of(tensor_value(step.node).shape[:-2]), attend_if=step.attend_if))
+                                  groups_of(tensor_value(step.node).shape[:-2]), attend_if=step.attend_if,
+                                  factor=step.factor))
             if step.kind == "fill":
                 fills.append(step)
     return masks, scale, fills
+
+
+def _distribute_scale(step: Step, masks: list["MaskTerm"], fills: list[Step]) -> None:
+    """Multiply the masks applied so far by the constant of a scale step that follows them, or
+    keep the site where that would not be exact."""
+    if step.scale.head_dim_power != 0:
+        raise Keep(f"the scale at {step.node.name} depends on the dynamic head dim and follows a mask")
+    c = step.scale.coef
+    if not c > 0:
+        # -inf * c = +inf: hidden keys would become the largest scores.
+        raise Keep(f"the scores are scaled by {c:g} at {step.node.name} after a mask was applied; only a "
+                   "positive constant distributes over the mask")
+    dtype = tensor_value(step.node).dtype
+    for fill in fills:
+        scaled = fill.value * c
+        if math.isfinite(fill.value) and not (is_mask_fill(scaled) and abs(scaled) <= torch.finfo(dtype).max):
+            # A finite fill must stay finite (eager's fully hidden rows are uniform, not NaN) and
+            # low enough to hide keys.
+            raise Keep(f"the fill {fill.value:g} of {fill.node.name} scaled by {c:g} at {step.node.name} "
+                       "no longer acts as a mask")
+        fill.value = scaled
+    for term in masks:
+        if not term.is_bool:
+            term.factor *= c
 
 
 def assemble(match: Match, context: Context) -> AttentionSite:

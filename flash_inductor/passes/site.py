@@ -117,16 +117,26 @@ def _module_entries(node: fx.Node) -> list[tuple[str, Any]]:
 _GETATTR = re.compile(r"getattr\((.+?), ['\"]([^'\"]+)['\"]\)")
 
 
+# The traced frame's local holding the root module: ``L['self']``, or ``L['args'][0]`` when the
+# forward is wrapped by a ``def wrapper(*args, **kwargs)`` decorator (transformers' output-capturing
+# decorators on Falcon and Bloom: their paths came out as ``0.h.0.self_attention``).
+_FRAME_ROOT = re.compile(r"^L\[['\"](?:args|kwargs)['\"]\]\[[^\]]+\]|^L\[['\"][^'\"]+['\"]\]")
+# Attribute containers dynamo may spell out: ``._modules['h']``, ``.__dict__['transformer_blocks']``
+# (diffusers' blocks reached through an attention processor).
+_CONTAINERS = ("_modules", "_parameters", "_buffers", "__dict__")
+
+
 def relative_module_path(dynamo_path: str) -> Optional[str]:
-    """``L['self'].transformer.h[3].attn``, ``...h.3.attn``, ``getattr(L['self'].h, '3').attn`` or
-    ``..._modules['h']._modules['3']...`` -> ``transformer.h.3.attn``: the path relative to the
+    """``L['self'].transformer.h[3].attn``, ``...h.3.attn``, ``getattr(L['self'].h, '3').attn``,
+    ``..._modules['h']._modules['3']...``, ``L['args'][0].transformer.h[3].attn`` or
+    ``L['self'].__dict__['transformer']...`` -> ``transformer.h.3.attn``: the path relative to the
     traced module; None for that module itself."""
     previous = None
     while previous != dynamo_path:  # nested getattr(getattr(...), '0')
         previous, dynamo_path = dynamo_path, _GETATTR.sub(r"\1.\2", dynamo_path)
-    path = re.sub(r"^L\[['\"][^'\"]+['\"]\]", "", dynamo_path)
+    path = _FRAME_ROOT.sub("", dynamo_path)
     path = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", path)
-    parts = [p for p in path.split(".") if p and p not in ("_modules", "_parameters", "_buffers")]
+    parts = [p for p in path.split(".") if p and p not in _CONTAINERS]
     return ".".join(parts) or None
 
 
