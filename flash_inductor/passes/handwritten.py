@@ -345,7 +345,16 @@ def _pattern_cast_1(node: fx.Node, head_dim: Any = None) -> Optional[Step]:
     return Step("cast", node, node.args[0])
 
 
-_SCORE_PATTERNS = (_pattern_scale_1, _pattern_mask_1, _pattern_mask_2, _pattern_mask_3, _pattern_mask_4,
+def _pattern_softcap_1(node: fx.Node, head_dim: Any = None) -> Optional[Step]:
+    # Gemma 2, Grok: cap * tanh(scores / cap), logit soft-capping. Recognised only to say why the
+    # site is kept: the op adds a mask to the scores but applies no function to them.
+    if is_function(node, torch.tanh) or is_method(node, "tanh"):
+        raise Keep(f"the scores are soft-capped by tanh at {node.name}: the op applies no function to the "
+                   "scores, so rewriting would drop the cap and change the probabilities")
+    return None
+
+
+_SCORE_PATTERNS = (_pattern_softcap_1, _pattern_scale_1, _pattern_mask_1, _pattern_mask_2, _pattern_mask_3, _pattern_mask_4,
                    _pattern_view_1, _pattern_cast_1)
 
 

@@ -164,13 +164,23 @@ def _permuted(shape, perm: Optional[tuple]) -> tuple:
     return tuple(shape) if perm is None else tuple(shape[i] for i in perm)
 
 
+def _broadcasts_to(shape: tuple, target: tuple) -> bool:
+    """Provably broadcastable to ``target``: right-aligned, every dim equal to it or 1."""
+    return len(shape) <= len(target) and all(
+        statically_known_true(a == b) or _is_one(a) for a, b in zip(reversed(shape), reversed(target)))
+
+
 def _heads_line_up(kv: tuple, batch: tuple, repeats: int) -> Optional[bool]:
     """None if ``kv`` batch dims do not line up with ``batch``; else whether they are grouped
-    (GQA: fewer heads in dim -3, repeated by ``repeats`` or broadcast from 1 by matmul)."""
+    (GQA: fewer heads in dim -3, repeated by ``repeats`` or broadcast from 1 by matmul). Other
+    size-1 dims broadcast, as in matmul; the op broadcasts them the same way (stride-0 views)."""
     if known_equal(kv, batch):
         return False
-    if len(batch) >= 2 and known_equal(kv[:-1], batch[:-1]) and (
-            known_equal([kv[-1]], [1]) or (repeats > 1 and known_equal([kv[-1] * repeats], [batch[-1]]))):
+    if not batch or not kv or not _broadcasts_to(kv[:-1], batch[:-1]):
+        return None
+    if statically_known_true(kv[-1] == batch[-1]):
+        return False
+    if _is_one(kv[-1]) or (repeats > 1 and statically_known_true(kv[-1] * repeats == batch[-1])):
         return True
     return None
 
@@ -271,12 +281,11 @@ def assemble(match: Match, context: Context) -> AttentionSite:
                  [product.node, *(s.node for s in match.steps), match.softmax, *match.probs])
     if tensor_value(output).dtype != q_ev.dtype:
         raise Keep(f"the P·V product returns {tensor_value(output).dtype} for {q_ev.dtype} inputs")
-    if not known_equal(q_shape[:-2], scores[:-2]):
+    if not _broadcasts_to(tuple(q_shape[:-2]), tuple(scores[:-2])):
         raise Keep(f"query batch dims {tuple(q_shape[:-2])} do not line up with the scores {tuple(scores[:-2])}")
     k_grouped = _heads_line_up(k_shape[:-2], tuple(scores[:-2]), match.repeats)
     v_grouped = _heads_line_up(v_shape[:-2], tuple(probs[:-2]), match.repeats)
-    if k_grouped is None or v_grouped is None or k_grouped != v_grouped \
-            or (k_grouped and not known_equal(k_shape[:-2], v_shape[:-2])):
+    if k_grouped is None or v_grouped is None or k_grouped != v_grouped:
         raise Keep(f"key/value batch dims {tuple(k_shape[:-2])}, {tuple(v_shape[:-2])} do not line up with "
                    f"the query's {tuple(q_shape[:-2])}")
 
@@ -301,8 +310,9 @@ def assemble(match: Match, context: Context) -> AttentionSite:
     if finite and len(masks) > 1:
         # Eager replaces hidden scores by the fill and then adds or fills more: a row that the
         # masks hide together can mix fill values in ways one op mask cannot express.
-        raise Keep(f"a finite fill ({finite[0].value:g}) combined with other masks would change rows "
-                   "that all of them hide")
+        raise Keep(f"a finite fill ({finite[0].value:g}) combined with other masks: eager gives the rows "
+                   "they hide together weights from the fill values (uniform over the filled keys), which "
+                   "the op's masked-row rule (output 0) would change")
     row_fixup = bool(finite) and not is_causal
     if row_fixup and match.dropout_p > 0:
         raise Keep(f"a finite fill ({finite[0].value:g}) with dropout: rows it hides entirely are "
