@@ -12,9 +12,10 @@ first, and ``transformers`` is optional (the test module skips without it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -316,10 +317,11 @@ class ModelCase:
     """A model family: ``build(impl, **config_overrides)``, ``inputs(padded, seed, device)``, the
     attention modules (in report order) and the pattern each implementation is reported under.
 
-    ``patterns[impl]`` is a pattern name, or (training pattern, inference pattern), or ``KEPT``
-    followed by the words the reason of every kept site must contain (why rewriting would change
-    the result). ``inference_modules`` where inference (eval, no_grad) reports other modules.
-    ``default``: in the default test run; the others run with ``-m models_full``.
+    ``patterns[impl]`` is a pattern name; a (training pattern, inference pattern) tuple; a list
+    with one pattern per module; or ``KEPT`` followed by the words the reason of every kept site
+    must contain (why rewriting would change the result). ``training_modules`` /
+    ``inference_modules`` where a training step or inference (eval, no_grad) reports other
+    modules. ``default``: in the default test run; the others run with ``-m models_full``.
     """
 
     build: Callable[..., nn.Module]
@@ -328,13 +330,8 @@ class ModelCase:
     patterns: dict
     impls: tuple[str, ...] = ("eager", "sdpa")
     inference_modules: Optional[tuple[str, ...]] = None
+    training_modules: Optional[tuple[str, ...]] = None
     default: bool = False
-
-    def pattern(self, impl: str, training: bool) -> str:
-        found = self.patterns[impl]
-        if isinstance(found, str) and found.startswith(KEPT):
-            return "handwritten"
-        return found if isinstance(found, str) else found[0 if training else 1]
 
     def kept_reason(self, impl: str) -> Optional[str]:
         """What the reason of every kept site says, or None when every site is rewritten."""
@@ -343,9 +340,15 @@ class ModelCase:
 
     def sites(self, impl: str, training: bool) -> list[tuple[str, str, str]]:
         """(module, pattern, status) of every site, in report order."""
-        modules = self.modules if training or self.inference_modules is None else self.inference_modules
-        status = "rewritten" if self.kept_reason(impl) is None else "kept"
-        return [(module, self.pattern(impl, training), status) for module in modules]
+        modules = self.training_modules if training else self.inference_modules
+        modules = modules or self.modules
+        found = self.patterns[impl]
+        if self.kept_reason(impl) is not None:
+            return [(module, "handwritten", "kept") for module in modules]
+        if isinstance(found, list):
+            return list(zip(modules, found, ["rewritten"] * len(modules)))
+        pattern = found if isinstance(found, str) else found[0 if training else 1]
+        return [(module, pattern, "rewritten") for module in modules]
 
 
 KEPT = "kept: "
@@ -377,13 +380,15 @@ CASES = {
     "gpt_neox": ModelCase(_gpt_neox, token_inputs, _layers("layers.{}.attention"), _ADDITIVE),
     "phi": ModelCase(_phi, token_inputs, _layers("layers.{}.self_attn"), _ADDITIVE),
     "opt": ModelCase(_opt, token_inputs, _layers("decoder.layers.{}.self_attn"), _ADDITIVE),
+    # HF's SDPA path drops the soft-capping (it cannot express it), so only "eager" applies it.
     "gemma2": ModelCase(_gemma2, token_inputs, _layers("layers.{}.self_attn"),
-                        dict(eager=KEPT + "soft-cap", sdpa="sdpa_repeat_kv")),
+                        dict(eager=KEPT + "soft-capped by tanh", sdpa="sdpa_repeat_kv")),
     # Encoders
     "bert": ModelCase(_bert, token_inputs, _layers("encoder.layer.{}.attention.self"), _ADDITIVE, default=True),
     "roberta": ModelCase(_roberta, token_inputs, _layers("encoder.layer.{}.attention.self"), _ADDITIVE),
+    # finfo.min filled over the relative-position biases: rows hidden entirely get uniform weights.
     "deberta_v2": ModelCase(_deberta_v2, token_inputs, _layers("encoder.layer.{}.attention.self"),
-                            dict(eager=KEPT + "finite fill"), impls=("eager",)),
+                            dict(eager=KEPT + "op's masked-row rule"), impls=("eager",)),
     # Encoder-decoder, with cross-attention
     "t5": ModelCase(_t5, t5_inputs, ("encoder.block.0.layer.0.SelfAttention", "decoder.block.0.layer.0.SelfAttention",
                                      "decoder.block.0.layer.1.EncDecAttention"), _ADDITIVE, default=True),
@@ -394,8 +399,14 @@ CASES = {
                                             "encoder.layers.0.blocks.1.attention.self",
                                             "encoder.layers.1.blocks.0.attention.self"), _ADDITIVE),
     # Speech
-    "whisper": ModelCase(_whisper, speech_inputs, _SEQ2SEQ_MODULES, _ADDITIVE),
-    "wav2vec2": ModelCase(_wav2vec2, audio_inputs, _layers("encoder.layers.{}.attention"), _ADDITIVE),
+    # The encoder and the cross-attention take no mask (input features are never padded).
+    "whisper": ModelCase(_whisper, speech_inputs, _SEQ2SEQ_MODULES,
+                         dict(eager=["handwritten_plain", "handwritten_additive_mask", "handwritten_plain"],
+                              sdpa="sdpa")),
+    # A training step breaks the graph at each layer's LayerDrop draw, and the two layers run the
+    # same resumed graph: one compiled site serves both.
+    "wav2vec2": ModelCase(_wav2vec2, audio_inputs, _layers("encoder.layers.{}.attention"), _ADDITIVE,
+                          training_modules=("encoder.layers.0.attention",)),
     # torch.nn: inference takes the fused layer, one node per encoder layer.
     "torch_encoder": ModelCase(TorchEncoder, encoder_inputs, _layers("encoder.layers.{}.self_attn"),
                                dict(torch=("mha", "mha_encoder")), impls=("torch",),
@@ -452,6 +463,33 @@ def compile_backend(full: Optional[bool] = None):
 
     full = full_inductor_everywhere() if full is None else full
     return flash_inductor.backend if full else pass_then_aot_eager()
+
+
+@contextlib.contextmanager
+def inductor_codegen_skipped() -> Iterator[None]:
+    """Inside: the backend's compiles (``flash_inductor.backend``, ``flash_inductor.explain``) stop
+    after Inductor's pre-grad passes and run AOTAutograd's graphs as traced, as
+    :func:`pass_then_aot_eager` does, on CPU without full Inductor (see
+    :func:`full_inductor_everywhere`). The backend's own reporting and explain's path resolution
+    run unchanged; only the C++ code generation (~15 s a model) is skipped."""
+    if full_inductor_everywhere():
+        yield
+        return
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._inductor import compile_fx as compile_fx_module
+
+    def compile_fx(gm, example_inputs, config_patches=None, **kwargs):
+        with torch._inductor.config.patch(config_patches or {}):
+            gm = compile_fx_module._recursive_pre_grad_passes(gm, example_inputs)
+        return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop)(gm, example_inputs)
+
+    real = compile_fx_module.compile_fx
+    compile_fx_module.compile_fx = compile_fx
+    try:
+        yield
+    finally:
+        compile_fx_module.compile_fx = real
 
 
 # ------------------------------------------------------------------------------------------
