@@ -395,9 +395,9 @@ CASES = {
     "bart": ModelCase(_bart, seq2seq_inputs, _SEQ2SEQ_MODULES, _ADDITIVE),
     # Vision
     "vit": ModelCase(_vit, image_inputs, _layers("layers.{}.attention"), _ADDITIVE),
-    "swin": ModelCase(_swin, image_inputs, ("encoder.layers.0.blocks.0.attention.self",
-                                            "encoder.layers.0.blocks.1.attention.self",
-                                            "encoder.layers.1.blocks.0.attention.self"), _ADDITIVE),
+    "swin": ModelCase(_swin, image_inputs, ("encoder.layers.0.blocks.0.attention",
+                                            "encoder.layers.0.blocks.1.attention",
+                                            "encoder.layers.1.blocks.0.attention"), _ADDITIVE),
     # Speech
     # The encoder and the cross-attention take no mask (input features are never padded).
     "whisper": ModelCase(_whisper, speech_inputs, _SEQ2SEQ_MODULES,

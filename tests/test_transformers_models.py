@@ -16,8 +16,9 @@ Tiny random configs (``model_zoo.py``), nothing downloaded. For every model and 
 * ``explain`` names every site by a path of ``model.named_modules()``.
 
 A representative subset runs by default (``ModelCase.default``: Llama, Falcon MQA, Falcon ALiBi,
-BERT, T5 and nn.TransformerEncoder); the full list is marked ``models_full`` and runs with
-``-m models_full`` (or FLASH_INDUCTOR_TEST_MODELS_FULL=1), as on the device.
+BERT, T5 and nn.TransformerEncoder). The other families are marked ``models_full``: ``-m
+models_full`` runs only them, FLASH_INDUCTOR_TEST_MODELS_FULL=1 runs the whole list with the rest
+of the file (the device run).
 
 Then fp16 where eager overflows (GPT-2, Llama: QKᵀ > 65504, see ``model_zoo.Q_BIG``): the compiled
 model is finite, and its output and parameter gradients are as close to an fp64 run of the same
