@@ -43,7 +43,8 @@ def _randn(*shape, seed, dtype=torch.float64):
 
 
 def _qkv(heads_kv=H, batch_kv=B):
-    return _randn(B, H, L, E, seed=1), _randn(batch_kv, heads_kv, S, E, seed=2), _randn(batch_kv, heads_kv, S, E, seed=3)
+    kv_shape = (batch_kv, heads_kv, S, E)
+    return _randn(B, H, L, E, seed=1), _randn(*kv_shape, seed=2), _randn(*kv_shape, seed=3)
 
 
 def _bias():  # an ALiBi-like per-head, per-key bias, with a gradient

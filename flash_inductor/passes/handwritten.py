@@ -354,8 +354,8 @@ def _pattern_softcap_1(node: fx.Node, head_dim: Any = None) -> Optional[Step]:
     return None
 
 
-_SCORE_PATTERNS = (_pattern_softcap_1, _pattern_scale_1, _pattern_mask_1, _pattern_mask_2, _pattern_mask_3, _pattern_mask_4,
-                   _pattern_view_1, _pattern_cast_1)
+_SCORE_PATTERNS = (_pattern_softcap_1, _pattern_scale_1, _pattern_mask_1, _pattern_mask_2, _pattern_mask_3,
+                   _pattern_mask_4, _pattern_view_1, _pattern_cast_1)
 
 
 # ------------------------------------------------------------------------------------------
