@@ -13,7 +13,9 @@ must stay a minority). Otherwise the program compiled with the pass and AOTAutog
 (``model_zoo.pass_then_aot_eager``, which runs the backend's pre-grad passes; Inductor's code
 generation is not what is fuzzed) must run, and match eager: outputs and gradients within a
 dtype-sized tolerance wherever eager is finite (a row that sees no key is 0 in the op where
-SDPA's math path may give NaN, as documented). The sites the pass rewrote or kept are counted:
+SDPA's math path may give NaN, as documented). Scores stay within what attention computes: masks
+push them down, never up to 1e38 (the op's backward recovers P from an fp32 log-sum-exp, which
+cannot hold log(l) beside a score above ~1e6; eager's softmax has no such limit). The sites the pass rewrote or kept are counted:
 the fuzz must exercise the rewrite, not only its refusals.
 
 Sized to keep CI cheap: 48 programs, about 20 s of CPU time.
@@ -170,8 +172,9 @@ def _score_step(rng: random.Random, dtype, shape) -> tuple[str, Callable, Option
     bias_shape = bias_shape[-len(shape):] if len(bias_shape) > len(shape) else bias_shape
     if kind in ("add", "sub"):
         bias = _tensor(rng, bias_shape, dtype)
-        if rng.random() < 0.3:
-            bias = bias.masked_fill(torch.rand(bias_shape) < 0.3, torch.finfo(dtype).min)
+        if rng.random() < 0.3:  # a mask: finfo.min added, or finfo.max subtracted (as models write them)
+            hide = torch.rand(bias_shape, generator=torch.Generator().manual_seed(rng.randrange(2**31))) < 0.3
+            bias = bias.masked_fill(hide, torch.finfo(dtype).min if kind == "add" else torch.finfo(dtype).max)
         return kind, ((lambda s, x: s + x) if kind == "add" else (lambda s, x: s - x)), bias
     hidden = torch.rand(bias_shape, generator=torch.Generator().manual_seed(rng.randrange(2**31))) < 0.3
     fill = rng.choice([float("-inf"), torch.finfo(dtype).min, -1e4 if dtype != torch.float16 else -6e4, 0.0, -5.0])

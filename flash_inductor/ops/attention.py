@@ -10,7 +10,9 @@ Inductor sees (and inlines) the Triton kernels they launch:
 
 Inputs are the normalised 4-D tensors ``flash_inductor.api`` produces: query (B, Hq, L, E),
 key (B, Hkv, S, E), value (B, Hkv, S, Ev), mask a (B, Hq, L, S) view (possibly stride-0
-broadcast, bool or float). ``lse`` is natural log, -inf on rows with no visible key, fp32
+broadcast, bool or float). q, k and v may be stride-0 views too (batch dims SDPA broadcasts):
+every path reads them through their strides, and the gradients come back at the views' shapes,
+for autograd's ``expand`` to sum. ``lse`` is natural log, -inf on rows with no visible key, fp32
 (fp64 for float64 inputs).
 
 What the kernels do not take (CPU tensors, float64, head dims over 256) goes to the blocked
@@ -255,7 +257,7 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
     if eager_fast_path_applies(query, key, value, attn_mask, rng_seed):
         if not _needs_autograd(query, key, value, attn_mask):
             # Inference: the launch alone. autograd.Function.apply would record nothing here and
-            # cost ~20-35 µs of host time a call (2-core CPU, launches stubbed; session 22), which
+            # cost ~20-35 µs of host time a call (2-core CPU, launches stubbed), which
             # a short problem's GPU time may not hide.
             with launch.direct_kernel_calls():
                 return launch.attention_forward(
