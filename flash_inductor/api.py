@@ -66,8 +66,10 @@ def flash_attention(
                 query (1, 1, L, E)   key/value (2, 8, S, E)   ->  out (2, 8, L, Ev)
 
             A size-1 K/V head dim is read as grouped-query attention with one K/V head, other
-            broadcast dims as stride-0 views: nothing is repeated in memory, and each gradient is
-            summed over the dims its tensor was broadcast along, so it has that tensor's shape.
+            broadcast dims as stride-0 views, so 3-D and 4-D inputs are never repeated in memory
+            (inputs of 5 or more dims are flattened to 4, which copies a broadcast leading dim).
+            Each gradient is summed over the dims its tensor was broadcast along: it has that
+            tensor's shape.
         attn_mask: ``None``; a bool tensor (``True`` = attend); an additive float tensor; or
             a :class:`torch.nn.attention.bias.CausalBias`. Any shape broadcastable to
             ``(N, ..., Hq, L, S)``; broadcast dims are read with stride 0, never copied::
