@@ -6,12 +6,13 @@ its attention. Two guards give that:
 * :func:`guarded` runs one pattern on one node. An exception there (a pattern meeting a graph
   it was not written for) is logged with its traceback at DEBUG and becomes a :class:`KeptSite`
   whose reason names the error; the pass goes on with the next node.
-* :func:`checked_insertion` wraps the insertion of a replacement. The inserted nodes are run
-  on the fake tensors dynamo recorded for the graph (its FakeTensorMode and shape environment),
-  so the op's own argument checks -- shapes, head counts, dtypes, devices, mask broadcast -- and
-  its fake kernel see exactly what they will see when the graph runs. If any node fails, or the
-  replacement's shape, dtype or device differ from the attention it replaces, the inserted
-  nodes are erased, the graph is as it was, and the site is kept with the reason.
+* :func:`checked_insertion` wraps the insertion of a replacement, and :func:`check_replacement`
+  runs the inserted nodes on the fake tensors dynamo recorded for the graph (its FakeTensorMode
+  and shape environment), so the op's own argument checks -- shapes, head counts, dtypes,
+  devices, mask broadcast -- and its fake kernel see exactly what they will see when the graph
+  runs. If any node fails, or the replacement's shape, dtype or device differ from the attention
+  it replaces, the inserted nodes are erased, the graph is as it was, and the site is kept with
+  the reason.
 
 A graph without fake values (``torch.fx.symbolic_trace``) cannot be checked this way: its
 rewrites are inserted unchecked, as they always were.
