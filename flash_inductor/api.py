@@ -55,8 +55,21 @@ def flash_attention(
     Args:
         query: ``(N, ..., Hq, L, E)``; also ``(N, L, E)`` or ``(L, E)``. fp16, bf16, fp32 (Triton
             kernel on CUDA) or fp64 / CPU tensors (blocked PyTorch path, same semantics).
-        key: ``(N, ..., Hkv, S, E)``, same leading dims and dtype as ``query``.
+        key: ``(N, ..., Hkv, S, E)``, same dtype as ``query``.
         value: ``(N, ..., Hkv, S, Ev)``; ``Ev`` may differ from ``E``.
+
+            The leading dims of query, key and value broadcast as SDPA's do (right-aligned, size 1
+            against any size, a missing dim as size 1)::
+
+                query (2, 8, L, E)   key/value (1, 8, S, E)   ->  out (2, 8, L, Ev)
+                query (2, 8, L, E)   key/value (2, 1, S, E)   ->  out (2, 8, L, Ev)   (MQA)
+                query (1, 1, L, E)   key/value (2, 8, S, E)   ->  out (2, 8, L, Ev)
+
+            A size-1 K/V head dim is read as grouped-query attention with one K/V head, other
+            broadcast dims as stride-0 views, so 3-D and 4-D inputs are never repeated in memory
+            (inputs of 5 or more dims are flattened to 4, which copies a broadcast leading dim).
+            Each gradient is summed over the dims its tensor was broadcast along: it has that
+            tensor's shape.
         attn_mask: ``None``; a bool tensor (``True`` = attend); an additive float tensor; or
             a :class:`torch.nn.attention.bias.CausalBias`. Any shape broadcastable to
             ``(N, ..., Hq, L, S)``; broadcast dims are read with stride 0, never copied::
@@ -151,7 +164,8 @@ def attention(
     is_causal, causal_offset, attn_mask = _resolve_causal(attn_mask, is_causal, seq_q, seq_k)
     scale = _resolve_scale(scale, head_dim)
 
-    heads_q, heads_kv = _check_heads(query, key, enable_gqa)
+    query, key, value = _broadcast_qkv(query, key, value, enable_gqa)
+    heads_q = query.shape[-3] if query.dim() >= 4 else 1
     batch_shape = query.shape[:-3] if query.dim() >= 4 else query.shape[:-2]
     q4, k4, v4 = (_as_4d(t) for t in (query, key, value))
     mask4 = _broadcast_mask(attn_mask, query, batch_shape, heads_q, seq_q, seq_k)
@@ -200,11 +214,6 @@ def _check_qkv(query, key, value) -> None:
             )
         if t.shape[-1] == 0:
             raise ValueError(f"flash_attention: {name} has an empty last (head) dim, shape {tuple(t.shape)}.")
-    if not (query.dim() == key.dim() == value.dim()):
-        raise ValueError(
-            "flash_attention: query, key and value must have the same number of dims, got "
-            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}."
-        )
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(
             f"flash_attention: query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}."
@@ -217,36 +226,70 @@ def _check_qkv(query, key, value) -> None:
         raise ValueError(
             f"flash_attention: key's head dim ({key.shape[-1]}) must equal query's ({query.shape[-1]})."
         )
-    if key.shape[:-1] != value.shape[:-1]:
+    if key.shape[-2] != value.shape[-2]:
         raise ValueError(
-            "flash_attention: key and value must agree on every dim but the last, got "
+            "flash_attention: key and value must have the same sequence length (dim -2), got "
             f"key {tuple(key.shape)} and value {tuple(value.shape)}."
         )
-    lead_q = query.shape[:-3] if query.dim() >= 4 else query.shape[:-2]
-    lead_k = key.shape[:-3] if key.dim() >= 4 else key.shape[:-2]
-    if lead_q != lead_k:
-        raise ValueError(
-            f"flash_attention: query and key must have the same batch dims, got {tuple(lead_q)} and {tuple(lead_k)}."
-        )
 
 
-def _check_heads(query, key, enable_gqa) -> tuple[int, int]:
-    if query.dim() < 4:
-        return 1, 1
-    heads_q, heads_kv = query.shape[-3], key.shape[-3]
-    if heads_q == heads_kv:
-        return heads_q, heads_kv
-    if not enable_gqa:
+def _broadcast_qkv(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """query, key and value with their leading dims broadcast as SDPA broadcasts them, as views.
+
+    Right-aligned to the largest rank; every dim but the last two broadcasts (size 1 against
+    any size). The head dim (dim -3 of 4-D and higher inputs) has one exception, grouped-query
+    attention: K/V heads that divide the query heads under ``enable_gqa``, and a single K/V head
+    (with or without it, as SDPA), stay as they are: the op pairs query head h with K/V head
+    h // (Hq // Hkv) and never repeats K/V. Other broadcast dims become stride-0 ``expand``
+    views, whose backward sums each gradient back to its input's shape.
+    """
+    rank = max(query.dim(), key.dim(), value.dim())
+    query, key, value = (t.reshape((1,) * (rank - t.dim()) + tuple(t.shape)) if t.dim() < rank else t
+                         for t in (query, key, value))
+    if rank < 4:  # (N, L, E) and (L, E): no head dim, only the batch dim broadcasts
+        lead = _broadcast_lead({"query": query.shape[:-2], "key": key.shape[:-2], "value": value.shape[:-2]})
+        return (_expand_lead(query, lead), _expand_lead(key, lead), _expand_lead(value, lead))
+    batch = _broadcast_lead({"query": query.shape[:-3], "key": key.shape[:-3], "value": value.shape[:-3]})
+    heads_q, heads_k, heads_v = query.shape[-3], key.shape[-3], value.shape[-3]
+    if heads_k != heads_v and 1 not in (heads_k, heads_v):
         raise ValueError(
-            f"flash_attention: query has {heads_q} heads but key/value have {heads_kv}; for grouped-query "
-            "attention pass enable_gqa=True."
+            f"flash_attention: key has {heads_k} heads and value {heads_v}; give them the same number "
+            "of heads (or one of them a single head, which broadcasts)."
         )
-    if heads_kv == 0 or heads_q % heads_kv != 0:
+    heads_kv = max(heads_k, heads_v)
+    if heads_q == 1 and heads_kv > 1 and not enable_gqa:
+        heads_q = heads_kv  # one query head against several K/V heads: SDPA broadcasts the query
+    elif heads_kv not in (heads_q, 1):
+        if not enable_gqa:
+            raise ValueError(
+                f"flash_attention: query has {heads_q} heads but key/value have {heads_kv}; for grouped-query "
+                "attention pass enable_gqa=True."
+            )
+        if heads_kv == 0 or heads_q % heads_kv != 0:
+            raise ValueError(
+                f"flash_attention: with enable_gqa=True the query heads ({heads_q}) must be a multiple of the "
+                f"key/value heads ({heads_kv})."
+            )
+    return (_expand_lead(query, (*batch, heads_q)), _expand_lead(key, (*batch, heads_kv)),
+            _expand_lead(value, (*batch, heads_kv)))
+
+
+def _broadcast_lead(shapes: dict) -> tuple:
+    try:
+        return tuple(torch.broadcast_shapes(*shapes.values()))
+    except RuntimeError:
+        described = ", ".join(f"{name} {tuple(shape)}" for name, shape in shapes.items())
         raise ValueError(
-            f"flash_attention: with enable_gqa=True the query heads ({heads_q}) must be a multiple of the "
-            f"key/value heads ({heads_kv})."
-        )
-    return heads_q, heads_kv
+            f"flash_attention: the batch dims of query, key and value do not broadcast ({described}); each "
+            "dim must be equal or 1, as in scaled_dot_product_attention."
+        ) from None
+
+
+def _expand_lead(t: Tensor, lead: tuple) -> Tensor:
+    """``t`` with its leading dims expanded to ``lead`` (a stride-0 view; ``t`` itself if equal)."""
+    if tuple(t.shape[:-2]) == tuple(lead):
+        return t
+    return t.expand(*lead, *t.shape[-2:])
 
 
 def _resolve_causal(attn_mask, is_causal, seq_q, seq_k):

@@ -107,10 +107,12 @@ def _paths_from_frame(report: RewriteReport, root: torch.nn.Module,
 
 
 def _paths_from_root(report: RewriteReport, root: torch.nn.Module) -> None:
-    """Make module paths relative to ``root``. After a graph break, dynamo traces the rest of the
-    call from an inner module's frame (HF's ``LlamaForCausalLM`` resuming in ``self.model``) and
-    records paths relative to that module; a path that names a module of that class under exactly
-    one submodule of ``root`` is completed with that submodule's path."""
+    """Make module paths relative to ``root``, so that each names a module of
+    ``root.named_modules()``. After a graph break, dynamo traces the rest of the call from an inner
+    module's frame (HF's ``LlamaForCausalLM`` resuming in ``self.model``) and records paths
+    relative to that module; a path that names a module of that class under exactly one submodule
+    of ``root`` is completed with that submodule's path. A path that still names no module (a
+    frame root we do not know how to strip) is matched by its trailing components."""
     modules = dict(root.named_modules())
 
     def fits(path: str, cls) -> bool:
@@ -120,6 +122,29 @@ def _paths_from_root(report: RewriteReport, root: torch.nn.Module) -> None:
         if site.module is None or fits(site.module, site.module_type):
             continue
         owners = [prefix for prefix in modules if prefix and fits(f"{prefix}.{site.module}", site.module_type)]
-        if len(owners) == 1:
+        found = f"{owners[0]}.{site.module}" if len(owners) == 1 else None
+        if found is None and not owners:
+            found = _by_trailing_components(site.module, site.module_type, modules)
+        if found is not None:
             # A copy: the per-compile reports in REPORTS keep what their frame recorded.
-            report.records[i] = dataclasses.replace(site, module=f"{owners[0]}.{site.module}")
+            report.records[i] = dataclasses.replace(site, module=found)
+
+
+def _by_trailing_components(path: str, cls, modules: dict) -> str | None:
+    """The one module of class ``cls`` whose path ends with the longest run of ``path``'s trailing
+    components (at least two, e.g. ``h.0.self_attention`` for ``0.h.0.self_attention``); None
+    when no module or several share that run."""
+    parts = path.split(".")
+    best, best_len = [], 1
+    for name, module in modules.items():
+        if not name or (cls is not None and type(module) is not cls):
+            continue
+        theirs = name.split(".")
+        common = 0
+        while common < min(len(parts), len(theirs)) and parts[-1 - common] == theirs[-1 - common]:
+            common += 1
+        if common > best_len:
+            best, best_len = [name], common
+        elif common == best_len and common > 1:
+            best.append(name)
+    return best[0] if len(best) == 1 else None

@@ -33,23 +33,28 @@ def test_rank_below_two(name):
         flash_attention(**args)
 
 
-def test_ranks_differ():
-    q, k, v = _qkv()
-    with pytest.raises(ValueError, match=r"query, key and value must have the same number of dims"):
-        flash_attention(q, k[0], v[0])
-
-
-def test_batch_mismatch():
+def test_batch_dims_do_not_broadcast():
+    # Size 1 broadcasts (tests/test_broadcast.py); 3 against 2 does not, in any of the three.
     q, k, v = _qkv(kv_shape=(3, 4, 10, 16))
-    with pytest.raises(ValueError, match=r"query and key must have the same batch dims"):
+    with pytest.raises(ValueError, match=r"batch dims of query, key and value do not broadcast .*query \(2,\), "
+                                         r"key \(3,\), value \(3,\)"):
         flash_attention(q, k, v)
+    q, k, _ = _qkv()
+    with pytest.raises(ValueError, match=r"do not broadcast.*each dim must be equal or 1"):
+        flash_attention(q, k, torch.randn(3, 4, 10, 16))
 
 
-def test_key_value_mismatch():
+def test_key_value_sequence_mismatch():
     q, k, _ = _qkv()
     v = torch.randn(2, 4, 11, 16)
-    with pytest.raises(ValueError, match=r"key and value must agree on every dim but the last"):
+    with pytest.raises(ValueError, match=r"key and value must have the same sequence length"):
         flash_attention(q, k, v)
+
+
+def test_key_value_heads_mismatch():
+    q, k, _ = _qkv()
+    with pytest.raises(ValueError, match=r"key has 4 heads and value 2; give them the same number of heads"):
+        flash_attention(q, k, torch.randn(2, 2, 10, 16))
 
 
 def test_head_dim_mismatch():

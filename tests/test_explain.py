@@ -3,11 +3,13 @@
 Covers: the report's fields (``sites``, ``status``, ``reason``, ``module``, ``rewritten``) and its
 table (expecttest goldens, one of them HF GPT-2); a fresh compile every time, even when the model
 was compiled before and Inductor's caches are on; graph breaks; a call that compiles nothing; a
-configured backend's ``explain``; the one-line INFO summary every compile logs.
+configured backend's ``explain``; the one-line INFO summary every compile logs; module paths that
+name modules of the model given (decorated forwards, attention processors, wrappers).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 import flash_inductor
 from flash_inductor.passes.report import REPORTS
 from helpers import randn
+from model_zoo import inductor_codegen_skipped
 
 E, H, L = 16, 2, 7
 
@@ -174,3 +177,83 @@ def test_module_paths_after_a_graph_break_are_from_the_model_given():
         plain = [s.module for r in REPORTS[-2:] for s in r.sites]  # what the frames themselves recorded
     assert [(s.module, s.status) for s in report.sites] == [("inner.attn", "rewritten")], report
     assert plain == ["attn"]
+
+
+# ------------------------------------------------------------------------------------------
+# Module paths as the model names them, whatever frame and containers dynamo traced through
+# ------------------------------------------------------------------------------------------
+
+
+def _passes_args_through(forward):
+    """A decorator that hides ``self`` in ``*args`` (transformers' output-capturing decorators on
+    Falcon and Bloom): dynamo then names the model ``L['args'][0]``."""
+
+    @functools.wraps(forward)
+    def wrapper(*args, **kwargs):
+        return forward(*args, **kwargs)
+
+    return wrapper
+
+
+class _Processor:
+    """A diffusers-style attention processor: a plain object that gets the module as an argument."""
+
+    def __call__(self, attn, x):
+        q, k, v = attn.qkv(x).view(x.shape[0], L, 3, H, E // H).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+
+
+class _ProcessedAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.processor = nn.Linear(E, 3 * E), _Processor()
+
+    def forward(self, x):
+        return self.processor(self, x)
+
+
+class _DecoratedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.h = nn.ModuleList([_ProcessedAttention(), _ProcessedAttention()])
+
+    @_passes_args_through
+    def forward(self, x):
+        for block in self.h:
+            x = block(x)
+        return x
+
+
+class _Wrapper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.transformer = _DecoratedModel()
+
+    def forward(self, x):
+        return self.transformer(x)
+
+
+@pytest.mark.parametrize("root, prefix", [(_DecoratedModel, ""), (_Wrapper, "transformer.")], ids=["model", "wrapped"])
+def test_module_paths_name_modules_of_the_model(root, prefix):
+    """A decorated forward (``L['args'][0]``, reported as ``0.h.0`` before) and a processor
+    object: every path is one of ``model.named_modules()``."""
+    model = root()
+    with torch.no_grad(), inductor_codegen_skipped():
+        report = flash_inductor.explain(model, _x())
+    assert [s.module for s in report.sites] == [f"{prefix}h.0", f"{prefix}h.1"], str(report)
+    assert all(s.module in dict(model.named_modules()) for s in report.sites)
+
+
+@pytest.mark.parametrize("dynamo_path, path", [
+    ("L['self'].transformer.h[3].attn", "transformer.h.3.attn"),
+    ("getattr(L['self'].h, '3').attn", "h.3.attn"),
+    ("L['self']._modules['h']._modules['3'].attn", "h.3.attn"),
+    ("L['args'][0].h.0.self_attention", "h.0.self_attention"),
+    ("L['kwargs']['model'].h[0]", "h.0"),
+    ("L['self'].__dict__['transformer_blocks'][0].attn1", "transformer_blocks.0.attn1"),
+    ("L['self']", None),
+])
+def test_relative_module_path(dynamo_path, path):
+    from flash_inductor.passes.site import relative_module_path
+
+    assert relative_module_path(dynamo_path) == path

@@ -611,9 +611,9 @@ class LearnedScale(nn.Module):  # Swin-V2 style learned temperature: not a const
         return ((q @ k.transpose(-2, -1)) * self.logit_scale.exp()).softmax(dim=-1) @ v
 
 
-class ScaleAfterMask(nn.Module):
+class NegativeScaleAfterMask(nn.Module):  # -inf * -0.5 = +inf (a positive scale: test_pass_normalise.py)
     def forward(self, q, k, v, mask):
-        return (((q @ k.transpose(-2, -1)) + mask) * 0.5).softmax(dim=-1) @ v
+        return (((q @ k.transpose(-2, -1)) + mask) * -0.5).softmax(dim=-1) @ v
 
 
 class HeadMask(nn.Module):  # BERT with head_mask: the probabilities are multiplied first
@@ -627,11 +627,6 @@ class MutatedKey(nn.Module):  # k changes between the two products
         probs = _scores(q, k).softmax(dim=-1)
         k.mul_(2.0)
         return probs @ v, k
-
-
-class SharedKeys(nn.Module):  # (1, H, S, E) keys broadcast over the batch by matmul
-    def forward(self, q, k, v):
-        return _scores(q, k[:1]).softmax(dim=-1) @ v
 
 
 def _bool_mask(seq_q=L, seq_k=S):
@@ -651,11 +646,11 @@ KEPT = {
     "zero_fill": (ZeroFill, lambda dt: (*_qkv(dt), _bool_mask()), "does not hide keys"),
     "softmax_dim": (SoftmaxOverQueries, lambda dt: _qkv(dt), "not the last (key) dim"),
     "learned_scale": (LearnedScale, lambda dt: _qkv(dt), "not a compile-time constant"),
-    "scale_after_mask": (ScaleAfterMask, lambda dt: (*_qkv(dt), _padding_mask(dt)), "scaled at"),
+    "negative_scale_after_mask": (NegativeScaleAfterMask, lambda dt: (*_qkv(dt), _padding_mask(dt)),
+                                  "scaled by -0.5"),
     "head_mask": (HeadMask, lambda dt: (*_qkv(dt), _randn(1, H, 1, 1, dtype=dt, seed=12)),
                   "probabilities go through"),
     "mutated_key": (MutatedKey, lambda dt: _qkv(dt), "modified in place by .mul_()"),
-    "keys_broadcast_over_batch": (SharedKeys, lambda dt: _qkv(dt), "do not line up"),
     "finfo_min_fill_plus_alibi": (lambda: Bloom(masked_fill=True), lambda dt: _bloom_inputs(dt, bool_mask=True),
                                   "combined with other masks"),
     "finfo_min_fill_with_dropout": (lambda: GPT2(dropout=0.1).train(),

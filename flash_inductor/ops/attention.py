@@ -11,7 +11,9 @@ exception: an opaque op of its own, see below):
 
 Inputs are the normalised 4-D tensors ``flash_inductor.api`` produces: query (B, Hq, L, E),
 key (B, Hkv, S, E), value (B, Hkv, S, Ev), mask a (B, Hq, L, S) view (possibly stride-0
-broadcast, bool or float). ``lse`` is natural log, -inf on rows with no visible key, fp32
+broadcast, bool or float). q, k and v may be stride-0 views too (batch dims SDPA broadcasts):
+every path reads them through their strides, and the gradients come back at the views' shapes,
+for autograd's ``expand`` to sum. ``lse`` is natural log, -inf on rows with no visible key, fp32
 (fp64 for float64 inputs).
 
 What the kernels do not take (CPU tensors, float64, head dims over 256) goes to the blocked

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
+import logging
 import pathlib
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -22,8 +23,11 @@ from ..tuning import cache as tuning_cache
 from ..monitoring.naming import graph_site_name
 from ..schedules import get_schedule
 from . import handwritten, mha, sdpa
+from .guard import keep_reason, log_rewrite_failure
 from .report import RewriteReport, SiteRecord, count_pass_run, publish
 from .site import AttentionSite, KeptSite, describe_rewrite, example_value, module_path, rewrite_site
+
+log = logging.getLogger("flash_inductor")
 
 # Order matters only where families could see the same nodes: MHA nodes contain no SDPA call
 # in the pre-grad graph, and hand-written attention never contains either.
@@ -83,7 +87,7 @@ class FlashAttentionPass(CustomGraphPass):
         # as an input, e.g. attention over attention: map old outputs to their replacements.
         replaced: dict[fx.Node, fx.Node] = {}
         for find_sites in _FAMILIES:
-            for found in list(find_sites(graph)):
+            for found in _found_sites(find_sites, graph):
                 self._handle(graph, found, report, replaced)
         publish(report)
 
@@ -95,17 +99,25 @@ class FlashAttentionPass(CustomGraphPass):
             return
         site: AttentionSite = found
         # Read before the rewrite erases the site's nodes.
-        name, module, detail = site.output.name, module_path([site.output, *site.anchors]), describe_rewrite(site)
+        name, module = site.output.name, module_path([site.output, *site.anchors])
         query = example_value(site.query)
         device = query.device.type if query is not None else None
         if device not in self.options.devices:
             report.records.append(SiteRecord(site.pattern, name, False,
                                              f"device {device} is not in devices={self.options.devices}", *module))
             return
-        for field in ("query", "key", "value", "attn_mask"):
-            setattr(site, field, replaced.get(getattr(site, field), getattr(site, field)))
-        monitor_site = graph_site_name(module[0], site.pattern, name) if self.options.monitor else None
-        replaced[site.output] = rewrite_site(graph, site, self.options.schedule, monitor_site)
+        try:
+            detail = describe_rewrite(site)
+            for field in ("query", "key", "value", "attn_mask"):
+                setattr(site, field, replaced.get(getattr(site, field), getattr(site, field)))
+            monitor_site = graph_site_name(module[0], site.pattern, name) if self.options.monitor else None
+            replacement = rewrite_site(graph, site, self.options.schedule, monitor_site)
+        except Exception as error:  # noqa: BLE001 -- a failed rewrite keeps its site, never fails the compile
+            log_rewrite_failure(name, error)
+            report.records.append(SiteRecord(site.pattern, name, False, keep_reason(error), *module))
+            counters["flash_inductor"][f"kept_{site.pattern}"] += 1
+            return
+        replaced[site.output] = replacement
         report.records.append(SiteRecord(site.pattern, name, True, detail, *module))
         counters["flash_inductor"][site.pattern] += 1
 
@@ -134,6 +146,20 @@ class FlashAttentionPass(CustomGraphPass):
         self.options = state["options"]
         self._source_uuid = None
         self._pickled_uuid = state["uuid"]
+
+
+def _found_sites(find_sites: Callable[[fx.Graph], Iterable], graph: fx.Graph) -> list:
+    """Every site one family finds, matched before any is rewritten. Each family guards its
+    patterns node by node (``guard.guarded``); should the family's own walk fail, the sites found
+    until then are still handled and the compile goes on."""
+    found = []
+    try:
+        for site in find_sites(graph):
+            found.append(site)
+    except Exception:  # noqa: BLE001
+        log.debug("flash_inductor: %s stopped early; the sites after it are left as written",
+                  getattr(find_sites, "__module__", find_sites), exc_info=True)
+    return found
 
 
 class ChainedPass(CustomGraphPass):

@@ -32,6 +32,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .gqa import peel_repeats
+from .guard import guarded
 from .handwritten_checks import (
     Keep, Scale, bind, check_only_user, describe, fill_value, is_function, is_mask_fill, is_method, method_name,
     known_equal, scalar, tensor_value, triangle, value_users,
@@ -246,7 +247,8 @@ def _reaches_product(node: Any, depth: int = 8) -> bool:
 
 def _pattern_mask_1(node: fx.Node, head_dim: Any) -> Optional[Step]:
     # BERT / HF Llama: scores + attention_mask (additive, finfo.min or -inf); T5: scores +=
-    # position_bias, which must receive its gradient (a float attn_mask does).
+    # position_bias, which must receive its gradient (a float attn_mask does); Falcon (ALiBi):
+    # scores + alibi.view(...), before its scale.
     inplace = is_function(node, operator.iadd) or is_method(node, "add_")
     if not (inplace or is_function(node, operator.add, torch.add) or is_method(node, "add")):
         return None
@@ -261,6 +263,23 @@ def _pattern_mask_1(node: fx.Node, head_dim: Any) -> Optional[Step]:
                 raise Keep(f"the mask {mask.name} broadcasts the scores to a larger shape")
             return Step("add", node, scores, mask=mask)
     return None
+
+
+def _pattern_mask_4(node: fx.Node, head_dim: Any) -> Optional[Step]:
+    # Older BERT ports, GPT-J style: scores - 10000.0 * (1 - mask), a bias subtracted from the
+    # scores: an additive mask with factor -1 (exact: negation rounds nothing).
+    inplace = is_function(node, operator.isub) or is_method(node, "sub_")
+    if not (inplace or is_function(node, operator.sub, torch.sub) or is_method(node, "sub")):
+        return None
+    args = bind(node, ("input", "other"), dict(alpha=1))
+    if args["alpha"] != 1 or len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
+        return None
+    scores, mask = node.args
+    if not (_is_product(scores) or _reaches_product(scores)):
+        return None  # bias - scores negates the scores: not a supported step
+    if not _same_shape(scores, node):
+        raise Keep(f"the mask {mask.name} broadcasts the scores to a larger shape")
+    return Step("add", node, scores, mask=mask, factor=-1.0)
 
 
 def _fill_step(node: fx.Node, scores: fx.Node, cond: Any, fill: Any, attend_if: bool) -> Step:
@@ -326,8 +345,17 @@ def _pattern_cast_1(node: fx.Node, head_dim: Any = None) -> Optional[Step]:
     return Step("cast", node, node.args[0])
 
 
-_SCORE_PATTERNS = (_pattern_scale_1, _pattern_mask_1, _pattern_mask_2, _pattern_mask_3,
-                   _pattern_view_1, _pattern_cast_1)
+def _pattern_softcap_1(node: fx.Node, head_dim: Any = None) -> Optional[Step]:
+    # Gemma 2, Grok: cap * tanh(scores / cap), logit soft-capping. Recognised only to say why the
+    # site is kept: the op adds a mask to the scores but applies no function to them.
+    if is_function(node, torch.tanh) or is_method(node, "tanh"):
+        raise Keep(f"the scores are soft-capped by tanh at {node.name}: the op applies no function to the "
+                   "scores, so rewriting would drop the cap and change the probabilities")
+    return None
+
+
+_SCORE_PATTERNS = (_pattern_softcap_1, _pattern_scale_1, _pattern_mask_1, _pattern_mask_2, _pattern_mask_3,
+                   _pattern_mask_4, _pattern_view_1, _pattern_cast_1)
 
 
 # ------------------------------------------------------------------------------------------
@@ -528,6 +556,6 @@ def find_sites(graph: fx.Graph) -> Iterator[Union[AttentionSite, KeptSite]]:
     context = Context({n: i for i, n in enumerate(graph.nodes)})
     for node in list(graph.nodes):
         if _pattern_softmax_1(node) is not None:
-            found = _match_site(node, context)
+            found = guarded("handwritten", node, lambda: _match_site(node, context))
             if found is not None:
                 yield found

@@ -16,6 +16,7 @@ coarser tensor is unflattened into it and the result flattened back.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from typing import Any, Callable, Optional
 
@@ -24,7 +25,8 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .handwritten_checks import (
-    Keep, Scale, check_dtypes, describe, group_dims, known_equal, mutates, tensor_value, call_ancestors,
+    Keep, Scale, check_dtypes, describe, group_dims, is_mask_fill, known_equal, mutates, tensor_value,
+    call_ancestors,
 )
 from .site import AttentionSite
 
@@ -57,6 +59,7 @@ class Step:
     input: fx.Node
     scale: Scale = Scale()
     mask: Optional[fx.Node] = None  # add: the additive tensor; fill: the condition
+    factor: float = 1.0  # add: the additive tensor's coefficient (-1 for a subtraction)
     attend_if: bool = False  # fill: keys are visible where cond == attend_if
     value: float = 0.0  # fill: the fill value
     causal: Optional[bool] = None  # fill: provably top-left causal (True: from a constant buffer)
@@ -161,13 +164,23 @@ def _permuted(shape, perm: Optional[tuple]) -> tuple:
     return tuple(shape) if perm is None else tuple(shape[i] for i in perm)
 
 
+def _broadcasts_to(shape: tuple, target: tuple) -> bool:
+    """Provably broadcastable to ``target``: right-aligned, every dim equal to it or 1."""
+    return len(shape) <= len(target) and all(
+        statically_known_true(a == b) or _is_one(a) for a, b in zip(reversed(shape), reversed(target)))
+
+
 def _heads_line_up(kv: tuple, batch: tuple, repeats: int) -> Optional[bool]:
     """None if ``kv`` batch dims do not line up with ``batch``; else whether they are grouped
-    (GQA: fewer heads in dim -3, repeated by ``repeats`` or broadcast from 1 by matmul)."""
+    (GQA: fewer heads in dim -3, repeated by ``repeats`` or broadcast from 1 by matmul). Other
+    size-1 dims broadcast, as in matmul; the op broadcasts them the same way (stride-0 views)."""
     if known_equal(kv, batch):
         return False
-    if len(batch) >= 2 and known_equal(kv[:-1], batch[:-1]) and (
-            known_equal([kv[-1]], [1]) or (repeats > 1 and known_equal([kv[-1] * repeats], [batch[-1]]))):
+    if not batch or not kv or not _broadcasts_to(kv[:-1], batch[:-1]):
+        return None
+    if statically_known_true(kv[-1] == batch[-1]):
+        return False
+    if _is_one(kv[-1]) or (repeats > 1 and statically_known_true(kv[-1] * repeats == batch[-1])):
         return True
     return None
 
@@ -203,7 +216,13 @@ def _check_not_mutated(nodes: list, output: fx.Node, order: dict) -> None:
 
 
 def _masks(match: Match, groups_of: Callable) -> tuple[list["MaskTerm"], Scale, list[Step]]:
-    """The mask terms in order, the total scale, and the fill steps; a scale after a mask keeps."""
+    """The score expression reduced to (scale, masks): the mask terms in order, the scale of
+    Q·Kᵀ, and the fill steps.
+
+    Models scale, add and fill in any order; a constant scale c > 0 after masks is distributed
+    over them, which is exact: ``(QKᵀ + b)·c + m = c·QKᵀ + (c·b + m)`` (Falcon with ALiBi), and a
+    fill stays a fill (``-inf·c = -inf``; a finite fill is checked to still hide keys).
+    """
     product, masks, fills, scale = match.product, [], [], match.product.scale
     if product.bias is not None:
         masks.append(MaskTerm(product.bias, False, tuple(tensor_value(product.bias).shape),
@@ -211,7 +230,7 @@ def _masks(match: Match, groups_of: Callable) -> tuple[list["MaskTerm"], Scale, 
     for step in match.steps:
         if step.kind == "scale":
             if masks:
-                raise Keep(f"the scores are scaled at {step.node.name} after a mask was applied")
+                _distribute_scale(step, masks, fills)
             scale = scale * step.scale
         elif step.kind in ("add", "fill"):
             mask_ev = tensor_value(step.mask)
@@ -219,10 +238,35 @@ def _masks(match: Match, groups_of: Callable) -> tuple[list["MaskTerm"], Scale, 
                 raise Keep(f"the additive mask {step.mask.name} has dtype "
                            f"{mask_ev.dtype if mask_ev is not None else 'unknown'}, not a float dtype")
             masks.append(MaskTerm(step.mask, step.kind == "fill", tuple(mask_ev.shape),
-                                  groups_of(tensor_value(step.node).shape[:-2]), attend_if=step.attend_if))
+                                  groups_of(tensor_value(step.node).shape[:-2]), attend_if=step.attend_if,
+                                  factor=step.factor))
             if step.kind == "fill":
                 fills.append(step)
     return masks, scale, fills
+
+
+def _distribute_scale(step: Step, masks: list["MaskTerm"], fills: list[Step]) -> None:
+    """Multiply the masks applied so far by the constant of a scale step that follows them, or
+    keep the site where that would not be exact."""
+    if step.scale.head_dim_power != 0:
+        raise Keep(f"the scale at {step.node.name} depends on the dynamic head dim and follows a mask")
+    c = step.scale.coef
+    if not c > 0:
+        # -inf * c = +inf: hidden keys would become the largest scores.
+        raise Keep(f"the scores are scaled by {c:g} at {step.node.name} after a mask was applied; only a "
+                   "positive constant distributes over the mask")
+    dtype = tensor_value(step.node).dtype
+    for fill in fills:
+        scaled = fill.value * c
+        if math.isfinite(fill.value) and not (is_mask_fill(scaled) and abs(scaled) <= torch.finfo(dtype).max):
+            # A finite fill must stay finite (eager's fully hidden rows are uniform, not NaN) and
+            # low enough to hide keys.
+            raise Keep(f"the fill {fill.value:g} of {fill.node.name} scaled by {c:g} at {step.node.name} "
+                       "no longer acts as a mask")
+        fill.value = scaled
+    for term in masks:
+        if not term.is_bool:
+            term.factor *= c
 
 
 def assemble(match: Match, context: Context) -> AttentionSite:
@@ -237,12 +281,11 @@ def assemble(match: Match, context: Context) -> AttentionSite:
                  [product.node, *(s.node for s in match.steps), match.softmax, *match.probs])
     if tensor_value(output).dtype != q_ev.dtype:
         raise Keep(f"the P·V product returns {tensor_value(output).dtype} for {q_ev.dtype} inputs")
-    if not known_equal(q_shape[:-2], scores[:-2]):
+    if not _broadcasts_to(tuple(q_shape[:-2]), tuple(scores[:-2])):
         raise Keep(f"query batch dims {tuple(q_shape[:-2])} do not line up with the scores {tuple(scores[:-2])}")
     k_grouped = _heads_line_up(k_shape[:-2], tuple(scores[:-2]), match.repeats)
     v_grouped = _heads_line_up(v_shape[:-2], tuple(probs[:-2]), match.repeats)
-    if k_grouped is None or v_grouped is None or k_grouped != v_grouped \
-            or (k_grouped and not known_equal(k_shape[:-2], v_shape[:-2])):
+    if k_grouped is None or v_grouped is None or k_grouped != v_grouped:
         raise Keep(f"key/value batch dims {tuple(k_shape[:-2])}, {tuple(v_shape[:-2])} do not line up with "
                    f"the query's {tuple(q_shape[:-2])}")
 
@@ -267,8 +310,9 @@ def assemble(match: Match, context: Context) -> AttentionSite:
     if finite and len(masks) > 1:
         # Eager replaces hidden scores by the fill and then adds or fills more: a row that the
         # masks hide together can mix fill values in ways one op mask cannot express.
-        raise Keep(f"a finite fill ({finite[0].value:g}) combined with other masks would change rows "
-                   "that all of them hide")
+        raise Keep(f"a finite fill ({finite[0].value:g}) combined with other masks: eager gives the rows "
+                   "they hide together weights from the fill values (uniform over the filled keys), which "
+                   "the op's masked-row rule (output 0) would change")
     row_fixup = bool(finite) and not is_causal
     if row_fixup and match.dropout_p > 0:
         raise Keep(f"a finite fill ({finite[0].value:g}) with dropout: rows it hides entirely are "
@@ -400,14 +444,17 @@ def make_site(plan: Plan) -> AttentionSite:
         out = _from_layout(graph, out, plan.out_groups)
         if plan.out_perm is not None:
             out = graph.call_method("permute", (out, *plan.out_perm))
-        plan.replaced[plan.output] = out
         return out
+
+    def on_rewritten(replacement):
+        plan.replaced[plan.output] = replacement
 
     return AttentionSite(
         pattern=plan.pattern, output=plan.output, query=plan.query.node, key=plan.key.node,
         value=plan.value.node, attn_mask=None, dropout_p=plan.dropout_p, is_causal=plan.is_causal,
         scale=plan.scale, enable_gqa=plan.enable_gqa, consumed=plan.consumed, prologue=prologue,
         epilogue=epilogue, mask_description=_describe_masks(plan), anchors=plan.anchors,
+        on_rewritten=on_rewritten,
     )
 
 

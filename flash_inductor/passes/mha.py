@@ -30,6 +30,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from . import mha_replacement as R
+from .guard import guarded
 from .site import AttentionSite, KeptSite, example_value
 
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
@@ -233,6 +234,7 @@ def find_sites(graph: fx.Graph) -> Iterator[Union[AttentionSite, KeptSite]]:
     for node in graph.nodes:
         if node.op == "call_function":
             pattern = _PATTERNS.get(node.target)
-            found = pattern(node) if pattern is not None else None
+            name = "mha" if pattern is _pattern_mha_1 else "mha_encoder"
+            found = guarded(name, node, lambda: pattern(node)) if pattern is not None else None
             if found is not None:
                 yield found

@@ -16,6 +16,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .gqa import peel_repeats
+from .guard import guarded
 from .handwritten_checks import known_equal, mutates
 from .site import AttentionSite, KeptSite, example_value
 
@@ -73,8 +74,12 @@ def _pattern_sdpa_2(site: AttentionSite) -> AttentionSite:
     return site
 
 
+def _match(node: fx.Node) -> Union[AttentionSite, KeptSite]:
+    found = _pattern_sdpa_1(node)
+    return _pattern_sdpa_2(found) if isinstance(found, AttentionSite) else found
+
+
 def find_sites(graph: fx.Graph) -> Iterator[Union[AttentionSite, KeptSite]]:
     for node in graph.nodes:
         if node.op == "call_function" and node.target in _SDPA_TARGETS:
-            found = _pattern_sdpa_1(node)
-            yield _pattern_sdpa_2(found) if isinstance(found, AttentionSite) else found
+            yield guarded("sdpa", node, lambda: _match(node))

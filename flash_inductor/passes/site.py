@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.fx as fx
 
 from ..api import attention
+from .guard import check_replacement, checked_insertion
 
 
 def rewritten_attention(
@@ -65,6 +66,9 @@ class AttentionSite:
     # Nodes besides ``output`` that the site spans (its Q·Kᵀ product, its softmax): the report
     # names the innermost module containing all of them.
     anchors: list[fx.Node] = dataclasses.field(default_factory=list)
+    # Called with the replacement once the rewrite is in the graph (a pattern that tracks what
+    # earlier sites replaced records it here, never before the rewrite is known to go in).
+    on_rewritten: Optional[Callable[[fx.Node], None]] = None
 
 
 @dataclasses.dataclass
@@ -113,16 +117,26 @@ def _module_entries(node: fx.Node) -> list[tuple[str, Any]]:
 _GETATTR = re.compile(r"getattr\((.+?), ['\"]([^'\"]+)['\"]\)")
 
 
+# The traced frame's local holding the root module: ``L['self']``, or ``L['args'][0]`` when the
+# forward is wrapped by a ``def wrapper(*args, **kwargs)`` decorator (transformers' output-capturing
+# decorators on Falcon and Bloom: their paths came out as ``0.h.0.self_attention``).
+_FRAME_ROOT = re.compile(r"^L\[['\"](?:args|kwargs)['\"]\]\[[^\]]+\]|^L\[['\"][^'\"]+['\"]\]")
+# Attribute containers dynamo may spell out: ``._modules['h']``, ``.__dict__['transformer_blocks']``
+# (diffusers' blocks reached through an attention processor).
+_CONTAINERS = ("_modules", "_parameters", "_buffers", "__dict__")
+
+
 def relative_module_path(dynamo_path: str) -> Optional[str]:
-    """``L['self'].transformer.h[3].attn``, ``...h.3.attn``, ``getattr(L['self'].h, '3').attn`` or
-    ``..._modules['h']._modules['3']...`` -> ``transformer.h.3.attn``: the path relative to the
+    """``L['self'].transformer.h[3].attn``, ``...h.3.attn``, ``getattr(L['self'].h, '3').attn``,
+    ``..._modules['h']._modules['3']...``, ``L['args'][0].transformer.h[3].attn`` or
+    ``L['self'].__dict__['transformer']...`` -> ``transformer.h.3.attn``: the path relative to the
     traced module; None for that module itself."""
     previous = None
     while previous != dynamo_path:  # nested getattr(getattr(...), '0')
         previous, dynamo_path = dynamo_path, _GETATTR.sub(r"\1.\2", dynamo_path)
-    path = re.sub(r"^L\[['\"][^'\"]+['\"]\]", "", dynamo_path)
+    path = _FRAME_ROOT.sub("", dynamo_path)
     path = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", path)
-    parts = [p for p in path.split(".") if p and p not in ("_modules", "_parameters", "_buffers")]
+    parts = [p for p in path.split(".") if p and p not in _CONTAINERS]
     return ".".join(parts) or None
 
 
@@ -151,25 +165,32 @@ def rewrite_site(graph: fx.Graph, site: AttentionSite, schedule: Optional[str],
                  monitor_site: Optional[str] = None) -> fx.Node:
     """Replace ``site.output`` with a call of :func:`rewritten_attention`; erase dead pattern nodes.
 
-    ``monitor_site``: name under which the call records monitoring statistics; None (the
-    default) leaves the call exactly as without monitoring.
+    The replacement is first run on the graph's fake tensors (``guard.check_replacement``): if
+    the op would reject it, or it would not give the output's shape, dtype and device, the
+    inserted nodes are erased and :class:`guard.Rejected` (or the error) propagates, leaving the
+    graph as it was. ``monitor_site``: name under which the call records monitoring statistics;
+    None (the default) leaves the call exactly as without monitoring.
     """
-    with graph.inserting_before(site.output):
-        q, k, v, mask = site.query, site.key, site.value, site.attn_mask
-        if site.prologue is not None:
-            q, k, v, mask = site.prologue(graph, q, k, v, mask)
-        kwargs = dict(
-            attn_mask=mask, dropout_p=float(site.dropout_p), is_causal=bool(site.is_causal),
-            scale=None if site.scale is None else float(site.scale), enable_gqa=bool(site.enable_gqa),
-            schedule=schedule,
-        )
-        if monitor_site is not None:
-            kwargs["monitor_site"] = monitor_site
-        call = graph.call_function(rewritten_attention, (q, k, v), kwargs)
-        replacement = site.epilogue(graph, call) if site.epilogue is not None else call
+    with checked_insertion(graph) as inserted:
+        with graph.inserting_before(site.output):
+            q, k, v, mask = site.query, site.key, site.value, site.attn_mask
+            if site.prologue is not None:
+                q, k, v, mask = site.prologue(graph, q, k, v, mask)
+            kwargs = dict(
+                attn_mask=mask, dropout_p=float(site.dropout_p), is_causal=bool(site.is_causal),
+                scale=None if site.scale is None else float(site.scale), enable_gqa=bool(site.enable_gqa),
+                schedule=schedule,
+            )
+            if monitor_site is not None:
+                kwargs["monitor_site"] = monitor_site
+            call = graph.call_function(rewritten_attention, (q, k, v), kwargs)
+            replacement = site.epilogue(graph, call) if site.epilogue is not None else call
+        check_replacement(inserted(), site.output, replacement)
     if "example_value" in site.output.meta:
         replacement.meta["example_value"] = site.output.meta["example_value"]
     site.output.replace_all_uses_with(replacement)
+    if site.on_rewritten is not None:
+        site.on_rewritten(replacement)
     # Erase the output and then the pattern's own nodes, in reverse order, only when nothing
     # else uses them: a blanket dead-code pass would also delete in-place ops like masked_fill_.
     erased: set[fx.Node] = set()
