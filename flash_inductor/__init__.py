@@ -13,8 +13,7 @@ Importing registers the ``flash_inductor::`` torch.library ops; it changes no gl
 """
 
 from .api import flash_attention
-from .backend import backend, make_backend
-from .explanation import explain
+from .backend import backend, explain, make_backend
 from .monitoring import monitor
 from .passes.report import last_report
 from .schedules import DEFAULT_SCHEDULE, SCHEDULES, PrecisionSchedule

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .explanation import explain_with
 from .passes.graph_pass import ChainedPass, FlashAttentionPass, RewriteOptions
 from .passes.report import RewriteReport, one_report_per_compile
 from .passes.site import relative_module_path
@@ -62,9 +63,7 @@ class FlashInductorBackend:
 
     def explain(self, fn_or_module: Callable, *args: Any, **kwargs: Any) -> RewriteReport:
         """:func:`flash_inductor.explain` with this backend's options."""
-        from .explanation import explain_with
-
-        return explain_with(self.options, fn_or_module, args, kwargs)
+        return explain_with(FlashInductorBackend(self.options, without_caches=True), fn_or_module, args, kwargs)
 
     def __repr__(self) -> str:
         return f"flash_inductor.make_backend({self.options})"
@@ -111,3 +110,30 @@ def make_backend(*, schedule: Optional[str] = None, devices: Sequence[str] = ("c
 
 
 backend = make_backend()
+
+
+def explain(fn_or_module: Callable, *args: Any, **kwargs: Any) -> RewriteReport:
+    """Compile ``fn_or_module`` with ``flash_inductor.backend``, call it once with ``*args`` and
+    ``**kwargs``, and return the report of every attention site the pass saw.
+
+    Args:
+        fn_or_module: a function or an ``nn.Module``, as you would pass to ``torch.compile`` (a
+            module ``torch.compile`` already returned is explained from its original).
+        *args, **kwargs: its inputs. The call runs as is: in the caller's grad mode and with the
+            module's own ``training`` flag, which decide what is compiled (dropout is only a
+            site argument in training; ``no_grad`` may select other module paths).
+
+    Returns:
+        A :class:`~flash_inductor.passes.report.RewriteReport`: ``.sites`` (each with
+        ``.pattern``, ``.status`` "rewritten" / "kept", ``.reason``, ``.module``), ``.rewritten``
+        (the count), and ``str(report)``, a table. With graph breaks, the sites of every compiled
+        graph are listed in order.
+
+    The compile is fresh, never served from a cache: a new backend instance (so dynamo's cache,
+    whose entries are guarded on the backend, cannot serve an earlier compile of the same code)
+    with the AOTAutograd and FX graph caches turned off for this compile only. The new dynamo
+    cache entry stays on the function's code like any other compile; a later
+    ``torch.compile(model, backend=flash_inductor.backend)`` is unaffected by it.
+    Use ``flash_inductor.make_backend(...).explain(...)`` to explain a configured backend.
+    """
+    return FlashInductorBackend().explain(fn_or_module, *args, **kwargs)

@@ -11,47 +11,21 @@ from its caches the pass does not run. ``explain`` therefore always compiles afr
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-from .backend import FlashInductorBackend
-from .passes.graph_pass import RewriteOptions
 from .passes.report import RewriteReport
 
 
-def explain(fn_or_module: Callable, *args: Any, **kwargs: Any) -> RewriteReport:
-    """Compile ``fn_or_module`` with ``flash_inductor.backend``, call it once with ``*args`` and
-    ``**kwargs``, and return the report of every attention site the pass saw.
-
-    Args:
-        fn_or_module: a function or an ``nn.Module``, as you would pass to ``torch.compile`` (a
-            module ``torch.compile`` already returned is explained from its original).
-        *args, **kwargs: its inputs. The call runs as is: in the caller's grad mode and with the
-            module's own ``training`` flag, which decide what is compiled (dropout is only a
-            site argument in training; ``no_grad`` may select other module paths).
-
-    Returns:
-        A :class:`~flash_inductor.passes.report.RewriteReport`: ``.sites`` (each with
-        ``.pattern``, ``.status`` "rewritten" / "kept", ``.reason``, ``.module``), ``.rewritten``
-        (the count), and ``str(report)``, a table. With graph breaks, the sites of every compiled
-        graph are listed in order.
-
-    The compile is fresh, never served from a cache: a new backend instance (so dynamo's cache,
-    whose entries are guarded on the backend, cannot serve an earlier compile of the same code)
-    with the AOTAutograd and FX graph caches turned off for this compile only. The new dynamo
-    cache entry stays on the function's code like any other compile; a later
-    ``torch.compile(model, backend=flash_inductor.backend)`` is unaffected by it.
-    Use ``flash_inductor.make_backend(...).explain(...)`` to explain a configured backend.
-    """
-    return explain_with(RewriteOptions(), fn_or_module, args, kwargs)
-
-
-def explain_with(options: RewriteOptions, fn_or_module: Callable, args: tuple, kwargs: dict) -> RewriteReport:
+def explain_with(backend, fn_or_module: Callable, args: tuple, kwargs: dict) -> RewriteReport:
+    """Compile ``fn_or_module`` with ``backend`` (a fresh ``FlashInductorBackend`` built with
+    ``without_caches=True``, which collects ``reports`` and ``frame_anchors``), call it once and
+    return the report with module paths filled in. The backend is passed in, never imported:
+    the backend module calls this one."""
     # An already compiled module is explained from its original: compiling the wrapper would nest
     # its own dynamo context inside ours.
     root = getattr(fn_or_module, "_orig_mod", fn_or_module)
-    backend = FlashInductorBackend(options, without_caches=True)
     compiled = torch.compile(root, backend=backend)
     # The AOTAutograd cache is looked up before the pre-grad passes run: a hit would skip ours.
     with torch._functorch.config.patch(enable_autograd_cache=False):

@@ -150,7 +150,7 @@ class FlashAttentionPass(CustomGraphPass):
 
 def _found_sites(find_sites: Callable[[fx.Graph], Iterable], graph: fx.Graph) -> list:
     """Every site one family finds, matched before any is rewritten. Each family guards its
-    patterns node by node (``guard.guarded``); should the family's own walk fail, the sites found
+    patterns node by node (``site.guarded``); should the family's own walk fail, the sites found
     until then are still handled and the compile goes on."""
     found = []
     try:

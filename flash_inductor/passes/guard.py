@@ -3,7 +3,7 @@
 A model that runs must keep running once compiled with the backend, whatever the pass makes of
 its attention. Two guards give that:
 
-* :func:`guarded` runs one pattern on one node. An exception there (a pattern meeting a graph
+* ``site.guarded`` runs one pattern on one node. An exception there (a pattern meeting a graph
   it was not written for) is logged with its traceback at DEBUG and becomes a :class:`KeptSite`
   whose reason names the error; the pass goes on with the next node.
 * :func:`checked_insertion` wraps the insertion of a replacement, and :func:`check_replacement`
@@ -35,19 +35,7 @@ class Rejected(Exception):
     """A replacement that must not go in; the message is the report's reason."""
 
 
-def guarded(pattern: str, node: fx.Node, match: Callable[[], Any]) -> Any:
-    """``match()``, or a KeptSite when it raises: one pattern's failure on one node keeps that site."""
-    from .site import KeptSite  # site.py imports this module for its rewrites
-
-    try:
-        return match()
-    except Exception as error:  # noqa: BLE001 -- any failure of a pattern keeps its site, never the compile
-        log.debug("flash_inductor: pattern %s failed at node %s; the site is kept", pattern, node.name,
-                  exc_info=True)
-        return KeptSite(pattern, node, f"the pass could not match this site ({_describe(error)}); kept as written")
-
-
-def _describe(error: BaseException) -> str:
+def describe_error(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
@@ -93,7 +81,7 @@ def check_replacement(new_nodes: list[fx.Node], original: fx.Node, replacement: 
         return
     except Exception as error:  # noqa: BLE001 -- the op's own checks speak for themselves
         log.debug("flash_inductor: the replacement of %s fails on fake tensors", original.name, exc_info=True)
-        raise Rejected(f"the op would not take it: {_describe(error)}") from error
+        raise Rejected(f"the op would not take it: {describe_error(error)}") from error
     got, want = values.get(replacement), original.meta.get("example_value")
     if isinstance(want, torch.Tensor):
         if not isinstance(got, torch.Tensor):
@@ -146,7 +134,7 @@ def keep_reason(error: BaseException) -> str:
     """The report's reason for a site whose rewrite raised ``error``."""
     if isinstance(error, Rejected):
         return str(error)
-    return f"the rewrite failed ({_describe(error)}); kept as written"
+    return f"the rewrite failed ({describe_error(error)}); kept as written"
 
 
 def log_rewrite_failure(site_name: str, error: BaseException) -> None:

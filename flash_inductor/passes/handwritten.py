@@ -32,13 +32,12 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .gqa import peel_repeats
-from .guard import guarded
 from .handwritten_checks import (
     Keep, Scale, bind, check_only_user, describe, fill_value, is_function, is_mask_fill, is_method, method_name,
     known_equal, scalar, tensor_value, triangle, value_users,
 )
 from .handwritten_site import Context, Match, Product, Step, assemble
-from .site import AttentionSite, KeptSite
+from .site import AttentionSite, KeptSite, guarded
 
 _MATMULS = (torch.matmul, operator.matmul, torch.bmm)
 _EINSUMS = (torch.einsum, torch.functional.einsum)

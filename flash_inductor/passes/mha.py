@@ -30,8 +30,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from . import mha_replacement as R
-from .guard import guarded
-from .site import AttentionSite, KeptSite, example_value
+from .site import AttentionSite, KeptSite, example_value, guarded
 
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 _MHA_CONSTANTS = ("embed_dim_to_check", "num_heads", "add_zero_attn", "dropout_p", "training", "need_weights",

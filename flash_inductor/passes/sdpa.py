@@ -16,9 +16,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .gqa import peel_repeats
-from .guard import guarded
 from .handwritten_checks import known_equal, mutates
-from .site import AttentionSite, KeptSite, example_value
+from .site import AttentionSite, KeptSite, example_value, guarded
 
 _SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")

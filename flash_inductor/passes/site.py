@@ -9,6 +9,7 @@ semantics) in place of the site's output and erases only the nodes the pattern c
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from typing import Any, Callable, Iterable, Optional
 
@@ -16,7 +17,9 @@ import torch
 import torch.fx as fx
 
 from ..api import attention
-from .guard import check_replacement, checked_insertion
+from .guard import check_replacement, checked_insertion, describe_error
+
+log = logging.getLogger("flash_inductor")
 
 
 def rewritten_attention(
@@ -80,6 +83,16 @@ class KeptSite:
     reason: str
     # Other nodes of the site (e.g. the Q·Kᵀ product), so the report can name its module.
     related: list[fx.Node] = dataclasses.field(default_factory=list)
+
+
+def guarded(pattern: str, node: fx.Node, match: Callable[[], Any]) -> Any:
+    """``match()``, or a KeptSite when it raises: one pattern's failure on one node keeps that site."""
+    try:
+        return match()
+    except Exception as error:  # noqa: BLE001 -- any failure of a pattern keeps its site, never the compile
+        log.debug("flash_inductor: pattern %s failed at node %s; the site is kept", pattern, node.name,
+                  exc_info=True)
+        return KeptSite(pattern, node, f"the pass could not match this site ({describe_error(error)}); kept as written")
 
 
 def example_value(node: Any) -> Optional[torch.Tensor]:
