@@ -231,3 +231,36 @@ def test_the_static_choice_on_a_mocked_hopper(monkeypatch):
                                                                  t(2, 2, 64, 64, dtype=torch.float32),
                                                                  t(2, 2, 64, 64, dtype=torch.float32))
     assert "multiple" in hopper.hopper_forward_unsupported_reason(t(2, 6, 64, 64), t(2, 4, 64, 64), t(2, 4, 64, 64))
+
+
+def test_explain_names_the_forward_kernel_on_a_mocked_hopper(monkeypatch):
+    """A rewritten site's report line says which forward kernel runs it on an sm_90 GPU: the
+    Hopper one, or the Triton one and why (here a mask); elsewhere it says nothing of kernels."""
+    import torch.fx as fx
+
+    from flash_inductor.launch import hopper
+    from flash_inductor.passes.site import AttentionSite, describe_rewrite
+
+    monkeypatch.setattr(hopper, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(hopper, "_gluon_available", lambda: True)
+
+    class Cuda(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+    graph = fx.Graph()
+
+    def node(name, *shape, dtype=torch.bfloat16, cuda=True):
+        n = graph.placeholder(name)
+        value = torch.empty(shape, dtype=dtype)
+        n.meta["example_value"] = value.as_subclass(Cuda) if cuda else value
+        return n
+
+    q, k, v = node("q", 2, 8, 64, 128), node("k", 2, 8, 64, 128), node("v", 2, 8, 64, 128)
+    site = AttentionSite("sdpa", q, q, k, v, is_causal=True)
+    assert describe_rewrite(site, "stable").endswith("forward on the Hopper (Gluon) kernel")
+    masked = AttentionSite("sdpa", q, q, k, v, attn_mask=node("m", 2, 8, 64, 64, dtype=torch.bool))
+    assert "forward on Triton: an attention mask" in describe_rewrite(masked, "stable")
+    on_cpu = AttentionSite("sdpa", q, node("qc", 2, 8, 64, 128, cuda=False), k, v)
+    assert "forward" not in describe_rewrite(on_cpu, "stable")

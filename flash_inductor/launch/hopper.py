@@ -34,7 +34,7 @@ from .common import LOG2E, cdiv
 
 log = logging.getLogger("flash_inductor")
 # Reasons that say only that this is not a Hopper machine: not worth a log line.
-_NOT_HOPPER = ("not on a CUDA device", "not an sm_90 (Hopper) GPU", "this Triton has no Gluon Hopper support")
+NOT_HOPPER = ("not on a CUDA device", "not an sm_90 (Hopper) GPU", "this Triton has no Gluon Hopper support")
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -114,7 +114,7 @@ def _capability_of(index: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=None)
 def log_triton_forward(reason: str) -> None:
     """Say once per reason, at INFO, why a forward on a Hopper GPU runs the Triton kernel."""
-    if reason not in _NOT_HOPPER:
+    if reason not in NOT_HOPPER:
         log.info("flash_inductor: forward on the Triton kernel, not the Hopper (Gluon) one: %s", reason)
 
 

@@ -107,7 +107,7 @@ class FlashAttentionPass(CustomGraphPass):
                                              f"device {device} is not in devices={self.options.devices}", *module))
             return
         try:
-            detail = describe_rewrite(site)
+            detail = describe_rewrite(site, self.options.schedule)
             for field in ("query", "key", "value", "attn_mask"):
                 setattr(site, field, replaced.get(getattr(site, field), getattr(site, field)))
             monitor_site = graph_site_name(module[0], site.pattern, name) if self.options.monitor else None

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from ..api import attention
+from ..launch import hopper
 from .guard import check_replacement, checked_insertion, describe_error
 
 log = logging.getLogger("flash_inductor")
@@ -104,8 +105,9 @@ def example_value(node: Any) -> Optional[torch.Tensor]:
     return None
 
 
-def describe_rewrite(site: AttentionSite) -> str:
-    """The op arguments of a rewritten site, as the report prints them."""
+def describe_rewrite(site: AttentionSite, schedule: Optional[str] = None) -> str:
+    """The op arguments of a rewritten site, as the report prints them, and on a Hopper GPU which
+    forward kernel will run it."""
     parts = []
     if site.mask_description:
         parts.append(site.mask_description)
@@ -119,7 +121,32 @@ def describe_rewrite(site: AttentionSite) -> str:
         parts.append(f"dropout {site.dropout_p:g}")
     if site.scale is not None:
         parts.append(f"scale {site.scale:.4g}")
+    parts.append(_forward_kernel(site, schedule))
     return ", ".join(p for p in parts if p)
+
+
+def _forward_kernel(site: AttentionSite, schedule: Optional[str]) -> Optional[str]:
+    """'forward on the Hopper kernel', or why the Triton one runs instead, for a site on an sm_90
+    GPU (from the fake inputs, as the op decides when it is traced); None elsewhere."""
+    query, key, value = (example_value(node) for node in (site.query, site.key, site.value))
+    if query is None or key is None or value is None or not query.is_cuda:
+        return None
+    mask = example_value(site.attn_mask) if site.attn_mask is not None else None
+    try:
+        reason = hopper.hopper_forward_unsupported_reason(query, key, value, mask, site.dropout_p or 0.0,
+                                                          site.scale, schedule)
+    except Exception:  # a report line must never fail a compile
+        return None
+    if reason is None:
+        return "forward on the Hopper (Gluon) kernel"
+    # Layout reasons are left out: the op normalises 3-D inputs and broadcast heads before it
+    # decides, so the site's own shapes would mislead there.
+    if reason in hopper.NOT_HOPPER or reason.startswith(_LAYOUT_REASONS):
+        return None
+    return f"forward on Triton: {reason}"
+
+
+_LAYOUT_REASONS = ("inputs are not 4-D", "query heads are not", "batch or key length")
 
 
 def _module_entries(node: fx.Node) -> list[tuple[str, Any]]:
