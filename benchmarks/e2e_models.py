@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import tempfile
@@ -294,13 +295,22 @@ def main(argv=None, compile_fn=compile_with) -> list[dict]:
     cells = plan(args)
     deadline = time.monotonic() + args.time_budget if args.time_budget else None
     records = []
+    # Each cell's records land here as they are measured: a run killed from outside (a device
+    # call's time limit) still leaves what it measured.
+    partial = None if args.no_write else common.output_stem(args.out, env, args.tag, "e2e_models", args.device) \
+        + ".partial.jsonl"
     with common.dynamo_limits():
         for name, spec, seq, attn, task in common.progress(cells, "e2e cells"):
             if deadline is not None and time.monotonic() > deadline:
                 records.append(dict(model=name, seq=seq, attn=attn, task=task, status="skipped",
                                     error="past --time-budget"))
                 continue
-            records.extend(run_cell(name, spec, seq, attn, task, args, compile_fn))
+            cell_records = run_cell(name, spec, seq, attn, task, args, compile_fn)
+            records.extend(cell_records)
+            if partial is not None:
+                os.makedirs(args.out, exist_ok=True)
+                with open(partial, "a") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in cell_records)
     rows = summarise([r for r in records if "contender" in r])
     print(markdown_table(rows))
     if not args.no_write:
@@ -308,6 +318,7 @@ def main(argv=None, compile_fn=compile_with) -> list[dict]:
                                   args.device)
         plot(rows, path[: -len(".json")] + ".png", f"{env.get('gpu') or args.device}, torch {env['torch']}, "
              f"{args.dtype}, {args.tokens} tokens per step")
+        os.remove(partial)  # the JSON holds every record now
     return records
 
 

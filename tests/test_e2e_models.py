@@ -29,6 +29,7 @@ def test_every_family_trains_and_infers_on_cpu(tmp_path):
     assert all(row["output_rel_diff"] < 1e-5 for row in rows)
     written = list(tmp_path.glob("e2e_models_*.json"))
     assert len(written) == 1 and written[0].with_suffix(".png").exists()
+    assert not list(tmp_path.glob("*.partial.jsonl"))  # removed once the JSON holds every record
     assert json.loads(written[0].read_text())["summary"] == rows
 
 
