@@ -318,7 +318,8 @@ def main(argv=None, compile_fn=compile_with) -> list[dict]:
                                   args.device)
         plot(rows, path[: -len(".json")] + ".png", f"{env.get('gpu') or args.device}, torch {env['torch']}, "
              f"{args.dtype}, {args.tokens} tokens per step")
-        os.remove(partial)  # the JSON holds every record now
+        if os.path.exists(partial):  # the JSON holds every record now
+            os.remove(partial)
     return records
 
 
