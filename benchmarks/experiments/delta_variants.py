@@ -47,7 +47,7 @@ RESULT (CPU, torch 2.13; base: benchmarks/results/delta_variants_cpu_20261201.js
   * Verdict: residual_ctr is safe under every feature (correct, finite, exact zeros) but is not
     `stable`'s equal: 3-9x on RoPE'd or drifting keys and in bf16 one-hot tails.
   * blk64_kernel / blk16_kernel (`stable` with K̄ replaced by key-block means, no GEMM;
-    ..._20261201_block-centres.json, --quick --seeds 4, base/causal/dlse/gqa): as good as `stable`
+    ..._20261201_block-centres.json in git history at 79cc50f, --quick --seeds 4, base/causal/dlse/gqa): as good as `stable`
     on near_tied and drifting keys (1.00-1.12; blk16 1.01), but 4.5-6x on peaked, 5-8x on RoPE'd
     keys and 3-18x on one-hot: with FA2's Δ the Δ error meets each attended key's distance from its
     block's mean, which only K̄ itself cancels. Closed.
