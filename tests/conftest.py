@@ -2,9 +2,9 @@
 
 Triton decides between interpreter and compiler when a function is decorated with @triton.jit,
 and that includes Triton's own library (triton.language.standard), which is decorated when
-triton.language is first imported -- importing flash_inductor does that. So TRITON_INTERPRET is
-set here, before any test module (and hence flash_inductor) is imported, and this file imports
-nothing that imports flash_inductor or triton.
+triton.language is first imported -- importing flash_inductor.kernels does that (a first launch,
+or a test that imports the kernels). So TRITON_INTERPRET is set here, before any test module is
+imported, and this file imports nothing that imports flash_inductor or triton.
 """
 
 import importlib.metadata

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 # No flash_inductor import at module level: conftest imports this module before it sets
-# TRITON_INTERPRET, and importing flash_inductor imports triton.language, whose own @jit helpers
+# TRITON_INTERPRET, and flash_inductor's kernels import triton.language, whose own @jit helpers
 # must be created after that variable is set.
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
