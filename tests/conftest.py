@@ -27,7 +27,29 @@ def pytest_configure(config):
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--tools-full", action="store_true",
+                     help="also run the full forms of the tool and experiment tests (marker tools_full)")
+
+
 def pytest_collection_modifyitems(config, items):
+    _skip_full_tool_forms(config, items)
+    _skip_kernel_launches_on_old_interpreters(items)
+
+
+def _skip_full_tool_forms(config, items):
+    """Tests of the tools and experiments run a small form by default; their full forms (the
+    tools' own --quick sizes, every combination) cost minutes each on a CPU and check the tools,
+    not the library, so they run only when asked for."""
+    if config.getoption("--tools-full"):
+        return
+    skip = pytest.mark.skip(reason="full form of a tool test: run with --tools-full")
+    for item in items:
+        if item.get_closest_marker("tools_full"):
+            item.add_marker(skip)
+
+
+def _skip_kernel_launches_on_old_interpreters(items):
     """Triton 3.6's interpreter (torch 2.11's Triton) returns tl.program_id as a 1-element array,
     which range() in a kernel loop cannot take, so every kernel fails there before computing
     anything; 3.7 fixed it. On CPU with Triton < 3.7 those tests are skipped with that reason:

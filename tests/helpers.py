@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Optional
+from typing import Any, Optional
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -497,3 +498,9 @@ def assert_dead_rows_exact(query, key, attn_mask, causal_offset, out, lse=None, 
             assert (dk[unseen] == 0).all(), "keys no query sees: dk is not exactly 0"
             assert (dv[unseen] == 0).all(), "keys no query sees: dv is not exactly 0"
     return int(dead.sum())
+
+
+def small_and_full(small: Any, full: Any) -> list:
+    """The two forms of a tool or experiment test, as parameters: ``small`` runs by default (CI),
+    ``full`` (marker ``tools_full``) only with ``pytest --tools-full``."""
+    return [pytest.param(small, id="small"), pytest.param(full, id="full", marks=pytest.mark.tools_full)]

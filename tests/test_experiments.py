@@ -10,7 +10,9 @@ import pathlib
 import subprocess
 import sys
 
-from helpers import DEVICE
+import pytest
+
+from helpers import DEVICE, small_and_full
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "experiments" / "fwd_ws_probe.py"
 
@@ -62,7 +64,12 @@ def test_single_pass_backward_probe_matches_ours_and_fp64(tmp_path):
             assert r["err_vs_fp64"][name] <= 2 * r["ours_err_vs_fp64"][name] + 1e-6, (name, r)
 
 
-def test_delta_variants_gemm_free_delta_falls_short_on_near_tied_keys(tmp_path):
+# The small form: one seed, and only the cases the assertions name (every feature, both dtypes).
+DELTA_VARIANTS_FORMS = small_and_full(["--seeds", "1", "--cases", "near_tied,onehot_scale_1e2,peaked"], [])
+
+
+@pytest.mark.parametrize("form", DELTA_VARIANTS_FORMS)
+def test_delta_variants_gemm_free_delta_falls_short_on_near_tied_keys(tmp_path, form):
     """The Δ experiment (pure PyTorch, CPU): `stable`'s exact Δ beats FlashAttention-2's on
     near-tied keys, and a GEMM-free Δ from the forward's fp32 output (or its 16-bit residual)
     does not reach it. Bounds are loose against the full run's ranges (3 seeds, L 256/1024,
@@ -71,9 +78,9 @@ def test_delta_variants_gemm_free_delta_falls_short_on_near_tied_keys(tmp_path):
     out = tmp_path / "delta_variants.json"
     script = SCRIPT.parent / "delta_variants.py"
     # Pure PyTorch on the CPU: beside a suite's other workers on a many-core GPU host, torch's
-    # one thread per core in each of them starved this run past its timeout (session 20).
+    # one thread per core in each of them starved this run past its timeout.
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    run = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)],
+    run = subprocess.run([sys.executable, str(script), "--quick", *form, "--out", str(out)],
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
