@@ -101,7 +101,7 @@ def direct_kernel_calls() -> contextlib.AbstractContextManager:
     its body. Called from outside, every launch instead goes through the HOP's Python dispatch
     (kernel side table, dispatch keys, grid function), host work paid per launch, which torch's
     docstring of the switch puts at "~1ms". The backward makes four launches, so on short
-    problems that host time can outrun the GPU. It is the suspect for session 22's finding: the
+    problems that host time can outrun the GPU. It is the suspect for a measured gap: the
     tuner, which called the launchers bare, read the bf16 E=64 causal L=S=1024 backward at
     2.28 ms where the op, same kernels and configs, took 1.18 ms
     (benchmarks/results/s1024_timing_nvidia-h200_20261201_s22.txt;
@@ -148,7 +148,7 @@ def _mask_args(attn_mask: torch.Tensor | None, query: torch.Tensor, seq_k):
         return query, (0, 0, 0, 0), False, False
     # The kernels index the mask with its four strides, so it must already be broadcast to
     # (B, Hq, L, S) (the API expands it; broadcast dims get stride 0). A (B, 1, 1, S) mask passed
-    # here directly would be read out of bounds (session 21 did exactly that from a script).
+    # here directly would be read out of bounds (a script once did exactly that).
     expected = (*query.shape[:3], seq_k)
     if tuple(attn_mask.shape) != expected:
         raise ValueError(f"attn_mask: the launchers take a mask broadcast to (B, Hq, L, S) = {expected}, "
@@ -217,7 +217,7 @@ def _fold_scale(scale: float, has_mask: bool) -> bool:
     never rounded; kernels/attn_fwd.py). Only without a mask, as measured rather than derived: with
     it on under a padding mask, the fp16 GPT-2 overflow test's ln_1.bias gradient error (seed 7) was
     3.0x SDPA fp16's against 1.9x with it off, past the test's 2x bound, and still 2.8x when the
-    backward folded the scale too (session 21, benchmarks/experiments/bwd_fold_scale.patch), so the
+    backward folded the scale too (benchmarks/experiments/bwd_fold_scale.patch), so the
     cause is not a mismatch between the passes' P; another seed favoured folding. Folding is worth
     1-2 % of the forward, not a test's margin, so masked calls keep the rounded scaled score."""
     return scale > 0 and not has_mask

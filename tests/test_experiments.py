@@ -17,20 +17,20 @@ from helpers import DEVICE, small_and_full
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "experiments" / "fwd_ws_probe.py"
 
 
-def run_quick_probe(script: pathlib.Path, out) -> None:
-    """``script --quick`` on this machine's device (the Triton interpreter on a CPU); fails with
-    the probe's output if it does."""
+def run_quick_probe(script: pathlib.Path, out, *extra: str) -> None:
+    """``script --quick [extra]`` on this machine's device (the Triton interpreter on a CPU);
+    fails with the probe's output if it does."""
     env = dict(os.environ)
     if DEVICE == "cpu":
         env["TRITON_INTERPRET"] = "1"
-    run = subprocess.run([sys.executable, str(script), "--quick", "--device", DEVICE, "--out", str(out)],
+    run = subprocess.run([sys.executable, str(script), "--quick", *extra, "--device", DEVICE, "--out", str(out)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
 
 
 # Triton's warp specialisation fails to compile some of the probe's tiles on sm_90: host descriptors
-# at BLOCK_M = 128 (Triton 3.6 and 3.7.1; fwd_ws_probe.py's docstring, NOTES.md session 13) and, on
-# the H200 in session 20, the on-device tma_ws at 128x64 with a causal mask. On a GPU the WS rows may
+# at BLOCK_M = 128 (Triton 3.6 and 3.7.1; fwd_ws_probe.py's docstring) and, on the H200,
+# the on-device tma_ws at 128x64 with a causal mask. On a GPU the WS rows may
 # say so; every row without WS must run, and every row that ran must match.
 WS_VARIANTS = ("tma_ws", "tma_ws_1loop", "host_ws", "host_ws_1loop")
 
@@ -140,10 +140,11 @@ def test_delta_variants_gemm_free_delta_falls_short_on_near_tied_keys(tmp_path, 
             assert ds16["residual_ctr"]["dq"] >= 1.5 * ds16["exact_kernel"]["dq"], where
 
 
-def test_dkdv_features_probe_variants_compute_our_gradients(tmp_path):
-    """Every feature combination of the dK/dV probe (session 14: the row shift's cost) gives our
+@pytest.mark.parametrize("form", small_and_full(["--seq", "64"], []))
+def test_dkdv_features_probe_variants_compute_our_gradients(tmp_path, form):
+    """Every feature combination of the dK/dV probe (the row shift's cost) gives our
     pass's dK and dV, to the rounding of the dtype it ran in."""
-    run_quick_probe(SCRIPT.parent / "dkdv_features_probe.py", tmp_path)
+    run_quick_probe(SCRIPT.parent / "dkdv_features_probe.py", tmp_path, *form)
     rows = json.loads((tmp_path / "dkdv_features_probe.json").read_text())["rows"]
     probes = [r for r in rows if r["variant"] != "ours-fast dkdv"]
     assert {r["variant"] for r in probes} == {"minimal", "MASKED", "SHIFT", "STRIDES", "MASKED+SHIFT+STRIDES"}
@@ -154,7 +155,7 @@ def test_dkdv_features_probe_variants_compute_our_gradients(tmp_path):
 
 
 def test_fault_repro_runs_each_case_and_records_it(tmp_path):
-    """backward_fault_repro.py (the next GPU session's bisection) runs a case in a child process
+    """backward_fault_repro.py (a bisection of backward faults on a GPU) runs a case in a child process
     and records it; on the interpreter nothing faults, so every case is 'ok' with no launch named."""
     script = SCRIPT.parent / "backward_fault_repro.py"
     env = dict(os.environ)
@@ -172,7 +173,7 @@ def test_fault_repro_runs_each_case_and_records_it(tmp_path):
 
 
 def test_tuner_vs_op_timing_probe_times_both_ways(tmp_path):
-    """The session-22 timing probe runs all three ways; on a GPU they must give identical gradients
+    """The tuner-vs-op timing probe runs all three ways; on a GPU they must give identical gradients
     (same kernels, same configs), else the timing comparison would compare different work."""
     run_quick_probe(SCRIPT.parent / "tuner_vs_op_timing.py", tmp_path)
     record = json.loads((tmp_path / "tuner_vs_op_timing.json").read_text())
@@ -186,8 +187,8 @@ def test_tuner_vs_op_timing_probe_times_both_ways(tmp_path):
 
 
 def test_host_overhead_probe_times_every_way_and_profiles_ours(tmp_path):
-    """The session-23 host-time probe: every provider and way gets samples (on a GPU, FA2 too), and
-    the profile names our entry point, so a regression in the probe shows before a device session."""
+    """The host-time probe: every provider and way gets samples (on a GPU, FA2 too), and
+    the profile names our entry point, so a regression in the probe shows before GPU time is spent on it."""
     run_quick_probe(SCRIPT.parent / "host_overhead.py", tmp_path)
     record = json.loads((tmp_path / "host_overhead.json").read_text())
     providers = ("ours", "ours_compiled", "flash") if DEVICE == "cuda" else ("ours", "ours_compiled")

@@ -1,9 +1,9 @@
-"""EXPERIMENT (session 14): what makes our dK/dV pass slower than a minimal one?
+"""EXPERIMENT: what makes our dK/dV pass slower than a minimal one?
 
     python benchmarks/experiments/dkdv_features_probe.py            # GPU, ~1 minute
-    TRITON_INTERPRET=1 python benchmarks/experiments/dkdv_features_probe.py --quick --device cpu
+    TRITON_INTERPRET=1 python benchmarks/experiments/dkdv_features_probe.py --quick --device cpu [--seq 64]
 
-Session 12's single-pass probe (``bwd_single_pass_probe.py``) timed a minimal dK/dV kernel (no
+The single-pass probe (``bwd_single_pass_probe.py``) timed a minimal dK/dV kernel (no
 mask, dropout, GQA or fp16 rescale) at 1954 us (64x64/w4/s2) against our pass's 2289 us (bf16,
 E=128, L=4096), and 2234 against 2927 at E=64, L=8192: 15-30 %. This probe starts from that
 minimal kernel and adds, one constexpr at a time, what ours does on every tile:
@@ -33,7 +33,7 @@ committed grid of another run; E=64 causal 8-14 %; ``bench_nvidia-h200_20261201_
 The first version of the change (commit 25a1537) also duplicated the dQ pass's loop behind a
 runtime branch, and Triton gave each copy its own pipeline buffers: the E=256 dQ pass with a bool
 mask needed 336 KiB of shared memory (227 available), found by the GPU tests after the re-tune.
-Landed in session 15 with the dQ pass branching inside its one loop (208 KiB,
+Landed with the dQ pass branching inside its one loop (208 KiB,
 ``tools/smem_check.py``): at the same forced configs our pass took 2063 / 2045 / 2092 us (E=128)
 and 2762 / 2636 / 2725 (E=64), the first version's figures within 1 %
 (``..._shift-branch-v2.json``); test_kernels.py 196 passed on the H200.
@@ -155,12 +155,13 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=150.0)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--head-dim", type=int, help="only the problem with this head dim")
+    p.add_argument("--seq", type=int, default=128, help="with --quick: its sequence length (tests use 64)")
     args = p.parse_args(argv)
     on_gpu = args.device.startswith("cuda")
     problems = [("bf16", 128, 4096, 4, 16), ("bf16", 64, 8192, 2, 16)]
     configs = CONFIGS
     if args.quick:
-        problems, configs = [("fp32" if not on_gpu else "fp16", 32, 128, 1, 2)], ((16, 32, 1, 1),)
+        problems, configs = [("fp32" if not on_gpu else "fp16", 32, args.seq, 1, 2)], ((16, 32, 1, 1),)
     # The minimal kernel, each feature alone, and all of them (ours has all three).
     combos = [dict.fromkeys(FEATURES, False)] + [{f: f == g for f in FEATURES} for g in FEATURES] \
         + [dict.fromkeys(FEATURES, True)]

@@ -279,7 +279,7 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
     if eager_fast_path_applies(query, key, value, attn_mask, rng_seed):
         if not _needs_autograd(query, key, value, attn_mask):
             # Inference: the launch alone. autograd.Function.apply would record nothing here and
-            # cost ~20-35 µs of host time a call (2-core CPU, launches stubbed; session 22), which
+            # cost ~20-35 µs of host time a call (2-core CPU, launches stubbed), which
             # a short problem's GPU time may not hide.
             with launch.direct_kernel_calls():
                 return launch.attention_forward(
