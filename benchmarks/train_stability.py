@@ -2,7 +2,7 @@
 
     python benchmarks/train_stability.py                  # GPU: five runs, seq 2048
     python benchmarks/train_stability.py --seq 8192 --batch 4
-    python benchmarks/train_stability.py --quick --device cpu --steps 20
+    python benchmarks/train_stability.py --quick --device cpu   # a few minutes on a CPU
 
 A small GPT whose attention is written the way nanoGPT's slow path writes it,
 
@@ -48,8 +48,14 @@ non-zero number (printed), and "within 2% of fp32" compares runs near it. Each t
 embedding also receives the previous token's (a token shift, as in RWKV), so one attention
 layer can bind a value to its key without positional embeddings.
 
+The 2% verdict is only given when fp32 learned: its final loss must be a quarter of the way
+from chance (ln of the number of values) down to the best achievable loss, since near chance a
+run that learned nothing is within 2% too. Otherwise (too few ``--steps``, say) the flash runs
+are checked for finiteness only, and the output says so. Exit status: 0 when compared and every
+flash run is within 2%; 1 when one is not, or is not finite; 3 when nothing could be compared.
+
 Writes ``train_stability_<device>_<date>[_tag].json`` (per-step loss, scaler scale, non-finite
-events, final losses and the 2% verdict) and ``.png`` (loss curves) to ``--out``.
+events, final losses and the verdict) and ``.png`` (loss curves) to ``--out``.
 """
 
 from __future__ import annotations
@@ -440,20 +446,21 @@ def plot(logs: dict[str, RunLog], path: pathlib.Path, title: str) -> Optional[pa
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--quick", action="store_true", help="tiny model and sequence (CPU smoke run)")
-    p.add_argument("--steps", type=int, help="training steps (default 400; 40 with --quick)")
-    p.add_argument("--seq", type=int, help="sequence length (default 2048; 256 with --quick)")
+    p.add_argument("--quick", action="store_true",
+                   help="small model, sequence and task that fp32 still learns: a CPU run of a few minutes")
+    p.add_argument("--steps", type=int, help="training steps (default 400; 150 with --quick)")
+    p.add_argument("--seq", type=int, help="sequence length (default 2048; 128 with --quick)")
     p.add_argument("--batch", type=int, help="sequences per step (default 16)")
     p.add_argument("--width", type=int, help="model width (default 256; 64 with --quick)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--pairs", type=int, help="key-value bindings per sequence (default 16; 8 with --quick)")
+    p.add_argument("--pairs", type=int, help="key-value bindings per sequence (default 16; 4 with --quick)")
     p.add_argument("--context", type=int, help="tokens of repeated bindings at the start (default seq / 4; "
                                                "seq / 2 with --quick)")
     p.add_argument("--qk-offset", type=float, default=256.0,
                    help="shared query/key component a (logits + a^2 * scale); 0 = control run")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--lr", type=float, help="peak learning rate (default 2e-3; 1e-2 with --quick)")
+    p.add_argument("--warmup", type=int, help="warm-up steps (default 30; 10 with --quick)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
     p.add_argument("--out", default="benchmarks/results")
@@ -461,7 +468,10 @@ def parse_args(argv=None):
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     quick = args.quick
-    defaults = dict(steps=(40, 400), seq=(256, 2048), batch=(16, 16), width=(64, 256), pairs=(8, 16))
+    # --quick: fp32 learns the recall (loss ~4.9 -> below 1, against chance 4.16) in ~100 steps
+    # with four bindings and a short warm-up; eight bindings at seq 256 had not left chance after 40.
+    defaults = dict(steps=(150, 400), seq=(128, 2048), batch=(16, 16), width=(64, 256), pairs=(4, 16),
+                    lr=(1e-2, 2e-3), warmup=(10, 30))
     for name, (small, full) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, small if quick else full)
