@@ -46,7 +46,7 @@ RESULT (CPU, torch 2.13; base: benchmarks/results/delta_variants_cpu_20261201.js
     on rows whose true dq is 1e-7 of the tensor's, which exact_kernel cancels; PyTorch has it too.
   * Verdict: residual_ctr is safe under every feature (correct, finite, exact zeros) but is not
     `stable`'s equal: 3-9x on RoPE'd or drifting keys and in bf16 one-hot tails.
-  * Session 14, blk64_kernel / blk16_kernel (`stable` with K̄ replaced by key-block means, no GEMM;
+  * blk64_kernel / blk16_kernel (`stable` with K̄ replaced by key-block means, no GEMM;
     ..._20261201_block-centres.json, --quick --seeds 4, base/causal/dlse/gqa): as good as `stable`
     on near_tied and drifting keys (1.00-1.12; blk16 1.01), but 4.5-6x on peaked, 5-8x on RoPE'd
     keys and 3-18x on one-hot: with FA2's Δ the Δ error meets each attended key's distance from its
@@ -496,8 +496,10 @@ def print_verdict(rows):
         print(f"{key[0]:<10}{key[1]:<17}{key[2]:<6}" + "".join(cells))
     dead = [r for r in rows if "dead_rows_zero" in r]
     nonfinite = sorted({n for r in rows for n in r["nonfinite"]}) or "none"
-    print(f"\nfully masked rows exactly 0 everywhere: {all(all(r['dead_rows_zero'].values()) for r in dead)} "
-          f"({len(dead)} problems); non-finite gradients: {nonfinite}; "
+    # Only the bool_dead and all features hide rows: without them there is nothing to check.
+    zeros = (f"{all(all(r['dead_rows_zero'].values()) for r in dead)} ({len(dead)} problems)" if dead
+             else "not checked (no feature with fully masked rows ran)")
+    print(f"\nfully masked rows exactly 0 everywhere: {zeros}; non-finite gradients: {nonfinite}; "
           f"fp64 Σⱼ dSᵢⱼ = dLSEᵢ·Σⱼ Pᵢⱼ to {max(r['truth_rowsum_err'] for r in rows):.1e} (x max|dS|)")
 
 
