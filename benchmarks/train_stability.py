@@ -61,6 +61,7 @@ events, final losses and the verdict) and ``.png`` (loss curves) to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import datetime
@@ -259,6 +260,15 @@ def _grads_finite(model) -> bool:
     return bool(torch.stack([g.isfinite().all() for g in grads]).all()) if grads else True
 
 
+def _fresh_rewrite(enabled: bool):
+    """The first compile without AOTAutograd's cache: on a hit (the same model compiled by an
+    earlier run) Inductor skips the pre-grad passes, so the report would count 0 rewritten sites
+    although the cached graph has them. Inductor's own graph cache still applies."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch._functorch.config.patch(enable_autograd_cache=False)
+
+
 def train(run: str, initial: nn.Module, task: Task, args, progress) -> RunLog:
     import flash_inductor
 
@@ -276,7 +286,8 @@ def train(run: str, initial: nn.Module, task: Task, args, progress) -> RunLog:
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, args.steps, args.lr, args.warmup)
         tokens, targets = task.batch(args.batch, step, args.seed, device)
-        with torch.autocast(device.split(":")[0], dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+        with torch.autocast(device.split(":")[0], dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None), \
+                _fresh_rewrite(step == 0 and run.endswith("flash")):
             loss, query_loss = step_model(tokens, targets, query_mask)
         if step == 0 and run.endswith("flash"):
             log.rewritten_sites = flash_inductor.last_report().rewritten
@@ -332,7 +343,9 @@ def baseline_record(ref: Optional[RunLog], task: Task) -> dict:
 
 
 def _finite(log: RunLog) -> bool:
-    return log.error is None and bool(log.loss) and not log.nonfinite_steps
+    """Every step's loss finite. A gradient overflow that the GradScaler skipped (fp16) is not a
+    failure: it is the scaler's job, and the table counts those steps."""
+    return log.error is None and bool(log.loss) and all(value is not None for value in log.loss)
 
 
 def verdict(logs: dict[str, RunLog], task: Task) -> dict:
@@ -448,7 +461,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true",
                    help="small model, sequence and task that fp32 still learns: a CPU run of a few minutes")
-    p.add_argument("--steps", type=int, help="training steps (default 400; 150 with --quick)")
+    p.add_argument("--steps", type=int, help="training steps (default 400; 200 with --quick)")
     p.add_argument("--seq", type=int, help="sequence length (default 2048; 128 with --quick)")
     p.add_argument("--batch", type=int, help="sequences per step (default 16)")
     p.add_argument("--width", type=int, help="model width (default 256; 64 with --quick)")
@@ -469,8 +482,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     quick = args.quick
     # --quick: fp32 learns the recall (loss ~4.9 -> below 1, against chance 4.16) in ~100 steps
-    # with four bindings and a short warm-up; eight bindings at seq 256 had not left chance after 40.
-    defaults = dict(steps=(150, 400), seq=(128, 2048), batch=(16, 16), width=(64, 256), pairs=(4, 16),
+    # with four bindings and a short warm-up, and reaches the floor by 200, where runs can be
+    # compared (mid-descent a run a few steps behind is far from 2%); eight bindings at seq 256
+    # had not left chance after 40.
+    defaults = dict(steps=(200, 400), seq=(128, 2048), batch=(16, 16), width=(64, 256), pairs=(4, 16),
                     lr=(1e-2, 2e-3), warmup=(10, 30))
     for name, (small, full) in defaults.items():
         if getattr(args, name) is None:
