@@ -18,6 +18,7 @@ from helpers import DEVICE, KERNEL_DTYPES, dtype_id
 
 
 def pytest_configure(config):
+    _share_cores_among_workers()
     if not torch.cuda.is_available():
         if "triton.language" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
             raise pytest.UsageError(
@@ -25,6 +26,20 @@ def pytest_configure(config):
                 "the kernels would not run under the interpreter. Set TRITON_INTERPRET=1 in the environment."
             )
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _share_cores_among_workers():
+    """Under pytest-xdist (``-n auto``: one worker per core) each worker would keep torch's default
+    of one intra-op thread per core, so the workers' OpenMP threads oversubscribe the cores and
+    spin against each other: on 2 cores that cost test_reference.py 2.5x its CPU time. Each worker
+    gets its share of the cores instead, and so do the tools its tests start (OMP_NUM_THREADS)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // workers)
+    torch.set_num_threads(threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
 
 def pytest_addoption(parser):
