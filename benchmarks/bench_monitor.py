@@ -30,32 +30,37 @@ import torch
 from benchmarks.common import DTYPES, GPTBlock, add_cell_args, environment, module_command, write_record
 import flash_inductor
 
+# The monitoring issue's target: monitored forwards at most 5 % slower, at seq 4k on a GPU. A CPU
+# run, or a shorter sequence (where launch overheads dominate), measures but cannot check it.
 TARGET_OVERHEAD = 0.05
+TARGET_SEQ = 4096
+QUICK_CELL = dict(batch=1, heads=2, seq=256, head_dim=32)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_cell_args(p, dtype="bf16", batch=4, heads=16, seq=4096, head_dim=128)
+    add_cell_args(p, dtype="bf16", batch=4, heads=16, seq=TARGET_SEQ, head_dim=128)
     p.add_argument("--settings", default="op,compiled", help="comma list of op,compiled")
-    p.add_argument("--quick", action="store_true", help="B=1, H=2, L=256, E=32 (a CPU smoke run)")
+    p.add_argument("--quick", action="store_true",
+                   help="B=1, H=2, L=256, E=32, fp32 on a CPU, unless given (a smoke run)")
+    p.add_argument("--reps", type=int, default=15, help="timed calls per median on a CPU")
     p.add_argument("--out", default=os.path.join("benchmarks", "results"))
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
-    if args.quick:
-        args.batch, args.heads, args.seq, args.head_dim = 1, 2, 256, 32
-        if args.device == "cpu":
-            args.dtype = "fp32"
+    if args.quick:  # new defaults, then parse again: flags given on the command line still win
+        p.set_defaults(**QUICK_CELL, **({"dtype": "fp32"} if args.device == "cpu" else {}))
+        args = p.parse_args(argv)
     return args
 
 
-def median_ms(fn, device: str) -> float:
+def median_ms(fn, device: str, reps: int = 15) -> float:
     if device.startswith("cuda"):
         from triton.testing import do_bench
 
         return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
     fn()
     times = []
-    for _ in range(15):
+    for _ in range(reps):
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
@@ -113,12 +118,12 @@ def measure(fi, args) -> list[dict]:
     records = []
     for setting in settings:
         for mode, off_fn, on_fn in builders[setting](fi, args, dtype):
-            off_ms = median_ms(off_fn, args.device)
+            off_ms = median_ms(off_fn, args.device, args.reps)
             with fi.monitor() as session:
                 on_fn()  # compiles (compiled setting) and records at least once
                 assert len(session) > 0, f"{setting}/{mode}: monitoring recorded nothing"
                 session.clear()
-                on_ms = median_ms(lambda: (on_fn(), session.clear()), args.device)
+                on_ms = median_ms(lambda: (on_fn(), session.clear()), args.device, args.reps)
             records.append(dict(setting=setting, mode=mode, dtype=args.dtype, batch=args.batch, heads=args.heads,
                                 seq=args.seq, head_dim=args.head_dim, off_ms=off_ms, on_ms=on_ms,
                                 overhead=on_ms / off_ms - 1.0))
@@ -132,13 +137,23 @@ def format_table(records) -> str:
     return "\n".join(lines)
 
 
+def target_verdict(records: list[dict], args) -> str:
+    """The 5 % verdict where this run measured what the target is about; elsewhere, says why not."""
+    target = f"forward overhead target ({TARGET_OVERHEAD:.0%} at seq >= {TARGET_SEQ} on a GPU)"
+    forward = [r for r in records if r["mode"] == "fwd"]
+    if not forward:
+        return f"{target}: not checked, no forward was measured"
+    if not args.device.startswith("cuda") or args.seq < TARGET_SEQ:
+        return f"{target}: not checked, this run measured {args.device} at seq {args.seq}"
+    within = all(r["overhead"] <= TARGET_OVERHEAD for r in forward)
+    return f"forward overhead within {TARGET_OVERHEAD:.0%}: {'yes' if within else 'NO'}"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     records = measure(flash_inductor, args)
     print(format_table(records))
-    forward = [r for r in records if r["mode"] == "fwd"]
-    within = all(r["overhead"] <= TARGET_OVERHEAD for r in forward)
-    print(f"forward overhead within {TARGET_OVERHEAD:.0%}: {'yes' if within else 'no'}")
+    print(target_verdict(records, args))
     if not args.no_write:
         env = environment(module_command("benchmarks.bench_monitor", argv))
         write_record(args.out, "monitor_overhead", env,

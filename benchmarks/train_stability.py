@@ -2,7 +2,7 @@
 
     python benchmarks/train_stability.py                  # GPU: five runs, seq 2048
     python benchmarks/train_stability.py --seq 8192 --batch 4
-    python benchmarks/train_stability.py --quick --device cpu --steps 20
+    python benchmarks/train_stability.py --quick --device cpu   # a few minutes on a CPU
 
 A small GPT whose attention is written the way nanoGPT's slow path writes it,
 
@@ -48,13 +48,20 @@ non-zero number (printed), and "within 2% of fp32" compares runs near it. Each t
 embedding also receives the previous token's (a token shift, as in RWKV), so one attention
 layer can bind a value to its key without positional embeddings.
 
+The 2% verdict is only given when fp32 learned: its final loss must be a quarter of the way
+from chance (ln of the number of values) down to the best achievable loss, since near chance a
+run that learned nothing is within 2% too. Otherwise (too few ``--steps``, say) the flash runs
+are checked for finiteness only, and the output says so. Exit status: 0 when compared and every
+flash run is within 2%; 1 when one is not, or is not finite; 3 when nothing could be compared.
+
 Writes ``train_stability_<device>_<date>[_tag].json`` (per-step loss, scaler scale, non-finite
-events, final losses and the 2% verdict) and ``.png`` (loss curves) to ``--out``.
+events, final losses and the verdict) and ``.png`` (loss curves) to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import datetime
@@ -72,6 +79,10 @@ import torch.nn.functional as F
 
 RUNS = ("fp32_eager", "fp16_eager", "fp16_flash", "bf16_eager", "bf16_flash")
 TOLERANCE = 0.02  # the flash_inductor runs' final loss must be within 2% of fp32's
+# fp32 must have gone this fraction of the way from chance loss to the best achievable one before
+# any run is compared with it: near chance, "within 2%" holds for runs that learned nothing.
+LEARNED_FRACTION = 0.25
+NOT_COMPARED = 3  # exit status when fp32 learned too little, and only finiteness was checked
 
 
 # ------------------------------------------------------------------------------------------
@@ -249,6 +260,15 @@ def _grads_finite(model) -> bool:
     return bool(torch.stack([g.isfinite().all() for g in grads]).all()) if grads else True
 
 
+def _fresh_rewrite(enabled: bool):
+    """The first compile without AOTAutograd's cache: on a hit (the same model compiled by an
+    earlier run) Inductor skips the pre-grad passes, so the report would count 0 rewritten sites
+    although the cached graph has them. Inductor's own graph cache still applies."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch._functorch.config.patch(enable_autograd_cache=False)
+
+
 def train(run: str, initial: nn.Module, task: Task, args, progress) -> RunLog:
     import flash_inductor
 
@@ -266,7 +286,8 @@ def train(run: str, initial: nn.Module, task: Task, args, progress) -> RunLog:
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, args.steps, args.lr, args.warmup)
         tokens, targets = task.batch(args.batch, step, args.seed, device)
-        with torch.autocast(device.split(":")[0], dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+        with torch.autocast(device.split(":")[0], dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None), \
+                _fresh_rewrite(step == 0 and run.endswith("flash")):
             loss, query_loss = step_model(tokens, targets, query_mask)
         if step == 0 and run.endswith("flash"):
             log.rewritten_sites = flash_inductor.last_report().rewritten
@@ -306,17 +327,74 @@ def _final(values: list, steps: int) -> Optional[float]:
 # ------------------------------------------------------------------------------------------
 
 
-def verdict(logs: dict[str, RunLog]) -> dict:
-    """Each flash run's final loss against fp32's: within TOLERANCE (relative)?"""
-    ref = logs.get("fp32_eager")
-    out = {}
+def learned_below(task: Task) -> float:
+    """The final loss fp32 must reach before other runs are compared with it: LEARNED_FRACTION of
+    the way from chance (a uniform guess among the values) down to the best achievable loss."""
+    chance = math.log(task.values)
+    return chance - LEARNED_FRACTION * (chance - task.floor())
+
+
+def baseline_record(ref: Optional[RunLog], task: Task) -> dict:
+    """Whether the fp32 run learned, with the numbers that say so."""
+    final = None if ref is None else ref.final_loss
+    threshold = learned_below(task)
+    return dict(run="fp32_eager", present=ref is not None, final_loss=final, chance_loss=math.log(task.values),
+                learned_below=threshold, learned=final is not None and final <= threshold)
+
+
+def _finite(log: RunLog) -> bool:
+    """Every step's loss finite. A gradient overflow that the GradScaler skipped (fp16) is not a
+    failure: it is the scaler's job, and the table counts those steps."""
+    return log.error is None and bool(log.loss) and all(value is not None for value in log.loss)
+
+
+def verdict(logs: dict[str, RunLog], task: Task) -> dict:
+    """Each run's final loss against fp32's, within TOLERANCE (relative), but only when fp32
+    learned: near chance loss a run that learned nothing is within 2% too. Every run is also
+    checked for finiteness (no non-finite loss or gradient, no error), which needs no baseline."""
+    baseline = baseline_record(logs.get("fp32_eager"), task)
+    runs = {}
     for name, log in logs.items():
-        if name == "fp32_eager" or ref is None or ref.final_loss is None:
+        if name == "fp32_eager":
             continue
-        gap = None if log.final_loss is None else abs(log.final_loss - ref.final_loss) / ref.final_loss
-        out[name] = dict(final_loss=log.final_loss, relative_gap=gap,
-                         within_2pct=gap is not None and gap <= TOLERANCE)
-    return out
+        record = dict(final_loss=log.final_loss, finite=_finite(log))
+        if baseline["learned"]:
+            ref_loss = baseline["final_loss"]
+            gap = None if log.final_loss is None else abs(log.final_loss - ref_loss) / ref_loss
+            record.update(relative_gap=gap, within_2pct=gap is not None and gap <= TOLERANCE)
+        runs[name] = record
+    return dict(compared=baseline["learned"], baseline=baseline, runs=runs)
+
+
+def verdict_lines(result: dict) -> list[str]:
+    """The flash runs' verdict, saying what was compared and what was only checked."""
+    flash = {name: record for name, record in result["runs"].items() if name.endswith("flash")}
+    baseline = result["baseline"]
+    if result["compared"]:
+        return ["flash_inductor within 2% of fp32: " + ", ".join(
+            f"{name} {'yes' if record['within_2pct'] else 'NO'}" for name, record in flash.items())]
+    if not baseline["present"]:
+        why = "no fp32_eager run"
+    elif baseline["final_loss"] is None:
+        why = "the fp32_eager run did not finish with a finite loss"
+    else:
+        why = (f"fp32_eager ended at {baseline['final_loss']:.4f}, not below {baseline['learned_below']:.4f} "
+               f"(chance {baseline['chance_loss']:.4f}): it learned too little to compare against")
+    return [f"not compared with fp32: {why}; more --steps, or the default --quick config, learn",
+            "checked finiteness only: " + ", ".join(
+                f"{name} {'finite' if record['finite'] else 'NOT finite'}" for name, record in flash.items())]
+
+
+def exit_code(result: dict) -> int:
+    """0: compared with a baseline that learned, and every flash run is within 2% of it; 1: a flash
+    run is not (or is not finite, or there is none); 3: no comparison could be made, and the flash
+    runs were only checked for finiteness (which they passed)."""
+    flash = [record for name, record in result["runs"].items() if name.endswith("flash")]
+    if not flash or not all(record["finite"] for record in flash):
+        return 1
+    if not result["compared"]:
+        return NOT_COMPARED
+    return 0 if all(record["within_2pct"] for record in flash) else 1
 
 
 def summary_lines(logs: dict[str, RunLog], task: Task) -> list[str]:
@@ -381,20 +459,21 @@ def plot(logs: dict[str, RunLog], path: pathlib.Path, title: str) -> Optional[pa
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--quick", action="store_true", help="tiny model and sequence (CPU smoke run)")
-    p.add_argument("--steps", type=int, help="training steps (default 400; 40 with --quick)")
-    p.add_argument("--seq", type=int, help="sequence length (default 2048; 256 with --quick)")
+    p.add_argument("--quick", action="store_true",
+                   help="small model, sequence and task that fp32 still learns: a CPU run of a few minutes")
+    p.add_argument("--steps", type=int, help="training steps (default 400; 200 with --quick)")
+    p.add_argument("--seq", type=int, help="sequence length (default 2048; 128 with --quick)")
     p.add_argument("--batch", type=int, help="sequences per step (default 16)")
     p.add_argument("--width", type=int, help="model width (default 256; 64 with --quick)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--pairs", type=int, help="key-value bindings per sequence (default 16; 8 with --quick)")
+    p.add_argument("--pairs", type=int, help="key-value bindings per sequence (default 16; 4 with --quick)")
     p.add_argument("--context", type=int, help="tokens of repeated bindings at the start (default seq / 4; "
                                                "seq / 2 with --quick)")
     p.add_argument("--qk-offset", type=float, default=256.0,
                    help="shared query/key component a (logits + a^2 * scale); 0 = control run")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--lr", type=float, help="peak learning rate (default 2e-3; 1e-2 with --quick)")
+    p.add_argument("--warmup", type=int, help="warm-up steps (default 30; 10 with --quick)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
     p.add_argument("--out", default="benchmarks/results")
@@ -402,7 +481,12 @@ def parse_args(argv=None):
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     quick = args.quick
-    defaults = dict(steps=(40, 400), seq=(256, 2048), batch=(16, 16), width=(64, 256), pairs=(8, 16))
+    # --quick: fp32 learns the recall (loss ~4.9 -> below 1, against chance 4.16) in ~100 steps
+    # with four bindings and a short warm-up, and reaches the floor by 200, where runs can be
+    # compared (mid-descent a run a few steps behind is far from 2%); eight bindings at seq 256
+    # had not left chance after 40.
+    defaults = dict(steps=(200, 400), seq=(128, 2048), batch=(16, 16), width=(64, 256), pairs=(4, 16),
+                    lr=(1e-2, 2e-3), warmup=(10, 30))
     for name, (small, full) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, small if quick else full)
@@ -452,11 +536,8 @@ def main(argv=None) -> int:
             logs[run] = RunLog(run, error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    lines = summary_lines(logs, task)
-    result = verdict(logs)
-    flash_ok = [v["within_2pct"] for k, v in result.items() if k.endswith("flash")]
-    lines.append("flash_inductor within 2% of fp32: " + ", ".join(
-        f"{k} {'yes' if v['within_2pct'] else 'NO'}" for k, v in result.items() if k.endswith("flash")))
+    result = verdict(logs, task)
+    lines = summary_lines(logs, task) + verdict_lines(result)
     print("\n".join(lines))
 
     out_dir = pathlib.Path(args.out)
@@ -485,7 +566,7 @@ def main(argv=None) -> int:
     png = plot(logs, stem.with_suffix(".png"), f"{device_name}, torch {torch.__version__}: seq {args.seq}, "
                                                f"qk offset {args.qk_offset:g}")
     print(f"wrote {png}" if png else "matplotlib is not installed: no plot")
-    return 0 if flash_ok and all(flash_ok) else 1
+    return exit_code(result)
 
 
 if __name__ == "__main__":

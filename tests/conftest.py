@@ -2,9 +2,9 @@
 
 Triton decides between interpreter and compiler when a function is decorated with @triton.jit,
 and that includes Triton's own library (triton.language.standard), which is decorated when
-triton.language is first imported -- importing flash_inductor does that. So TRITON_INTERPRET is
-set here, before any test module (and hence flash_inductor) is imported, and this file imports
-nothing that imports flash_inductor or triton.
+triton.language is first imported -- importing flash_inductor.kernels does that (a first launch,
+or a test that imports the kernels). So TRITON_INTERPRET is set here, before any test module is
+imported, and this file imports nothing that imports flash_inductor or triton.
 """
 
 import importlib.metadata
@@ -18,6 +18,7 @@ from helpers import DEVICE, KERNEL_DTYPES, dtype_id
 
 
 def pytest_configure(config):
+    _share_cores_among_workers()
     if not torch.cuda.is_available():
         if "triton.language" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
             raise pytest.UsageError(
@@ -27,7 +28,43 @@ def pytest_configure(config):
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+def _share_cores_among_workers():
+    """Under pytest-xdist (``-n auto``: one worker per core) each worker would keep torch's default
+    of one intra-op thread per core, so the workers' OpenMP threads oversubscribe the cores and
+    spin against each other: on 2 cores that cost test_reference.py 2.5x its CPU time. Each worker
+    gets its share of the cores instead, and so do the tools its tests start (OMP_NUM_THREADS)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // workers)
+    torch.set_num_threads(threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tools-full", action="store_true",
+                     help="also run the full forms of the tool and experiment tests (marker tools_full)")
+
+
 def pytest_collection_modifyitems(config, items):
+    _skip_full_tool_forms(config, items)
+    _skip_kernel_launches_on_old_interpreters(items)
+
+
+def _skip_full_tool_forms(config, items):
+    """Tests of the tools and experiments run a small form by default; their full forms (the
+    tools' own --quick sizes, every combination) cost minutes each on a CPU and check the tools,
+    not the library, so they run only when asked for."""
+    if config.getoption("--tools-full"):
+        return
+    skip = pytest.mark.skip(reason="full form of a tool test: run with --tools-full")
+    for item in items:
+        if item.get_closest_marker("tools_full"):
+            item.add_marker(skip)
+
+
+def _skip_kernel_launches_on_old_interpreters(items):
     """Triton 3.6's interpreter (torch 2.11's Triton) returns tl.program_id as a 1-element array,
     which range() in a kernel loop cannot take, so every kernel fails there before computing
     anything; 3.7 fixed it. On CPU with Triton < 3.7 those tests are skipped with that reason:

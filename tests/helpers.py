@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Optional
+from typing import Any, Optional
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 # No flash_inductor import at module level: conftest imports this module before it sets
-# TRITON_INTERPRET, and importing flash_inductor imports triton.language, whose own @jit helpers
+# TRITON_INTERPRET, and flash_inductor's kernels import triton.language, whose own @jit helpers
 # must be created after that variable is set.
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -497,3 +498,9 @@ def assert_dead_rows_exact(query, key, attn_mask, causal_offset, out, lse=None, 
             assert (dk[unseen] == 0).all(), "keys no query sees: dk is not exactly 0"
             assert (dv[unseen] == 0).all(), "keys no query sees: dv is not exactly 0"
     return int(dead.sum())
+
+
+def small_and_full(small: Any, full: Any) -> list:
+    """The two forms of a tool or experiment test, as parameters: ``small`` runs by default (CI),
+    ``full`` (marker ``tools_full``) only with ``pytest --tools-full``."""
+    return [pytest.param(small, id="small"), pytest.param(full, id="full", marks=pytest.mark.tools_full)]

@@ -1,5 +1,5 @@
 """benchmarks.experiments: the probes still run and their variants still compute attention and its
-gradients (their kernels are leads for the next kernel changes, see NOTES.md)."""
+gradients (their kernels are leads for the next kernel changes, see docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import pathlib
 import subprocess
 import sys
 
-from helpers import DEVICE
+import pytest
+
+from helpers import DEVICE, small_and_full
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -20,20 +22,20 @@ def experiment(name: str) -> list[str]:
     return [sys.executable, "-m", f"benchmarks.experiments.{name}"]
 
 
-def run_quick_probe(name: str, out) -> None:
-    """``python -m benchmarks.experiments.<name> --quick`` on this machine's device (the Triton
-    interpreter on a CPU); fails with the probe's output if it does."""
+def run_quick_probe(name: str, out, *extra: str) -> None:
+    """``python -m benchmarks.experiments.<name> --quick [extra]`` on this machine's device (the
+    Triton interpreter on a CPU); fails with the probe's output if it does."""
     env = dict(os.environ)
     if DEVICE == "cpu":
         env["TRITON_INTERPRET"] = "1"
-    run = subprocess.run([*experiment(name), "--quick", "--device", DEVICE, "--out", str(out)],
+    run = subprocess.run([*experiment(name), "--quick", *extra, "--device", DEVICE, "--out", str(out)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
 
 
 # Triton's warp specialisation fails to compile some of the probe's tiles on sm_90: host descriptors
-# at BLOCK_M = 128 (Triton 3.6 and 3.7.1; fwd_ws_probe.py's docstring, NOTES.md session 13) and, on
-# the H200 in session 20, the on-device tma_ws at 128x64 with a causal mask. On a GPU the WS rows may
+# at BLOCK_M = 128 (Triton 3.6 and 3.7.1; fwd_ws_probe.py's docstring) and, on the H200,
+# the on-device tma_ws at 128x64 with a causal mask. On a GPU the WS rows may
 # say so; every row without WS must run, and every row that ran must match.
 WS_VARIANTS = ("tma_ws", "tma_ws_1loop", "host_ws", "host_ws_1loop")
 
@@ -55,7 +57,7 @@ def test_forward_probe_variants_match_the_reference(tmp_path):
 
 
 def test_single_pass_backward_probe_matches_ours_and_fp64(tmp_path):
-    """The atomic-dQ single-pass probe (NOTES.md plan step 3) computes our `fast` gradients."""
+    """The atomic-dQ single-pass probe (docs/performance.md) computes our `fast` gradients."""
     run_quick_probe("bwd_single_pass_probe", tmp_path)
     rows = json.loads((tmp_path / "bwd_single_pass_probe.json").read_text())["rows"]
     single = [r for r in rows if r["variant"] == "single-pass"]
@@ -67,7 +69,12 @@ def test_single_pass_backward_probe_matches_ours_and_fp64(tmp_path):
             assert r["err_vs_fp64"][name] <= 2 * r["ours_err_vs_fp64"][name] + 1e-6, (name, r)
 
 
-def test_delta_variants_gemm_free_delta_falls_short_on_near_tied_keys(tmp_path):
+# The small form: one seed, and only the cases the assertions name (every feature, both dtypes).
+DELTA_VARIANTS_FORMS = small_and_full(["--seeds", "1", "--cases", "near_tied,onehot_scale_1e2,peaked"], [])
+
+
+@pytest.mark.parametrize("form", DELTA_VARIANTS_FORMS)
+def test_delta_variants_gemm_free_delta_falls_short_on_near_tied_keys(tmp_path, form):
     """The Δ experiment (pure PyTorch, CPU): `stable`'s exact Δ beats FlashAttention-2's on
     near-tied keys, and a GEMM-free Δ from the forward's fp32 output (or its 16-bit residual)
     does not reach it. Bounds are loose against the full run's ranges (3 seeds, L 256/1024,
@@ -75,9 +82,9 @@ def test_delta_variants_gemm_free_delta_falls_short_on_near_tied_keys(tmp_path):
     the features against 8 seeds at --quick size (--quick --seeds 8), quoted likewise."""
     out = tmp_path / "delta_variants.json"
     # Pure PyTorch on the CPU: beside a suite's other workers on a many-core GPU host, torch's
-    # one thread per core in each of them starved this run past its timeout (session 20).
+    # one thread per core in each of them starved this run past its timeout.
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    run = subprocess.run([*experiment("delta_variants"), "--quick", "--out", str(out)],
+    run = subprocess.run([*experiment("delta_variants"), "--quick", *form, "--out", str(out)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
@@ -137,10 +144,11 @@ def test_delta_variants_gemm_free_delta_falls_short_on_near_tied_keys(tmp_path):
             assert ds16["residual_ctr"]["dq"] >= 1.5 * ds16["exact_kernel"]["dq"], where
 
 
-def test_dkdv_features_probe_variants_compute_our_gradients(tmp_path):
-    """Every feature combination of the dK/dV probe (session 14: the row shift's cost) gives our
+@pytest.mark.parametrize("form", small_and_full(["--seq", "64"], []))
+def test_dkdv_features_probe_variants_compute_our_gradients(tmp_path, form):
+    """Every feature combination of the dK/dV probe (the row shift's cost) gives our
     pass's dK and dV, to the rounding of the dtype it ran in."""
-    run_quick_probe("dkdv_features_probe", tmp_path)
+    run_quick_probe("dkdv_features_probe", tmp_path, *form)
     rows = json.loads((tmp_path / "dkdv_features_probe.json").read_text())["rows"]
     probes = [r for r in rows if r["variant"] != "ours-fast dkdv"]
     assert {r["variant"] for r in probes} == {"minimal", "MASKED", "SHIFT", "STRIDES", "MASKED+SHIFT+STRIDES"}
@@ -151,7 +159,7 @@ def test_dkdv_features_probe_variants_compute_our_gradients(tmp_path):
 
 
 def test_fault_repro_runs_each_case_and_records_it(tmp_path):
-    """backward_fault_repro.py (the next GPU session's bisection) runs a case in a child process
+    """backward_fault_repro.py (a bisection of backward faults on a GPU) runs a case in a child process
     and records it; on the interpreter nothing faults, so every case is 'ok' with no launch named."""
     env = dict(os.environ)
     if DEVICE == "cpu":
@@ -168,7 +176,7 @@ def test_fault_repro_runs_each_case_and_records_it(tmp_path):
 
 
 def test_tuner_vs_op_timing_probe_times_both_ways(tmp_path):
-    """The session-22 timing probe runs all three ways; on a GPU they must give identical gradients
+    """The tuner-vs-op timing probe runs all three ways; on a GPU they must give identical gradients
     (same kernels, same configs), else the timing comparison would compare different work."""
     run_quick_probe("tuner_vs_op_timing", tmp_path)
     record = json.loads((tmp_path / "tuner_vs_op_timing.json").read_text())
@@ -182,8 +190,8 @@ def test_tuner_vs_op_timing_probe_times_both_ways(tmp_path):
 
 
 def test_host_overhead_probe_times_every_way_and_profiles_ours(tmp_path):
-    """The session-23 host-time probe: every provider and way gets samples (on a GPU, FA2 too), and
-    the profile names our entry point, so a regression in the probe shows before a device session."""
+    """The host-time probe: every provider and way gets samples (on a GPU, FA2 too), and
+    the profile names our entry point, so a regression in the probe shows before GPU time is spent on it."""
     run_quick_probe("host_overhead", tmp_path)
     record = json.loads((tmp_path / "host_overhead.json").read_text())
     providers = ("ours", "ours_compiled", "flash") if DEVICE == "cuda" else ("ours", "ours_compiled")
@@ -200,7 +208,7 @@ def test_host_overhead_probe_times_every_way_and_profiles_ours(tmp_path):
 
 
 def test_fp32_tiles_experiment_runs_every_tile_and_matches_fp64(tmp_path):
-    """fp32_tiles.py (NOTES plan item 11): every candidate tile computes the same attention and
+    """fp32_tiles.py (docs/performance.md, open leads): every candidate tile computes the same attention and
     gradients as the heuristic's, against a float64 run, through its parallel compile workers."""
     env = dict(os.environ)
     if DEVICE == "cpu":

@@ -2,8 +2,9 @@
 
 Shared memory is fixed when Triton lowers a kernel, so this runs on a CPU machine: the tool compiles
 each kernel our launchers would start on an sm_90 GPU (heuristic configs: every mask kind other than
-none/causal runs on them) and reads what it needs. Session 14 found a kernel change that took the
-E=256 dQ pass with a bool mask to 336 KiB (227 KiB available) only after spending its GPU time."""
+none/causal runs on them) and reads what it needs. A kernel change once took the E=256 dQ pass
+with a bool mask to 336 KiB (227 KiB available), found only after spending GPU time; the small
+form compiles that launch, the full form (--tools-full) every combination around it."""
 
 from __future__ import annotations
 
@@ -12,15 +13,24 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+from helpers import small_and_full
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+# (masks, dtypes, schedules) at E=256; each combination compiles a forward and four backward kernels.
+FORMS = small_and_full(("bool", "bf16", "stable"), ("bool,float", "bf16,fp16", "stable,fast"))
 
-def test_widest_heuristic_launches_fit_hopper_shared_memory():
+
+@pytest.mark.parametrize("form", FORMS)
+def test_widest_heuristic_launches_fit_hopper_shared_memory(form):
+    masks, dtypes, schedules = form
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # interpreted kernels do not compile
-    run = subprocess.run([sys.executable, "-m", "tools.smem_check", "--head-dims", "256", "--masks", "bool,float",
-                          "--dtypes", "bf16,fp16", "--schedules", "stable,fast"],
+    run = subprocess.run([sys.executable, "-m", "tools.smem_check", "--head-dims", "256", "--masks", masks,
+                          "--dtypes", dtypes, "--schedules", schedules],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "every launch fits" in run.stdout
-    # Each of the 8 combinations compiled a forward and the four backward kernels.
-    assert run.stdout.count("most: ") == 8, run.stdout
+    combinations = len(masks.split(",")) * len(dtypes.split(",")) * len(schedules.split(","))
+    assert run.stdout.count("most: ") == combinations, run.stdout

@@ -157,6 +157,13 @@ def test_requirement_ignores_nonfinite_anchors_and_applies_the_floor():
 def test_requirement_without_finite_anchor_checks_finiteness_only():
     ok = check_requirements([_result("ours:stable", 1.0), _result("eager", 0.0, nonfinite=1)])
     assert ok.passed and "no finite anchor" in ok.format()
+
+
+def test_requirement_without_a_run_of_ours_is_no_pass():
+    """Anchors alone (--impls without ours, or a time budget spent first) check nothing."""
+    anchors_only = check_requirements([_result("sdpa:math", 1e-3)])
+    assert not anchors_only.passed and "ran on no case" in anchors_only.format()
+    assert not check_requirements([]).passed
     bad = check_requirements([_result("ours:stable", 0.0, nonfinite=2), _result("sdpa:math", 0.0)])
     assert not bad.passed and "non-finite" in bad.violations[0]
     missing = check_requirements([_result("ours:stable", 0.0, status="error"), _result("sdpa:math", 0.0)])

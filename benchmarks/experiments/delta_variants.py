@@ -496,8 +496,10 @@ def print_verdict(rows):
         print(f"{key[0]:<10}{key[1]:<17}{key[2]:<6}" + "".join(cells))
     dead = [r for r in rows if "dead_rows_zero" in r]
     nonfinite = sorted({n for r in rows for n in r["nonfinite"]}) or "none"
-    print(f"\nfully masked rows exactly 0 everywhere: {all(all(r['dead_rows_zero'].values()) for r in dead)} "
-          f"({len(dead)} problems); non-finite gradients: {nonfinite}; "
+    # Only the bool_dead and all features hide rows: without them there is nothing to check.
+    zeros = (f"{all(all(r['dead_rows_zero'].values()) for r in dead)} ({len(dead)} problems)" if dead
+             else "not checked (no feature with fully masked rows ran)")
+    print(f"\nfully masked rows exactly 0 everywhere: {zeros}; non-finite gradients: {nonfinite}; "
           f"fp64 Σⱼ dSᵢⱼ = dLSEᵢ·Σⱼ Pᵢⱼ to {max(r['truth_rowsum_err'] for r in rows):.1e} (x max|dS|)")
 
 

@@ -1,7 +1,7 @@
 """EXPERIMENT: what makes our dK/dV pass slower than a minimal one?
 
     python -m benchmarks.experiments.dkdv_features_probe            # GPU, ~1 minute
-    TRITON_INTERPRET=1 python -m benchmarks.experiments.dkdv_features_probe --quick --device cpu
+    TRITON_INTERPRET=1 python -m benchmarks.experiments.dkdv_features_probe --quick --device cpu [--seq 64]
 
 The single-pass probe (``bwd_single_pass_probe.py``) timed a minimal dK/dV kernel (no
 mask, dropout, GQA or fp16 rescale) at 1954 us (64x64/w4/s2) against our pass's 2289 us (bf16,
@@ -150,12 +150,13 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=150.0)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--head-dim", type=int, help="only the problem with this head dim")
+    p.add_argument("--seq", type=int, default=128, help="with --quick: its sequence length (tests use 64)")
     args = p.parse_args(argv)
     on_gpu = args.device.startswith("cuda")
     problems = [("bf16", 128, 4096, 4, 16), ("bf16", 64, 8192, 2, 16)]
     configs = CONFIGS
     if args.quick:
-        problems, configs = [("fp32" if not on_gpu else "fp16", 32, 128, 1, 2)], ((16, 32, 1, 1),)
+        problems, configs = [("fp32" if not on_gpu else "fp16", 32, args.seq, 1, 2)], ((16, 32, 1, 1),)
     # The minimal kernel, each feature alone, and all of them (ours has all three).
     combos = [dict.fromkeys(FEATURES, False)] + [{f: f == g for f in FEATURES} for g in FEATURES] \
         + [dict.fromkeys(FEATURES, True)]

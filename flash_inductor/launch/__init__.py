@@ -15,6 +15,7 @@ from .common import (
     interpreter_enabled,
     kernel_supports,
     schedule_switches,
+    triton_available,
 )
 from .forward import attention_forward
 
@@ -27,4 +28,5 @@ __all__ = [
     "interpreter_enabled",
     "kernel_supports",
     "schedule_switches",
+    "triton_available",
 ]

@@ -26,12 +26,25 @@ _MAX_GRID_Y = 65535
 
 
 @functools.lru_cache(maxsize=None)
-def _triton_available() -> bool:
+def triton_available() -> bool:
+    """Whether Triton can be imported. It is optional: CPU-only installs run the PyTorch
+    reference path and need none; the kernels (and only they) import it, on first launch."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+def _require_triton_for(device: torch.device) -> None:
+    """CUDA tensors without Triton: an error that says how to fix it, rather than a silent switch
+    to the reference path, which is many times slower and materialises blocks of scores."""
+    if not triton_available():
+        raise RuntimeError(
+            f"flash_inductor's kernels for {device.type} tensors need Triton, which is not installed. "
+            "CUDA builds of torch bring it; otherwise install the Triton release your torch was built "
+            "against (`pip install triton`), or move the tensors to the CPU for the PyTorch reference path."
+        )
 
 
 def interpreter_enabled() -> bool:
@@ -40,17 +53,19 @@ def interpreter_enabled() -> bool:
 
 
 def kernel_supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether the Triton kernels take these (normalised, 4-D) inputs; else the reference path runs."""
-    if query.device.type != "cuda" or not _triton_available():
-        return False
-    if query.dtype not in _KERNEL_DTYPES:
+    """Whether the Triton kernels take these (normalised, 4-D) inputs; else the reference path runs.
+    Raises when they would take them but Triton is not installed."""
+    if query.device.type != "cuda" or query.dtype not in _KERNEL_DTYPES:
         return False
     batch, heads_q = query.shape[0], query.shape[1]
-    return (
+    fits = (
         query.shape[-1] <= _MAX_HEAD_DIM
         and value.shape[-1] <= _MAX_HEAD_DIM
         and batch * max(heads_q, key.shape[1]) <= _MAX_GRID_Y
     )
+    if fits:
+        _require_triton_for(query.device)
+    return fits
 
 
 def launcher(kernel):

@@ -14,21 +14,21 @@ to the PyTorch statistics of ``stats.py`` otherwise.
 
 from __future__ import annotations
 
+import functools
 import math
+from types import ModuleType
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from ..launch import interpreter_enabled
-from ..kernels.monitor_stats import MASKED_BELOW, _backward_record, _count_nonfinite, _forward_partials, _forward_record
+from ..launch import interpreter_enabled, triton_available
 from .stats import FIELDS, LSE_MASKED_BELOW
 
 # The kernels write the record by position.
 _KERNEL_FIELDS = ("rows", "masked_rows", "lse_nonfinite", "lse_min", "lse_max", "max_logit_low",
                   "out_nonfinite", "dq_nonfinite", "dk_nonfinite", "dv_nonfinite")
 assert FIELDS == _KERNEL_FIELDS, "monitoring/stats.py's FIELDS and the monitoring kernels disagree"
-assert MASKED_BELOW.value == LSE_MASKED_BELOW, "the kernels and stats.py disagree on masked rows"
 
 COUNT_BLOCK = 4096      # elements per program of the count (and copy) pass
 LSE_BLOCK = 1024        # LSE rows per program of the per-block LSE reduction
@@ -36,9 +36,22 @@ REDUCE_BLOCK = 1024     # lanes of the single-program reductions
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+@functools.cache
+def _kernels() -> ModuleType:
+    """The monitoring kernels, imported on first launch: Triton is optional (a CPU-only install
+    has none), and ``supports`` keeps callers off this path without it."""
+    from ..kernels import monitor_stats
+
+    assert monitor_stats.MASKED_BELOW.value == LSE_MASKED_BELOW, "the kernels and stats.py disagree on masked rows"
+    return monitor_stats
+
+
 def supports(*tensors: Tensor) -> bool:
-    """Whether the kernels can take these tensors (else use the PyTorch statistics). On CPU only
-    under the Triton interpreter, and not in bf16 there: its NumPy emulation of bf16 is unreliable."""
+    """Whether the kernels can take these tensors (else use the PyTorch statistics). Only with
+    Triton installed; on CPU only under the Triton interpreter, and not in bf16 there: its NumPy
+    emulation of bf16 is unreliable."""
+    if not triton_available():
+        return False
     if all(t.is_cuda for t in tensors):
         dtypes = _DTYPES
     elif interpreter_enabled() and all(t.device.type == "cpu" for t in tensors):
@@ -55,8 +68,8 @@ def _block_counts(t: Tensor, copy: Optional[Tensor] = None) -> Tensor:
     if t.numel() == 0:
         return counts.zero_()
     # Without a copy nothing is stored through dst, so any valid pointer does.
-    _count_nonfinite[(blocks,)](t, t if copy is None else copy, t.numel(), counts,
-                                BLOCK=COUNT_BLOCK, COPY=copy is not None, num_warps=4)
+    _kernels()._count_nonfinite[(blocks,)](t, t if copy is None else copy, t.numel(), counts,
+                                           BLOCK=COUNT_BLOCK, COPY=copy is not None, num_warps=4)
     return counts
 
 
@@ -75,13 +88,13 @@ def _forward(out: Tensor, lse: Tensor, seq_k: int, copy: Optional[Tensor]) -> Te
         partials[3].fill_(float("inf"))
         partials[4].fill_(float("-inf"))
     else:
-        _forward_partials[(max(n_count_blocks, n_lse_blocks),)](
+        _kernels()._forward_partials[(max(n_count_blocks, n_lse_blocks),)](
             out, out if copy is None else copy, out.numel(), counts, n_count_blocks,
             lse, n_rows, partials, n_lse_blocks,
             COUNT_BLOCK=COUNT_BLOCK, LSE_BLOCK=LSE_BLOCK, COPY=copy is not None, num_warps=4)
     record = torch.empty(len(FIELDS), dtype=torch.float64, device=lse.device)
-    _forward_record[(1,)](partials, n_lse_blocks, n_rows, counts, n_count_blocks, record,
-                          math.log(max(int(seq_k), 1)), BLOCK=REDUCE_BLOCK, num_warps=4)
+    _kernels()._forward_record[(1,)](partials, n_lse_blocks, n_rows, counts, n_count_blocks, record,
+                                     math.log(max(int(seq_k), 1)), BLOCK=REDUCE_BLOCK, num_warps=4)
     return record
 
 
@@ -101,8 +114,9 @@ def _backward(counts: list[Tensor], device: torch.device) -> Tensor:
     their non-finite counts."""
     record = torch.empty(len(FIELDS), dtype=torch.float64, device=device)
     dq_counts, dk_counts, dv_counts = counts
-    _backward_record[(1,)](dq_counts, dq_counts.numel(), dk_counts, dk_counts.numel(), dv_counts, dv_counts.numel(),
-                           record, len(FIELDS), BLOCK=REDUCE_BLOCK, num_warps=4)
+    _kernels()._backward_record[(1,)](dq_counts, dq_counts.numel(), dk_counts, dk_counts.numel(),
+                                      dv_counts, dv_counts.numel(),
+                                      record, len(FIELDS), BLOCK=REDUCE_BLOCK, num_warps=4)
     return record
 
 

@@ -23,6 +23,7 @@ it as one node rather than unrolling its key loop into the graph.
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -108,7 +109,30 @@ def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal
 # --------------------------------------------------------------------------------------
 
 
-@torch.library.triton_op("flash_inductor::attention_forward", mutates_args=())
+class _DropMissingTritonNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Triton not available" not in record.getMessage()
+
+
+def _triton_op(name: str):
+    """``torch.library.triton_op``, minus the warning it logs at registration when Triton is not
+    installed: it searches the function for the kernels it launches, and a CPU-only install,
+    which runs the reference path, has none to find. The filter is removed once registered."""
+    decorate = torch.library.triton_op(name, mutates_args=())
+
+    def register(fn):
+        torch_logger = logging.getLogger("torch._library.triton")
+        notice_filter = _DropMissingTritonNotice()
+        torch_logger.addFilter(notice_filter)
+        try:
+            return decorate(fn)
+        finally:
+            torch_logger.removeFilter(notice_filter)
+
+    return register
+
+
+@_triton_op("flash_inductor::attention_forward")
 def attention_forward(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], rng_seed: Optional[Tensor],
     dropout_p: float, is_causal: bool, causal_offset: int, scale: float, schedule: str,
@@ -121,7 +145,7 @@ def attention_forward(
     return attention_forward_reference(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale)
 
 
-@torch.library.triton_op("flash_inductor::attention_backward", mutates_args=())
+@_triton_op("flash_inductor::attention_backward")
 def attention_backward(
     grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
     out: Tensor, lse: Tensor, grad_lse: Optional[Tensor], rng_seed: Optional[Tensor],

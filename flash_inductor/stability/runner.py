@@ -267,4 +267,7 @@ def check_requirements(results: list[Result], schedule: str = DEFAULT_SCHEDULE) 
                     f"{case}/{dtype} {result}: rel {m.rel:.2e} > 2 x {best} {best_err / ref:.2e} + floor "
                     f"{floor / ref:.2e} = {bound / ref:.2e}"
                 )
+    if not checks and not violations:
+        # --impls without ours, or a time budget spent before any case: a PASS would check nothing.
+        violations.append(f"{ours} ran on no case: nothing was checked")
     return Requirement(schedule, checks, violations)
