@@ -117,7 +117,7 @@ def test_table_pick_at_length_one(pick, lengths, device, monkeypatch):
     def table_lookup(*args, **kwargs):
         raise AssertionError("the launch looked its configs up instead of running the pick's")
 
-    monkeypatch.setattr(launch, "select_configs", table_lookup)
+    monkeypatch.setattr(launch.common, "select_configs", table_lookup)
     seq_q, seq_k = lengths
     dtype = _DTYPES[pick.dtype]
     # A head width is the padded max(E, Ev); E = width keeps the padding-free path the table
