@@ -738,7 +738,7 @@ def test_causal_tril_recognised_in_either_comparison_spelling(spelling):
 
     import torch.fx as fx
 
-    from flash_inductor.passes.handwritten_checks import LOWER, UPPER, triangle
+    from flash_inductor.passes.fx_match import LOWER, UPPER, triangle
 
     graph = fx.Graph()
     tril = graph.call_function(torch.tril, (graph.call_function(torch.ones, (5, 5)),))

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from .handwritten_checks import bind, is_function, is_method, known_equal, tensor_value
+from .fx_match import bind, is_function, is_method, known_equal, tensor_value
 
 
 def _pattern_gqa_1(node: Any) -> Optional[tuple[fx.Node, int, list]]:

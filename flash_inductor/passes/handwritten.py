@@ -8,7 +8,7 @@ below, with the model family it comes from; a site is matched from its softmax o
 
 and becomes one :class:`AttentionSite` in SDPA terms, or a :class:`KeptSite` with the reason it
 must stay as written. The checks (who reads an intermediate, constants, causal structure,
-dtypes, layouts) live in ``handwritten_checks.py``; turning a match into the op call (masks,
+dtypes, layouts) live in ``fx_match.py``; turning a match into the op call (masks,
 layouts, prologue/epilogue) in ``handwritten_site.py``.
 
 What is folded into the op's arguments:
@@ -32,7 +32,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .gqa import peel_repeats
-from .handwritten_checks import (
+from .fx_match import (
     Keep, Scale, bind, check_only_user, describe, fill_value, is_function, is_mask_fill, is_method, method_name,
     known_equal, scalar, tensor_value, triangle, value_users,
 )

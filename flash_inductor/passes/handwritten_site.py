@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .handwritten_checks import (
+from .fx_match import (
     Keep, Scale, check_dtypes, describe, group_dims, is_mask_fill, known_equal, mutates, tensor_value,
     call_ancestors,
 )

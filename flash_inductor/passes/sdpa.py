@@ -16,7 +16,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .gqa import peel_repeats
-from .handwritten_checks import known_equal, mutates
+from .fx_match import known_equal, mutates
 from .site import AttentionSite, KeptSite, example_value, guarded
 
 _SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
