@@ -1,4 +1,4 @@
-"""Multi-process runs of ``flash_inductor.distributed`` on CPU with gloo, for tests/test_distributed.py.
+"""Multi-process runs of ``flash_inductor.distributed`` on CPU with gloo, for tests/unit/test_distributed.py.
 
 One process group per world size runs every case of a list and saves each rank's shards of
 out, lse, dq, dk, dv; the test process reassembles and checks them. A case is a dict:

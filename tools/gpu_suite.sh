@@ -19,7 +19,7 @@
 #   GPUS           how many GPUs to split the tests over (default: the entries of
 #                  CUDA_VISIBLE_DEVICES if it is set, else the GPUs `nvidia-smi -L` lists, else 1)
 #   TESTS          test files / directories / node ids (default: tests with GPUS=1, every
-#                  tests/test_*.py with GPUS > 1; a directory is split into its test_*.py files)
+#                  every test file under tests/ with GPUS > 1; a directory is split into its test_*.py files)
 #   WORKERS        pytest-xdist workers per GPU (default 14 with GPUS=1, else max(2, (nproc-2)/GPUS))
 #   SUITE_SECONDS  time limit of each GPU's pytest run (default 420)
 #   SKIP_BENCH=1   skip the quick benchmark; BENCH_SECONDS bounds it (default 150)
@@ -88,7 +88,7 @@ rm -rf "$PARTS"; mkdir -p "$PARTS"
 
 # Greedy longest-first split. Costs: seconds of pytest on the H200 with ~18 workers (test_kernels
 # and test_table_edges with 15 workers, cold: ~650 s and 87 s); test_monitor holds one ~290 s test, so it and test_kernels land on different GPUs when GPUS >= 2.
-mapfile -t GROUPS_ < <(python3 - "$GPUS" ${TESTS:-tests/test_*.py} <<'EOF'
+mapfile -t GROUPS_ < <(python3 - "$GPUS" ${TESTS:-tests} <<'EOF'
 import glob, os, sys
 # test_autotune.py's and test_tuning_tables.py's 40/20 s are estimates.
 COST = {"test_kernels.py": 650, "test_monitor.py": 290, "test_flash_attention.py": 220,
@@ -97,7 +97,7 @@ COST = {"test_kernels.py": 650, "test_monitor.py": 290, "test_flash_attention.py
         "test_dropout.py": 40, "test_table_edges.py": 90}
 gpus, items = int(sys.argv[1]), []
 for arg in sys.argv[2:]:
-    items += sorted(glob.glob(os.path.join(arg, "test_*.py"))) if os.path.isdir(arg) else [arg]
+    items += sorted(glob.glob(os.path.join(arg, "**", "test_*.py"), recursive=True)) if os.path.isdir(arg) else [arg]
 items = list(dict.fromkeys(items))
 cost = lambda item: COST.get(os.path.basename(item.split("::")[0]), 20)
 loads, groups = [0] * gpus, [[] for _ in range(gpus)]

@@ -4,7 +4,7 @@
     TRITON_INTERPRET=1 python -m benchmarks.experiments.backward_fault_repro --device cpu --quick
 
 Written when three backward patches (``dq_row_scale``, ``even_tiles``, ``dq_seen_sum_mma``),
-re-tuned, and ran tests/test_kernels.py on the H200: 214 passed, and
+re-tuned, and ran tests/unit/test_kernels.py on the H200: 214 passed, and
 ``test_shapes[fp16-L7_S1_E64]`` (B=2, H=2, L=7, S=1, E=64, no mask, `stable`) hit "an illegal
 memory access" in one of the launches before the dK/dV pass, alone as well as under xdist; the
 bf16 and fp32 versions of the case passed, and so did fp16 L=129, S=129, E=64, whose launches

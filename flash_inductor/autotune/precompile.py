@@ -41,7 +41,7 @@ from .measure import LaunchRunner, Shape, check_problems, make_problem, run_pass
 from .plan import kernel_signature
 
 _ROLE_NAMES = ("forward", "backward_dkdv", "backward_dq")
-# The lengths tests/test_table_edges.py checks every shipped pick at, as (L, S).
+# The lengths tests/tuning/test_table_edges.py checks every shipped pick at, as (L, S).
 LENGTHS_OF_ONE = ((7, 1), (1, 7))
 
 

@@ -47,7 +47,7 @@ import types
 from typing import Iterable
 
 # The kernels each family of tuned launches starts ("module:function" under flash_inductor.kernels).
-# The monitoring kernels launch with fixed sizes and belong to none. tests/test_tuning_tables.py
+# The monitoring kernels launch with fixed sizes and belong to none. tests/tuning/test_tuning_tables.py
 # checks that every kernel the launchers start is listed here.
 KERNEL_FAMILIES: dict[str, tuple[str, ...]] = {
     "forward": ("attn_fwd:_attn_fwd",),

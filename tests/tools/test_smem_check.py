@@ -17,7 +17,7 @@ import pytest
 
 from helpers import small_and_full
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # (masks, dtypes, schedules) at E=256; each combination compiles a forward and four backward kernels.
 FORMS = small_and_full(("bool", "bf16", "stable"), ("bool,float", "bf16,fp16", "stable,fast"))

@@ -24,7 +24,7 @@ from flash_inductor.ops.philox import philox_uniform
 from flash_inductor.ops.reference import reference_backward, reference_forward
 from helpers import assert_close_to_ref, near_tied_qkv, ref_forward_backward, sdpa_baseline
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # ----------------------------------------------------------------------------------------------
 # Philox

@@ -14,7 +14,7 @@ import pytest
 
 from helpers import DEVICE, small_and_full
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def experiment(name: str) -> list[str]:

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 ONE_EXP2_PER_SCORE = ["_attn_bwd_dkdv", "_attn_bwd_dq"]
 
 

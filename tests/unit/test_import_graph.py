@@ -19,7 +19,7 @@ import pathlib
 import pytest
 
 PACKAGE = "flash_inductor"
-ROOT = pathlib.Path(__file__).resolve().parents[1] / PACKAGE
+ROOT = pathlib.Path(__file__).resolve().parents[2] / PACKAGE
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-_SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "train_stability.py"
+_SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "train_stability.py"
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import types
 import pytest
 import torch
 
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 _WITHOUT_TRITON = textwrap.dedent(
     """

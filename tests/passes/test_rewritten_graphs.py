@@ -4,7 +4,7 @@ Each family's pattern name (the report's ``pattern`` column) gets a tiny fp32 CP
 the pass rewrites; the test runs the pass on the module's pre-grad graph and compares the
 rewritten graph, in a normalised form, with an inline golden. A change to what a pattern
 matches or to the call it inserts shows as a diff here. Regenerate after an intended change with
-``EXPECTTEST_ACCEPT=1 python -m pytest tests/test_rewritten_graphs.py`` and review the diff.
+``EXPECTTEST_ACCEPT=1 python -m pytest tests/passes/test_rewritten_graphs.py`` and review the diff.
 
 The normalised form, one line per node, is ``gm.code`` without what varies between runs and
 torch versions: placeholders are named after the input (or the module's parameter) they receive

@@ -34,7 +34,7 @@ def test_rank_below_two(name):
 
 
 def test_batch_dims_do_not_broadcast():
-    # Size 1 broadcasts (tests/test_broadcast.py); 3 against 2 does not, in any of the three.
+    # Size 1 broadcasts (tests/unit/test_broadcast.py); 3 against 2 does not, in any of the three.
     q, k, v = _qkv(kv_shape=(3, 4, 10, 16))
     with pytest.raises(ValueError, match=r"batch dims of query, key and value do not broadcast .*query \(2,\), "
                                          r"key \(3,\), value \(3,\)"):

@@ -1,6 +1,6 @@
 """Every kernel load and store stays inside the launch's tensors (interpreter only).
 
-tests/test_kernels.py checks the results; a load past a tensor's end whose value is masked out
+tests/unit/test_kernels.py checks the results; a load past a tensor's end whose value is masked out
 later leaves the results right under the interpreter and faults on a GPU (or reads a neighbour's
 bytes). These tests run the same cases with tests/bounds_check.py watching every address, under
 the interpreter's small tiles and under wider ones, so a length is ragged for one and a whole
@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from bounds_check import checked_addresses
 from helpers import ON_CUDA
-from test_kernels import DROPOUT, FEATURES, SHAPES, run_case
+from unit.test_kernels import DROPOUT, FEATURES, SHAPES, run_case
 
 from flash_inductor import launch
 from flash_inductor.tuning.configs import AttentionConfigs, KernelConfig

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 
-TESTS = pathlib.Path(__file__).resolve().parent
+TESTS = pathlib.Path(__file__).resolve().parents[1]
 
 _FAKE_FAULT = '''
 import torch

@@ -30,7 +30,7 @@ from flash_inductor.tuning.configs import AttentionConfigs, KernelConfig
 from flash_inductor.autotune.measure import sqnr_db
 from flash_inductor.schedules import FP8_SQNR_BUDGET_DB
 from helpers import ON_CUDA, make_mask, make_qkv, ref_forward_backward
-from test_kernels import Case, check_case
+from unit.test_kernels import Case, check_case  # tests/ is on the path (pyproject), unit/ a namespace
 
 pytestmark = pytest.mark.launches_kernels
 
