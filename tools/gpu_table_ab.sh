@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Forward+backward A/B of two tuning tables in one device call: the bench runs once on the table in
 # the tree, then once more with OLD_TABLE shadowing it (a user table shadows the shipped one), both
-# heated, with Flex in each run as the yardstick of the run-to-run drift. Session 26 used this to
-# keep a re-tune's picks per cell (benchmarks/NOTES.md); the tuner times each pass alone at its own
+# heated, with Flex in each run as the yardstick of the run-to-run drift. It decides which of a
+# re-tune's picks to keep per cell; the tuner times each pass alone at its own
 # shape, so this is the check of what a training step sees.
 #
 #   OLD_TABLE=tables_before/nvidia-h200_sm90_132sm.json bash tools/gpu_table_ab.sh

@@ -275,7 +275,7 @@ def _attn_bwd_preprocess(
     beside the reads of dO the preprocess makes anyway, the bound needs no launches of its own.
     Computed by torch reductions instead (two norms, two maxima and the products: about eight
     launches), it cost an eager fp16 training step 0.1-0.3 ms of kernel time at 16k tokens on an
-    H200, where Inductor fused it in compiled graphs (2026-12-01, benchmarks/NOTES.md)."""
+    H200, where Inductor fused it in compiled graphs (2026-12-01, docs/performance.md)."""
     start_m = tl.program_id(0) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     bh = tl.program_id(1)

@@ -3,7 +3,7 @@
 Triton compiles an integer argument equal to 1 into the kernel as a constant, and Inductor does
 the same for a size it knows to be 1 (``do_not_specialize`` does not stop it). So a query or key
 length of 1 runs a kernel that the autotuner never compiled: its accuracy check runs at
-L = S = 509. Such a kernel can fail where its general twin does not: session 17 found a Triton
+L = S = 509. Such a kernel can fail where its general twin does not: on 2026-12-01 a Triton
 3.6 fault in the dQ kernel that only S = 1 with 4-warp 64x64 tiles hit
 (``benchmarks/results/backward_fault_nvidia-h200_20261201_s17.md``). Users reach these kernels
 with any length: a 16k-token sequence attending to one key takes the s16384 bucket's configs.

@@ -621,7 +621,7 @@ def test_ragged_key_block_with_very_negative_logits(causal, device):
 
     fp16 inputs: the leak is in the kernels' fp32 arithmetic, whatever the input dtype. (fp32
     inputs at these logits meet another limit: the forward's base-2 scores carry one ulp of
-    |s|·log2(e), up to twice SDPA's fp32 error on the output; see benchmarks/NOTES.md.)"""
+    |s|·log2(e), up to twice SDPA's fp32 error on the output; see docs/performance.md.)"""
     kernel_dtype = torch.float16
     case = _f(seq_q=37, seq_k=45, causal=causal)  # 45 keys: a ragged last block at every tile size
     q, k, v = make_qkv(1, 2, 2, case.seq_q, case.seq_k, 24, 24, kernel_dtype, device, seed=11)

@@ -1,6 +1,6 @@
 """``launch.direct_kernel_calls``: callers outside the ops (the autotuner's timing runner) launch the
 kernels straight through Triton, as the ops do, instead of through wrap_triton's HOP dispatch,
-whose per-launch host work the tuner would otherwise time (session 22, benchmarks/NOTES.md)."""
+whose per-launch host work the tuner would otherwise time (docs/performance.md, host time)."""
 
 from __future__ import annotations
 
