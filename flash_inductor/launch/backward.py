@@ -40,7 +40,7 @@ def attention_backward(
     ``configs`` forces the launch configs (the autotuner's candidates); None looks them up.
     ``ds_bound`` (a one-element fp32 tensor) replaces the bound on |dS| that the preprocess
     measures, under the schedules that rescale dS (fp16 `stable`): tests and experiments force
-    either loop with it (a bound past ``attn_bwd.DS_RESCALE_ABOVE``, or inf, takes the rescaling
+    either loop with it (a bound past ``ds_scaling.DS_RESCALE_ABOVE``, or inf, takes the rescaling
     loop). Elsewhere it is ignored."""
     from ..kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_row_reference
 
@@ -81,7 +81,7 @@ def attention_backward(
     if grad_lse is not None:
         grad_lse = grad_lse.to(torch.float32).contiguous()  # read as a flat (B*Hq*L) row vector
     # Under a rescaling schedule (fp16 `stable`) the preprocess also collects the maxima the
-    # kernels bound |dS| with (``attn_bwd._ds_loop_choice``), so its grid spans V's rows too.
+    # kernels bound |dS| with (``ds_scaling._ds_loop_choice``), so its grid spans V's rows too.
     collect_ds_stats = ds_rescale and ds_bound is None
     if ds_rescale:
         ds_stats = torch.zeros(3, dtype=torch.float32, device=query.device)
@@ -165,7 +165,7 @@ def measure_ds_bound(grad_out: torch.Tensor, value: torch.Tensor, grad_lse: torc
               dropout_p: float) -> torch.Tensor:
     """The bound on |dS| the backward kernels decide their loop with, measured as the backward
     measures it: the preprocess alone collects the maxima (its Δ, from grad_out standing in for O,
-    is discarded), and this combines them as ``attn_bwd._ds_loop_choice`` does. A one-element
+    is discarded), and this combines them as ``ds_scaling._ds_loop_choice`` does. A one-element
     fp32 tensor. For tests and experiments; the backward itself never calls it."""
     head_dim_v = grad_out.shape[-1]
     stats = torch.zeros(3, dtype=torch.float32, device=grad_out.device)

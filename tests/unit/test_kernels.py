@@ -569,7 +569,7 @@ def _tiny_ds_problem(device, q_mult=1.0, k_mult=1.0, v_mult=1e-5, seed=0):
 def test_tiny_ds_scaled_out_of_fp16_subnormals(variant, device):
     """fp16 `stable`, plain loop: dS of order 1e-6, cast directly to fp16, falls among the
     subnormals (< 2^-14 ~ 6.1e-5), where 1e-6 keeps about 4 significant bits. The plain loop scales
-    the call's dS up by a power of two first (attn_bwd._ds_loop_choice: here 2^24), so dq and dk
+    the call's dS up by a power of two first (ds_scaling._ds_loop_choice: here 2^24), so dq and dk
     meet the tolerance rule against SDPA's math backend; cast unscaled they missed it by 1.6-1.9x
     (unit_keys: dq and dk, ~1e-5) and 4x (wide_keys: |k| x16, |q| /16, the same logits, so dq ~ 2e-4
     is an fp16 normal, and its error is dS's alone)."""
