@@ -504,3 +504,19 @@ def small_and_full(small: Any, full: Any) -> list:
     """The two forms of a tool or experiment test, as parameters: ``small`` runs by default (CI),
     ``full`` (marker ``tools_full``) only with ``pytest --tools-full``."""
     return [pytest.param(small, id="small"), pytest.param(full, id="full", marks=pytest.mark.tools_full)]
+
+
+def _hopper_skip_reason():
+    """Why the Gluon Hopper kernels cannot run here, or None on an sm_90 GPU with Gluon."""
+    if not ON_CUDA:
+        return "needs a CUDA GPU"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return f"needs sm_90 (Hopper), this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability()))}"
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
+    except Exception:
+        return "this Triton has no Gluon Hopper support"
+    return None
+
+
+needs_hopper = pytest.mark.skipif(_hopper_skip_reason() is not None, reason=str(_hopper_skip_reason()))

@@ -8,22 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import ON_CUDA
+from helpers import needs_hopper
 
 
-def _hopper_skip_reason():
-    if not ON_CUDA:
-        return "needs a CUDA GPU"
-    if torch.cuda.get_device_capability() != (9, 0):
-        return f"needs sm_90 (Hopper), this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability()))}"
-    try:
-        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
-    except Exception:
-        return "this Triton has no Gluon Hopper support"
-    return None
-
-
-needs_hopper = pytest.mark.skipif(_hopper_skip_reason() is not None, reason=str(_hopper_skip_reason()))
 
 DTYPES = (torch.bfloat16, torch.float16)
 
