@@ -35,6 +35,12 @@ from .common import LOG2E, cdiv
 log = logging.getLogger("flash_inductor")
 # Reasons that say only that this is not a Hopper machine: not worth a log line.
 NOT_HOPPER = ("not on a CUDA device", "not an sm_90 (Hopper) GPU", "this Triton has no Gluon Hopper support")
+# Reasons about the inputs' layout, which the op normalises (3-D inputs, broadcast heads) before it
+# decides: a report reading a call site's own shapes leaves these out.
+NOT_4D = "inputs are not 4-D (B, H, L, E)"
+HEADS_NOT_GROUPED = "query heads are not a multiple of key/value heads"
+LENGTHS_DIFFER = "batch or key length mismatch"
+LAYOUT_REASONS = (NOT_4D, HEADS_NOT_GROUPED, LENGTHS_DIFFER)
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -134,7 +140,7 @@ def hopper_forward_unsupported_reason(query, key, value, attn_mask=None, dropout
     if query.dtype not in DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
         return f"dtype {query.dtype} (bf16/fp16 only, all three alike)"
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        return "inputs are not 4-D (B, H, L, E)"
+        return NOT_4D
     head_dim = query.shape[-1]
     if head_dim not in HEAD_DIMS or key.shape[-1] != head_dim or value.shape[-1] != head_dim:
         return f"head dims q/k/v {query.shape[-1]}/{key.shape[-1]}/{value.shape[-1]} (64 or 128, all equal)"
@@ -145,9 +151,9 @@ def hopper_forward_unsupported_reason(query, key, value, attn_mask=None, dropout
     if scale is not None and not scale > 0:
         return "a non-positive scale (the kernel takes the row max on unscaled scores)"
     if query.shape[1] % key.shape[1] != 0 or key.shape[1] != value.shape[1]:
-        return "query heads are not a multiple of key/value heads"
+        return HEADS_NOT_GROUPED
     if query.shape[0] != key.shape[0] or key.shape[2] != value.shape[2]:
-        return "batch or key length mismatch"
+        return LENGTHS_DIFFER
     return None
 
 

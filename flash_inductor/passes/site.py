@@ -141,12 +141,10 @@ def _forward_kernel(site: AttentionSite, schedule: Optional[str]) -> Optional[st
         return "forward on the Hopper (Gluon) kernel"
     # Layout reasons are left out: the op normalises 3-D inputs and broadcast heads before it
     # decides, so the site's own shapes would mislead there.
-    if reason in hopper.NOT_HOPPER or reason.startswith(_LAYOUT_REASONS):
+    if reason in hopper.NOT_HOPPER or reason in hopper.LAYOUT_REASONS:
         return None
     return f"forward on Triton: {reason}"
 
-
-_LAYOUT_REASONS = ("inputs are not 4-D", "query heads are not", "batch or key length")
 
 
 def _module_entries(node: fx.Node) -> list[tuple[str, Any]]:
