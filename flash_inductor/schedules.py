@@ -194,15 +194,12 @@ def get_schedule(name: str | None) -> PrecisionSchedule:
     return SCHEDULES[name]
 
 
-MEASURED_NOTE = "measured on the H200: next table"
-
-
-def schedules_markdown_table(results_note: str = MEASURED_NOTE) -> str:
+def schedules_markdown_table() -> str:
     """The README's schedule table: one row per stage, one column per schedule.
 
-    Stages every schedule shares are listed too, so the table is the whole contract. The last
-    two rows (error, speed) point at the measured table (``tools/schedule_results.py``, from
-    committed GPU results) rather than quoting numbers here.
+    Stages every schedule shares are listed too, so the table is the whole contract. Measured
+    errors and speeds are not quoted here: the README's next table holds them, made by
+    ``tools/schedule_results.py`` from committed GPU results.
     """
     schedules = list(SCHEDULES.values())
     header = ["stage"] + [f"`{s.name}`" + (" (default)" if s.name == DEFAULT_SCHEDULE else "") for s in schedules]
@@ -218,6 +215,4 @@ def schedules_markdown_table(results_note: str = MEASURED_NOTE) -> str:
         f"output SQNR ≥ {s.sqnr_budget_db:g} dB vs fp64" if s.sqnr_budget_db is not None
         else "2× PyTorch's same-dtype error vs fp64" for s in schedules
     ]) + " |")
-    for label in ("error vs fp64", "speed"):
-        lines.append("| " + " | ".join([label] + [results_note] * len(schedules)) + " |")
     return "\n".join(lines)

@@ -1,0 +1,43 @@
+"""The release's size rules, held by CI: a README a newcomer reads in one sitting, current results
+only (each one cited by the README or a doc), and shipped tables that hold configs, not history."""
+
+import pathlib
+import subprocess
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _tracked(*paths: str) -> list[str]:
+    out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "--", *paths], capture_output=True, text=True)
+    return [line for line in out.stdout.splitlines() if line]
+
+
+def test_readme_and_performance_notes_stay_short():
+    assert (ROOT / "README.md").stat().st_size <= 20_000, "README.md is over 20 KB: move detail to docs/"
+    assert (ROOT / "docs" / "performance.md").stat().st_size <= 30_000, "docs/performance.md is over 30 KB"
+
+
+def test_results_are_few_and_each_is_cited():
+    files = sorted(p.name for p in RESULTS.iterdir() if p.is_file() and p.name != "README.md")
+    assert len(files) <= 40, f"benchmarks/results holds {len(files)} files (at most 40): replace superseded runs"
+    cited_text = "\n".join(
+        (ROOT / path).read_text(errors="replace")
+        for path in _tracked("*.md", "*.py", "*.sh") if not path.startswith("benchmarks/results/")
+    )
+    # A citation may abbreviate the common prefix ("…_20261202_grid.json"), so match the name's tail
+    # after the GPU and date, or the whole stem.
+    uncited = [f for f in files if f not in cited_text and pathlib.Path(f).stem not in cited_text
+               and not any(tail in cited_text for tail in _abbreviations(f))]
+    assert not uncited, f"results no README/doc/script cites (remove them or cite them): {uncited}"
+
+
+def _abbreviations(name: str) -> list[str]:
+    parts = name.split("_")
+    return ["…_" + "_".join(parts[i:]) for i in range(1, len(parts))]
+
+
+def test_shipped_tables_are_small():
+    tables = (ROOT / "flash_inductor" / "tuning" / "tables").glob("*.json")
+    total = sum(p.stat().st_size for p in tables)
+    assert total <= 100_000, f"shipped tables total {total} bytes (at most 100 KB): keep configs, not search history"
