@@ -8,6 +8,7 @@ numerics live in the op (``flash_inductor.ops``) and its kernels.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 from torch import Tensor
@@ -17,7 +18,8 @@ from .monitoring import naming as _monitor_naming
 from .monitoring import ops as _monitor_ops  # registers the recording ops
 from .monitoring import session as _monitor_session
 from .ops import attention as _attention_ops  # registers the ops
-from .launch.fp8 import check_fp8_device
+from .launch.band import NO_WINDOW
+from .launch.fp8 import check_fp8_device, check_fp8_window
 from .schedules import get_schedule
 
 try:  # CausalBias exists in every supported torch, but keep the import failure local.
@@ -41,6 +43,7 @@ def flash_attention(
     enable_gqa: bool = False,
     *,
     schedule: str | None = None,
+    window: tuple[int, int] | None = None,
 ) -> Tensor:
     r"""Scaled dot-product attention, numerically stabilised, with flash-attention memory.
 
@@ -86,6 +89,19 @@ def flash_attention(
         scale: softmax scale; default ``1 / sqrt(E)``.
         enable_gqa: allow ``Hq`` to be a multiple of ``Hkv`` (grouped-query / multi-query
             attention). K/V are indexed per group, never repeated in memory.
+        window: ``None`` or ``(left, right)``, a sliding window as FlashAttention defines it: query
+            ``i`` sees key ``j`` iff ``-left <= j - (i + S - L) <= right`` (the diagonal is the
+            bottom-right one); ``-1`` leaves that side unbounded. ``(w - 1, 0)`` is a causal sliding
+            window of ``w`` keys, ``(w, w)`` a symmetric one. It combines with ``is_causal`` (both
+            apply), ``attn_mask``, GQA and dropout; tiles wholly outside the window are skipped,
+            so the work grows with ``L * window`` rather than ``L * S``::
+
+                window=(1, 0), L = S = 4       window=(1, 1), L = S = 4
+                [[T, F, F, F],                 [[T, T, F, F],
+                 [T, T, F, F],                  [T, T, T, F],
+                 [F, T, T, F],                  [F, T, T, T],
+                 [F, F, T, T]]                  [F, F, T, T]]
+
         schedule: precision schedule name (``"stable"`` default, ``"fast"``, ``"accurate"``, ``"fp8"``),
             see ``flash_inductor.schedules``. ``"fp8"`` needs a GPU with fp8 tensor cores
             (compute capability 8.9+) and raises a ValueError on an older one; on CPU, as
@@ -94,8 +110,8 @@ def flash_attention(
     Returns:
         ``(N, ..., Hq, L, Ev)`` in the input dtype.
 
-    A query row with no visible key (all-False mask row, all ``-inf`` row, causal row with
-    no key) returns 0 with zero gradients. SDPA's result there depends on the torch version and
+    A query row with no visible key (all-False mask row, all ``-inf`` row, causal or window row
+    with no key) returns 0 with zero gradients. SDPA's result there depends on the torch version and
     backend: cuDNN returns wrong, non-zero values; the math backend returns 0 on current torch
     (NaN before its safe softmax, pytorch/pytorch#131060).
 
@@ -106,7 +122,7 @@ def flash_attention(
     """
     return attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-        schedule=schedule, eager_monitor_site=_eager_monitor_site(),
+        schedule=schedule, window=window, eager_monitor_site=_eager_monitor_site(),
     )
 
 
@@ -133,6 +149,7 @@ def attention(
     enable_gqa: bool = False,
     *,
     schedule: str | None = None,
+    window: tuple[int, int] | None = None,
     monitor_site: str | None = None,
     eager_monitor_site: str | None = None,
 ) -> Tensor:
@@ -153,8 +170,10 @@ def attention(
     _check_qkv(query, key, value)
     precision = get_schedule(schedule)  # validates early, listing the choices
     schedule_name = precision.name
+    window_left, window_right = _resolve_window(window)
     if precision.fp8_forward:
         check_fp8_device(query.device)
+        check_fp8_window((window_left, window_right))
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"flash_attention: dropout_p must be a float in [0, 1), got {dropout_p!r}.")
     dropout_p = float(dropout_p)
@@ -183,6 +202,7 @@ def attention(
     # tracing and tensor subclasses get the registered op.
     out, lse = _attention_ops.attention_forward_eager(
         q4, k4, v4, mask4, rng_seed, dropout_p, bool(is_causal), causal_offset, scale, schedule_name,
+        window_left, window_right,
     )
     if monitor_site is not None:
         out = _monitor_ops.watch_output(out, lse, monitor_site, seq_k)
@@ -314,6 +334,30 @@ def _resolve_causal(attn_mask, is_causal, seq_q, seq_k):
             "condition into the mask or drop one of them."
         )
     return bool(is_causal), 0, attn_mask
+
+
+def _resolve_window(window) -> tuple[int, int]:
+    """``window`` as the op's ``(window_left, window_right)``; ``None`` is ``(-1, -1)``."""
+    if window is None:
+        return NO_WINDOW
+    if isinstance(window, Tensor) or not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(
+            f"flash_attention: window must be None or a (left, right) pair of ints, got {window!r}; "
+            "for a causal sliding window of w keys pass window=(w - 1, 0)."
+        )
+    bounds = []
+    for side, value in zip(("left", "right"), window):
+        try:
+            bound = None if isinstance(value, (bool, Tensor)) else operator.index(value)
+        except TypeError:
+            bound = None
+        if bound is None or bound < -1:
+            raise ValueError(
+                f"flash_attention: window's {side} bound must be an int >= -1 (-1 = unbounded), got "
+                f"{value!r} in window={tuple(window)!r}."
+            )
+        bounds.append(int(bound))
+    return bounds[0], bounds[1]
 
 
 def _resolve_scale(scale, head_dim) -> float:

@@ -45,9 +45,10 @@ Symbols (i a query row, j a key; vectors are per row of a query block)
 Indices and sizes: b (batch), h (query head), h_kv = h // GROUP (its K/V head; GROUP = H_Q /
 H_KV query heads share one), bh = b · H_Q + h, L / S (query / key lengths), row_ids = bh · L +
 row (a row of the flattened (B·H_Q, L) vectors DELTA, ROW_REF, ROW_SHIFT, DLSE and of DMASK),
-causal_offset (key j is visible from row i when j <= i + causal_offset), offs_m / offs_n / offs_e /
-offs_ev (a block's rows, keys, head-dim and value-dim columns), lo / split / mid / hi (block
-ranges of the loops, see the passes). Pointers are UPPER_CASE, strides ``stride_<tensor><dim>``.
+causal_offset (key j is visible from row i when j <= i + causal_offset), window_lower (under
+WINDOW_LEFT, only when j >= i + window_lower too), offs_m / offs_n / offs_e / offs_ev (a block's
+rows, keys, head-dim and value-dim columns), lo / mid / split / mid_hi / hi (block ranges of the
+loops, see the passes; ``launch/band.py`` mirrors them in Python). Pointers are UPPER_CASE, strides ``stride_<tensor><dim>``.
 
 Constexpr switches
 
@@ -55,7 +56,9 @@ Constexpr switches
     BLOCK_E, BLOCK_EV       their padded tile widths (powers of two, equal: ``launch/common.py``)
     BLOCK_M, BLOCK_N        query rows and keys per tile (the launch config)
     HAS_MASK, MASK_IS_BOOL  a mask is given; bool (True = attend) or additive float
-    IS_CAUSAL               keys past i + causal_offset are invisible
+    IS_CAUSAL               keys past i + causal_offset are invisible (causal masking, or a window's
+                            right bound: the launcher passes the band's upper side)
+    WINDOW_LEFT             keys before i + window_lower are invisible (a window's left bound)
     HAS_DROPOUT             dropout on P, regenerated from SEED (``common.dropout_keep``)
     FP32_DOT                input_precision of every dot ("ieee", "tf32" or "tf32x3" for fp32 operands)
     P_IN_FP32               P meets dO (dV) and K (K̄) in fp32 rather than rounded to the input dtype
@@ -116,8 +119,9 @@ GQA. The dK/dV pass owns one key block of one KV head and walks every query head
 group, so grouped K/V gradients are summed in registers, without atomics or repeated K/V.
 
 Loop split. Both passes split their loop as the forward does: tiles whose keys all lie inside S
-and are all visible to every row under causal masking skip the visibility select
-(``mask_scores``'s CHECK=False); the causal diagonal and a ragged last key block keep it. The
+and are all visible to every row under the band skip the visibility select
+(``mask_scores``'s CHECK=False); the causal diagonal, a window's left edge and a ragged last key
+block keep it, and tiles wholly outside the band are not visited. The
 last key block must: its zero-padded keys score 0, and against a row whose LSE is very negative
 exp2(0 - LSE) is inf, which the select is what turns into 0.
 
@@ -211,9 +215,9 @@ def _attn_bwd_row_reference(
     stride_qb, stride_qh, stride_qm, stride_qe,
     stride_kb, stride_kh, stride_kn, stride_ke,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    H_Q, GROUP, L, S, causal_offset, qk_scale_log2,
+    H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
     HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr,
-    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
     FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Per query row, the base-2 (reference, shift) the backward recomputes P with:
@@ -254,15 +258,18 @@ def _attn_bwd_row_reference(
         hi = S
         if IS_CAUSAL:
             hi = tl.minimum(S, start_m + BLOCK_M + causal_offset)
-        for start_n in range(0, hi, BLOCK_N):
+        lo = 0
+        if WINDOW_LEFT:
+            lo = tl.maximum(start_m + window_lower, 0) // BLOCK_N * BLOCK_N
+        for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             kv_rows_ok = offs_n < S
             k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_e[:, None] * stride_ke,
                         mask=kv_rows_ok[None, :] & (offs_e[:, None] < HEAD_DIM), other=0.0)
             s2 = tl.dot(q, k, input_precision=FP32_DOT) * qk_scale_log2
             s2 = mask_scores(s2, mask_base, offs_m[:, None], offs_n[None, :], row_ok[:, None] & kv_rows_ok[None, :],
-                             stride_mm, stride_mn, causal_offset,
-                             HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL)
+                             stride_mm, stride_mn, causal_offset, window_lower,
+                             HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT)
             new_max = tl.maximum(row_max, tl.max(s2, 1))
             safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
             row_sum = row_sum * tl.math.exp2(row_max - safe_max) + tl.sum(tl.math.exp2(s2 - safe_max[:, None]), 1)
@@ -279,10 +286,10 @@ def _attn_bwd_row_reference(
 def _dkdv_tiles(
     dk, dv, key_block, q_base, do_base, mask_base, bh, row_pointers, DMASK, dropout, ds_up,
     offs_m_base, offs_e, offs_ev, lo, hi, q_strides, do_strides, mask_strides,
-    L, S, causal_offset, qk_scale_log2,
+    L, S, causal_offset, window_lower, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, CHECK: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
     SHIFT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
@@ -310,8 +317,8 @@ def _dkdv_tiles(
         # Transposed tiles (keys x queries) so dK and dV come out of the dots directly.
         s2_t = tl.dot(k, tl.trans(q), input_precision=FP32_DOT) * qk_scale_log2
         s2_t = mask_scores(s2_t, mask_base, offs_m[None, :], offs_n[:, None], kv_rows_ok[:, None] & q_rows_ok[None, :],
-                           stride_mm, stride_mn, causal_offset,
-                           HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL, CHECK=CHECK)
+                           stride_mm, stride_mn, causal_offset, window_lower,
+                           HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, CHECK=CHECK)
         if SHIFT:
             row_shift = load_rows(ROW_SHIFT + row_ids, q_rows_ok, 0.0, EVEN_ROWS=EVEN_M)
             p_t = tl.math.exp2((s2_t - row_ref[None, :]) - row_shift[None, :])
@@ -344,15 +351,16 @@ def _dkdv_tiles(
 @triton.jit
 def _dkdv_heads(
     dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-    offs_m_base, offs_e, offs_ev, lo, mid, q_strides, do_strides, mask_strides,
-    H_Q, GROUP, L, S, causal_offset, qk_scale_log2,
+    offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides,
+    H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
     SHIFT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """Every query head of the GQA group: blocks [lo, mid) with the visibility select, [mid, L) without."""
+    """Every query head of the GQA group: blocks [lo, mid) with the visibility select, [mid, mid_hi)
+    without, and under WINDOW_LEFT [mid_hi, hi) with it (the window's left edge)."""
     stride_qb, stride_qh, _, _ = q_strides
     stride_dob, stride_doh, _, _ = do_strides
     stride_mb, stride_mh, _, _ = mask_strides
@@ -362,27 +370,38 @@ def _dkdv_heads(
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
         mask_base = MASK + b * stride_mb + h * stride_mh
-        # The two calls differ only in their range and CHECK.
+        # The calls differ only in their range and CHECK.
         dk, dv = _dkdv_tiles(
             dk, dv, key_block, q_base, do_base, mask_base, bh, row_pointers, DMASK, dropout, ds_up,
             offs_m_base, offs_e, offs_ev, lo, mid, q_strides, do_strides, mask_strides,
-            L, S, causal_offset, qk_scale_log2,
+            L, S, causal_offset, window_lower, qk_scale_log2,
             CHECK=True,
             RESCALE=RESCALE, SHIFT=SHIFT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK,
-            MASK_IS_BOOL=MASK_IS_BOOL, HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, P_IN_FP32=P_IN_FP32,
+            MASK_IS_BOOL=MASK_IS_BOOL, HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
             DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
             EVEN_M=EVEN_M, EVEN_E=EVEN_E, BLOCK_M=BLOCK_M,
         )
         dk, dv = _dkdv_tiles(
             dk, dv, key_block, q_base, do_base, mask_base, bh, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, mid, L, q_strides, do_strides, mask_strides,
-            L, S, causal_offset, qk_scale_log2,
+            offs_m_base, offs_e, offs_ev, mid, mid_hi, q_strides, do_strides, mask_strides,
+            L, S, causal_offset, window_lower, qk_scale_log2,
             CHECK=False,
             RESCALE=RESCALE, SHIFT=SHIFT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK,
-            MASK_IS_BOOL=MASK_IS_BOOL, HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, P_IN_FP32=P_IN_FP32,
+            MASK_IS_BOOL=MASK_IS_BOOL, HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
             DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
             EVEN_M=EVEN_M, EVEN_E=EVEN_E, BLOCK_M=BLOCK_M,
         )
+        if WINDOW_LEFT:
+            dk, dv = _dkdv_tiles(
+                dk, dv, key_block, q_base, do_base, mask_base, bh, row_pointers, DMASK, dropout, ds_up,
+                offs_m_base, offs_e, offs_ev, mid_hi, hi, q_strides, do_strides, mask_strides,
+                L, S, causal_offset, window_lower, qk_scale_log2,
+                CHECK=True,
+                RESCALE=RESCALE, SHIFT=SHIFT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK,
+                MASK_IS_BOOL=MASK_IS_BOOL, HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
+                DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
+                EVEN_M=EVEN_M, EVEN_E=EVEN_E, BLOCK_M=BLOCK_M,
+            )
     return dk, dv
 
 
@@ -396,11 +415,11 @@ def _attn_bwd_dkdv(
     stride_dob, stride_doh, stride_dom, stride_doe,
     stride_dkb, stride_dkh, stride_dkn, stride_dke,
     stride_dvb, stride_dvh, stride_dvn, stride_dve,
-    H_Q, H_KV, GROUP, L, S, causal_offset, qk_scale_log2, sm_scale, dropout_p,
+    H_Q, H_KV, GROUP, L, S, causal_offset, window_lower, qk_scale_log2, sm_scale, dropout_p,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
     DS_RESCALE: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -433,7 +452,9 @@ def _attn_bwd_dkdv(
         seed = tl.load(SEED)
         keep_scale = 1.0 / (1.0 - dropout_p)
     # Under causal masking, query rows before start_n - causal_offset see none of these keys, and
-    # query blocks from `mid` on see all of them. A ragged last key block is checked throughout.
+    # query blocks from `mid` on see all of them. Under WINDOW_LEFT rows from `hi` on see none
+    # (the window has left them behind) and blocks before `mid_hi` all of them. A ragged last key
+    # block is checked throughout.
     if IS_CAUSAL:
         lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
         mid = tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0)
@@ -441,8 +462,15 @@ def _attn_bwd_dkdv(
     else:
         lo = 0
         mid = 0
-    mid = tl.where(start_n + BLOCK_N > S, L, mid)
-    mid = tl.minimum(tl.maximum(mid, lo), L)
+    hi = L
+    mid_hi = L
+    if WINDOW_LEFT:
+        hi = tl.minimum(L, tl.maximum(start_n + BLOCK_N - window_lower, 0))
+        mid_hi = tl.maximum(start_n - window_lower + 1, 0) // BLOCK_M * BLOCK_M
+    mid = tl.where(start_n + BLOCK_N > S, hi, mid)
+    mid = tl.minimum(tl.maximum(mid, lo), hi)
+    if WINDOW_LEFT:
+        mid_hi = tl.minimum(tl.maximum(mid_hi, mid), hi)
 
     # Decided once for the whole program; a compile-time False (and ds_up a compile-time 1) unless
     # the schedule rescales, so the other kernels hold the plain, unscaled loop alone. The rare
@@ -462,33 +490,33 @@ def _attn_bwd_dkdv(
     if needs_rescale:
         dk, dv = _dkdv_heads(
             dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, lo, mid, q_strides, do_strides, mask_strides,
-            H_Q, GROUP, L, S, causal_offset, qk_scale_log2,
+            offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides,
+            H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=True, SHIFT=True,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
+            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
             DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT, EVEN_M=EVEN_M, EVEN_E=EVEN_E,
             BLOCK_M=BLOCK_M,
         )
     elif tl.load(SHIFT_FLAG) != 0:
         dk, dv = _dkdv_heads(
             dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, lo, mid, q_strides, do_strides, mask_strides,
-            H_Q, GROUP, L, S, causal_offset, qk_scale_log2,
+            offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides,
+            H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=False, SHIFT=True,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
+            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
             DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT, EVEN_M=EVEN_M, EVEN_E=EVEN_E,
             BLOCK_M=BLOCK_M,
         )
     else:
         dk, dv = _dkdv_heads(
             dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, lo, mid, q_strides, do_strides, mask_strides,
-            H_Q, GROUP, L, S, causal_offset, qk_scale_log2,
+            offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides,
+            H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=False, SHIFT=False,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
+            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
             DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT, EVEN_M=EVEN_M, EVEN_E=EVEN_E,
             BLOCK_M=BLOCK_M,
         )
@@ -506,10 +534,10 @@ def _attn_bwd_dkdv(
 def _dq_tiles(
     dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
     offs_n_base, offs_e, offs_ev, lo, hi, k_strides, v_strides, mask_strides,
-    S, causal_offset, qk_scale_log2,
+    S, causal_offset, window_lower, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, CHECK: tl.constexpr, EXACT_DELTA: tl.constexpr,
     WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -534,7 +562,8 @@ def _dq_tiles(
         s2 = tl.dot(q, tl.trans(k), input_precision=FP32_DOT) * qk_scale_log2
         tile_ok = q_rows_ok[:, None] & kv_rows_ok[None, :]
         s2 = mask_scores(s2, mask_base, offs_m[:, None], offs_n[None, :], tile_ok, stride_mm, stride_mn, causal_offset,
-                         HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL, CHECK=CHECK)
+                         window_lower,
+                         HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, CHECK=CHECK)
         p = tl.math.exp2(s2 - row_ref[:, None])  # P / row_scale
         dp = tl.dot(do, tl.trans(v), input_precision=FP32_DOT)
         if HAS_DROPOUT:
@@ -574,34 +603,45 @@ def _dq_tiles(
 @triton.jit
 def _dq_blocks(
     dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-    offs_n_base, offs_e, offs_ev, split, hi, k_strides, v_strides, mask_strides,
-    S, causal_offset, qk_scale_log2,
+    offs_n_base, offs_e, offs_ev, lo, mid, split, hi, k_strides, v_strides, mask_strides,
+    S, causal_offset, window_lower, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, EXACT_DELTA: tl.constexpr,
     WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Key blocks [0, split) without the visibility select, then [split, hi) with it (the two
-    calls differ only in their range and CHECK)."""
+    """Key blocks [mid, split) without the visibility select, [split, hi) and under WINDOW_LEFT
+    [lo, mid) with it (the calls differ only in their range and CHECK)."""
+    if WINDOW_LEFT:
+        dq, exact_sums = _dq_tiles(
+            dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
+            offs_n_base, offs_e, offs_ev, lo, mid, k_strides, v_strides, mask_strides,
+            S, causal_offset, window_lower, qk_scale_log2,
+            CHECK=True,
+            RESCALE=RESCALE, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
+            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
+            DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK,
+            FP32_DOT=FP32_DOT, EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
+        )
     dq, exact_sums = _dq_tiles(
         dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-        offs_n_base, offs_e, offs_ev, 0, split, k_strides, v_strides, mask_strides,
-        S, causal_offset, qk_scale_log2,
+        offs_n_base, offs_e, offs_ev, mid, split, k_strides, v_strides, mask_strides,
+        S, causal_offset, window_lower, qk_scale_log2,
         CHECK=False,
         RESCALE=RESCALE, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-        HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
+        HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
         DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
         EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
     )
     return _dq_tiles(
         dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
         offs_n_base, offs_e, offs_ev, split, hi, k_strides, v_strides, mask_strides,
-        S, causal_offset, qk_scale_log2,
+        S, causal_offset, window_lower, qk_scale_log2,
         CHECK=True,
         RESCALE=RESCALE, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-        HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
+        HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
         DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
         EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
     )
@@ -616,11 +656,11 @@ def _attn_bwd_dq(
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_dob, stride_doh, stride_dom, stride_doe,
     stride_dqb, stride_dqh, stride_dqm, stride_dqe,
-    H_Q, GROUP, L, S, causal_offset, qk_scale_log2, sm_scale, dropout_p,
+    H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2, sm_scale, dropout_p,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
     EXACT_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -665,8 +705,9 @@ def _attn_bwd_dq(
     p_sum = tl.zeros([BLOCK_M], dtype=tl.float32)  # Λ
     p_k = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)  # K̄
     exact_sums = (ds_sum, ds_seen_sum, p_sum, p_k)
-    # Key blocks [0, split) are whole and visible to every row of this query block; [split, hi)
-    # holds the causal diagonal and the ragged last key block.
+    # Key blocks [mid, split) are whole and visible to every row of this query block; [split, hi)
+    # holds the causal diagonal and the ragged last key block, [lo, mid) under WINDOW_LEFT the
+    # window's left edge (the forward's ranges).
     if IS_CAUSAL:
         hi = tl.minimum(S, start_m + BLOCK_M + causal_offset)
         split = tl.minimum(S, start_m + causal_offset + 1)
@@ -674,6 +715,13 @@ def _attn_bwd_dq(
         hi = S
         split = S
     split = tl.maximum(split // BLOCK_N * BLOCK_N, 0)
+    lo = 0
+    mid = 0
+    if WINDOW_LEFT:
+        lo = tl.maximum(start_m + window_lower, 0) // BLOCK_N * BLOCK_N
+        mid = tl.maximum(start_m + BLOCK_M - 1 + window_lower, 0)
+        mid = tl.minimum(tl.maximum((mid + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo), hi)
+        split = tl.maximum(split, mid)
 
     # P = exp2(s2 - reference - shift). Only rows at the mask clamp have a shift (see
     # _attn_bwd_row_reference), and it cannot join the reference there (~1e38 would absorb it).
@@ -698,22 +746,22 @@ def _attn_bwd_dq(
     if needs_rescale:
         dq, exact_sums = _dq_blocks(
             dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-            offs_n_base, offs_e, offs_ev, split, hi, k_strides, v_strides, mask_strides,
-            S, causal_offset, qk_scale_log2,
+            offs_n_base, offs_e, offs_ev, lo, mid, split, hi, k_strides, v_strides, mask_strides,
+            S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=True,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
+            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
             DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
             EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
         )
     else:
         dq, exact_sums = _dq_blocks(
             dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-            offs_n_base, offs_e, offs_ev, split, hi, k_strides, v_strides, mask_strides,
-            S, causal_offset, qk_scale_log2,
+            offs_n_base, offs_e, offs_ev, lo, mid, split, hi, k_strides, v_strides, mask_strides,
+            S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=False,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
+            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
             DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
             EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
         )

@@ -26,10 +26,12 @@ Symbols (i a query row, j a key; vectors are per row of the program's query bloc
 
 Indices and sizes: b (batch), h (query head), h_kv = h // GROUP (its K/V head: GROUP query
 heads share one, so K/V are indexed, never repeated), bh = b · H_Q + h, L / S (query / key
-lengths), causal_offset (key j is visible from row i when j <= i + causal_offset), rng_rows =
+lengths), causal_offset (key j is visible from row i when j <= i + causal_offset), window_lower
+(under WINDOW_LEFT, key j is visible from row i only when j >= i + window_lower), rng_rows =
 bh · L + row (the dropout counter's row), offs_m / offs_n / offs_e / offs_ev (a block's rows,
-keys, head-dim and value-dim columns), [0, split) / [split, hi) (the key blocks without and with
-the visibility select). Pointers are UPPER_CASE, strides ``stride_<tensor><dim>``.
+keys, head-dim and value-dim columns), [lo, mid) / [mid, split) / [split, hi) (the key blocks
+with, without and with the visibility select; lo = mid = 0 without WINDOW_LEFT). The band of
+``launch/band.py`` mirrors these ranges in Python. Pointers are UPPER_CASE, strides ``stride_<tensor><dim>``.
 
 Constexpr switches
 
@@ -37,13 +39,15 @@ Constexpr switches
     BLOCK_E, BLOCK_EV       their padded tile widths (powers of two, equal: ``launch/common.py``)
     BLOCK_M, BLOCK_N        query rows per program and keys per step (the launch config)
     HAS_MASK, MASK_IS_BOOL  a mask is given; bool (True = attend) or additive float
-    IS_CAUSAL               keys past i + causal_offset are invisible
+    IS_CAUSAL               keys past i + causal_offset are invisible (causal masking, or a window's
+                            right bound: the launcher passes the band's upper side)
+    WINDOW_LEFT             keys before i + window_lower are invisible (a window's left bound)
     HAS_DROPOUT             dropout on P, from SEED (``common.dropout_keep``)
     FP32_DOT                input_precision of the dots ("ieee", "tf32" or "tf32x3" for fp32 operands)
     P_IN_FP32               P meets V in fp32 rather than rounded to the input dtype
     FOLD_SCALE              fold the scale into exp2's argument (a positive scale and no mask:
                             ``launch/forward.py``; why it is exact: ``_attn_fwd``)
-    CHECK_BOUNDS            (``_attn_fwd_inner`` only) apply the bounds / causal select to the block
+    CHECK_BOUNDS            (``_attn_fwd_inner`` only) apply the bounds / band select to the block
 
 The kernel's signature stays flat, one scalar per stride, as launched: the launchers reach
 Inductor through torch's ``wrap_triton``, whose code generation for a user kernel takes tensors
@@ -63,16 +67,17 @@ from .common import LN2, add_attn_mask, dropout_keep
 def _attn_fwd_inner(
     acc, l_i, m_i, query_block, k_base, v_base, mask_base, dropout,
     offs_n_base, offs_e, offs_ev, lo, hi, k_strides, v_strides, mask_strides,
-    L, S, causal_offset, qk_scale_log2,
+    L, S, causal_offset, window_lower, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, CHECK_BOUNDS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, CHECK_BOUNDS: tl.constexpr,
     P_IN_FP32: tl.constexpr, FP32_DOT: tl.constexpr, FOLD_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into the running (acc, l, m).
 
     CHECK_BOUNDS=False is the fast path for blocks known to be fully inside S and fully
-    visible under causal masking; the diagonal and ragged-end blocks take CHECK_BOUNDS=True.
+    visible to every row of the block under the band; the blocks the band's edges cross and
+    the ragged-end block take CHECK_BOUNDS=True.
     """
     q, offs_m, rng_rows = query_block
     seed, dropout_p = dropout
@@ -100,6 +105,8 @@ def _attn_fwd_inner(
             visible = kv_rows_ok[None, :]
             if IS_CAUSAL:
                 visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+            if WINDOW_LEFT:
+                visible = visible & (offs_n[None, :] >= offs_m[:, None] + window_lower)
             s2 = tl.where(visible, s2, float("-inf"))
         if FOLD_SCALE:
             m_new = tl.maximum(m_i, tl.max(s2, 1) * qk_scale_log2)
@@ -137,11 +144,11 @@ def _attn_fwd(
     stride_vb, stride_vh, stride_vn, stride_ve,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_oe,
-    H_Q, GROUP, L, S, causal_offset, qk_scale_log2, dropout_p,
+    H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2, dropout_p,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, P_IN_FP32: tl.constexpr, FP32_DOT: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, FP32_DOT: tl.constexpr,
     FOLD_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # FOLD_SCALE (a positive scale, no additive mask): each row's max is taken on the unscaled
@@ -181,8 +188,9 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_EV], dtype=tl.float32)
 
-    # Key blocks [0, split) are whole and visible to every row of this query block, so they
-    # skip the bounds/causal select; [split, hi) holds the diagonal and the ragged tail.
+    # Key blocks [mid, split) are whole and visible to every row of this query block, so they
+    # skip the bounds/band select; [split, hi) holds the diagonal and the ragged tail, and under
+    # WINDOW_LEFT [lo, mid) the window's left edge. Blocks outside [lo, hi) are never visited.
     if IS_CAUSAL:
         hi = tl.minimum(S, start_m + BLOCK_M + causal_offset)
         split = tl.minimum(S, start_m + causal_offset + 1)
@@ -190,30 +198,48 @@ def _attn_fwd(
         hi = S
         split = S
     split = tl.maximum(split // BLOCK_N * BLOCK_N, 0)
+    lo = 0
+    mid = 0
+    if WINDOW_LEFT:
+        # Row start_m's first key, and from `mid` on the keys right of every row's left edge.
+        lo = tl.maximum(start_m + window_lower, 0) // BLOCK_N * BLOCK_N
+        mid = tl.maximum(start_m + BLOCK_M - 1 + window_lower, 0)
+        mid = tl.minimum(tl.maximum((mid + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo), hi)
+        split = tl.maximum(split, mid)
 
     query_block = (q, offs_m, rng_rows)
     dropout = (seed, dropout_p)
     k_strides = (stride_kb, stride_kh, stride_kn, stride_ke)
     v_strides = (stride_vb, stride_vh, stride_vn, stride_ve)
     mask_strides = (stride_mb, stride_mh, stride_mm, stride_mn)
-    # The two calls differ only in their range and CHECK_BOUNDS.
+    # The calls differ only in their range and CHECK_BOUNDS.
+    if WINDOW_LEFT:
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, query_block, k_base, v_base, mask_base, dropout,
+            offs_n_base, offs_e, offs_ev, lo, mid, k_strides, v_strides, mask_strides,
+            L, S, causal_offset, window_lower, qk_scale_log2,
+            CHECK_BOUNDS=True,
+            HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
+            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
+            FP32_DOT=FP32_DOT, FOLD_SCALE=FOLD_SCALE, BLOCK_N=BLOCK_N,
+        )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, query_block, k_base, v_base, mask_base, dropout,
-        offs_n_base, offs_e, offs_ev, 0, split, k_strides, v_strides, mask_strides,
-        L, S, causal_offset, qk_scale_log2,
+        offs_n_base, offs_e, offs_ev, mid, split, k_strides, v_strides, mask_strides,
+        L, S, causal_offset, window_lower, qk_scale_log2,
         CHECK_BOUNDS=False,
         HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-        HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, P_IN_FP32=P_IN_FP32, FP32_DOT=FP32_DOT,
-        FOLD_SCALE=FOLD_SCALE, BLOCK_N=BLOCK_N,
+        HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
+        FP32_DOT=FP32_DOT, FOLD_SCALE=FOLD_SCALE, BLOCK_N=BLOCK_N,
     )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, query_block, k_base, v_base, mask_base, dropout,
         offs_n_base, offs_e, offs_ev, split, hi, k_strides, v_strides, mask_strides,
-        L, S, causal_offset, qk_scale_log2,
+        L, S, causal_offset, window_lower, qk_scale_log2,
         CHECK_BOUNDS=True,
         HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-        HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, P_IN_FP32=P_IN_FP32, FP32_DOT=FP32_DOT,
-        FOLD_SCALE=FOLD_SCALE, BLOCK_N=BLOCK_N,
+        HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
+        FP32_DOT=FP32_DOT, FOLD_SCALE=FOLD_SCALE, BLOCK_N=BLOCK_N,
     )
 
     # l == 0 exactly when no key was visible: output 0 and LSE -inf instead of 0/0.

@@ -144,7 +144,7 @@ def _attn_fwd_fp8_inner(
         s2 = tl.dot(q8, k8) * row_factor[:, None] * k_dequant[None, :]
         in_bounds = (offs_m[:, None] < L) & kv_rows_ok[None, :]
         s2 = mask_scores(s2, mask_base, offs_m[:, None], offs_n[None, :], in_bounds, stride_mm, stride_mn,
-                         causal_offset, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL,
+                         causal_offset, 0, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL,
                          CHECK=CHECK_BOUNDS)
         m_new = tl.maximum(m_i, tl.max(s2, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)

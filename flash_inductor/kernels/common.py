@@ -6,11 +6,12 @@ so ``exp(s - m) == exp2(s2 - m2)`` and the exponentials use the fast ``exp2`` un
 Symbols: s2 (scores in base 2, a tile), q_idx / k_idx (query-row and key indices broadcast to
 the tile's orientation), mask_base (the mask's pointer at this batch and head; strides
 stride_mm / stride_mn), in_bounds (the tile's elements inside L x S), causal_offset (key j is
-visible from row i when j <= i + causal_offset).
+visible from row i when j <= i + causal_offset), window_lower (and, under WINDOW_LEFT, when
+j >= i + window_lower: ``launch/band.py``).
 
 Constexpr switches: HAS_MASK (a mask is given), MASK_IS_BOOL (bool, True = attend, or an
-additive float mask), IS_CAUSAL (keys past i + causal_offset are invisible), CHECK (apply the
-bounds / causal select: ``mask_scores``).
+additive float mask), IS_CAUSAL (keys past i + causal_offset are invisible), WINDOW_LEFT (keys
+before i + window_lower are invisible), CHECK (apply the bounds / band select: ``mask_scores``).
 """
 
 import triton
@@ -39,18 +40,18 @@ def add_attn_mask(s2, mask_ptrs, in_bounds, MASK_IS_BOOL: tl.constexpr):
 
 
 @triton.jit
-def mask_scores(s2, mask_base, q_idx, k_idx, in_bounds, stride_mm, stride_mn, causal_offset,
+def mask_scores(s2, mask_base, q_idx, k_idx, in_bounds, stride_mm, stride_mn, causal_offset, window_lower,
                 HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                CHECK: tl.constexpr = True):
+                WINDOW_LEFT: tl.constexpr = False, CHECK: tl.constexpr = True):
     """Scores with the attention mask applied and every invisible key at -inf.
 
     ``q_idx``/``k_idx`` are the query-row and key index tiles, already broadcast to the scores'
     orientation ((rows, 1)/(1, keys), or transposed in the dK/dV pass), so one helper states the
-    visibility rule for every pass that recomputes P: in bounds, allowed by the mask, and
-    j <= i + causal_offset under causal masking.
+    visibility rule for every pass that recomputes P: in bounds, allowed by the mask,
+    j <= i + causal_offset under IS_CAUSAL and j >= i + window_lower under WINDOW_LEFT.
 
     ``CHECK=False`` is for tiles the caller knows are whole (every key inside S) and fully
-    visible under causal masking: only the mask is applied (its load still bounded, since query
+    visible under the band: only the mask is applied (its load still bounded, since query
     rows past L are zero-padded, not visible). Such rows need no select: the backward recomputes
     their P against a reference of +inf, which makes it 0.
     """
@@ -61,6 +62,8 @@ def mask_scores(s2, mask_base, q_idx, k_idx, in_bounds, stride_mm, stride_mn, ca
         visible = in_bounds
         if IS_CAUSAL:
             visible = visible & (k_idx <= q_idx + causal_offset)
+        if WINDOW_LEFT:
+            visible = visible & (k_idx >= q_idx + window_lower)
         s2 = tl.where(visible, s2, float("-inf"))
     return s2
 

@@ -11,6 +11,7 @@ from ..schedules import STABLE, get_schedule
 # and tests can swap them (tools/smem_check.py compiles for sm_90 instead of launching; the
 # bounds tests force wide tiles; tests spy on launches).
 from . import common
+from .band import band_lower, resolve_band
 from .common import LOG2E, cdiv, common_meta, head_dims, whole_blocks
 from .forward import attention_forward
 
@@ -34,6 +35,7 @@ def attention_backward(
     *,
     configs: AttentionConfigs | None = None,
     ds_bound: torch.Tensor | None = None,
+    window: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the backward kernels. Returns (dq, dk, dv, dmask); dmask is empty unless asked for.
 
@@ -41,7 +43,7 @@ def attention_backward(
     ``ds_bound`` (a one-element fp32 tensor) replaces the bound on |dS| that the preprocess
     measures, under the schedules that rescale dS (fp16 `stable`): tests and experiments force
     either loop with it (a bound past ``ds_scaling.DS_RESCALE_ABOVE``, or inf, takes the rescaling
-    loop). Elsewhere it is ignored."""
+    loop). Elsewhere it is ignored. ``window`` is ``flash_attention``'s (left, right) or None."""
     from ..kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_row_reference
 
     if get_schedule(schedule).fp8_forward:
@@ -49,7 +51,7 @@ def attention_backward(
         # (its O and LSE; the fp8 ones would not match the recomputed P) and `stable`'s backward.
         schedule = STABLE.name
         out, lse = attention_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                                     scale, schedule)
+                                     scale, schedule, window=window)
     batch, heads_q, seq_q, _ = query.shape
     heads_kv, seq_k = key.shape[1], key.shape[2]
     head_dim, head_dim_v = head_dims(query, value)
@@ -57,7 +59,7 @@ def attention_backward(
     dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     if compute_mask_grad:
-        # Positions no pass visits (beyond the causal diagonal) have dS = 0.
+        # Positions no pass visits (outside the band) have dS = 0.
         dmask = torch.zeros((batch, heads_q, seq_q, seq_k), dtype=torch.float32, device=query.device)
     else:
         dmask = query.new_empty(0)
@@ -68,6 +70,12 @@ def attention_backward(
             grad.zero_()
         return dq, dk, dv, dmask.to(attn_mask.dtype) if compute_mask_grad else dmask
 
+    # The kernels see the band: its upper side as the causal arguments, its lower side as
+    # WINDOW_LEFT and window_lower (as the forward's).
+    band = resolve_band(is_causal, causal_offset, window, seq_q, seq_k)
+    is_causal, causal_offset = band.upper is not None, (band.upper if band.upper is not None else 0)
+    window_lower = band_lower(band)
+    meta_window = dict(WINDOW_LEFT=band.lower is not None)
     switches, mask_arg, mask_strides, meta = common_meta(query, key, value, attn_mask, dropout_p, is_causal, schedule)
     configs = common.launch_configs(query, key, value, attn_mask, is_causal, schedule, configs)
     p_in_fp32, ds_in_fp32, ds_rescale = switches["P_IN_FP32"], switches["DS_IN_FP32"], switches["DS_RESCALE"]
@@ -102,9 +110,9 @@ def attention_backward(
     common.launcher(_attn_bwd_row_reference)[(cdiv(seq_q, cfg.block_m), batch * heads_q)](
         query, key, mask_arg, lse, row_ref, row_shift, shift_flag,
         *query.stride(), *key.stride(), *mask_strides,
-        heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2,
+        heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, window_lower, scale_log2,
         HEAD_DIM=head_dim, BLOCK_E=meta["BLOCK_E"], HAS_MASK=meta["HAS_MASK"], MASK_IS_BOOL=meta["MASK_IS_BOOL"],
-        IS_CAUSAL=is_causal, FP32_DOT=meta["FP32_DOT"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        IS_CAUSAL=is_causal, **meta_window, FP32_DOT=meta["FP32_DOT"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     # The dQ pass runs first: under exact Δ it replaces each row's Δ in `delta` with the corrected
@@ -119,12 +127,12 @@ def attention_backward(
         query, key, value, mask_arg, seed_arg, grad_out, row_ref, row_shift,
         grad_lse if grad_lse is not None else lse, delta, ds_stats, dq, dmask_arg,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(), *dq.stride(),
-        heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2, scale, dropout_p,
+        heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, window_lower, scale_log2, scale, dropout_p,
         P_IN_FP32=p_in_fp32, DS_IN_FP32=ds_in_fp32, DS_RESCALE=ds_rescale,
         EXACT_DELTA=exact_delta, HAS_DLSE=grad_lse is not None, WRITE_DMASK=compute_mask_grad and not exact_delta,
         EVEN_N=whole_blocks(seq_k, cfg.block_n), EVEN_E=even_e,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **meta,
+        **meta, **meta_window,
     )
     cfg = configs.backward_dkdv
     common.launcher(_attn_bwd_dkdv)[(cdiv(seq_k, cfg.block_n), batch * heads_kv)](
@@ -132,12 +140,13 @@ def attention_backward(
         dmask_arg,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(),
         *dk.stride(), *dv.stride(),
-        heads_q, heads_kv, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale_log2, scale, dropout_p,
+        heads_q, heads_kv, heads_q // heads_kv, seq_q, seq_k, causal_offset, window_lower, scale_log2, scale,
+        dropout_p,
         P_IN_FP32=p_in_fp32, DS_IN_FP32=ds_in_fp32, DS_RESCALE=ds_rescale,
         WRITE_DMASK=compute_mask_grad and exact_delta,
         EVEN_M=whole_blocks(seq_q, cfg.block_m), EVEN_E=even_e,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **meta,
+        **meta, **meta_window,
     )
     if compute_mask_grad:
         dmask = dmask.to(attn_mask.dtype)

@@ -10,6 +10,7 @@ from ..schedules import get_schedule
 # and tests can swap them (tools/smem_check.py compiles for sm_90 instead of launching; the
 # bounds tests force wide tiles; tests spy on launches).
 from . import common
+from .band import band_lower, resolve_band
 from .common import LOG2E, cdiv, common_meta, forward_outputs
 from .fp8 import attention_forward_fp8
 
@@ -38,20 +39,26 @@ def attention_forward(
     schedule: str,
     *,
     configs: AttentionConfigs | None = None,
+    window: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward kernel. Returns (out (B, Hq, L, Ev) in the input dtype, lse (B, Hq, L) fp32).
 
-    ``configs`` forces the launch configs (the autotuner's candidates); None looks them up."""
+    ``configs`` forces the launch configs (the autotuner's candidates); None looks them up.
+    ``window`` is ``flash_attention``'s (left, right) or None."""
     from ..kernels.attn_fwd import _attn_fwd
 
     if get_schedule(schedule).fp8_forward:
         return attention_forward_fp8(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                                     scale, schedule, configs=configs)
+                                     scale, schedule, configs=configs, window=window)
     batch, heads_q, seq_q, _ = query.shape
     heads_kv, seq_k = key.shape[1], key.shape[2]
     out, lse = forward_outputs(query, value)
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
+    # The kernel sees the band: its upper side as the causal arguments, its lower side (a
+    # window's left bound) as WINDOW_LEFT and window_lower.
+    band = resolve_band(is_causal, causal_offset, window, seq_q, seq_k)
+    is_causal, causal_offset = band.upper is not None, (band.upper if band.upper is not None else 0)
 
     switches, mask_arg, mask_strides, meta = common_meta(query, key, value, attn_mask, dropout_p, is_causal, schedule)
     cfg = common.launch_configs(query, key, value, attn_mask, is_causal, schedule, configs).forward
@@ -59,8 +66,8 @@ def attention_forward(
     common.launcher(_attn_fwd)[grid](
         query, key, value, mask_arg, rng_seed if rng_seed is not None else query, out, lse,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(),
-        heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, scale * LOG2E, dropout_p,
-        P_IN_FP32=switches["P_IN_FP32"],
+        heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, band_lower(band), scale * LOG2E, dropout_p,
+        WINDOW_LEFT=band.lower is not None, P_IN_FP32=switches["P_IN_FP32"],
         FOLD_SCALE=_fold_scale(scale, meta["HAS_MASK"]),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -15,6 +15,7 @@ from ..tuning.kernel_config import AttentionConfigs
 # and tests can swap them (tools/smem_check.py compiles for sm_90 instead of launching; the
 # bounds tests force wide tiles; tests spy on launches).
 from . import common
+from .band import has_window
 from .common import LOG2E, cdiv, common_meta, forward_outputs, interpreter_enabled
 
 # fp8 tensor cores: Ada (sm_89) and Hopper (sm_90) onwards.
@@ -36,6 +37,16 @@ def check_fp8_device(device: torch.device) -> None:
             f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer: L4, H100, H200, ...); "
             f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}. "
             "Use schedule='stable' (the default) on this GPU."
+        )
+
+
+def check_fp8_window(window) -> None:
+    """The `fp8` forward has no sliding window: say so, on every device (the CPU reference would
+    take it, but a call that works only off the GPU is a trap)."""
+    if has_window(window):
+        raise ValueError(
+            f"flash_attention: schedule='fp8' does not support window={tuple(window)!r}; use "
+            "schedule='stable' (the default) or 'fast' with a window."
         )
 
 
@@ -90,12 +101,14 @@ def attention_forward_fp8(
     schedule: str,
     *,
     configs: AttentionConfigs | None = None,
+    window: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention_forward``'s contract under the `fp8` schedule: (out in the input dtype,
     lse fp32 natural log). The LSE is the fp8 forward's own (from e4m3-rounded scores)."""
     from ..kernels.attn_fwd_fp8 import _attn_fwd_fp8
 
     check_fp8_device(query.device)
+    check_fp8_window(window)
     batch, heads_q, seq_q, _ = query.shape
     heads_kv, seq_k = key.shape[1], key.shape[2]
     out, lse = forward_outputs(query, value)

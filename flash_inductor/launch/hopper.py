@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..schedules import get_schedule
+from .band import has_window
 from .common import LOG2E, cdiv
 
 log = logging.getLogger("flash_inductor")
@@ -41,6 +42,8 @@ NOT_4D = "inputs are not 4-D (B, H, L, E)"
 HEADS_NOT_GROUPED = "query heads are not a multiple of key/value heads"
 LENGTHS_DIFFER = "batch or key length mismatch"
 LAYOUT_REASONS = (NOT_4D, HEADS_NOT_GROUPED, LENGTHS_DIFFER)
+# The kernel skips tiles past the causal diagonal only; a window's band (launch/band.py) runs on Triton.
+WINDOW = "a sliding window (not implemented on this path)"
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -125,7 +128,8 @@ def log_triton_forward(reason: str) -> None:
 
 
 def hopper_forward_unsupported_reason(query, key, value, attn_mask=None, dropout_p: float = 0.0,
-                                      scale: float | None = None, schedule: str | None = None) -> str | None:
+                                      scale: float | None = None, schedule: str | None = None, *,
+                                      window=None) -> str | None:
     """None if the Hopper forward takes this call as far as its static properties go, else why
     not (for the logs). Safe on fake tensors: it reads no data pointer and no stride."""
     if not (query.is_cuda and key.is_cuda and value.is_cuda):
@@ -148,6 +152,8 @@ def hopper_forward_unsupported_reason(query, key, value, attn_mask=None, dropout
         return "an attention mask (not implemented on this path yet)"
     if dropout_p > 0.0:
         return "dropout (not implemented on this path yet)"
+    if has_window(window):
+        return WINDOW
     if scale is not None and not scale > 0:
         return "a non-positive scale (the kernel takes the row max on unscaled scores)"
     if query.shape[1] % key.shape[1] != 0 or key.shape[1] != value.shape[1]:

@@ -5,9 +5,13 @@ Inductor sees (and inlines) the Triton kernels they launch (the Gluon Hopper for
 exception: an opaque op of its own, see below):
 
 * ``flash_inductor::attention_forward(q, k, v, mask?, seed?, dropout_p, is_causal,
-  causal_offset, scale, schedule) -> (out, lse)``
+  causal_offset, scale, schedule, window_left=-1, window_right=-1) -> (out, lse)``
 * ``flash_inductor::attention_backward(dout, q, k, v, mask?, out, lse, dlse?, seed?, ...,
-  compute_mask_grad) -> (dq, dk, dv, dmask)``
+  compute_mask_grad, window_left=-1, window_right=-1) -> (dq, dk, dv, dmask)``
+
+``window_left`` / ``window_right`` are the sliding window of ``flash_attention(window=...)``
+(FlashAttention's definition, -1 an open side); ``launch.band`` turns them and the causal
+arguments into the band of keys each row sees.
 
 Inputs are the normalised 4-D tensors ``flash_inductor.api`` produces: query (B, Hq, L, E),
 key (B, Hkv, S, E), value (B, Hkv, S, Ev), mask a (B, Hq, L, S) view (possibly stride-0
@@ -36,6 +40,7 @@ from ..launch import hopper
 # What the eager fast path needs besides launch.can_launch_directly(), looked up once (torch
 # 2.11-2.14 all have it; where it is missing every call takes the registered op instead).
 _functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+from ..launch.band import NO_WINDOW
 from .reference import reference_backward, reference_forward
 
 # --------------------------------------------------------------------------------------
@@ -47,8 +52,10 @@ from .reference import reference_backward, reference_forward
 def attention_forward_reference(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], rng_seed: Optional[Tensor],
     dropout_p: float, is_causal: bool, causal_offset: int, scale: float,
+    window_left: int = -1, window_right: int = -1,
 ) -> tuple[Tensor, Tensor]:
-    out, lse = reference_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale)
+    out, lse = reference_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
+                                 window=(window_left, window_right))
     return out.contiguous(), lse.contiguous()
 
 
@@ -57,10 +64,11 @@ def attention_backward_reference(
     grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
     out: Tensor, lse: Tensor, grad_lse: Optional[Tensor], rng_seed: Optional[Tensor],
     dropout_p: float, is_causal: bool, causal_offset: int, scale: float, compute_mask_grad: bool,
+    window_left: int = -1, window_right: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     grads = reference_backward(
         grad_out, query, key, value, attn_mask, out, lse, rng_seed, dropout_p, is_causal,
-        causal_offset, scale, compute_mask_grad, grad_lse=grad_lse,
+        causal_offset, scale, compute_mask_grad, grad_lse=grad_lse, window=(window_left, window_right),
     )
     return tuple(g.contiguous() for g in grads)
 
@@ -92,16 +100,17 @@ def _hopper_forward_fake(query, key, value, is_causal, causal_offset, scale, sch
 
 
 def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
-                    *, hopper_call=attention_forward_hopper):
+                    window=NO_WINDOW, *, hopper_call=attention_forward_hopper):
     """The CUDA forward: the Gluon Hopper kernel where it applies, else the Triton kernels.
     ``hopper_call`` is the opaque op inside the registered op, the plain function on the eager
     fast path (no dispatcher there)."""
-    reason = hopper.hopper_forward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule)
+    reason = hopper.hopper_forward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
+                                                      window=window)
     if reason is None:
         return hopper_call(query, key, value, is_causal, causal_offset, scale, schedule)
     hopper.log_triton_forward(reason)
     return launch.attention_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                                    scale, schedule)
+                                    scale, schedule, window=window)
 
 
 # --------------------------------------------------------------------------------------
@@ -136,13 +145,15 @@ def _triton_op(name: str):
 def attention_forward(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], rng_seed: Optional[Tensor],
     dropout_p: float, is_causal: bool, causal_offset: int, scale: float, schedule: str,
+    window_left: int = -1, window_right: int = -1,
 ) -> tuple[Tensor, Tensor]:
     if launch.kernel_supports(query, key, value):
         return _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
-                               schedule)
+                               schedule, (window_left, window_right))
     # The reference computes in fp32/fp64 throughout, Delta included (the `accurate` schedule's
     # stages): the schedule has nothing to select there.
-    return attention_forward_reference(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale)
+    return attention_forward_reference(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
+                                       scale, window_left, window_right)
 
 
 @_triton_op("flash_inductor::attention_backward")
@@ -150,16 +161,16 @@ def attention_backward(
     grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
     out: Tensor, lse: Tensor, grad_lse: Optional[Tensor], rng_seed: Optional[Tensor],
     dropout_p: float, is_causal: bool, causal_offset: int, scale: float, schedule: str,
-    compute_mask_grad: bool,
+    compute_mask_grad: bool, window_left: int = -1, window_right: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if launch.kernel_supports(query, key, value):
         return launch.attention_backward(
             grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
-            is_causal, causal_offset, scale, schedule, compute_mask_grad,
+            is_causal, causal_offset, scale, schedule, compute_mask_grad, window=(window_left, window_right),
         )
     return attention_backward_reference(
         grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
-        is_causal, causal_offset, scale, compute_mask_grad,
+        is_causal, causal_offset, scale, compute_mask_grad, window_left, window_right,
     )
 
 
@@ -174,17 +185,15 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _forward_fake(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule=None):
+def _forward_fake(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule=None,
+                  window_left=-1, window_right=-1):
     batch, heads_q, seq_q, _ = query.shape
     out = query.new_empty((batch, heads_q, seq_q, value.shape[-1]))
     lse = query.new_empty((batch, heads_q, seq_q), dtype=_lse_dtype(query.dtype))
     return out, lse
 
 
-def _backward_fake(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
-                   is_causal, causal_offset, scale, *schedule_and_flag):
-    # The public op has a `schedule` argument before the flag; the reference op does not.
-    compute_mask_grad = schedule_and_flag[-1]
+def _backward_shapes(query, key, value, attn_mask, compute_mask_grad):
     if compute_mask_grad:
         batch, heads_q, seq_q, _ = query.shape
         dmask = attn_mask.new_empty((batch, heads_q, seq_q, key.shape[2]))
@@ -193,10 +202,20 @@ def _backward_fake(grad_out, query, key, value, attn_mask, out, lse, grad_lse, r
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dmask
 
 
+def _backward_fake(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
+                   is_causal, causal_offset, scale, schedule, compute_mask_grad, window_left=-1, window_right=-1):
+    return _backward_shapes(query, key, value, attn_mask, compute_mask_grad)
+
+
+def _backward_reference_fake(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
+                             is_causal, causal_offset, scale, compute_mask_grad, window_left=-1, window_right=-1):
+    return _backward_shapes(query, key, value, attn_mask, compute_mask_grad)
+
+
 for _op in (attention_forward_reference, attention_forward):
     _op.register_fake(_forward_fake)
-for _op in (attention_backward_reference, attention_backward):
-    _op.register_fake(_backward_fake)
+attention_backward_reference.register_fake(_backward_reference_fake)
+attention_backward.register_fake(_backward_fake)
 
 
 # --------------------------------------------------------------------------------------
@@ -208,10 +227,12 @@ _MASK_INPUT = 3
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule = inputs
+    query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule, *window = inputs
     out, lse = output
     ctx.save_for_backward(query, key, value, attn_mask, rng_seed, out, lse)
     ctx.options = (dropout_p, is_causal, causal_offset, scale, schedule)
+    ctx.window = tuple(window) if window else NO_WINDOW
+    ctx.input_count = len(inputs)
     # An output the caller never used (almost always lse) reaches the backward as None, not as
     # zeros: autograd's default would launch a fill for it, and a zero dLSE still sends the
     # kernels down their dLSE path (an extra load per row in three kernels), which is also not
@@ -223,8 +244,9 @@ def _run_backward(ctx, grad_out, grad_lse, backward_call):
     """The autograd backward of both paths around ``backward_call``: the registered backward op
     (the op path) or ``launch.attention_backward`` (the eager fast path). No gradient reaches the
     inputs when neither output got one; when only lse did, dO is zero (the kernels always read it)."""
+    n_inputs = ctx.input_count
     if grad_out is None and grad_lse is None:
-        return (None,) * 10
+        return (None,) * n_inputs
     query, key, value, attn_mask, rng_seed, out, lse = ctx.saved_tensors
     dropout_p, is_causal, causal_offset, scale, schedule = ctx.options
     if grad_out is None:
@@ -234,9 +256,9 @@ def _run_backward(ctx, grad_out, grad_lse, backward_call):
     )
     dq, dk, dv, dmask = backward_call(
         grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed,
-        dropout_p, is_causal, causal_offset, scale, schedule, compute_mask_grad,
+        dropout_p, is_causal, causal_offset, scale, schedule, compute_mask_grad, *ctx.window,
     )
-    return dq, dk, dv, (dmask if compute_mask_grad else None), None, None, None, None, None, None
+    return (dq, dk, dv, (dmask if compute_mask_grad else None)) + (None,) * (n_inputs - 4)
 
 
 def _backward(ctx, grad_out, grad_lse):
@@ -275,12 +297,13 @@ class _EagerKernelAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule):
+    def forward(ctx, query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
+                window_left, window_right):
         with launch.direct_kernel_calls():
             out, lse = _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                                       scale, schedule, hopper_call=_forward_on_hopper)
+                                       scale, schedule, (window_left, window_right), hopper_call=_forward_on_hopper)
         _setup_context(ctx, (query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
-                             schedule), (out, lse))
+                             schedule, window_left, window_right), (out, lse))
         return out, lse
 
     @staticmethod
@@ -290,7 +313,13 @@ class _EagerKernelAttention(torch.autograd.Function):
             # differentiation, exactly as on the op path.
             return _backward(ctx, grad_out, grad_lse)
         with launch.direct_kernel_calls():
-            return _run_backward(ctx, grad_out, grad_lse, launch.attention_backward)
+            return _run_backward(ctx, grad_out, grad_lse, _launch_backward)
+
+
+def _launch_backward(*args):
+    """``launch.attention_backward`` with the backward op's positional arguments (the window last)."""
+    *args, window_left, window_right = args
+    return launch.attention_backward(*args, window=(window_left, window_right))
 
 
 def eager_fast_path_applies(*tensors: Optional[Tensor]) -> bool:
@@ -314,7 +343,7 @@ def _needs_autograd(*tensors: Optional[Tensor]) -> bool:
 
 
 def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
-                            schedule) -> tuple[Tensor, Tensor]:
+                            schedule, window_left=-1, window_right=-1) -> tuple[Tensor, Tensor]:
     """``torch.ops.flash_inductor.attention_forward`` with the same arguments, without the
     dispatcher where :func:`eager_fast_path_applies`."""
     if eager_fast_path_applies(query, key, value, attn_mask, rng_seed):
@@ -324,10 +353,12 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
             # a short problem's GPU time may not hide.
             with launch.direct_kernel_calls():
                 return _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                                       scale, schedule, hopper_call=_forward_on_hopper)
+                                       scale, schedule, (window_left, window_right), hopper_call=_forward_on_hopper)
         return _EagerKernelAttention.apply(
-            query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule
+            query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
+            window_left, window_right,
         )
     return torch.ops.flash_inductor.attention_forward(
-        query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule
+        query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
+        window_left, window_right,
     )

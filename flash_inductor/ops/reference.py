@@ -18,9 +18,13 @@ as the kernels, written for clarity rather than speed:
   than rowsum(dO * O) from the rounded O: the Delta that the kernels' ``exact_delta``
   correction arrives at (see ``flash_inductor.kernels.attn_bwd``).
 
+* causal masking and a sliding window both come down to a band of keys per row,
+  ``i + lower <= j <= i + upper`` (``flash_inductor.launch.band``); key chunks wholly outside
+  every row's band are skipped, as the kernels skip their tiles.
+
 Arithmetic is float64 for float64 inputs and float32 otherwise; inputs are upcast chunk by
-chunk. Rows that see no key at all (all-False mask, all -inf mask, causal with no key, S == 0)
-give a zero output row, ``lse = -inf`` and zero gradients, never NaN.
+chunk. Rows that see no key at all (all-False mask, all -inf mask, causal or window with no
+key, S == 0) give a zero output row, ``lse = -inf`` and zero gradients, never NaN.
 """
 
 from dataclasses import dataclass
@@ -28,6 +32,7 @@ from typing import Optional
 
 import torch
 
+from ..launch.band import Band, resolve_band
 from .philox import philox_uniform
 
 __all__ = ["KEY_CHUNK", "reference_forward", "reference_backward"]
@@ -112,8 +117,14 @@ def _describe_problem(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     )
 
 
-def _key_chunks(key_len: int):
-    for start in range(0, key_len, KEY_CHUNK):
+def _key_chunks(key_len: int, band: Optional[Band] = None, query_len: int = 0):
+    """Key chunks [start, stop); with a band, only those some row's band reaches."""
+    first, last = 0, key_len
+    if band is not None and band.lower is not None:
+        first = max(first, band.lower)  # row 0's first key; later rows start later
+    if band is not None and band.upper is not None:
+        last = min(last, query_len - 1 + band.upper + 1)  # the last row's last key, exclusive
+    for start in range(first // KEY_CHUNK * KEY_CHUNK, max(last, 0), KEY_CHUNK):
         yield start, min(start + KEY_CHUNK, key_len)
 
 
@@ -122,8 +133,7 @@ def _chunk_scores(
     grouped_query: torch.Tensor,
     key_chunk: torch.Tensor,
     attn_mask: Optional[torch.Tensor],
-    is_causal: bool,
-    causal_offset: int,
+    band: Band,
     scale: float,
     start: int,
     stop: int,
@@ -142,10 +152,12 @@ def _chunk_scores(
             mask_chunk = mask_chunk.to(problem.compute_dtype)
             clamped = torch.where(mask_chunk.isneginf(), mask_chunk, mask_chunk.clamp(min=_MASK_FLOOR))
             scores = scores + clamped
-    if is_causal:
-        key_positions = torch.arange(start, stop, device=problem.device)
-        visible = key_positions[None, :] <= problem.query_positions()[:, None] + causal_offset
-        scores = scores.masked_fill(~visible, float("-inf"))
+    key_positions = torch.arange(start, stop, device=problem.device)[None, :]
+    query_positions = problem.query_positions()[:, None]
+    if band.upper is not None:
+        scores = scores.masked_fill(key_positions > query_positions + band.upper, float("-inf"))
+    if band.lower is not None:
+        scores = scores.masked_fill(key_positions < query_positions + band.lower, float("-inf"))
     return scores
 
 
@@ -178,6 +190,7 @@ def reference_forward(
     is_causal: bool,
     causal_offset: int,
     scale: float,
+    window: Optional[tuple[int, int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward; returns ``(out, lse)``.
 
@@ -189,6 +202,8 @@ def reference_forward(
         dropout_p: probability of dropping each attention probability.
         is_causal: key j is visible to query i iff ``j <= i + causal_offset``.
         scale: multiplies ``q . k`` before the mask is added.
+        window: None or ``(left, right)``: key j is visible to query i iff
+            ``-left <= j - (i + S - L) <= right``, -1 an open side (``flash_attention``'s).
 
     Returns:
         out: (B, Hq, L, Ev) in the query dtype, ``dropout(softmax(s)) @ V``.
@@ -196,6 +211,7 @@ def reference_forward(
             a visible key; float32, or float64 for float64 inputs.
     """
     problem = _describe_problem(query, key, value)
+    band = resolve_band(is_causal, causal_offset, window, problem.query_len, problem.key_len)
     grouped_query = problem.group(query)
     rows_shape = grouped_query.shape[:3]
     running_max = torch.full(rows_shape, float("-inf"), dtype=problem.compute_dtype, device=problem.device)
@@ -204,9 +220,9 @@ def reference_forward(
         (*rows_shape, value.shape[-1]), dtype=problem.compute_dtype, device=problem.device
     )
 
-    for start, stop in _key_chunks(problem.key_len):
+    for start, stop in _key_chunks(problem.key_len, band, problem.query_len):
         scores = _chunk_scores(
-            problem, grouped_query, key[..., start:stop, :], attn_mask, is_causal, causal_offset, scale, start, stop
+            problem, grouped_query, key[..., start:stop, :], attn_mask, band, scale, start, stop
         )
         new_max = torch.maximum(running_max, scores.amax(dim=-1))
         # A row with no visible key so far has max -inf; shifting by it would give -inf - -inf = NaN.
@@ -234,7 +250,7 @@ def reference_forward(
 _LSE_SATURATED = -1e37
 
 
-def _row_reference(problem, grouped_query, key, attn_mask, is_causal, causal_offset, scale, grouped_lse):
+def _row_reference(problem, grouped_query, key, attn_mask, band, scale, grouped_lse):
     """Per row, the (reference, shift) the backward recomputes P with: P = exp((s - reference) - shift).
 
     Normally reference = lse and shift = 0; rows with no visible key get reference = +inf, so P
@@ -249,9 +265,9 @@ def _row_reference(problem, grouped_query, key, attn_mask, is_causal, causal_off
     if saturated.any():
         row_max = torch.full_like(reference, float("-inf"))
         row_sum = torch.zeros_like(reference)
-        for start, stop in _key_chunks(problem.key_len):
+        for start, stop in _key_chunks(problem.key_len, band, problem.query_len):
             scores = _chunk_scores(
-                problem, grouped_query, key[..., start:stop, :], attn_mask, is_causal, causal_offset, scale, start, stop
+                problem, grouped_query, key[..., start:stop, :], attn_mask, band, scale, start, stop
             )
             new_max = torch.maximum(row_max, scores.amax(dim=-1))
             safe_max = torch.where(new_max.isneginf(), torch.zeros_like(new_max), new_max)
@@ -278,6 +294,7 @@ def reference_backward(
     compute_mask_grad: bool,
     grad_lse: Optional[torch.Tensor] = None,
     exact_delta: bool = True,
+    window: Optional[tuple[int, int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward; returns ``(dq, dk, dv, dmask)``.
 
@@ -295,19 +312,18 @@ def reference_backward(
     use True: this path keeps P and dS in fp32 under every schedule too.
     """
     problem = _describe_problem(query, key, value)
+    band = resolve_band(is_causal, causal_offset, window, problem.query_len, problem.key_len)
     grouped_query = problem.group(query)
     grouped_grad_out = problem.group(grad_out)
     row_reference, row_shift = _row_reference(
-        problem, grouped_query, key, attn_mask, is_causal, causal_offset, scale, problem.group(lse)
+        problem, grouped_query, key, attn_mask, band, scale, problem.group(lse)
     )
 
     def chunk(start, stop):
         """Keys [start, stop): K, V, the probabilities P, dP (through dropout), the dropout scale."""
         key_chunk = key[..., start:stop, :].to(problem.compute_dtype)
         value_chunk = value[..., start:stop, :].to(problem.compute_dtype)
-        scores = _chunk_scores(
-            problem, grouped_query, key_chunk, attn_mask, is_causal, causal_offset, scale, start, stop
-        )
+        scores = _chunk_scores(problem, grouped_query, key_chunk, attn_mask, band, scale, start, stop)
         probs = torch.exp((scores - row_reference) - row_shift)
         grad_probs = grouped_grad_out @ value_chunk.transpose(-2, -1)
         dropout_scale = _dropout_scale(problem, rng_seed, dropout_p, start, stop)
@@ -324,7 +340,7 @@ def reference_backward(
         # an LSE rounded in fp32 can make sum to 1 - 1e-3 at large logits.
         weighted = torch.zeros_like(delta)
         total = torch.zeros_like(delta)
-        for start, stop in _key_chunks(problem.key_len):
+        for start, stop in _key_chunks(problem.key_len, band, problem.query_len):
             _, _, probs, grad_probs, _ = chunk(start, stop)
             weighted += (probs * grad_probs).sum(dim=-1, keepdim=True)
             total += probs.sum(dim=-1, keepdim=True)
@@ -340,10 +356,13 @@ def reference_backward(
         else query.new_empty(0)
     )
     grad_query = torch.zeros_like(grouped_query)
-    grad_key = torch.empty(key.shape, dtype=key.dtype, device=problem.device)
-    grad_value = torch.empty(value.shape, dtype=value.dtype, device=problem.device)
+    # Zero-filled: key chunks no row's band reaches are skipped and keep a zero gradient.
+    grad_key = torch.zeros(key.shape, dtype=key.dtype, device=problem.device)
+    grad_value = torch.zeros(value.shape, dtype=value.dtype, device=problem.device)
+    if wants_mask_grad:
+        grad_mask.zero_()
 
-    for start, stop in _key_chunks(problem.key_len):
+    for start, stop in _key_chunks(problem.key_len, band, problem.query_len):
         key_chunk, value_chunk, probs, grad_probs, dropout_scale = chunk(start, stop)
         dropped_probs = probs if dropout_scale is None else probs * dropout_scale
         grad_scores = probs * (grad_probs - delta)

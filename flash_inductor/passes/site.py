@@ -134,7 +134,8 @@ def _forward_kernel(site: AttentionSite, schedule: Optional[str]) -> Optional[st
     mask = example_value(site.attn_mask) if site.attn_mask is not None else None
     try:
         reason = hopper.hopper_forward_unsupported_reason(query, key, value, mask, site.dropout_p or 0.0,
-                                                          site.scale, schedule)
+                                                          site.scale, schedule,
+                                                          window=getattr(site, "window", None))
     except Exception:  # a report line must never fail a compile
         return None
     if reason is None:
