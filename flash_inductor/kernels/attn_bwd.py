@@ -466,6 +466,9 @@ def _attn_bwd_dkdv(
     mid_hi = L
     if WINDOW_LEFT:
         hi = tl.minimum(L, tl.maximum(start_n + BLOCK_N - window_lower, 0))
+        if IS_CAUSAL:  # no row sees these keys: the band starts at or past hi, or its sides cross
+            no_row = (tl.maximum(start_n - causal_offset, 0) >= hi) | (causal_offset < window_lower)
+            hi = tl.where(no_row, 0, hi)
         mid_hi = tl.maximum(start_n - window_lower + 1, 0) // BLOCK_M * BLOCK_M
     mid = tl.where(start_n + BLOCK_N > S, hi, mid)
     mid = tl.minimum(tl.maximum(mid, lo), hi)
@@ -719,6 +722,12 @@ def _attn_bwd_dq(
     mid = 0
     if WINDOW_LEFT:
         lo = tl.maximum(start_m + window_lower, 0) // BLOCK_N * BLOCK_N
+        # No key for any row of the block (the band starts at or past hi, or its two sides cross):
+        # every range empty, none of them negative.
+        no_key = tl.maximum(start_m + window_lower, 0) >= hi
+        if IS_CAUSAL:
+            no_key = no_key | (causal_offset < window_lower)
+        hi = tl.where(no_key, lo, hi)
         mid = tl.maximum(start_m + BLOCK_M - 1 + window_lower, 0)
         mid = tl.minimum(tl.maximum((mid + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo), hi)
         split = tl.maximum(split, mid)

@@ -203,6 +203,12 @@ def _attn_fwd(
     if WINDOW_LEFT:
         # Row start_m's first key, and from `mid` on the keys right of every row's left edge.
         lo = tl.maximum(start_m + window_lower, 0) // BLOCK_N * BLOCK_N
+        # No key for any row of the block (the band starts at or past hi, or its two sides cross):
+        # every range empty, none of them negative.
+        no_key = tl.maximum(start_m + window_lower, 0) >= hi
+        if IS_CAUSAL:
+            no_key = no_key | (causal_offset < window_lower)
+        hi = tl.where(no_key, lo, hi)
         mid = tl.maximum(start_m + BLOCK_M - 1 + window_lower, 0)
         mid = tl.minimum(tl.maximum((mid + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo), hi)
         split = tl.maximum(split, mid)

@@ -106,6 +106,8 @@ def forward_key_ranges(band: Band, start_m: int, block_m: int, block_n: int, seq
     lo = mid = 0
     if band.lower is not None:
         lo = _floor(max(start_m + band.lower, 0), block_n)
+        no_key = max(start_m + band.lower, 0) >= hi or (band.upper is not None and band.upper < band.lower)
+        hi = lo if no_key else hi
         mid = _ceil(max(start_m + block_m - 1 + band.lower, 0), block_n)
         mid = min(max(mid, lo), hi)
         split = max(split, mid)
@@ -127,6 +129,8 @@ def dkdv_query_ranges(band: Band, start_n: int, block_m: int, block_n: int, seq_
     hi = mid_hi = seq_q
     if band.lower is not None:
         hi = min(seq_q, max(start_n + block_n - band.lower, 0))
+        if band.upper is not None and (max(start_n - band.upper, 0) >= hi or band.upper < band.lower):
+            hi = 0
         mid_hi = _floor(max(start_n - band.lower + 1, 0), block_m)
     if start_n + block_n > seq_k:
         mid = hi
