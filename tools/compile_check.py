@@ -4,7 +4,8 @@ errors before spending device time), from hand-written signatures and constexprs
 the monitoring kernels are compiled by their own tests.
 
 `python -m tools.compile_check` compiles a representative subset (a few minutes);
-`--full` compiles every dtype x mask x dropout x causal variant (about nine minutes on 2 cores).
+`--full` compiles every dtype x mask x dropout x causal x window variant (about eighteen minutes on
+2 cores).
 """
 
 import itertools
@@ -49,20 +50,24 @@ def compile_one(fn, dtype, constexprs, num_warps=4, num_stages=2):
 
 
 def _variants(full: bool):
-    grid = itertools.product(("fp16", "bf16", "fp32"), ("none", "bool", "float"), (False, True), (False, True))
+    grid = itertools.product(("fp16", "bf16", "fp32"), ("none", "bool", "float"), (False, True), (False, True),
+                             (False, True))
     if full:
         return list(grid)
     # Every feature switched on once per dtype, plus the plain kernel (which also covers the
-    # preprocess kernel and the fp32-P/dS schedule variants below).
-    return [(d, m, drop, c) for d, m, drop, c in grid if (m, drop, c) in {("none", False, False), ("float", True, True), ("bool", False, True)}]
+    # preprocess kernel and the fp32-P/dS schedule variants below); a window's left bound
+    # (WINDOW_LEFT) alone and with causal masking and a bool mask.
+    subset = {("none", False, False, False), ("float", True, True, False), ("bool", False, True, False),
+              ("none", False, False, True), ("bool", False, True, True)}
+    return [(d, m, drop, c, w) for d, m, drop, c, w in grid if (m, drop, c, w) in subset]
 
 
 def main() -> int:
     failures = 0
     common = dict(HEAD_DIM=80, HEAD_DIM_V=64, BLOCK_E=128, BLOCK_EV=128)
-    for dtype, mask, dropout, causal in _variants("--full" in sys.argv[1:]):
+    for dtype, mask, dropout, causal, window in _variants("--full" in sys.argv[1:]):
         flags = dict(HAS_MASK=mask != "none", MASK_IS_BOOL=mask == "bool", HAS_DROPOUT=dropout, IS_CAUSAL=causal,
-                     FP32_DOT="ieee" if dtype == "fp32" else "tf32")
+                     WINDOW_LEFT=window, FP32_DOT="ieee" if dtype == "fp32" else "tf32")
         # The default (stable) schedule: exact Δ for 16-bit inputs, so the float mask's gradient is
         # written by the dK/dV pass; fp32 inputs keep Δ from O and write it in the dQ pass.
         exact = dtype != "fp32"
@@ -78,14 +83,15 @@ def main() -> int:
             (_attn_bwd_dq, dict(**common, **flags, **stable, **even_n, EXACT_DELTA=exact, HAS_DLSE=dropout,
                                 WRITE_DMASK=dmask and not exact, BLOCK_M=64, BLOCK_N=32)),
             (_attn_bwd_row_reference, dict(HEAD_DIM=80, BLOCK_E=128, HAS_MASK=flags["HAS_MASK"], MASK_IS_BOOL=flags["MASK_IS_BOOL"],
-                                           IS_CAUSAL=causal, FP32_DOT=flags["FP32_DOT"], BLOCK_M=64, BLOCK_N=32)),
+                                           IS_CAUSAL=causal, WINDOW_LEFT=window, FP32_DOT=flags["FP32_DOT"],
+                                           BLOCK_M=64, BLOCK_N=32)),
         ]
         if dmask and exact:  # the fast schedule: FA2's Δ, dmask from the dQ pass
             fast = dict(P_IN_FP32=False, DS_IN_FP32=False, DS_RESCALE=False)
             jobs.append((_attn_bwd_dkdv, dict(**common, **flags, **fast, **even_m, WRITE_DMASK=False, BLOCK_M=32, BLOCK_N=64)))
             jobs.append((_attn_bwd_dq, dict(**common, **flags, **fast, **even_n, EXACT_DELTA=False, HAS_DLSE=dropout,
                                             WRITE_DMASK=True, BLOCK_M=64, BLOCK_N=32)))
-        if not dropout and mask == "none" and not causal:
+        if not dropout and mask == "none" and not causal and not window:
             accurate = dict(P_IN_FP32=True, DS_IN_FP32=True, DS_RESCALE=False)
             for collect in (False, True):
                 jobs.append((_attn_bwd_preprocess, dict(HEAD_DIM_V=64, BLOCK_EV=64, HAS_DLSE=True,
@@ -99,7 +105,8 @@ def main() -> int:
                 compile_one(fn, dtype, constexprs)
             except Exception as exc:  # report every failing variant, not just the first
                 failures += 1
-                print(f"FAIL {fn.__name__} {dtype} mask={mask} dropout={dropout} causal={causal}: {str(exc)[-600:]}")
+                print(f"FAIL {fn.__name__} {dtype} mask={mask} dropout={dropout} causal={causal} window={window}: "
+                      f"{str(exc)[-600:]}")
     print(f"compile check: {failures} failures")
     return 1 if failures else 0
 

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
+from ..launch.band import NO_WINDOW, has_window, resolve_band
 from ..passes import handwritten, mha, sdpa
 from ..passes.report import SiteRecord
 from ..passes.site import AttentionSite, KeptSite, example_value, module_path
@@ -50,6 +51,7 @@ class SiteInfo:
     enable_gqa: bool
     dropout_p: float
     shadow: bool  # whether float64 and SDPA side computations were inserted
+    window: tuple = NO_WINDOW  # flash_attention's (left, right); (-1, -1) for none
 
 
 def active_session():
@@ -73,11 +75,15 @@ def _our_op_sites(graph: fx.Graph) -> list[AttentionSite]:
         if not outs:
             continue
         q, k, v, mask, _seed, dropout_p, is_causal, causal_offset, scale = node.args[:9]
+        # The window is the schema's last two arguments (-1, -1 when left at their defaults).
+        window = tuple(int(a) for a in node.args[10:12]) if len(node.args) >= 12 else (
+            int(node.kwargs.get("window_left", -1)), int(node.kwargs.get("window_right", -1)))
         q_val, k_val = example_value(q), example_value(k)
         gqa = q_val is not None and k_val is not None and q_val.shape[1] != k_val.shape[1]
         site = AttentionSite("flash_inductor", outs[0], q, k, v, attn_mask=mask, dropout_p=float(dropout_p),
                              is_causal=bool(is_causal), scale=float(scale), enable_gqa=gqa, anchors=[node])
         site.causal_offset = int(causal_offset)  # type: ignore[attr-defined]
+        site.window = window  # type: ignore[attr-defined]
         found.append(site)
     return found
 
@@ -109,38 +115,38 @@ def _expand_kv(query: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def visibility(query, key, mask, is_causal: bool, causal_offset: int) -> Optional[torch.Tensor]:
-    """(..., L, S) bool of visible scores, or None when everything is visible."""
+def visibility(query, key, mask, is_causal: bool, causal_offset: int, window=None) -> Optional[torch.Tensor]:
+    """(..., L, S) bool of visible scores, or None when everything is visible: the mask and the
+    band of ``is_causal`` / ``window`` (``launch.band``)."""
     seq_q, seq_k = query.shape[-2], key.shape[-2]
     vis = None
     if mask is not None:
         vis = mask if mask.dtype == torch.bool else ~mask.isneginf()
-    if is_causal:
-        i = torch.arange(seq_q, device=query.device)[:, None]
-        j = torch.arange(seq_k, device=query.device)[None, :]
-        causal = j <= i + causal_offset
-        vis = causal if vis is None else vis & causal
+    band = resolve_band(is_causal, causal_offset, window, seq_q, seq_k)
+    if band.lower is not None or band.upper is not None:
+        in_band = band.visible(seq_q, seq_k, query.device)
+        vis = in_band if vis is None else vis & in_band
     return vis
 
 
-def scores(query, key, mask, scale, is_causal, causal_offset, dtype) -> torch.Tensor:
+def scores(query, key, mask, scale, is_causal, causal_offset, dtype, window=None) -> torch.Tensor:
     """Scaled, masked scores in ``dtype`` (-inf where hidden)."""
     q, k = query.to(dtype), _expand_kv(query, key).to(dtype)
     s = (q @ k.transpose(-2, -1)) * scale
     if mask is not None and mask.dtype != torch.bool:
         s = s + mask.to(dtype)
-    vis = visibility(query, key, mask, is_causal, causal_offset)
+    vis = visibility(query, key, mask, is_causal, causal_offset, window)
     if vis is not None:
         s = s.masked_fill(~vis, float("-inf"))
     return s
 
 
-def _reference64(q, k, v, mask, *, scale, is_causal, causal_offset, round_to_input=False):
+def _reference64(q, k, v, mask, *, scale, is_causal, causal_offset, window=None, round_to_input=False):
     """Float64 attention with the package's semantics (a row with no visible key gives 0); with
     ``round_to_input``, rounded to the inputs' dtype (for an epilogue that multiplies by weights)."""
     with torch.autocast(q.device.type, enabled=False):
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        s = scores(q, k, mask, scale, is_causal, causal_offset, torch.float64)
+        s = scores(q, k, mask, scale, is_causal, causal_offset, torch.float64, window)
         row_max = s.detach().amax(-1, keepdim=True)
         row_max = row_max.masked_fill(~row_max.isfinite(), 0.0)
         unnorm = torch.exp(s - row_max)
@@ -150,16 +156,16 @@ def _reference64(q, k, v, mask, *, scale, is_causal, causal_offset, round_to_inp
         return out.to(q.dtype) if round_to_input else out
 
 
-def _baseline_same_dtype(q, k, v, mask, *, scale, is_causal, causal_offset):
+def _baseline_same_dtype(q, k, v, mask, *, scale, is_causal, causal_offset, window=None):
     """PyTorch's own attention in the site's dtype: SDPA (the tolerance rule's baseline)."""
     with torch.autocast(q.device.type, enabled=False):
         k, v = k.to(q.dtype), v.to(q.dtype)
         attn_mask = mask
         if attn_mask is not None and attn_mask.dtype != torch.bool:
             attn_mask = attn_mask.to(q.dtype)
-        causal = is_causal and causal_offset == 0 and attn_mask is None
-        if is_causal and not causal:
-            vis = visibility(q, k, None, True, causal_offset)
+        causal = is_causal and causal_offset == 0 and attn_mask is None and not has_window(window)
+        if (is_causal or has_window(window)) and not causal:
+            vis = visibility(q, k, None, is_causal, causal_offset, window)
             attn_mask = vis if attn_mask is None else (
                 attn_mask & vis if attn_mask.dtype == torch.bool else attn_mask.masked_fill(~vis, float("-inf")))
         return torch.nn.functional.scaled_dot_product_attention(
@@ -206,7 +212,8 @@ def _instrument_site(graph: fx.Graph, site: AttentionSite, index: int, shadow: b
         else:
             q1, k1, v1, m1 = q, k, v, mask
         prologue_nodes = [n for n in graph.nodes if n not in existing and n is not marker]
-        kwargs = dict(scale=site.scale, is_causal=site.is_causal, causal_offset=getattr(site, "causal_offset", 0))
+        kwargs = dict(scale=site.scale, is_causal=site.is_causal, causal_offset=getattr(site, "causal_offset", 0),
+                      window=getattr(site, "window", None))
         ref = base = leaves64 = leaves_same = None
         if shadow:
             sides = []
@@ -265,7 +272,8 @@ class InstrumentingBackend:
             info = SiteInfo(
                 name="", pattern=site.pattern, module=record.module, is_causal=bool(site.is_causal),
                 causal_offset=getattr(site, "causal_offset", 0), scale=site.scale, enable_gqa=bool(site.enable_gqa),
-                dropout_p=dropout, shadow=self.shadow and dropout == 0.0)
+                dropout_p=dropout, shadow=self.shadow and dropout == 0.0,
+                window=tuple(getattr(site, "window", None) or NO_WINDOW))
             index = self.session.register_site(info)
             _instrument_site(gm.graph, site, index, info.shadow)
         gm.graph.lint()

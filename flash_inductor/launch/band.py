@@ -75,8 +75,13 @@ def resolve_band(is_causal: bool, causal_offset, window, seq_q, seq_k) -> Band:
 
 
 def band_lower(band: Band):
-    """The kernels' ``window_lower`` argument: the band's lower side, 0 (unread) when open."""
-    return band.lower if band.lower is not None else 0
+    """The kernels' ``window_lower`` argument: the band's lower side; 1 when that side is open.
+
+    The kernels do not read it then (WINDOW_LEFT is False), and Triton compiles an integer
+    argument equal to 1 into the kernel as a constant: the argument vanishes from the compiled
+    signature, and the kernels without a window keep the very code they had before it existed
+    (so their tuned table entries still describe them: ``tools/carry_table_entries.py``)."""
+    return band.lower if band.lower is not None else 1
 
 
 # --------------------------------------------------------------------------------------
