@@ -48,7 +48,8 @@ row (a row of the flattened (B·H_Q, L) vectors DELTA, ROW_REF, ROW_SHIFT, DLSE 
 causal_offset (key j is visible from row i when j <= i + causal_offset), window_lower (under
 WINDOW_LEFT, only when j >= i + window_lower too), offs_m / offs_n / offs_e / offs_ev (a block's
 rows, keys, head-dim and value-dim columns), lo / mid / split / mid_hi / hi (block ranges of the
-loops, see the passes; ``launch/band.py`` mirrors them in Python). Pointers are UPPER_CASE, strides ``stride_<tensor><dim>``.
+loops, see the passes; ``launch/band.py`` mirrors them in Python). Pointers are UPPER_CASE,
+strides ``stride_<tensor><dim>``.
 
 Constexpr switches
 
@@ -144,6 +145,7 @@ loop takes ds_up = 1, and kernels without ``DS_RESCALE`` never see it.
 import triton
 import triton.language as tl
 
+from .band import key_tile_query_ranges, query_tile_key_ranges
 from .common import LOG2E, dropout_keep, mask_scores
 from .ds_scaling import (
     _accumulate_ds_dot,
@@ -289,7 +291,8 @@ def _dkdv_tiles(
     L, S, causal_offset, window_lower, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
+    DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, CHECK: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
     SHIFT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
@@ -318,7 +321,8 @@ def _dkdv_tiles(
         s2_t = tl.dot(k, tl.trans(q), input_precision=FP32_DOT) * qk_scale_log2
         s2_t = mask_scores(s2_t, mask_base, offs_m[None, :], offs_n[:, None], kv_rows_ok[:, None] & q_rows_ok[None, :],
                            stride_mm, stride_mn, causal_offset, window_lower,
-                           HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, CHECK=CHECK)
+                           HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL,
+                           WINDOW_LEFT=WINDOW_LEFT, CHECK=CHECK)
         if SHIFT:
             row_shift = load_rows(ROW_SHIFT + row_ids, q_rows_ok, 0.0, EVEN_ROWS=EVEN_M)
             p_t = tl.math.exp2((s2_t - row_ref[None, :]) - row_shift[None, :])
@@ -355,7 +359,8 @@ def _dkdv_heads(
     H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
+    DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
     SHIFT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
@@ -377,7 +382,8 @@ def _dkdv_heads(
             L, S, causal_offset, window_lower, qk_scale_log2,
             CHECK=True,
             RESCALE=RESCALE, SHIFT=SHIFT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK,
-            MASK_IS_BOOL=MASK_IS_BOOL, HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
+            MASK_IS_BOOL=MASK_IS_BOOL, HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
+            P_IN_FP32=P_IN_FP32,
             DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
             EVEN_M=EVEN_M, EVEN_E=EVEN_E, BLOCK_M=BLOCK_M,
         )
@@ -387,7 +393,8 @@ def _dkdv_heads(
             L, S, causal_offset, window_lower, qk_scale_log2,
             CHECK=False,
             RESCALE=RESCALE, SHIFT=SHIFT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK,
-            MASK_IS_BOOL=MASK_IS_BOOL, HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
+            MASK_IS_BOOL=MASK_IS_BOOL, HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
+            P_IN_FP32=P_IN_FP32,
             DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
             EVEN_M=EVEN_M, EVEN_E=EVEN_E, BLOCK_M=BLOCK_M,
         )
@@ -398,7 +405,8 @@ def _dkdv_heads(
                 L, S, causal_offset, window_lower, qk_scale_log2,
                 CHECK=True,
                 RESCALE=RESCALE, SHIFT=SHIFT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK,
-                MASK_IS_BOOL=MASK_IS_BOOL, HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
+                MASK_IS_BOOL=MASK_IS_BOOL, HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
+                P_IN_FP32=P_IN_FP32,
                 DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
                 EVEN_M=EVEN_M, EVEN_E=EVEN_E, BLOCK_M=BLOCK_M,
             )
@@ -451,29 +459,9 @@ def _attn_bwd_dkdv(
     if HAS_DROPOUT:
         seed = tl.load(SEED)
         keep_scale = 1.0 / (1.0 - dropout_p)
-    # Under causal masking, query rows before start_n - causal_offset see none of these keys, and
-    # query blocks from `mid` on see all of them. Under WINDOW_LEFT rows from `hi` on see none
-    # (the window has left them behind) and blocks before `mid_hi` all of them. A ragged last key
-    # block is checked throughout.
-    if IS_CAUSAL:
-        lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
-        mid = tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0)
-        mid = (mid + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    else:
-        lo = 0
-        mid = 0
-    hi = L
-    mid_hi = L
-    if WINDOW_LEFT:
-        hi = tl.minimum(L, tl.maximum(start_n + BLOCK_N - window_lower, 0))
-        if IS_CAUSAL:  # no row sees these keys: the band starts at or past hi, or its sides cross
-            no_row = (tl.maximum(start_n - causal_offset, 0) >= hi) | (causal_offset < window_lower)
-            hi = tl.where(no_row, 0, hi)
-        mid_hi = tl.maximum(start_n - window_lower + 1, 0) // BLOCK_M * BLOCK_M
-    mid = tl.where(start_n + BLOCK_N > S, hi, mid)
-    mid = tl.minimum(tl.maximum(mid, lo), hi)
-    if WINDOW_LEFT:
-        mid_hi = tl.minimum(tl.maximum(mid_hi, mid), hi)
+    # The query tiles that see these keys, and which of them need the visibility select.
+    lo, mid, mid_hi, hi = key_tile_query_ranges(start_n, L, S, causal_offset, window_lower, IS_CAUSAL=IS_CAUSAL,
+                                                WINDOW_LEFT=WINDOW_LEFT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
 
     # Decided once for the whole program; a compile-time False (and ds_up a compile-time 1) unless
     # the schedule rescales, so the other kernels hold the plain, unscaled loop alone. The rare
@@ -497,7 +485,8 @@ def _attn_bwd_dkdv(
             H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=True, SHIFT=True,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
+            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
+            DS_IN_FP32=DS_IN_FP32,
             DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT, EVEN_M=EVEN_M, EVEN_E=EVEN_E,
             BLOCK_M=BLOCK_M,
         )
@@ -508,7 +497,8 @@ def _attn_bwd_dkdv(
             H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=False, SHIFT=True,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
+            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
+            DS_IN_FP32=DS_IN_FP32,
             DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT, EVEN_M=EVEN_M, EVEN_E=EVEN_E,
             BLOCK_M=BLOCK_M,
         )
@@ -519,7 +509,8 @@ def _attn_bwd_dkdv(
             H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=False, SHIFT=False,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
+            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
+            DS_IN_FP32=DS_IN_FP32,
             DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT, EVEN_M=EVEN_M, EVEN_E=EVEN_E,
             BLOCK_M=BLOCK_M,
         )
@@ -540,7 +531,8 @@ def _dq_tiles(
     S, causal_offset, window_lower, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
+    DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, CHECK: tl.constexpr, EXACT_DELTA: tl.constexpr,
     WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -566,7 +558,8 @@ def _dq_tiles(
         tile_ok = q_rows_ok[:, None] & kv_rows_ok[None, :]
         s2 = mask_scores(s2, mask_base, offs_m[:, None], offs_n[None, :], tile_ok, stride_mm, stride_mn, causal_offset,
                          window_lower,
-                         HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, CHECK=CHECK)
+                         HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
+                         CHECK=CHECK)
         p = tl.math.exp2(s2 - row_ref[:, None])  # P / row_scale
         dp = tl.dot(do, tl.trans(v), input_precision=FP32_DOT)
         if HAS_DROPOUT:
@@ -610,7 +603,8 @@ def _dq_blocks(
     S, causal_offset, window_lower, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
+    DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, EXACT_DELTA: tl.constexpr,
     WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -634,7 +628,8 @@ def _dq_blocks(
         S, causal_offset, window_lower, qk_scale_log2,
         CHECK=False,
         RESCALE=RESCALE, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-        HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
+        HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
+        DS_IN_FP32=DS_IN_FP32,
         DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
         EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
     )
@@ -644,7 +639,8 @@ def _dq_blocks(
         S, causal_offset, window_lower, qk_scale_log2,
         CHECK=True,
         RESCALE=RESCALE, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-        HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
+        HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
+        DS_IN_FP32=DS_IN_FP32,
         DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
         EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
     )
@@ -663,7 +659,8 @@ def _attn_bwd_dq(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr, DS_RESCALE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
+    DS_RESCALE: tl.constexpr,
     EXACT_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -709,28 +706,9 @@ def _attn_bwd_dq(
     p_k = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)  # K̄
     exact_sums = (ds_sum, ds_seen_sum, p_sum, p_k)
     # Key blocks [mid, split) are whole and visible to every row of this query block; [split, hi)
-    # holds the causal diagonal and the ragged last key block, [lo, mid) under WINDOW_LEFT the
-    # window's left edge (the forward's ranges).
-    if IS_CAUSAL:
-        hi = tl.minimum(S, start_m + BLOCK_M + causal_offset)
-        split = tl.minimum(S, start_m + causal_offset + 1)
-    else:
-        hi = S
-        split = S
-    split = tl.maximum(split // BLOCK_N * BLOCK_N, 0)
-    lo = 0
-    mid = 0
-    if WINDOW_LEFT:
-        lo = tl.maximum(start_m + window_lower, 0) // BLOCK_N * BLOCK_N
-        # No key for any row of the block (the band starts at or past hi, or its two sides cross):
-        # every range empty, none of them negative.
-        no_key = tl.maximum(start_m + window_lower, 0) >= hi
-        if IS_CAUSAL:
-            no_key = no_key | (causal_offset < window_lower)
-        hi = tl.where(no_key, lo, hi)
-        mid = tl.maximum(start_m + BLOCK_M - 1 + window_lower, 0)
-        mid = tl.minimum(tl.maximum((mid + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo), hi)
-        split = tl.maximum(split, mid)
+    # holds the causal diagonal and the ragged last key block, [lo, mid) the window's left edge.
+    lo, mid, split, hi = query_tile_key_ranges(start_m, S, causal_offset, window_lower, IS_CAUSAL=IS_CAUSAL,
+                                               WINDOW_LEFT=WINDOW_LEFT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
 
     # P = exp2(s2 - reference - shift). Only rows at the mask clamp have a shift (see
     # _attn_bwd_row_reference), and it cannot join the reference there (~1e38 would absorb it).
@@ -759,7 +737,8 @@ def _attn_bwd_dq(
             S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=True,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
+            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
+            DS_IN_FP32=DS_IN_FP32,
             DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
             EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
         )
@@ -770,7 +749,8 @@ def _attn_bwd_dq(
             S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=False,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32, DS_IN_FP32=DS_IN_FP32,
+            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
+            DS_IN_FP32=DS_IN_FP32,
             DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
             EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
         )

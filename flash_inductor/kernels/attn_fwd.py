@@ -60,6 +60,7 @@ one tensor, ``query_block`` (q, offs_m, rng_rows), ``dropout`` (seed, dropout_p)
 import triton
 import triton.language as tl
 
+from .band import query_tile_key_ranges
 from .common import LN2, add_attn_mask, dropout_keep
 
 
@@ -191,27 +192,8 @@ def _attn_fwd(
     # Key blocks [mid, split) are whole and visible to every row of this query block, so they
     # skip the bounds/band select; [split, hi) holds the diagonal and the ragged tail, and under
     # WINDOW_LEFT [lo, mid) the window's left edge. Blocks outside [lo, hi) are never visited.
-    if IS_CAUSAL:
-        hi = tl.minimum(S, start_m + BLOCK_M + causal_offset)
-        split = tl.minimum(S, start_m + causal_offset + 1)
-    else:
-        hi = S
-        split = S
-    split = tl.maximum(split // BLOCK_N * BLOCK_N, 0)
-    lo = 0
-    mid = 0
-    if WINDOW_LEFT:
-        # Row start_m's first key, and from `mid` on the keys right of every row's left edge.
-        lo = tl.maximum(start_m + window_lower, 0) // BLOCK_N * BLOCK_N
-        # No key for any row of the block (the band starts at or past hi, or its two sides cross):
-        # every range empty, none of them negative.
-        no_key = tl.maximum(start_m + window_lower, 0) >= hi
-        if IS_CAUSAL:
-            no_key = no_key | (causal_offset < window_lower)
-        hi = tl.where(no_key, lo, hi)
-        mid = tl.maximum(start_m + BLOCK_M - 1 + window_lower, 0)
-        mid = tl.minimum(tl.maximum((mid + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo), hi)
-        split = tl.maximum(split, mid)
+    lo, mid, split, hi = query_tile_key_ranges(start_m, S, causal_offset, window_lower, IS_CAUSAL=IS_CAUSAL,
+                                               WINDOW_LEFT=WINDOW_LEFT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
 
     query_block = (q, offs_m, rng_rows)
     dropout = (seed, dropout_p)
