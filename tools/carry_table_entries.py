@@ -2,6 +2,7 @@
 
     python -m tools.carry_table_entries --since main            # kernels at `main` -> this checkout
     python -m tools.carry_table_entries --since HEAD~3 --head-dims 64,128 --dry-run
+    python -m tools.carry_table_entries --since main --whole-package   # the launchers changed too
 
 Each entry records its kernel family's source identity (``tuning/kernel_identity.py``), which
 ignores comments, docstrings and line numbers but changes with any edit of the code, including
@@ -40,22 +41,27 @@ def family_kernel_names(family: str) -> set[str]:
     return {spec.split(":")[1] for spec in KERNEL_FAMILIES[family]}
 
 
-def tree_with_kernels_of(rev: str, into: pathlib.Path) -> pathlib.Path:
-    """This checkout's package and digest tools, with ``flash_inductor/kernels`` as at ``rev``."""
+def tree_with_kernels_of(rev: str, into: pathlib.Path, whole_package: bool = False) -> pathlib.Path:
+    """This checkout's package and digest tools, with ``flash_inductor/kernels`` as at ``rev``; with
+    ``whole_package``, all of ``flash_inductor`` as at ``rev`` (its launchers too: for a change
+    that also changes the arguments the launchers pass, which the old kernels would not take)."""
     shutil.copytree(ROOT / "flash_inductor", into / "flash_inductor",
                     ignore=shutil.ignore_patterns("__pycache__", "tables"))
     (into / "tools").mkdir()
     for name in ("__init__.py", "ptx_digest.py", "smem_check.py"):
         shutil.copy(ROOT / "tools" / name, into / "tools" / name)
-    shutil.rmtree(into / "flash_inductor" / "kernels")
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "flash_inductor/kernels"],
+    replaced = "flash_inductor" if whole_package else "flash_inductor/kernels"
+    shutil.rmtree(into / replaced)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, replaced],
                              check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     return into
 
 
 def _python(tree: pathlib.Path, *args: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # The tree first, then the caller's path (which may supply torch to an interpreter that keeps
+    # another Triton, as a compile-only venv does).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
     env.pop("TRITON_INTERPRET", None)  # interpreted kernels are not compiled
     return subprocess.run([sys.executable, *args], cwd=tree, env=env, check=True, capture_output=True,
                           text=True).stdout
@@ -106,11 +112,13 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", default="bf16,fp16")
     p.add_argument("--schedules", default="stable,fast,accurate", help="for the 16-bit families (fp8: its own)")
     p.add_argument("--dry-run", action="store_true", help="report, write nothing")
+    p.add_argument("--whole-package", action="store_true",
+                   help="compile the old kernels through the launchers at --since too (a change to both)")
     args = p.parse_args(argv)
     data = json.loads(args.table.read_text())
     new = family_identities()
     with tempfile.TemporaryDirectory() as tmp:
-        old_tree = tree_with_kernels_of(args.since, pathlib.Path(tmp))
+        old_tree = tree_with_kernels_of(args.since, pathlib.Path(tmp), whole_package=args.whole_package)
         old = identities_in(old_tree)
         recorded = {entry.get("kernel") for entry in data["entries"].values() if isinstance(entry, dict)}
         todo = [f for f in KERNEL_FAMILIES if old[f] != new[f] and old[f] in recorded]
@@ -118,10 +126,12 @@ def main(argv=None) -> int:
             print("nothing to carry: no family with entries changed its identity since", args.since)
             return 0
         moved_in_all = 0
+        compiled: dict = {}  # families with the same options (forward, backward) share one compile per tree
         for family in todo:
             options = digest_options(args, family)
-            changed = changed_kernels(digests_in(old_tree, options), digests_in(ROOT, options),
-                                      family_kernel_names(family))
+            if tuple(options) not in compiled:
+                compiled[tuple(options)] = (digests_in(old_tree, options), digests_in(ROOT, options))
+            changed = changed_kernels(*compiled[tuple(options)], family_kernel_names(family))
             if changed:
                 print(f"{family}: compiled code changed, its entries need a re-tune:\n  " + "\n  ".join(changed))
                 continue

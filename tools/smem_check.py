@@ -2,6 +2,7 @@
 
     python -m tools.smem_check                  # E 64/128/256 x masks x bf16/fp16 x schedules: 15-25 min
     python -m tools.smem_check --head-dims 256 --masks bool --schedules stable
+    python -m tools.smem_check --masks window,window_bool     # a sliding window (WINDOW_LEFT kernels)
 
 A backward change was once re-tuned before the GPU tests found that one launch (E=256
 dQ pass with a bool mask, a heuristic config: mask kinds other than none/causal are not tuned)
@@ -96,18 +97,26 @@ def check(head_dim: int, mask_kind: str, dtype_name: str, schedule: str, seq: in
     q, k, v, dout, out = (torch.randn((1, 2, seq, head_dim), generator=gen, dtype=dtype) for _ in range(5))
     lse = torch.randn((1, 2, seq), generator=gen)
     mask = None
-    if mask_kind == "bool":
+    if mask_kind in ("bool", "window_bool"):
         mask = torch.rand((1, 2, seq, seq), generator=gen) > 0.3
     elif mask_kind == "float":
         mask = torch.randn((1, 2, seq, seq), generator=gen, dtype=dtype)
     causal = mask_kind == "causal"
+    # Windows: a causal sliding one (its right side is the causal bucket's), and a symmetric one over
+    # a bool mask; the configs are those of the bucket the launcher picks for them.
+    window = {"window": (63, 0), "window_bool": (63, 63)}.get(mask_kind)
+    config_kind = {"window": "causal", "window_bool": "bool"}.get(mask_kind, mask_kind)
     if configs is None:
-        configs = cuda_heuristic_configs(ARCH, dtype.itemsize, head_dim, head_dim, schedule, mask_kind)
+        configs = cuda_heuristic_configs(ARCH, dtype.itemsize, head_dim, head_dim, schedule, config_kind)
     record: list[tuple[str, int]] = []
     with compiling_launches(record, compiled_by_name):
-        launch.attention_forward(q, k, v, mask, None, 0.0, causal, 0, head_dim ** -0.5, schedule, configs=configs)
+        # The window only when there is one: tools/carry_table_entries.py runs this against older
+        # launchers, which take no window.
+        extra = {"window": window} if window is not None else {}
+        launch.attention_forward(q, k, v, mask, None, 0.0, causal, 0, head_dim ** -0.5, schedule, configs=configs,
+                                 **extra)
         launch.attention_backward(dout, q, k, v, mask, out, lse, None, None, 0.0, causal, 0, head_dim ** -0.5,
-                                  schedule, False, configs=configs)
+                                  schedule, False, configs=configs, **extra)
     return record
 
 

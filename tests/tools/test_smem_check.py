@@ -20,7 +20,7 @@ from helpers import small_and_full
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # (masks, dtypes, schedules) at E=256; each combination compiles a forward and four backward kernels.
-FORMS = small_and_full(("bool", "bf16", "stable"), ("bool,float", "bf16,fp16", "stable,fast"))
+FORMS = small_and_full(("bool", "bf16", "stable"), ("bool,float,window_bool", "bf16,fp16", "stable,fast"))
 
 
 @pytest.mark.parametrize("form", FORMS)
