@@ -36,11 +36,11 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import launch
 from ..launch import hopper
+from ..launch.band import NO_WINDOW
 
 # What the eager fast path needs besides launch.can_launch_directly(), looked up once (torch
 # 2.11-2.14 all have it; where it is missing every call takes the registered op instead).
 _functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
-from ..launch.band import NO_WINDOW
 from .reference import reference_backward, reference_forward
 
 # --------------------------------------------------------------------------------------
