@@ -15,6 +15,13 @@ sm_90 on this machine (tools/ptx_digest.py: the launchers' real constexprs, no G
 each case (head dim x mask x dtype x schedule) and compares the PTX of every kernel of the
 family. Entries that recorded the old identity get the new one only when every digest matches;
 otherwise the tool names the kernels whose code changed, and those buckets need a re-tune.
+
+``--family F --reason "..."`` re-keys family F's entries without compiling, and records the reason
+in the table's notes (``meta["tuned"]``): for a change whose proof was made another way (a PTX
+comparison of the affected cases, a GPU A/B) or that the full proof cannot compile (on a machine
+too slow for it). Say in the reason what was checked; a GPU A/B must confirm it before release.
+
+    python -m tools.carry_table_entries --since main --family backward --reason "window: ..."
 """
 
 from __future__ import annotations
@@ -114,9 +121,16 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="report, write nothing")
     p.add_argument("--whole-package", action="store_true",
                    help="compile the old kernels through the launchers at --since too (a change to both)")
+    p.add_argument("--family", action="append", choices=sorted(KERNEL_FAMILIES),
+                   help="re-key this family without compiling (repeatable); needs --reason")
+    p.add_argument("--reason", default=None, help="why the --family entries still hold (recorded in the table)")
     args = p.parse_args(argv)
+    if bool(args.family) != bool(args.reason):
+        p.error("--family and --reason go together: name the families and say why their entries still hold")
     data = json.loads(args.table.read_text())
     new = family_identities()
+    if args.family:
+        return _carry_by_reason(args, data, new)
     with tempfile.TemporaryDirectory() as tmp:
         old_tree = tree_with_kernels_of(args.since, pathlib.Path(tmp), whole_package=args.whole_package)
         old = identities_in(old_tree)
@@ -141,6 +155,28 @@ def main(argv=None) -> int:
     if moved_in_all and not args.dry_run:
         table = cache.TuningTable(gpu=data["gpu"], entries=data["entries"], schema=data["schema"],
                                   meta=data.get("meta", {}))
+        cache._atomic_write_text(args.table, cache.table_text(table))
+        print(f"wrote {args.table}")
+    return 0
+
+
+def _carry_by_reason(args, data: dict, new: dict) -> int:
+    """--family/--reason: re-key the named families' entries recorded for their identity at --since."""
+    with tempfile.TemporaryDirectory() as tmp:
+        old = identities_in(tree_with_kernels_of(args.since, pathlib.Path(tmp)))
+    moved_in_all = 0
+    for family in args.family:
+        if old[family] == new[family]:
+            print(f"{family}: identity unchanged since {args.since}; nothing to carry")
+            continue
+        moved = rekey(data["entries"], old[family], new[family])
+        moved_in_all += len(moved)
+        print(f"{family}: {len(moved)} entries {old[family]} -> {new[family]} (not compiled: {args.reason})")
+    if moved_in_all and not args.dry_run:
+        meta = dict(data.get("meta", {}))
+        note = f"carried without a compile ({', '.join(args.family)}): {args.reason}"
+        meta["tuned"] = f"{meta['tuned']} {note}" if meta.get("tuned") else note
+        table = cache.TuningTable(gpu=data["gpu"], entries=data["entries"], schema=data["schema"], meta=meta)
         cache._atomic_write_text(args.table, cache.table_text(table))
         print(f"wrote {args.table}")
     return 0

@@ -95,3 +95,28 @@ def test_ship_strips_a_retunes_table_and_merges_it(tmp_path):
     entries = cache.read_table(out).entries
     assert set(entries) == {"stable/fp16/e64/none/s1024/forward", "stable/fp16/e64/none/s4096/forward"}
     assert all(set(entry) == set(cache.LOOKUP_FIELDS) for entry in entries.values())
+
+
+def test_family_and_reason_rekey_without_compiling_and_record_why(tmp_path, monkeypatch):
+    table = tmp_path / "table.json"
+    data = {"schema": 3, "gpu": "fake-gpu_sm90_132sm",
+            "meta": {"tuned": "on a fake GPU."},
+            "entries": {"a/forward": {"configs": {}, "kernel": "old-f", "triton": "3.6.0"},
+                        "a/backward": {"configs": {}, "kernel": "old-b", "triton": "3.6.0"}}}
+    table.write_text(json.dumps(data))
+    monkeypatch.setattr(carry_tool, "family_identities", lambda: {"forward": "new-f", "backward": "new-b",
+                                                                   "fp8_forward": "same"})
+    monkeypatch.setattr(carry_tool, "identities_in", lambda tree: {"forward": "old-f", "backward": "old-b",
+                                                                    "fp8_forward": "same"})
+    monkeypatch.setattr(carry_tool, "tree_with_kernels_of", lambda rev, into, whole_package=False: into)
+    monkeypatch.setattr(carry_tool.cache, "_atomic_write_text", lambda path, text: path.write_text(text))
+    monkeypatch.setattr(carry_tool.cache, "table_text", lambda t: json.dumps(
+        {"schema": t.schema, "gpu": t.gpu, "meta": t.meta, "entries": t.entries}))
+    with pytest.raises(SystemExit):
+        carry_tool.main(["--since", "x", "--table", str(table), "--family", "backward"])  # no reason
+    assert carry_tool.main(["--since", "x", "--table", str(table), "--family", "backward",
+                            "--reason", "same tiles; PTX compared"]) == 0
+    written = json.loads(table.read_text())
+    assert written["entries"]["a/backward"]["kernel"] == "new-b"
+    assert written["entries"]["a/forward"]["kernel"] == "old-f"  # a family not named stays
+    assert written["meta"]["tuned"] == "on a fake GPU. carried without a compile (backward): same tiles; PTX compared"
