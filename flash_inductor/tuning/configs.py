@@ -66,7 +66,7 @@ def cuda_heuristic_configs(capability: tuple[int, int], itemsize: int, head_dim:
 
 
 # Backward tiles for 16-bit head widths 129-256 on Hopper, measured on an H200 (bf16, B=4, H=8,
-# L=S=4096, E=256; benchmarks/results/backward_breakdown_nvidia-h200_20261201_e256-*.json) against
+# L=S=4096, E=256; benchmarks/results/backward_breakdown_nvidia-h200_20261201_e256.json) against
 # 32x32/w4/s1 for both passes: dK/dV 64x32/w4/s2 1.73x faster; dQ 64x64/w8/s2 2.07x with exact Δ
 # (its P·K accumulator doubles the registers per query row) and 128x32/w8/s2 2.9x without.
 # Measured only for schedules that round P and dS to 16 bits; the tf32x3 ones keep the small tiles.
