@@ -66,6 +66,12 @@ def resolve_band(is_causal: bool, causal_offset, window, seq_q, seq_k) -> Band:
     upper = causal_offset if is_causal else None
     lower = None
     left, right = window_pair(window)
+    if isinstance(seq_q, int) and isinstance(seq_k, int):
+        # A side wider than the sequence binds no row: left >= S puts row L - 1's first key below 0,
+        # right >= L puts row 0's last key past S - 1. Open, it runs the kernels without a window
+        # and keeps huge offsets out of their 32-bit index arithmetic.
+        left = -1 if left >= seq_k else left
+        right = -1 if right >= seq_q else right
     if right >= 0:
         window_upper = seq_k - seq_q + right
         upper = window_upper if upper is None else torch.sym_min(upper, window_upper)
