@@ -4,7 +4,8 @@ Covers every model that already calls SDPA (HF transformers' "sdpa" attention, n
 flash path, torch.nn.MultiheadAttention with need_weights=False in recent torch, diffusers).
 In a dynamo graph the call is a single node, so every argument maps one to one. HF's GQA models
 repeat K/V heads before the call whenever they pass a mask (``repeat_kv``, see ``gqa.py``); that
-repeat is folded into ``enable_gqa=True``.
+repeat is folded into ``enable_gqa=True``. A sliding-window mask becomes the op's ``window``
+(``window.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from .gqa import peel_repeats
 from .fx_match import known_equal, mutates
 from .site import AttentionSite, KeptSite, example_value, guarded
+from .window import sdpa_window
 
 _SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -75,7 +77,8 @@ def _pattern_sdpa_2(site: AttentionSite) -> AttentionSite:
 
 def _match(node: fx.Node) -> Union[AttentionSite, KeptSite]:
     found = _pattern_sdpa_1(node)
-    return _pattern_sdpa_2(found) if isinstance(found, AttentionSite) else found
+    # Mistral / Qwen2 / Gemma / Phi-3 with sliding_window: the band mask becomes the op's window.
+    return sdpa_window(_pattern_sdpa_2(found)) if isinstance(found, AttentionSite) else found
 
 
 def find_sites(graph: fx.Graph) -> Iterator[Union[AttentionSite, KeptSite]]:

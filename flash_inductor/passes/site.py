@@ -25,7 +25,7 @@ log = logging.getLogger("flash_inductor")
 
 def rewritten_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-    schedule=None, monitor_site=None,
+    schedule=None, monitor_site=None, window=None,
 ):
     """The call the pass inserts: flash_attention with SDPA's argument order.
 
@@ -33,10 +33,12 @@ def rewritten_attention(
     pickle; AOTAutograd traces through it into ``flash_inductor::attention_forward``.
     ``monitor_site`` (set only by ``make_backend(monitor=True)``) adds the recording ops of
     ``flash_inductor.monitoring``; whether a session is active while compiling plays no part.
+    ``window`` is the op's ``(left, right)`` sliding window, passed only when a site has one.
     """
+    extra = {} if window is None else {"window": tuple(window)}
     return attention(
         query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-        scale=scale, enable_gqa=enable_gqa, schedule=schedule, monitor_site=monitor_site,
+        scale=scale, enable_gqa=enable_gqa, schedule=schedule, monitor_site=monitor_site, **extra,
     )
 
 
@@ -73,6 +75,8 @@ class AttentionSite:
     # Called with the replacement once the rewrite is in the graph (a pattern that tracks what
     # earlier sites replaced records it here, never before the rewrite is known to go in).
     on_rewritten: Optional[Callable[[fx.Node], None]] = None
+    # The op's sliding window read from a band mask (``band.Window``), or None.
+    window: Optional[Any] = None
 
 
 @dataclasses.dataclass
@@ -108,7 +112,7 @@ def example_value(node: Any) -> Optional[torch.Tensor]:
 def describe_rewrite(site: AttentionSite, schedule: Optional[str] = None) -> str:
     """The op arguments of a rewritten site, as the report prints them, and on a Hopper GPU which
     forward kernel will run it."""
-    parts = []
+    parts = [site.window.describe()] if site.window is not None else []
     if site.mask_description:
         parts.append(site.mask_description)
     elif site.attn_mask is not None:
@@ -222,6 +226,8 @@ def rewrite_site(graph: fx.Graph, site: AttentionSite, schedule: Optional[str],
             )
             if monitor_site is not None:
                 kwargs["monitor_site"] = monitor_site
+            if site.window is not None:
+                kwargs["window"] = site.window.as_argument()
             call = graph.call_function(rewritten_attention, (q, k, v), kwargs)
             replacement = site.epilogue(graph, call) if site.epilogue is not None else call
         check_replacement(inserted(), site.output, replacement)

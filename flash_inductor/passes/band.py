@@ -1,0 +1,482 @@
+"""Band masks: reading a mask built in the graph as ``lo <= j - i <= hi`` and what is left of it.
+
+A sliding-window mask is a band around the diagonal of the (query i, key j) plane. Models build
+it from index arithmetic, never as data:
+
+* HF transformers (``masking_utils.sdpa_mask`` under torch.compile, Mistral, Qwen2, Gemma 2/3,
+  Cohere2, Phi-3 with ``sliding_window``): ``kv_idx > q_idx - w`` AND ``kv_idx <= q_idx`` on
+  ``arange`` indices broadcast to (B, 1, L, S), AND a padding lookup ``mask[b, kv_idx]``; "eager"
+  then turns it into ``where(mask, 0.0, finfo.min)``.
+* forward code: ``torch.tril(torch.ones(L, S), diagonal=w)``, ``triu(..., diagonal=-w)``,
+  ``(i - j).abs() <= w``, ``abs(i - j) < w``, ``masked_fill(~band, -inf)``.
+
+:func:`decompose` reads a bool condition as a conjunction: the band part (bounds on
+``d = j - i``, in the mask's own row and column positions) and the residual terms it could not
+read (a padding lookup, anything data-dependent), each kept as written. It only follows what it
+can prove: integer ``arange`` indices with constant (or symbolic size) offsets, comparisons,
+``abs``, AND, NOT (of one half-plane), OR under NOT (De Morgan), ``tril``/``triu`` of ones,
+casts, broadcasts and top-left slices. Anything else is a residual term, so reading a mask never
+changes what it hides: visible = band AND residual, exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Optional
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from .fx_match import is_function, is_method, method_name, tensor_value
+
+# Dynamo may record ``a < b`` on tensors as the method ``a.__lt__(b)`` (see fx_match.method_name).
+_COMPARE = {
+    operator.lt: "lt", operator.le: "le", operator.gt: "gt", operator.ge: "ge", operator.eq: "eq", operator.ne: "ne",
+    torch.lt: "lt", torch.le: "le", torch.gt: "gt", torch.ge: "ge", torch.eq: "eq", torch.ne: "ne",
+    torch.less: "lt", torch.less_equal: "le", torch.greater: "gt", torch.greater_equal: "ge",
+}
+_COMPARE_METHODS = {"lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne",
+                    "__lt__": "lt", "__le__": "le", "__gt__": "gt", "__ge__": "ge", "__eq__": "eq", "__ne__": "ne"}
+_SWAPPED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
+_AND = (operator.and_, torch.logical_and, torch.bitwise_and)
+_OR = (operator.or_, torch.logical_or, torch.bitwise_or)
+_NOT = (operator.invert, torch.logical_not, torch.bitwise_not)
+_AND_METHODS = ("__and__", "logical_and", "bitwise_and")
+_OR_METHODS = ("__or__", "logical_or", "bitwise_or")
+_NOT_METHODS = ("__invert__", "logical_not", "bitwise_not")
+_CASTS = ("to", "bool", "int", "long", "float", "half", "double", "bfloat16", "type", "contiguous", "clone")
+_INDEX_CASTS = ("to", "int", "long", "contiguous", "clone")
+
+
+# ------------------------------------------------------------------------------------------
+# Integer index tensors: sum over dims of coef * position + const
+# ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Affine:
+    """An integer tensor whose entry at a position is ``sum(coefs[d] * position[d]) + const``.
+
+    Dims are counted from the right (-1 is the last), so broadcasting keeps them; ``const`` is an
+    int or a sympy expression of symbolic sizes (a KV cache's offset under dynamic shapes)."""
+
+    coefs: tuple[tuple[int, int], ...]
+    const: Any
+    abs_of: bool = False  # the entry is |affine| (only compared, never added to)
+
+    def coef(self, dim: int) -> int:
+        return dict(self.coefs).get(dim, 0)
+
+
+def _constant(value: Any) -> Any:
+    """An int, or a symbolic integer size, as a sympy-compatible constant; None otherwise."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, fx.Node):
+        ev = value.meta.get("example_value", value.meta.get("val"))
+        if isinstance(ev, bool):
+            return None
+        if isinstance(ev, int):
+            return ev
+        if isinstance(ev, torch.SymInt):
+            expr = ev.node.expr
+            return int(expr) if expr.is_number else expr
+    return None
+
+
+def _integer_tensor(node: fx.Node) -> Optional[torch.Tensor]:
+    ev = tensor_value(node)
+    if ev is None or ev.is_floating_point() or ev.is_complex() or ev.dtype == torch.bool:
+        return None
+    return ev
+
+
+def _normalised(coefs: dict, ev: torch.Tensor, const: Any) -> Affine:
+    """Coefs on dims of size 1 read position 0 only: they contribute nothing to any entry."""
+    n = ev.dim()
+    kept = {d: c for d, c in coefs.items() if c != 0 and -d <= n and not statically_known_true(ev.shape[d] == 1)}
+    return Affine(tuple(sorted(kept.items())), const)
+
+
+def _combine(a: Affine, b: Affine, sign: int, ev: torch.Tensor) -> Optional[Affine]:
+    if a.abs_of or b.abs_of:
+        return None
+    coefs = dict(a.coefs)
+    for d, c in b.coefs:
+        coefs[d] = coefs.get(d, 0) + sign * c
+    return _normalised(coefs, ev, a.const + sign * b.const)
+
+
+def _dim_map(index: tuple, ndim: int) -> Optional[dict[int, tuple[int, Any]]]:
+    """For ``x[index]`` with basic indexing (None, full or offset slices, Ellipsis): for each
+    input dim (from the right) its output dim (from the right) and the slice start; None when
+    the index does something else (an integer, a tensor, a step)."""
+    if any(i is Ellipsis for i in index) and sum(i is Ellipsis for i in index) > 1:
+        return None
+    consumed = sum(1 for i in index if i is not None and i is not Ellipsis)
+    if consumed > ndim:
+        return None
+    expanded: list = []
+    for i in index:
+        if i is Ellipsis:
+            expanded += [slice(None)] * (ndim - consumed)
+        else:
+            expanded.append(i)
+    if not any(i is Ellipsis for i in index):
+        expanded += [slice(None)] * (ndim - consumed)
+    out_ndim = len(expanded)
+    mapping, in_dim = {}, 0
+    for out_dim, entry in enumerate(expanded):
+        if entry is None:
+            continue
+        if not isinstance(entry, slice) or entry.step not in (None, 1):
+            return None
+        start = 0 if entry.start is None else _constant(entry.start)
+        if start is None or (isinstance(start, int) and start < 0):
+            return None
+        mapping[in_dim - ndim] = (out_dim - out_ndim, start)
+        in_dim += 1
+    return mapping
+
+
+def _affine(node: Any) -> Optional[Affine]:
+    """``node`` as an :class:`Affine` integer tensor or constant, or None."""
+    const = _constant(node)
+    if const is not None:
+        return Affine((), const)
+    if not isinstance(node, fx.Node):
+        return None
+    ev = _integer_tensor(node)
+    if ev is None:
+        return None
+    args = node.args
+    if is_function(node, torch.arange):
+        bounds = [a for a in args if not isinstance(a, torch.dtype)]
+        step = bounds[2] if len(bounds) > 2 else node.kwargs.get("step", 1)
+        start = _constant(bounds[0]) if len(bounds) > 1 else node.kwargs.get("start", 0)
+        if step != 1 or start is None or ev.dim() != 1:
+            return None
+        return _normalised({-1: 1}, ev, start)
+    if is_function(node, operator.add, torch.add, operator.sub, torch.sub) or is_method(node, "add", "sub"):
+        if len(args) != 2 or node.kwargs:
+            return None
+        a, b = _affine(args[0]), _affine(args[1])
+        sign = -1 if node.target in (operator.sub, torch.sub) or method_name(node) == "sub" else 1
+        return _combine(a, b, sign, ev) if a is not None and b is not None else None
+    if is_function(node, operator.neg, torch.neg) or is_method(node, "neg", "__neg__"):
+        inner = _affine(args[0])
+        return None if inner is None or inner.abs_of else Affine(tuple((d, -c) for d, c in inner.coefs), -inner.const)
+    if is_function(node, torch.abs, operator.abs) or is_method(node, "abs", "__abs__"):
+        inner = _affine(args[0])
+        return None if inner is None or inner.abs_of else dataclasses.replace(inner, abs_of=True)
+    if is_method(node, *_INDEX_CASTS):
+        return _affine(args[0]) if all(not isinstance(a, fx.Node) for a in args[1:]) else None
+    if is_function(node, operator.getitem) or is_method(node, "unsqueeze") or is_method(node, "view", "reshape", "expand"):
+        return _moved(node, ev)
+    return None
+
+
+def _moved(node: fx.Node, ev: torch.Tensor) -> Optional[Affine]:
+    """An affine tensor through a view that keeps each entry's value: new size-1 dims, offset
+    slices, broadcasts, and views that only add or remove size-1 dims."""
+    source = node.args[0]
+    inner = _affine(source)
+    before = tensor_value(source)
+    if inner is None or inner.abs_of or before is None:
+        return None
+    if not inner.coefs:
+        return inner
+    if is_function(node, operator.getitem):
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        mapping = _dim_map(index, before.dim())
+        if mapping is None:
+            return None
+        coefs, const = {}, inner.const
+        for d, c in inner.coefs:
+            out_dim, start = mapping[d]
+            coefs[out_dim] = c
+            const = const + c * start
+        return _normalised(coefs, ev, const)
+    if is_method(node, "expand"):
+        return _normalised(dict(inner.coefs), ev, inner.const)  # dims from the right are unchanged
+    # unsqueeze / view / reshape: the non-1 dims of input and output must pair up in order.
+    big_in = [d - before.dim() for d in range(before.dim()) if not statically_known_true(before.shape[d] == 1)]
+    big_out = [d - ev.dim() for d in range(ev.dim()) if not statically_known_true(ev.shape[d] == 1)]
+    if len(big_in) != len(big_out) or not all(
+            statically_known_true(before.shape[a] == ev.shape[b]) for a, b in zip(big_in, big_out)):
+        return None
+    pairs = dict(zip(big_in, big_out))
+    return _normalised({pairs[d]: c for d, c in inner.coefs}, ev, inner.const)
+
+
+# ------------------------------------------------------------------------------------------
+# Bool conditions: band AND residual terms
+# ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Conjunction:
+    """``j - i >= lo`` for every lo in ``los`` and ``j - i <= hi`` for every hi in ``his``, AND
+    every residual term.
+
+    ``residual`` holds (node, negated) pairs, each a tensor that broadcasts to the condition
+    (negated: the term is its complement). ``rebuildable`` is False when a residual term sits
+    under a view that moves positions (a slice): then the terms cannot simply be AND-ed again
+    and only the whole condition stands for them."""
+
+    los: list = dataclasses.field(default_factory=list)
+    his: list = dataclasses.field(default_factory=list)
+    residual: list = dataclasses.field(default_factory=list)
+    rebuildable: bool = True
+
+    @property
+    def has_band(self) -> bool:
+        return bool(self.los or self.his)
+
+
+def _and(a: Conjunction, b: Conjunction) -> Conjunction:
+    return Conjunction(a.los + b.los, a.his + b.his, a.residual + b.residual, a.rebuildable and b.rebuildable)
+
+
+def _bounds(lo: Any = None, hi: Any = None) -> Conjunction:
+    return Conjunction([] if lo is None else [lo], [] if hi is None else [hi])
+
+
+def _leaf(node: fx.Node, negated: bool = False) -> Conjunction:
+    return Conjunction(residual=[(node, negated)])
+
+
+def _is_ones(node: Any) -> bool:
+    if is_function(node, torch.ones, torch.ones_like) or is_method(node, "new_ones"):
+        return True
+    if is_function(node, torch.full) or is_method(node, "new_full"):
+        args = node.args[1:] if node.op == "call_function" else node.args[2:]
+        value = args[0] if args else node.kwargs.get("fill_value")
+        return value is True or (isinstance(value, (int, float)) and not isinstance(value, bool) and value == 1)
+    return False
+
+
+def _is_indicator(node: Any) -> bool:
+    """Holds only 0 and 1 (or False and True): a bool tensor, ones, tril/triu/casts of one."""
+    ev = tensor_value(node)
+    if ev is None:
+        return False
+    if ev.dtype == torch.bool or _is_ones(node):
+        return True
+    if is_function(node, torch.tril, torch.triu) or is_method(node, "tril", "triu", *_CASTS, "view", "reshape",
+                                                                 "expand", "unsqueeze"):
+        return _is_indicator(node.args[0])
+    if is_function(node, operator.getitem):
+        return _is_indicator(node.args[0])
+    return False
+
+
+def _position_preserving_view(node: fx.Node) -> bool:
+    """A view whose last two dims keep their sizes and positions (a broadcast over leading dims,
+    new leading dims, a cast): the band of its input is its band."""
+    before, after = tensor_value(node.args[0]), tensor_value(node)
+    if before is None or after is None or before.dim() < 2 or after.dim() < 2:
+        return False
+    if is_method(node, *_CASTS):
+        return tuple(before.shape) == tuple(after.shape) or len(node.args) < 3
+    if not all(statically_known_true(a == b) for a, b in zip(before.shape[-2:], after.shape[-2:])):
+        return False
+    if is_method(node, "expand"):
+        return True
+    if is_function(node, operator.getitem):
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        mapping = _dim_map(index, before.dim())
+        return mapping is not None and all(mapping.get(d) == (d, 0) for d in (-2, -1))
+    if is_method(node, "view", "reshape", "unsqueeze"):
+        return before.dim() <= after.dim() and all(
+            statically_known_true(a == b) for a, b in zip(reversed(before.shape), reversed(after.shape)))
+    return False
+
+
+def decompose(node: Any) -> Conjunction:
+    """Where the bool (or 0/1) tensor ``node`` is true, as band AND residual terms (exact)."""
+    if not isinstance(node, fx.Node):
+        return Conjunction(residual=[(node, False)], rebuildable=False)
+    args = node.args
+    if _is_ones(node):
+        return Conjunction()
+    if (is_function(node, *_AND) or is_method(node, *_AND_METHODS)) and len(args) == 2:
+        return _and(decompose(args[0]), decompose(args[1]))
+    if (is_function(node, operator.mul, torch.mul) or is_method(node, "mul", "__mul__")) and len(args) == 2 \
+            and all(_is_indicator(a) for a in args):
+        return _and(decompose(args[0]), decompose(args[1]))
+    if (is_function(node, *_NOT) or is_method(node, *_NOT_METHODS)) and _bool(args[0]):
+        return complement(args[0])
+    compare = _comparison(node)
+    if compare is not None:
+        name, lhs, rhs = compare
+        if name in ("eq", "ne") and _is_zero(rhs) and _is_indicator(lhs):
+            return complement(lhs) if name == "eq" else _sub_decompose(node, lhs)
+        if name in ("eq", "ne") and _is_zero(lhs) and _is_indicator(rhs):
+            return complement(rhs) if name == "eq" else _sub_decompose(node, rhs)
+        found = _half_planes(name, lhs, rhs, node)
+        return found if found is not None else _leaf(node)
+    if (is_function(node, torch.tril, torch.triu) or is_method(node, "tril", "triu")) and _is_indicator(args[0]):
+        diagonal = args[1] if len(args) > 1 else node.kwargs.get("diagonal", 0)
+        if not isinstance(diagonal, int) or isinstance(diagonal, bool):
+            return _leaf(node)
+        lower = node.target in (torch.tril, "tril")
+        inner = _sub_decompose(node, args[0])
+        return _and(inner, _bounds(hi=diagonal) if lower else _bounds(lo=diagonal))
+    if (is_method(node, *_CASTS, "view", "reshape", "expand", "unsqueeze") or is_function(node, operator.getitem)) \
+            and _is_indicator(args[0]) and _position_preserving_view(node):
+        return _sub_decompose(node, args[0])
+    return _leaf(node)
+
+
+def _sub_decompose(node: fx.Node, inner: fx.Node) -> Conjunction:
+    """``inner``'s conjunction seen through ``node`` (same positions): a bare residual term is
+    replaced by ``node`` itself, so the term keeps the cast or broadcast written on it."""
+    found = decompose(inner)
+    if not found.has_band:
+        return _leaf(node) if found.residual else found
+    if found.residual and not _keeps_leaves(node):
+        found.rebuildable = False
+    return found
+
+
+def _keeps_leaves(node: fx.Node) -> bool:
+    """Residual terms under ``node`` can be AND-ed without it: it only casts, broadcasts, adds
+    leading dims or applies tril/triu (whose band part is already read)."""
+    if is_method(node, "expand", "to", "bool", "contiguous", "clone") or is_function(node, torch.tril, torch.triu) \
+            or is_method(node, "tril", "triu"):
+        return True
+    before, after = tensor_value(node.args[0]), tensor_value(node)
+    return before is not None and after is not None and tuple(before.shape) == tuple(after.shape)
+
+
+def complement(node: fx.Node) -> Conjunction:
+    """Where ``node`` is false: NOT of one half-plane is a half-plane, NOT of an OR is an AND of
+    NOTs; anything else is the residual term NOT node."""
+    args = node.args
+    if (is_function(node, *_OR) or is_method(node, *_OR_METHODS)) and len(args) == 2:
+        return _and(complement(args[0]), complement(args[1]))
+    if (is_function(node, *_NOT) or is_method(node, *_NOT_METHODS)) and _bool(args[0]):
+        return decompose(args[0])
+    found = decompose(node)
+    if found.residual or len(found.los) + len(found.his) != 1:
+        return _leaf(node, negated=True)
+    return _bounds(hi=found.los[0] - 1) if found.los else _bounds(lo=found.his[0] + 1)
+
+
+def _bool(node: Any) -> bool:
+    ev = tensor_value(node)
+    return ev is not None and ev.dtype == torch.bool
+
+
+def _is_zero(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0) or value is False
+
+
+def _comparison(node: fx.Node) -> Optional[tuple[str, Any, Any]]:
+    if node.op == "call_function" and node.target in _COMPARE and len(node.args) == 2:
+        return _COMPARE[node.target], node.args[0], node.args[1]
+    if node.op == "call_method" and node.target in _COMPARE_METHODS and len(node.args) == 2:
+        return _COMPARE_METHODS[node.target], node.args[0], node.args[1]
+    return None
+
+
+def _half_planes(name: str, lhs: Any, rhs: Any, node: fx.Node) -> Optional[Conjunction]:
+    """``lhs <op> rhs`` on integer index tensors as bounds on d = j - i (j: the column, dim -1;
+    i: the row, dim -2), or None when it is not such a comparison."""
+    a, b = _affine(lhs), _affine(rhs)
+    if a is None or b is None:
+        return None
+    if b.abs_of and not a.abs_of:
+        a, b, name = b, a, _SWAPPED[name]
+    if a.abs_of:
+        # |s·d + c| <op> w, w a constant: -w <= s·d + c <= w for le (strict for lt).
+        if b.coefs or b.abs_of or name not in ("le", "lt"):
+            return None
+        sign = _band_sign(a)
+        if sign is None:
+            return None
+        w = b.const - (1 if name == "lt" else 0)
+        c = sign * a.const  # |s·d + c| == |d + s·c|
+        return _bounds(lo=-w - c, hi=w - c)
+    result = tensor_value(node)
+    diff = _combine(a, b, -1, result) if result is not None else None
+    if diff is None:
+        return None
+    sign = _band_sign(diff)
+    if sign is None:
+        return None
+    # s·d + c <op> 0  ->  d <op'> -s·c
+    k = -sign * diff.const
+    if sign < 0:
+        name = _SWAPPED[name]
+    bounds = {"lt": (None, k - 1), "le": (None, k), "gt": (k + 1, None), "ge": (k, None), "eq": (k, k)}
+    if name not in bounds:
+        return None
+    return _bounds(*bounds[name])
+
+
+def _band_sign(form: Affine) -> Optional[int]:
+    """s when ``form`` is s·(j - i) + c with s = ±1 (the column index minus the row index)."""
+    coefs = dict(form.coefs)
+    if set(coefs) != {-2, -1} or coefs[-1] not in (1, -1) or coefs[-2] != -coefs[-1]:
+        return None
+    return coefs[-1]
+
+
+# ------------------------------------------------------------------------------------------
+# The op's window
+# ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """FlashAttention's ``window_size``: query i sees key j iff
+    ``-left <= j - (i + S - L) <= right``; -1 is unbounded on that side."""
+
+    left: int
+    right: int
+
+    def describe(self) -> str:
+        return f"sliding window (left={self.left}, right={self.right})"
+
+    def as_argument(self) -> tuple[int, int]:
+        return (self.left, self.right)
+
+
+def _as_int(expr: Any) -> Optional[int]:
+    if isinstance(expr, int):
+        return expr
+    expr = sympy.simplify(expr)
+    return int(expr) if expr.is_Integer else None
+
+
+def to_window(found: Conjunction, seq_q: Any, seq_k: Any) -> Optional[Window]:
+    """The band of ``found`` as a :class:`Window` for L = ``seq_q`` queries and S = ``seq_k`` keys,
+    or None when a bound is not a compile-time constant or lies beyond what a window expresses
+    (a band that excludes the aligned diagonal on one side: -1 means unbounded there)."""
+    if not found.has_band:
+        return None
+    offset = _sym(seq_k) - _sym(seq_q)  # the diagonal j = i + S - L the window is aligned to
+    lefts = [_as_int(offset - lo) for lo in found.los]
+    rights = [_as_int(hi - offset) for hi in found.his]
+    if any(x is None or x < 0 for x in lefts + rights):
+        return None
+    return Window(min(lefts, default=-1), min(rights, default=-1))
+
+
+def _sym(size: Any) -> Any:
+    return size.node.expr if isinstance(size, torch.SymInt) else int(size)
+
+
+def rows_never_empty(window: Window, seq_q: Any, seq_k: Any) -> bool:
+    """Every query sees at least one key: with left, right >= 0 (or unbounded) a row is empty
+    only at the top, when the window's right edge i + S - L + right is below key 0 for i = 0."""
+    if window.right == -1:
+        return True
+    return bool(statically_known_true(seq_k - seq_q + window.right >= 0))

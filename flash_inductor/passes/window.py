@@ -1,0 +1,123 @@
+"""Sites whose mask is a sliding window: the op's ``window`` in place of a dense mask.
+
+A band mask given to the op densely makes the kernel load and test every tile of the (L, S)
+plane; as ``window=(left, right)`` the kernel skips the tiles outside the band. ``band.py``
+reads a mask as band AND residual terms; here a site takes the band as its window when that is
+exact:
+
+* a bool mask (SDPA's, HF "sdpa"): window AND the residual terms is the mask, entry for entry,
+  so fully hidden rows stay fully hidden. The residual (HF's padding lookup, (B, 1, 1, S)) is
+  passed as the op's ``attn_mask``; when its terms cannot be AND-ed apart from the mask (a term
+  under a slice), the whole mask is passed with the window.
+* an additive mask ``where(band, 0, fill)`` (HF "eager", forward code) or a fill of scores where
+  the band is false: only with no residual and no row left without a key. Eager gives such a
+  row uniform weights when the fill is finite, or NaN for -inf, where the op gives 0, so a
+  mask that can hide a row stays as written.
+
+A bound that is not a compile-time constant (a window held in a tensor, a symbolic offset that
+does not cancel against S - L) keeps the mask as written.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from . import band
+from .fx_match import call_ancestors, fill_value, is_function, is_mask_fill, is_method, known_equal, tensor_value
+from .site import AttentionSite, example_value
+
+
+def bool_condition_window(cond: fx.Node, seq_q: Any, seq_k: Any, *, attend_if: bool = True,
+                          exact_rows_only: bool) -> Optional[tuple[band.Window, band.Conjunction]]:
+    """(window, conjunction) for a bool condition whose visible set is ``cond == attend_if``.
+
+    ``exact_rows_only``: accept only a pure band that leaves every row a key (see the module
+    docstring: a fill that eager treats differently on hidden rows)."""
+    value = tensor_value(cond)
+    if value is None or value.dim() < 2 or not known_equal(value.shape[-2:], (seq_q, seq_k)):
+        return None
+    found = band.decompose(cond) if attend_if else band.complement(cond)
+    window = band.to_window(found, seq_q, seq_k)
+    if window is None:
+        return None
+    if exact_rows_only and (found.residual or not band.rows_never_empty(window, seq_q, seq_k)):
+        return None
+    return window, found
+
+
+def additive_window(mask: fx.Node, seq_q: Any, seq_k: Any, factor: float = 1.0) -> Optional[band.Window]:
+    """The window of an additive mask ``where(cond, 0, fill)`` (or ``where(cond, fill, 0)``) with a
+    fill that hides keys, when it is exactly a band leaving every row a key; else None."""
+    if not (is_function(mask, torch.where) or is_method(mask, "where")) or len(mask.args) != 3:
+        return None
+    cond, a, b = mask.args if is_function(mask, torch.where) else (mask.args[1], mask.args[0], mask.args[2])
+    values = [fill_value(a), fill_value(b)]
+    if not isinstance(cond, fx.Node) or None in values or factor <= 0:
+        return None
+    if values[0] == 0 and is_mask_fill(values[1] * factor):
+        attend_if = True
+    elif values[1] == 0 and is_mask_fill(values[0] * factor):
+        attend_if = False
+    else:
+        return None
+    mask_value = tensor_value(mask)
+    if mask_value is None or not mask_value.is_floating_point():
+        return None
+    found = bool_condition_window(cond, seq_q, seq_k, attend_if=attend_if, exact_rows_only=True)
+    return None if found is None else found[0]
+
+
+def residual_mask(graph: fx.Graph, terms: list[tuple[fx.Node, bool]]) -> fx.Node:
+    """The AND of the residual terms as one bool tensor (inserted at the graph's insert point)."""
+    combined = None
+    for node, negated in terms:
+        value = tensor_value(node)
+        if value is not None and value.dtype == torch.bool:
+            term = graph.call_function(torch.logical_not, (node,)) if negated else node
+        else:
+            term = graph.call_function(torch.eq if negated else torch.ne, (node, 0))
+        combined = term if combined is None else graph.call_function(torch.logical_and, (combined, term))
+    return combined
+
+
+def _in_graph_order(nodes: list[fx.Node]) -> list[fx.Node]:
+    if not nodes:
+        return []
+    order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
+    return sorted(set(nodes), key=lambda n: order.get(n, -1))
+
+
+def sdpa_window(site: AttentionSite) -> AttentionSite:
+    """An SDPA site with its band mask as the op's window (module docstring), or the site as it was."""
+    mask = site.attn_mask
+    query, key = example_value(site.query), example_value(site.key)
+    if mask is None or site.window is not None or site.prologue is not None or query is None or key is None:
+        return site
+    mask_value = example_value(mask)
+    if mask_value is None or query.dim() < 2:
+        return site
+    seq_q, seq_k = query.shape[-2], key.shape[-2]
+    if mask_value.dtype != torch.bool:
+        window = additive_window(mask, seq_q, seq_k)
+        if window is None:
+            return site
+        site.window, site.attn_mask = window, None
+        site.consumed = _in_graph_order([*site.consumed, *call_ancestors(mask)])
+        return site
+    found = bool_condition_window(mask, seq_q, seq_k, exact_rows_only=False)
+    if found is None:
+        return site
+    site.window, conjunction = found
+    if not conjunction.residual:
+        site.attn_mask = None
+        site.consumed = _in_graph_order([*site.consumed, *call_ancestors(mask)])
+    elif conjunction.rebuildable:
+        terms = conjunction.residual
+        site.attn_mask = None
+        site.mask_description = "bool mask"
+        site.prologue = lambda graph, q, k, v, _mask: (q, k, v, residual_mask(graph, terms))
+        site.consumed = _in_graph_order([*site.consumed, *call_ancestors(mask)])
+    return site
