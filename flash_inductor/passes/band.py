@@ -239,8 +239,9 @@ class Conjunction:
         return bool(self.los or self.his)
 
 
-def _and(a: Conjunction, b: Conjunction) -> Conjunction:
+def conjunction_and(a: Conjunction, b: Conjunction) -> Conjunction:
     return Conjunction(a.los + b.los, a.his + b.his, a.residual + b.residual, a.rebuildable and b.rebuildable)
+
 
 
 def _bounds(lo: Any = None, hi: Any = None) -> Conjunction:
@@ -276,7 +277,7 @@ def _is_indicator(node: Any) -> bool:
     return False
 
 
-def _position_preserving_view(node: fx.Node) -> bool:
+def position_preserving_view(node: fx.Node) -> bool:
     """A view whose last two dims keep their sizes and positions (a broadcast over leading dims,
     new leading dims, a cast): the band of its input is its band."""
     before, after = tensor_value(node.args[0]), tensor_value(node)
@@ -306,10 +307,10 @@ def decompose(node: Any) -> Conjunction:
     if _is_ones(node):
         return Conjunction()
     if (is_function(node, *_AND) or is_method(node, *_AND_METHODS)) and len(args) == 2:
-        return _and(decompose(args[0]), decompose(args[1]))
+        return conjunction_and(decompose(args[0]), decompose(args[1]))
     if (is_function(node, operator.mul, torch.mul) or is_method(node, "mul", "__mul__")) and len(args) == 2 \
             and all(_is_indicator(a) for a in args):
-        return _and(decompose(args[0]), decompose(args[1]))
+        return conjunction_and(decompose(args[0]), decompose(args[1]))
     if (is_function(node, *_NOT) or is_method(node, *_NOT_METHODS)) and _bool(args[0]):
         return complement(args[0])
     compare = _comparison(node)
@@ -327,9 +328,9 @@ def decompose(node: Any) -> Conjunction:
             return _leaf(node)
         lower = node.target in (torch.tril, "tril")
         inner = _sub_decompose(node, args[0])
-        return _and(inner, _bounds(hi=diagonal) if lower else _bounds(lo=diagonal))
+        return conjunction_and(inner, _bounds(hi=diagonal) if lower else _bounds(lo=diagonal))
     if (is_method(node, *_CASTS, "view", "reshape", "expand", "unsqueeze") or is_function(node, operator.getitem)) \
-            and _is_indicator(args[0]) and _position_preserving_view(node):
+            and _is_indicator(args[0]) and position_preserving_view(node):
         return _sub_decompose(node, args[0])
     return _leaf(node)
 
@@ -360,7 +361,7 @@ def complement(node: fx.Node) -> Conjunction:
     NOTs; anything else is the residual term NOT node."""
     args = node.args
     if (is_function(node, *_OR) or is_method(node, *_OR_METHODS)) and len(args) == 2:
-        return _and(complement(args[0]), complement(args[1]))
+        return conjunction_and(complement(args[0]), complement(args[1]))
     if (is_function(node, *_NOT) or is_method(node, *_NOT_METHODS)) and _bool(args[0]):
         return decompose(args[0])
     found = decompose(node)

@@ -29,6 +29,7 @@ from .fx_match import (
     call_ancestors,
 )
 from .site import AttentionSite
+from .window import causal_or_window, handwritten_window
 
 # ------------------------------------------------------------------------------------------
 # What recognition found
@@ -153,6 +154,7 @@ class Plan:
     resolve: Callable[[Any], Any]
     replaced: dict
     anchors: list  # the product and the softmax, for the report's module path
+    window: Any = None  # the op's sliding window (``band.Window``) read from band masks, or None
 
 
 # ------------------------------------------------------------------------------------------
@@ -306,6 +308,13 @@ def assemble(match: Match, context: Context) -> AttentionSite:
     _check_not_mutated([product.query, match.key, match.value, *product.consumed, *match.repeat_nodes,
                         *(t.node for t in masks)], output, context.order)
     is_causal = bool(fills) and len(fills) == len(masks) and all(f.causal is not None for f in fills)
+    # Mistral / Qwen2 / Gemma / Phi-3 "eager" with sliding_window, Longformer-style local masks:
+    # masks that together are a band become the op's window (window.py says when that is exact).
+    window = None if is_causal or not masks else handwritten_window(masks, *scores[-2:])
+    banded = []
+    if window is not None:
+        is_causal, window = causal_or_window(window, *scores[-2:])
+        banded, masks, fills = [t.node for t in masks], [], []
     finite = [f for f in fills if f.value != float("-inf")]
     if finite and len(masks) > 1:
         # Eager replaces hidden scores by the fill and then adds or fills more: a row that the
@@ -317,8 +326,8 @@ def assemble(match: Match, context: Context) -> AttentionSite:
     if row_fixup and match.dropout_p > 0:
         raise Keep(f"a finite fill ({finite[0].value:g}) with dropout: rows it hides entirely are "
                    "dropped in eager")
-    extra = [a for s in match.steps for a in s.extra if isinstance(a, fx.Node)]
-    if is_causal:
+    extra = [a for s in match.steps for a in s.extra if isinstance(a, fx.Node)] + banded
+    if is_causal and not banded:
         extra += [f.mask for f in fills]
         masks = []
     q_groups, out_groups = groups_of(scores[:-2]), groups_of(probs[:-2])
@@ -330,7 +339,7 @@ def assemble(match: Match, context: Context) -> AttentionSite:
     for node in extra:
         consumed.update(call_ancestors(node))
     plan = Plan(
-        pattern=_pattern_name(match, is_causal, fills, bool(k_grouped), masks),
+        pattern=_pattern_name(match, is_causal, fills, bool(k_grouped), masks, window),
         output=output, query=Operand(product.query, product.query_perm, q_shape, q_groups),
         key=Operand(match.key, product.key_perm, k_shape, q_groups),
         value=Operand(match.value, match.value_perm, v_shape, out_groups),
@@ -339,11 +348,12 @@ def assemble(match: Match, context: Context) -> AttentionSite:
         out_perm=match.out_perm, row_fixup=row_fixup,
         consumed=sorted(consumed, key=lambda n: context.order.get(n, -1)),
         resolve=context.resolve, replaced=context.replaced, anchors=[product.node, match.softmax],
+        window=window,
     )
     return make_site(plan)
 
 
-def _pattern_name(match: Match, is_causal: bool, fills: list, grouped: bool, masks: list) -> str:
+def _pattern_name(match: Match, is_causal: bool, fills: list, grouped: bool, masks: list, window: Any) -> str:
     """The counter / report name: the site's most distinctive feature."""
     if is_causal:
         return "handwritten_causal_buffer" if any(f.causal for f in fills) else "handwritten_causal_tril"
@@ -351,6 +361,8 @@ def _pattern_name(match: Match, is_causal: bool, fills: list, grouped: bool, mas
         return "handwritten_alibi"
     if grouped:
         return "handwritten_gqa"
+    if window is not None:
+        return "handwritten_window"
     if any(m.is_bool for m in masks):
         return "handwritten_bool_mask"
     if masks:
@@ -454,7 +466,7 @@ def make_site(plan: Plan) -> AttentionSite:
         value=plan.value.node, attn_mask=None, dropout_p=plan.dropout_p, is_causal=plan.is_causal,
         scale=plan.scale, enable_gqa=plan.enable_gqa, consumed=plan.consumed, prologue=prologue,
         epilogue=epilogue, mask_description=_describe_masks(plan), anchors=plan.anchors,
-        on_rewritten=on_rewritten,
+        on_rewritten=on_rewritten, window=plan.window,
     )
 
 

@@ -20,10 +20,12 @@ does not cancel against S - L) keeps the mask as written.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import band
 from .fx_match import call_ancestors, fill_value, is_function, is_mask_fill, is_method, known_equal, tensor_value
@@ -36,11 +38,8 @@ def bool_condition_window(cond: fx.Node, seq_q: Any, seq_k: Any, *, attend_if: b
 
     ``exact_rows_only``: accept only a pure band that leaves every row a key (see the module
     docstring: a fill that eager treats differently on hidden rows)."""
-    value = tensor_value(cond)
-    if value is None or value.dim() < 2 or not known_equal(value.shape[-2:], (seq_q, seq_k)):
-        return None
-    found = band.decompose(cond) if attend_if else band.complement(cond)
-    window = band.to_window(found, seq_q, seq_k)
+    found = _band_of(cond, seq_q, seq_k, attend_if)
+    window = None if found is None else band.to_window(found, seq_q, seq_k)
     if window is None:
         return None
     if exact_rows_only and (found.residual or not band.rows_never_empty(window, seq_q, seq_k)):
@@ -48,9 +47,20 @@ def bool_condition_window(cond: fx.Node, seq_q: Any, seq_k: Any, *, attend_if: b
     return window, found
 
 
-def additive_window(mask: fx.Node, seq_q: Any, seq_k: Any, factor: float = 1.0) -> Optional[band.Window]:
-    """The window of an additive mask ``where(cond, 0, fill)`` (or ``where(cond, fill, 0)``) with a
-    fill that hides keys, when it is exactly a band leaving every row a key; else None."""
+def _peel_views(node: Any) -> Any:
+    """A mask seen through casts, broadcasts and slices that keep its positions (HF's
+    ``mask[:, :, :, :S]`` of a mask already S wide)."""
+    while isinstance(node, fx.Node) and node.args and isinstance(node.args[0], fx.Node) and (
+            is_method(node, "to", "contiguous", "expand", "float", "half", "bfloat16", "type_as")
+            or is_function(node, operator.getitem)) and band.position_preserving_view(node):
+        node = node.args[0]
+    return node
+
+
+def _additive_band(mask: fx.Node, seq_q: Any, seq_k: Any, factor: float) -> Optional[band.Conjunction]:
+    """The band of an additive mask ``where(cond, 0, fill)`` (or ``where(cond, fill, 0)``) whose
+    fill hides keys, when it is exactly a band (no residual); else None."""
+    mask = _peel_views(mask)
     if not (is_function(mask, torch.where) or is_method(mask, "where")) or len(mask.args) != 3:
         return None
     cond, a, b = mask.args if is_function(mask, torch.where) else (mask.args[1], mask.args[0], mask.args[2])
@@ -66,8 +76,48 @@ def additive_window(mask: fx.Node, seq_q: Any, seq_k: Any, factor: float = 1.0) 
     mask_value = tensor_value(mask)
     if mask_value is None or not mask_value.is_floating_point():
         return None
-    found = bool_condition_window(cond, seq_q, seq_k, attend_if=attend_if, exact_rows_only=True)
-    return None if found is None else found[0]
+    found = _band_of(cond, seq_q, seq_k, attend_if)
+    return None if found is None or found.residual else found
+
+
+def _band_of(cond: Any, seq_q: Any, seq_k: Any, attend_if: bool) -> Optional[band.Conjunction]:
+    value = tensor_value(cond)
+    if value is None or value.dim() < 2 or not known_equal(value.shape[-2:], (seq_q, seq_k)):
+        return None
+    found = band.decompose(cond) if attend_if else band.complement(cond)
+    return found if found.has_band else None
+
+
+def additive_window(mask: fx.Node, seq_q: Any, seq_k: Any, factor: float = 1.0) -> Optional[band.Window]:
+    """The window of an additive band mask that leaves every row a key, else None."""
+    found = _additive_band(mask, seq_q, seq_k, factor)
+    window = None if found is None else band.to_window(found, seq_q, seq_k)
+    return window if window is not None and band.rows_never_empty(window, seq_q, seq_k) else None
+
+
+def handwritten_window(terms: list, seq_q: Any, seq_k: Any) -> Optional[band.Window]:
+    """The window standing for all of a hand-written site's mask terms (``handwritten_site.MaskTerm``:
+    bool fills and additive masks), when each is a pure band and together they leave every row
+    a key (so the fill values play no part); else None and the masks stay as written."""
+    combined = band.Conjunction()
+    for term in terms:
+        if term.is_bool:
+            found = _band_of(term.node, seq_q, seq_k, term.attend_if)
+        else:
+            found = _additive_band(term.node, seq_q, seq_k, term.factor)
+        if found is None or found.residual:
+            return None
+        combined = band.conjunction_and(combined, found)
+    window = band.to_window(combined, seq_q, seq_k)
+    return window if window is not None and band.rows_never_empty(window, seq_q, seq_k) else None
+
+
+def causal_or_window(window: band.Window, seq_q: Any, seq_k: Any) -> tuple[bool, Optional[band.Window]]:
+    """(is_causal, window) for the op: a band that is exactly the causal triangle with L == S is
+    ``is_causal=True`` (the plain causal path), anything else the window."""
+    if window.as_argument() == (-1, 0) and statically_known_true(seq_q == seq_k):
+        return True, None
+    return False, window
 
 
 def residual_mask(graph: fx.Graph, terms: list[tuple[fx.Node, bool]]) -> fx.Node:
@@ -104,7 +154,7 @@ def sdpa_window(site: AttentionSite) -> AttentionSite:
         window = additive_window(mask, seq_q, seq_k)
         if window is None:
             return site
-        site.window, site.attn_mask = window, None
+        (site.is_causal, site.window), site.attn_mask = causal_or_window(window, seq_q, seq_k), None
         site.consumed = _in_graph_order([*site.consumed, *call_ancestors(mask)])
         return site
     found = bool_condition_window(mask, seq_q, seq_k, exact_rows_only=False)
@@ -112,6 +162,7 @@ def sdpa_window(site: AttentionSite) -> AttentionSite:
         return site
     site.window, conjunction = found
     if not conjunction.residual:
+        site.is_causal, site.window = causal_or_window(site.window, seq_q, seq_k)
         site.attn_mask = None
         site.consumed = _in_graph_order([*site.consumed, *call_ancestors(mask)])
     elif conjunction.rebuildable:
