@@ -139,7 +139,7 @@ def _forward_kernel(site: AttentionSite, schedule: Optional[str]) -> Optional[st
     try:
         reason = hopper.hopper_forward_unsupported_reason(query, key, value, mask, site.dropout_p or 0.0,
                                                           site.scale, schedule,
-                                                          window=getattr(site, "window", None))
+                                                          window=site.window.as_argument() if site.window is not None else None)
     except Exception:  # a report line must never fail a compile
         return None
     if reason is None:
