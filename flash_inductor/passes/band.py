@@ -444,7 +444,8 @@ class Window:
     right: int
 
     def describe(self) -> str:
-        return f"sliding window (left={self.left}, right={self.right})"
+        kind = "sliding window" if -1 not in (self.left, self.right) else "window"
+        return f"{kind} (left={self.left}, right={self.right})"
 
     def as_argument(self) -> tuple[int, int]:
         return (self.left, self.right)
