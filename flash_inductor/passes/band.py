@@ -40,6 +40,7 @@ _COMPARE = {
 }
 _COMPARE_METHODS = {"lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne",
                     "__lt__": "lt", "__le__": "le", "__gt__": "gt", "__ge__": "ge", "__eq__": "eq", "__ne__": "ne"}
+_NEGATED = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": "ne", "ne": "eq"}
 _SWAPPED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
 _AND = (operator.and_, torch.logical_and, torch.bitwise_and)
 _OR = (operator.or_, torch.logical_or, torch.bitwise_or)
@@ -364,6 +365,12 @@ def complement(node: fx.Node) -> Conjunction:
         return conjunction_and(complement(args[0]), complement(args[1]))
     if (is_function(node, *_NOT) or is_method(node, *_NOT_METHODS)) and _bool(args[0]):
         return decompose(args[0])
+    compare = _comparison(node)
+    if compare is not None and _NEGATED.get(compare[0]) is not None:
+        # NOT (a < b) is a >= b on integers: |i - j| > w negated is the band |i - j| <= w.
+        found = _half_planes(_NEGATED[compare[0]], compare[1], compare[2], node)
+        if found is not None:
+            return found
     found = decompose(node)
     if found.residual or len(found.los) + len(found.his) != 1:
         return _leaf(node, negated=True)
