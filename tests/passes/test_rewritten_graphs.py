@@ -237,6 +237,22 @@ def _mask():
     return torch.zeros(B, 1, 1, L).masked_fill(torch.tensor([False, True, False]), torch.finfo(torch.float32).min)
 
 
+class LocalBand(nn.Module):  # Longformer-style local attention: keys within 1 of the query
+    def forward(self, q, k, v):
+        i = torch.arange(q.size(-2), device=q.device)[:, None]
+        j = torch.arange(k.size(-2), device=q.device)[None, :]
+        att = (q @ k.transpose(-2, -1)) * E**-0.5
+        return att.masked_fill((i - j).abs() > 1, float("-inf")).softmax(dim=-1) @ v
+
+
+class SlidingWindowPadded(nn.Module):  # HF masking_utils under compile: band AND padding, then SDPA
+    def forward(self, q, k, v, keep):
+        i = torch.arange(q.size(-2), device=q.device)[None, None, :, None]
+        j = torch.arange(k.size(-2), device=q.device)[None, None, None, :]
+        mask = (j > i - 2) & (j <= i) & keep[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 # ------------------------------------------------------------------------------------------
 # The goldens
 # ------------------------------------------------------------------------------------------
@@ -369,6 +385,25 @@ v4 = torch.add(v3, mask)
 v5 = flash_inductor.passes.site.rewritten_attention(v0, v1, v2, attn_mask=v4, dropout_p=0.0, is_causal=False, scale=0.5, enable_gqa=False, schedule=None)
 v6 = v5.flatten(0, 1)
 return (v6,)""")
+
+    def test_handwritten_window(self):
+        q, k, v = _qkv()
+        code = _rewritten(LocalBand(), q=q, k=k, v=v)
+        self.assertEqual(_patterns(), [("handwritten_window", True)])
+        self.assertExpectedInline(code, """\
+v0 = flash_inductor.passes.site.rewritten_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=0.5, enable_gqa=False, schedule=None, window=(1, 1))
+return (v0,)""")
+
+    def test_sdpa_window(self):
+        # Not a pattern of its own: an SDPA site whose mask is a band AND padding keeps the padding.
+        q, k, v = _qkv()
+        keep = torch.ones(B, L, dtype=torch.bool)
+        code = _rewritten(SlidingWindowPadded(), q=q, k=k, v=v, keep=keep)
+        self.assertEqual(_patterns(), [("sdpa", True)])
+        self.assertExpectedInline(code, """\
+v0 = keep[:, None, None, :]
+v1 = flash_inductor.passes.site.rewritten_attention(q, k, v, attn_mask=v0, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, schedule=None, window=(1, 0))
+return (v1,)""")
 
 
 def test_every_family_has_a_golden():
