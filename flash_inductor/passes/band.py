@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import sympy
 import torch
@@ -442,10 +442,10 @@ def _band_sign(form: Affine) -> Optional[int]:
 # ------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Window:
+class Window(NamedTuple):
     """FlashAttention's ``window_size``: query i sees key j iff
-    ``-left <= j - (i + S - L) <= right``; -1 is unbounded on that side."""
+    ``-left <= j - (i + S - L) <= right``; -1 is unbounded on that side. A (left, right) pair,
+    as the op's ``window=`` takes it."""
 
     left: int
     right: int

@@ -497,3 +497,43 @@ def test_tiny_mistral_acceptance(impl):
     assert _records() and all("sliding window" in r.detail for r in _records())
     for (name, a), b in zip(ours.named_parameters(), model.parameters()):
         _assert_rel_close(name, a.grad, b.grad)
+
+
+# ------------------------------------------------------------------------------------------
+# The debug tools reconstruct the window
+# ------------------------------------------------------------------------------------------
+
+
+@needs_transformers
+def test_debug_shadow_checks_a_sliding_window_site():
+    """debug.shadow's float64 reference of a site read as a window applies that window: a
+    reference that saw the whole (L, S) plane would flag the model's own eager result."""
+    from flash_inductor import debug
+
+    model, _ = _hf_model("mistral", "sdpa")
+    with debug.shadow(model) as check:
+        model(**token_inputs(padded=True)).last_hidden_state.sum().backward()
+    report = check.report()
+    assert report.sites == ["layers.0.self_attn", "layers.1.self_attn"]
+    assert report.first_failure is None, str(report)
+
+
+def test_debug_shadow_checks_our_op_with_a_window():
+    from flash_inductor import debug
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 3 * 16)
+
+        def forward(self, x):
+            q, k, v = self.proj(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+            return flash_inductor.flash_attention(q, k, v, window=(W, 1)).sum()
+
+    torch.manual_seed(0)
+    model = Attention()
+    with debug.shadow(model) as check:
+        model(torch.randn(2, 11, 16)).backward()
+    report = check.report()
+    assert report.sites == ["<model>"] and report.first_failure is None, str(report)
+    assert {c.result for c in report.checks if c.compared} == {"out", "dq", "dk", "dv"}
