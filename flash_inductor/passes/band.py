@@ -450,10 +450,6 @@ class Window(NamedTuple):
     left: int
     right: int
 
-    def describe(self) -> str:
-        kind = "sliding window" if -1 not in (self.left, self.right) else "window"
-        return f"{kind} (left={self.left}, right={self.right})"
-
     def as_argument(self) -> tuple[int, int]:
         return (self.left, self.right)
 

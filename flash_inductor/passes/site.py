@@ -75,8 +75,8 @@ class AttentionSite:
     # Called with the replacement once the rewrite is in the graph (a pattern that tracks what
     # earlier sites replaced records it here, never before the rewrite is known to go in).
     on_rewritten: Optional[Callable[[fx.Node], None]] = None
-    # The op's sliding window read from a band mask (``band.Window``), or None.
-    window: Optional[Any] = None
+    # The op's sliding window (left, right) read from a band mask (``band.Window``), or None.
+    window: Optional[tuple[int, int]] = None
 
 
 @dataclasses.dataclass
@@ -112,7 +112,7 @@ def example_value(node: Any) -> Optional[torch.Tensor]:
 def describe_rewrite(site: AttentionSite, schedule: Optional[str] = None) -> str:
     """The op arguments of a rewritten site, as the report prints them, and on a Hopper GPU which
     forward kernel will run it."""
-    parts = [site.window.describe()] if site.window is not None else []
+    parts = [describe_window(site.window)] if has_window(site.window) else []
     if site.mask_description:
         parts.append(site.mask_description)
     elif site.attn_mask is not None:
@@ -129,6 +129,17 @@ def describe_rewrite(site: AttentionSite, schedule: Optional[str] = None) -> str
     return ", ".join(p for p in parts if p)
 
 
+def has_window(window: Optional[tuple[int, int]]) -> bool:
+    return window is not None and tuple(window) != (-1, -1)
+
+
+def describe_window(window: tuple[int, int]) -> str:
+    """``sliding window (left=4095, right=0)``; ``window (left=-1, right=0)`` when a side is open."""
+    left, right = window
+    kind = "sliding window" if -1 not in (left, right) else "window"
+    return f"{kind} (left={left}, right={right})"
+
+
 def _forward_kernel(site: AttentionSite, schedule: Optional[str]) -> Optional[str]:
     """'forward on the Hopper kernel', or why the Triton one runs instead, for a site on an sm_90
     GPU (from the fake inputs, as the op decides when it is traced); None elsewhere."""
@@ -139,7 +150,7 @@ def _forward_kernel(site: AttentionSite, schedule: Optional[str]) -> Optional[st
     try:
         reason = hopper.hopper_forward_unsupported_reason(query, key, value, mask, site.dropout_p or 0.0,
                                                           site.scale, schedule,
-                                                          window=site.window.as_argument() if site.window is not None else None)
+                                                          window=tuple(site.window) if has_window(site.window) else None)
     except Exception:  # a report line must never fail a compile
         return None
     if reason is None:
@@ -226,8 +237,8 @@ def rewrite_site(graph: fx.Graph, site: AttentionSite, schedule: Optional[str],
             )
             if monitor_site is not None:
                 kwargs["monitor_site"] = monitor_site
-            if site.window is not None:
-                kwargs["window"] = site.window.as_argument()
+            if has_window(site.window):
+                kwargs["window"] = tuple(site.window)
             call = graph.call_function(rewritten_attention, (q, k, v), kwargs)
             replacement = site.epilogue(graph, call) if site.epilogue is not None else call
         check_replacement(inserted(), site.output, replacement)
