@@ -339,7 +339,7 @@ def assemble(match: Match, context: Context) -> AttentionSite:
     for node in extra:
         consumed.update(call_ancestors(node))
     plan = Plan(
-        pattern=_pattern_name(match, is_causal, fills, bool(k_grouped), masks, window),
+        pattern=_pattern_name(match, is_causal, fills, bool(k_grouped), masks, bool(banded), window),
         output=output, query=Operand(product.query, product.query_perm, q_shape, q_groups),
         key=Operand(match.key, product.key_perm, k_shape, q_groups),
         value=Operand(match.value, match.value_perm, v_shape, out_groups),
@@ -353,16 +353,18 @@ def assemble(match: Match, context: Context) -> AttentionSite:
     return make_site(plan)
 
 
-def _pattern_name(match: Match, is_causal: bool, fills: list, grouped: bool, masks: list, window: Any) -> str:
-    """The counter / report name: the site's most distinctive feature."""
-    if is_causal:
+def _pattern_name(match: Match, is_causal: bool, fills: list, grouped: bool, masks: list, banded: bool,
+                  window: Any) -> str:
+    """The counter / report name: the site's most distinctive feature (GQA before a causal band
+    read from index arithmetic, which is HF's causal mask in every GQA decoder)."""
+    if is_causal and not banded:
         return "handwritten_causal_buffer" if any(f.causal for f in fills) else "handwritten_causal_tril"
     if match.product.bias is not None:
         return "handwritten_alibi"
     if grouped:
         return "handwritten_gqa"
-    if window is not None:
-        return "handwritten_window"
+    if banded:
+        return "handwritten_window" if window is not None else "handwritten_causal_tril"
     if any(m.is_bool for m in masks):
         return "handwritten_bool_mask"
     if masks:
