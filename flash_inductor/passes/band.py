@@ -300,46 +300,49 @@ def position_preserving_view(node: fx.Node) -> bool:
     return False
 
 
-def decompose(node: Any) -> Conjunction:
-    """Where the bool (or 0/1) tensor ``node`` is true, as band AND residual terms (exact)."""
+def decompose(node: Any, one_query: bool = False) -> Conjunction:
+    """Where the bool (or 0/1) tensor ``node`` is true, as band AND residual terms (exact).
+
+    ``one_query``: the mask has one row (decoding, L = 1), whose position i is 0, so a bound on
+    the key index alone is a bound on j - i."""
     if not isinstance(node, fx.Node):
         return Conjunction(residual=[(node, False)], rebuildable=False)
     args = node.args
     if _is_ones(node):
         return Conjunction()
     if (is_function(node, *_AND) or is_method(node, *_AND_METHODS)) and len(args) == 2:
-        return conjunction_and(decompose(args[0]), decompose(args[1]))
+        return conjunction_and(decompose(args[0], one_query), decompose(args[1], one_query))
     if (is_function(node, operator.mul, torch.mul) or is_method(node, "mul", "__mul__")) and len(args) == 2 \
             and all(_is_indicator(a) for a in args):
-        return conjunction_and(decompose(args[0]), decompose(args[1]))
+        return conjunction_and(decompose(args[0], one_query), decompose(args[1], one_query))
     if (is_function(node, *_NOT) or is_method(node, *_NOT_METHODS)) and _bool(args[0]):
-        return complement(args[0])
+        return complement(args[0], one_query)
     compare = _comparison(node)
     if compare is not None:
         name, lhs, rhs = compare
         if name in ("eq", "ne") and _is_zero(rhs) and _is_indicator(lhs):
-            return complement(lhs) if name == "eq" else _sub_decompose(node, lhs)
+            return complement(lhs, one_query) if name == "eq" else _sub_decompose(node, lhs, one_query)
         if name in ("eq", "ne") and _is_zero(lhs) and _is_indicator(rhs):
-            return complement(rhs) if name == "eq" else _sub_decompose(node, rhs)
-        found = _half_planes(name, lhs, rhs, node)
+            return complement(rhs, one_query) if name == "eq" else _sub_decompose(node, rhs, one_query)
+        found = _half_planes(name, lhs, rhs, node, one_query)
         return found if found is not None else _leaf(node)
     if (is_function(node, torch.tril, torch.triu) or is_method(node, "tril", "triu")) and _is_indicator(args[0]):
         diagonal = args[1] if len(args) > 1 else node.kwargs.get("diagonal", 0)
         if not isinstance(diagonal, int) or isinstance(diagonal, bool):
             return _leaf(node)
         lower = node.target in (torch.tril, "tril")
-        inner = _sub_decompose(node, args[0])
+        inner = _sub_decompose(node, args[0], one_query)
         return conjunction_and(inner, _bounds(hi=diagonal) if lower else _bounds(lo=diagonal))
     if (is_method(node, *_CASTS, "view", "reshape", "expand", "unsqueeze") or is_function(node, operator.getitem)) \
             and _is_indicator(args[0]) and position_preserving_view(node):
-        return _sub_decompose(node, args[0])
+        return _sub_decompose(node, args[0], one_query)
     return _leaf(node)
 
 
-def _sub_decompose(node: fx.Node, inner: fx.Node) -> Conjunction:
+def _sub_decompose(node: fx.Node, inner: fx.Node, one_query: bool) -> Conjunction:
     """``inner``'s conjunction seen through ``node`` (same positions): a bare residual term is
     replaced by ``node`` itself, so the term keeps the cast or broadcast written on it."""
-    found = decompose(inner)
+    found = decompose(inner, one_query)
     if not found.has_band:
         return _leaf(node) if found.residual else found
     if found.residual and not _keeps_leaves(node):
@@ -357,21 +360,21 @@ def _keeps_leaves(node: fx.Node) -> bool:
     return before is not None and after is not None and tuple(before.shape) == tuple(after.shape)
 
 
-def complement(node: fx.Node) -> Conjunction:
+def complement(node: fx.Node, one_query: bool = False) -> Conjunction:
     """Where ``node`` is false: NOT of one half-plane is a half-plane, NOT of an OR is an AND of
     NOTs; anything else is the residual term NOT node."""
     args = node.args
     if (is_function(node, *_OR) or is_method(node, *_OR_METHODS)) and len(args) == 2:
-        return conjunction_and(complement(args[0]), complement(args[1]))
+        return conjunction_and(complement(args[0], one_query), complement(args[1], one_query))
     if (is_function(node, *_NOT) or is_method(node, *_NOT_METHODS)) and _bool(args[0]):
-        return decompose(args[0])
+        return decompose(args[0], one_query)
     compare = _comparison(node)
     if compare is not None and _NEGATED.get(compare[0]) is not None:
         # NOT (a < b) is a >= b on integers: |i - j| > w negated is the band |i - j| <= w.
-        found = _half_planes(_NEGATED[compare[0]], compare[1], compare[2], node)
+        found = _half_planes(_NEGATED[compare[0]], compare[1], compare[2], node, one_query)
         if found is not None:
             return found
-    found = decompose(node)
+    found = decompose(node, one_query)
     if found.residual or len(found.los) + len(found.his) != 1:
         return _leaf(node, negated=True)
     return _bounds(hi=found.los[0] - 1) if found.los else _bounds(lo=found.his[0] + 1)
@@ -394,7 +397,7 @@ def _comparison(node: fx.Node) -> Optional[tuple[str, Any, Any]]:
     return None
 
 
-def _half_planes(name: str, lhs: Any, rhs: Any, node: fx.Node) -> Optional[Conjunction]:
+def _half_planes(name: str, lhs: Any, rhs: Any, node: fx.Node, one_query: bool) -> Optional[Conjunction]:
     """``lhs <op> rhs`` on integer index tensors as bounds on d = j - i (j: the column, dim -1;
     i: the row, dim -2), or None when it is not such a comparison."""
     a, b = _affine(lhs), _affine(rhs)
@@ -406,7 +409,7 @@ def _half_planes(name: str, lhs: Any, rhs: Any, node: fx.Node) -> Optional[Conju
         # |s·d + c| <op> w, w a constant: -w <= s·d + c <= w for le (strict for lt).
         if b.coefs or b.abs_of or name not in ("le", "lt"):
             return None
-        sign = _band_sign(a)
+        sign = _band_sign(a, one_query)
         if sign is None:
             return None
         w = b.const - (1 if name == "lt" else 0)
@@ -416,7 +419,7 @@ def _half_planes(name: str, lhs: Any, rhs: Any, node: fx.Node) -> Optional[Conju
     diff = _combine(a, b, -1, result) if result is not None else None
     if diff is None:
         return None
-    sign = _band_sign(diff)
+    sign = _band_sign(diff, one_query)
     if sign is None:
         return None
     # s·d + c <op> 0  ->  d <op'> -s·c
@@ -429,9 +432,12 @@ def _half_planes(name: str, lhs: Any, rhs: Any, node: fx.Node) -> Optional[Conju
     return _bounds(*bounds[name])
 
 
-def _band_sign(form: Affine) -> Optional[int]:
-    """s when ``form`` is s·(j - i) + c with s = ±1 (the column index minus the row index)."""
+def _band_sign(form: Affine, one_query: bool) -> Optional[int]:
+    """s when ``form`` is s·(j - i) + c with s = ±1 (the column index minus the row index); with
+    ``one_query`` (i is 0) also s·j + c."""
     coefs = dict(form.coefs)
+    if one_query and set(coefs) == {-1} and coefs[-1] in (1, -1):
+        return coefs[-1]
     if set(coefs) != {-2, -1} or coefs[-1] not in (1, -1) or coefs[-2] != -coefs[-1]:
         return None
     return coefs[-1]

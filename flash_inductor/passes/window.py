@@ -84,7 +84,8 @@ def _band_of(cond: Any, seq_q: Any, seq_k: Any, attend_if: bool) -> Optional[ban
     value = tensor_value(cond)
     if value is None or value.dim() < 2 or not known_equal(value.shape[-2:], (seq_q, seq_k)):
         return None
-    found = band.decompose(cond) if attend_if else band.complement(cond)
+    one_query = bool(statically_known_true(seq_q == 1))
+    found = band.decompose(cond, one_query) if attend_if else band.complement(cond, one_query)
     return found if found.has_band else None
 
 

@@ -233,12 +233,14 @@ def test_band_form_matches_eager(form, mode):
     _assert_rewritten_with(f"{kind} (left={want[0]}, right={want[1]})")
 
 
+@pytest.mark.parametrize("seq_q", [4, 1], ids=["L4", "decode"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_fewer_queries_than_keys_align_bottom_right(mode):
-    """HF with a KV cache: the last L of S positions query; (W - 1, 0) is bottom-right aligned."""
-    site = _one_site(MODES[mode](hf_sliding), *_qkv(seq_q=4, seq_k=L))
+def test_fewer_queries_than_keys_align_bottom_right(mode, seq_q):
+    """HF with a KV cache: the last L of S positions query; (W - 1, 0) is bottom-right aligned.
+    One query (decoding): its row index is constant, so the bounds are on the key index alone."""
+    site = _one_site(MODES[mode](hf_sliding), *_qkv(seq_q=seq_q, seq_k=L))
     assert _window(site) == (W - 1, 0)
-    _check_against_eager(MODES[mode](hf_sliding), _qkv(seq_q=4, seq_k=L))
+    _check_against_eager(MODES[mode](hf_sliding), _qkv(seq_q=seq_q, seq_k=L))
 
 
 def test_causal_band_with_equal_lengths_is_is_causal():
@@ -288,8 +290,13 @@ def float_indices(q, k):
     return (j > i - W) & (j <= i)
 
 
+def key_only(q, k):  # a bound on the key index alone is a band only when there is one query
+    i, j = _rows_cols(q, k)
+    return (j.expand(q.shape[-2], -1) < k.shape[-2] - 2) & (i >= 0)
+
+
 LOOKALIKES = {"wrong_sign": wrong_sign, "head_dim_band": head_dim_band, "transposed": transposed,
-              "union": union, "float_indices": float_indices}
+              "union": union, "float_indices": float_indices, "key_only": key_only}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
