@@ -91,10 +91,9 @@ def _constant(value: Any) -> Any:
 
 
 def _integer_tensor(node: fx.Node) -> Optional[torch.Tensor]:
+    """int32/int64 only: exact for any position, where int8/int16 would wrap."""
     ev = tensor_value(node)
-    if ev is None or ev.is_floating_point() or ev.is_complex() or ev.dtype == torch.bool:
-        return None
-    return ev
+    return ev if ev is not None and ev.dtype in (torch.int32, torch.int64) else None
 
 
 def _normalised(coefs: dict, ev: torch.Tensor, const: Any) -> Affine:
@@ -159,7 +158,7 @@ def _affine(node: Any) -> Optional[Affine]:
     if is_function(node, torch.arange):
         bounds = [a for a in args if not isinstance(a, torch.dtype)]
         step = bounds[2] if len(bounds) > 2 else node.kwargs.get("step", 1)
-        start = _constant(bounds[0]) if len(bounds) > 1 else node.kwargs.get("start", 0)
+        start = _constant(bounds[0] if len(bounds) > 1 else node.kwargs.get("start", 0))
         if step != 1 or start is None or ev.dim() != 1:
             return None
         return _normalised({-1: 1}, ev, start)
@@ -285,7 +284,7 @@ def position_preserving_view(node: fx.Node) -> bool:
     if before is None or after is None or before.dim() < 2 or after.dim() < 2:
         return False
     if is_method(node, *_CASTS):
-        return tuple(before.shape) == tuple(after.shape) or len(node.args) < 3
+        return True  # dtype and device only
     if not all(statically_known_true(a == b) for a, b in zip(before.shape[-2:], after.shape[-2:])):
         return False
     if is_method(node, "expand"):
@@ -310,7 +309,7 @@ def decompose(node: Any, one_query: bool = False) -> Conjunction:
     args = node.args
     if _is_ones(node):
         return Conjunction()
-    if (is_function(node, *_AND) or is_method(node, *_AND_METHODS)) and len(args) == 2:
+    if _is_logical(node, _AND, _AND_METHODS):
         return conjunction_and(decompose(args[0], one_query), decompose(args[1], one_query))
     if (is_function(node, operator.mul, torch.mul) or is_method(node, "mul", "__mul__")) and len(args) == 2 \
             and all(_is_indicator(a) for a in args):
@@ -339,6 +338,14 @@ def decompose(node: Any, one_query: bool = False) -> Conjunction:
     return _leaf(node)
 
 
+def _is_logical(node: fx.Node, functions: tuple, methods: tuple) -> bool:
+    """A logical AND / OR of two tensors: torch.logical_* on anything (nonzero is true), the
+    bitwise forms only on bools (on integers they combine bits)."""
+    if not ((is_function(node, *functions) or is_method(node, *methods)) and len(node.args) == 2):
+        return False
+    return node.target in (torch.logical_and, torch.logical_or, "logical_and", "logical_or") or _bool(node)
+
+
 def _sub_decompose(node: fx.Node, inner: fx.Node, one_query: bool) -> Conjunction:
     """``inner``'s conjunction seen through ``node`` (same positions): a bare residual term is
     replaced by ``node`` itself, so the term keeps the cast or broadcast written on it."""
@@ -364,7 +371,7 @@ def complement(node: fx.Node, one_query: bool = False) -> Conjunction:
     """Where ``node`` is false: NOT of one half-plane is a half-plane, NOT of an OR is an AND of
     NOTs; anything else is the residual term NOT node."""
     args = node.args
-    if (is_function(node, *_OR) or is_method(node, *_OR_METHODS)) and len(args) == 2:
+    if _is_logical(node, _OR, _OR_METHODS):
         return conjunction_and(complement(args[0], one_query), complement(args[1], one_query))
     if (is_function(node, *_NOT) or is_method(node, *_NOT_METHODS)) and _bool(args[0]):
         return decompose(args[0], one_query)
