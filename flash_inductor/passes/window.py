@@ -15,11 +15,13 @@ exact:
   mask that can hide a row stays as written.
 
 A bound that is not a compile-time constant (a window held in a tensor, a symbolic offset that
-does not cancel against S - L) keeps the mask as written.
+does not cancel against S - L) keeps the mask as written, and so does a mask whose reading fails:
+the site is then rewritten exactly as without this module.
 """
 
 from __future__ import annotations
 
+import logging
 import operator
 from typing import Any, Optional
 
@@ -30,6 +32,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from . import band
 from .fx_match import call_ancestors, fill_value, is_function, is_mask_fill, is_method, known_equal, tensor_value
 from .site import AttentionSite, example_value
+
+log = logging.getLogger("flash_inductor")
 
 
 def bool_condition_window(cond: fx.Node, seq_q: Any, seq_k: Any, *, attend_if: bool = True,
@@ -97,6 +101,16 @@ def additive_window(mask: fx.Node, seq_q: Any, seq_k: Any, factor: float = 1.0) 
 
 
 def handwritten_window(terms: list, seq_q: Any, seq_k: Any) -> Optional[band.Window]:
+    """The window standing for all of a hand-written site's mask terms, or None (see
+    :func:`_handwritten_window`); None too when reading them fails."""
+    try:
+        return _handwritten_window(terms, seq_q, seq_k)
+    except Exception:  # noqa: BLE001 -- an unreadable mask stays the mask as written
+        log.debug("flash_inductor: reading a band mask failed; the masks stay as written", exc_info=True)
+        return None
+
+
+def _handwritten_window(terms: list, seq_q: Any, seq_k: Any) -> Optional[band.Window]:
     """The window standing for all of a hand-written site's mask terms (``handwritten_site.MaskTerm``:
     bool fills and additive masks), when each is a pure band and together they leave every row
     a key (so the fill values play no part); else None and the masks stay as written."""
@@ -143,6 +157,17 @@ def _in_graph_order(nodes: list[fx.Node]) -> list[fx.Node]:
 
 def sdpa_window(site: AttentionSite) -> AttentionSite:
     """An SDPA site with its band mask as the op's window (module docstring), or the site as it was."""
+    snapshot = (site.window, site.attn_mask, site.is_causal, site.prologue, site.mask_description, list(site.consumed))
+    try:
+        return _sdpa_window(site)
+    except Exception:  # noqa: BLE001 -- an unreadable mask stays the mask as written
+        log.debug("flash_inductor: reading %s's mask failed; it stays as written", site.output.name, exc_info=True)
+        (site.window, site.attn_mask, site.is_causal, site.prologue, site.mask_description,
+         site.consumed) = snapshot
+        return site
+
+
+def _sdpa_window(site: AttentionSite) -> AttentionSite:
     mask = site.attn_mask
     query, key = example_value(site.query), example_value(site.key)
     if mask is None or site.window is not None or site.prologue is not None or query is None or key is None:
