@@ -544,3 +544,19 @@ def test_debug_shadow_checks_our_op_with_a_window():
     report = check.report()
     assert report.sites == ["<model>"] and report.first_failure is None, str(report)
     assert {c.result for c in report.checks if c.compared} == {"out", "dq", "dk", "dv"}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_mask_whose_reading_fails_is_rewritten_as_before(mode, monkeypatch):
+    """The pass's guarantee: reading the band never costs a site its rewrite (nor a compile)."""
+    from flash_inductor.passes import band
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("unexpected graph")
+
+    monkeypatch.setattr(band, "decompose", broken)
+    monkeypatch.setattr(band, "complement", broken)
+    site = _one_site(MODES[mode](hf_sliding), *_qkv())
+    assert site.window is None and (site.attn_mask is not None or site.mask_description)
+    _check_against_eager(MODES[mode](hf_sliding), _qkv())
+    assert all(r.rewritten and "window" not in r.detail for r in _records())
