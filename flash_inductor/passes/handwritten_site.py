@@ -310,11 +310,15 @@ def assemble(match: Match, context: Context) -> AttentionSite:
     is_causal = bool(fills) and len(fills) == len(masks) and all(f.causal is not None for f in fills)
     # Mistral / Qwen2 / Gemma / Phi-3 "eager" with sliding_window, Longformer-style local masks:
     # masks that together are a band become the op's window (window.py says when that is exact).
-    window = None if is_causal or not masks else handwritten_window(masks, *scores[-2:])
-    banded = []
-    if window is not None:
-        is_causal, window = causal_or_window(window, *scores[-2:])
-        banded, masks, fills = [t.node for t in masks], [], []
+    read = None if is_causal or not masks else handwritten_window(masks, [f.value for f in fills], *scores[-2:])
+    window, banded = None, []
+    if read is not None:
+        window, residual = read
+        if not residual:  # the op's is_causal excludes a mask
+            is_causal, window = causal_or_window(window, *scores[-2:])
+        banded, fills = [t.node for t in masks], []
+        masks = [MaskTerm(node, True, tuple(tensor_value(node).shape), term.groups, attend_if=not negated)
+                 for term, node, negated in residual]
     finite = [f for f in fills if f.value != float("-inf")]
     if finite and len(masks) > 1:
         # Eager replaces hidden scores by the fill and then adds or fills more: a row that the

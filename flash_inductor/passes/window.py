@@ -10,9 +10,10 @@ exact:
   passed as the op's ``attn_mask``; when its terms cannot be AND-ed apart from the mask (a term
   under a slice), the whole mask is passed with the window.
 * an additive mask ``where(band, 0, fill)`` (HF "eager", forward code) or a fill of scores where
-  the band is false: only with no residual and no row left without a key. Eager gives such a
-  row uniform weights when the fill is finite, or NaN for -inf, where the op gives 0, so a
-  mask that can hide a row stays as written.
+  the band is false: with a -inf fill as for a bool mask (a row hidden entirely gives 0 either
+  way, the op's masked-row rule). With a finite fill (HF's finfo.min) only a pure band that
+  leaves every row a key: eager gives a row hidden entirely uniform weights, and an additive
+  mask also gradients to q and k, where the op gives 0, so such a mask stays as written.
 
 A bound that is not a compile-time constant (a window held in a tensor, a symbolic offset that
 does not cancel against S - L) keeps the mask as written, and so does a mask whose reading fails:
@@ -61,9 +62,9 @@ def _peel_views(node: Any) -> Any:
     return node
 
 
-def _additive_band(mask: fx.Node, seq_q: Any, seq_k: Any, factor: float) -> Optional[band.Conjunction]:
-    """The band of an additive mask ``where(cond, 0, fill)`` (or ``where(cond, fill, 0)``) whose
-    fill hides keys, when it is exactly a band (no residual); else None."""
+def _additive_band(mask: fx.Node, seq_q: Any, seq_k: Any, factor: float) -> Optional[tuple[band.Conjunction, float]]:
+    """(band, fill) of an additive mask ``where(cond, 0, fill)`` (or ``where(cond, fill, 0)``),
+    ``fill`` scaled by ``factor`` and hiding keys; else None."""
     mask = _peel_views(mask)
     if not (is_function(mask, torch.where) or is_method(mask, "where")) or len(mask.args) != 3:
         return None
@@ -72,16 +73,16 @@ def _additive_band(mask: fx.Node, seq_q: Any, seq_k: Any, factor: float) -> Opti
     if not isinstance(cond, fx.Node) or None in values or factor <= 0:
         return None
     if values[0] == 0 and is_mask_fill(values[1] * factor):
-        attend_if = True
+        attend_if, fill = True, values[1] * factor
     elif values[1] == 0 and is_mask_fill(values[0] * factor):
-        attend_if = False
+        attend_if, fill = False, values[0] * factor
     else:
         return None
     mask_value = tensor_value(mask)
     if mask_value is None or not mask_value.is_floating_point():
         return None
     found = _band_of(cond, seq_q, seq_k, attend_if)
-    return None if found is None or found.residual else found
+    return None if found is None else (found, fill)
 
 
 def _band_of(cond: Any, seq_q: Any, seq_k: Any, attend_if: bool) -> Optional[band.Conjunction]:
@@ -94,37 +95,55 @@ def _band_of(cond: Any, seq_q: Any, seq_k: Any, attend_if: bool) -> Optional[ban
 
 
 def additive_window(mask: fx.Node, seq_q: Any, seq_k: Any, factor: float = 1.0) -> Optional[band.Window]:
-    """The window of an additive band mask that leaves every row a key, else None."""
+    """The window of an additive band mask with no residual that leaves every row a key, else None."""
     found = _additive_band(mask, seq_q, seq_k, factor)
-    window = None if found is None else band.to_window(found, seq_q, seq_k)
+    if found is None or found[0].residual:
+        return None
+    window = band.to_window(found[0], seq_q, seq_k)
     return window if window is not None and band.rows_never_empty(window, seq_q, seq_k) else None
 
 
-def handwritten_window(terms: list, seq_q: Any, seq_k: Any) -> Optional[band.Window]:
-    """The window standing for all of a hand-written site's mask terms, or None (see
+def handwritten_window(terms: list, fills: list, seq_q: Any, seq_k: Any) -> Optional[tuple[band.Window, list]]:
+    """(window, residual) standing for all of a hand-written site's mask terms, or None (see
     :func:`_handwritten_window`); None too when reading them fails."""
     try:
-        return _handwritten_window(terms, seq_q, seq_k)
+        return _handwritten_window(terms, fills, seq_q, seq_k)
     except Exception:  # noqa: BLE001 -- an unreadable mask stays the mask as written
         log.debug("flash_inductor: reading a band mask failed; the masks stay as written", exc_info=True)
         return None
 
 
-def _handwritten_window(terms: list, seq_q: Any, seq_k: Any) -> Optional[band.Window]:
-    """The window standing for all of a hand-written site's mask terms (``handwritten_site.MaskTerm``:
-    bool fills and additive masks), when each is a pure band and together they leave every row
-    a key (so the fill values play no part); else None and the masks stay as written."""
-    combined = band.Conjunction()
+def _handwritten_window(terms: list, fills: list, seq_q: Any, seq_k: Any) -> Optional[tuple[band.Window, list]]:
+    """The window of a hand-written site's mask terms (``handwritten_site.MaskTerm``: bool fills,
+    whose fill values ``fills`` lists in order, and additive masks) when together they are a band,
+    and the residual terms as (term, node, negated) to keep as bool masks.
+
+    A finite fill gives a row it hides entirely uniform weights in eager, where the op gives 0
+    (and -inf gives 0 in both, the op's masked-row rule): with one, the terms must be a pure band
+    leaving every row a key, or they stay as written."""
+    fill_values = iter(fills)
+    combined, residual, finite = band.Conjunction(), [], False
     for term in terms:
         if term.is_bool:
-            found = _band_of(term.node, seq_q, seq_k, term.attend_if)
+            found, fill = _band_of(term.node, seq_q, seq_k, term.attend_if), next(fill_values)
         else:
-            found = _additive_band(term.node, seq_q, seq_k, term.factor)
-        if found is None or found.residual:
+            found, fill = _additive_band(term.node, seq_q, seq_k, term.factor) or (None, None)
+        if found is None:
             return None
+        finite = finite or fill != float("-inf")
+        if found.residual and not (found.rebuildable and all(_is_bool(node) for node, _ in found.residual)):
+            return None
+        residual += [(term, node, negated) for node, negated in found.residual]
         combined = band.conjunction_and(combined, found)
     window = band.to_window(combined, seq_q, seq_k)
-    return window if window is not None and band.rows_never_empty(window, seq_q, seq_k) else None
+    if window is None or (finite and (residual or not band.rows_never_empty(window, seq_q, seq_k))):
+        return None
+    return window, residual
+
+
+def _is_bool(node: Any) -> bool:
+    value = tensor_value(node)
+    return value is not None and value.dtype == torch.bool
 
 
 def causal_or_window(window: band.Window, seq_q: Any, seq_k: Any) -> tuple[bool, Optional[band.Window]]:

@@ -348,31 +348,38 @@ def test_symbolic_offset_that_does_not_cancel_keeps_the_mask():
 
 
 class BandAndPadding(nn.Module):
-    """HF's mask with padding: band AND a (B, 1, 1, S) key lookup."""
+    """HF's mask with padding: band AND a (B, 1, 1, S) key lookup, as an SDPA bool mask or as a
+    fill of the scores or an additive ``where`` (``fill``: -inf, or a finite value such as finfo.min)."""
 
-    def __init__(self, mode):
+    def __init__(self, mode, fill=float("-inf")):
         super().__init__()
-        self.mode = mode
+        self.mode, self.fill = mode, fill
 
     def forward(self, q, k, v, keep):
         band = hf_sliding(q, k)[None, None] & keep[:, None, None, :]
         if self.mode == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, attn_mask=band)
         scores = q @ k.transpose(-2, -1) * E**-0.5
-        return scores.masked_fill(~band, float("-inf")).softmax(dim=-1) @ v
+        if self.mode == "additive":
+            return (scores + torch.where(band, 0.0, self.fill)).softmax(dim=-1) @ v
+        return scores.masked_fill(~band, self.fill).softmax(dim=-1) @ v
 
 
 def _keep():
+    """Two padded keys at the end of the second sequence; every query still sees a key."""
     keep = torch.ones(B, L, dtype=torch.bool, device=DEVICE)
     keep[1, -2:] = False
     return keep
 
 
-def test_band_and_data_keeps_the_data_part_for_sdpa():
-    site = _one_site(BandAndPadding("sdpa"), *_qkv(), _keep())
-    assert _window(site) == (W - 1, 0)
-    assert site.attn_mask is None and site.prologue is not None and site.mask_description == "bool mask"
-    module = BandAndPadding("sdpa")
+@pytest.mark.parametrize("mode", ["sdpa", "fill", "additive"])
+def test_band_and_data_keeps_the_data_part(mode):
+    """The band becomes the window and the padding lookup stays the op's bool mask: exact, the
+    visible keys are the same and a row hidden entirely is hidden in both (-inf: the op's
+    masked-row rule, as for the dense mask)."""
+    site = _one_site(BandAndPadding(mode), *_qkv(), _keep())
+    assert _window(site) == (W - 1, 0) and site.mask_description == "bool mask"
+    module = BandAndPadding(mode)
     compiled = torch.compile(module, backend=compile_backend())
     q, k, v = _qkv()
     out = compiled(q, k, v, _keep())
@@ -381,11 +388,11 @@ def test_band_and_data_keeps_the_data_part_for_sdpa():
     _assert_rewritten_with(f"sliding window (left={W - 1}, right=0), bool mask")
 
 
-def test_band_and_data_keeps_the_dense_mask_for_a_fill():
-    """A -inf fill on band AND data: a row the data hides entirely is NaN in eager; the dense
-    mask is kept (the op's masked-row rule is the existing one), no window."""
-    site = _one_site(BandAndPadding("fill"), *_qkv(), _keep())
-    assert site.window is None and site.mask_description == "bool mask"
+def test_band_and_data_with_a_finite_fill_keeps_the_dense_mask():
+    """A finite fill gives a row hidden entirely uniform weights in eager (the pass's row fix-up
+    needs the whole condition): with data in the mask it stays as written, no window."""
+    site = _one_site(BandAndPadding("fill", torch.finfo(torch.float32).min), *_qkv(), _keep())
+    assert site.window is None and site.mask_description.startswith("bool mask")
 
 
 def test_additive_band_that_can_hide_a_row_keeps_its_mask():
