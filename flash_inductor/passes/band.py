@@ -168,6 +168,11 @@ def _affine(node: Any) -> Optional[Affine]:
         a, b = _affine(args[0]), _affine(args[1])
         sign = -1 if node.target in (operator.sub, torch.sub) or method_name(node) == "sub" else 1
         return _combine(a, b, sign, ev) if a is not None and b is not None else None
+    if is_method(node, "__radd__", "__rsub__") and len(args) == 2:  # c + x, c - x on some torch versions
+        a, b = _affine(args[0]), _affine(args[1])
+        if a is None or b is None:
+            return None
+        return _combine(b, a, -1, ev) if node.target == "__rsub__" else _combine(a, b, 1, ev)
     if is_function(node, operator.neg, torch.neg) or is_method(node, "neg", "__neg__"):
         inner = _affine(args[0])
         return None if inner is None or inner.abs_of else Affine(tuple((d, -c) for d, c in inner.coefs), -inner.const)

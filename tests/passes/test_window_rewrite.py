@@ -567,3 +567,28 @@ def test_a_mask_whose_reading_fails_is_rewritten_as_before(mode, monkeypatch):
     assert site.window is None and (site.attn_mask is not None or site.mask_description)
     _check_against_eager(MODES[mode](hf_sliding), _qkv())
     assert all(r.rewritten and "window" not in r.detail for r in _records())
+
+
+def test_dunder_method_spellings_are_read():
+    """Dynamo on some torch versions records tensor operators as methods (``i.__rsub__(3)``,
+    ``a.__ge__(b)``, ``a.__and__(b)``): the same band, read the same way."""
+    import operator
+
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from flash_inductor.passes import band
+
+    graph = fx.Graph()
+    graph.placeholder("unused")
+    i = graph.call_function(operator.getitem, (graph.call_function(torch.arange, (L,)), (slice(None), None)))
+    j = graph.call_function(operator.getitem, (graph.call_function(torch.arange, (L,)), (None, slice(None))))
+    shifted = graph.call_method("__add__", (j, graph.call_method("__rsub__", (i, W))))  # j + (W - i)
+    mask = graph.call_method("__and__", (graph.call_method("__ge__", (shifted, 0)), graph.call_method("__le__", (j, i))))
+    graph.output(mask)
+    gm = fx.GraphModule(nn.Module(), graph)
+    FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(torch.zeros(1))
+    for node in gm.graph.nodes:
+        node.meta["example_value"] = node.meta.get("val")
+    assert band.to_window(band.decompose(mask), L, L) == (W, 0)
