@@ -88,6 +88,11 @@ def abs_le(q, k):  # Longformer-style symmetric local attention
     return (i - j).abs() <= W
 
 
+def abs_le_causal(q, k):  # a local band AND a causal mask
+    i, j = _rows_cols(q, k)
+    return ((j - i).abs() <= W) & (j <= i)
+
+
 def abs_lt(q, k):
     i, j = _rows_cols(q, k)
     return torch.abs(j - i) < W
@@ -115,6 +120,7 @@ BANDS = {
     "tril_plus_w": (tril_plus_w, (-1, W)),
     "triu_minus_w": (triu_minus_w, (W, -1)),
     "abs_le": (abs_le, (W, W)),
+    "abs_le_causal": (abs_le_causal, (W, 0)),
     "abs_lt": (abs_lt, (W - 1, W - 1)),
     "not_abs_gt": (not_abs_gt, (W, W)),
     "not_or": (not_or, (W, 0)),
