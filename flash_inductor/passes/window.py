@@ -37,21 +37,6 @@ from .site import AttentionSite, example_value
 log = logging.getLogger("flash_inductor")
 
 
-def bool_condition_window(cond: fx.Node, seq_q: Any, seq_k: Any, *, attend_if: bool = True,
-                          exact_rows_only: bool) -> Optional[tuple[band.Window, band.Conjunction]]:
-    """(window, conjunction) for a bool condition whose visible set is ``cond == attend_if``.
-
-    ``exact_rows_only``: accept only a pure band that leaves every row a key (see the module
-    docstring: a fill that eager treats differently on hidden rows)."""
-    found = _band_of(cond, seq_q, seq_k, attend_if)
-    window = None if found is None else band.to_window(found, seq_q, seq_k)
-    if window is None:
-        return None
-    if exact_rows_only and (found.residual or not band.rows_never_empty(window, seq_q, seq_k)):
-        return None
-    return window, found
-
-
 def _peel_views(node: Any) -> Any:
     """A mask seen through casts, broadcasts and slices that keep its positions (HF's
     ``mask[:, :, :, :S]`` of a mask already S wide)."""
@@ -92,15 +77,6 @@ def _band_of(cond: Any, seq_q: Any, seq_k: Any, attend_if: bool) -> Optional[ban
     one_query = bool(statically_known_true(seq_q == 1))
     found = band.decompose(cond, one_query) if attend_if else band.complement(cond, one_query)
     return found if found.has_band else None
-
-
-def additive_window(mask: fx.Node, seq_q: Any, seq_k: Any, factor: float = 1.0) -> Optional[band.Window]:
-    """The window of an additive band mask with no residual that leaves every row a key, else None."""
-    found = _additive_band(mask, seq_q, seq_k, factor)
-    if found is None or found[0].residual:
-        return None
-    window = band.to_window(found[0], seq_q, seq_k)
-    return window if window is not None and band.rows_never_empty(window, seq_q, seq_k) else None
 
 
 def handwritten_window(terms: list, fills: list, seq_q: Any, seq_k: Any) -> Optional[tuple[band.Window, list]]:
@@ -195,25 +171,24 @@ def _sdpa_window(site: AttentionSite) -> AttentionSite:
     if mask_value is None or query.dim() < 2:
         return site
     seq_q, seq_k = query.shape[-2], key.shape[-2]
-    if mask_value.dtype != torch.bool:
-        window = additive_window(mask, seq_q, seq_k)
-        if window is None:
-            return site
-        (site.is_causal, site.window), site.attn_mask = causal_or_window(window, seq_q, seq_k), None
-        site.consumed = _in_graph_order([*site.consumed, *call_ancestors(mask)])
+    if mask_value.dtype == torch.bool:
+        found, finite = _band_of(mask, seq_q, seq_k, True), False
+    else:
+        read = _additive_band(mask, seq_q, seq_k, 1.0)
+        found, finite = (read[0], read[1] != float("-inf")) if read is not None else (None, False)
+    window = None if found is None else band.to_window(found, seq_q, seq_k)
+    if window is None or (finite and (found.residual or not band.rows_never_empty(window, seq_q, seq_k))):
         return site
-    found = bool_condition_window(mask, seq_q, seq_k, exact_rows_only=False)
-    if found is None:
-        return site
-    site.window, conjunction = found
-    if not conjunction.residual:
-        site.is_causal, site.window = causal_or_window(site.window, seq_q, seq_k)
+    site.window = window
+    if not found.residual:
+        site.is_causal, site.window = causal_or_window(window, seq_q, seq_k)
         site.attn_mask = None
         site.consumed = _in_graph_order([*site.consumed, *call_ancestors(mask)])
-    elif conjunction.rebuildable:
-        terms = conjunction.residual
+    elif found.rebuildable:
+        terms = found.residual
         site.attn_mask = None
         site.mask_description = "bool mask"
         site.prologue = lambda graph, q, k, v, _mask: (q, k, v, residual_mask(graph, terms))
         site.consumed = _in_graph_order([*site.consumed, *call_ancestors(mask)])
+    # else: the whole mask stays beside the window, which hides only keys it hides already
     return site

