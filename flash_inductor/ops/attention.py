@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import launch
-from ..launch import hopper
+from ..launch import decode, hopper
 from ..launch.band import NO_WINDOW
 
 # What the eager fast path needs besides launch.can_launch_directly(), looked up once (torch
@@ -101,9 +101,14 @@ def _hopper_forward_fake(query, key, value, is_causal, causal_offset, scale, sch
 
 def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
                     window=NO_WINDOW, *, hopper_call=attention_forward_hopper):
-    """The CUDA forward: the Gluon Hopper kernel where it applies, else the Triton kernels.
-    ``hopper_call`` is the opaque op inside the registered op, the plain function on the eager
-    fast path (no dispatcher there)."""
+    """The CUDA forward: the split-KV decode kernels for a few query rows against long keys, else
+    the Gluon Hopper kernel where it applies, else the Triton kernels. ``hopper_call`` is the
+    opaque op inside the registered op, the plain function on the eager fast path (no dispatcher
+    there)."""
+    decoded = decode.decode_forward_or_none(query, key, value, attn_mask, dropout_p, is_causal, causal_offset,
+                                            scale, schedule, window=window)
+    if decoded is not None:
+        return decoded
     reason = hopper.hopper_forward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
                                                       window=window)
     if reason is None:

@@ -20,7 +20,9 @@ DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp
 MASK_KINDS = ("none", "causal", "bool", "float")
 # The backward's dK/dV and dQ kernels are tuned together, as one "backward" bucket whose entry
 # holds both configs: they run back to back on the same problem, so only their sum matters.
-PASSES = ("forward", "backward")
+# "decode" is the split-KV forward for a few query rows against long keys (launch/decode.py); its
+# length bucket is S's, and its entry's config caps the packed rows per program (block_m).
+PASSES = ("forward", "backward", "decode")
 MIN_SEQ_BUCKET = 128
 MAX_SEQ_BUCKET = 65536
 # The bucket of a symbolic length that has no hint (an unbacked size): a mid-size problem.

@@ -176,7 +176,7 @@ def shipped_entry(entry: dict) -> dict:
 # ------------------------------------------------------------------------------------------
 
 
-_ROLES = {"forward": ("forward",), "backward": ("backward_dkdv", "backward_dq")}
+_ROLES = {"forward": ("forward",), "backward": ("backward_dkdv", "backward_dq"), "decode": ("decode",)}
 _CONFIG_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 # Bounds wider than anything the autotuner searches (tiles 32 to 128, 4 or 8 warps, 1 to 4 stages;
 # the interpreter's 16x16, 1 warp, 1 stage) and within what a launch can take (tl.dot needs 16 rows

@@ -18,7 +18,7 @@ import torch
 
 from ..schedules import DEFAULT_SCHEDULE, SCHEDULES
 from . import cache
-from .buckets import bucket_for
+from .buckets import bucket_for, length_hint
 from .footprint import OPTIN_SMEM_BYTES, DeviceLimits, TileBytes, fits
 from .kernel_config import AttentionConfigs, KernelConfig, padded_head_dim
 
@@ -29,7 +29,11 @@ _INTERPRETER_CONFIGS = AttentionConfigs(
     forward=KernelConfig(16, 16, 1, 1),
     backward_dkdv=KernelConfig(16, 16, 1, 1),
     backward_dq=KernelConfig(16, 16, 1, 1),
+    decode=KernelConfig(16, 16, 1, 1),
 )
+# The interpreter has no SMs; a small count makes the split heuristic cut short key sequences into
+# several splits, so CPU tests exercise the merge.
+_INTERPRETER_SM_COUNT = 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,7 +66,16 @@ def cuda_heuristic_configs(capability: tuple[int, int], itemsize: int, head_dim:
         # tile on top of that (fp32 float masks: 32 KiB a stage at 128x64) took 240 KiB of shared
         # memory at three stages on an H200, past its 227 KiB. Two stages fit.
         fwd = dataclasses.replace(fwd, num_stages=2)
-    return AttentionConfigs(fwd, dkdv, dq)
+    return AttentionConfigs(fwd, dkdv, dq, decode=_decode_heuristic(wide, width))
+
+
+def _decode_heuristic(wide: bool, width: int) -> KernelConfig:
+    """The split-KV decode kernel streams K/V once and is bound by memory: a K/V tile of 64 keys
+    in three stages keeps the loads in flight; block_m caps the packed rows (GROUP x L) at 64, so
+    up to 8 heads x 8 rows share one K/V read (a 16-row decode at GROUP 8 takes two row blocks)."""
+    if not wide:
+        return KernelConfig(64, 64, 4, 3) if width <= 128 else KernelConfig(64, 32, 4, 2)
+    return KernelConfig(32, 32, 4, 2) if width <= 128 else KernelConfig(16, 32, 4, 1)
 
 
 # Backward tiles for 16-bit head widths 129-256 on Hopper, measured on an H200 (bf16, B=4, H=8,
@@ -168,3 +181,82 @@ def _select(table: Optional[cache.TableView], device: torch.device, dtype: torch
 
 # Bounded: a process that sees many distinct lengths (a dynamic-shape eager loop) evicts old ones.
 _select_memoised = functools.lru_cache(maxsize=4096)(_select)
+
+
+# ------------------------------------------------------------------------------------------
+# Split-KV decode (launch/decode.py)
+# ------------------------------------------------------------------------------------------
+
+# Keys per unit of the split search: a split shorter than this spends more on its prologue,
+# epilogue and merge traffic than it saves.
+DECODE_SPLIT_GRANULE = 256
+DECODE_MAX_SPLITS = 128
+
+
+def decode_split_count(sm_count: int, programs: int, seq_k: int, max_splits: int = DECODE_MAX_SPLITS) -> int:
+    """How many key splits a decode launch of ``programs`` (batch x KV heads x row blocks) programs
+    per split uses: FlashAttention's ``num_splits_heuristic`` (flash_api.cpp). A launch that
+    already fills 80 % of the SMs takes one split; otherwise the smallest count whose last wave is
+    at least 85 % as full as the best count's, among counts that change the keys per split
+    (units of ``DECODE_SPLIT_GRANULE`` keys), at most one split per SM and ``max_splits``."""
+    programs, sm_count = max(int(programs), 1), max(int(sm_count), 1)
+    if programs >= 0.8 * sm_count:
+        return 1
+    granules = max(-(-int(seq_k) // DECODE_SPLIT_GRANULE), 1)
+    limit = max(min(max_splits, sm_count, granules), 1)
+
+    def eligible(n: int) -> bool:  # n splits that hold as many granules each as n - 1 do are no gain
+        return n == 1 or -(-granules // n) != -(-granules // (n - 1))
+
+    efficiency = {}
+    for n in range(1, limit + 1):
+        if eligible(n):
+            waves = programs * n / sm_count
+            efficiency[n] = waves / -(-waves // 1)
+    best = max(efficiency.values())
+    return next(n for n in sorted(efficiency) if efficiency[n] >= 0.85 * best)
+
+
+def decode_sm_count(device: torch.device, interpreted: bool) -> int:
+    """The SMs a decode launch on ``device`` spreads over (a small count under the interpreter)."""
+    if interpreted or device.type != "cuda":
+        return _INTERPRETER_SM_COUNT
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def select_decode_config(query: torch.Tensor, head_dim: int, head_dim_v: int, interpreted: bool, *, seq_k,
+                         mask_kind: str = "none", schedule: Optional[str] = None) -> KernelConfig:
+    """The decode kernel's config: the table's "decode" entry at S's length bucket, else the
+    heuristic (as :func:`select_configs`, never failing a launch)."""
+    try:
+        table = cache.active_table(query.device, interpreted)
+    except Exception as error:
+        cache.warn_lookup_failed(error)
+        table = None
+    return _select_decode(table, query.device, query.dtype, head_dim, head_dim_v, interpreted,
+                          length_hint(seq_k), mask_kind, schedule)
+
+
+@functools.lru_cache(maxsize=4096)
+def _select_decode(table: Optional[cache.TableView], device: torch.device, dtype: torch.dtype, head_dim: int,
+                   head_dim_v: int, interpreted: bool, seq_k: int, mask_kind: str,
+                   schedule: Optional[str]) -> KernelConfig:
+    heuristic = _heuristic_for(device, dtype, head_dim, head_dim_v, interpreted, schedule, mask_kind).decode
+    if table is None:
+        return heuristic
+    width = max(padded_head_dim(head_dim), padded_head_dim(head_dim_v))
+    # The bucket is S's alone: L <= 16 never decides the length bucket.
+    bucket = bucket_for(schedule or DEFAULT_SCHEDULE, dtype, width, mask_kind, 1, seq_k, "decode")
+    if bucket is None:
+        return heuristic
+    try:
+        entry = table.lookup(bucket)
+        return KernelConfig.from_dict(entry["decode"]) if entry else heuristic
+    except Exception as error:  # a table must never fail an attention call
+        cache.warn_lookup_failed(error)
+        return heuristic

@@ -83,7 +83,9 @@ def tile_bytes_for(bucket: Bucket) -> TileBytes:
 def smem_bytes(role: str, cfg: KernelConfig, t: TileBytes) -> int:
     bm, bn, stages, w = cfg.block_m, cfg.block_n, cfg.num_stages, t.width
     mask_tile = bm * bn * t.mask_itemsize
-    if role == "forward":  # Q stays; K, V (and the mask tile) stream; P feeds P·V
+    # The decode split kernel is the forward's loop over one split of the keys; block_m bounds its
+    # packed rows, so the forward's estimate at block_m is an upper bound.
+    if role in ("forward", "decode"):  # Q stays; K, V (and the mask tile) stream; P feeds P·V
         return bm * w * t.itemsize + stages * (2 * bn * w * t.itemsize + mask_tile) + bm * bn * t.p_itemsize
     if role == "backward_dkdv":  # K, V stay; Q, dO (and the mask) stream; Pᵀ and dSᵀ feed dots
         return 2 * bn * w * t.itemsize + stages * (2 * bm * w * t.itemsize + mask_tile) \
@@ -96,7 +98,7 @@ def smem_bytes(role: str, cfg: KernelConfig, t: TileBytes) -> int:
 
 def fp32_regs_per_thread(role: str, cfg: KernelConfig, width: int, exact_delta: bool = False) -> float:
     bm, bn, threads = cfg.block_m, cfg.block_n, cfg.num_warps * 32
-    if role == "forward":  # O accumulator; S and P
+    if role in ("forward", "decode"):  # O accumulator; S and P
         return (bm * width + 2 * bm * bn) / threads
     if role == "backward_dkdv":  # dK, dV accumulators; P and dS (S and dP die into them)
         return (2 * bn * width + 2 * bm * bn) / threads

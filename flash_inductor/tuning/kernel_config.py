@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,10 @@ class AttentionConfigs:
     forward: KernelConfig
     backward_dkdv: KernelConfig
     backward_dq: KernelConfig
+    # The split-KV decode forward (kernels/attn_decode.py): block_m caps the packed rows (query
+    # heads of a group x query rows) per program, block_n is the keys per step. None: the
+    # launcher looks it up (tuning.configs.select_decode_config).
+    decode: Optional[KernelConfig] = None
 
 
 def padded_head_dim(head_dim: int) -> int:

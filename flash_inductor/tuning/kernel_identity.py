@@ -54,6 +54,7 @@ KERNEL_FAMILIES: dict[str, tuple[str, ...]] = {
     "backward": ("attn_bwd:_attn_bwd_preprocess", "attn_bwd:_attn_bwd_row_reference",
                  "attn_bwd:_attn_bwd_dkdv", "attn_bwd:_attn_bwd_dq"),
     "fp8_forward": ("attn_fwd_fp8:_quantize_fp8", "attn_fwd_fp8:_attn_fwd_fp8"),
+    "decode": ("attn_decode:_attn_decode_split", "attn_decode:_attn_decode_merge"),
 }
 _KERNELS_PACKAGE = "flash_inductor.kernels"
 IDENTITY_HEX_DIGITS = 16  # 64 bits: tells kernel versions apart, keeps the shipped table small
