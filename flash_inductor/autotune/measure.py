@@ -58,6 +58,7 @@ class Shape:
     heads: int
     seq_q: int
     seq_k: int
+    heads_kv: Optional[int] = None  # K/V heads (grouped-query attention); None: ``heads``
 
 
 @dataclasses.dataclass
@@ -89,12 +90,13 @@ def make_problem(bucket: Bucket, shape: Shape, device, seed: int, *, qk_mult: fl
     draw_on = torch.device(device) if on_device else torch.device("cpu")
     g = torch.Generator(device=draw_on).manual_seed(seed)
     b, h, lq, lk, e = shape.batch, shape.heads, shape.seq_q, shape.seq_k, bucket.width
+    h_kv = shape.heads_kv or h
 
     def randn(*size, mult=1.0):
         draw_dtype = dtype if on_device else torch.float64
         return (torch.randn(size, generator=g, dtype=draw_dtype, device=draw_on) * mult).to(dtype).to(device)
 
-    q, k, v = randn(b, h, lq, e, mult=qk_mult), randn(b, h, lk, e, mult=qk_mult), randn(b, h, lk, e, mult=v_mult)
+    q, k, v = randn(b, h, lq, e, mult=qk_mult), randn(b, h_kv, lk, e, mult=qk_mult), randn(b, h_kv, lk, e, mult=v_mult)
     dout = randn(b, h, lq, e)
     mask = None
     if bucket.mask in ("bool", "float"):
@@ -112,9 +114,10 @@ def make_problem(bucket: Bucket, shape: Shape, device, seed: int, *, qk_mult: fl
 
 
 def attention_flops(bucket: Bucket, shape: Shape) -> float:
-    """The standard model: 4·B·H·L·S·E, x0.5 causal, x2.5 backward."""
+    """The standard model: 4·B·H·L·S·E, x0.5 causal (not for decode, whose few rows see nearly
+    every key), x2.5 backward."""
     flops = 4.0 * shape.batch * shape.heads * shape.seq_q * shape.seq_k * bucket.width
-    if bucket.mask == "causal":
+    if bucket.mask == "causal" and bucket.pass_name != "decode":
         flops *= 0.5
     return flops * (2.5 if bucket.pass_name == "backward" else 1.0)
 
@@ -131,6 +134,8 @@ class KernelRunner(Protocol):
 
     def backward(self, p: Problem, out: torch.Tensor, lse: torch.Tensor, configs: AttentionConfigs,
                  schedule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def decode(self, p: Problem, configs: AttentionConfigs, schedule: str) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class LaunchRunner:
@@ -154,8 +159,18 @@ class LaunchRunner:
                                                       configs=configs)
         return dq, dk, dv
 
+    def decode(self, p, configs, schedule):
+        from .. import launch
+        from ..launch.decode import decode_attention_forward
+
+        with launch.direct_kernel_calls():
+            return decode_attention_forward(p.q, p.k, p.v, p.mask, p.is_causal, p.causal_offset, p.scale, schedule,
+                                            config=configs.decode)
+
 
 def run_pass(runner: KernelRunner, p: Problem, configs: AttentionConfigs, schedule: str, pass_name: str) -> dict:
+    if pass_name == "decode":
+        return {"out": runner.decode(p, configs, schedule)[0]}
     out, lse = runner.forward(p, configs, schedule)
     result = {"out": out}
     if pass_name == "backward":
@@ -183,7 +198,8 @@ def _visible(p: Problem) -> torch.Tensor:
 def reference_fp64(p: Problem, pass_name: str) -> dict:
     """Naive materialised attention in float64 (rows with no visible key give 0), by autograd."""
     q, k, v = (t.detach().double().requires_grad_(pass_name == "backward") for t in (p.q, p.k, p.v))
-    scores = (q @ k.transpose(-2, -1)) * p.scale
+    group = q.shape[1] // k.shape[1]  # grouped-query attention: each K/V head serves `group` query heads
+    scores = (q @ k.repeat_interleave(group, dim=1).transpose(-2, -1)) * p.scale
     if p.mask is not None and p.mask.dtype != torch.bool:
         scores = scores + p.mask.double()
     vis = _visible(p)
@@ -192,7 +208,7 @@ def reference_fp64(p: Problem, pass_name: str) -> dict:
     row_max = scores.detach().amax(-1, keepdim=True).nan_to_num(neginf=0.0)
     unnorm = torch.exp(scores - row_max)
     total = unnorm.sum(-1, keepdim=True)
-    out = (unnorm / total.clamp_min(torch.finfo(torch.float64).tiny)) @ v
+    out = (unnorm / total.clamp_min(torch.finfo(torch.float64).tiny)) @ v.repeat_interleave(group, dim=1)
     result = {"out": out.detach(), "dead": ~vis.any(-1)}
     if pass_name == "backward":
         out.backward(p.dout.double())
@@ -213,7 +229,8 @@ def sdpa_same_dtype(p: Problem, pass_name: str) -> dict:
         else:
             mask = mask & vis if mask.dtype == torch.bool else mask.masked_fill(~vis, float("-inf"))
     with sdpa_kernel(SDPBackend.MATH):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=p.scale)
+        gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=p.scale, **gqa)
     result = {"out": out.detach()}
     if pass_name == "backward":
         out.backward(p.dout)
@@ -292,7 +309,7 @@ class AccuracyCheck:
 
     @property
     def outputs(self) -> tuple[str, ...]:
-        return ("dq", "dk", "dv") if self.pass_name == "backward" else ("out",)
+        return ("dq", "dk", "dv") if self.pass_name == "backward" else ("out",)  # forward, decode
 
     def verify(self, runner: KernelRunner, configs: AttentionConfigs, schedule: str) -> Verdict:
         try:

@@ -44,10 +44,11 @@ class Grid:
     passes: tuple[str, ...] = ("forward", "backward")
 
     def buckets(self) -> list[Bucket]:
-        # A forward-only schedule (fp8) runs `stable`'s backward, which launches look up as `stable`.
+        # A forward-only schedule (fp8) runs `stable`'s backward, which launches look up as `stable`,
+        # and the normal fp8 forward for decode shapes (launch/decode.py): no buckets of its own.
         return [Bucket(s, d, w, m, n, p) for s in self.schedules for d in self.dtypes for w in self.widths
                 for m in self.masks for n in self.seqs for p in self.passes
-                if not (p == "backward" and get_schedule(s).fp8_forward)]
+                if not (p in ("backward", "decode") and get_schedule(s).fp8_forward)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +89,8 @@ def kernel_signature(bucket: Bucket) -> tuple:
     from .measure import torch_dtype
 
     switches = schedule_switches(torch_dtype(bucket.dtype), bucket.schedule)
-    names = ("P_IN_FP32", "FP32_DOT", "FP8_FORWARD") if bucket.pass_name == "forward" else tuple(sorted(switches))
+    names = {"forward": ("P_IN_FP32", "FP32_DOT", "FP8_FORWARD"), "decode": ("P_IN_FP32", "FP32_DOT")}.get(
+        bucket.pass_name, tuple(sorted(switches)))
     return (bucket.dtype, bucket.width, bucket.mask, bucket.seq, bucket.pass_name,
             tuple(switches[n] for n in names))
 

@@ -40,7 +40,7 @@ from ..tuning.configs import AttentionConfigs, KernelConfig
 from .measure import LaunchRunner, Shape, check_problems, make_problem, run_pass
 from .plan import kernel_signature
 
-_ROLE_NAMES = ("forward", "backward_dkdv", "backward_dq")
+_ROLE_NAMES = ("forward", "backward_dkdv", "backward_dq", "decode")
 # The lengths tests/tuning/test_table_edges.py checks every shipped pick at, as (L, S).
 LENGTHS_OF_ONE = ((7, 1), (1, 7))
 
@@ -55,11 +55,11 @@ class RoundReport:
 
 
 def _encode(configs: AttentionConfigs) -> tuple:
-    return tuple(getattr(configs, r).to_dict() for r in _ROLE_NAMES)
+    return tuple(None if getattr(configs, r) is None else getattr(configs, r).to_dict() for r in _ROLE_NAMES)
 
 
 def _decode(encoded: tuple) -> AttentionConfigs:
-    return AttentionConfigs(*(KernelConfig.from_dict(c) for c in encoded))
+    return AttentionConfigs(*(None if c is None else KernelConfig.from_dict(c) for c in encoded))
 
 
 def warm(bucket_key: str, heuristic: tuple, candidate: tuple, check_shape: tuple, timing_shape: tuple,
@@ -78,7 +78,7 @@ def warm(bucket_key: str, heuristic: tuple, candidate: tuple, check_shape: tuple
             out, lse = runner.forward(timing, _decode(heuristic), bucket.schedule)
             runner.backward(timing, out, lse, configs, bucket.schedule)
         else:
-            runner.forward(timing, configs, bucket.schedule)
+            run_pass(runner, timing, configs, bucket.schedule, bucket.pass_name)
     except Exception as exc:  # reported by the main process's own run of this candidate
         return f"{type(exc).__name__}: {str(exc).strip()[:200]}"
     return None
@@ -124,7 +124,6 @@ class ParallelPrecompiler:
         run goes on without it, its winners unprobed."""
         if self.broken or not (jobs or probes):
             return None
-        check = dataclasses.astuple(self.settings.check_shape)
         unique: dict[tuple, tuple] = {}
         for bucket, heuristic, configs in jobs:
             # Lengths are powers of two and widths multiples of 16, so every timing problem of a
@@ -138,7 +137,7 @@ class ParallelPrecompiler:
                 self._pool = concurrent.futures.ProcessPoolExecutor(
                     max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"))
             warming = [
-                self._pool.submit(warm, bucket.key(), _encode(heuristic), _encode(configs), check,
+                self._pool.submit(warm, bucket.key(), _encode(heuristic), _encode(configs), self._check_shape(bucket),
                                   dataclasses.astuple(self.settings.timing_shape(bucket)), self.device)
                 for bucket, heuristic, configs in unique.values()
             ]
@@ -157,6 +156,10 @@ class ParallelPrecompiler:
         for key in unique_probes:
             self._verdicts[key] = None if confirmed.get(key) is None else f"length one: {confirmed[key]}"[:240]
         return RoundReport(warm_errors=warm_errors, probe_failures=[self._verdicts[key] for key in probe_keys])
+
+    def _check_shape(self, bucket: Bucket) -> tuple:
+        shape = self.settings.decode_check_shape if bucket.pass_name == "decode" else self.settings.check_shape
+        return dataclasses.astuple(shape)
 
     def _confirm_alone(self, failed: dict[tuple, str], probes: dict[tuple, tuple]) -> dict[tuple, Optional[str]]:
         """Re-run each failed probe alone in a fresh process, after replacing the pool: a fault

@@ -53,7 +53,7 @@ from .measure import (
 from .plan import COPY, SHORTLIST, SWEEP, PlannedBucket
 from .precompile import RoundReport
 from ..tuning.footprint import DeviceLimits, TileBytes, tile_bytes_for
-from .search_space import FULL_SPACE, ROLES, SearchSpace, depth_candidates, shape_candidates
+from .search_space import FULL_SPACE, ROLES, SearchSpace, depth_candidates, shape_candidates, space_for
 
 
 @dataclasses.dataclass
@@ -64,6 +64,12 @@ class Settings:
     tokens: int = 16384  # timing problem: batch * seq
     hidden: int = 2048  # timing problem: heads * head width
     check_shape: Shape = Shape(batch=2, heads=4, seq_q=509, seq_k=509)  # ragged on purpose
+    # Decode buckets: a few rows of grouped heads against ragged keys, and a timing problem of
+    # decode_batch sequences with decode_rows rows each, decode_group query heads per K/V head.
+    decode_check_shape: Shape = Shape(batch=2, heads=8, seq_q=5, seq_k=1021, heads_kv=2)
+    decode_batch: int = 8
+    decode_rows: int = 4
+    decode_group: int = 8
     top_k: int = 3  # configs per role a shortlist takes from its sweep
     # A sweep then tries the other pipeline depths of its best shape and of every shape within
     # depth_margin of it, up to depth_shapes shapes: at a near tie the first shape's reference depth
@@ -79,6 +85,9 @@ class Settings:
 
     def timing_shape(self, bucket: Bucket) -> Shape:
         seq = bucket.seq if self.max_timing_seq is None else min(bucket.seq, self.max_timing_seq)
+        if bucket.pass_name == "decode":
+            heads = max(self.decode_group, self.hidden // bucket.width)
+            return Shape(self.decode_batch, heads, self.decode_rows, seq, heads_kv=max(1, heads // self.decode_group))
         return Shape(max(1, self.tokens // seq), max(1, self.hidden // bucket.width), seq, seq)
 
 
@@ -196,14 +205,15 @@ class Tuner:
         if planned.kind == SHORTLIST:  # the heuristic, the best, and the runners-up of each role
             return 2 + len(roles) * (self.settings.top_k - 1)
         heuristic, tiles = self.heuristic(planned.bucket), self._tiles(planned.bucket)
-        return 1 + sum(len(shape_candidates(r, self.settings.space, getattr(heuristic, r).num_stages, tiles,
-                                            self.limits)) + len(self.settings.space.stages) - 1 for r in roles)
+        space = space_for(planned.bucket.pass_name, self.settings.space)
+        return 1 + sum(len(shape_candidates(r, space, getattr(heuristic, r).num_stages, tiles,
+                                            self.limits)) + len(space.stages) - 1 for r in roles)
 
     def _tiles(self, bucket: Bucket) -> TileBytes:
         return tile_bytes_for(bucket)
 
     def _sweep(self, task: BucketTask) -> Iterator[list[AttentionConfigs]]:
-        tiles, space = self._tiles(task.bucket), self.settings.space
+        tiles, space = self._tiles(task.bucket), space_for(task.bucket.pass_name, self.settings.space)
         for role in task.roles:
             current = task.best(self.settings.min_gain)
             base = current.configs if current is not None else task.heuristic
@@ -261,7 +271,8 @@ class Tuner:
     def check_for(self, bucket: Bucket) -> AccuracyCheck:
         kind = (bucket.dtype, bucket.width, bucket.mask, bucket.pass_name)
         if kind not in self._checks:
-            self._checks[kind] = AccuracyCheck(bucket, self.settings.check_shape, self.device)
+            shape = self.settings.decode_check_shape if bucket.pass_name == "decode" else self.settings.check_shape
+            self._checks[kind] = AccuracyCheck(bucket, shape, self.device)
         return self._checks[kind]
 
     def _timing_problem(self, task: BucketTask) -> tuple[Problem, Optional[tuple]]:
@@ -282,7 +293,10 @@ class Tuner:
         if verdict.ok:
             try:
                 problem, saved = self._timing_problem(task)
-                if saved is None:
+                if task.bucket.pass_name == "decode":
+                    def run():
+                        return self.runner.decode(problem, configs, schedule)
+                elif saved is None:
                     def run():
                         return self.runner.forward(problem, configs, schedule)
                 else:

@@ -11,7 +11,7 @@ from typing import Iterable
 from ..tuning.footprint import DeviceLimits, TileBytes, fits
 from ..tuning.kernel_config import KernelConfig
 
-ROLES = {"forward": ("forward",), "backward": ("backward_dkdv", "backward_dq")}
+ROLES = {"forward": ("forward",), "backward": ("backward_dkdv", "backward_dq"), "decode": ("decode",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +26,16 @@ class SearchSpace:
 FULL_SPACE = SearchSpace()
 # --quick: the tiles and depths that win most often on Hopper-class parts, to finish in minutes.
 QUICK_SPACE = SearchSpace(name="quick", blocks_m=(64, 128), blocks_n=(64, 128), warps=(4, 8), stages=(2, 3))
+
+
+def space_for(pass_name: str, space: SearchSpace) -> SearchSpace:
+    """The space a pass searches. The decode kernel's block_m caps its packed rows (GROUP x L, 8 to
+    128 in practice), so its candidates start at 16 rows; it streams K/V once and is bound by
+    memory, so 2 warps and deep pipelines join. Other passes search ``space`` as given."""
+    if pass_name != "decode":
+        return space
+    return dataclasses.replace(space, blocks_m=(16, 32, 64, 128), warps=tuple(sorted({2, *space.warps})),
+                               stages=tuple(sorted({*space.stages, 3, 4})))
 
 
 def shape_candidates(role: str, space: SearchSpace, reference_stages: int, tiles: TileBytes,
