@@ -15,6 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from flash_inductor.kernels.attn_decode import _attn_decode_merge, _attn_decode_split
 from flash_inductor.kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _attn_bwd_row_reference
 from flash_inductor.kernels.attn_fwd import _attn_fwd
 
@@ -28,7 +29,7 @@ def signature(fn, dtype, constexprs):
             sig[name] = "constexpr"
         elif name in _POINTERS:
             sig[name] = f"*{dtype}"
-        elif name in ("LSE", "DELTA", "DLSE", "DMASK", "ROW_REF", "ROW_SHIFT", "DS_STATS"):
+        elif name in ("LSE", "DELTA", "DLSE", "DMASK", "ROW_REF", "ROW_SHIFT", "DS_STATS", "O_PART", "LSE_PART"):
             sig[name] = "*fp32"
         elif name == "MASK":
             sig[name] = "*i1" if constexprs.get("MASK_IS_BOOL") else f"*{dtype}"
@@ -100,9 +101,19 @@ def main() -> int:
             jobs.append((_attn_bwd_dkdv, dict(**common, **flags, **accurate, **even_m, WRITE_DMASK=False, BLOCK_M=32, BLOCK_N=64)))
             jobs.append((_attn_bwd_dq, dict(**common, **flags, **accurate, **even_n, EXACT_DELTA=exact, HAS_DLSE=True,
                                             WRITE_DMASK=False, BLOCK_M=64, BLOCK_N=32)))
-        for fn, constexprs in jobs:
+        if not dropout:
+            # The split-KV decode kernels (launch/decode.py): 16 packed rows (L = 1 at GROUP 8, or
+            # 2 row blocks) and 64, the heuristic's cap; the merge once per dtype.
+            decode = {k: v for k, v in flags.items() if k != "HAS_DROPOUT"}
+            for block_m in (16, 64):
+                jobs.append((_attn_decode_split, dict(**common, **decode, P_IN_FP32=False, BLOCK_M=block_m, BLOCK_N=64),
+                             dict(num_stages=3)))
+            if mask == "none" and not causal:
+                jobs.append((_attn_decode_split, dict(**common, **decode, P_IN_FP32=True, BLOCK_M=16, BLOCK_N=32)))
+                jobs.append((_attn_decode_merge, dict(HEAD_DIM_V=64, BLOCK_EV=128, BLOCK_SPLITS=64)))
+        for fn, constexprs, *options in jobs:
             try:
-                compile_one(fn, dtype, constexprs)
+                compile_one(fn, dtype, constexprs, **(options[0] if options else {}))
             except Exception as exc:  # report every failing variant, not just the first
                 failures += 1
                 print(f"FAIL {fn.__name__} {dtype} mask={mask} dropout={dropout} causal={causal} window={window}: "
