@@ -206,13 +206,17 @@ def _dynamic_sizes(fine: tuple, groups: list, views: list) -> list:
     return sizes
 
 
-def _check_not_mutated(nodes: list, output: fx.Node, order: dict) -> None:
+def _check_not_mutated(nodes: list, pattern: list, output: fx.Node, order: dict) -> None:
     """The op reads q, k, v and the masks where the P·V product was: none of them (nor the nodes
     peeled off them) may be written in place in between. Conservative: any in-place write after
-    the node's definition and before the P·V product keeps the site."""
+    the pattern's first node (``pattern``: the nodes it replaces) and before the P·V product keeps
+    the site. A write before the pattern starts is seen by the pattern and the op alike: a static
+    KV cache is written by ``index_copy_`` just before the step's attention reads it (HF's
+    ``StaticCache.update``)."""
+    start = min(order.get(node, -1) for node in pattern)
     for node in nodes:
         for user in node.users:
-            if mutates(user, node) and order.get(node, -1) < order.get(user, -1) < order[output]:
+            if mutates(user, node) and max(order.get(node, -1), start) < order.get(user, -1) < order[output]:
                 raise Keep(f"{node.name} is modified in place by {describe(user)} at {user.name} "
                            "before the P·V product")
 
@@ -305,8 +309,10 @@ def assemble(match: Match, context: Context) -> AttentionSite:
         return found
 
     masks, scale, fills = _masks(match, groups_of)
+    pattern = [*product.consumed, product.node, *match.repeat_nodes, *(s.node for s in match.steps), match.softmax,
+               *match.probs, output]
     _check_not_mutated([product.query, match.key, match.value, *product.consumed, *match.repeat_nodes,
-                        *(t.node for t in masks)], output, context.order)
+                        *(t.node for t in masks)], pattern, output, context.order)
     is_causal = bool(fills) and len(fills) == len(masks) and all(f.causal is not None for f in fills)
     # Mistral / Qwen2 / Gemma / Phi-3 "eager" with sliding_window, Longformer-style local masks:
     # masks that together are a band become the op's window (window.py says when that is exact).

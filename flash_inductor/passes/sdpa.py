@@ -56,8 +56,10 @@ def _pattern_sdpa_2(site: AttentionSite) -> AttentionSite:
     """HF Llama / Mistral / Qwen2 "sdpa" with a mask: SDPA(q, repeat_kv(k), repeat_kv(v)).
 
     The op gets the un-repeated K/V with ``enable_gqa=True``. Left as matched when K and V are not
-    repeated alike, or when an un-repeated tensor is written in place (the repeat copied its
-    values before the write; the op would read them after it).
+    repeated alike, or when an un-repeated tensor is written in place between the repeat and the
+    call (the repeat copied its values before the write; the op would read them after it). A
+    write before the repeat is seen by both: a static KV cache is written by ``index_copy_`` just
+    before the step repeats and attends over it (HF's ``StaticCache.update``).
     """
     if site.enable_gqa:
         return site
@@ -65,7 +67,7 @@ def _pattern_sdpa_2(site: AttentionSite) -> AttentionSite:
     value, v_rep, v_nodes = peel_repeats(site.value)
     if k_rep == 1 or k_rep != v_rep:
         return site
-    if any(mutates(user, source) for source in (key, value) for user in source.users):
+    if _written_between((key, value), [*k_nodes, *v_nodes], site.output):
         return site
     query, repeated = example_value(site.query), example_value(site.key)
     if query is None or repeated is None or query.dim() != 4 or not known_equal(query.shape[:2], repeated.shape[:2]):
@@ -73,6 +75,15 @@ def _pattern_sdpa_2(site: AttentionSite) -> AttentionSite:
     site.pattern, site.key, site.value, site.enable_gqa = "sdpa_repeat_kv", key, value, True
     site.consumed = [*k_nodes, *v_nodes]
     return site
+
+
+def _written_between(sources, repeats: list, call: fx.Node) -> bool:
+    """Whether a source of the repeats is written in place after the first repeat node and before
+    ``call``."""
+    order = {node: i for i, node in enumerate(call.graph.nodes)}
+    start = min(order[node] for node in repeats)
+    return any(mutates(user, source) and start < order[user] < order[call]
+               for source in sources for user in source.users)
 
 
 def _match(node: fx.Node) -> Union[AttentionSite, KeptSite]:

@@ -299,6 +299,12 @@ def _hf_sdpa_gqa_mutated(q, k, v, mask):
     return F.scaled_dot_product_attention(q, repeated, _repeat_kv(v, 2), attn_mask=mask, scale=0.3), k
 
 
+def _hf_sdpa_gqa_static_cache(q, k, v, mask, new_k, new_v, position):
+    k.index_copy_(2, position, new_k)  # StaticCache.update: the write comes before the repeat
+    v.index_copy_(2, position, new_v)
+    return _hf_sdpa_gqa(q, k, v, mask)
+
+
 def _gqa_inputs(requires_grad=False):
     q = randn((2, 4, L, 8), torch.float64, "cpu", 1).requires_grad_(requires_grad)
     k, v = (randn((2, 2, L, 8), torch.float64, "cpu", s).requires_grad_(requires_grad) for s in (2, 3))
@@ -331,6 +337,17 @@ def test_sdpa_over_repeat_kv_of_a_tensor_written_afterwards_keeps_the_repeat():
     assert _records() == [("sdpa", True)]
     ref, ref_k = _hf_sdpa_gqa_mutated(*inputs)
     _assert_all_close([out, k], [ref, ref_k])
+
+
+def test_sdpa_over_repeat_kv_of_a_cache_written_before_the_repeat_reads_the_cache():
+    q, k, v, mask = _gqa_inputs()
+    step = (randn((2, 2, 1, 8), torch.float64, "cpu", 5), randn((2, 2, 1, 8), torch.float64, "cpu", 6),
+            torch.tensor([3]))
+    ours_cache, ref_cache = (k.clone(), v.clone()), (k.clone(), v.clone())
+    out = torch.compile(_hf_sdpa_gqa_static_cache, backend=flash_inductor.backend)(q, *ours_cache, mask, *step)
+    assert _records() == [("sdpa_repeat_kv", True)]
+    ref = _hf_sdpa_gqa_static_cache(q, *ref_cache, mask, *step)
+    _assert_all_close([out, *ours_cache], [ref, *ref_cache])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (runs in the GPU suite)")

@@ -675,6 +675,58 @@ def test_kept_and_still_matches_eager(case):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+class StaticCacheStep(nn.Module):
+    """One decode step of HF Llama (eager attention) on a ``StaticCache``: ``update`` writes the new
+    keys and values into the cache in place (``index_copy_``), then the attention reads the cache.
+    ``repeat_first``: the grouped keys are repeated (a copy) before the write, so the scores see the
+    old cache while the op, reading where the P·V product was, would see the new one."""
+
+    def __init__(self, repeat_first=False):
+        super().__init__()
+        self.repeat_first = repeat_first
+
+    def forward(self, query, new_key, new_value, cache_k, cache_v, position, mask):
+        if self.repeat_first:
+            key_states = repeat_kv(cache_k, H // HKV)
+        cache_k.index_copy_(2, position, new_key)
+        cache_v.index_copy_(2, position, new_value)
+        if not self.repeat_first:
+            key_states = repeat_kv(cache_k, H // HKV)
+        scores = torch.matmul(query, key_states.transpose(2, 3)) * E**-0.5 + mask
+        return scores.softmax(dim=-1) @ repeat_kv(cache_v, H // HKV)
+
+
+def _static_cache_inputs(dtype, filled=4):
+    """A decode step's query and new K/V, a cache of S slots holding ``filled`` tokens, the slot
+    to write and HF's additive mask hiding the empty slots."""
+    query, new_key, new_value = _qkv(dtype, seq_q=1, seq_k=1, heads_kv=HKV)
+    cache_k, cache_v = (_randn(B, HKV, S, E, dtype=dtype, seed=s) for s in (5, 6))
+    mask = torch.zeros(B, 1, 1, S, dtype=dtype)
+    mask[..., filled + 1:] = torch.finfo(dtype).min
+    return query, new_key, new_value, cache_k, cache_v, torch.tensor([filled]), mask
+
+
+def test_static_cache_written_before_the_attention_is_rewritten():
+    """The write precedes the whole pattern, so the site is rewritten; the output and the cache
+    it leaves match eager."""
+    inputs = _static_cache_inputs(torch.float32)
+    _check_against_eager(StaticCacheStep(), inputs, grad=False)
+    _assert_rewritten("handwritten_gqa")
+    compiled_inputs, eager_inputs = _leaves(inputs), _leaves(inputs)
+    _compile(StaticCacheStep())(*compiled_inputs)
+    StaticCacheStep()(*eager_inputs)
+    for ours, eager in zip(compiled_inputs[3:5], eager_inputs[3:5]):
+        torch.testing.assert_close(ours, eager, rtol=0, atol=0)
+
+
+def test_static_cache_written_inside_the_pattern_is_kept():
+    module, inputs = StaticCacheStep(repeat_first=True), _static_cache_inputs(torch.float32)
+    compiled, gm = _pass_only(module, *_leaves(inputs))
+    _assert_kept("modified in place by .index_copy_()")
+    assert not _op_calls(gm)
+    torch.testing.assert_close(compiled(*_leaves(inputs)), module(*_leaves(inputs)), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("case", ["llama_repeat_kv", "t5"])
 def test_fp32_softmax_on_fp64_is_kept(case):
     """HF Llama / T5 compute the softmax in fp32; for fp64 inputs the op would compute it in
