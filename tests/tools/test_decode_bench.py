@@ -1,0 +1,63 @@
+"""benchmarks/decode.py on CPU: the attention grid records every contender of every cell (SDPA
+backends that do not run on a CPU as errors), summarises, plots and writes; the generate part
+runs both contenders (the compile swapped for the eager model: Inductor's CPU compile would take
+minutes) and compares their tokens."""
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import decode
+
+TINY = ["--batches", "1,2", "--seqs", "40,600", "--query-rows", "1,3", "--heads-q", "4", "--heads-kv", "1",
+        "--head-dim", "16", "--dtype", "fp32", "--device", "cpu", "--rep-steps", "1"]
+
+
+def test_attention_grid_records_summarises_and_writes(tmp_path):
+    records = decode.main(TINY + ["--contenders", "ours,flash,cudnn,efficient", "--out", str(tmp_path)])
+    assert len(records) == 2 * 2 * 2 * 4
+    ours = [r for r in records if r["contender"] == "ours"]
+    assert all(r["status"] == "ok" and r["ms"] > 0 for r in ours), [r.get("error") for r in ours]
+    # Every contender that ran computed the same attention as the first (ours).
+    assert all(r["max_abs_diff_vs_first"] < 1e-4 for r in records if r["status"] == "ok")
+    rows = decode.summarise(records)
+    assert len(rows) == 8 and all("ours_ms" in row for row in rows)
+    written = list(tmp_path.glob("decode_*.json"))
+    assert len(written) == 1 and written[0].with_suffix(".png").exists()
+    assert not list(tmp_path.glob("*.partial.jsonl"))
+    assert json.loads(written[0].read_text())["summary"] == json.loads(json.dumps(rows))
+
+
+def test_cache_mask_and_time_budget(tmp_path):
+    records = decode.main(TINY + ["--contenders", "ours,flash", "--mask", "cache", "--time-budget", "1e-9",
+                                  "--no-write"])
+    assert {r["status"] for r in records} == {"skipped"} and len(records) == 2 * 8
+    records = decode.main(TINY[:4] + ["--batches", "2", "--seqs", "40"] + TINY[8:] +
+                          ["--contenders", "ours", "--mask", "cache", "--no-write"])
+    assert [r["status"] for r in records] == ["ok", "ok"]
+
+
+def test_summary_ratios():
+    records = [dict(batch=1, seq_k=8192, seq_q=1, contender=c, status="ok", ms=ms)
+               for c, ms in (("ours", 1.0), ("flash", 2.0), ("cudnn", 1.5), ("flex", 3.0))]
+    records.append(dict(batch=1, seq_k=8192, seq_q=1, contender="efficient", status="error", error="x"))
+    (row,) = decode.summarise(records)
+    assert row["best_sdpa"] == "cudnn" and row["vs_best_sdpa"] == pytest.approx(1.5)
+    assert row["vs_flex"] == pytest.approx(3.0) and "efficient_ms" not in row
+
+
+def test_generate_part_runs_both_contenders(tmp_path):
+    pytest.importorskip("transformers")
+    records = decode.main(["--part", "generate", "--tiny", "--gen-batch", "2", "--prompt", "5", "--new-tokens", "3",
+                           "--cache-len", "16", "--dtype", "fp32", "--device", "cpu", "--out", str(tmp_path)],
+                          compile_fn=lambda contender, model: model)
+    assert [r["contender"] for r in records] == list(decode.GENERATE_CONTENDERS)
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in records), records
+    assert all(r["tokens_equal_fraction"] == 1.0 for r in records)
+    assert len(list(tmp_path.glob("decode_generate_*.json"))) == 1
+
+
+def test_unknown_contender_names_the_flag():
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--contenders", "ours,fa3"])
