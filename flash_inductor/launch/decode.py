@@ -21,7 +21,7 @@ import torch
 
 from ..schedules import get_schedule
 from ..tuning.buckets import length_hint, mask_kind
-from ..tuning.configs import decode_split_count, decode_sm_count, select_decode_config
+from ..tuning.configs import decode_program_slots, decode_split_count, select_decode_config
 from ..tuning.kernel_config import KernelConfig, padded_head_dim
 from . import common
 from .band import has_window
@@ -110,7 +110,8 @@ def decode_attention_forward(
     row_blocks = cdiv(group * seq_q, block_m)
     if num_splits is None:
         programs = length_hint(batch * heads_kv * row_blocks)
-        num_splits = decode_split_count(decode_sm_count(query.device, interpreted), programs, length_hint(seq_k))
+        num_splits = decode_split_count(decode_program_slots(query.device, interpreted), programs,
+                                        length_hint(seq_k))
     # Keys per split, a whole number of key blocks: computed from the (possibly symbolic) length
     # itself, so the splits cover every key whatever length the hint stood for.
     split_keys = cdiv(cdiv(seq_k, num_splits), config.block_n) * config.block_n

@@ -193,17 +193,18 @@ DECODE_SPLIT_GRANULE = 256
 DECODE_MAX_SPLITS = 128
 
 
-def decode_split_count(sm_count: int, programs: int, seq_k: int, max_splits: int = DECODE_MAX_SPLITS) -> int:
+def decode_split_count(slots: int, programs: int, seq_k: int, max_splits: int = DECODE_MAX_SPLITS) -> int:
     """How many key splits a decode launch of ``programs`` (batch x KV heads x row blocks) programs
-    per split uses: FlashAttention's ``num_splits_heuristic`` (flash_api.cpp). A launch that
-    already fills 80 % of the SMs takes one split; otherwise the smallest count whose last wave is
-    at least 85 % as full as the best count's, among counts that change the keys per split
-    (units of ``DECODE_SPLIT_GRANULE`` keys), at most one split per SM and ``max_splits``."""
-    programs, sm_count = max(int(programs), 1), max(int(sm_count), 1)
-    if programs >= 0.8 * sm_count:
+    per split uses on a GPU with room for ``slots`` programs at once: FlashAttention-2's
+    ``num_splits_heuristic`` (flash_api.cpp, which also counts two programs per SM). A launch that
+    already fills 80 % of the slots takes one split; otherwise the smallest count whose last wave
+    is at least 85 % as full as the best count's, among counts that change the keys per split
+    (units of ``DECODE_SPLIT_GRANULE`` keys), at most ``slots`` and ``max_splits``."""
+    programs, slots = max(int(programs), 1), max(int(slots), 1)
+    if programs >= 0.8 * slots:
         return 1
     granules = max(-(-int(seq_k) // DECODE_SPLIT_GRANULE), 1)
-    limit = max(min(max_splits, sm_count, granules), 1)
+    limit = max(min(max_splits, slots, granules), 1)
 
     def eligible(n: int) -> bool:  # n splits that hold as many granules each as n - 1 do are no gain
         return n == 1 or -(-granules // n) != -(-granules // (n - 1))
@@ -211,17 +212,23 @@ def decode_split_count(sm_count: int, programs: int, seq_k: int, max_splits: int
     efficiency = {}
     for n in range(1, limit + 1):
         if eligible(n):
-            waves = programs * n / sm_count
+            waves = programs * n / slots
             efficiency[n] = waves / -(-waves // 1)
     best = max(efficiency.values())
     return next(n for n in sorted(efficiency) if efficiency[n] >= 0.85 * best)
 
 
-def decode_sm_count(device: torch.device, interpreted: bool) -> int:
-    """The SMs a decode launch on ``device`` spreads over (a small count under the interpreter)."""
+# The decode kernel's heuristic tiles take about 100 KiB of shared memory at E 128 (16-bit), so two
+# programs share an SM of Hopper's 227 KiB: a decode launch has room for twice the SMs.
+DECODE_PROGRAMS_PER_SM = 2
+
+
+def decode_program_slots(device: torch.device, interpreted: bool) -> int:
+    """How many decode programs ``device`` runs at once (a small count under the interpreter)."""
     if interpreted or device.type != "cuda":
         return _INTERPRETER_SM_COUNT
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return DECODE_PROGRAMS_PER_SM * _cuda_sm_count(index)
 
 
 @functools.lru_cache(maxsize=None)

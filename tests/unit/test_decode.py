@@ -199,18 +199,19 @@ def test_unsupported_reasons(device):
 
 
 def test_split_count_heuristic():
+    slots = 2 * 132  # an H200: two decode programs per SM
     # A launch that fills the GPU on its own takes one split.
-    assert decode_split_count(132, 256, 131072) == 1
-    assert decode_split_count(132, 106, 131072) == 1
-    # One batch element of 4 KV heads: splits until one wave is about full, never past the SMs.
-    splits = decode_split_count(132, 4, 131072)
-    assert 0.85 * 132 <= 4 * splits <= 132
+    assert decode_split_count(slots, 256, 131072) == 1
+    assert decode_split_count(slots, 212, 131072) == 1
+    # One batch element of 4 KV heads: splits until one wave is about full, never past the slots.
+    splits = decode_split_count(slots, 4, 131072)
+    assert 0.85 * slots <= 4 * splits <= slots
     # Short keys bound the split count by 256-key granules.
-    assert decode_split_count(132, 4, 300) == 2
-    assert decode_split_count(132, 4, 100) == 1
-    for programs in (1, 3, 8, 33, 64):
+    assert decode_split_count(slots, 4, 300) == 2
+    assert decode_split_count(slots, 4, 100) == 1
+    for programs in (1, 3, 8, 33, 64, 150):
         for seq in (512, 4096, 65536):
-            n = decode_split_count(132, programs, seq)
+            n = decode_split_count(slots, programs, seq)
             assert 1 <= n <= 128 and n <= max(1, -(-seq // 256))
 
 
