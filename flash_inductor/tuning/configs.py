@@ -218,8 +218,9 @@ def decode_split_count(slots: int, programs: int, seq_k: int, max_splits: int = 
     return next(n for n in sorted(efficiency) if efficiency[n] >= 0.85 * best)
 
 
-# The decode kernel's heuristic tiles take about 100 KiB of shared memory at E 128 (16-bit), so two
-# programs share an SM of Hopper's 227 KiB: a decode launch has room for twice the SMs.
+# The decode kernel's heuristic tiles take 72 KiB (16 packed rows) to 112 KiB (64) of shared memory at
+# E 128, 16-bit (Triton 3.6, sm_90: tools/smem_check.py), so two programs or more share an SM of
+# Hopper's 227 KiB: a decode launch has room for twice the SMs.
 DECODE_PROGRAMS_PER_SM = 2
 
 
