@@ -21,6 +21,7 @@ from flash_inductor.tuning.buckets import Bucket
 from flash_inductor.tuning.configs import decode_split_count, select_decode_config
 from flash_inductor.tuning.kernel_config import KernelConfig
 from helpers import (
+    ON_CUDA,
     assert_close_to_ref,
     assert_dead_rows_exact,
     lse_baseline,
@@ -242,3 +243,20 @@ def test_the_table_decode_entry_is_used(monkeypatch, device):
         mask = torch.ones((1, 1, 1, 200), dtype=torch.bool, device=device).expand(1, 4, 2, 200)
         decode.decode_attention_forward(q, k, v, mask, False, 0, 0.2, "stable", num_splits=2)
     assert ("_attn_decode_split", 64) in seen
+
+
+# ------------------------------------------------------------------------------------------
+# Addresses (interpreter only: on a GPU, compute-sanitizer)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(ON_CUDA, reason="checks interpreted kernels; on a GPU, use compute-sanitizer")
+@pytest.mark.parametrize("config", [None, KernelConfig(64, 64, 4, 1)], ids=["interpreter", "wide"])
+@pytest.mark.parametrize("case", [pytest.param(CASES[n], id=n) for n in (
+    "L16-gqa8-cache_bool", "L4-gqa8-cache_causal", "L4-mha-float", "L4-gqa4-dead_rows")])
+def test_decode_kernels_touch_only_their_tensors(case, config, device):
+    from bounds_check import checked_addresses
+
+    with checked_addresses() as state:
+        check_decode(case, torch.float16, device, config=config)
+    assert state.violations == [] and state.accesses > 0
