@@ -102,14 +102,16 @@ def main() -> int:
             jobs.append((_attn_bwd_dq, dict(**common, **flags, **accurate, **even_n, EXACT_DELTA=exact, HAS_DLSE=True,
                                             WRITE_DMASK=False, BLOCK_M=64, BLOCK_N=32)))
         if not dropout:
-            # The split-KV decode kernels (launch/decode.py): 16 packed rows (L = 1 at GROUP 8, or
-            # 2 row blocks) and 64, the heuristic's cap; the merge once per dtype.
+            # The split-KV decode kernels (launch/decode.py): 16 packed rows (L = 1 at GROUP 8) with a
+            # merge to follow, and 64 (the heuristic's cap) writing the output itself; the merge once
+            # per dtype.
             decode = {k: v for k, v in flags.items() if k != "HAS_DROPOUT"}
-            for block_m in (16, 64):
-                jobs.append((_attn_decode_split, dict(**common, **decode, P_IN_FP32=False, BLOCK_M=block_m, BLOCK_N=64),
-                             dict(num_stages=3)))
+            for block_m, single in ((16, False), (64, True)):
+                jobs.append((_attn_decode_split, dict(**common, **decode, P_IN_FP32=False, SINGLE_SPLIT=single,
+                                                      BLOCK_M=block_m, BLOCK_N=64), dict(num_stages=3)))
             if mask == "none" and not causal:
-                jobs.append((_attn_decode_split, dict(**common, **decode, P_IN_FP32=True, BLOCK_M=16, BLOCK_N=32)))
+                jobs.append((_attn_decode_split, dict(**common, **decode, P_IN_FP32=True, SINGLE_SPLIT=False,
+                                                      BLOCK_M=16, BLOCK_N=32)))
                 jobs.append((_attn_decode_merge, dict(HEAD_DIM_V=64, BLOCK_EV=128, BLOCK_SPLITS=64)))
         for fn, constexprs, *options in jobs:
             try:

@@ -55,6 +55,8 @@ Constexpr switches
     IS_CAUSAL               keys past i + causal_offset are invisible
     FP32_DOT                input_precision of the dots ("ieee" for fp32 operands)
     P_IN_FP32               P meets V in fp32 rather than rounded to the input dtype
+    SINGLE_SPLIT            one split (NUM_SPLITS = 1): the split kernel writes OUT and LSE itself,
+                            and no merge runs (O_PART, LSE_PART unused)
     BLOCK_SPLITS            (merge) NUM_SPLITS padded to a power of two
 
 Dropout is not implemented here: a call with dropout takes ``attn_fwd.py`` (``launch/decode.py``).
@@ -69,16 +71,17 @@ from .common import LN2, add_attn_mask
 
 @triton.jit
 def _attn_decode_split(
-    Q, K, V, MASK, O_PART, LSE_PART,
+    Q, K, V, MASK, O_PART, LSE_PART, OUT, LSE,
     stride_qb, stride_qh, stride_qm, stride_qe,
     stride_kb, stride_kh, stride_kn, stride_ke,
     stride_vb, stride_vh, stride_vn, stride_ve,
     stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ob, stride_oh, stride_om, stride_oe,
     H_KV, GROUP, L, S, NUM_SPLITS, split_keys, causal_offset, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    P_IN_FP32: tl.constexpr, FP32_DOT: tl.constexpr,
+    P_IN_FP32: tl.constexpr, FP32_DOT: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); fix fp32 first.
@@ -153,10 +156,16 @@ def _attn_decode_split(
     out = acc * (1.0 / l_safe)[:, None]
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
 
-    part_row = ((b * H_KV * GROUP + h) * L + i) * NUM_SPLITS + split  # (B, Hq, L, NUM_SPLITS) flat
-    tl.store(O_PART + part_row[:, None] * HEAD_DIM_V + offs_ev[None, :], out,
-             mask=row_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V))
-    tl.store(LSE_PART + part_row, lse2, mask=row_ok)
+    if SINGLE_SPLIT:
+        # One split holds every key: its result is final, in the output's dtype and natural log.
+        tl.store(OUT + b * stride_ob + h[:, None] * stride_oh + i[:, None] * stride_om + offs_ev[None, :] * stride_oe,
+                 out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V))
+        tl.store(LSE + (b * H_KV * GROUP + h) * L + i, lse2 * LN2, mask=row_ok)
+    else:
+        part_row = ((b * H_KV * GROUP + h) * L + i) * NUM_SPLITS + split  # (B, Hq, L, NUM_SPLITS) flat
+        tl.store(O_PART + part_row[:, None] * HEAD_DIM_V + offs_ev[None, :], out,
+                 mask=row_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V))
+        tl.store(LSE_PART + part_row, lse2, mask=row_ok)
 
 
 @triton.jit

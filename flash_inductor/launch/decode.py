@@ -117,19 +117,25 @@ def decode_attention_forward(
     split_keys = cdiv(cdiv(seq_k, num_splits), config.block_n) * config.block_n
 
     head_dim_v = meta["HEAD_DIM_V"]
-    o_part = torch.empty((batch, heads_q, seq_q, num_splits, head_dim_v), dtype=torch.float32, device=query.device)
-    lse_part = torch.empty((batch, heads_q, seq_q, num_splits), dtype=torch.float32, device=query.device)
+    single = num_splits == 1
+    if single:  # the split kernel writes the result itself; nothing to merge
+        o_part, lse_part = out, lse
+    else:
+        o_part = torch.empty((batch, heads_q, seq_q, num_splits, head_dim_v), dtype=torch.float32,
+                             device=query.device)
+        lse_part = torch.empty((batch, heads_q, seq_q, num_splits), dtype=torch.float32, device=query.device)
     common.launcher(_attn_decode_split)[(num_splits, batch * heads_kv, row_blocks)](
-        query, key, value, mask_arg, o_part, lse_part,
-        *query.stride(), *key.stride(), *value.stride(), *mask_strides,
+        query, key, value, mask_arg, o_part, lse_part, out, lse,
+        *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(),
         heads_kv, group, seq_q, seq_k, num_splits, split_keys, causal_offset, scale * LOG2E,
-        P_IN_FP32=switches["P_IN_FP32"], BLOCK_M=block_m, BLOCK_N=config.block_n,
+        P_IN_FP32=switches["P_IN_FP32"], SINGLE_SPLIT=single, BLOCK_M=block_m, BLOCK_N=config.block_n,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **meta,
     )
-    common.launcher(_attn_decode_merge)[(batch * heads_q * seq_q,)](
-        o_part, lse_part, out, lse, *out.stride(), heads_q, seq_q, num_splits,
-        HEAD_DIM_V=head_dim_v, BLOCK_EV=meta["BLOCK_EV"], BLOCK_SPLITS=1 << (num_splits - 1).bit_length(),
-        num_warps=4 if meta["BLOCK_EV"] >= 128 else 2,
-    )
+    if not single:
+        common.launcher(_attn_decode_merge)[(batch * heads_q * seq_q,)](
+            o_part, lse_part, out, lse, *out.stride(), heads_q, seq_q, num_splits,
+            HEAD_DIM_V=head_dim_v, BLOCK_EV=meta["BLOCK_EV"], BLOCK_SPLITS=1 << (num_splits - 1).bit_length(),
+            num_warps=4 if meta["BLOCK_EV"] >= 128 else 2,
+        )
     return out, lse

@@ -193,6 +193,8 @@ DECODE_SPLIT_GRANULE = 256
 DECODE_MAX_SPLITS = 128
 
 
+# Memoised: an eager decode step asks it once per layer, and its loop costs tens of µs of host time.
+@functools.lru_cache(maxsize=4096)
 def decode_split_count(slots: int, programs: int, seq_k: int, max_splits: int = DECODE_MAX_SPLITS) -> int:
     """How many key splits a decode launch of ``programs`` (batch x KV heads x row blocks) programs
     per split uses on a GPU with room for ``slots`` programs at once: FlashAttention-2's

@@ -49,7 +49,7 @@ def test_a_decode_bucket_is_searched_with_the_decode_kernels(monkeypatch):
     seen = set()
     spy_on_launches(monkeypatch, lambda name, kwargs: seen.add(name))
     task = run_plan([PlannedBucket(bucket, SWEEP)], tiny_settings(timer, **DECODE_SETTINGS))[bucket]
-    assert seen == {"_attn_decode_split", "_attn_decode_merge"}
+    assert "_attn_decode_split" in seen and seen <= {"_attn_decode_split", "_attn_decode_merge"}
     assert task.entry["configs"] == {"decode": cfg_dict(32, 16, warps=2)}
     assert task.entry["speedup_vs_heuristic"] == pytest.approx(8.0)
     assert not task.entry["rejected"], task.entry["rejected"]  # every config is accurate and stable

@@ -120,8 +120,13 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=n) for n, c in CASES.items()])
-def test_decode_matches_reference(case, kernel_dtype, device):
+def test_decode_matches_reference(case, kernel_dtype, device, monkeypatch):
+    launched = []
+    spy_on_launches(monkeypatch, lambda name, kwargs: launched.append(name))
     check_decode(case, kernel_dtype, device)
+    # One split writes the result itself; several are merged.
+    expected = ["_attn_decode_split"] + (["_attn_decode_merge"] if case.splits > 1 else [])
+    assert launched == expected
 
 
 def test_fully_masked_splits_and_rows(device):
