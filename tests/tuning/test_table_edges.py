@@ -29,7 +29,8 @@ from flash_inductor.tuning.buckets import Bucket
 from flash_inductor.tuning.configs import AttentionConfigs, KernelConfig
 from flash_inductor.autotune.measure import sqnr_db
 from flash_inductor.schedules import FP8_SQNR_BUDGET_DB
-from helpers import ON_CUDA, make_mask, make_qkv, ref_forward_backward
+from helpers import (ON_CUDA, assert_close_to_ref, assert_dead_rows_exact, make_mask, make_qkv,
+                     ref_forward_backward, sdpa_baseline)
 from unit.test_kernels import Case, check_case  # tests/ is on the path (pyproject), unit/ a namespace
 
 pytestmark = pytest.mark.launches_kernels
@@ -99,6 +100,26 @@ def _picks() -> list[Pick]:
 PICKS = _picks()
 
 
+def _decode_picks() -> list[tuple[str, str, int, str, KernelConfig]]:
+    """The table's distinct decode picks: (schedule, dtype, width, mask, config)."""
+    table = cache.read_table(_table_path())
+    picks = {}
+    for key, entry in sorted((table.entries if table is not None else {}).items()):
+        bucket = Bucket.parse(key)
+        if bucket.pass_name == "decode":
+            config = KernelConfig.from_dict(entry["configs"]["decode"])
+            picks.setdefault((bucket.schedule, bucket.dtype, bucket.width, bucket.mask, config.label()),
+                             (bucket.schedule, bucket.dtype, bucket.width, bucket.mask, config))
+    chosen = list(picks.values())
+    return chosen if ON_CUDA else [p for p in chosen if p[1] == "fp16" and p[2] == 64][:1]
+
+
+DECODE_PICKS = _decode_picks()
+# A decode step (one query row of a GQA group against a few hundred keys: L = 1 compiles its own
+# kernel) and a key length of 1.
+DECODE_LENGTHS = {"L1_S600": (1, 600), "L7_S1": (7, 1)}
+
+
 def test_the_table_has_picks_to_check():
     """On the H200 (and on the CPU, which reads the H200 table) the list is not empty, so the
     parametrised test below cannot pass by collecting nothing."""
@@ -143,3 +164,23 @@ def _check_fp8_forward(case: Case, dtype: torch.dtype, device: str, configs: Att
     truth = ref_forward_backward(q, k, v, mask, causal_offset=case.causal_offset, scale=scale)["out"]
     assert torch.isfinite(out).all()
     assert sqnr_db(out, truth) >= FP8_SQNR_BUDGET_DB
+
+
+@pytest.mark.parametrize("lengths", list(DECODE_LENGTHS.values()), ids=list(DECODE_LENGTHS))
+@pytest.mark.parametrize("pick", DECODE_PICKS, ids=["-".join(map(str, p[:4])) + "-" + p[4].label() for p in DECODE_PICKS])
+def test_table_decode_pick_at_length_one(pick, lengths, device):
+    from flash_inductor.launch.decode import decode_attention_forward
+
+    schedule, dtype_name, width, mask_kind, config = pick
+    seq_q, seq_k = lengths
+    dtype = _DTYPES[dtype_name]
+    q, k, v = make_qkv(2, 8, 2, seq_q, seq_k, width, width, dtype, device, seed=0)
+    mask = make_mask(mask_kind if mask_kind in ("bool", "float") else "none", 2, 8, seq_q, seq_k, dtype, device)
+    offset = seq_k - seq_q if mask_kind == "causal" else None
+    scale = width**-0.5
+    out, lse = decode_attention_forward(q, k, v, mask, offset is not None, offset or 0, scale, schedule,
+                                        config=config)
+    ref = ref_forward_backward(q, k, v, mask, causal_offset=offset, scale=scale)
+    base = sdpa_baseline(q, k, v, mask, causal_offset=offset, scale=scale)
+    assert_close_to_ref("out", out, ref["out"], base["out"])
+    assert_dead_rows_exact(q, k, mask, offset, out, lse)
