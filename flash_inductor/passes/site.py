@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from ..api import attention
-from ..launch import hopper
+from ..launch import decode, hopper
 from .guard import check_replacement, checked_insertion, describe_error
 
 log = logging.getLogger("flash_inductor")
@@ -141,13 +141,17 @@ def describe_window(window: tuple[int, int]) -> str:
 
 
 def _forward_kernel(site: AttentionSite, schedule: Optional[str]) -> Optional[str]:
-    """'forward on the Hopper kernel', or why the Triton one runs instead, for a site on an sm_90
-    GPU (from the fake inputs, as the op decides when it is traced); None elsewhere."""
+    """'forward on the split-KV decode kernels' for a decode-shaped site on a GPU; else 'forward on
+    the Hopper kernel', or why the Triton one runs instead, for a site on an sm_90 GPU (from the
+    fake inputs, as the op decides when it is traced); None elsewhere."""
     query, key, value = (example_value(node) for node in (site.query, site.key, site.value))
     if query is None or key is None or value is None or not query.is_cuda:
         return None
     mask = example_value(site.attn_mask) if site.attn_mask is not None else None
     try:
+        if query.dim() == 4 and key.dim() == 4 and \
+                decode.decode_unsupported_reason(query, key, mask, site.dropout_p or 0.0, schedule) is None:
+            return "forward on the split-KV decode kernels"
         reason = hopper.hopper_forward_unsupported_reason(query, key, value, mask, site.dropout_p or 0.0,
                                                           site.scale, schedule,
                                                           window=tuple(site.window) if has_window(site.window) else None)

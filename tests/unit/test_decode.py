@@ -265,3 +265,33 @@ def test_decode_kernels_touch_only_their_tensors(case, config, device):
     with checked_addresses() as state:
         check_decode(case, torch.float16, device, config=config)
     assert state.violations == [] and state.accesses > 0
+
+
+def test_explain_names_the_decode_kernels():
+    """A rewritten decode-shaped site's report line says the decode kernels run it (on a GPU);
+    a prefill site does not."""
+    import torch.fx as fx
+
+    from flash_inductor.passes.site import AttentionSite, describe_rewrite
+
+    class Cuda(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+    graph = fx.Graph()
+
+    def node(name, *shape, dtype=torch.bfloat16):
+        n = graph.placeholder(name)
+        n.meta["example_value"] = torch.empty(shape, dtype=dtype).as_subclass(Cuda)
+        return n
+
+    keys = decode.DECODE_MIN_KEYS * 2
+    k, v = node("k", 2, 1, keys, 64), node("v", 2, 1, keys, 64)
+    step = AttentionSite("sdpa", None, node("q", 2, 8, 1, 64), k, v, enable_gqa=True,
+                         attn_mask=node("m", 2, 1, 1, keys, dtype=torch.bool))
+    assert describe_rewrite(step, "stable").endswith("forward on the split-KV decode kernels")
+    prefill = AttentionSite("sdpa", None, node("p", 2, 8, keys, 64), k, v, enable_gqa=True, is_causal=True)
+    assert "decode" not in describe_rewrite(prefill, "stable")
+    dropout = AttentionSite("sdpa", None, node("d", 2, 8, 1, 64), k, v, enable_gqa=True, dropout_p=0.1)
+    assert "decode" not in describe_rewrite(dropout, "stable")
