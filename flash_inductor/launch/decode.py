@@ -119,7 +119,10 @@ def decode_attention_forward(
     head_dim_v = meta["HEAD_DIM_V"]
     single = num_splits == 1
     if single:  # the split kernel writes the result itself; nothing to merge
-        o_part, lse_part = out, lse
+        # The unused partial pointers get ``query``, as an absent mask does: passing ``out`` twice
+        # would alias two arguments of one kernel, which Inductor's analysis of a user kernel's
+        # mutated arguments need not expect.
+        o_part = lse_part = query
     else:
         o_part = torch.empty((batch, heads_q, seq_q, num_splits, head_dim_v), dtype=torch.float32,
                              device=query.device)
