@@ -357,7 +357,7 @@ def parse_args(argv=None):
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--timing", choices=("graph", "eager"), default="graph")
-    p.add_argument("--max-copies", type=int, default=16, help="graph timing: input copies rotated over")
+    p.add_argument("--max-copies", type=int, default=64, help="graph timing: input copies rotated over")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rep", type=int, default=50)
     p.add_argument("--rep-steps", type=int, default=3, help="CPU only: calls timed per contender")
