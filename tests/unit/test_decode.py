@@ -43,6 +43,7 @@ class DecodeCase:
     seq_q: int = 1
     seq_k: int = 97
     head_dim: int = 24
+    head_dim_v: Optional[int] = None  # None: head_dim
     mask: str = "none"  # see decode_mask
     causal: Optional[str] = None  # None | "top_left" | "bottom_right" | "cache" (bottom-right at a shorter length)
     splits: int = 3
@@ -88,14 +89,15 @@ def causal_offset_of(case: DecodeCase) -> Optional[int]:
 
 
 def check_decode(case: DecodeCase, dtype, device, **launch_kwargs):
+    head_dim_v = case.head_dim_v or case.head_dim
     q, k, v = make_qkv(case.batch, case.heads_q, case.heads_kv, case.seq_q, case.seq_k, case.head_dim,
-                       case.head_dim, dtype, device, seed=3)
+                       head_dim_v, dtype, device, seed=3)
     mask = decode_mask(case.mask, case, dtype, device)
     offset = causal_offset_of(case)
     scale = case.head_dim ** -0.5
     out, lse = decode.decode_attention_forward(q, k, v, mask, offset is not None, offset or 0, scale, "stable",
                                                num_splits=case.splits, **launch_kwargs)
-    assert out.shape == (case.batch, case.heads_q, case.seq_q, case.head_dim) and out.dtype == dtype
+    assert out.shape == (case.batch, case.heads_q, case.seq_q, head_dim_v) and out.dtype == dtype
     assert lse.shape == out.shape[:-1] and lse.dtype == torch.float32
     ref = ref_forward_backward(q, k, v, mask, causal_offset=offset, scale=scale)
     base = sdpa_baseline(q, k, v, mask, causal_offset=offset, scale=scale)
@@ -116,6 +118,7 @@ CASES = {
     "L4-gqa8-cache_causal": DecodeCase(seq_q=4, causal="cache", splits=6),
     "L4-gqa4-dead_rows": DecodeCase(heads_q=8, heads_kv=2, seq_q=4, mask="dead_rows", splits=3),
     "L1-one_split": DecodeCase(splits=1, mask="cache_bool"),
+    "L3-gqa4-E_ne_Ev": DecodeCase(heads_q=8, heads_kv=2, seq_q=3, head_dim=20, head_dim_v=36, causal="bottom_right"),
 }
 
 
