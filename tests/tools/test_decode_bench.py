@@ -61,3 +61,13 @@ def test_generate_part_runs_both_contenders(tmp_path):
 def test_unknown_contender_names_the_flag():
     with pytest.raises(SystemExit):
         decode.parse_args(["--contenders", "ours,fa3"])
+
+
+@pytest.mark.tools_full
+def test_flex_contender_with_the_cache_mask():
+    """Compiled Flex (Inductor's CPU compile: tens of seconds) with GQA and the cache BlockMask
+    computes what ours does."""
+    records = decode.main(TINY[:2] + ["2", "--seqs", "256", "--query-rows", "3"] + TINY[8:] +
+                          ["--contenders", "ours,flex", "--mask", "cache", "--no-write"])
+    assert [r["status"] for r in records] == ["ok", "ok"], records
+    assert records[1]["max_abs_diff_vs_first"] < 1e-5
