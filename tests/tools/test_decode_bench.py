@@ -10,12 +10,18 @@ import torch
 
 from benchmarks import decode
 
-TINY = ["--batches", "1,2", "--seqs", "40,600", "--query-rows", "1,3", "--heads-q", "4", "--heads-kv", "1",
-        "--head-dim", "16", "--dtype", "fp32", "--device", "cpu", "--rep-steps", "1"]
+TINY = dict(batches="1,2", seqs="40,600", query_rows="1,3", heads_q=4, heads_kv=1, head_dim=16, dtype="fp32",
+            device="cpu", rep_steps=1)
+
+
+def tiny(*extra, **overrides) -> list[str]:
+    """The tiny grid's command line, with ``overrides`` of its flags and ``extra`` arguments."""
+    flags = {**TINY, **overrides}
+    return [arg for name, value in flags.items() for arg in (f"--{name.replace('_', '-')}", str(value))] + list(extra)
 
 
 def test_attention_grid_records_summarises_and_writes(tmp_path):
-    records = decode.main(TINY + ["--contenders", "ours,flash,cudnn,efficient", "--out", str(tmp_path)])
+    records = decode.main(tiny("--contenders", "ours,flash,cudnn,efficient", "--out", str(tmp_path)))
     assert len(records) == 2 * 2 * 2 * 4
     ours = [r for r in records if r["contender"] == "ours"]
     assert all(r["status"] == "ok" and r["ms"] > 0 for r in ours), [r.get("error") for r in ours]
@@ -30,11 +36,10 @@ def test_attention_grid_records_summarises_and_writes(tmp_path):
 
 
 def test_cache_mask_and_time_budget(tmp_path):
-    records = decode.main(TINY + ["--contenders", "ours,flash", "--mask", "cache", "--time-budget", "1e-9",
-                                  "--no-write"])
+    records = decode.main(tiny("--contenders", "ours,flash", "--mask", "cache", "--time-budget", "1e-9",
+                               "--no-write"))
     assert {r["status"] for r in records} == {"skipped"} and len(records) == 2 * 8
-    records = decode.main(TINY[:4] + ["--batches", "2", "--seqs", "40"] + TINY[8:] +
-                          ["--contenders", "ours", "--mask", "cache", "--no-write"])
+    records = decode.main(tiny("--contenders", "ours", "--mask", "cache", "--no-write", batches=2, seqs=40))
     assert [r["status"] for r in records] == ["ok", "ok"]
 
 
@@ -67,7 +72,7 @@ def test_unknown_contender_names_the_flag():
 def test_flex_contender_with_the_cache_mask():
     """Compiled Flex (Inductor's CPU compile: tens of seconds) with GQA and the cache BlockMask
     computes what ours does."""
-    records = decode.main(TINY[:2] + ["2", "--seqs", "256", "--query-rows", "3"] + TINY[8:] +
-                          ["--contenders", "ours,flex", "--mask", "cache", "--no-write"])
+    records = decode.main(tiny("--contenders", "ours,flex", "--mask", "cache", "--no-write", batches=2, seqs=256,
+                               query_rows=3))
     assert [r["status"] for r in records] == ["ok", "ok"], records
     assert records[1]["max_abs_diff_vs_first"] < 1e-5
