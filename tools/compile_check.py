@@ -109,7 +109,7 @@ def main() -> int:
             for block_m, single in ((16, False), (64, True)):
                 jobs.append((_attn_decode_split, dict(**common, **decode, P_IN_FP32=False, SINGLE_SPLIT=single,
                                                       BLOCK_M=block_m, BLOCK_N=64), dict(num_stages=3)))
-            if mask == "none" and not causal:
+            if mask == "none" and not causal and not window:
                 jobs.append((_attn_decode_split, dict(**common, **decode, P_IN_FP32=True, SINGLE_SPLIT=False,
                                                       BLOCK_M=16, BLOCK_N=32)))
                 jobs.append((_attn_decode_merge, dict(HEAD_DIM_V=64, BLOCK_EV=128, BLOCK_SPLITS=64)))

@@ -42,8 +42,10 @@ Symbols (r a packed row, j a key)
 
 Indices and sizes: b (batch), h_kv (KV head), h = h_kv · GROUP + r // L (query head), i = r % L
 (query row), ROWS = GROUP · L (packed rows per KV head), split (this program's split; keys
-[split · split_keys, (split + 1) · split_keys)), causal_offset (key j is visible from row i when
-j <= i + causal_offset). O_PART is (B, Hq, L, NUM_SPLITS, Ev) and LSE_PART (B, Hq, L,
+key_start + [split · split_keys, (split + 1) · split_keys), where key_start is the first key
+block any row sees), causal_offset (key j is visible from row i when j <= i + causal_offset: the
+band's upper side, ``launch/band.py``), window_lower (under WINDOW_LEFT, key j is visible from
+row i only when j >= i + window_lower: a sliding window's left bound). O_PART is (B, Hq, L, NUM_SPLITS, Ev) and LSE_PART (B, Hq, L,
 NUM_SPLITS), both contiguous fp32; pointers are UPPER_CASE, strides ``stride_<tensor><dim>``.
 
 Constexpr switches
@@ -53,6 +55,7 @@ Constexpr switches
     BLOCK_M, BLOCK_N        packed rows per program and keys per step (the launch config)
     HAS_MASK, MASK_IS_BOOL  a mask is given; bool (True = attend) or additive float
     IS_CAUSAL               keys past i + causal_offset are invisible
+    WINDOW_LEFT             keys before i + window_lower are invisible (a window's left bound)
     FP32_DOT                input_precision of the dots ("ieee" for fp32 operands)
     P_IN_FP32               P meets V in fp32 rather than rounded to the input dtype
     SINGLE_SPLIT            one split (NUM_SPLITS = 1): the split kernel writes OUT and LSE itself,
@@ -77,10 +80,10 @@ def _attn_decode_split(
     stride_vb, stride_vh, stride_vn, stride_ve,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_oe,
-    H_KV, GROUP, L, S, NUM_SPLITS, split_keys, causal_offset, qk_scale_log2,
+    H_KV, GROUP, L, S, NUM_SPLITS, key_start, split_keys, causal_offset, window_lower, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
-    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
     P_IN_FP32: tl.constexpr, FP32_DOT: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -108,7 +111,7 @@ def _attn_decode_split(
     # Per-row mask pointers: the rows of one tile belong to GROUP different query heads.
     mask_rows = MASK + b * stride_mb + h * stride_mh + i * stride_mm
 
-    lo = split * split_keys
+    lo = key_start + split * split_keys
     hi = tl.minimum(lo + split_keys, S)
     if IS_CAUSAL:
         # No row of the tile sees past key L - 1 + causal_offset: skip the blocks beyond it.
@@ -131,6 +134,8 @@ def _attn_decode_split(
         visible = kv_ok[None, :]
         if IS_CAUSAL:
             visible = visible & (offs_n[None, :] <= i[:, None] + causal_offset)
+        if WINDOW_LEFT:
+            visible = visible & (offs_n[None, :] >= i[:, None] + window_lower)
         s2 = tl.where(visible, s2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s2, 1))
         # A row that has seen only invisible keys keeps m = -inf: shift by 0, never -inf - -inf.

@@ -4,8 +4,9 @@ A forward with at most ``DECODE_MAX_QUERY_ROWS`` query rows and at least ``DECOD
 (a generation step against a KV cache) runs one program per (batch, KV head, block of packed
 rows, key split) and a merge of the splits by their LSE. ``decode_forward_or_none`` is what the
 op calls: the decode result, or None (with the reason logged) for the normal forward to run.
-Everything it leaves out goes to the normal forward: dropout, a sliding window, the `fp8` schedule,
-longer query blocks, short key sequences, empty problems.
+A sliding window (``window=``, ``launch/band.py``) narrows the keys the splits share to the band's
+(a Mistral-style decode step reads its window, not the cache). Everything it leaves out goes to the
+normal forward: dropout, the `fp8` schedule, longer query blocks, short key sequences, empty problems.
 
 Returns what ``launch.attention_forward`` returns: out (B, Hq, L, Ev) in the input dtype, lse
 (B, Hq, L) fp32 in natural log (-inf on rows with no visible key), so the normal backward runs
@@ -24,7 +25,7 @@ from ..tuning.buckets import length_hint, mask_kind
 from ..tuning.configs import decode_program_slots, decode_split_count, select_decode_config
 from ..tuning.kernel_config import KernelConfig, padded_head_dim
 from . import common
-from .band import has_window
+from .band import band_lower, resolve_band
 from .common import LOG2E, cdiv, common_meta, forward_outputs
 
 log = logging.getLogger("flash_inductor")
@@ -55,8 +56,6 @@ def decode_unsupported_reason(query: torch.Tensor, key: torch.Tensor, attn_mask:
         return "an empty problem"
     if dropout_p > 0.0:
         return "dropout (the decode kernel has none)"
-    if has_window(window):
-        return "a sliding window (the forward kernel skips the tiles outside it)"
     if get_schedule(schedule).fp8_forward:
         return "the fp8 schedule (its own forward kernel)"
     if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype not in common._KERNEL_DTYPES:
@@ -78,7 +77,8 @@ def decode_forward_or_none(query, key, value, attn_mask, dropout_p: float, is_ca
     if reason is not None:
         log_normal_forward(reason)
         return None
-    return decode_attention_forward(query, key, value, attn_mask, is_causal, causal_offset, scale, schedule)
+    return decode_attention_forward(query, key, value, attn_mask, is_causal, causal_offset, scale, schedule,
+                                    window=window)
 
 
 def rows_per_program(group_rows: int, config: KernelConfig) -> int:
@@ -87,19 +87,37 @@ def rows_per_program(group_rows: int, config: KernelConfig) -> int:
     return min(padded_head_dim(max(group_rows, 1)), max(config.block_m, 16))
 
 
+def active_keys(band, seq_q, seq_k, block_n: int):
+    """[start, end): the keys some query row of the band can see, the start a whole key block.
+    Keys before row 0's lower side or past row L - 1's upper side are read by no row, so the
+    splits share only the rest: a decode step with a sliding window reads its window."""
+    start = 0
+    if band.lower is not None:
+        start = torch.sym_max(band.lower, 0) // block_n * block_n
+    end = seq_k
+    if band.upper is not None:
+        end = torch.sym_min(seq_k, torch.sym_max(seq_q + band.upper, 0))
+    return start, end
+
+
 def decode_attention_forward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
     is_causal: bool, causal_offset, scale: float, schedule: str, *,
-    config: Optional[KernelConfig] = None, num_splits: Optional[int] = None,
+    config: Optional[KernelConfig] = None, num_splits: Optional[int] = None, window=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the split and merge kernels. ``config`` and ``num_splits`` force the launch config and
-    the split count (the autotuner, tests); None looks them up."""
+    the split count (the autotuner, tests); None looks them up. ``window``: None or (left, right),
+    as the op takes it."""
     from ..kernels.attn_decode import _attn_decode_merge, _attn_decode_split
 
     batch, heads_q, seq_q, _ = query.shape
     heads_kv, seq_k = key.shape[1], key.shape[2]
     group = heads_q // heads_kv
     out, lse = forward_outputs(query, value)
+    # The kernels see the band (launch/band.py): its upper side as the causal arguments, its lower
+    # side (a window's left bound) as WINDOW_LEFT and window_lower.
+    band = resolve_band(is_causal, causal_offset, window, seq_q, seq_k)
+    is_causal, causal_offset = band.upper is not None, (band.upper if band.upper is not None else 0)
     switches, mask_arg, mask_strides, meta = common_meta(query, key, value, attn_mask, 0.0, is_causal, schedule)
     meta.pop("HAS_DROPOUT")
     interpreted = common.interpreter_enabled()
@@ -108,13 +126,15 @@ def decode_attention_forward(
                                       mask_kind=mask_kind(attn_mask, is_causal), schedule=get_schedule(schedule).name)
     block_m = rows_per_program(length_hint(group * seq_q), config)
     row_blocks = cdiv(group * seq_q, block_m)
+    key_start, key_end = active_keys(band, seq_q, seq_k, config.block_n)
+    active = torch.sym_max(key_end - key_start, 0)
     if num_splits is None:
         programs = length_hint(batch * heads_kv * row_blocks)
         num_splits = decode_split_count(decode_program_slots(query.device, interpreted), programs,
-                                        length_hint(seq_k))
-    # Keys per split, a whole number of key blocks: computed from the (possibly symbolic) length
-    # itself, so the splits cover every key whatever length the hint stood for.
-    split_keys = cdiv(cdiv(seq_k, num_splits), config.block_n) * config.block_n
+                                        length_hint(active))
+    # Keys per split, a whole number of key blocks: computed from the (possibly symbolic) lengths
+    # themselves, so the splits cover every visible key whatever length the hints stood for.
+    split_keys = cdiv(cdiv(active, num_splits), config.block_n) * config.block_n
 
     head_dim_v = meta["HEAD_DIM_V"]
     single = num_splits == 1
@@ -130,8 +150,9 @@ def decode_attention_forward(
     common.launcher(_attn_decode_split)[(num_splits, batch * heads_kv, row_blocks)](
         query, key, value, mask_arg, o_part, lse_part, out, lse,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(),
-        heads_kv, group, seq_q, seq_k, num_splits, split_keys, causal_offset, scale * LOG2E,
-        P_IN_FP32=switches["P_IN_FP32"], SINGLE_SPLIT=single, BLOCK_M=block_m, BLOCK_N=config.block_n,
+        heads_kv, group, seq_q, seq_k, num_splits, key_start, split_keys, causal_offset, band_lower(band),
+        scale * LOG2E,
+        WINDOW_LEFT=band.lower is not None, P_IN_FP32=switches["P_IN_FP32"], SINGLE_SPLIT=single, BLOCK_M=block_m, BLOCK_N=config.block_n,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **meta,
     )

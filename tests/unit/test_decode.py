@@ -46,6 +46,7 @@ class DecodeCase:
     head_dim_v: Optional[int] = None  # None: head_dim
     mask: str = "none"  # see decode_mask
     causal: Optional[str] = None  # None | "top_left" | "bottom_right" | "cache" (bottom-right at a shorter length)
+    window: Optional[tuple[int, int]] = None  # (left, right), FlashAttention's definition; -1: open
     splits: int = 3
 
 
@@ -84,8 +85,29 @@ def decode_mask(kind: str, case: DecodeCase, dtype, device) -> Optional[torch.Te
 
 def causal_offset_of(case: DecodeCase) -> Optional[int]:
     return {None: None, "top_left": 0, "bottom_right": case.seq_k - case.seq_q,
-            # A static cache of S slots holding S // 3 tokens: the later splits are all in the future.
+            # A static cache of S slots holding S // 3 tokens: the splits share only the filled slots.
             "cache": case.seq_k // 3 - case.seq_q}[case.causal]
+
+
+def with_window(mask, case: DecodeCase, dtype, device):
+    """The mask with the window's invisible keys hidden as well (the reference's view of a window):
+    query i sees key j iff -left <= j - (i + S - L) <= right, each side open at -1."""
+    if case.window is None:
+        return mask
+    left, right = case.window
+    i = torch.arange(case.seq_q, device=device)[:, None]
+    j = torch.arange(case.seq_k, device=device)[None, :]
+    inside = torch.ones((case.seq_q, case.seq_k), dtype=torch.bool, device=device)
+    if left >= 0:
+        inside &= j - (i + case.seq_k - case.seq_q) >= -left
+    if right >= 0:
+        inside &= j - (i + case.seq_k - case.seq_q) <= right
+    full = (case.batch, case.heads_q, case.seq_q, case.seq_k)
+    if mask is None:
+        return inside.expand(full)
+    if mask.dtype == torch.bool:
+        return mask & inside
+    return mask.masked_fill(~inside, float("-inf")).to(dtype)
 
 
 def check_decode(case: DecodeCase, dtype, device, **launch_kwargs):
@@ -96,7 +118,8 @@ def check_decode(case: DecodeCase, dtype, device, **launch_kwargs):
     offset = causal_offset_of(case)
     scale = case.head_dim ** -0.5
     out, lse = decode.decode_attention_forward(q, k, v, mask, offset is not None, offset or 0, scale, "stable",
-                                               num_splits=case.splits, **launch_kwargs)
+                                               num_splits=case.splits, window=case.window, **launch_kwargs)
+    mask = with_window(mask, case, dtype, device)
     assert out.shape == (case.batch, case.heads_q, case.seq_q, head_dim_v) and out.dtype == dtype
     assert lse.shape == out.shape[:-1] and lse.dtype == torch.float32
     ref = ref_forward_backward(q, k, v, mask, causal_offset=offset, scale=scale)
@@ -119,6 +142,11 @@ CASES = {
     "L4-gqa4-dead_rows": DecodeCase(heads_q=8, heads_kv=2, seq_q=4, mask="dead_rows", splits=3),
     "L1-one_split": DecodeCase(splits=1, mask="cache_bool"),
     "L3-gqa4-E_ne_Ev": DecodeCase(heads_q=8, heads_kv=2, seq_q=3, head_dim=20, head_dim_v=36, causal="bottom_right"),
+    # Sliding windows (Mistral's: causal plus a left bound), narrower than S, with masks and offsets.
+    "L1-gqa8-window_causal": DecodeCase(window=(40, 0), causal="bottom_right", splits=3),
+    "L4-gqa8-window_cache_bool": DecodeCase(seq_q=4, window=(30, -1), mask="cache_bool", splits=4),
+    "L16-mha-window_both_float": DecodeCase(heads_q=2, heads_kv=2, seq_q=16, window=(20, 5), mask="float"),
+    "L4-gqa8-window_top_left_empty_rows": DecodeCase(seq_q=4, window=(10, -1), causal="top_left", splits=5),
 }
 
 
@@ -159,19 +187,26 @@ def _decode_launches(monkeypatch):
     return names
 
 
-def test_backward_through_the_decode_forward(monkeypatch, device):
+@pytest.mark.parametrize("window", [None, (300, 0)], ids=["no_window", "window_causal"])
+def test_backward_through_the_decode_forward(monkeypatch, device, window):
     """The op's forward takes the decode kernels; its autograd backward runs the normal backward
-    from their out and LSE, and every gradient meets the tolerance rule."""
+    from their out and LSE, and every gradient meets the tolerance rule (with a sliding window too:
+    Mistral's, causal plus a left bound)."""
     names = _decode_launches(monkeypatch)
-    case = DecodeCase(batch=1, heads_q=4, heads_kv=2, seq_q=3, seq_k=decode.DECODE_MIN_KEYS + 5, head_dim=16)
+    case = DecodeCase(batch=1, heads_q=4, heads_kv=2, seq_q=3, seq_k=decode.DECODE_MIN_KEYS + 5, head_dim=16,
+                      window=window, causal="bottom_right" if window else None)
     q, k, v = (t.requires_grad_() for t in make_qkv(1, 4, 2, case.seq_q, case.seq_k, 16, 16, torch.float32, device))
     mask = decode_mask("cache_float", case, torch.float32, device)
     dout = randn((1, 4, case.seq_q, 16), torch.float32, device, 11)
-    out, lse = torch.ops.flash_inductor.attention_forward(q, k, v, mask, None, 0.0, False, 0, 0.25, "stable")
-    assert "_attn_decode_split" in names and "_attn_decode_merge" in names and "_attn_fwd" not in names
+    offset = causal_offset_of(case)
+    left, right = window or (-1, -1)
+    out, lse = torch.ops.flash_inductor.attention_forward(q, k, v, mask, None, 0.0, offset is not None, offset or 0,
+                                                          0.25, "stable", left, right)
+    assert "_attn_decode_split" in names and "_attn_fwd" not in names
     out.backward(dout)
-    ref = ref_forward_backward(q, k, v, mask, scale=0.25, grad_out=dout)
-    base = sdpa_baseline(q, k, v, mask, scale=0.25, grad_out=dout)
+    mask = with_window(mask, case, torch.float32, device)
+    ref = ref_forward_backward(q, k, v, mask, causal_offset=offset, scale=0.25, grad_out=dout)
+    base = sdpa_baseline(q, k, v, mask, causal_offset=offset, scale=0.25, grad_out=dout)
     for name, ours in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
         assert_close_to_ref(name, ours, ref[name], base[name], terms=ref["terms"].get(name))
 
