@@ -117,13 +117,13 @@ def check(head_dim: int, mask_kind: str, dtype_name: str, schedule: str, seq: in
                                  **extra)
         launch.attention_backward(dout, q, k, v, mask, out, lse, None, None, 0.0, causal, 0, head_dim ** -0.5,
                                   schedule, False, configs=configs, **extra)
-        # The decode kernels take no window; older launchers' configs have no decode role.
-        if window is None and getattr(configs, "decode", None) is not None:
-            _decode_launch(head_dim, mask_kind, dtype, schedule, seq, configs.decode, gen)
+        # Older launchers' configs (tools/carry_table_entries.py) have no decode role.
+        if getattr(configs, "decode", None) is not None:
+            _decode_launch(head_dim, mask_kind, dtype, schedule, seq, configs.decode, gen, window)
     return record
 
 
-def _decode_launch(head_dim, mask_kind, dtype, schedule, seq, config, gen) -> None:
+def _decode_launch(head_dim, mask_kind, dtype, schedule, seq, config, gen, window=None) -> None:
     """The split-KV decode kernels at their widest tile: 16 query rows of a group of 8 heads
     (128 packed rows, the config's row cap per program)."""
     from flash_inductor.launch.decode import DECODE_MAX_QUERY_ROWS, decode_attention_forward
@@ -132,12 +132,12 @@ def _decode_launch(head_dim, mask_kind, dtype, schedule, seq, config, gen) -> No
     q = torch.randn((1, group, rows, head_dim), generator=gen, dtype=dtype)
     k, v = (torch.randn((1, 1, seq, head_dim), generator=gen, dtype=dtype) for _ in range(2))
     mask = None
-    if mask_kind == "bool":
+    if mask_kind in ("bool", "window_bool"):
         mask = (torch.rand((1, 1, 1, seq), generator=gen) > 0.3).expand(1, group, rows, seq)
     elif mask_kind == "float":
         mask = torch.randn((1, group, rows, seq), generator=gen, dtype=dtype)
     decode_attention_forward(q, k, v, mask, mask_kind == "causal", seq - rows, head_dim ** -0.5, schedule,
-                             config=config, num_splits=2)
+                             config=config, num_splits=2, window=window)
 
 
 def main(argv=None) -> int:
