@@ -1,7 +1,8 @@
 """HF generation with a static KV cache under our backend: the same tokens as eager, and every
 attention site of the prefill and of the decode step rewritten.
 
-A tiny Llama with GQA 8:1 (8 query heads, 1 KV head) runs ``generate`` greedily with
+A tiny Llama with GQA 8:1 (8 query heads, 1 KV head), and a Mistral with a sliding window shorter
+than the generated length, run ``generate`` greedily with
 ``cache_implementation="static"``: each step writes its keys and values into the cache in place
 (``StaticCache.update``'s ``index_copy_``) and attends over all ``max_cache_len`` slots, with a
 mask hiding the slots not yet written. The model's forward is compiled with
@@ -28,19 +29,23 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed"),
 ]
 
-PROMPT, NEW_TOKENS = 5, 4
+PROMPT, NEW_TOKENS = 5, 6
 # On a GPU the decode steps' key length reaches the decode kernel's threshold; on CPU a short cache.
 CACHE_LEN = 2 * DECODE_MIN_KEYS if ON_CUDA else 24
 
 
-def _tiny_llama(impl: str) -> torch.nn.Module:
+def _tiny_decoder(family: str, impl: str) -> torch.nn.Module:
+    """Llama, or Mistral with a sliding window shorter than the generated length (its static cache
+    layers then hold the window)."""
     import transformers as T
 
     torch.manual_seed(0)
-    config = T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                           num_key_value_heads=1, vocab_size=64, max_position_embeddings=CACHE_LEN,
-                           bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation=impl)
-    return T.LlamaForCausalLM(config).to(DEVICE).eval()
+    config = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=1, vocab_size=64, max_position_embeddings=CACHE_LEN,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation=impl)
+    if family == "mistral":
+        return T.MistralForCausalLM(T.MistralConfig(**config, sliding_window=6)).to(DEVICE).eval()
+    return T.LlamaForCausalLM(T.LlamaConfig(**config)).to(DEVICE).eval()
 
 
 def _needs_generation_options():
@@ -60,9 +65,10 @@ def _generate(model, ids):
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
-def test_static_cache_generation_matches_eager_with_every_site_rewritten(impl):
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_static_cache_generation_matches_eager_with_every_site_rewritten(family, impl):
     _needs_generation_options()
-    model = _tiny_llama(impl)
+    model = _tiny_decoder(family, impl)
     ids = torch.randint(3, 64, (2, PROMPT), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     expected = _generate(model, ids)
 
