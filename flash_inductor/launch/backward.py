@@ -13,6 +13,7 @@ from ..schedules import STABLE, get_schedule
 from . import common
 from .band import band_lower, resolve_band
 from .common import LOG2E, cdiv, common_meta, head_dims, whole_blocks
+from .block_tiles import check_block_layout, fold_into_mask
 from .forward import attention_forward
 
 
@@ -36,6 +37,9 @@ def attention_backward(
     configs: AttentionConfigs | None = None,
     ds_bound: torch.Tensor | None = None,
     window: tuple[int, int] | None = None,
+    block_map: torch.Tensor | None = None,
+    block_q: int = 0,
+    block_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the backward kernels. Returns (dq, dk, dv, dmask); dmask is empty unless asked for.
 
@@ -43,8 +47,13 @@ def attention_backward(
     ``ds_bound`` (a one-element fp32 tensor) replaces the bound on |dS| that the preprocess
     measures, under the schedules that rescale dS (fp16 `stable`): tests and experiments force
     either loop with it (a bound past ``ds_scaling.DS_RESCALE_ABOVE``, or inf, takes the rescaling
-    loop). Elsewhere it is ignored. ``window`` is ``flash_attention``'s (left, right) or None."""
+    loop). Elsewhere it is ignored. ``window`` is ``flash_attention``'s (left, right) or None.
+    ``block_map``/``block_q``/``block_k``: a block-sparse layout (``flash_inductor.block_sparse``)."""
     from ..kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_row_reference
+
+    if block_map is not None:
+        check_block_layout(block_map, block_q, block_k, query, key)
+        attn_mask = fold_into_mask(attn_mask, block_map, block_q, block_k, (*query.shape[:3], key.shape[2]))
 
     if get_schedule(schedule).fp8_forward:
         # fp8 is a forward schedule: the gradient is the 16-bit attention's, from a 16-bit forward

@@ -12,6 +12,7 @@ from ..schedules import get_schedule
 from . import common
 from .band import band_lower, resolve_band
 from .common import LOG2E, cdiv, common_meta, forward_outputs
+from .block_tiles import check_block_layout, fold_into_mask
 from .fp8 import attention_forward_fp8
 
 
@@ -40,12 +41,20 @@ def attention_forward(
     *,
     configs: AttentionConfigs | None = None,
     window: tuple[int, int] | None = None,
+    block_map: torch.Tensor | None = None,
+    block_q: int = 0,
+    block_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward kernel. Returns (out (B, Hq, L, Ev) in the input dtype, lse (B, Hq, L) fp32).
 
     ``configs`` forces the launch configs (the autotuner's candidates); None looks them up.
-    ``window`` is ``flash_attention``'s (left, right) or None."""
+    ``window`` is ``flash_attention``'s (left, right) or None.
+    ``block_map``/``block_q``/``block_k``: a block-sparse layout (``flash_inductor.block_sparse``)."""
     from ..kernels.attn_fwd import _attn_fwd
+
+    if block_map is not None:
+        check_block_layout(block_map, block_q, block_k, query, key)
+        attn_mask = fold_into_mask(attn_mask, block_map, block_q, block_k, (*query.shape[:3], key.shape[2]))
 
     if get_schedule(schedule).fp8_forward:
         return attention_forward_fp8(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
