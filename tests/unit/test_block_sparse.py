@@ -132,9 +132,9 @@ def test_the_op_rejects_a_block_map_it_cannot_index():
     q, k, v = make_qkv(1, 2, 2, 40, 70, 8, 8, torch.float32, "cpu")
     args = (q, k, v, None, None, 0.0, False, 0, 0.35, "stable")
     with pytest.raises(ValueError, match="4-D bool block map"):
-        torch.ops.flash_inductor.attention_forward(*args, torch.ones(3, 5, dtype=torch.bool), 16, 16)
+        torch.ops.flash_inductor.attention_forward(*args, -1, -1, torch.ones(3, 5, dtype=torch.bool), 16, 16)
     with pytest.raises(ValueError, match="must be positive"):
-        torch.ops.flash_inductor.attention_forward(*args, torch.ones(1, 1, 3, 5, dtype=torch.bool), 0, 16)
+        torch.ops.flash_inductor.attention_forward(*args, -1, -1, torch.ones(1, 1, 3, 5, dtype=torch.bool), 0, 16)
 
 
 # ------------------------------------------------------------------------------------------
@@ -388,7 +388,7 @@ def test_reference_path_against_fp64(case):
     out.backward(dout)
     _, lse = torch.ops.flash_inductor.attention_forward(  # the LSE does not depend on dropout
         q, k, v, mask, None, 0.0, case.causal_offset is not None, case.causal_offset or 0,
-        case.head_dim**-0.5, "stable", block_map, *case.block)
+        case.head_dim**-0.5, "stable", -1, -1, block_map, *case.block)
     ours = dict(out=out, lse=lse, dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
     if case.mask_grad:
         ours["dmask"] = mask_leaf.grad
@@ -416,7 +416,7 @@ def _op_args(device, dtype, requires_grad=False):
     if requires_grad:
         q, k, v = (t.requires_grad_() for t in (q, k, v))
     block_map = random_block_map(1, 1, 37, 45, 16, 0.5, seed=3, empty_rows=(1,)).to(device)
-    return (q, k, v, None, None, 0.0, False, 0, 0.25, "stable", block_map, 16, 16)
+    return (q, k, v, None, None, 0.0, False, 0, 0.25, "stable", -1, -1, block_map, 16, 16)
 
 
 @pytest.mark.parametrize("device", list(dict.fromkeys([DEVICE, "cpu"])))
@@ -442,10 +442,10 @@ def test_fake_kernel_shapes():
         k = v = torch.empty(2, 2, 45, 16)
         block_map = torch.empty(1, 4, 3, 3, dtype=torch.bool)
         out, lse = torch.ops.flash_inductor.attention_forward(q, k, v, None, None, 0.0, False, 0, 0.25, "stable",
-                                                              block_map, 16, 16)
+                                                              -1, -1, block_map, 16, 16)
         assert out.shape == (2, 4, 37, 16) and lse.shape == (2, 4, 37)
         dq, dk, dv, dmask = torch.ops.flash_inductor.attention_backward(
-            out, q, k, v, None, out, lse, None, None, 0.0, False, 0, 0.25, "stable", False, block_map, 16, 16)
+            out, q, k, v, None, out, lse, None, None, 0.0, False, 0, 0.25, "stable", False, -1, -1, block_map, 16, 16)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and dmask.numel() == 0
 
 
