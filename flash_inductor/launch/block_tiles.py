@@ -15,10 +15,10 @@ gets a class:
              tiles and layout blocks do not nest (``needs_element_check``), since a tile inside a
              single layout block is PARTIAL only for the causal diagonal or a ragged last key tile.
 
-and the passes read the classes as FlexAttention's BlockMask holds its blocks: per query tile the
-FULL key tiles and the PARTIAL ones, each as a count and a list of indices (``kv_num_blocks`` /
-``kv_indices`` and their ``full_`` twins), for the forward and the dQ pass; per key tile the same
-over query tiles (``q_num_blocks`` / ``q_indices``) for the dK/dV pass.
+and the passes read the classes as FlexAttention's BlockMask holds its blocks (``kv_num_blocks`` /
+``kv_indices`` and their ``full_`` twins): per query tile the counts of FULL and PARTIAL key tiles
+and one list of their indices, for the forward and the dQ pass; per key tile the same over query
+tiles (``q_num_blocks`` / ``q_indices``) for the dK/dV pass.
 
 Everything here is torch ops on the map's device, with no host synchronisation: under
 ``torch.compile`` it traces into the graph, and a CUDA graph may capture it.
@@ -35,14 +35,12 @@ SKIP, PARTIAL, FULL = 0, 1, 2
 
 
 class TileLists(NamedTuple):
-    """Per outer tile, the inner tiles to visit: ``full_num`` (Bm, Hm, outer) int32 counts and
-    ``full_idx`` (Bm, Hm, outer, inner) int32 indices, the FULL ones first in each row; the same
-    for PARTIAL tiles. Entries past a count are padding."""
+    """Per outer tile, the inner tiles to visit: ``counts`` (Bm, Hm, outer, 2) int32, the number of
+    FULL and of PARTIAL tiles, and ``order`` (Bm, Hm, outer, inner) int32, the tile indices, one
+    class after the other, each in ascending order, then the SKIP ones (never read)."""
 
-    full_num: Tensor
-    full_idx: Tensor
-    partial_num: Tensor
-    partial_idx: Tensor
+    counts: Tensor
+    order: Tensor
 
 
 def check_block_layout(block_map: Tensor, block_q: int, block_k: int, query: Optional[Tensor] = None,
@@ -142,23 +140,52 @@ def tile_classes(block_map: Tensor, block_q: int, block_k: int, seq_q: int, seq_
     return classes.to(torch.int8)
 
 
-def _lists(classes: Tensor) -> TileLists:
-    def of(kind):
-        hits = (classes == kind).to(torch.int32)
-        # Stable, so each list is in ascending tile order (the kernels then read K/V in order).
-        order = torch.argsort(hits, dim=-1, descending=True, stable=True)
-        return hits.sum(-1, dtype=torch.int32), order.to(torch.int32)
-
-    full_num, full_idx = of(FULL)
-    partial_num, partial_idx = of(PARTIAL)
-    return TileLists(full_num.contiguous(), full_idx.contiguous(), partial_num.contiguous(), partial_idx.contiguous())
+def _lists(classes: Tensor, first: int) -> TileLists:
+    counts = torch.stack(((classes == FULL).sum(-1, dtype=torch.int32), (classes == PARTIAL).sum(-1, dtype=torch.int32)),
+                         dim=-1)
+    rank = torch.where(classes == first, 2, torch.where(classes == SKIP, 0, 1)).to(torch.int8)
+    # Stable, so each class is in ascending tile order (the kernels then read K/V in order).
+    order = torch.argsort(rank, dim=-1, descending=True, stable=True)
+    return TileLists(counts.contiguous(), order.to(torch.int32).contiguous())
 
 
 def row_tile_lists(classes: Tensor) -> TileLists:
-    """Per query tile, its key tiles (the forward and the dQ pass)."""
-    return _lists(classes)
+    """Per query tile, its key tiles, FULL first (the forward and the dQ pass, whose loops run
+    their unchecked range before the checked one)."""
+    return _lists(classes, FULL)
 
 
 def column_tile_lists(classes: Tensor) -> TileLists:
-    """Per key tile, its query tiles (the dK/dV pass)."""
-    return _lists(classes.transpose(-2, -1))
+    """Per key tile, its query tiles, PARTIAL first (the dK/dV pass, whose loop runs its checked
+    range first)."""
+    return _lists(classes.transpose(-2, -1), PARTIAL)
+
+
+# The layout arguments of a kernel launch, in the kernels' order (``kernels/block_sparse.py``): COUNTS,
+# IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len, and BLOCK_MAP's 4 strides.
+LAYOUT_ARGS = 12
+
+
+def kernel_layout(block_map: Optional[Tensor], block_q: int, block_k: int, batch: int, heads_q: int, seq_q, seq_k,
+                  band_lower, band_upper, block_m: int, block_n: int, *, columns: bool = False) -> tuple[tuple, dict]:
+    """(the LAYOUT_ARGS positional arguments, the constexpr keywords) of one launch at tiles of
+    ``block_m`` query rows by ``block_n`` keys: per query tile its key tiles, or under ``columns``
+    (the dK/dV pass) per key tile its query tiles. Without a layout every argument is None, which
+    Triton takes as a constant: the dense kernels compile exactly as with no such arguments."""
+    if block_map is None:
+        return (None,) * LAYOUT_ARGS, {}
+    classes = tile_classes(block_map, block_q, block_k, seq_q, seq_k, block_m, block_n, band_lower, band_upper)
+    counts, indices = column_tile_lists(classes) if columns else row_tile_lists(classes)
+    # Broadcast batch / head dims read with a stride of 0.
+    counts = counts.expand(batch, heads_q, *counts.shape[2:])
+    indices = indices.expand(batch, heads_q, *indices.shape[2:])
+    check = needs_element_check(block_q, block_k, seq_q, seq_k, block_m, block_n)
+    # Without the element test the map is never read: the counts stand in for its pointer.
+    layout_map = block_map.expand(batch, heads_q, *block_map.shape[2:]) if check else counts
+    map_strides = layout_map.stride() if check else (0,) * 4
+    args = (counts, indices, layout_map, counts.stride(0), counts.stride(1), indices.stride(0), indices.stride(1),
+            indices.shape[-1], *map_strides)
+    meta = dict(HAS_BLOCK_SPARSITY=True, LAYOUT_CHECK=check)
+    if check:
+        meta.update(LAYOUT_BQ=block_q, LAYOUT_BK=block_k)
+    return args, meta

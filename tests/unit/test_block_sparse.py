@@ -255,16 +255,16 @@ def test_needs_element_check():
 
 def test_tile_lists_hold_each_class_in_ascending_order():
     classes = torch.tensor([[[[2, 0, 1, 2], [0, 0, 0, 0], [1, 1, 2, 0]]]], dtype=torch.int8)
-    rows = block_tiles.row_tile_lists(classes)
-    assert rows.full_num.tolist() == [[[2, 0, 1]]]
-    assert rows.partial_num.tolist() == [[[1, 0, 2]]]
-    assert rows.full_idx[0, 0, 0, :2].tolist() == [0, 3] and rows.full_idx[0, 0, 2, :1].tolist() == [2]
-    assert rows.partial_idx[0, 0, 2, :2].tolist() == [0, 1]
-    cols = block_tiles.column_tile_lists(classes)
-    assert cols.full_num.tolist() == [[[1, 0, 1, 1]]]
-    assert cols.partial_num.tolist() == [[[1, 1, 1, 0]]]
-    assert cols.partial_idx[0, 0, 0, :1].tolist() == [2] and cols.full_idx[0, 0, 3, :1].tolist() == [0]
-    assert rows.full_idx.dtype == torch.int32 and rows.full_num.dtype == torch.int32
+    rows = block_tiles.row_tile_lists(classes)  # FULL first
+    assert rows.counts.tolist() == [[[[2, 1], [0, 0], [1, 2]]]]
+    assert rows.order[0, 0, 0, :3].tolist() == [0, 3, 2]
+    assert rows.order[0, 0, 2, :3].tolist() == [2, 0, 1]
+    cols = block_tiles.column_tile_lists(classes)  # PARTIAL first
+    assert cols.counts.tolist() == [[[[1, 1], [0, 1], [1, 1], [1, 0]]]]
+    assert cols.order[0, 0, 0, :2].tolist() == [2, 0]
+    assert cols.order[0, 0, 2, :2].tolist() == [0, 2]
+    assert rows.order.dtype == torch.int32 and rows.counts.dtype == torch.int32
+    assert rows.order.is_contiguous() and rows.counts.is_contiguous()
 
 
 # ------------------------------------------------------------------------------------------
