@@ -147,6 +147,7 @@ import triton.language as tl
 
 from .attn_bwd_tiles import _dkdv_tiles, _dq_tiles
 from .band import key_tile_query_ranges, query_tile_key_ranges
+from .block_sparse import tile_lists
 from .common import LOG2E, mask_scores
 from .ds_scaling import _ds_loop_choice, _max_as_stat
 
@@ -280,7 +281,7 @@ def _attn_bwd_row_reference(
 @triton.jit
 def _dkdv_heads(
     dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-    offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides,
+    offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides, sparse,
     H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -288,9 +289,14 @@ def _dkdv_heads(
     DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
     SHIFT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_BLOCK_SPARSITY: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
+    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
 ):
     """Every query head of the GQA group: blocks [lo, mid) with the visibility select, [mid, mid_hi)
-    without, and under WINDOW_LEFT [mid_hi, hi) with it (the window's left edge)."""
+    without, and under WINDOW_LEFT [mid_hi, hi) with it (the window's left edge).
+    Under HAS_BLOCK_SPARSITY the ranges are positions in each head's own list of query tiles
+    (``sparse``: the kernel's layout arguments and this key tile), its PARTIAL tiles first
+    ([lo, mid), with the select), then its FULL ones ([mid, mid_hi), without)."""
     stride_qb, stride_qh, _, _ = q_strides
     stride_dob, stride_doh, _, _ = do_strides
     stride_mb, stride_mh, _, _ = mask_strides
@@ -300,10 +306,21 @@ def _dkdv_heads(
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
         mask_base = MASK + b * stride_mb + h * stride_mh
+        if HAS_BLOCK_SPARSITY:
+            COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len, layout_strides, tile = sparse
+            stride_bmb, stride_bmh, stride_bmm, stride_bmn = layout_strides
+            n_full, n_partial, tile_list = tile_lists(COUNTS, IDX, b, h, tile, stride_cb, stride_ch, stride_ib,
+                                                      stride_ih, list_len)
+            listed = (tile_list, BLOCK_MAP + b * stride_bmb + h * stride_bmh, stride_bmm, stride_bmn)
+            tiles = (0, n_partial, n_partial + n_full, n_partial + n_full)
+        else:
+            listed = None
+            tiles = (lo, mid, mid_hi, hi)
+        first, unchecked, unchecked_end, last = tiles
         # The calls differ only in their range and CHECK.
         dk, dv = _dkdv_tiles(
             dk, dv, key_block, q_base, do_base, mask_base, bh, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, lo, mid, q_strides, do_strides, mask_strides,
+            offs_m_base, offs_e, offs_ev, first, unchecked, q_strides, do_strides, mask_strides, listed,
             L, S, causal_offset, window_lower, qk_scale_log2,
             CHECK=True,
             RESCALE=RESCALE, SHIFT=SHIFT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK,
@@ -311,10 +328,11 @@ def _dkdv_heads(
             P_IN_FP32=P_IN_FP32,
             DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
             EVEN_M=EVEN_M, EVEN_E=EVEN_E, BLOCK_M=BLOCK_M,
+            FROM_LIST=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
         )
         dk, dv = _dkdv_tiles(
             dk, dv, key_block, q_base, do_base, mask_base, bh, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, mid, mid_hi, q_strides, do_strides, mask_strides,
+            offs_m_base, offs_e, offs_ev, unchecked, unchecked_end, q_strides, do_strides, mask_strides, listed,
             L, S, causal_offset, window_lower, qk_scale_log2,
             CHECK=False,
             RESCALE=RESCALE, SHIFT=SHIFT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK,
@@ -322,11 +340,12 @@ def _dkdv_heads(
             P_IN_FP32=P_IN_FP32,
             DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
             EVEN_M=EVEN_M, EVEN_E=EVEN_E, BLOCK_M=BLOCK_M,
+            FROM_LIST=HAS_BLOCK_SPARSITY,
         )
         if WINDOW_LEFT:
             dk, dv = _dkdv_tiles(
                 dk, dv, key_block, q_base, do_base, mask_base, bh, row_pointers, DMASK, dropout, ds_up,
-                offs_m_base, offs_e, offs_ev, mid_hi, hi, q_strides, do_strides, mask_strides,
+                offs_m_base, offs_e, offs_ev, unchecked_end, last, q_strides, do_strides, mask_strides, listed,
                 L, S, causal_offset, window_lower, qk_scale_log2,
                 CHECK=True,
                 RESCALE=RESCALE, SHIFT=SHIFT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK,
@@ -334,6 +353,7 @@ def _dkdv_heads(
                 P_IN_FP32=P_IN_FP32,
                 DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
                 EVEN_M=EVEN_M, EVEN_E=EVEN_E, BLOCK_M=BLOCK_M,
+                FROM_LIST=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
             )
     return dk, dv
 
@@ -349,12 +369,16 @@ def _attn_bwd_dkdv(
     stride_dkb, stride_dkh, stride_dkn, stride_dke,
     stride_dvb, stride_dvh, stride_dvn, stride_dve,
     H_Q, H_KV, GROUP, L, S, causal_offset, window_lower, qk_scale_log2, sm_scale, dropout_p,
+    COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len,
+    stride_bmb, stride_bmh, stride_bmm, stride_bmn,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
     DS_RESCALE: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BLOCK_SPARSITY: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
+    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
 ):
     # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
     # with them would promote the fp32 accumulators, so fix them at fp32 first.
@@ -387,6 +411,10 @@ def _attn_bwd_dkdv(
     # The query tiles that see these keys, and which of them need the visibility select.
     lo, mid, mid_hi, hi = key_tile_query_ranges(start_n, L, S, causal_offset, window_lower, IS_CAUSAL=IS_CAUSAL,
                                                 WINDOW_LEFT=WINDOW_LEFT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    sparse = None  # a block-sparse layout's arguments, read per query head by _dkdv_heads
+    if HAS_BLOCK_SPARSITY:
+        sparse = (COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len,
+                  (stride_bmb, stride_bmh, stride_bmm, stride_bmn), tl.program_id(0))
 
     # Decided once for the whole program; a compile-time False (and ds_up a compile-time 1) unless
     # the schedule rescales, so the other kernels hold the plain, unscaled loop alone. The rare
@@ -406,7 +434,7 @@ def _attn_bwd_dkdv(
     if needs_rescale:
         dk, dv = _dkdv_heads(
             dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides,
+            offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides, sparse,
             H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=True, SHIFT=True,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
@@ -414,11 +442,12 @@ def _attn_bwd_dkdv(
             DS_IN_FP32=DS_IN_FP32,
             DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT, EVEN_M=EVEN_M, EVEN_E=EVEN_E,
             BLOCK_M=BLOCK_M,
+            HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
         )
     elif tl.load(SHIFT_FLAG) != 0:
         dk, dv = _dkdv_heads(
             dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides,
+            offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides, sparse,
             H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=False, SHIFT=True,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
@@ -426,11 +455,12 @@ def _attn_bwd_dkdv(
             DS_IN_FP32=DS_IN_FP32,
             DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT, EVEN_M=EVEN_M, EVEN_E=EVEN_E,
             BLOCK_M=BLOCK_M,
+            HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
         )
     else:
         dk, dv = _dkdv_heads(
             dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides,
+            offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides, sparse,
             H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=False, SHIFT=False,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
@@ -438,6 +468,7 @@ def _attn_bwd_dkdv(
             DS_IN_FP32=DS_IN_FP32,
             DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT, EVEN_M=EVEN_M, EVEN_E=EVEN_E,
             BLOCK_M=BLOCK_M,
+            HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
         )
 
     if DS_RESCALE:
@@ -452,7 +483,7 @@ def _attn_bwd_dkdv(
 @triton.jit
 def _dq_blocks(
     dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-    offs_n_base, offs_e, offs_ev, lo, mid, split, hi, k_strides, v_strides, mask_strides,
+    offs_n_base, offs_e, offs_ev, lo, mid, split, hi, k_strides, v_strides, mask_strides, listed,
     S, causal_offset, window_lower, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -460,24 +491,27 @@ def _dq_blocks(
     DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, EXACT_DELTA: tl.constexpr,
     WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_E: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, FROM_LIST: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
+    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
 ):
     """Key blocks [mid, split) without the visibility select, [split, hi) and under WINDOW_LEFT
-    [lo, mid) with it (the calls differ only in their range and CHECK)."""
+    [lo, mid) with it (the calls differ only in their range and CHECK). Under FROM_LIST the ranges are
+    positions in ``listed[0]``, a block-sparse layout's list of this query tile's key tiles."""
     if WINDOW_LEFT:
         dq, exact_sums = _dq_tiles(
             dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-            offs_n_base, offs_e, offs_ev, lo, mid, k_strides, v_strides, mask_strides,
+            offs_n_base, offs_e, offs_ev, lo, mid, k_strides, v_strides, mask_strides, listed,
             S, causal_offset, window_lower, qk_scale_log2,
             CHECK=True,
             RESCALE=RESCALE, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
             HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
             DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK,
             FP32_DOT=FP32_DOT, EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
+            FROM_LIST=FROM_LIST, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
         )
     dq, exact_sums = _dq_tiles(
         dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-        offs_n_base, offs_e, offs_ev, mid, split, k_strides, v_strides, mask_strides,
+        offs_n_base, offs_e, offs_ev, mid, split, k_strides, v_strides, mask_strides, listed,
         S, causal_offset, window_lower, qk_scale_log2,
         CHECK=False,
         RESCALE=RESCALE, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
@@ -485,10 +519,11 @@ def _dq_blocks(
         DS_IN_FP32=DS_IN_FP32,
         DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
         EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
+        FROM_LIST=FROM_LIST,
     )
     return _dq_tiles(
         dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-        offs_n_base, offs_e, offs_ev, split, hi, k_strides, v_strides, mask_strides,
+        offs_n_base, offs_e, offs_ev, split, hi, k_strides, v_strides, mask_strides, listed,
         S, causal_offset, window_lower, qk_scale_log2,
         CHECK=True,
         RESCALE=RESCALE, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
@@ -496,6 +531,7 @@ def _dq_blocks(
         DS_IN_FP32=DS_IN_FP32,
         DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
         EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
+        FROM_LIST=FROM_LIST, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
     )
 
 
@@ -509,6 +545,8 @@ def _attn_bwd_dq(
     stride_dob, stride_doh, stride_dom, stride_doe,
     stride_dqb, stride_dqh, stride_dqm, stride_dqe,
     H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2, sm_scale, dropout_p,
+    COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len,
+    stride_bmb, stride_bmh, stride_bmm, stride_bmn,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -516,6 +554,8 @@ def _attn_bwd_dq(
     DS_RESCALE: tl.constexpr,
     EXACT_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BLOCK_SPARSITY: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
+    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
 ):
     # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
     # with them would promote the fp32 accumulators, so fix them at fp32 first.
@@ -560,8 +600,17 @@ def _attn_bwd_dq(
     exact_sums = (ds_sum, ds_seen_sum, p_sum, p_k)
     # Key blocks [mid, split) are whole and visible to every row of this query block; [split, hi)
     # holds the causal diagonal and the ragged last key block, [lo, mid) the window's left edge.
-    lo, mid, split, hi = query_tile_key_ranges(start_m, S, causal_offset, window_lower, IS_CAUSAL=IS_CAUSAL,
-                                               WINDOW_LEFT=WINDOW_LEFT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    # Under HAS_BLOCK_SPARSITY the same ranges are positions in this query tile's list of key tiles,
+    # its FULL ones first ([mid, split)), then its PARTIAL ones ([split, hi)), as in the forward.
+    if HAS_BLOCK_SPARSITY:
+        n_full, n_partial, tile_list = tile_lists(COUNTS, IDX, b, h, tl.program_id(0), stride_cb, stride_ch,
+                                                  stride_ib, stride_ih, list_len)
+        listed = (tile_list, BLOCK_MAP + b * stride_bmb + h * stride_bmh, stride_bmm, stride_bmn)
+        lo, mid, split, hi = 0, 0, n_full, n_full + n_partial
+    else:
+        listed = None
+        lo, mid, split, hi = query_tile_key_ranges(start_m, S, causal_offset, window_lower, IS_CAUSAL=IS_CAUSAL,
+                                                   WINDOW_LEFT=WINDOW_LEFT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
 
     # P = exp2(s2 - reference - shift). Only rows at the mask clamp have a shift (see
     # _attn_bwd_row_reference), and it cannot join the reference there (~1e38 would absorb it).
@@ -586,7 +635,7 @@ def _attn_bwd_dq(
     if needs_rescale:
         dq, exact_sums = _dq_blocks(
             dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-            offs_n_base, offs_e, offs_ev, lo, mid, split, hi, k_strides, v_strides, mask_strides,
+            offs_n_base, offs_e, offs_ev, lo, mid, split, hi, k_strides, v_strides, mask_strides, listed,
             S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=True,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
@@ -594,11 +643,12 @@ def _attn_bwd_dq(
             DS_IN_FP32=DS_IN_FP32,
             DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
             EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
+            FROM_LIST=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
         )
     else:
         dq, exact_sums = _dq_blocks(
             dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-            offs_n_base, offs_e, offs_ev, lo, mid, split, hi, k_strides, v_strides, mask_strides,
+            offs_n_base, offs_e, offs_ev, lo, mid, split, hi, k_strides, v_strides, mask_strides, listed,
             S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=False,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
@@ -606,6 +656,7 @@ def _attn_bwd_dq(
             DS_IN_FP32=DS_IN_FP32,
             DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
             EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
+            FROM_LIST=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
         )
     ds_sum, ds_seen_sum, p_sum, p_k = exact_sums
 

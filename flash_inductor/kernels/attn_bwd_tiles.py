@@ -11,6 +11,7 @@ layout per element: ``block_sparse.layout_visible``), LAYOUT_BQ / LAYOUT_BK (its
 import triton
 import triton.language as tl
 
+from .block_sparse import layout_visible
 from .common import dropout_keep, mask_scores
 from .ds_scaling import _accumulate_ds_dot, _ds_scores, _ds_tile, _ds_unscale
 from .tile_loads import load_rows, load_tile
@@ -19,7 +20,7 @@ from .tile_loads import load_rows, load_tile
 @triton.jit
 def _dkdv_tiles(
     dk, dv, key_block, q_base, do_base, mask_base, bh, row_pointers, DMASK, dropout, ds_up,
-    offs_m_base, offs_e, offs_ev, lo, hi, q_strides, do_strides, mask_strides,
+    offs_m_base, offs_e, offs_ev, lo, hi, q_strides, do_strides, mask_strides, listed,
     L, S, causal_offset, window_lower, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -27,6 +28,8 @@ def _dkdv_tiles(
     DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, CHECK: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
     SHIFT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr,
+    FROM_LIST: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
+    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
 ):
     """Fold query blocks [lo, hi) of one query head into this key block's (dk, dv); dk in units of
     1 / ds_up under DS_RESCALE's plain loop. Without SHIFT every row's shift is known to be 0;
@@ -38,7 +41,11 @@ def _dkdv_tiles(
     _, _, stride_qm, stride_qe = q_strides
     _, _, stride_dom, stride_doe = do_strides
     _, _, stride_mm, stride_mn = mask_strides
-    for start_m in range(lo, hi, BLOCK_M):
+    for it in range(lo, hi, 1 if FROM_LIST else BLOCK_M):
+        if FROM_LIST:
+            start_m = tl.load(listed[0] + it) * BLOCK_M
+        else:
+            start_m = it
         offs_m = start_m + offs_m_base
         q_rows_ok = offs_m < L
         q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_e[None, :] * stride_qe,
@@ -55,6 +62,11 @@ def _dkdv_tiles(
                            stride_mm, stride_mn, causal_offset, window_lower,
                            HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL,
                            WINDOW_LEFT=WINDOW_LEFT, CHECK=CHECK)
+        if LAYOUT_CHECK:  # a tile that straddles computed and skipped layout blocks
+            _, map_base, stride_bmm, stride_bmn = listed
+            s2_t = tl.where(layout_visible(map_base, stride_bmm, stride_bmn, offs_m[None, :], offs_n[:, None],
+                                           kv_rows_ok[:, None] & q_rows_ok[None, :],
+                                           LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK), s2_t, float("-inf"))
         if SHIFT:
             row_shift = load_rows(ROW_SHIFT + row_ids, q_rows_ok, 0.0, EVEN_ROWS=EVEN_M)
             p_t = tl.math.exp2((s2_t - row_ref[None, :]) - row_shift[None, :])
@@ -87,7 +99,7 @@ def _dkdv_tiles(
 @triton.jit
 def _dq_tiles(
     dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-    offs_n_base, offs_e, offs_ev, lo, hi, k_strides, v_strides, mask_strides,
+    offs_n_base, offs_e, offs_ev, lo, hi, k_strides, v_strides, mask_strides, listed,
     S, causal_offset, window_lower, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -95,7 +107,8 @@ def _dq_tiles(
     DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, CHECK: tl.constexpr, EXACT_DELTA: tl.constexpr,
     WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_E: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, FROM_LIST: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
+    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
 ):
     """Fold key blocks [lo, hi) into this query block's dq (and, under exact Δ, σ, σ̃, Λ, K̄); dq in
     units of 1 / ds_up under DS_RESCALE's plain loop, the rest in dS's own, and all of them in units
@@ -107,7 +120,11 @@ def _dq_tiles(
     _, _, stride_kn, stride_ke = k_strides
     _, _, stride_vn, stride_ve = v_strides
     _, _, stride_mm, stride_mn = mask_strides
-    for start_n in range(lo, hi, BLOCK_N):
+    for it in range(lo, hi, 1 if FROM_LIST else BLOCK_N):
+        if FROM_LIST:
+            start_n = tl.load(listed[0] + it) * BLOCK_N
+        else:
+            start_n = it
         offs_n = start_n + offs_n_base
         kv_rows_ok = offs_n < S
         k = load_tile(k_base + offs_n[:, None] * stride_kn + offs_e[None, :] * stride_ke,
@@ -120,6 +137,10 @@ def _dq_tiles(
                          window_lower,
                          HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
                          CHECK=CHECK)
+        if LAYOUT_CHECK:  # a tile that straddles computed and skipped layout blocks
+            _, map_base, stride_bmm, stride_bmn = listed
+            s2 = tl.where(layout_visible(map_base, stride_bmm, stride_bmn, offs_m[:, None], offs_n[None, :], tile_ok,
+                                         LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK), s2, float("-inf"))
         p = tl.math.exp2(s2 - row_ref[:, None])  # P / row_scale
         dp = tl.dot(do, tl.trans(v), input_precision=FP32_DOT)
         if HAS_DROPOUT:

@@ -455,3 +455,101 @@ def test_compiles_with_a_layout():
     compiled = torch.compile(lambda q, k, v: flash_attention(q, k, v, block_mask=layout), backend="aot_eager",
                              fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v), flash_attention(q, k, v, block_mask=layout))
+
+
+# ------------------------------------------------------------------------------------------
+# The kernels skip the work: launches, and keys they never read
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.launches_kernels
+@pytest.mark.parametrize("block, straddles", [((16, 16), False), ((24, 40), True)])
+def test_kernels_take_the_block_sparse_path(monkeypatch, device, block, straddles):
+    seen = {}
+    spy_on_launches(monkeypatch, lambda name, kwargs: seen.setdefault(name, kwargs))
+    q, k, v = make_qkv(1, 2, 2, 45, 61, 16, 16, torch.float32, device, seed=8)
+    block_map = random_block_map(1, 2, 45, 61, block, 0.5, seed=9).to(device)
+    layout = dict(block_map=block_map, block_q=block[0], block_k=block[1])
+    common = (None, 0.0, False, 0, 0.25, "stable")
+    out, lse = launch.attention_forward(q, k, v, None, *common, **layout)
+    launch.attention_backward(torch.ones_like(out), q, k, v, None, out, lse, None, *common, False, **layout)
+    for name in ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv"):
+        assert seen[name]["HAS_BLOCK_SPARSITY"] is True, name
+        assert seen[name]["LAYOUT_CHECK"] is straddles, name
+    # The layout is all the mask there is: no dense element mask reaches the kernels.
+    assert seen["_attn_fwd"]["HAS_MASK"] is False and seen["_attn_bwd_dq"]["HAS_MASK"] is False
+
+
+@pytest.mark.launches_kernels
+@pytest.mark.parametrize("block", [(16, 16), (24, 40)])
+def test_skipped_blocks_are_never_read(kernel_dtype, device, block):
+    """NaN keys and values in the key tiles that lie in a key block no query block computes: a
+    kernel that read them (even to multiply by a zero probability) would return NaN. Forward, dQ
+    and dK/dV alike, at 16 x 16 tiles (a tile that straddles a computed block is read, and its
+    keys outside the layout are selected out, as a mask's are)."""
+    seq_q, seq_k = 45, 120
+    q, k, v = make_qkv(1, 2, 2, seq_q, seq_k, 16, 16, kernel_dtype, device, seed=10)
+    block_map = random_block_map(1, 1, seq_q, seq_k, block, 0.6, seed=11)
+    dead_cols = [1]  # key block 1 is skipped by every query block
+    block_map[..., dead_cols] = False
+    block_map[..., 0] = True  # every row sees something
+    tile = 16
+    start = _cdiv(block[1] * dead_cols[0], tile) * tile  # the tiles wholly inside the dead block
+    stop = min(block[1] * (dead_cols[0] + 1), seq_k) // tile * tile
+    assert stop > start
+    k[..., start:stop, :] = float("nan")
+    v[..., start:stop, :] = float("nan")
+    layout = dict(block_map=block_map.to(device), block_q=block[0], block_k=block[1],
+                  configs=AttentionConfigs(*(KernelConfig(tile, tile, 4 if ON_CUDA else 1, 1),) * 3))
+    common = (None, 0.0, False, 0, 0.25, "stable")
+    out, lse = launch.attention_forward(q, k, v, None, *common, **layout)
+    dout = randn(out.shape, kernel_dtype, device, 12)
+    dq, dk, dv, _ = launch.attention_backward(dout, q, k, v, None, out, lse, None, *common, False, **layout)
+    assert out.isfinite().all() and lse.isfinite().all() and dq.isfinite().all()
+    keep = torch.ones(seq_k, dtype=torch.bool)
+    keep[start:stop] = False
+    assert dk[..., keep, :].isfinite().all() and dv[..., keep, :].isfinite().all()
+    assert (dk[..., ~keep, :] == 0).all() and (dv[..., ~keep, :] == 0).all()  # no query reaches them
+    # The same inputs through the dense kernels with the layout as a mask: NaN, since they read it all.
+    dense_out, _ = launch.attention_forward(q, k, v, element_mask(block_map.to(device), block, seq_q, seq_k, None,
+                                                                  (1, 2, seq_q, seq_k)), *common)
+    assert dense_out.isnan().any()
+
+
+WITH_BAND = {
+    "window": (Case(block=(16, 16), seq_q=61, seq_k=61, density=0.7), (20, 3)),
+    "window_straddling_causal": (Case(block=(24, 40), causal_offset=0, seq_q=61, seq_k=61, density=0.7), (30, -1)),
+}
+
+
+@pytest.mark.launches_kernels
+@pytest.mark.parametrize("case, window", [pytest.param(*v, id=k) for k, v in WITH_BAND.items()])
+def test_kernels_with_a_window(case, window, device):
+    """The band (causal and window) folds into the tile classes: tiles outside it are skipped,
+    tiles its edges cross are checked."""
+    q, k, v, block_map, mask, dense, dout, keep, rng_seed = _inputs(case, torch.float32, device)
+    from flash_inductor.launch.band import resolve_band
+
+    band = resolve_band(case.causal_offset is not None, case.causal_offset or 0, window, case.seq_q, case.seq_k)
+    dense = dense & band.visible(case.seq_q, case.seq_k, device)
+    scale = case.head_dim**-0.5
+    common = (None, 0.0, case.causal_offset is not None, case.causal_offset or 0, scale, "stable")
+    layout = dict(block_map=block_map, block_q=case.block[0], block_k=case.block[1], window=window)
+    out, lse = launch.attention_forward(q, k, v, None, *common, **layout)
+    dq, dk, dv, _ = launch.attention_backward(dout, q, k, v, None, out, lse, None, *common, False, **layout)
+    _check(dataclasses.replace(case, causal_offset=None), dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), q, k, v, dense,
+           dout, keep, scale)
+
+
+@pytest.mark.launches_kernels
+def test_float_mask_at_the_clamp_with_a_layout(device):
+    """Rows whose every visible key sits at finfo.min take the row reference's extra pass, which
+    must not see keys outside the layout."""
+    case = Case(block=(16, 24), mask="finfo_min", mask_grad=True)
+    q, k, v, block_map, mask, dense, dout, keep, rng_seed = _inputs(case, torch.float32, device)
+    scale = case.head_dim**-0.5
+    common = (None, 0.0, False, 0, scale, "stable")
+    layout = dict(block_map=block_map, block_q=case.block[0], block_k=case.block[1])
+    out, lse = launch.attention_forward(q, k, v, mask, *common, **layout)
+    dq, dk, dv, dmask = launch.attention_backward(dout, q, k, v, mask, out, lse, None, *common, True, **layout)
+    _check(case, dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dmask=dmask), q, k, v, dense, dout, keep, scale)
