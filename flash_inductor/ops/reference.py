@@ -141,11 +141,10 @@ def _chunk_scores(
     scale: float,
     start: int,
     stop: int,
-    block_layout: Optional[tuple] = None,
 ) -> torch.Tensor:
     """Masked scores ``scale * q k^T + mask`` of one key chunk, (B, Hkv, G * L, stop - start).
 
-    Invisible keys are -inf. ``block_layout`` is None or ``(block_map, block_q, block_k)``.
+    Invisible keys are -inf.
     """
     scores = scale * (grouped_query @ key_chunk.to(problem.compute_dtype).transpose(-2, -1))
     if attn_mask is not None:
@@ -163,12 +162,19 @@ def _chunk_scores(
         scores = scores.masked_fill(key_positions > query_positions + band.upper, float("-inf"))
     if band.lower is not None:
         scores = scores.masked_fill(key_positions < query_positions + band.lower, float("-inf"))
-    if block_layout is not None:
-        block_map, block_q, block_k = block_layout
-        in_layout = expand_block_map(block_map, block_q, block_k, 0, problem.query_len, start, stop)
-        in_layout = in_layout.expand(problem.batch, problem.query_heads, problem.query_len, stop - start)
-        scores = scores.masked_fill(~in_layout.reshape(scores.shape), float("-inf"))
     return scores
+
+
+def _layout_scores(problem: _GroupedProblem, scores: torch.Tensor, block_layout: Optional[tuple], start: int,
+                   stop: int) -> torch.Tensor:
+    """``scores`` of keys [start, stop) with -inf outside a block-sparse layout (None: as they are);
+    ``block_layout`` is ``(block_map, block_q, block_k)``."""
+    if block_layout is None:
+        return scores
+    block_map, block_q, block_k = block_layout
+    in_layout = expand_block_map(block_map, block_q, block_k, 0, problem.query_len, start, stop)
+    in_layout = in_layout.expand(problem.batch, problem.query_heads, problem.query_len, stop - start)
+    return scores.masked_fill(~in_layout.reshape(scores.shape), float("-inf"))
 
 
 def _dropout_scale(
@@ -235,9 +241,9 @@ def reference_forward(
     )
 
     for start, stop in _key_chunks(problem.key_len, band, problem.query_len):
-        scores = _chunk_scores(
-            problem, grouped_query, key[..., start:stop, :], attn_mask, band, scale, start, stop, block_layout
-        )
+        scores = _layout_scores(problem, _chunk_scores(
+            problem, grouped_query, key[..., start:stop, :], attn_mask, band, scale, start, stop
+        ), block_layout, start, stop)
         new_max = torch.maximum(running_max, scores.amax(dim=-1))
         # A row with no visible key so far has max -inf; shifting by it would give -inf - -inf = NaN.
         shift = torch.where(new_max.isneginf(), torch.zeros_like(new_max), new_max)
@@ -280,9 +286,9 @@ def _row_reference(problem, grouped_query, key, attn_mask, band, scale, grouped_
         row_max = torch.full_like(reference, float("-inf"))
         row_sum = torch.zeros_like(reference)
         for start, stop in _key_chunks(problem.key_len, band, problem.query_len):
-            scores = _chunk_scores(
-                problem, grouped_query, key[..., start:stop, :], attn_mask, band, scale, start, stop, block_layout
-            )
+            scores = _layout_scores(problem, _chunk_scores(
+                problem, grouped_query, key[..., start:stop, :], attn_mask, band, scale, start, stop
+            ), block_layout, start, stop)
             new_max = torch.maximum(row_max, scores.amax(dim=-1))
             safe_max = torch.where(new_max.isneginf(), torch.zeros_like(new_max), new_max)
             row_sum = row_sum * torch.exp(row_max - safe_max) + torch.exp(scores - safe_max[..., None]).sum(dim=-1)
@@ -339,7 +345,8 @@ def reference_backward(
         """Keys [start, stop): K, V, the probabilities P, dP (through dropout), the dropout scale."""
         key_chunk = key[..., start:stop, :].to(problem.compute_dtype)
         value_chunk = value[..., start:stop, :].to(problem.compute_dtype)
-        scores = _chunk_scores(problem, grouped_query, key_chunk, attn_mask, band, scale, start, stop, block_layout)
+        scores = _layout_scores(problem, _chunk_scores(problem, grouped_query, key_chunk, attn_mask, band, scale, start,
+                                                       stop), block_layout, start, stop)
         probs = torch.exp((scores - row_reference) - row_shift)
         grad_probs = grouped_grad_out @ value_chunk.transpose(-2, -1)
         dropout_scale = _dropout_scale(problem, rng_seed, dropout_p, start, stop)
