@@ -18,6 +18,7 @@ from triton.compiler import ASTSource
 
 from flash_inductor.kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _attn_bwd_row_reference
 from flash_inductor.kernels.attn_fwd import _attn_fwd
+from flash_inductor.launch.block_tiles import DENSE_LAYOUT
 
 _POINTERS = {"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"}
 
@@ -54,7 +55,7 @@ _LAYOUT_ARGS = ("COUNTS", "IDX", "BLOCK_MAP", "stride_cb", "stride_ch", "stride_
 
 def compile_one(fn, dtype, constexprs, num_warps=4, num_stages=2):
     if not constexprs.get("HAS_BLOCK_SPARSITY") and _LAYOUT_ARGS[0] in fn.arg_names:
-        constexprs = {**constexprs, **dict.fromkeys(_LAYOUT_ARGS)}
+        constexprs = {**constexprs, **dict.fromkeys(_LAYOUT_ARGS), **DENSE_LAYOUT}
     src = ASTSource(fn, signature(fn, dtype, constexprs), constexprs)
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
 

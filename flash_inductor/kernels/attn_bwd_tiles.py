@@ -63,7 +63,7 @@ def _dkdv_tiles(
                            HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL,
                            WINDOW_LEFT=WINDOW_LEFT, CHECK=CHECK)
         if LAYOUT_CHECK:  # a tile that straddles computed and skipped layout blocks
-            _, map_base, stride_bmm, stride_bmn = listed
+            map_base, stride_bmm, stride_bmn = listed[1], listed[2], listed[3]
             s2_t = tl.where(layout_visible(map_base, stride_bmm, stride_bmn, offs_m[None, :], offs_n[:, None],
                                            kv_rows_ok[:, None] & q_rows_ok[None, :],
                                            LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK), s2_t, float("-inf"))
@@ -138,7 +138,7 @@ def _dq_tiles(
                          HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
                          CHECK=CHECK)
         if LAYOUT_CHECK:  # a tile that straddles computed and skipped layout blocks
-            _, map_base, stride_bmm, stride_bmn = listed
+            map_base, stride_bmm, stride_bmn = listed[1], listed[2], listed[3]
             s2 = tl.where(layout_visible(map_base, stride_bmm, stride_bmn, offs_m[:, None], offs_n[None, :], tile_ok,
                                          LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK), s2, float("-inf"))
         p = tl.math.exp2(s2 - row_ref[:, None])  # P / row_scale

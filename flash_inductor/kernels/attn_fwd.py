@@ -117,7 +117,7 @@ def _attn_fwd_inner(
             if WINDOW_LEFT:
                 visible = visible & (offs_n[None, :] >= offs_m[:, None] + window_lower)
             if LAYOUT_CHECK:  # a tile that straddles computed and skipped layout blocks
-                _, map_base, stride_bmm, stride_bmn = listed
+                map_base, stride_bmm, stride_bmn = listed[1], listed[2], listed[3]
                 visible = visible & layout_visible(map_base, stride_bmm, stride_bmn, offs_m[:, None], offs_n[None, :],
                                                    (offs_m[:, None] < L) & kv_rows_ok[None, :],
                                                    LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK)

@@ -164,6 +164,9 @@ def column_tile_lists(classes: Tensor) -> TileLists:
 # The layout arguments of a kernel launch, in the kernels' order (``kernels/block_sparse.py``): COUNTS,
 # IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len, and BLOCK_MAP's 4 strides.
 LAYOUT_ARGS = 12
+# The layout switches of a dense launch, passed explicitly (the kernels' defaults) rather than left to
+# the signature's defaults, which not every caller of a kernel applies.
+DENSE_LAYOUT = dict(HAS_BLOCK_SPARSITY=False, LAYOUT_CHECK=False, LAYOUT_BQ=1, LAYOUT_BK=1)
 
 
 def kernel_layout(block_map: Optional[Tensor], block_q: int, block_k: int, batch: int, heads_q: int, seq_q, seq_k,
@@ -173,7 +176,7 @@ def kernel_layout(block_map: Optional[Tensor], block_q: int, block_k: int, batch
     (the dK/dV pass) per key tile its query tiles. Without a layout every argument is None, which
     Triton takes as a constant: the dense kernels compile exactly as with no such arguments."""
     if block_map is None:
-        return (None,) * LAYOUT_ARGS, {}
+        return (None,) * LAYOUT_ARGS, dict(DENSE_LAYOUT)
     classes = tile_classes(block_map, block_q, block_k, seq_q, seq_k, block_m, block_n, band_lower, band_upper)
     counts, indices = column_tile_lists(classes) if columns else row_tile_lists(classes)
     # Broadcast batch / head dims read with a stride of 0.
@@ -185,7 +188,7 @@ def kernel_layout(block_map: Optional[Tensor], block_q: int, block_k: int, batch
     map_strides = layout_map.stride() if check else (0,) * 4
     args = (counts, indices, layout_map, counts.stride(0), counts.stride(1), indices.stride(0), indices.stride(1),
             indices.shape[-1], *map_strides)
-    meta = dict(HAS_BLOCK_SPARSITY=True, LAYOUT_CHECK=check)
+    meta = dict(DENSE_LAYOUT, HAS_BLOCK_SPARSITY=True, LAYOUT_CHECK=check)
     if check:
         meta.update(LAYOUT_BQ=block_q, LAYOUT_BK=block_k)
     return args, meta
