@@ -119,8 +119,8 @@ def flash_attention(
                                                      [T, T, T, T],
                                                      [T, T, T, T]]
 
-            ``attn_mask`` and ``is_causal`` apply inside the computed blocks (``attn_mask`` is the
-            element mask for blocks that are only partly visible). A ``BlockMask``'s full blocks
+            ``attn_mask``, ``is_causal`` and ``window`` apply inside the computed blocks
+            (``attn_mask`` is the element mask for blocks only partly visible). A ``BlockMask``'s full blocks
             need nothing more; its partial blocks need ``attn_mask`` (the same mask, element by
             element) unless its ``mask_mod`` is ``noop_mask``, since a ``mask_mod`` cannot run in
             the kernels. A row whose blocks are all skipped returns 0.

@@ -14,14 +14,17 @@ element) unless its ``mask_mod`` is FlexAttention's ``noop_mask``.
 
 Semantics, for query row i and key j (``block_q``, ``block_k`` the layout's block sizes)::
 
-    visible(i, j) = block_map[b, h, i // block_q, j // block_k]  and  attn_mask(i, j)  and  causal(i, j)
+    visible(i, j) = block_map[b, h, i // block_q, j // block_k]  and  attn_mask(i, j)  and  band(i, j)
+
+(the band: ``is_causal`` and ``window``).
 
 A row whose blocks are all skipped sees no key: output 0, LSE -inf, zero gradients, as a fully
 masked row.
 
-The op (``flash_inductor::attention_forward``) takes the normalised layout as three arguments:
-``block_map`` (a 4-D bool tensor whose first two dims are 1 or the batch and query heads),
-``block_q`` and ``block_k`` (0 when there is no layout).
+The op (``flash_inductor::attention_forward``) takes the normalised layout as three arguments
+after the window's: ``block_map`` (a 4-D bool tensor whose first two dims are 1 or the batch and
+query heads), ``block_q`` and ``block_k`` (0 when there is no layout). The kernels skip tiles
+as ``launch/block_tiles.py`` describes; ``docs/sparse_attention.md`` has the whole story.
 """
 
 from __future__ import annotations

@@ -74,6 +74,11 @@ Constexpr switches
     EVEN_N, EVEN_M          S (dQ pass) / L (dK/dV pass) is a whole number of blocks: no row masks on
                             the looped-over loads (``tile_loads``)
     EVEN_E                  both head dims equal their padded width: no column masks on those loads
+    HAS_BLOCK_SPARSITY      a block-sparse layout: the dQ pass's key ranges are positions in its query
+                            tile's list (FULL, then PARTIAL tiles), the dK/dV pass's query ranges
+                            positions in each head's list for its key tile (PARTIAL, then FULL):
+                            COUNTS, IDX (``block_sparse.py``); None when dense
+    LAYOUT_CHECK            checked tiles also test the layout per element (LAYOUT_BQ, LAYOUT_BK)
     inner helpers only:
     RESCALE                 this loop is the rescaling one (per-tile scale of dS, ``_ds_tile``)
     CHECK                   the tile may hold invisible keys: apply the bounds / causal select
@@ -91,6 +96,8 @@ the same as with the values passed one by one):
     query_block     (q, do, offs_m, q_rows_ok, row_ids): the dQ program's rows
     row_pointers    (ROW_REF, ROW_SHIFT, DELTA); row_values (row_ref, row_scale, delta)
     exact_sums      (σ, σ̃, Λ, K̄) = (ds_sum, ds_seen_sum, p_sum, p_k)
+    listed          (tile list, block map at this batch and head, its two strides), or None;
+                    sparse (the dK/dV kernel's layout arguments and key tile, for _dkdv_heads)
     dropout         (seed, keep_scale, dropout_p)
 
 Δ and the LSE's gradient. Δ_i = rowsum(dO_i ∘ O_i) − dLSE_i: the LSE output's own gradient

@@ -48,13 +48,19 @@ Constexpr switches
     FOLD_SCALE              fold the scale into exp2's argument (a positive scale and no mask:
                             ``launch/forward.py``; why it is exact: ``_attn_fwd``)
     CHECK_BOUNDS            (``_attn_fwd_inner`` only) apply the bounds / band select to the block
+    HAS_BLOCK_SPARSITY      a block-sparse layout: the key ranges are positions in the query tile's
+                            list of key tiles (COUNTS, IDX: ``block_sparse.py``), FULL then PARTIAL;
+                            FROM_LIST in ``_attn_fwd_inner``. Without it the layout arguments are None
+    LAYOUT_CHECK            checked tiles also test the layout per element (tiles that straddle
+                            layout blocks of LAYOUT_BQ x LAYOUT_BK: ``launch/block_tiles.py``)
 
 The kernel's signature stays flat, one scalar per stride, as launched: the launchers reach
 Inductor through torch's ``wrap_triton``, whose code generation for a user kernel takes tensors
 and scalars only (torch 2.13's ``UserDefinedTritonKernel`` in ``_inductor/ir.py`` raises
 "Unsupported arg type" on a tuple).
 Its helper takes tuples, which Triton inlines away: ``*_strides`` (batch, head, row, column) of
-one tensor, ``query_block`` (q, offs_m, rng_rows), ``dropout`` (seed, dropout_p).
+one tensor, ``query_block`` (q, offs_m, rng_rows), ``dropout`` (seed, dropout_p), ``listed``
+(tile list, block map at this batch and head, its row and column strides; None when dense).
 """
 
 import triton

@@ -26,6 +26,7 @@ Everything here is torch ops on the map's device, with no host synchronisation: 
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple, Optional
 
 import torch
@@ -141,8 +142,7 @@ def tile_classes(block_map: Tensor, block_q: int, block_k: int, seq_q: int, seq_
 
 
 def _lists(classes: Tensor, first: int) -> TileLists:
-    counts = torch.stack(((classes == FULL).sum(-1, dtype=torch.int32), (classes == PARTIAL).sum(-1, dtype=torch.int32)),
-                         dim=-1)
+    counts = torch.stack([(classes == kind).sum(-1, dtype=torch.int32) for kind in (FULL, PARTIAL)], dim=-1)
     rank = torch.where(classes == first, 2, torch.where(classes == SKIP, 0, 1)).to(torch.int8)
     # Stable, so each class is in ascending tile order (the kernels then read K/V in order).
     order = torch.argsort(rank, dim=-1, descending=True, stable=True)
@@ -177,8 +177,13 @@ def kernel_layout(block_map: Optional[Tensor], block_q: int, block_k: int, batch
     Triton takes as a constant: the dense kernels compile exactly as with no such arguments."""
     if block_map is None:
         return (None,) * LAYOUT_ARGS, dict(DENSE_LAYOUT)
-    classes = tile_classes(block_map, block_q, block_k, seq_q, seq_k, block_m, block_n, band_lower, band_upper)
-    counts, indices = column_tile_lists(classes) if columns else row_tile_lists(classes)
+
+    def lists():
+        classes = tile_classes(block_map, block_q, block_k, seq_q, seq_k, block_m, block_n, band_lower, band_upper)
+        return column_tile_lists(classes) if columns else row_tile_lists(classes)
+
+    key = (block_q, block_k, seq_q, seq_k, block_m, block_n, band_lower, band_upper, columns)
+    counts, indices = _cached_lists(block_map, key, lists)
     # Broadcast batch / head dims read with a stride of 0.
     counts = counts.expand(batch, heads_q, *counts.shape[2:])
     indices = indices.expand(batch, heads_q, *indices.shape[2:])
@@ -192,3 +197,25 @@ def kernel_layout(block_map: Optional[Tensor], block_q: int, block_k: int, batch
     if check:
         meta.update(LAYOUT_BQ=block_q, LAYOUT_BK=block_k)
     return args, meta
+
+
+# Eager calls with one layout (a training loop's, a benchmark's) convert it once per tile shape rather
+# than at every launch: about 15 small torch ops per pass, whose launch time can rival a sparse
+# kernel's. Keyed by the map's base tensor (the API hands the launchers a fresh view of the caller's
+# map each call) and its version, so an in-place change of the map is seen; dropped with the tensor.
+_LIST_CACHE: dict = {}
+
+
+def _cached_lists(block_map: Tensor, key: tuple, compute):
+    base = block_map._base if block_map._base is not None else block_map
+    if type(base) is not torch.Tensor or torch.compiler.is_compiling():
+        return compute()  # traced (fake or functional tensors): the ops go into the graph
+    ident = id(base)
+    entry = _LIST_CACHE.get(ident)
+    if entry is None or entry[0]() is not base or entry[1] != base._version:
+        entry = (weakref.ref(base, lambda _, ident=ident: _LIST_CACHE.pop(ident, None)), base._version, {})
+        _LIST_CACHE[ident] = entry
+    view_key = (tuple(block_map.shape), tuple(block_map.stride()), block_map.storage_offset(), key)
+    if view_key not in entry[2]:
+        entry[2][view_key] = compute()
+    return entry[2][view_key]

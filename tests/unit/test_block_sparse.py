@@ -553,3 +553,30 @@ def test_float_mask_at_the_clamp_with_a_layout(device):
     out, lse = launch.attention_forward(q, k, v, mask, *common, **layout)
     dq, dk, dv, dmask = launch.attention_backward(dout, q, k, v, mask, out, lse, None, *common, True, **layout)
     _check(case, dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dmask=dmask), q, k, v, dense, dout, keep, scale)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the Gluon Hopper forward's choice reads the device")
+def test_hopper_forward_declines_a_layout():
+    from flash_inductor.launch import hopper
+
+    q, k, v = make_qkv(1, 2, 2, 256, 256, 64, 64, torch.bfloat16, "cuda", seed=13)
+    reason = hopper.hopper_forward_unsupported_reason(q, k, v, block_sparse=True)
+    dense_reason = hopper.hopper_forward_unsupported_reason(q, k, v)
+    # On an sm_90 GPU with Gluon the layout is the reason; elsewhere the machine is.
+    assert reason == (hopper.BLOCK_SPARSE if dense_reason is None else dense_reason)
+
+
+def test_tile_lists_are_computed_once_per_layout_and_tile_shape(monkeypatch):
+    calls = []
+    real = block_tiles.tile_classes
+    monkeypatch.setattr(block_tiles, "tile_classes", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    block_map = random_block_map(1, 1, 64, 64, 16, 0.5, seed=1)
+    args = (16, 16, 1, 2, 64, 64, None, None, 16, 16)
+    first = block_tiles.kernel_layout(block_map.expand(1, 2, 4, 4), *args[:2], *args[2:])
+    again = block_tiles.kernel_layout(block_map.expand(1, 2, 4, 4), *args[:2], *args[2:])  # a new view
+    assert len(calls) == 1 and first[0][0].data_ptr() == again[0][0].data_ptr()
+    block_tiles.kernel_layout(block_map, 16, 16, 1, 2, 64, 64, None, None, 32, 16)  # another tile shape
+    assert len(calls) == 2
+    block_map[0, 0, 0, 0] = ~block_map[0, 0, 0, 0]  # in place: the version changes
+    changed = block_tiles.kernel_layout(block_map.expand(1, 2, 4, 4), *args[:2], *args[2:])
+    assert len(calls) == 3 and not torch.equal(changed[0][0], first[0][0])
