@@ -341,10 +341,11 @@ class _EagerKernelAttention(torch.autograd.Function):
             return _run_backward(ctx, grad_out, grad_lse, _launch_backward)
 
 
-def _launch_backward(*args):
-    """``launch.attention_backward`` with the backward op's positional arguments (the window last)."""
+def _launch_backward(*args, **layout):
+    """``launch.attention_backward`` with the backward op's positional arguments (the window last)
+    and its layout keywords (``block_map``, ``block_q``, ``block_k``)."""
     *args, window_left, window_right = args
-    return launch.attention_backward(*args, window=(window_left, window_right))
+    return launch.attention_backward(*args, window=(window_left, window_right), **layout)
 
 
 def eager_fast_path_applies(*tensors: Optional[Tensor]) -> bool:

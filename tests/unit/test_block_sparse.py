@@ -371,9 +371,10 @@ def test_kernels_against_fp64(case, kernel_dtype, device):
 @pytest.mark.parametrize("case", [pytest.param(CASES[n], id=n) for n in
                                   ("straddling_90", "empty_rows", "broadcast_layout_gqa", "float_mask_grad", "causal",
                                    "dropout", "l_greater_than_s")])
-def test_reference_path_against_fp64(case):
-    """The public function on CPU (the reference path), gradients through autograd."""
-    q, k, v, block_map, mask, dense, dout, keep, rng_seed = _inputs(case, torch.float32, "cpu")
+def test_public_function_against_fp64(case, device):
+    """The public function, gradients through autograd: on CPU the reference path, on a GPU the
+    kernels through the eager fast path."""
+    q, k, v, block_map, mask, dense, dout, keep, rng_seed = _inputs(case, torch.float32, device)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     mask_leaf = mask.clone().requires_grad_() if case.mask_grad else mask
     torch.manual_seed(5)
@@ -383,8 +384,8 @@ def test_reference_path_against_fp64(case):
     if case.dropout_p > 0:
         # Read the seed the call drew back from the generator, then rebuild its keep mask.
         torch.manual_seed(5)
-        seed_value = int(torch.randint(0, 2**62, (1,), dtype=torch.int64))
-        keep = dropout_keep(seed_value, case.batch, case.heads_q, case.seq_q, case.seq_k, case.dropout_p, "cpu")
+        seed_value = int(torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device))
+        keep = dropout_keep(seed_value, case.batch, case.heads_q, case.seq_q, case.seq_k, case.dropout_p, device)
     out.backward(dout)
     _, lse = torch.ops.flash_inductor.attention_forward(  # the LSE does not depend on dropout
         q, k, v, mask, None, 0.0, case.causal_offset is not None, case.causal_offset or 0,
