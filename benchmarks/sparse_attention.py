@@ -3,6 +3,7 @@
     python -m benchmarks.sparse_attention --part window                 # the full window grid
     python -m benchmarks.sparse_attention --part window --seqs 4096,8192 --time-budget 500
     python -m benchmarks.sparse_attention --part window --styles causal,symmetric --providers ours,flex
+    python -m benchmarks.sparse_attention --part block_sparse             # 50 % and 90 % sparse, L 4k-16k
 
 Each part is a family of sparsity patterns with its own grid of cells and the same contenders:
 
@@ -15,8 +16,12 @@ Each part is a family of sparsity patterns with its own grid of cells and the sa
 
 Part ``window``: bf16, E 128, L = S from 4k to 32k (batch * L = ``--tokens``, heads = 2048 / E),
 windows of w keys from 256 to 4k with w <= L, as ``window=(w - 1, 0)`` (a causal sliding window,
-``causal`` style) or ``(w, w)`` (``symmetric``). A new part (``block_sparse``) registers a
-:class:`Part` in ``PARTS``: its cells, its providers and how each provider attends.
+``causal`` style) or ``(w, w)`` (``symmetric``).
+
+Part ``block_sparse``: random layouts of 128 x 128 blocks at ``--sparsities`` (0.5, 0.9), L = S
+from 4k to 16k, ``block_mask=`` against Flex with the same layout as full blocks
+(``benchmarks/block_sparse_attention.py``). A part is a :class:`Part` in ``PARTS``: its cells, its
+providers and how each provider attends.
 
 Every step runs back to back for ``--heat-ms`` before it is timed (the H200's clock falls under
 load, ``benchmarks/README.md``), then ``do_bench``'s median. Each cell records ms, the effective
@@ -40,6 +45,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from benchmarks import block_sparse_attention as block_sparse
 from benchmarks.common import (DTYPES, MODE_FLOP_FACTOR, bench_ms, call_recorded, dynamo_limits, environment,
                                heat, is_fatal, module_command, no_donated_buffers, output_stem, progress,
                                release_memory, tflops)
@@ -170,6 +176,14 @@ PARTS = {
                    default_providers=("ours", "flex", "sdpa-mask"), cells=_window_cells,
                    attention=_window_attention, visible=_window_visible, visible_count=_window_visible_count,
                    tile_fraction=_window_tile_fraction),
+    # Random block-sparse layouts at 50 % and 90 % sparsity (benchmarks/block_sparse_attention.py).
+    "block_sparse": Part("block_sparse", providers=block_sparse.PROVIDERS,
+                         default_providers=block_sparse.DEFAULT_PROVIDERS,
+                         cells=lambda args: block_sparse.cells(args, HIDDEN),
+                         attention=lambda provider, cell, device: block_sparse.attention(provider, cell, device,
+                                                                                         compiled_flex),
+                         visible=block_sparse.visible, visible_count=block_sparse.visible_count,
+                         tile_fraction=block_sparse.tile_fraction),
 }
 
 
@@ -189,9 +203,10 @@ def parse_args(argv=None):
     p.add_argument("--providers", type=_names, default=None, help="default: the part's default set")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--seqs", type=_ints, default=[4096, 8192, 16384, 32768])
+    p.add_argument("--seqs", type=_ints, default=None, help="default: 4k-32k (window), 4k-16k (block_sparse)")
     p.add_argument("--windows", type=_ints, default=[256, 1024, 4096])
     p.add_argument("--styles", type=_names, default=["causal"], help="causal: (w - 1, 0); symmetric: (w, w)")
+    block_sparse.add_arguments(p)
     p.add_argument("--modes", type=_names, default=list(MODES))
     p.add_argument("--tokens", type=int, default=32768, help="batch * L")
     p.add_argument("--warmup", type=int, default=10)
@@ -203,6 +218,8 @@ def parse_args(argv=None):
     p.add_argument("--tag", default=None)
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
+    args.seqs_given = args.seqs is not None
+    args.seqs = args.seqs or [4096, 8192, 16384, 32768]
     part = PARTS[args.part]
     args.providers = args.providers or list(part.default_providers)
     unknown = [x for x in args.providers if x not in part.providers]

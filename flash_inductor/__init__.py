@@ -2,6 +2,7 @@
 
 Public API:
   * :func:`flash_attention` -- SDPA's signature and semantics on the stabilised Triton op.
+  * :class:`BlockSparseLayout` -- a block-level layout for ``flash_attention(..., block_mask=)``.
   * :data:`backend` / :func:`make_backend` -- ``torch.compile(model, backend=flash_inductor.backend)``
     rewrites the model's attention onto the op; :func:`last_report` says which sites it rewrote.
   * :func:`explain` -- ``print(flash_inductor.explain(model, *inputs))``: a fresh compile's table of
@@ -13,6 +14,7 @@ Importing registers the ``flash_inductor::`` torch.library ops; it changes no gl
 """
 
 from .api import flash_attention
+from .block_sparse import BlockSparseLayout
 from .backend import backend, explain, make_backend
 from .monitoring import monitor
 from .passes.report import last_report
@@ -21,6 +23,6 @@ from .schedules import DEFAULT_SCHEDULE, SCHEDULES, PrecisionSchedule
 __version__ = "0.1.0"
 
 __all__ = [
-    "flash_attention", "backend", "make_backend", "explain", "last_report", "monitor", "SCHEDULES",
+    "flash_attention", "BlockSparseLayout", "backend", "make_backend", "explain", "last_report", "monitor", "SCHEDULES",
     "DEFAULT_SCHEDULE", "PrecisionSchedule", "__version__",
 ]

@@ -20,6 +20,7 @@ from .monitoring import session as _monitor_session
 from .ops import attention as _attention_ops  # registers the ops
 from .launch.band import NO_WINDOW
 from .launch.fp8 import check_fp8_device, check_fp8_window
+from .block_sparse import BlockSparseLayout, resolve_block_mask
 from .schedules import get_schedule
 
 try:  # CausalBias exists in every supported torch, but keep the import failure local.
@@ -44,6 +45,7 @@ def flash_attention(
     *,
     schedule: str | None = None,
     window: tuple[int, int] | None = None,
+    block_mask: BlockSparseLayout | None = None,
 ) -> Tensor:
     r"""Scaled dot-product attention, numerically stabilised, with flash-attention memory.
 
@@ -106,12 +108,29 @@ def flash_attention(
             see ``flash_inductor.schedules``. ``"fp8"`` needs a GPU with fp8 tensor cores
             (compute capability 8.9+) and raises a ValueError on an older one; on CPU, as
             every schedule, it runs the float32 reference.
+        block_mask: ``None``, a :class:`flash_inductor.BlockSparseLayout` or a FlexAttention
+            ``BlockMask``: the (query block, key block) pairs to compute; the kernels skip the
+            rest. A layout is a bool block map ``(B or 1, H or 1, ceil(L / 128), ceil(S / 128))``
+            (its block size is its own, 128 by default, independent of the kernels' tiles)::
+
+                block map (block 2), L = S = 4      what each query row sees
+                [[T, F],                            [[T, T, F, F],
+                 [T, T]]                             [T, T, F, F],
+                                                     [T, T, T, T],
+                                                     [T, T, T, T]]
+
+            ``attn_mask``, ``is_causal`` and ``window`` apply inside the computed blocks
+            (``attn_mask`` is the element mask for blocks only partly visible). A ``BlockMask``'s full blocks
+            need nothing more; its partial blocks need ``attn_mask`` (the same mask, element by
+            element) unless its ``mask_mod`` is ``noop_mask``, since a ``mask_mod`` cannot run in
+            the kernels. A row whose blocks are all skipped returns 0.
 
     Returns:
         ``(N, ..., Hq, L, Ev)`` in the input dtype.
 
     A query row with no visible key (all-False mask row, all ``-inf`` row, causal or window row
-    with no key) returns 0 with zero gradients. SDPA's result there depends on the torch version and
+    with no key, a row whose layout blocks are all skipped) returns 0 with zero gradients. SDPA's
+    result there depends on the torch version and
     backend: cuDNN returns wrong, non-zero values; the math backend returns 0 on current torch
     (NaN before its safe softmax, pytorch/pytorch#131060).
 
@@ -122,7 +141,7 @@ def flash_attention(
     """
     return attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-        schedule=schedule, window=window, eager_monitor_site=_eager_monitor_site(),
+        schedule=schedule, window=window, block_mask=block_mask, eager_monitor_site=_eager_monitor_site(),
     )
 
 
@@ -150,6 +169,7 @@ def attention(
     *,
     schedule: str | None = None,
     window: tuple[int, int] | None = None,
+    block_mask: BlockSparseLayout | None = None,
     monitor_site: str | None = None,
     eager_monitor_site: str | None = None,
 ) -> Tensor:
@@ -188,6 +208,7 @@ def attention(
     batch_shape = query.shape[:-3] if query.dim() >= 4 else query.shape[:-2]
     q4, k4, v4 = (_as_4d(t) for t in (query, key, value))
     mask4 = _broadcast_mask(attn_mask, query, batch_shape, heads_q, seq_q, seq_k)
+    layout = resolve_block_mask(block_mask, attn_mask is not None, query, batch_shape, heads_q, seq_q, seq_k)
 
     rng_seed = None
     if dropout_p > 0.0:
@@ -202,7 +223,7 @@ def attention(
     # tracing and tensor subclasses get the registered op.
     out, lse = _attention_ops.attention_forward_eager(
         q4, k4, v4, mask4, rng_seed, dropout_p, bool(is_causal), causal_offset, scale, schedule_name,
-        window_left, window_right,
+        window_left, window_right, *layout,
     )
     if monitor_site is not None:
         out = _monitor_ops.watch_output(out, lse, monitor_site, seq_k)

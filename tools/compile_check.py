@@ -5,7 +5,8 @@ the monitoring kernels are compiled by their own tests.
 
 `python -m tools.compile_check` compiles a representative subset (a few minutes);
 `--full` compiles every dtype x mask x dropout x causal x window variant (about eighteen minutes on
-2 cores).
+2 cores). Both also compile the block-sparse variants (HAS_BLOCK_SPARSITY, with and without the
+per-element layout test) of the variants without dropout or a float mask.
 """
 
 import itertools
@@ -18,6 +19,7 @@ from triton.compiler import ASTSource
 from flash_inductor.kernels.attn_decode import _attn_decode_merge, _attn_decode_split
 from flash_inductor.kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, _attn_bwd_row_reference
 from flash_inductor.kernels.attn_fwd import _attn_fwd
+from flash_inductor.launch.block_tiles import DENSE_LAYOUT
 
 _POINTERS = {"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"}
 
@@ -35,8 +37,10 @@ def signature(fn, dtype, constexprs):
             sig[name] = "*i1" if constexprs.get("MASK_IS_BOOL") else f"*{dtype}"
         elif name == "SEED":
             sig[name] = "*i64"
-        elif name == "SHIFT_FLAG":
+        elif name in ("SHIFT_FLAG", "COUNTS", "IDX"):
             sig[name] = "*i32"
+        elif name == "BLOCK_MAP":
+            sig[name] = "*i1"
         elif name in ("qk_scale_log2", "sm_scale", "dropout_p"):
             # Inductor (torch 2.11) passes Python floats as fp64 scalars; plain launches as fp32.
             sig[name] = "fp64" if constexprs.get("FP32_DOT") == "tf32" else "fp32"
@@ -45,7 +49,14 @@ def signature(fn, dtype, constexprs):
     return sig
 
 
+# A block-sparse layout's arguments (kernels/block_sparse.py): None, a constant, in dense launches.
+_LAYOUT_ARGS = ("COUNTS", "IDX", "BLOCK_MAP", "stride_cb", "stride_ch", "stride_ib", "stride_ih", "list_len",
+                "stride_bmb", "stride_bmh", "stride_bmm", "stride_bmn")
+
+
 def compile_one(fn, dtype, constexprs, num_warps=4, num_stages=2):
+    if not constexprs.get("HAS_BLOCK_SPARSITY") and _LAYOUT_ARGS[0] in fn.arg_names:
+        constexprs = {**constexprs, **dict.fromkeys(_LAYOUT_ARGS), **DENSE_LAYOUT}
     src = ASTSource(fn, signature(fn, dtype, constexprs), constexprs)
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
 
@@ -113,6 +124,18 @@ def main() -> int:
                 jobs.append((_attn_decode_split, dict(**common, **decode, P_IN_FP32=True, SINGLE_SPLIT=False,
                                                       BLOCK_M=16, BLOCK_N=32)))
                 jobs.append((_attn_decode_merge, dict(HEAD_DIM_V=64, BLOCK_EV=128, BLOCK_SPLITS=64)))
+        if mask != "float" and not dropout:
+            # Block-sparse launches: tiles nested in the layout's blocks, and straddling them (the
+            # per-element layout test); with causal masking and windows as they come.
+            for check in (False, True):
+                sparse = dict(HAS_BLOCK_SPARSITY=True, LAYOUT_CHECK=check, LAYOUT_BQ=128 if check else 1,
+                              LAYOUT_BK=48 if check else 1)
+                jobs.append((_attn_fwd, dict(**common, **flags, **sparse, P_IN_FP32=False, FOLD_SCALE=mask == "none",
+                                             BLOCK_M=64, BLOCK_N=32)))
+                jobs.append((_attn_bwd_dkdv, dict(**common, **flags, **stable, **even_m, **sparse, WRITE_DMASK=False,
+                                                  BLOCK_M=32, BLOCK_N=64)))
+                jobs.append((_attn_bwd_dq, dict(**common, **flags, **stable, **even_n, **sparse, EXACT_DELTA=exact,
+                                                HAS_DLSE=False, WRITE_DMASK=False, BLOCK_M=64, BLOCK_N=32)))
         for fn, constexprs, *options in jobs:
             try:
                 compile_one(fn, dtype, constexprs, **(options[0] if options else {}))

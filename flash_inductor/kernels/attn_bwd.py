@@ -74,6 +74,11 @@ Constexpr switches
     EVEN_N, EVEN_M          S (dQ pass) / L (dK/dV pass) is a whole number of blocks: no row masks on
                             the looped-over loads (``tile_loads``)
     EVEN_E                  both head dims equal their padded width: no column masks on those loads
+    HAS_BLOCK_SPARSITY      a block-sparse layout: the dQ pass's key ranges are positions in its query
+                            tile's list (FULL, then PARTIAL tiles), the dK/dV pass's query ranges
+                            positions in each head's list for its key tile (PARTIAL, then FULL):
+                            COUNTS, IDX (``block_sparse.py``); None when dense
+    LAYOUT_CHECK            checked tiles also test the layout per element (LAYOUT_BQ, LAYOUT_BK)
     inner helpers only:
     RESCALE                 this loop is the rescaling one (per-tile scale of dS, ``_ds_tile``)
     CHECK                   the tile may hold invisible keys: apply the bounds / causal select
@@ -91,6 +96,8 @@ the same as with the values passed one by one):
     query_block     (q, do, offs_m, q_rows_ok, row_ids): the dQ program's rows
     row_pointers    (ROW_REF, ROW_SHIFT, DELTA); row_values (row_ref, row_scale, delta)
     exact_sums      (σ, σ̃, Λ, K̄) = (ds_sum, ds_seen_sum, p_sum, p_k)
+    listed          (tile list, block map at this batch and head, its two strides), or None;
+                    sparse (the dK/dV kernel's layout arguments and key tile, for _dkdv_heads)
     dropout         (seed, keep_scale, dropout_p)
 
 Δ and the LSE's gradient. Δ_i = rowsum(dO_i ∘ O_i) − dLSE_i: the LSE output's own gradient
@@ -145,17 +152,11 @@ loop takes ds_up = 1, and kernels without ``DS_RESCALE`` never see it.
 import triton
 import triton.language as tl
 
+from .attn_bwd_tiles import _dkdv_tiles, _dq_tiles
 from .band import key_tile_query_ranges, query_tile_key_ranges
-from .common import LOG2E, dropout_keep, mask_scores
-from .ds_scaling import (
-    _accumulate_ds_dot,
-    _ds_loop_choice,
-    _ds_scores,
-    _ds_tile,
-    _ds_unscale,
-    _max_as_stat,
-)
-from .tile_loads import load_rows, load_tile
+from .block_sparse import tile_lists
+from .common import LOG2E, mask_scores
+from .ds_scaling import _ds_loop_choice, _max_as_stat
 
 # LSEs below this (natural log) only come from rows whose every visible key sits at the
 # -1e38 mask clamp; see _attn_bwd_row_reference.
@@ -285,77 +286,9 @@ def _attn_bwd_row_reference(
 
 
 @triton.jit
-def _dkdv_tiles(
-    dk, dv, key_block, q_base, do_base, mask_base, bh, row_pointers, DMASK, dropout, ds_up,
-    offs_m_base, offs_e, offs_ev, lo, hi, q_strides, do_strides, mask_strides,
-    L, S, causal_offset, window_lower, qk_scale_log2,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
-    DS_RESCALE: tl.constexpr,
-    RESCALE: tl.constexpr, CHECK: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
-    SHIFT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """Fold query blocks [lo, hi) of one query head into this key block's (dk, dv); dk in units of
-    1 / ds_up under DS_RESCALE's plain loop. Without SHIFT every row's shift is known to be 0;
-    EVEN_M (L a multiple of BLOCK_M) and EVEN_E (head dims at their padded widths) drop the load
-    masks that cannot bind."""
-    k, v, offs_n, kv_rows_ok = key_block
-    ROW_REF, ROW_SHIFT, DELTA = row_pointers
-    seed, keep_scale, dropout_p = dropout
-    _, _, stride_qm, stride_qe = q_strides
-    _, _, stride_dom, stride_doe = do_strides
-    _, _, stride_mm, stride_mn = mask_strides
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + offs_m_base
-        q_rows_ok = offs_m < L
-        q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_e[None, :] * stride_qe,
-                      q_rows_ok, offs_e < HEAD_DIM, EVEN_ROWS=EVEN_M, EVEN_COLS=EVEN_E)
-        do = load_tile(do_base + offs_m[:, None] * stride_dom + offs_ev[None, :] * stride_doe,
-                       q_rows_ok, offs_ev < HEAD_DIM_V, EVEN_ROWS=EVEN_M, EVEN_COLS=EVEN_E)
-        row_ids = bh * L + offs_m
-        row_ref = load_rows(ROW_REF + row_ids, q_rows_ok, float("inf"), EVEN_ROWS=EVEN_M)
-        delta = load_rows(DELTA + row_ids, q_rows_ok, 0.0, EVEN_ROWS=EVEN_M)
-
-        # Transposed tiles (keys x queries) so dK and dV come out of the dots directly.
-        s2_t = tl.dot(k, tl.trans(q), input_precision=FP32_DOT) * qk_scale_log2
-        s2_t = mask_scores(s2_t, mask_base, offs_m[None, :], offs_n[:, None], kv_rows_ok[:, None] & q_rows_ok[None, :],
-                           stride_mm, stride_mn, causal_offset, window_lower,
-                           HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL,
-                           WINDOW_LEFT=WINDOW_LEFT, CHECK=CHECK)
-        if SHIFT:
-            row_shift = load_rows(ROW_SHIFT + row_ids, q_rows_ok, 0.0, EVEN_ROWS=EVEN_M)
-            p_t = tl.math.exp2((s2_t - row_ref[None, :]) - row_shift[None, :])
-        else:
-            p_t = tl.math.exp2(s2_t - row_ref[None, :])
-
-        dp_t = tl.dot(v, tl.trans(do), input_precision=FP32_DOT)
-        p_used_t = p_t
-        if HAS_DROPOUT:
-            keep = dropout_keep(seed, row_ids[None, :], offs_n[:, None], S, dropout_p)
-            p_used_t = tl.where(keep, p_t * keep_scale, 0.0)
-            dp_t = tl.where(keep, dp_t * keep_scale, 0.0)
-        if P_IN_FP32:
-            dv = tl.dot(p_used_t, do.to(tl.float32), dv, input_precision=FP32_DOT)
-        else:
-            dv = tl.dot(p_used_t.to(do.dtype), do, dv, input_precision=FP32_DOT)
-        ds_t = _ds_scores(p_t, dp_t, delta[None, :], ds_up, DS_RESCALE=DS_RESCALE, RESCALE=RESCALE)
-        if WRITE_DMASK:
-            # dL/d(additive mask) is dS itself; DMASK is a dense (B*Hq, L, S) fp32 buffer. Written
-            # here under exact Δ: the dQ pass knows a row's correction only after its last tile.
-            tl.store(DMASK + row_ids[None, :] * S + offs_n[:, None],
-                     ds_t * _ds_unscale(ds_up, DS_RESCALE=DS_RESCALE, RESCALE=RESCALE),
-                     mask=kv_rows_ok[:, None] & q_rows_ok[None, :])
-        ds_tile, ds_factor = _ds_tile(ds_t, q.dtype, ds_up, DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE,
-                                      RESCALE=RESCALE)
-        dk = _accumulate_ds_dot(dk, ds_tile, ds_factor, q, RESCALE=RESCALE, FP32_DOT=FP32_DOT)
-    return dk, dv
-
-
-@triton.jit
 def _dkdv_heads(
     dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-    offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides,
+    offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides, sparse,
     H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -363,9 +296,14 @@ def _dkdv_heads(
     DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
     SHIFT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_BLOCK_SPARSITY: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
+    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
 ):
     """Every query head of the GQA group: blocks [lo, mid) with the visibility select, [mid, mid_hi)
-    without, and under WINDOW_LEFT [mid_hi, hi) with it (the window's left edge)."""
+    without, and under WINDOW_LEFT [mid_hi, hi) with it (the window's left edge).
+    Under HAS_BLOCK_SPARSITY the ranges are positions in each head's own list of query tiles
+    (``sparse``: the kernel's layout arguments and this key tile), its PARTIAL tiles first
+    ([lo, mid), with the select), then its FULL ones ([mid, mid_hi), without)."""
     stride_qb, stride_qh, _, _ = q_strides
     stride_dob, stride_doh, _, _ = do_strides
     stride_mb, stride_mh, _, _ = mask_strides
@@ -375,10 +313,21 @@ def _dkdv_heads(
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
         mask_base = MASK + b * stride_mb + h * stride_mh
+        if HAS_BLOCK_SPARSITY:
+            COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len, layout_strides, tile = sparse
+            stride_bmb, stride_bmh, stride_bmm, stride_bmn = layout_strides
+            n_full, n_partial, tile_list = tile_lists(COUNTS, IDX, b, h, tile, stride_cb, stride_ch, stride_ib,
+                                                      stride_ih, list_len)
+            listed = (tile_list, BLOCK_MAP + b * stride_bmb + h * stride_bmh, stride_bmm, stride_bmn)
+            tiles = (0, n_partial, n_partial + n_full, n_partial + n_full)
+        else:
+            listed = None
+            tiles = (lo, mid, mid_hi, hi)
+        first, unchecked, unchecked_end, last = tiles
         # The calls differ only in their range and CHECK.
         dk, dv = _dkdv_tiles(
             dk, dv, key_block, q_base, do_base, mask_base, bh, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, lo, mid, q_strides, do_strides, mask_strides,
+            offs_m_base, offs_e, offs_ev, first, unchecked, q_strides, do_strides, mask_strides, listed,
             L, S, causal_offset, window_lower, qk_scale_log2,
             CHECK=True,
             RESCALE=RESCALE, SHIFT=SHIFT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK,
@@ -386,10 +335,11 @@ def _dkdv_heads(
             P_IN_FP32=P_IN_FP32,
             DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
             EVEN_M=EVEN_M, EVEN_E=EVEN_E, BLOCK_M=BLOCK_M,
+            FROM_LIST=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
         )
         dk, dv = _dkdv_tiles(
             dk, dv, key_block, q_base, do_base, mask_base, bh, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, mid, mid_hi, q_strides, do_strides, mask_strides,
+            offs_m_base, offs_e, offs_ev, unchecked, unchecked_end, q_strides, do_strides, mask_strides, listed,
             L, S, causal_offset, window_lower, qk_scale_log2,
             CHECK=False,
             RESCALE=RESCALE, SHIFT=SHIFT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK,
@@ -397,11 +347,12 @@ def _dkdv_heads(
             P_IN_FP32=P_IN_FP32,
             DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
             EVEN_M=EVEN_M, EVEN_E=EVEN_E, BLOCK_M=BLOCK_M,
+            FROM_LIST=HAS_BLOCK_SPARSITY,
         )
         if WINDOW_LEFT:
             dk, dv = _dkdv_tiles(
                 dk, dv, key_block, q_base, do_base, mask_base, bh, row_pointers, DMASK, dropout, ds_up,
-                offs_m_base, offs_e, offs_ev, mid_hi, hi, q_strides, do_strides, mask_strides,
+                offs_m_base, offs_e, offs_ev, unchecked_end, last, q_strides, do_strides, mask_strides, listed,
                 L, S, causal_offset, window_lower, qk_scale_log2,
                 CHECK=True,
                 RESCALE=RESCALE, SHIFT=SHIFT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK,
@@ -409,6 +360,7 @@ def _dkdv_heads(
                 P_IN_FP32=P_IN_FP32,
                 DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
                 EVEN_M=EVEN_M, EVEN_E=EVEN_E, BLOCK_M=BLOCK_M,
+                FROM_LIST=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
             )
     return dk, dv
 
@@ -424,12 +376,16 @@ def _attn_bwd_dkdv(
     stride_dkb, stride_dkh, stride_dkn, stride_dke,
     stride_dvb, stride_dvh, stride_dvn, stride_dve,
     H_Q, H_KV, GROUP, L, S, causal_offset, window_lower, qk_scale_log2, sm_scale, dropout_p,
+    COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len,
+    stride_bmb, stride_bmh, stride_bmm, stride_bmn,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
     DS_RESCALE: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BLOCK_SPARSITY: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
+    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
 ):
     # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
     # with them would promote the fp32 accumulators, so fix them at fp32 first.
@@ -462,6 +418,10 @@ def _attn_bwd_dkdv(
     # The query tiles that see these keys, and which of them need the visibility select.
     lo, mid, mid_hi, hi = key_tile_query_ranges(start_n, L, S, causal_offset, window_lower, IS_CAUSAL=IS_CAUSAL,
                                                 WINDOW_LEFT=WINDOW_LEFT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    sparse = None  # a block-sparse layout's arguments, read per query head by _dkdv_heads
+    if HAS_BLOCK_SPARSITY:
+        sparse = (COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len,
+                  (stride_bmb, stride_bmh, stride_bmm, stride_bmn), tl.program_id(0))
 
     # Decided once for the whole program; a compile-time False (and ds_up a compile-time 1) unless
     # the schedule rescales, so the other kernels hold the plain, unscaled loop alone. The rare
@@ -481,7 +441,7 @@ def _attn_bwd_dkdv(
     if needs_rescale:
         dk, dv = _dkdv_heads(
             dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides,
+            offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides, sparse,
             H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=True, SHIFT=True,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
@@ -489,11 +449,12 @@ def _attn_bwd_dkdv(
             DS_IN_FP32=DS_IN_FP32,
             DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT, EVEN_M=EVEN_M, EVEN_E=EVEN_E,
             BLOCK_M=BLOCK_M,
+            HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
         )
     elif tl.load(SHIFT_FLAG) != 0:
         dk, dv = _dkdv_heads(
             dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides,
+            offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides, sparse,
             H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=False, SHIFT=True,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
@@ -501,11 +462,12 @@ def _attn_bwd_dkdv(
             DS_IN_FP32=DS_IN_FP32,
             DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT, EVEN_M=EVEN_M, EVEN_E=EVEN_E,
             BLOCK_M=BLOCK_M,
+            HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
         )
     else:
         dk, dv = _dkdv_heads(
             dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides,
+            offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides, sparse,
             H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=False, SHIFT=False,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
@@ -513,6 +475,7 @@ def _attn_bwd_dkdv(
             DS_IN_FP32=DS_IN_FP32,
             DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT, EVEN_M=EVEN_M, EVEN_E=EVEN_E,
             BLOCK_M=BLOCK_M,
+            HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
         )
 
     if DS_RESCALE:
@@ -525,81 +488,9 @@ def _attn_bwd_dkdv(
              dv.to(DV.dtype.element_ty), mask=kv_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V))
 
 @triton.jit
-def _dq_tiles(
-    dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-    offs_n_base, offs_e, offs_ev, lo, hi, k_strides, v_strides, mask_strides,
-    S, causal_offset, window_lower, qk_scale_log2,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
-    DS_RESCALE: tl.constexpr,
-    RESCALE: tl.constexpr, CHECK: tl.constexpr, EXACT_DELTA: tl.constexpr,
-    WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_E: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Fold key blocks [lo, hi) into this query block's dq (and, under exact Δ, σ, σ̃, Λ, K̄); dq in
-    units of 1 / ds_up under DS_RESCALE's plain loop, the rest in dS's own, and all of them in units
-    of 1 / row_scale: the loop leaves out each row's shift (see _attn_bwd_dq)."""
-    ds_sum, ds_seen_sum, p_sum, p_k = exact_sums
-    q, do, offs_m, q_rows_ok, row_ids = query_block
-    row_ref, row_scale, delta = row_values
-    seed, keep_scale, dropout_p = dropout
-    _, _, stride_kn, stride_ke = k_strides
-    _, _, stride_vn, stride_ve = v_strides
-    _, _, stride_mm, stride_mn = mask_strides
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + offs_n_base
-        kv_rows_ok = offs_n < S
-        k = load_tile(k_base + offs_n[:, None] * stride_kn + offs_e[None, :] * stride_ke,
-                      kv_rows_ok, offs_e < HEAD_DIM, EVEN_ROWS=EVEN_N, EVEN_COLS=EVEN_E)
-        v = load_tile(v_base + offs_n[:, None] * stride_vn + offs_ev[None, :] * stride_ve,
-                      kv_rows_ok, offs_ev < HEAD_DIM_V, EVEN_ROWS=EVEN_N, EVEN_COLS=EVEN_E)
-        s2 = tl.dot(q, tl.trans(k), input_precision=FP32_DOT) * qk_scale_log2
-        tile_ok = q_rows_ok[:, None] & kv_rows_ok[None, :]
-        s2 = mask_scores(s2, mask_base, offs_m[:, None], offs_n[None, :], tile_ok, stride_mm, stride_mn, causal_offset,
-                         window_lower,
-                         HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
-                         CHECK=CHECK)
-        p = tl.math.exp2(s2 - row_ref[:, None])  # P / row_scale
-        dp = tl.dot(do, tl.trans(v), input_precision=FP32_DOT)
-        if HAS_DROPOUT:
-            keep = dropout_keep(seed, row_ids[:, None], offs_n[None, :], S, dropout_p)
-            dp = tl.where(keep, dp * keep_scale, 0.0)
-        ds = _ds_scores(p, dp, delta[:, None], ds_up, DS_RESCALE=DS_RESCALE, RESCALE=RESCALE)
-        if WRITE_DMASK:
-            # dL/d(additive mask) is dS itself; DMASK is a dense (B*Hq, L, S) fp32 buffer. Only
-            # without exact Δ: with it, this dS still lacks the row's correction (see the dK/dV pass).
-            tl.store(DMASK + row_ids[:, None] * S + offs_n[None, :],
-                     ds * (row_scale * _ds_unscale(ds_up, DS_RESCALE=DS_RESCALE, RESCALE=RESCALE))[:, None],
-                     mask=tile_ok)
-        ds_tile, ds_factor = _ds_tile(ds, k.dtype, ds_up, DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE,
-                                      RESCALE=RESCALE)
-        dq = _accumulate_ds_dot(dq, ds_tile, ds_factor, k, RESCALE=RESCALE, FP32_DOT=FP32_DOT)
-        if EXACT_DELTA:
-            # σ from the fp32 dS gives the dK/dV pass its Δ; σ̃ from dS as the dot above saw it
-            # (rounded; ds_factor brings a scaled-up tile back to dS's units) corrects dq, so that
-            # the rounding's common part goes too (see the module docstring). P is rounded for P·K
-            # as for Pᵀ·dO: K̄ only multiplies corrections of order u, so its own rounding enters
-            # at second order.
-            ds_sum += tl.sum(ds, 1) * _ds_unscale(ds_up, DS_RESCALE=DS_RESCALE, RESCALE=RESCALE)
-            # σ̃ by fp32 adds. Summing the 16-bit tile on the matrix unit instead (its product with
-            # a ones column) saved ~100 instructions per tile, but on Triton 3.6 / sm_90 that extra
-            # small wgmma made the compiled kernel fault (out-of-range shared address) when
-            # S == 1 is specialised into it, at 64x64 tiles with 4 warps (H200, 2026-12-01:
-            # benchmarks/experiments/backward_fault_repro.py).
-            ds_seen_sum += tl.sum(ds_tile.to(tl.float32), 1) * ds_factor
-            p_sum += tl.sum(p, 1)
-            if P_IN_FP32:
-                p_k = tl.dot(p, k.to(tl.float32), p_k, input_precision=FP32_DOT)
-            else:
-                p_k = tl.dot(p.to(k.dtype), k, p_k, input_precision=FP32_DOT)
-    return dq, (ds_sum, ds_seen_sum, p_sum, p_k)
-
-
-@triton.jit
 def _dq_blocks(
     dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-    offs_n_base, offs_e, offs_ev, lo, mid, split, hi, k_strides, v_strides, mask_strides,
+    offs_n_base, offs_e, offs_ev, lo, mid, split, hi, k_strides, v_strides, mask_strides, listed,
     S, causal_offset, window_lower, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -607,24 +498,27 @@ def _dq_blocks(
     DS_RESCALE: tl.constexpr,
     RESCALE: tl.constexpr, EXACT_DELTA: tl.constexpr,
     WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_E: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, FROM_LIST: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
+    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
 ):
     """Key blocks [mid, split) without the visibility select, [split, hi) and under WINDOW_LEFT
-    [lo, mid) with it (the calls differ only in their range and CHECK)."""
+    [lo, mid) with it (the calls differ only in their range and CHECK). Under FROM_LIST the ranges are
+    positions in ``listed[0]``, a block-sparse layout's list of this query tile's key tiles."""
     if WINDOW_LEFT:
         dq, exact_sums = _dq_tiles(
             dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-            offs_n_base, offs_e, offs_ev, lo, mid, k_strides, v_strides, mask_strides,
+            offs_n_base, offs_e, offs_ev, lo, mid, k_strides, v_strides, mask_strides, listed,
             S, causal_offset, window_lower, qk_scale_log2,
             CHECK=True,
             RESCALE=RESCALE, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
             HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
             DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK,
             FP32_DOT=FP32_DOT, EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
+            FROM_LIST=FROM_LIST, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
         )
     dq, exact_sums = _dq_tiles(
         dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-        offs_n_base, offs_e, offs_ev, mid, split, k_strides, v_strides, mask_strides,
+        offs_n_base, offs_e, offs_ev, mid, split, k_strides, v_strides, mask_strides, listed,
         S, causal_offset, window_lower, qk_scale_log2,
         CHECK=False,
         RESCALE=RESCALE, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
@@ -632,10 +526,11 @@ def _dq_blocks(
         DS_IN_FP32=DS_IN_FP32,
         DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
         EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
+        FROM_LIST=FROM_LIST,
     )
     return _dq_tiles(
         dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-        offs_n_base, offs_e, offs_ev, split, hi, k_strides, v_strides, mask_strides,
+        offs_n_base, offs_e, offs_ev, split, hi, k_strides, v_strides, mask_strides, listed,
         S, causal_offset, window_lower, qk_scale_log2,
         CHECK=True,
         RESCALE=RESCALE, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
@@ -643,6 +538,7 @@ def _dq_blocks(
         DS_IN_FP32=DS_IN_FP32,
         DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
         EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
+        FROM_LIST=FROM_LIST, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
     )
 
 
@@ -656,6 +552,8 @@ def _attn_bwd_dq(
     stride_dob, stride_doh, stride_dom, stride_doe,
     stride_dqb, stride_dqh, stride_dqm, stride_dqe,
     H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2, sm_scale, dropout_p,
+    COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len,
+    stride_bmb, stride_bmh, stride_bmm, stride_bmn,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -663,6 +561,8 @@ def _attn_bwd_dq(
     DS_RESCALE: tl.constexpr,
     EXACT_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BLOCK_SPARSITY: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
+    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
 ):
     # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
     # with them would promote the fp32 accumulators, so fix them at fp32 first.
@@ -707,8 +607,17 @@ def _attn_bwd_dq(
     exact_sums = (ds_sum, ds_seen_sum, p_sum, p_k)
     # Key blocks [mid, split) are whole and visible to every row of this query block; [split, hi)
     # holds the causal diagonal and the ragged last key block, [lo, mid) the window's left edge.
-    lo, mid, split, hi = query_tile_key_ranges(start_m, S, causal_offset, window_lower, IS_CAUSAL=IS_CAUSAL,
-                                               WINDOW_LEFT=WINDOW_LEFT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    # Under HAS_BLOCK_SPARSITY the same ranges are positions in this query tile's list of key tiles,
+    # its FULL ones first ([mid, split)), then its PARTIAL ones ([split, hi)), as in the forward.
+    if HAS_BLOCK_SPARSITY:
+        n_full, n_partial, tile_list = tile_lists(COUNTS, IDX, b, h, tl.program_id(0), stride_cb, stride_ch,
+                                                  stride_ib, stride_ih, list_len)
+        listed = (tile_list, BLOCK_MAP + b * stride_bmb + h * stride_bmh, stride_bmm, stride_bmn)
+        lo, mid, split, hi = 0, 0, n_full, n_full + n_partial
+    else:
+        listed = None
+        lo, mid, split, hi = query_tile_key_ranges(start_m, S, causal_offset, window_lower, IS_CAUSAL=IS_CAUSAL,
+                                                   WINDOW_LEFT=WINDOW_LEFT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
 
     # P = exp2(s2 - reference - shift). Only rows at the mask clamp have a shift (see
     # _attn_bwd_row_reference), and it cannot join the reference there (~1e38 would absorb it).
@@ -733,7 +642,7 @@ def _attn_bwd_dq(
     if needs_rescale:
         dq, exact_sums = _dq_blocks(
             dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-            offs_n_base, offs_e, offs_ev, lo, mid, split, hi, k_strides, v_strides, mask_strides,
+            offs_n_base, offs_e, offs_ev, lo, mid, split, hi, k_strides, v_strides, mask_strides, listed,
             S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=True,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
@@ -741,11 +650,12 @@ def _attn_bwd_dq(
             DS_IN_FP32=DS_IN_FP32,
             DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
             EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
+            FROM_LIST=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
         )
     else:
         dq, exact_sums = _dq_blocks(
             dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-            offs_n_base, offs_e, offs_ev, lo, mid, split, hi, k_strides, v_strides, mask_strides,
+            offs_n_base, offs_e, offs_ev, lo, mid, split, hi, k_strides, v_strides, mask_strides, listed,
             S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=False,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
@@ -753,6 +663,7 @@ def _attn_bwd_dq(
             DS_IN_FP32=DS_IN_FP32,
             DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
             EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
+            FROM_LIST=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
         )
     ds_sum, ds_seen_sum, p_sum, p_k = exact_sums
 

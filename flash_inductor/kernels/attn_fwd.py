@@ -48,33 +48,43 @@ Constexpr switches
     FOLD_SCALE              fold the scale into exp2's argument (a positive scale and no mask:
                             ``launch/forward.py``; why it is exact: ``_attn_fwd``)
     CHECK_BOUNDS            (``_attn_fwd_inner`` only) apply the bounds / band select to the block
+    HAS_BLOCK_SPARSITY      a block-sparse layout: the key ranges are positions in the query tile's
+                            list of key tiles (COUNTS, IDX: ``block_sparse.py``), FULL then PARTIAL;
+                            FROM_LIST in ``_attn_fwd_inner``. Without it the layout arguments are None
+    LAYOUT_CHECK            checked tiles also test the layout per element (tiles that straddle
+                            layout blocks of LAYOUT_BQ x LAYOUT_BK: ``launch/block_tiles.py``)
 
 The kernel's signature stays flat, one scalar per stride, as launched: the launchers reach
 Inductor through torch's ``wrap_triton``, whose code generation for a user kernel takes tensors
 and scalars only (torch 2.13's ``UserDefinedTritonKernel`` in ``_inductor/ir.py`` raises
 "Unsupported arg type" on a tuple).
 Its helper takes tuples, which Triton inlines away: ``*_strides`` (batch, head, row, column) of
-one tensor, ``query_block`` (q, offs_m, rng_rows), ``dropout`` (seed, dropout_p).
+one tensor, ``query_block`` (q, offs_m, rng_rows), ``dropout`` (seed, dropout_p), ``listed``
+(tile list, block map at this batch and head, its row and column strides; None when dense).
 """
 
 import triton
 import triton.language as tl
 
 from .band import query_tile_key_ranges
+from .block_sparse import layout_visible, tile_lists
 from .common import LN2, add_attn_mask, dropout_keep
 
 
 @triton.jit
 def _attn_fwd_inner(
     acc, l_i, m_i, query_block, k_base, v_base, mask_base, dropout,
-    offs_n_base, offs_e, offs_ev, lo, hi, k_strides, v_strides, mask_strides,
+    offs_n_base, offs_e, offs_ev, lo, hi, k_strides, v_strides, mask_strides, listed,
     L, S, causal_offset, window_lower, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, CHECK_BOUNDS: tl.constexpr,
     P_IN_FP32: tl.constexpr, FP32_DOT: tl.constexpr, FOLD_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+    FROM_LIST: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
+    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
 ):
-    """Fold key blocks [lo, hi) into the running (acc, l, m).
+    """Fold key blocks [lo, hi) into the running (acc, l, m); under FROM_LIST the key tiles at
+    positions [lo, hi) of ``listed[0]``, a block-sparse layout's list (``block_sparse.tile_lists``).
 
     CHECK_BOUNDS=False is the fast path for blocks known to be fully inside S and fully
     visible to every row of the block under the band; the blocks the band's edges cross and
@@ -85,7 +95,11 @@ def _attn_fwd_inner(
     _, _, stride_kn, stride_ke = k_strides
     _, _, stride_vn, stride_ve = v_strides
     _, _, stride_mm, stride_mn = mask_strides
-    for start_n in range(lo, hi, BLOCK_N):
+    for it in range(lo, hi, 1 if FROM_LIST else BLOCK_N):
+        if FROM_LIST:
+            start_n = tl.load(listed[0] + it) * BLOCK_N
+        else:
+            start_n = it
         offs_n = start_n + offs_n_base
         kv_rows_ok = offs_n < S
         k = tl.load(
@@ -108,6 +122,11 @@ def _attn_fwd_inner(
                 visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
             if WINDOW_LEFT:
                 visible = visible & (offs_n[None, :] >= offs_m[:, None] + window_lower)
+            if LAYOUT_CHECK:  # a tile that straddles computed and skipped layout blocks
+                map_base, stride_bmm, stride_bmn = listed[1], listed[2], listed[3]
+                visible = visible & layout_visible(map_base, stride_bmm, stride_bmn, offs_m[:, None], offs_n[None, :],
+                                                   (offs_m[:, None] < L) & kv_rows_ok[None, :],
+                                                   LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK)
             s2 = tl.where(visible, s2, float("-inf"))
         if FOLD_SCALE:
             m_new = tl.maximum(m_i, tl.max(s2, 1) * qk_scale_log2)
@@ -146,11 +165,15 @@ def _attn_fwd(
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_oe,
     H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2, dropout_p,
+    COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len,
+    stride_bmb, stride_bmh, stride_bmm, stride_bmn,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, FP32_DOT: tl.constexpr,
     FOLD_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BLOCK_SPARSITY: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
+    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
 ):
     # FOLD_SCALE (a positive scale, no additive mask): each row's max is taken on the unscaled
     # products and scaled once, which is exact, since x -> fl(c * x) is monotonic for c > 0 and
@@ -192,8 +215,18 @@ def _attn_fwd(
     # Key blocks [mid, split) are whole and visible to every row of this query block, so they
     # skip the bounds/band select; [split, hi) holds the diagonal and the ragged tail, and under
     # WINDOW_LEFT [lo, mid) the window's left edge. Blocks outside [lo, hi) are never visited.
-    lo, mid, split, hi = query_tile_key_ranges(start_m, S, causal_offset, window_lower, IS_CAUSAL=IS_CAUSAL,
-                                               WINDOW_LEFT=WINDOW_LEFT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    # Under HAS_BLOCK_SPARSITY the same ranges are positions in this query tile's list of key tiles,
+    # its FULL ones first ([mid, split)), then its PARTIAL ones ([split, hi)): ``launch/block_tiles.py``
+    # folds the band into those classes.
+    if HAS_BLOCK_SPARSITY:
+        n_full, n_partial, tile_list = tile_lists(COUNTS, IDX, b, h, tl.program_id(0), stride_cb, stride_ch,
+                                                  stride_ib, stride_ih, list_len)
+        listed = (tile_list, BLOCK_MAP + b * stride_bmb + h * stride_bmh, stride_bmm, stride_bmn)
+        lo, mid, split, hi = 0, 0, n_full, n_full + n_partial
+    else:
+        listed = None
+        lo, mid, split, hi = query_tile_key_ranges(start_m, S, causal_offset, window_lower, IS_CAUSAL=IS_CAUSAL,
+                                                   WINDOW_LEFT=WINDOW_LEFT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
 
     query_block = (q, offs_m, rng_rows)
     dropout = (seed, dropout_p)
@@ -204,30 +237,33 @@ def _attn_fwd(
     if WINDOW_LEFT:
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, query_block, k_base, v_base, mask_base, dropout,
-            offs_n_base, offs_e, offs_ev, lo, mid, k_strides, v_strides, mask_strides,
+            offs_n_base, offs_e, offs_ev, lo, mid, k_strides, v_strides, mask_strides, listed,
             L, S, causal_offset, window_lower, qk_scale_log2,
             CHECK_BOUNDS=True,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
             HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
             FP32_DOT=FP32_DOT, FOLD_SCALE=FOLD_SCALE, BLOCK_N=BLOCK_N,
+            FROM_LIST=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
         )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, query_block, k_base, v_base, mask_base, dropout,
-        offs_n_base, offs_e, offs_ev, mid, split, k_strides, v_strides, mask_strides,
+        offs_n_base, offs_e, offs_ev, mid, split, k_strides, v_strides, mask_strides, listed,
         L, S, causal_offset, window_lower, qk_scale_log2,
         CHECK_BOUNDS=False,
         HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
         HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
         FP32_DOT=FP32_DOT, FOLD_SCALE=FOLD_SCALE, BLOCK_N=BLOCK_N,
+        FROM_LIST=HAS_BLOCK_SPARSITY,
     )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, query_block, k_base, v_base, mask_base, dropout,
-        offs_n_base, offs_e, offs_ev, split, hi, k_strides, v_strides, mask_strides,
+        offs_n_base, offs_e, offs_ev, split, hi, k_strides, v_strides, mask_strides, listed,
         L, S, causal_offset, window_lower, qk_scale_log2,
         CHECK_BOUNDS=True,
         HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
         HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
         FP32_DOT=FP32_DOT, FOLD_SCALE=FOLD_SCALE, BLOCK_N=BLOCK_N,
+        FROM_LIST=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
     )
 
     # l == 0 exactly when no key was visible: output 0 and LSE -inf instead of 0/0.

@@ -13,6 +13,7 @@ from ..schedules import STABLE, get_schedule
 from . import common
 from .band import band_lower, resolve_band
 from .common import LOG2E, cdiv, common_meta, head_dims, whole_blocks
+from .block_tiles import check_block_layout, fold_into_mask, kernel_layout
 from .forward import attention_forward
 
 
@@ -36,6 +37,9 @@ def attention_backward(
     configs: AttentionConfigs | None = None,
     ds_bound: torch.Tensor | None = None,
     window: tuple[int, int] | None = None,
+    block_map: torch.Tensor | None = None,
+    block_q: int = 0,
+    block_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the backward kernels. Returns (dq, dk, dv, dmask); dmask is empty unless asked for.
 
@@ -43,15 +47,19 @@ def attention_backward(
     ``ds_bound`` (a one-element fp32 tensor) replaces the bound on |dS| that the preprocess
     measures, under the schedules that rescale dS (fp16 `stable`): tests and experiments force
     either loop with it (a bound past ``ds_scaling.DS_RESCALE_ABOVE``, or inf, takes the rescaling
-    loop). Elsewhere it is ignored. ``window`` is ``flash_attention``'s (left, right) or None."""
+    loop). Elsewhere it is ignored. ``window`` is ``flash_attention``'s (left, right) or None.
+    ``block_map``/``block_q``/``block_k``: a block-sparse layout (``flash_inductor.block_sparse``)."""
     from ..kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_row_reference
 
+    if block_map is not None:
+        check_block_layout(block_map, block_q, block_k, query, key)
+    layout = dict(block_map=block_map, block_q=block_q, block_k=block_k)
     if get_schedule(schedule).fp8_forward:
         # fp8 is a forward schedule: the gradient is the 16-bit attention's, from a 16-bit forward
         # (its O and LSE; the fp8 ones would not match the recomputed P) and `stable`'s backward.
         schedule = STABLE.name
         out, lse = attention_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                                     scale, schedule, window=window)
+                                     scale, schedule, window=window, **layout)
     batch, heads_q, seq_q, _ = query.shape
     heads_kv, seq_k = key.shape[1], key.shape[2]
     head_dim, head_dim_v = head_dims(query, value)
@@ -107,9 +115,15 @@ def attention_backward(
     # Set by the row-reference kernel when some row needs its shift; the dK/dV pass reads it to
     # skip the shift everywhere else.
     shift_flag = torch.zeros(1, dtype=torch.int32, device=query.device)
+    row_mask_arg, row_mask_strides = mask_arg, mask_strides
+    if block_map is not None and attn_mask is not None and attn_mask.is_floating_point():
+        # Rows at a float mask's clamp take one pass over every key here (_attn_bwd_row_reference),
+        # which knows no layout: it reads the layout as part of the mask instead.
+        folded = fold_into_mask(attn_mask, block_map, block_q, block_k, (batch, heads_q, seq_q, seq_k))
+        _, row_mask_arg, row_mask_strides, _ = common_meta(query, key, value, folded, dropout_p, is_causal, schedule)
     common.launcher(_attn_bwd_row_reference)[(cdiv(seq_q, cfg.block_m), batch * heads_q)](
-        query, key, mask_arg, lse, row_ref, row_shift, shift_flag,
-        *query.stride(), *key.stride(), *mask_strides,
+        query, key, row_mask_arg, lse, row_ref, row_shift, shift_flag,
+        *query.stride(), *key.stride(), *row_mask_strides,
         heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, window_lower, scale_log2,
         HEAD_DIM=head_dim, BLOCK_E=meta["BLOCK_E"], HAS_MASK=meta["HAS_MASK"], MASK_IS_BOOL=meta["MASK_IS_BOOL"],
         IS_CAUSAL=is_causal, **meta_window, FP32_DOT=meta["FP32_DOT"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -123,11 +137,14 @@ def attention_backward(
     # their padded widths, and the looped-over length a whole number of blocks.
     even_e = meta["BLOCK_E"] == head_dim and meta["BLOCK_EV"] == head_dim_v
     cfg = configs.backward_dq
+    layout_args, layout_meta = kernel_layout(block_map, block_q, block_k, batch, heads_q, seq_q, seq_k, band.lower,
+                                             band.upper, cfg.block_m, cfg.block_n)
     common.launcher(_attn_bwd_dq)[(cdiv(seq_q, cfg.block_m), batch * heads_q)](
         query, key, value, mask_arg, seed_arg, grad_out, row_ref, row_shift,
         grad_lse if grad_lse is not None else lse, delta, ds_stats, dq, dmask_arg,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(), *dq.stride(),
         heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, window_lower, scale_log2, scale, dropout_p,
+        *layout_args, **layout_meta,
         P_IN_FP32=p_in_fp32, DS_IN_FP32=ds_in_fp32, DS_RESCALE=ds_rescale,
         EXACT_DELTA=exact_delta, HAS_DLSE=grad_lse is not None, WRITE_DMASK=compute_mask_grad and not exact_delta,
         EVEN_N=whole_blocks(seq_k, cfg.block_n), EVEN_E=even_e,
@@ -135,13 +152,15 @@ def attention_backward(
         **meta, **meta_window,
     )
     cfg = configs.backward_dkdv
+    layout_args, layout_meta = kernel_layout(block_map, block_q, block_k, batch, heads_q, seq_q, seq_k, band.lower,
+                                             band.upper, cfg.block_m, cfg.block_n, columns=True)
     common.launcher(_attn_bwd_dkdv)[(cdiv(seq_k, cfg.block_n), batch * heads_kv)](
         query, key, value, mask_arg, seed_arg, grad_out, row_ref, row_shift, shift_flag, delta, ds_stats, dk, dv,
         dmask_arg,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(),
         *dk.stride(), *dv.stride(),
         heads_q, heads_kv, heads_q // heads_kv, seq_q, seq_k, causal_offset, window_lower, scale_log2, scale,
-        dropout_p,
+        dropout_p, *layout_args, **layout_meta,
         P_IN_FP32=p_in_fp32, DS_IN_FP32=ds_in_fp32, DS_RESCALE=ds_rescale,
         WRITE_DMASK=compute_mask_grad and exact_delta,
         EVEN_M=whole_blocks(seq_q, cfg.block_m), EVEN_E=even_e,

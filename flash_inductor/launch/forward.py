@@ -12,6 +12,7 @@ from ..schedules import get_schedule
 from . import common
 from .band import band_lower, resolve_band
 from .common import LOG2E, cdiv, common_meta, forward_outputs
+from .block_tiles import check_block_layout, fold_into_mask, kernel_layout
 from .fp8 import attention_forward_fp8
 
 
@@ -40,14 +41,22 @@ def attention_forward(
     *,
     configs: AttentionConfigs | None = None,
     window: tuple[int, int] | None = None,
+    block_map: torch.Tensor | None = None,
+    block_q: int = 0,
+    block_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward kernel. Returns (out (B, Hq, L, Ev) in the input dtype, lse (B, Hq, L) fp32).
 
     ``configs`` forces the launch configs (the autotuner's candidates); None looks them up.
-    ``window`` is ``flash_attention``'s (left, right) or None."""
+    ``window`` is ``flash_attention``'s (left, right) or None.
+    ``block_map``/``block_q``/``block_k``: a block-sparse layout (``flash_inductor.block_sparse``)."""
     from ..kernels.attn_fwd import _attn_fwd
 
+    if block_map is not None:
+        check_block_layout(block_map, block_q, block_k, query, key)
     if get_schedule(schedule).fp8_forward:
+        if block_map is not None:  # the fp8 kernel walks every tile: the layout becomes an element mask
+            attn_mask = fold_into_mask(attn_mask, block_map, block_q, block_k, (*query.shape[:3], key.shape[2]))
         return attention_forward_fp8(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
                                      scale, schedule, configs=configs, window=window)
     batch, heads_q, seq_q, _ = query.shape
@@ -63,10 +72,13 @@ def attention_forward(
     switches, mask_arg, mask_strides, meta = common_meta(query, key, value, attn_mask, dropout_p, is_causal, schedule)
     cfg = common.launch_configs(query, key, value, attn_mask, is_causal, schedule, configs).forward
     grid = (cdiv(seq_q, cfg.block_m), batch * heads_q)
+    layout_args, layout_meta = kernel_layout(block_map, block_q, block_k, batch, heads_q, seq_q, seq_k, band.lower,
+                                             band.upper, cfg.block_m, cfg.block_n)
     common.launcher(_attn_fwd)[grid](
         query, key, value, mask_arg, rng_seed if rng_seed is not None else query, out, lse,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(),
         heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, band_lower(band), scale * LOG2E, dropout_p,
+        *layout_args, **layout_meta,
         WINDOW_LEFT=band.lower is not None, P_IN_FP32=switches["P_IN_FP32"],
         FOLD_SCALE=_fold_scale(scale, meta["HAS_MASK"]),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

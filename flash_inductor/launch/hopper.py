@@ -44,6 +44,7 @@ LENGTHS_DIFFER = "batch or key length mismatch"
 LAYOUT_REASONS = (NOT_4D, HEADS_NOT_GROUPED, LENGTHS_DIFFER)
 # The kernel skips tiles past the causal diagonal only; a window's band (launch/band.py) runs on Triton.
 WINDOW = "a sliding window (not implemented on this path)"
+BLOCK_SPARSE = "a block-sparse layout (block_mask; its key loop visits every tile)"
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -129,9 +130,10 @@ def log_triton_forward(reason: str) -> None:
 
 def hopper_forward_unsupported_reason(query, key, value, attn_mask=None, dropout_p: float = 0.0,
                                       scale: float | None = None, schedule: str | None = None, *,
-                                      window=None) -> str | None:
+                                      window=None, block_sparse: bool = False) -> str | None:
     """None if the Hopper forward takes this call as far as its static properties go, else why
-    not (for the logs). Safe on fake tensors: it reads no data pointer and no stride."""
+    not (for the logs). Safe on fake tensors: it reads no data pointer and no stride.
+    ``block_sparse``: the call has a block-sparse layout (``flash_inductor.block_sparse``)."""
     if not (query.is_cuda and key.is_cuda and value.is_cuda):
         return "not on a CUDA device"
     if _capability(query.device) != (9, 0):
@@ -154,6 +156,8 @@ def hopper_forward_unsupported_reason(query, key, value, attn_mask=None, dropout
         return "dropout (not implemented on this path yet)"
     if has_window(window):
         return WINDOW
+    if block_sparse:
+        return BLOCK_SPARSE
     if scale is not None and not scale > 0:
         return "a non-positive scale (the kernel takes the row max on unscaled scores)"
     if query.shape[1] % key.shape[1] != 0 or key.shape[1] != value.shape[1]:

@@ -5,9 +5,9 @@ Inductor sees (and inlines) the Triton kernels they launch (the Gluon Hopper for
 exception: an opaque op of its own, see below):
 
 * ``flash_inductor::attention_forward(q, k, v, mask?, seed?, dropout_p, is_causal,
-  causal_offset, scale, schedule, window_left=-1, window_right=-1) -> (out, lse)``
+  causal_offset, scale, schedule, window_left=-1, window_right=-1, block_map?, block_q=0, block_k=0) -> (out, lse)``
 * ``flash_inductor::attention_backward(dout, q, k, v, mask?, out, lse, dlse?, seed?, ...,
-  compute_mask_grad, window_left=-1, window_right=-1) -> (dq, dk, dv, dmask)``
+  compute_mask_grad, window_left=-1, window_right=-1, block_map?, block_q=0, block_k=0) -> (dq, dk, dv, dmask)``
 
 ``window_left`` / ``window_right`` are the sliding window of ``flash_attention(window=...)``
 (FlashAttention's definition, -1 an open side); ``launch.band`` turns them and the causal
@@ -17,7 +17,9 @@ Inputs are the normalised 4-D tensors ``flash_inductor.api`` produces: query (B,
 key (B, Hkv, S, E), value (B, Hkv, S, Ev), mask a (B, Hq, L, S) view (possibly stride-0
 broadcast, bool or float). q, k and v may be stride-0 views too (batch dims SDPA broadcasts):
 every path reads them through their strides, and the gradients come back at the views' shapes,
-for autograd's ``expand`` to sum. ``lse`` is natural log, -inf on rows with no visible key, fp32
+for autograd's ``expand`` to sum. ``block_map`` is a block-sparse layout, (Bm, Hm, ceil(L / block_q),
+ceil(S / block_k)) bool with Bm in {1, B} and Hm in {1, Hq} (``flash_inductor.block_sparse``);
+without one it is None and the block sizes 0. ``lse`` is natural log, -inf on rows with no visible key, fp32
 (fp64 for float64 inputs).
 
 What the kernels do not take (CPU tensors, float64, head dims over 256) goes to the blocked
@@ -41,6 +43,7 @@ from ..launch.band import NO_WINDOW
 # What the eager fast path needs besides launch.can_launch_directly(), looked up once (torch
 # 2.11-2.14 all have it; where it is missing every call takes the registered op instead).
 _functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+from ..launch.block_tiles import check_block_layout
 from .reference import reference_backward, reference_forward
 
 # --------------------------------------------------------------------------------------
@@ -53,9 +56,11 @@ def attention_forward_reference(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], rng_seed: Optional[Tensor],
     dropout_p: float, is_causal: bool, causal_offset: int, scale: float,
     window_left: int = -1, window_right: int = -1,
+    block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0,
 ) -> tuple[Tensor, Tensor]:
     out, lse = reference_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
-                                 window=(window_left, window_right))
+                                 window=(window_left, window_right),
+                                 block_layout=_reference_layout(block_map, block_q, block_k))
     return out.contiguous(), lse.contiguous()
 
 
@@ -65,12 +70,21 @@ def attention_backward_reference(
     out: Tensor, lse: Tensor, grad_lse: Optional[Tensor], rng_seed: Optional[Tensor],
     dropout_p: float, is_causal: bool, causal_offset: int, scale: float, compute_mask_grad: bool,
     window_left: int = -1, window_right: int = -1,
+    block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     grads = reference_backward(
         grad_out, query, key, value, attn_mask, out, lse, rng_seed, dropout_p, is_causal,
         causal_offset, scale, compute_mask_grad, grad_lse=grad_lse, window=(window_left, window_right),
+        block_layout=_reference_layout(block_map, block_q, block_k),
     )
     return tuple(g.contiguous() for g in grads)
+
+
+def _reference_layout(block_map: Optional[Tensor], block_q: int, block_k: int) -> Optional[tuple]:
+    if block_map is None:
+        return None
+    check_block_layout(block_map, block_q, block_k)
+    return block_map, block_q, block_k
 
 
 # --------------------------------------------------------------------------------------
@@ -96,26 +110,28 @@ attention_forward_hopper = torch.library.custom_op("flash_inductor::attention_fo
 
 @attention_forward_hopper.register_fake
 def _hopper_forward_fake(query, key, value, is_causal, causal_offset, scale, schedule):
-    return _forward_fake(query, key, value, None, None, 0.0, is_causal, causal_offset, scale)
+    return _forward_fake(query, key, value)
 
 
 def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
-                    window=NO_WINDOW, *, hopper_call=attention_forward_hopper):
+                    window=NO_WINDOW, block_map=None, block_q=0, block_k=0, *, hopper_call=attention_forward_hopper):
     """The CUDA forward: the split-KV decode kernels for a few query rows against long keys, else
     the Gluon Hopper kernel where it applies, else the Triton kernels. ``hopper_call`` is the
     opaque op inside the registered op, the plain function on the eager fast path (no dispatcher
-    there)."""
-    decoded = decode.decode_forward_or_none(query, key, value, attn_mask, dropout_p, is_causal, causal_offset,
-                                            scale, schedule, window=window)
-    if decoded is not None:
-        return decoded
+    there). Block-sparse calls skip the decode kernels, which read every key of the band."""
+    if block_map is None:
+        decoded = decode.decode_forward_or_none(query, key, value, attn_mask, dropout_p, is_causal, causal_offset,
+                                                scale, schedule, window=window)
+        if decoded is not None:
+            return decoded
     reason = hopper.hopper_forward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
-                                                      window=window)
+                                                      window=window, block_sparse=block_map is not None)
     if reason is None:
         return hopper_call(query, key, value, is_causal, causal_offset, scale, schedule)
     hopper.log_triton_forward(reason)
     return launch.attention_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                                    scale, schedule, window=window)
+                                    scale, schedule, window=window, block_map=block_map, block_q=block_q,
+                                    block_k=block_k)
 
 
 # --------------------------------------------------------------------------------------
@@ -151,14 +167,15 @@ def attention_forward(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], rng_seed: Optional[Tensor],
     dropout_p: float, is_causal: bool, causal_offset: int, scale: float, schedule: str,
     window_left: int = -1, window_right: int = -1,
+    block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0,
 ) -> tuple[Tensor, Tensor]:
     if launch.kernel_supports(query, key, value):
         return _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
-                               schedule, (window_left, window_right))
+                               schedule, (window_left, window_right), block_map, block_q, block_k)
     # The reference computes in fp32/fp64 throughout, Delta included (the `accurate` schedule's
     # stages): the schedule has nothing to select there.
     return attention_forward_reference(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                                       scale, window_left, window_right)
+                                       scale, window_left, window_right, block_map, block_q, block_k)
 
 
 @_triton_op("flash_inductor::attention_backward")
@@ -167,15 +184,17 @@ def attention_backward(
     out: Tensor, lse: Tensor, grad_lse: Optional[Tensor], rng_seed: Optional[Tensor],
     dropout_p: float, is_causal: bool, causal_offset: int, scale: float, schedule: str,
     compute_mask_grad: bool, window_left: int = -1, window_right: int = -1,
+    block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if launch.kernel_supports(query, key, value):
         return launch.attention_backward(
             grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
             is_causal, causal_offset, scale, schedule, compute_mask_grad, window=(window_left, window_right),
+            block_map=block_map, block_q=block_q, block_k=block_k,
         )
     return attention_backward_reference(
         grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
-        is_causal, causal_offset, scale, compute_mask_grad, window_left, window_right,
+        is_causal, causal_offset, scale, compute_mask_grad, window_left, window_right, block_map, block_q, block_k,
     )
 
 
@@ -190,8 +209,7 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _forward_fake(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule=None,
-                  window_left=-1, window_right=-1):
+def _forward_fake(query, key, value, *_options):
     batch, heads_q, seq_q, _ = query.shape
     out = query.new_empty((batch, heads_q, seq_q, value.shape[-1]))
     lse = query.new_empty((batch, heads_q, seq_q), dtype=_lse_dtype(query.dtype))
@@ -208,12 +226,12 @@ def _backward_shapes(query, key, value, attn_mask, compute_mask_grad):
 
 
 def _backward_fake(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
-                   is_causal, causal_offset, scale, schedule, compute_mask_grad, window_left=-1, window_right=-1):
+                   is_causal, causal_offset, scale, schedule, compute_mask_grad, *_window_and_layout):
     return _backward_shapes(query, key, value, attn_mask, compute_mask_grad)
 
 
 def _backward_reference_fake(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
-                             is_causal, causal_offset, scale, compute_mask_grad, window_left=-1, window_right=-1):
+                             is_causal, causal_offset, scale, compute_mask_grad, *_window_and_layout):
     return _backward_shapes(query, key, value, attn_mask, compute_mask_grad)
 
 
@@ -229,14 +247,19 @@ attention_backward.register_fake(_backward_fake)
 # --------------------------------------------------------------------------------------
 
 _MASK_INPUT = 3
+# window_left, window_right, block_map, block_q, block_k: the forward op's arguments with defaults.
+_OPTIONAL_DEFAULTS = (-1, -1, None, 0, 0)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule, *window = inputs
+    query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule, *optional = inputs
+    # The trailing arguments have defaults, which a caller may leave out.
+    window_left, window_right, block_map, block_q, block_k = (*optional, *_OPTIONAL_DEFAULTS[len(optional):])
     out, lse = output
-    ctx.save_for_backward(query, key, value, attn_mask, rng_seed, out, lse)
+    ctx.save_for_backward(query, key, value, attn_mask, rng_seed, out, lse, block_map)
     ctx.options = (dropout_p, is_causal, causal_offset, scale, schedule)
-    ctx.window = tuple(window) if window else NO_WINDOW
+    ctx.window = (window_left, window_right)
+    ctx.layout = (block_q, block_k)
     ctx.input_count = len(inputs)
     # An output the caller never used (almost always lse) reaches the backward as None, not as
     # zeros: autograd's default would launch a fill for it, and a zero dLSE still sends the
@@ -252,8 +275,9 @@ def _run_backward(ctx, grad_out, grad_lse, backward_call):
     n_inputs = ctx.input_count
     if grad_out is None and grad_lse is None:
         return (None,) * n_inputs
-    query, key, value, attn_mask, rng_seed, out, lse = ctx.saved_tensors
+    query, key, value, attn_mask, rng_seed, out, lse, block_map = ctx.saved_tensors
     dropout_p, is_causal, causal_offset, scale, schedule = ctx.options
+    block_q, block_k = ctx.layout
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     compute_mask_grad = bool(
@@ -262,6 +286,7 @@ def _run_backward(ctx, grad_out, grad_lse, backward_call):
     dq, dk, dv, dmask = backward_call(
         grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed,
         dropout_p, is_causal, causal_offset, scale, schedule, compute_mask_grad, *ctx.window,
+        block_map=block_map, block_q=block_q, block_k=block_k,
     )
     return (dq, dk, dv, (dmask if compute_mask_grad else None)) + (None,) * (n_inputs - 4)
 
@@ -303,12 +328,13 @@ class _EagerKernelAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
-                window_left, window_right):
+                window_left, window_right, block_map, block_q, block_k):
         with launch.direct_kernel_calls():
             out, lse = _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                                       scale, schedule, (window_left, window_right), hopper_call=_forward_on_hopper)
+                                       scale, schedule, (window_left, window_right), block_map, block_q, block_k,
+                                       hopper_call=_forward_on_hopper)
         _setup_context(ctx, (query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
-                             schedule, window_left, window_right), (out, lse))
+                             schedule, window_left, window_right, block_map, block_q, block_k), (out, lse))
         return out, lse
 
     @staticmethod
@@ -321,10 +347,11 @@ class _EagerKernelAttention(torch.autograd.Function):
             return _run_backward(ctx, grad_out, grad_lse, _launch_backward)
 
 
-def _launch_backward(*args):
-    """``launch.attention_backward`` with the backward op's positional arguments (the window last)."""
+def _launch_backward(*args, **layout):
+    """``launch.attention_backward`` with the backward op's positional arguments (the window last)
+    and its layout keywords (``block_map``, ``block_q``, ``block_k``)."""
     *args, window_left, window_right = args
-    return launch.attention_backward(*args, window=(window_left, window_right))
+    return launch.attention_backward(*args, window=(window_left, window_right), **layout)
 
 
 def eager_fast_path_applies(*tensors: Optional[Tensor]) -> bool:
@@ -348,22 +375,24 @@ def _needs_autograd(*tensors: Optional[Tensor]) -> bool:
 
 
 def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
-                            schedule, window_left=-1, window_right=-1) -> tuple[Tensor, Tensor]:
+                            schedule, window_left=-1, window_right=-1, block_map=None, block_q=0,
+                            block_k=0) -> tuple[Tensor, Tensor]:
     """``torch.ops.flash_inductor.attention_forward`` with the same arguments, without the
     dispatcher where :func:`eager_fast_path_applies`."""
-    if eager_fast_path_applies(query, key, value, attn_mask, rng_seed):
+    if eager_fast_path_applies(query, key, value, attn_mask, rng_seed, block_map):
         if not _needs_autograd(query, key, value, attn_mask):
             # Inference: the launch alone. autograd.Function.apply would record nothing here and
             # cost ~20-35 µs of host time a call (2-core CPU, launches stubbed), which
             # a short problem's GPU time may not hide.
             with launch.direct_kernel_calls():
                 return _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                                       scale, schedule, (window_left, window_right), hopper_call=_forward_on_hopper)
+                                       scale, schedule, (window_left, window_right), block_map, block_q, block_k,
+                                       hopper_call=_forward_on_hopper)
         return _EagerKernelAttention.apply(
             query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
-            window_left, window_right,
+            window_left, window_right, block_map, block_q, block_k,
         )
     return torch.ops.flash_inductor.attention_forward(
         query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
-        window_left, window_right,
+        window_left, window_right, block_map, block_q, block_k,
     )

@@ -13,6 +13,9 @@ as the kernels, written for clarity rather than speed:
   group's keys scores all of them at once (query head ``h = hk * G + g``, row ``g * L + i``);
 * dropout keeps score ``(b, h, i, j)`` iff ``philox_uniform(seed, ((b*Hq + h)*L + i)*S + j) >=
   dropout_p``, the same draw as ``tl.rand`` in the kernel;
+* a block-sparse layout (``flash_inductor.block_sparse``) is an element mask built per key
+  chunk from the block map, ``block_map[b, h, i // block_q, j // block_k]``; rows whose blocks
+  are all skipped are rows without a visible key;
 * when ``out`` is rounded below the compute dtype (fp16/bf16 inputs), the backward's
   Delta_i is the P-weighted mean of row i's dP, summed over the keys in one extra pass, rather
   than rowsum(dO * O) from the rounded O: the Delta that the kernels' ``exact_delta``
@@ -32,6 +35,7 @@ from typing import Optional
 
 import torch
 
+from ..block_sparse import expand_block_map
 from ..launch.band import Band, resolve_band
 from .philox import philox_uniform
 
@@ -161,6 +165,18 @@ def _chunk_scores(
     return scores
 
 
+def _layout_scores(problem: _GroupedProblem, scores: torch.Tensor, block_layout: Optional[tuple], start: int,
+                   stop: int) -> torch.Tensor:
+    """``scores`` of keys [start, stop) with -inf outside a block-sparse layout (None: as they are);
+    ``block_layout`` is ``(block_map, block_q, block_k)``."""
+    if block_layout is None:
+        return scores
+    block_map, block_q, block_k = block_layout
+    in_layout = expand_block_map(block_map, block_q, block_k, 0, problem.query_len, start, stop)
+    in_layout = in_layout.expand(problem.batch, problem.query_heads, problem.query_len, stop - start)
+    return scores.masked_fill(~in_layout.reshape(scores.shape), float("-inf"))
+
+
 def _dropout_scale(
     problem: _GroupedProblem,
     rng_seed: Optional[torch.Tensor],
@@ -191,6 +207,7 @@ def reference_forward(
     causal_offset: int,
     scale: float,
     window: Optional[tuple[int, int]] = None,
+    block_layout: Optional[tuple] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward; returns ``(out, lse)``.
 
@@ -204,6 +221,9 @@ def reference_forward(
         scale: multiplies ``q . k`` before the mask is added.
         window: None or ``(left, right)``: key j is visible to query i iff
             ``-left <= j - (i + S - L) <= right``, -1 an open side (``flash_attention``'s).
+        block_layout: None, or ``(block_map, block_q, block_k)``: a (Bm, Hm, ceil(L / block_q),
+            ceil(S / block_k)) bool map (Bm in {1, B}, Hm in {1, Hq}); key j is visible to row i
+            only where ``block_map[b, h, i // block_q, j // block_k]``.
 
     Returns:
         out: (B, Hq, L, Ev) in the query dtype, ``dropout(softmax(s)) @ V``.
@@ -221,9 +241,9 @@ def reference_forward(
     )
 
     for start, stop in _key_chunks(problem.key_len, band, problem.query_len):
-        scores = _chunk_scores(
+        scores = _layout_scores(problem, _chunk_scores(
             problem, grouped_query, key[..., start:stop, :], attn_mask, band, scale, start, stop
-        )
+        ), block_layout, start, stop)
         new_max = torch.maximum(running_max, scores.amax(dim=-1))
         # A row with no visible key so far has max -inf; shifting by it would give -inf - -inf = NaN.
         shift = torch.where(new_max.isneginf(), torch.zeros_like(new_max), new_max)
@@ -250,7 +270,7 @@ def reference_forward(
 _LSE_SATURATED = -1e37
 
 
-def _row_reference(problem, grouped_query, key, attn_mask, band, scale, grouped_lse):
+def _row_reference(problem, grouped_query, key, attn_mask, band, scale, grouped_lse, block_layout=None):
     """Per row, the (reference, shift) the backward recomputes P with: P = exp((s - reference) - shift).
 
     Normally reference = lse and shift = 0; rows with no visible key get reference = +inf, so P
@@ -266,9 +286,9 @@ def _row_reference(problem, grouped_query, key, attn_mask, band, scale, grouped_
         row_max = torch.full_like(reference, float("-inf"))
         row_sum = torch.zeros_like(reference)
         for start, stop in _key_chunks(problem.key_len, band, problem.query_len):
-            scores = _chunk_scores(
+            scores = _layout_scores(problem, _chunk_scores(
                 problem, grouped_query, key[..., start:stop, :], attn_mask, band, scale, start, stop
-            )
+            ), block_layout, start, stop)
             new_max = torch.maximum(row_max, scores.amax(dim=-1))
             safe_max = torch.where(new_max.isneginf(), torch.zeros_like(new_max), new_max)
             row_sum = row_sum * torch.exp(row_max - safe_max) + torch.exp(scores - safe_max[..., None]).sum(dim=-1)
@@ -295,6 +315,7 @@ def reference_backward(
     grad_lse: Optional[torch.Tensor] = None,
     exact_delta: bool = True,
     window: Optional[tuple[int, int]] = None,
+    block_layout: Optional[tuple] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward; returns ``(dq, dk, dv, dmask)``.
 
@@ -310,20 +331,22 @@ def reference_backward(
     (one more pass over the keys) instead of from that ``out``; False gives FlashAttention-2's
     Delta, whose error peaked or near-tied attention amplifies in dq. The attention ops always
     use True: this path keeps P and dS in fp32 under every schedule too.
+    ``block_layout`` is :func:`reference_forward`'s.
     """
     problem = _describe_problem(query, key, value)
     band = resolve_band(is_causal, causal_offset, window, problem.query_len, problem.key_len)
     grouped_query = problem.group(query)
     grouped_grad_out = problem.group(grad_out)
     row_reference, row_shift = _row_reference(
-        problem, grouped_query, key, attn_mask, band, scale, problem.group(lse)
+        problem, grouped_query, key, attn_mask, band, scale, problem.group(lse), block_layout
     )
 
     def chunk(start, stop):
         """Keys [start, stop): K, V, the probabilities P, dP (through dropout), the dropout scale."""
         key_chunk = key[..., start:stop, :].to(problem.compute_dtype)
         value_chunk = value[..., start:stop, :].to(problem.compute_dtype)
-        scores = _chunk_scores(problem, grouped_query, key_chunk, attn_mask, band, scale, start, stop)
+        scores = _layout_scores(problem, _chunk_scores(problem, grouped_query, key_chunk, attn_mask, band, scale, start,
+                                                       stop), block_layout, start, stop)
         probs = torch.exp((scores - row_reference) - row_shift)
         grad_probs = grouped_grad_out @ value_chunk.transpose(-2, -1)
         dropout_scale = _dropout_scale(problem, rng_seed, dropout_p, start, stop)
