@@ -3,7 +3,7 @@ state the card was in while it ran.
 
 Why: an H200 running our forward at ~500 TFLOP/s reaches its ~700 W power limit within a second
 and then drops its SM clock from 1980 MHz to 1450-1900 MHz
-(benchmarks/results/heat_curve_nvidia-h200_20261201.json; docs/performance.md).
+(benchmarks/results/clock_nvidia-h200_20261201.json, heat_curve; docs/performance.md).
 A kernel timed for 25 ms right after an idle compile therefore reads up to ~10 % faster than the
 same kernel timed after another kernel has heated the card. The samples make that visible in each
 record instead of leaving it as unexplained noise between runs.

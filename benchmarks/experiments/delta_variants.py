@@ -24,8 +24,8 @@ the dtype (the floor of any 16-bit output). Ours are compared unrounded; JSON ha
 gqa (4 query heads on 2 K/V heads); dropout (p 0.1, a fixed keep mask on P for P·V and on dP,
 scale 1/(1-p)); dlse (dLSE ~ N(0, 1)); all (causal + bool_dead + gqa + dropout + dlse).
 
-RESULT (CPU, torch 2.13; base: benchmarks/results/delta_variants_cpu_20261201.json; features:
-..._20261201_features.json; 3 seeds x L 256/1024 x E 64/128; residual_ctr / exact_kernel, median (max)):
+RESULT (CPU, torch 2.13; benchmarks/results/delta_variants_cpu_20261201.json, its 'base' and
+'features' runs; 3 seeds x L 256/1024 x E 64/128; residual_ctr / exact_kernel, median (max)):
   * Base: on near_tied residual = fp32_o is 430-7000x above exact (dS fp32): the forward rounds P
     for P·V, so O_fp32's Δ misses Σⱼ (round(Pⱼ) − Pⱼ) dPⱼ (fp32_o_p32 is exact's). With dS rounded,
     exact_kernel reaches `round`, residual_ctr too (1 %); PyTorch's CPU SDPA has fa2's 0.25-0.39.

@@ -380,7 +380,7 @@ def run_for(fn: Callable[[], object], ms: float, clock: Callable[[], float] = ti
     boost clock, and the configs that win there are not the ones that win at the limited clock a
     training job runs at: on an H200 the E 128 forward config 64x64 with 4 warps timed at 504
     TFLOP/s cold and 448 sustained, and 128x64 with 8 warps at 471 cold and 462 sustained
-    (benchmarks/results/sustained_sweep_nvidia-h200_20261201_s21.json)."""
+    (benchmarks/results/clock_nvidia-h200_20261201.json, sustained_sweep)."""
     if synchronize is None:
         if not torch.cuda.is_available():  # the interpreter: no clock to settle, and a call takes seconds
             return

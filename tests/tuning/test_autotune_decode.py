@@ -50,7 +50,11 @@ def test_a_decode_bucket_is_searched_with_the_decode_kernels(monkeypatch):
     spy_on_launches(monkeypatch, lambda name, kwargs: seen.add(name))
     task = run_plan([PlannedBucket(bucket, SWEEP)], tiny_settings(timer, **DECODE_SETTINGS))[bucket]
     assert "_attn_decode_split" in seen and seen <= {"_attn_decode_split", "_attn_decode_merge"}
-    assert task.entry["configs"] == {"decode": cfg_dict(32, 16, warps=2)}
+    # The timer prices (block_m, block_n, warps) alone, so every pipeline depth of the winner ties;
+    # which depth the space lists first differs between a GPU and the interpreter.
+    (picked,) = task.entry["configs"].values()
+    assert set(task.entry["configs"]) == {"decode"}
+    assert {**picked, "num_stages": 1} == cfg_dict(32, 16, warps=2)
     assert task.entry["speedup_vs_heuristic"] == pytest.approx(8.0)
     assert not task.entry["rejected"], task.entry["rejected"]  # every config is accurate and stable
 
