@@ -130,11 +130,13 @@ def _causal_mask_mod(b, h, q_idx, kv_idx):
 _COMPILED_FLEX = None
 
 
-def _compiled_flex():
+def compiled_flex():
+    """``torch.compile(flex_attention)``, compiled once per process for every benchmark that times
+    Flex. Static shapes: every benchmark shape gets its own specialised kernel, as a user's (or a
+    serving engine's) would."""
     global _COMPILED_FLEX
     if _COMPILED_FLEX is None:
         from torch.nn.attention.flex_attention import flex_attention
-        # Static shapes: every benchmark shape gets its own specialised kernel, as a user's would.
         _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
     return _COMPILED_FLEX
 
@@ -149,7 +151,7 @@ def make_attention(provider, causal, seq_q, seq_k, device):
         return _compiled_ours(causal)
     if provider == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
-        flex = _compiled_flex()
+        flex = compiled_flex()
         mask = (create_block_mask(_causal_mask_mod, B=None, H=None, Q_LEN=seq_q, KV_LEN=seq_k, device=device)
                 if causal else None)
         return lambda q, k, v: flex(q, k, v, block_mask=mask)

@@ -64,22 +64,10 @@ def make_cell_inputs(batch, heads_q, heads_kv, seq_q, seq_k, head_dim, dtype, de
     return q, k, v, mask, lengths
 
 
-_COMPILED_FLEX = None
-
-
-def _compiled_flex():
-    global _COMPILED_FLEX
-    if _COMPILED_FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
-        # Static shapes: every cell gets its own specialised kernel, as a serving engine's would.
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
-    return _COMPILED_FLEX
-
-
 def _flex_call(q, k, v, lengths, device):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    flex = _compiled_flex()
+    flex = common.compiled_flex()
     block_mask = None
     if lengths is not None:
         def cache_mask(b, h, q_idx, kv_idx):

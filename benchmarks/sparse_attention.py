@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import block_sparse_attention as block_sparse
-from benchmarks.common import (DTYPES, MODE_FLOP_FACTOR, bench_ms, call_recorded, dynamo_limits, environment,
+from benchmarks.common import (DTYPES, MODE_FLOP_FACTOR, bench_ms, call_recorded, compiled_flex, dynamo_limits, environment,
                                heat, is_fatal, module_command, no_donated_buffers, output_stem, progress,
                                release_memory, tflops)
 
@@ -137,17 +137,6 @@ def _window_tile_fraction(cell):
     seq = cell["seq"]
     counts = visited_tiles(resolve_band(False, 0, window_pair(cell), seq, seq), seq, seq, *MIRROR_TILES)
     return counts["forward"] / counts["dense"]
-
-
-_COMPILED_FLEX = None
-
-
-def compiled_flex():
-    global _COMPILED_FLEX
-    if _COMPILED_FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
-    return _COMPILED_FLEX
 
 
 def _window_attention(provider, cell, device):
