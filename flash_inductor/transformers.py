@@ -12,8 +12,9 @@ materialises a mask.
 
 What each HF feature becomes:
 
-* padding, causal, chunked and sliding-window masks: the boolean mask HF builds (dense; a
-  banded mask argument does not exist in the op yet), or ``is_causal=True`` without one;
+* padding, causal, chunked and sliding-window masks: the boolean mask HF builds, or
+  ``is_causal=True`` without one; a causal sliding window also reaches the op as a slightly wider
+  ``window`` (without a cache offset), so the kernels skip the tiles the mask hides;
 * GQA (fewer key/value heads): ``enable_gqa=True``, K and V are indexed per group, never repeated;
 * ``dropout`` (HF passes it only in training) and ``scaling``: the op's ``dropout_p`` and ``scale``;
 * T5's relative ``position_bias``: folded into an additive float mask, which receives its gradient;
@@ -158,7 +159,8 @@ def attention_forward(
         scaling: softmax scale (None = ``1/sqrt(E)``).
         is_causal: overrides ``module.is_causal`` (HF passes it for some models).
         position_bias: T5's relative bias ``(1 or B, H, L, S)``, added to the scores.
-        sliding_window: already part of ``attention_mask`` (HF builds the band into it).
+        sliding_window: already part of ``attention_mask`` (HF builds the band into it); also
+            passed on as a slightly wider ``window`` so the kernels skip the tiles outside it.
         softcap: logit soft-capping, unsupported: raises ``ValueError``.
 
     Returns:
@@ -171,7 +173,6 @@ def attention_forward(
             "config's `attn_logit_softcapping`). Load the model with attn_implementation=\"eager\" or "
             "\"flex_attention\", or set config.attn_logit_softcapping = None if the model tolerates it."
         )
-    del sliding_window  # HF has already folded the window into attention_mask
     if _attentions_requested(kwargs):
         fallback = _eager_fallback(module, query, key, value, attention_mask, dropout, scaling,
                                    dict(kwargs, is_causal=is_causal, position_bias=position_bias))
@@ -202,8 +203,25 @@ def attention_forward(
     out = flash_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=float(dropout), is_causal=causal, scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
+        window=_tile_skipping_window(module, sliding_window, attention_mask, is_causal, q_len, key.shape[2]),
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _tile_skipping_window(module, sliding_window: Optional[int], attention_mask: Optional[Tensor],
+                          is_causal: Optional[bool], q_len: int, kv_len: int) -> Optional[tuple[int, int]]:
+    """A window for the kernels to skip the tiles outside a causal sliding window, which HF has
+    already folded into ``attention_mask``. It is (sliding_window, 0): one key wider on the left
+    than HF's band (``j > i - sliding_window``), so whichever convention of the band's edge a model
+    uses, the mask, not the window, decides every visible key and the result is unchanged. Only
+    where queries and keys share positions (L == S: no cache offset; a sliding cache's ring buffer
+    would not line up) and for a causal layer; anything else keeps the mask alone."""
+    if sliding_window is None or attention_mask is None or q_len != kv_len or q_len <= 1:
+        return None
+    causal_layer = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if not causal_layer or int(sliding_window) < 1:
+        return None
+    return int(sliding_window), 0
 
 
 def _with_position_bias(position_bias: Tensor, attention_mask: Optional[Tensor], causal: bool, q_len: int,

@@ -155,7 +155,7 @@ def test_causal_without_mask_uses_is_causal_and_gqa(calls):
     """Unpadded causal LM: no mask is built, the op gets is_causal=True; K/V keep their 2 heads."""
     ours, _ = _pair("llama")
     ours(**_inputs("llama", padded=False))
-    assert all(c["mask"] is None and c["is_causal"] for c in calls), calls
+    assert all(c["mask"] is None and c["is_causal"] and c["window"] is None for c in calls), calls
     assert all(c["enable_gqa"] and c["key"][1] == model_zoo.KV_HEADS and c["query"][1] == model_zoo.HEADS
                for c in calls)
     module = ours.layers[0].self_attn
@@ -167,6 +167,9 @@ def test_padding_and_sliding_window_reach_the_op_as_a_bool_mask(calls):
     inputs = _inputs("mistral")
     out, _ = _run(ours, inputs)
     assert all(c["mask"] == torch.bool and not c["is_causal"] for c in calls)
+    # The window (4) also reaches the op, one key wider than HF's band, so the kernels skip the
+    # tiles outside it while the mask decides every visible key (the outputs below match eager).
+    assert calls and all(c["window"] == (4, 0) for c in calls), calls
     # The window matters at this length: without it the outputs differ.
     wide, _ = _pair("mistral", sliding_window=None)
     assert not torch.allclose(_run(wide, inputs)[0], out, atol=1e-4)
