@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     if moved_in_all and not args.dry_run:
         table = cache.TuningTable(gpu=data["gpu"], entries=data["entries"], schema=data["schema"],
                                   meta=data.get("meta", {}))
-        cache._atomic_write_text(args.table, cache.table_text(table))
+        cache.atomic_write_text(args.table, cache.table_text(table))
         print(f"wrote {args.table}")
     return 0
 
@@ -177,7 +177,7 @@ def _carry_by_reason(args, data: dict, new: dict) -> int:
         note = f"carried without a compile ({', '.join(args.family)}): {args.reason}"
         meta["tuned"] = f"{meta['tuned']} {note}" if meta.get("tuned") else note
         table = cache.TuningTable(gpu=data["gpu"], entries=data["entries"], schema=data["schema"], meta=meta)
-        cache._atomic_write_text(args.table, cache.table_text(table))
+        cache.atomic_write_text(args.table, cache.table_text(table))
         print(f"wrote {args.table}")
     return 0
 

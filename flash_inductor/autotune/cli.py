@@ -281,7 +281,7 @@ def _versions() -> dict[str, str]:
 
 
 def _write_json(path: pathlib.Path, data: dict) -> None:
-    cache._atomic_write_text(path, json.dumps(data, indent=1, allow_nan=False, default=str) + "\n")
+    cache.atomic_write_text(path, json.dumps(data, indent=1, allow_nan=False, default=str) + "\n")
 
 
 # ------------------------------------------------------------------------------------------

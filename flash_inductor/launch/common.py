@@ -19,7 +19,7 @@ from ..tuning.buckets import mask_kind
 from ..tuning.configs import padded_head_dim, select_configs
 from ..schedules import get_schedule
 
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
 # CUDA limits grid axis 1 (where batch x heads goes) to 65535 programs.
 _MAX_GRID_Y = 65535
@@ -55,7 +55,7 @@ def interpreter_enabled() -> bool:
 def kernel_supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether the Triton kernels take these (normalised, 4-D) inputs; else the reference path runs.
     Raises when they would take them but Triton is not installed."""
-    if query.device.type != "cuda" or query.dtype not in _KERNEL_DTYPES:
+    if query.device.type != "cuda" or query.dtype not in KERNEL_DTYPES:
         return False
     batch, heads_q = query.shape[0], query.shape[1]
     fits = (

@@ -58,7 +58,7 @@ def decode_unsupported_reason(query: torch.Tensor, key: torch.Tensor, attn_mask:
         return "dropout (the decode kernel has none)"
     if get_schedule(schedule).fp8_forward:
         return "the fp8 schedule (its own forward kernel)"
-    if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype not in common._KERNEL_DTYPES:
+    if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype not in common.KERNEL_DTYPES:
         return f"a {attn_mask.dtype} mask"
     return None
 

@@ -362,7 +362,7 @@ def check_writable_dir(directory: os.PathLike) -> None:
                       "writable folder, or pass --output") from error
 
 
-def _atomic_write_text(path: pathlib.Path, text: str) -> None:
+def atomic_write_text(path: pathlib.Path, text: str) -> None:
     """Write to a temporary file beside ``path``, then rename: readers see the old file or the
     new one, never a prefix, and a failure leaves no temporary file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -407,7 +407,7 @@ def update_table(path: os.PathLike, table: TuningTable) -> TuningTable:
         if existing is not None and existing.gpu == table.gpu:
             kept = {key: entry for key, entry in existing.entries.items() if entry_is_current(key, entry)}
             table = dataclasses.replace(table, entries={**kept, **table.entries}, meta={**existing.meta, **table.meta})
-        _atomic_write_text(path, table_text(table))
+        atomic_write_text(path, table_text(table))
     clear_cache()  # this process reads its own write on the next launch
     return table
 

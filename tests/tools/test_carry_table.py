@@ -109,7 +109,7 @@ def test_family_and_reason_rekey_without_compiling_and_record_why(tmp_path, monk
     monkeypatch.setattr(carry_tool, "identities_in", lambda tree: {"forward": "old-f", "backward": "old-b",
                                                                     "fp8_forward": "same"})
     monkeypatch.setattr(carry_tool, "tree_with_kernels_of", lambda rev, into, whole_package=False: into)
-    monkeypatch.setattr(carry_tool.cache, "_atomic_write_text", lambda path, text: path.write_text(text))
+    monkeypatch.setattr(carry_tool.cache, "atomic_write_text", lambda path, text: path.write_text(text))
     monkeypatch.setattr(carry_tool.cache, "table_text", lambda t: json.dumps(
         {"schema": t.schema, "gpu": t.gpu, "meta": t.meta, "entries": t.entries}))
     with pytest.raises(SystemExit):

@@ -150,6 +150,42 @@ def test_no_module_imports_another_modules_private_names():
     assert not offenders, "private names imported across modules:\n" + "\n".join(offenders)
 
 
+def _module_aliases(module: str) -> dict[str, str]:
+    """Local names bound to package modules by module's imports (``from . import common``,
+    ``from ..launch import hopper``, ``import flash_inductor.x as y``)."""
+    tree = ast.parse(MODULES[module].read_text())
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = _resolve(module, node.level, node.module)
+            for alias in node.names:
+                if f"{base}.{alias.name}" in MODULES:
+                    aliases[alias.asname or alias.name] = f"{base}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and alias.name in MODULES:
+                    aliases[alias.asname] = alias.name
+    return aliases
+
+
+def test_no_module_reads_another_modules_private_names_through_it():
+    """``common._x`` reaches into a private as surely as ``from .common import _x`` does."""
+    offenders = []
+    for module in MODULES:
+        aliases = _module_aliases(module)
+        for node in ast.walk(ast.parse(MODULES[module].read_text())):
+            if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)):
+                continue
+            target = aliases.get(node.value.id)
+            name = node.attr
+            if target is None or target == module or not name.startswith("_") or name.startswith("__"):
+                continue
+            if name in _triton_kernels(target):
+                continue
+            offenders.append(f"{MODULES[module].relative_to(ROOT.parent)}:{node.lineno} reads {target}.{name}")
+    assert not offenders, "private names read across modules:\n" + "\n".join(offenders)
+
+
 @pytest.mark.parametrize(
     "graph, expected",
     [
