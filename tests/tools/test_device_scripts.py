@@ -1,0 +1,31 @@
+"""The device scripts run where nothing can be fixed mid-call: each must at least parse, and the
+benchmark flags the sparse/decode script passes must be flags the benchmarks take."""
+
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPTS = sorted((ROOT / "tools").glob("*.sh"))
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_device_script_parses(script):
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_sparse_decode_script_passes_flags_the_benchmarks_take():
+    text = (ROOT / "tools" / "gpu_sparse_decode.sh").read_text().replace("\\\n", " ")  # join continued lines
+    calls = re.findall(r"python3 -m (benchmarks\.\w+)([^\n]*)", text)
+    assert len(calls) >= 4
+    for module, rest in calls:
+        helptext = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True,
+                                  text=True, check=True).stdout
+        for flag in re.findall(r"(--[a-z][a-z-]*)", rest):
+            assert flag in helptext, f"{module} takes no {flag}"
