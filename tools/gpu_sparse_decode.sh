@@ -11,15 +11,7 @@
 # decode*.json/png.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/flash_inductor_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=$PWD:/tmp/site
-else
-  export PYTHONPATH=$PWD
-fi
+source tools/device_env.sh
 for step in ${STEPS:-tests window block_sparse decode generate}; do
   echo "=== $step"
   case $step in

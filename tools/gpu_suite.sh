@@ -26,15 +26,7 @@
 # Example, four GPUs, tests only:  SKIP_BENCH=1 SUITE_SECONDS=500 bash tools/gpu_suite.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/flash_inductor_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=$PWD:/tmp/site
-else
-  export PYTHONPATH=$PWD
-fi
+source tools/device_env.sh
 
 # Which GPUs: CUDA_VISIBLE_DEVICES if the caller narrowed it (a part of a larger run), else all.
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
