@@ -29,30 +29,46 @@ def _load(name, *parts):
 _fwd_tool = _load("hopper_fwd_compile", "tools", "hopper_fwd_compile.py")
 
 
+def _kernels_package():
+    """``flash_inductor.kernels`` without running ``flash_inductor/__init__.py`` (which imports
+    torch, absent from a compile-only Triton environment), so that the kernel's relative imports
+    of its sibling modules resolve."""
+    import types
+
+    for name, folder in (("flash_inductor", ("flash_inductor",)), ("flash_inductor.kernels", ("flash_inductor", "kernels"))):
+        if name not in sys.modules:
+            package = types.ModuleType(name)
+            package.__path__ = [os.path.join(_ROOT, *folder)]
+            sys.modules[name] = package
+    return importlib.import_module("flash_inductor.kernels.hopper_bwd")
+
+
 def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int = 64, stages: int = 2,
-                   dq_split: bool = False, consumer_regs: int = 240, loader_regs: int = 24, maxnreg: int = 168):
+                   dq_split: bool = False, dq_tma: bool = True, consumer_regs: int = 240, loader_regs: int = 24, maxnreg: int = 168):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    kernel = _load("hopper_bwd", "flash_inductor", "kernels", "hopper_bwd.py")._attn_bwd_hopper
+    kernel = _kernels_package()._attn_bwd_hopper
     gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
 
-    def sig(rows):
-        box = [1, 1, rows, head_dim]
-        layout = gl.NVMMASharedLayout.get_default_for(box, gl_dtype)
-        return f"tensordesc<{dtype}[{', '.join(map(str, box))}],{layout!r}>"
+    def sig(rows, cols=head_dim, name=dtype, gl_type=gl_dtype):
+        box = [1, 1, rows, cols]
+        layout = gl.NVMMASharedLayout.get_default_for(box, gl_type)
+        return f"tensordesc<{name}[{', '.join(map(str, box))}],{layout!r}>"
 
     q_sig, kv_sig = sig(block_m), sig(64)
+    dq_sig = sig(block_m, head_dim // 2 if dq_split else head_dim, "fp32", gl.float32)
     signature = {
         "q_desc": q_sig, "k_desc": kv_sig, "v_desc": kv_sig, "do_desc": q_sig, "dk_desc": kv_sig, "dv_desc": kv_sig,
+        "dq_desc": dq_sig,
         "LSE": "*fp32", "DELTA": "*fp32", "DQ_ACCUM": "*fp32",
         "L": "i32", "S": "i32", "H_KV": "i32", "GROUP": "i32", "causal_offset": "i32", "qk_scale": "fp32",
         "sm_scale": "fp32",
     }
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=128, NUM_STAGES=stages, IS_CAUSAL=causal,
-                      DQ_SPLIT=dq_split, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs)
+                      DQ_SPLIT=dq_split, DQ_TMA=dq_tma, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs)
     signature.update({k: "constexpr" for k in constexprs})
     src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
@@ -63,6 +79,7 @@ def report(kernel) -> dict:
     sass = _fwd_tool.sass_of(kernel)
     ptx = kernel.asm["ptx"]
     r.update(red=len(re.findall(r"\bRED\b|REDG", sass)), red_ptx=sorted(set(re.findall(r"red\.[\w.:]+", ptx))),
+             tma_reduce=sorted(set(re.findall(r"cp\.reduce\.async\.bulk[\w.:]*", ptx))),
              atom_ptx=sorted(set(re.findall(r"atom\.[\w.:]+", ptx))),
              hgmma_shapes=sorted(set(re.findall(r"HGMMA\.\w+", sass))))
     return r
@@ -76,16 +93,17 @@ def main() -> int:
     ap.add_argument("--block-m", type=int, default=64)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--dq-split", type=int, nargs="*", default=[0, 1])
+    ap.add_argument("--dq-tma", type=int, nargs="*", default=[1], help="1: TMA reduce-add of dQ tiles, 0: atomics")
     ap.add_argument("--dump", default=None, help="folder for the ttgir/ptx/sass of each config")
     args = ap.parse_args()
     for e in args.head_dim:
-        for split in args.dq_split:
-            k = compile_config(e, args.dtype, args.causal, args.block_m, args.stages, bool(split))
+        for split, dq_tma in ((s, t) for s in args.dq_split for t in args.dq_tma):
+            k = compile_config(e, args.dtype, args.causal, args.block_m, args.stages, bool(split), bool(dq_tma))
             print(f"E={e} {args.dtype} causal={args.causal} BM={args.block_m} stages={args.stages} "
-                  f"dq_split={bool(split)}: {report(k)}", flush=True)
+                  f"dq_split={bool(split)} dq_tma={bool(dq_tma)}: {report(k)}", flush=True)
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
-                tag = f"e{e}_{args.dtype}_{'c' if args.causal else 'n'}_bm{args.block_m}_s{args.stages}_split{split}"
+                tag = f"e{e}_{args.dtype}_{'c' if args.causal else 'n'}_bm{args.block_m}_s{args.stages}_split{split}_tma{dq_tma}"
                 for ext in ("ttgir", "ptx"):
                     with open(os.path.join(args.dump, f"{tag}.{ext}"), "w") as f:
                         f.write(k.asm[ext])

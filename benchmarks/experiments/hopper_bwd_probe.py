@@ -44,7 +44,9 @@ from flash_inductor.launch.hopper_bwd import (
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENS = 16384
 HIDDEN = 2048
-CONFIGS = {"gluon": HopperBackwardConfig(dq_split=True), "gluon-nosplit": HopperBackwardConfig(dq_split=False)}
+CONFIGS = {"gluon": HopperBackwardConfig(dq_split=True, dq_tma=True),
+           "gluon-atomic": HopperBackwardConfig(dq_split=True, dq_tma=False),
+           "gluon-nosplit": HopperBackwardConfig(dq_split=False, dq_tma=True)}
 
 
 # ----------------------------------------------------------------------------- correctness
@@ -293,7 +295,7 @@ def main(argv=None):
     p.add_argument("--causal", nargs="*", type=int, default=[0, 1])
     p.add_argument("--seqs", nargs="*", type=int, default=[4096, 16384])
     p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS), help="checked configs")
-    p.add_argument("--providers", nargs="*", default=["gluon", "gluon-nosplit", "triton-fast", "triton-stable", "cudnn"])
+    p.add_argument("--providers", nargs="*", default=["gluon", "gluon-atomic", "triton-fast", "triton-stable", "cudnn"])
     p.add_argument("--heat", type=float, default=0.2, help="seconds of heating before each timing")
     p.add_argument("--rep", type=int, default=60, help="do_bench repetition time, ms")
     p.add_argument("--budget", type=float, default=200.0, help="seconds for the whole run")

@@ -1,7 +1,8 @@
 """Hopper (sm_90) attention backward in Gluon, FA3's one-pass shape: one CTA per (key block,
 batch, KV head) keeps its K and V in shared memory, streams every (query head of the GQA group,
 query tile) through a TMA + mbarrier ring that a loader warp fills, and computes the five GEMMs
-of the tile pair in consumer warpgroups; dQ is summed across key blocks with fp32 atomics.
+of the tile pair in consumer warpgroups; dQ is summed across key blocks in an fp32 buffer by TMA
+reduce-adds (or scalar atomics).
 
 Glossary
 --------
@@ -21,8 +22,8 @@ and dS come out of their wgmma already in the A-operand fragment of the dV and d
            matrix unit (FA2's direct cast; no fp16 rescaling yet).
   dv, dk   fp32 wgmma accumulators (64 keys x E) held for the whole query sweep:
            dV += Pᵀ·dO, dK += dSᵀ·Q; dK is multiplied by the softmax scale once at the end.
-  dq       dQ_partial = scale·dS·K for this tile pair, fp32, added into DQ_ACCUM (B, Hq, L, E)
-           fp32 zeros with relaxed atomic adds (REDG); the launcher only casts it.
+  dq       dQ_partial = scale·dS·K for this tile pair, fp32, added into the (B, Hq, L, E) fp32
+           zeros of the dQ accumulator; the launcher only casts it.
 
 Constexpr switches:
   HEAD_DIM    E of Q, K, V (64 or 128).
@@ -35,6 +36,10 @@ Constexpr switches:
               consumers' dSᵀ go to one shared (128 x BLOCK_M) buffer and consumer c computes
               columns [c·E/2, (c+1)·E/2) of dS·K over all 128 keys: half the atomics and half
               the dQ accumulator registers, for one mbarrier handshake per tile between the two.
+  DQ_TMA      True: each consumer stores its dQ partial into its own fp32 shared tile and adds
+              it to the accumulator with one TMA reduce-add (``dq_desc``, box BLOCK_M x its dQ
+              columns), waited for only before the tile is written again, a tile pair later.
+              False: one relaxed scalar atomic add per element (``DQ_ACCUM``'s pointer).
 
 Precision contract as ``kernels/attn_bwd.py`` under the `fast` schedule: S, P, dP and dS stay
 fp32 until dS meets the matrix unit; P rounded to the input dtype for dV, dS for dK and dQ.
@@ -49,6 +54,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+from .gluon_tma import async_reduce_add_shared_to_global
 
 LOG2E = gl.constexpr(1.4426950408889634)
 KEYS_PER_CONSUMER = gl.constexpr(64)
@@ -112,12 +119,12 @@ def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, 
 
 
 @gluon.jit
-def _hopper_bwd_consumer(dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, ds_smem,
+def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                          kv_ready, q_ready, do_ready, q_empty, ds_ready,
                          LSE, DELTA, DQ_ACCUM, L, S, H_KV, GROUP, causal_offset, qk_scale, sm_scale,
                          CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                         DQ_SPLIT: gl.constexpr):
+                         DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
     dtype: gl.constexpr = dk_desc.dtype
     KC: gl.constexpr = KEYS_PER_CONSUMER
     # Sᵀ and dPᵀ: (64 keys) x (BLOCK_M query rows); dK, dV: (64 keys) x E.
@@ -157,7 +164,12 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, ds_s
     dq_rows0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
     dq_cols = gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
     if DQ_SPLIT:
-        dq_cols = dq_cols + CONSUMER * DQ_COLS
+        dq_col0 = CONSUMER * DQ_COLS
+    else:
+        dq_col0 = 0
+    dq_cols = dq_cols + dq_col0
+    if DQ_TMA:
+        dq_tile = dq_smem.index(CONSUMER)
     mbarrier.wait(kv_ready.index(CONSUMER), 0)
 
     for t in range(GROUP * n_m):
@@ -220,9 +232,17 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, ds_s
         mbarrier.arrive(q_empty.index(slot), count=1)
         # The softmax scale goes on in fp32 here, after the cast of dS, so dS's rounding is FA2's.
         dq = dq * sm_scale
-        dq_rows = m + dq_rows0
-        dq_ptrs = (DQ_ACCUM + (row_base + gl.expand_dims(dq_rows, 1)) * HEAD_DIM + gl.expand_dims(dq_cols, 0))
-        gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(dq_rows < L, 1), sem="relaxed")
+        if DQ_TMA:
+            # The reduce issued a tile pair ago must have read the tile before it is rewritten.
+            # Query rows past L are clipped by the descriptor, as a TMA store clips them.
+            tma.store_wait(pendings=0)
+            dq_tile.reshape([BLOCK_M, DQ_COLS]).store(dq)
+            fence_async_shared()
+            async_reduce_add_shared_to_global(dq_desc, [b, h, m, dq_col0], dq_tile)
+        else:
+            dq_rows = m + dq_rows0
+            dq_ptrs = (DQ_ACCUM + (row_base + gl.expand_dims(dq_rows, 1)) * HEAD_DIM + gl.expand_dims(dq_cols, 0))
+            gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(dq_rows < L, 1), sem="relaxed")
 
     # Epilogue: dK (times the softmax scale) and dV through this consumer's K/V tiles (their
     # last wgmma has retired) and TMA stores, which clip keys >= S. Under DQ_SPLIT the other
@@ -238,14 +258,15 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, ds_s
 
 
 @gluon.jit
-def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ_ACCUM,
+def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, DQ_ACCUM,
                      L, S, H_KV, GROUP, causal_offset, qk_scale, sm_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                     DQ_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(S, BLOCK_N), B * H_KV). Descriptors are 4-D over (B, H, L or S, E): Q and dO
     boxes (1, 1, BLOCK_M, E); K, V, dK, dV boxes (1, 1, 64, E). DQ_ACCUM is (B, Hq, L, E) fp32
-    zeros, contiguous; LSE (natural log) and DELTA are (B, Hq, L) fp32, contiguous."""
+    zeros, contiguous, and ``dq_desc`` describes it with box (1, 1, BLOCK_M, E or E / 2 under
+    DQ_SPLIT) (used only under DQ_TMA); LSE (natural log) and DELTA are (B, Hq, L) fp32, contiguous."""
     gl.static_assert(BLOCK_N == NUM_CONSUMERS * KEYS_PER_CONSUMER, "BLOCK_N is 64 keys per consumer")
     dtype: gl.constexpr = q_desc.dtype
     qk_scale = qk_scale.to(gl.float32)
@@ -263,6 +284,11 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DEL
     else:
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS_PER_CONSUMER, BLOCK_M], dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KEYS_PER_CONSUMER, BLOCK_M], ds_layout)
+    if DQ_TMA:
+        # One fp32 dQ tile per consumer (64 x 64 x 4 B = 16 KiB at E 128 under DQ_SPLIT).
+        dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS] + dq_desc.block_type.shape, dq_desc.layout)
+    else:
+        dq_smem = ds_smem  # unused
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -279,14 +305,14 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DEL
         mbarrier.init(q_empty.index(i), count=NUM_CONSUMERS)
 
     gl.warp_specialize([
-        (_hopper_bwd_consumer, (dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, ds_smem,
+        (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                                 kv_ready, q_ready, do_ready, q_empty, ds_ready,
                                 LSE, DELTA, DQ_ACCUM, L, S, H_KV, GROUP, causal_offset, qk_scale, sm_scale,
-                                0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, DQ_SPLIT)),
-        (_hopper_bwd_consumer, (dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, ds_smem,
+                                0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, DQ_SPLIT, DQ_TMA)),
+        (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                                 kv_ready, q_ready, do_ready, q_empty, ds_ready,
                                 LSE, DELTA, DQ_ACCUM, L, S, H_KV, GROUP, causal_offset, qk_scale, sm_scale,
-                                1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, DQ_SPLIT)),
+                                1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, DQ_SPLIT, DQ_TMA)),
         (_hopper_bwd_loader, (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem,
                               kv_ready, q_ready, do_ready, q_empty,
                               L, H_KV, GROUP, causal_offset, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),

@@ -184,12 +184,15 @@ def hopper_forward_supported(query, key, value, attn_mask=None, dropout_p: float
             and tma_unsupported_reason(query, key, value) is None)
 
 
-def tma_descriptor(t: torch.Tensor, rows: int):
+def tma_descriptor(t: torch.Tensor, rows: int, cols: int | None = None):
+    """A host TMA descriptor over a 4-D (B, H, N, E) tensor with box (1, 1, rows, cols or E), in the
+    default swizzled shared layout for that box (boxes wider than the swizzle are split into
+    several copies by the compiler)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    gl_dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    box = [1, 1, rows, t.shape[-1]]
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[t.dtype]
+    box = [1, 1, rows, t.shape[-1] if cols is None else cols]
     layout = gl.NVMMASharedLayout.get_default_for(box, gl_dtype)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), box, layout)
 

@@ -13,8 +13,9 @@ cost here); it and everything else keep the Triton kernels.
 
 Steps: the Triton preprocess writes Δ (B, Hq, L) fp32; the Gluon kernel runs one CTA per
 (128-key block, batch, KV head), writes dK and dV directly (the GQA group's query heads are
-summed in registers) and adds scale·dS·K into a zeroed fp32 (B, Hq, L, E) buffer with atomics;
-that buffer is then cast to dq.
+summed in registers) and adds scale·dS·K into a zeroed fp32 (B, Hq, L, E) buffer, one TMA
+reduce-add per tile (atomics where the Triton build lacks the reduce copy); that buffer is then
+cast to dq.
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ class HopperBackwardConfig:
     """``block_m`` query rows per streamed Q/dO tile, a ``num_stages``-deep ring of them; the CTA
     owns 128 keys (64 per consumer warpgroup). ``dq_split``: the two consumers share dS through
     shared memory and each computes half of dQ's columns (FA3's split), rather than each adding
-    its own 64-key partial dQ."""
+    its own 64-key partial dQ. ``dq_tma``: dQ partials reach the fp32 accumulator through shared
+    memory and one TMA reduce-add per tile rather than one scalar atomic add per element."""
 
     block_m: int = 64
     num_stages: int = 2
     dq_split: bool = True
+    dq_tma: bool = True
     consumer_regs: int = 240
     loader_regs: int = 24
 
@@ -81,6 +84,7 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     ``delta`` (B, Hq, L) fp32 replaces the preprocess's Δ (experiments). Call only where
     ``hopper_backward_unsupported_reason`` and ``tma_unsupported_reason`` (on query, key, value,
     grad_out) say so."""
+    from ..kernels.gluon_tma import HAS_TMA_REDUCE
     from ..kernels.hopper_bwd import _attn_bwd_hopper
     from .backward import launch_preprocess
 
@@ -100,14 +104,16 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
         launch_preprocess(out, grad_out, grad_lse, value, delta, delta, head_dim, head_dim, 64, False)
     lse = lse.to(torch.float32).contiguous()
     dq_accum = torch.zeros((batch, heads_q, seq_q, head_dim), dtype=torch.float32, device=query.device)
+    dq_tma = cfg.dq_tma and HAS_TMA_REDUCE
+    dq_cols = head_dim // 2 if cfg.dq_split else head_dim
     grid = (cdiv(seq_k, cfg.block_n), batch * heads_kv)
     _attn_bwd_hopper[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, 64), tma_descriptor(value, 64),
         tma_descriptor(grad_out, cfg.block_m), tma_descriptor(dk, 64), tma_descriptor(dv, 64),
-        lse, delta, dq_accum,
+        tma_descriptor(dq_accum, cfg.block_m, dq_cols), lse, delta, dq_accum,
         seq_q, seq_k, heads_kv, heads_q // heads_kv, causal_offset if is_causal else 0, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-        IS_CAUSAL=is_causal, DQ_SPLIT=cfg.dq_split, CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
+        IS_CAUSAL=is_causal, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma, CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
     # The kernel already added scale·dS·K: only the cast is left.
