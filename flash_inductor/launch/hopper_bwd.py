@@ -1,15 +1,16 @@
 """Launcher for the Gluon Hopper backward (kernels/hopper_bwd.py): which calls it takes, its tile
 config, the TMA descriptors, and the dQ accumulator.
 
-Not wired into the op yet: ``hopper_attention_backward`` takes what ``launch.attention_backward``
-takes for the calls it covers and returns (dq, dk, dv), so the op can choose it at launch time
-exactly as it chooses the Hopper forward (``launch/hopper.py``).
+The op (``ops/attention.py``) chooses it at launch time, as it chooses the Hopper forward
+(``launch/hopper.py``), wherever ``hopper_backward_unsupported_reason`` says None; the reason
+otherwise goes to the ``flash_inductor`` logger at INFO, once per reason.
 
-What it covers now: sm_90, bf16/fp16, E = Ev in {64, 128}, no mask, no dropout, causal or not
-(any ``causal_offset``), grouped-query attention, the `fast` schedule (Δ = rowsum(dO∘O) - dLSE,
-dS cast straight to the input dtype), TMA-addressable strides. `stable` needs the exact Δ and
-fp16 dS rescaling, which this path does not do yet (docs/hopper_backward.md says what they would
-cost here); it and everything else keep the Triton kernels.
+What it covers: sm_90, bf16/fp16, E = Ev = 128, or 64 under causal masking, no mask, no dropout,
+no window or block-sparse layout, causal or not (any ``causal_offset``), grouped-query attention,
+the `fast` schedule (Δ = rowsum(dO∘O) - dLSE, dS cast straight to the input dtype),
+TMA-addressable strides. `stable`, the default, needs the exact Δ and fp16 dS rescaling, which
+this one-pass kernel does not do (docs/hopper_backward.md says why and what it would cost); it
+and everything else keep the Triton kernels.
 
 Steps: the Triton preprocess writes Δ (B, Hq, L) fp32; the Gluon kernel runs one CTA per
 (128-key block, batch, KV head), writes dK and dV directly (the GQA group's query heads are
@@ -24,9 +25,18 @@ from dataclasses import dataclass
 
 import torch
 
+import functools
+import logging
+
 from ..schedules import get_schedule
 from .common import LOG2E, cdiv
-from .hopper import tma_descriptor, hopper_forward_unsupported_reason, tma_unsupported_reason
+from .hopper import NOT_HOPPER, hopper_forward_unsupported_reason, tma_descriptor, tma_unsupported_reason
+
+log = logging.getLogger("flash_inductor")
+# Measured on the H200 (docs/hopper_backward.md): at E 64 without causal masking the Triton `fast`
+# backward is 3-7 % faster than this kernel (its 64-key tile pairs do too little MMA work per
+# barrier round trip), so it keeps those calls.
+E64_NON_CAUSAL = "head dim 64 without causal masking (the Triton backward measures faster there)"
 
 
 @dataclass(frozen=True)
@@ -53,22 +63,44 @@ class HopperBackwardConfig:
 
 
 def default_config(head_dim: int, is_causal: bool) -> HopperBackwardConfig:
-    del head_dim, is_causal  # not yet measured apart
+    """The measured best on the H200 for every head dim and mask (docs/hopper_backward.md): 64-row
+    Q/dO tiles in a 2-deep ring, dQ split between the consumers and reduced by TMA. Against it, at
+    bf16 E 64/128, 4k/16k: atomics instead of the TMA reduce 17-22 % slower; no split 4-20 %;
+    a 3-deep ring 0-12 % (it also leaves E 128 without shared memory for anything else); 128-row
+    tiles spill (E 64: 1 KiB a thread)."""
+    del head_dim, is_causal
     return HopperBackwardConfig()
 
 
 def hopper_backward_unsupported_reason(query, key, value, attn_mask=None, dropout_p: float = 0.0,
-                                       scale: float | None = None, schedule: str | None = None) -> str | None:
+                                       scale: float | None = None, schedule: str | None = None, *,
+                                       is_causal: bool = True, window=None, block_sparse: bool = False) -> str | None:
     """None if the Hopper backward takes this call as far as its static properties go, else why
     not (for the logs). Safe on fake tensors."""
-    reason = hopper_forward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule)
+    reason = hopper_forward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
+                                               window=window, block_sparse=block_sparse)
     if reason is not None:
         return reason
     sched = get_schedule(schedule)
     if sched.exact_delta or sched.ds_rescale or sched.ds_in_fp32:
         return (f"schedule {sched.name!r} (the Hopper backward implements `fast`'s Δ and dS cast; "
-                "exact Δ and fp16 dS rescaling are not implemented on this path yet)")
+                "exact Δ and fp16 dS rescaling are not implemented on this path)")
+    if query.shape[-1] == 64 and not is_causal:
+        return E64_NON_CAUSAL
     return None
+
+
+def backward_tma_unsupported_reason(grad_out, query, key, value) -> str | None:
+    """None if TMA descriptors can address the backward's (real) inputs, else why not."""
+    return tma_unsupported_reason(query, key, value) or tma_unsupported_reason(grad_out, key, value)
+
+
+@functools.lru_cache(maxsize=None)
+def log_triton_backward(reason: str) -> None:
+    """Say once per reason, at INFO, why a backward on a Hopper GPU runs the Triton kernels. The
+    default schedule's reason is left out: every `stable` call has it."""
+    if reason not in NOT_HOPPER and not reason.startswith("schedule 'stable'"):
+        log.info("flash_inductor: backward on the Triton kernels, not the Hopper (Gluon) one: %s", reason)
 
 
 def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -121,8 +153,9 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
 
 
 def hopper_backward_supported(grad_out, query, key, value, attn_mask=None, dropout_p: float = 0.0,
-                              scale: float | None = None, schedule: str | None = None) -> bool:
+                              scale: float | None = None, schedule: str | None = None, *,
+                              is_causal: bool = True) -> bool:
     """Whether ``hopper_attention_backward`` implements this call (real tensors)."""
-    return (hopper_backward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule) is None
-            and tma_unsupported_reason(query, key, value) is None
-            and tma_unsupported_reason(grad_out, key, value) is None)
+    return (hopper_backward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
+                                               is_causal=is_causal) is None
+            and backward_tma_unsupported_reason(grad_out, query, key, value) is None)

@@ -1,8 +1,8 @@
 """The ``flash_inductor::`` attention ops: registration, fake kernels and autograd.
 
 Two public ops, both ``torch.library.triton_op`` so that under ``torch.compile`` on CUDA
-Inductor sees (and inlines) the Triton kernels they launch (the Gluon Hopper forward is the
-exception: an opaque op of its own, see below):
+Inductor sees (and inlines) the Triton kernels they launch (the Gluon Hopper forward and
+backward are the exception: opaque ops of their own, see below):
 
 * ``flash_inductor::attention_forward(q, k, v, mask?, seed?, dropout_p, is_causal,
   causal_offset, scale, schedule, window_left=-1, window_right=-1, block_map?, block_q=0, block_k=0) -> (out, lse)``
@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import launch
-from ..launch import decode, hopper
+from ..launch import decode, hopper, hopper_bwd
 from ..launch.band import NO_WINDOW
 
 # What the eager fast path needs besides launch.can_launch_directly(), looked up once (torch
@@ -135,6 +135,52 @@ def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal
 
 
 # --------------------------------------------------------------------------------------
+# Hopper backward (Gluon, the `fast` schedule): opaque for the same reason as the forward.
+# --------------------------------------------------------------------------------------
+
+
+def _backward_on_hopper(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
+                        grad_lse: Optional[Tensor], is_causal: bool, causal_offset: int, scale: float,
+                        schedule: str) -> tuple[Tensor, Tensor, Tensor]:
+    reason = hopper_bwd.backward_tma_unsupported_reason(grad_out, query, key, value)
+    if reason is None:
+        return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
+                                                    is_causal=is_causal, causal_offset=causal_offset)
+    hopper_bwd.log_triton_backward(reason)
+    with launch.direct_kernel_calls():
+        dq, dk, dv, _ = launch.attention_backward(grad_out, query, key, value, None, out, lse, grad_lse, None, 0.0,
+                                                  is_causal, causal_offset, scale, schedule, False)
+    return dq, dk, dv
+
+
+attention_backward_hopper = torch.library.custom_op("flash_inductor::attention_backward_hopper", mutates_args=())(
+    _backward_on_hopper)
+
+
+@attention_backward_hopper.register_fake
+def _hopper_backward_fake(grad_out, query, key, value, out, lse, grad_lse, is_causal, causal_offset, scale, schedule):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p, is_causal,
+                     causal_offset, scale, schedule, compute_mask_grad, window=NO_WINDOW, block_map=None, block_q=0,
+                     block_k=0, *, hopper_call=attention_backward_hopper):
+    """The CUDA backward: the Gluon Hopper kernel where it applies (``hopper_call`` as in
+    ``_kernel_forward``), else the Triton kernels. Returns (dq, dk, dv, dmask)."""
+    reason = hopper_bwd.hopper_backward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
+                                                           is_causal=is_causal, window=window,
+                                                           block_sparse=block_map is not None)
+    if reason is None:
+        dq, dk, dv = hopper_call(grad_out, query, key, value, out, lse, grad_lse, is_causal, causal_offset, scale,
+                                 schedule)
+        return dq, dk, dv, query.new_empty(0)
+    hopper_bwd.log_triton_backward(reason)
+    return launch.attention_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
+                                     is_causal, causal_offset, scale, schedule, compute_mask_grad, window=window,
+                                     block_map=block_map, block_q=block_q, block_k=block_k)
+
+
+# --------------------------------------------------------------------------------------
 # Public ops
 # --------------------------------------------------------------------------------------
 
@@ -187,11 +233,9 @@ def attention_backward(
     block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if launch.kernel_supports(query, key, value):
-        return launch.attention_backward(
-            grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
-            is_causal, causal_offset, scale, schedule, compute_mask_grad, window=(window_left, window_right),
-            block_map=block_map, block_q=block_q, block_k=block_k,
-        )
+        return _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
+                                is_causal, causal_offset, scale, schedule, compute_mask_grad,
+                                (window_left, window_right), block_map, block_q, block_k)
     return attention_backward_reference(
         grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
         is_causal, causal_offset, scale, compute_mask_grad, window_left, window_right, block_map, block_q, block_k,
@@ -348,10 +392,10 @@ class _EagerKernelAttention(torch.autograd.Function):
 
 
 def _launch_backward(*args, **layout):
-    """``launch.attention_backward`` with the backward op's positional arguments (the window last)
-    and its layout keywords (``block_map``, ``block_q``, ``block_k``)."""
+    """``_kernel_backward`` with the backward op's positional arguments (the window last) and its
+    layout keywords (``block_map``, ``block_q``, ``block_k``), the Hopper kernel called directly."""
     *args, window_left, window_right = args
-    return launch.attention_backward(*args, window=(window_left, window_right), **layout)
+    return _kernel_backward(*args, window=(window_left, window_right), hopper_call=_backward_on_hopper, **layout)
 
 
 def eager_fast_path_applies(*tensors: Optional[Tensor]) -> bool:

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from ..api import attention
-from ..launch import decode, hopper
+from ..launch import decode, hopper, hopper_bwd
 from .guard import check_replacement, checked_insertion, describe_error
 
 log = logging.getLogger("flash_inductor")
@@ -142,8 +142,9 @@ def describe_window(window: tuple[int, int]) -> str:
 
 def _forward_kernel(site: AttentionSite, schedule: Optional[str]) -> Optional[str]:
     """'forward on the split-KV decode kernels' for a decode-shaped site on a GPU; else 'forward on
-    the Hopper kernel', or why the Triton one runs instead, for a site on an sm_90 GPU (from the
-    fake inputs, as the op decides when it is traced); None elsewhere."""
+    the Hopper kernel' (and the backward too where the Hopper backward takes the site), or why the
+    Triton one runs instead, for a site on an sm_90 GPU (from the fake inputs, as the op decides
+    when it is traced); None elsewhere."""
     query, key, value = (example_value(node) for node in (site.query, site.key, site.value))
     if query is None or key is None or value is None or not query.is_cuda:
         return None
@@ -152,11 +153,16 @@ def _forward_kernel(site: AttentionSite, schedule: Optional[str]) -> Optional[st
         if query.dim() == 4 and key.dim() == 4 and \
                 decode.decode_unsupported_reason(query, key, mask, site.dropout_p or 0.0, schedule) is None:
             return "forward on the split-KV decode kernels"
+        window = tuple(site.window) if has_window(site.window) else None
         reason = hopper.hopper_forward_unsupported_reason(query, key, value, mask, site.dropout_p or 0.0,
-                                                          site.scale, schedule,
-                                                          window=tuple(site.window) if has_window(site.window) else None)
+                                                          site.scale, schedule, window=window)
+        backward_reason = hopper_bwd.hopper_backward_unsupported_reason(
+            query, key, value, mask, site.dropout_p or 0.0, site.scale, schedule, is_causal=bool(site.is_causal),
+            window=window)
     except Exception:  # a report line must never fail a compile
         return None
+    if reason is None and backward_reason is None:
+        return "forward and backward on the Hopper (Gluon) kernels"
     if reason is None:
         return "forward on the Hopper (Gluon) kernel"
     # Layout reasons are left out: the op normalises 3-D inputs and broadcast heads before it

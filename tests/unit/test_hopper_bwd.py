@@ -163,3 +163,129 @@ def test_register_plan_fills_the_register_file():
         assert cfg.consumer_regs * 128 * 2 + cfg.loader_regs * 128 <= 65536
         assert cfg.maxnreg % 8 == 0 and cfg.consumer_regs % 8 == 0
         assert cfg.block_n == 128
+
+
+# ----------------------------------------------------------------------------- the op's choice
+
+def _count_hopper_backwards(monkeypatch):
+    from flash_inductor.launch import hopper_bwd
+
+    calls = []
+    real = hopper_bwd.hopper_attention_backward
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("is_causal"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(hopper_bwd, "hopper_attention_backward", spy)
+    return calls
+
+
+@needs_hopper
+@pytest.mark.parametrize("compiled", (False, True), ids=("eager", "compiled"))
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_the_op_runs_the_fast_backward_on_hopper(monkeypatch, compiled, head_dim):
+    """flash_attention(schedule="fast") takes the Gluon backward on an sm_90 GPU, eagerly and under
+    torch.compile (through its opaque op), with gradients inside the tolerance rule; the default
+    schedule keeps the Triton backward."""
+    from flash_inductor import flash_attention
+
+    calls = _count_hopper_backwards(monkeypatch)
+    q, k, v, do = _inputs(torch.bfloat16, head_dim, 2, 4, 2, 300, 300)
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    fn = (lambda *a, schedule: flash_attention(*a, is_causal=True, enable_gqa=True, schedule=schedule))
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, fullgraph=True)
+    grads = torch.autograd.grad(fn(q, k, v, schedule="fast"), (q, k, v), do)
+    assert calls == [True]
+    scale = head_dim ** -0.5
+    visible = _visible(300, 300, True, 0)
+    refs, colsum = _fp64_grads(q, k, v, do, scale, visible)
+    bases = _sdpa_grads(q, k, v, do, scale, visible, 0)
+    norm = lambda t: t.double().norm(dim=-1).max().item()  # noqa: E731
+    ds_row = 2 * norm(do) * norm(v)
+    terms = (scale * ds_row * k.double().abs().max().item(), scale * ds_row * colsum * q.double().abs().max().item(),
+             colsum * do.double().abs().max().item())
+    for name, g, ref, base, term in zip(("dq", "dk", "dv"), grads, refs, bases, terms):
+        assert_close_to_ref(name, g, ref, base, terms=term)
+    torch.autograd.grad(fn(q, k, v, schedule="stable"), (q, k, v), do)
+    assert calls == [True]
+
+
+@needs_hopper
+def test_unaligned_grad_out_falls_back_to_triton(monkeypatch):
+    """A dO whose base is not 16-byte aligned passes the static check but not TMA's: the Hopper
+    branch then runs the Triton backward, correctly."""
+    from flash_inductor import flash_attention
+
+    calls = _count_hopper_backwards(monkeypatch)
+    q, k, v, _ = _inputs(torch.float16, 128, 1, 2, 2, 256, 256)
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    storage = torch.randn(2 * 256 * 128 + 1, device="cuda", dtype=torch.float16)
+    do = storage[1:].view(1, 2, 256, 128)
+    out = flash_attention(q, k, v, schedule="fast")
+    got = torch.autograd.grad(out, (q, k, v), do)
+    assert calls == []
+    want = torch.autograd.grad(flash_attention(q, k, v, schedule="fast"), (q, k, v), do.clone())
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_the_static_choice_on_a_mocked_hopper(monkeypatch):
+    """Runs anywhere: with the capability and Gluon mocked, the backward's static check takes the
+    `fast` calls the kernel implements (E 128, or E 64 under causal masking) and names the reason
+    for each one it declines."""
+    from flash_inductor.launch import hopper, hopper_bwd
+
+    monkeypatch.setattr(hopper, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(hopper, "_gluon_available", lambda: True)
+
+    class Cuda(torch.Tensor):  # a CPU tensor that says it is on a GPU: the check reads only metadata
+        @property
+        def is_cuda(self):
+            return True
+
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.empty(shape, dtype=dtype).as_subclass(Cuda)
+
+    reason = hopper_bwd.hopper_backward_unsupported_reason
+    q, kv = t(2, 8, 64, 128), t(2, 2, 64, 128)
+    q64, kv64 = t(2, 8, 64, 64), t(2, 2, 64, 64)
+    assert reason(q, kv, kv, None, 0.0, None, "fast", is_causal=False) is None
+    assert reason(q64, kv64, kv64, None, 0.0, None, "fast", is_causal=True) is None
+    assert reason(q64, kv64, kv64, None, 0.0, None, "fast", is_causal=False) == hopper_bwd.E64_NON_CAUSAL
+    assert "schedule 'stable'" in reason(q, kv, kv, None, 0.0, None, "stable")
+    assert "mask" in reason(q, kv, kv, t(2, 8, 64, 64, dtype=torch.bool), 0.0, None, "fast")
+    assert "dropout" in reason(q, kv, kv, None, 0.1, None, "fast")
+    assert reason(q, kv, kv, None, 0.0, None, "fast", window=(16, 0)) == hopper.WINDOW
+    assert reason(q, kv, kv, None, 0.0, None, "fast", block_sparse=True) == hopper.BLOCK_SPARSE
+
+
+def test_the_op_dispatches_to_the_hopper_call_it_is_given(monkeypatch):
+    """Runs anywhere: where the static check passes, the op's backward hands the call to the Hopper
+    entry with its arguments and returns no mask gradient; where it does not, the Triton launcher
+    gets the call unchanged."""
+    from flash_inductor.launch import hopper_bwd
+    from flash_inductor.ops import attention as ops_attention
+
+    q, k, v, do = (torch.randn(1, 2, 8, 64) for _ in range(4))
+    lse = torch.zeros(1, 2, 8)
+    seen = []
+
+    def hopper_call(*args):
+        seen.append(("hopper", args[7:]))
+        return q * 2, k * 3, v * 4
+
+    def triton_call(*args, **kwargs):
+        seen.append(("triton", args[10:13], kwargs["window"]))
+        return q, k, v, q.new_empty(0)
+    monkeypatch.setattr(ops_attention.launch, "attention_backward", triton_call)
+    monkeypatch.setattr(hopper_bwd, "hopper_backward_unsupported_reason", lambda *a, **kw: None)
+    dq, dk, dv, dmask = ops_attention._kernel_backward(do, q, k, v, None, q, lse, None, None, 0.0, True, 3, 0.125,
+                                                       "fast", False, hopper_call=hopper_call)
+    assert seen == [("hopper", (True, 3, 0.125, "fast"))]
+    assert torch.equal(dq, q * 2) and torch.equal(dk, k * 3) and torch.equal(dv, v * 4) and dmask.numel() == 0
+    monkeypatch.setattr(hopper_bwd, "hopper_backward_unsupported_reason", lambda *a, **kw: "a reason")
+    ops_attention._kernel_backward(do, q, k, v, None, q, lse, None, None, 0.0, False, 0, 0.125, "stable", False,
+                                   window=(4, 0), hopper_call=hopper_call)
+    assert seen[1] == ("triton", (False, 0, 0.125), (4, 0))
