@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -144,12 +145,15 @@ def _on_cuda(model) -> bool:
     return next(model.parameters()).device.type == "cuda"
 
 
-def compile_with(contender: str, model):
+def compile_with(contender: str, model, schedule: str | None = None):
+    """``schedule``: the precision schedule our backend gives the rewritten attention (None: the
+    default, `stable`)."""
     if contender == "compile":
         return torch.compile(model)
     import flash_inductor
 
-    return torch.compile(model, backend=flash_inductor.backend)
+    backend = flash_inductor.backend if schedule is None else flash_inductor.make_backend(schedule=schedule)
+    return torch.compile(model, backend=backend)
 
 
 def _synchronize(device):
@@ -269,6 +273,8 @@ def parse_args(argv=None):
     p.add_argument("--rep-steps", type=int, default=3, help="CPU only: steps timed per contender")
     p.add_argument("--heat-ms", type=float, default=500.0)
     p.add_argument("--time-budget", type=float, default=None, help="seconds; cells past it are skipped")
+    p.add_argument("--schedule", default=None,
+                   help="precision schedule of our backend's attention (default: the backend's, stable)")
     p.add_argument("--cold", action="store_true",
                    help="fresh Triton and Inductor caches, so first_call_s is a cold start")
     common.add_output_args(p)
@@ -287,6 +293,8 @@ def plan(args) -> list[tuple[str, ModelSpec, int, str, str]]:
 
 def main(argv=None, compile_fn=compile_with) -> list[dict]:
     args = parse_args(argv)
+    if args.schedule is not None and compile_fn is compile_with:
+        compile_fn = functools.partial(compile_with, schedule=args.schedule)
     if args.cold:  # read when the caches are first used, so setting them here, before any compile, suffices
         fresh = tempfile.mkdtemp(prefix="e2e_cold_")
         os.environ["TRITON_CACHE_DIR"] = os.path.join(fresh, "triton")

@@ -215,20 +215,22 @@ def test_the_op_runs_the_fast_backward_on_hopper(monkeypatch, compiled, head_dim
 @needs_hopper
 def test_unaligned_grad_out_falls_back_to_triton(monkeypatch):
     """A dO whose base is not 16-byte aligned passes the static check but not TMA's: the Hopper
-    branch then runs the Triton backward, correctly."""
+    branch then runs the Triton backward, with gradients inside the tolerance rule."""
     from flash_inductor import flash_attention
 
     calls = _count_hopper_backwards(monkeypatch)
     q, k, v, _ = _inputs(torch.float16, 128, 1, 2, 2, 256, 256)
     q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
     storage = torch.randn(2 * 256 * 128 + 1, device="cuda", dtype=torch.float16)
-    do = storage[1:].view(1, 2, 256, 128)
-    out = flash_attention(q, k, v, schedule="fast")
-    got = torch.autograd.grad(out, (q, k, v), do)
+    do = storage[1:].view(1, 2, 256, 128)  # 2-byte offset
+    grads = torch.autograd.grad(flash_attention(q, k, v, schedule="fast"), (q, k, v), do)
     assert calls == []
-    want = torch.autograd.grad(flash_attention(q, k, v, schedule="fast"), (q, k, v), do.clone())
-    for g, w in zip(got, want):
-        assert torch.equal(g, w)
+    scale = 128 ** -0.5
+    visible = _visible(256, 256, False, 0)
+    refs, _ = _fp64_grads(q, k, v, do, scale, visible)
+    bases = _sdpa_grads(q, k, v, do, scale, visible, 0)
+    for name, g, ref, base in zip(("dq", "dk", "dv"), grads, refs, bases):
+        assert_close_to_ref(name, g, ref, base)
 
 
 def test_the_static_choice_on_a_mocked_hopper(monkeypatch):
