@@ -34,7 +34,7 @@ from .hopper import NOT_HOPPER, hopper_forward_unsupported_reason, tma_descripto
 
 log = logging.getLogger("flash_inductor")
 # Measured on the H200 (docs/hopper_backward.md): at E 64 without causal masking the Triton `fast`
-# backward is 3-7 % faster than this kernel (its 64-key tile pairs do too little MMA work per
+# backward is 1-6 % faster than this kernel (its 64-key tile pairs do too little MMA work per
 # barrier round trip), so it keeps those calls.
 E64_NON_CAUSAL = "head dim 64 without causal masking (the Triton backward measures faster there)"
 
@@ -65,7 +65,7 @@ class HopperBackwardConfig:
 def default_config(head_dim: int, is_causal: bool) -> HopperBackwardConfig:
     """The measured best on the H200 for every head dim and mask (docs/hopper_backward.md): 64-row
     Q/dO tiles in a 2-deep ring, dQ split between the consumers and reduced by TMA. Against it, at
-    bf16 E 64/128, 4k/16k: atomics instead of the TMA reduce 17-22 % slower; no split 4-20 %;
+    bf16 E 64/128, 4k/16k: atomics instead of the TMA reduce 14-21 % slower; no split 4-20 %;
     a 3-deep ring 0-12 % (it also leaves E 128 without shared memory for anything else); 128-row
     tiles spill (E 64: 1 KiB a thread)."""
     del head_dim, is_causal
