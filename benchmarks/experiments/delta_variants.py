@@ -75,10 +75,11 @@ LN2 = 0.6931471805599453
 BLOCK_N = 64  # the forward's key block: where its online softmax rescales (and P is rounded)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 VARIANTS = ("fa2", "exact", "residual", "fp32_o", "fp32_o_p32", "exact_kernel", "fa2_ctr", "residual_ctr",
-            "blk64_kernel", "blk16_kernel")
+            "blk64_kernel", "blk16_kernel", "p32_ctr", "p32_res64", "p32_res128")
 # Under the features, ds16 only: `stable` today, the GEMM-free candidates, and residual_ctr's k̄ options.
 FEATURE_VARIANTS = ("fa2", "exact_kernel", "residual", "fa2_ctr", "residual_ctr", "residual_ctr_row",
-                    "residual_ctr_blk0", "residual_ctr_sum0", "blk64_kernel", "blk16_kernel")
+                    "residual_ctr_blk0", "residual_ctr_sum0", "blk64_kernel", "blk16_kernel", "fp32_o_p32",
+                    "p32_res64", "p32_res128")
 BLOCK_CENTRES = (64, 16)  # blkN_kernel: key-block widths whose mean keys stand in for K̄ (see block_centred_dq)
 # Options of the emulated attention, applied alike to the fp64 truth, PyTorch and every variant.
 # "all" folds causal into the bool mask (SDPA takes one or the other).
@@ -354,6 +355,23 @@ def stable_kernel_dq(p, dp, delta_fa2, k, scale, rounder, dlse, k_weighted=None)
     return scale * (ds @ k.float() - c[..., None] * k_weighted)
 
 
+def rounding_residual_dq(p, dp, delta, k, scale, rounder, width):
+    """A one-pass kernel's dq with an exact Δ (``delta``, e.g. fp32_o_p32's) and dS rounded: each
+    key block of `width` keys (a CTA's keys) adds Σⱼ dS̃ᵢⱼ kⱼ from the matrix unit plus
+    (σᵢ_b − σ̃ᵢ_b)·k̄_b, the fp32 row sums of dS and of dS as rounded over the block times the
+    block's mean key. The sum is Σⱼ dSᵢⱼ kⱼ + Σⱼ eᵢⱼ (kⱼ − k̄_b(j)): dS's rounding error meets only
+    the keys' spread inside their block. No GEMM, no assumption on Σⱼ dSᵢⱼ (masks, dropout and
+    dLSE need nothing more), and every term is local to the block, so it fits one pass."""
+    seq_k = k.shape[-2]
+    assert seq_k % width == 0, "rounding_residual_dq: S must be a multiple of the block width"
+    ds = p * (dp - delta[..., None])
+    ds_r = rounder(ds)
+    blocks = (seq_k // width, width)
+    missed = ds.unflatten(-1, blocks).sum(-1) - ds_r.unflatten(-1, blocks).sum(-1)
+    k_means = k.float().unflatten(-2, blocks).mean(-2)
+    return scale * (ds_r @ k.float() + missed @ k_means)
+
+
 def block_centred_dq(p, dp, delta_fa2, k, scale, rounder, dlse, width):
     """`stable`'s dQ pass with its P·K GEMM replaced by block means: K̄ᵢ = Σⱼ Pᵢⱼ kⱼ becomes
     Gᵢ = Σ_b Λᵢ_b k̄_b, Λᵢ_b the row's P summed over key block b (`width` keys) and k̄_b that block's
@@ -400,18 +418,23 @@ def variant_grads(x, p, dp, cand, k, rounder, centres, true_sum):
         for width in BLOCK_CENTRES:  # dK/dV get `stable`'s Δ* (from σ, unchanged)
             res[f"blk{width}_kernel"] = dict(
                 dq=block_centred_dq(p, dp, cand["fa2"], k, x.scale, rounder, x.dlse, width), dk=res["exact"]["dk"])
+        if "fp32_o_p32" in cand:  # one pass: Δ* from a forward that keeps P exact for P·V
+            res["p32_ctr"] = grads(p, dp, cand["fp32_o_p32"], x.q, k, x.scale, rounder, centres["head"], true_sum)
+            for width in (64, 128):
+                res[f"p32_res{width}"] = dict(dq=rounding_residual_dq(p, dp, cand["fp32_o_p32"], k, x.scale, rounder,
+                                                                      width), dk=res["fp32_o_p32"]["dk"])
     return {name: dict(dq=r["dq"], dk=fold(r["dk"], x.group)) for name, r in res.items()}
 
 
 def run_problem(x, full=True):
-    """`full` (the base feature): also the fp32-dS mode and fp32_o_p32, diagnostics of the Δ study."""
+    """`full` (the base feature): also the fp32-dS mode, a diagnostic of the Δ study."""
     dtype, g = x.q.dtype, x.group
     ref, rowsum_err = truth_fp64(x)
     base = torch_same_dtype(x)
     k = expand(x.k, g)
     o32, lse = forward(x)
     p, dp = recompute(x, lse)
-    cand = deltas(o32, forward(x, torch.float32)[0] if full else None, x.do, p, dp, x.dlse)
+    cand = deltas(o32, forward(x, torch.float32)[0], x.do, p, dp, x.dlse)
     p_used = p if x.keep is None else p * x.keep * x.keep_scale
     dv = fold(p_used.to(dtype).float().transpose(-2, -1) @ x.do.float(), g)  # Pᵀ·dO, P rounded; no Δ in it
     true_sum = 0.0 if x.dlse is None else x.dlse * p.sum(-1)
