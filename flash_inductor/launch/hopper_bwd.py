@@ -37,6 +37,10 @@ log = logging.getLogger("flash_inductor")
 # backward is 1-6 % faster than this kernel (its 64-key tile pairs do too little MMA work per
 # barrier round trip), so it keeps those calls.
 E64_NON_CAUSAL = "head dim 64 without causal masking (the Triton backward measures faster there)"
+# dQ is summed across key blocks by TMA reduce-adds, whose order varies from run to run; the
+# Triton backward sums each dq row in one program, in a fixed order.
+DETERMINISTIC = ("torch.use_deterministic_algorithms(True) (the Hopper backward adds dQ across key blocks "
+                 "in an order that varies run to run)")
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,8 @@ def hopper_backward_unsupported_reason(query, key, value, attn_mask=None, dropou
                 "exact Δ and fp16 dS rescaling are not implemented on this path)")
     if query.shape[-1] == 64 and not is_causal:
         return E64_NON_CAUSAL
+    if torch.are_deterministic_algorithms_enabled():
+        return DETERMINISTIC
     return None
 
 

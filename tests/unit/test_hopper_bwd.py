@@ -261,6 +261,8 @@ def test_the_static_choice_on_a_mocked_hopper(monkeypatch):
     assert "dropout" in reason(q, kv, kv, None, 0.1, None, "fast")
     assert reason(q, kv, kv, None, 0.0, None, "fast", window=(16, 0)) == hopper.WINDOW
     assert reason(q, kv, kv, None, 0.0, None, "fast", block_sparse=True) == hopper.BLOCK_SPARSE
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert reason(q, kv, kv, None, 0.0, None, "fast") == hopper_bwd.DETERMINISTIC
 
 
 def test_the_op_dispatches_to_the_hopper_call_it_is_given(monkeypatch):
