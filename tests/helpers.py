@@ -520,3 +520,34 @@ def _hopper_skip_reason():
 
 
 needs_hopper = pytest.mark.skipif(_hopper_skip_reason() is not None, reason=str(_hopper_skip_reason()))
+
+
+def spy_on(monkeypatch, module, name: str) -> list:
+    """Replace ``module.name`` by a pass-through that records each call's ``is_causal`` keyword;
+    returns the list it appends to (which Hopper entry ran, and how often)."""
+    calls = []
+    real = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("is_causal"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def mock_hopper(monkeypatch):
+    """Make the Hopper support checks see an sm_90 GPU with Gluon, and return a factory of CPU
+    tensors that say they are on a GPU (the checks read metadata only)."""
+    from flash_inductor.launch import hopper
+
+    monkeypatch.setattr(hopper, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(hopper, "_gluon_available", lambda: True)
+
+    class Cuda(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+    def tensor(*shape, dtype=torch.bfloat16):
+        return torch.empty(shape, dtype=dtype).as_subclass(Cuda)
+    return tensor

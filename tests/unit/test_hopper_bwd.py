@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_close_to_ref, needs_hopper
+from helpers import assert_close_to_ref, mock_hopper, needs_hopper, spy_on
 
 
 
@@ -170,14 +170,7 @@ def test_register_plan_fills_the_register_file():
 def _count_hopper_backwards(monkeypatch):
     from flash_inductor.launch import hopper_bwd
 
-    calls = []
-    real = hopper_bwd.hopper_attention_backward
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("is_causal"))
-        return real(*args, **kwargs)
-    monkeypatch.setattr(hopper_bwd, "hopper_attention_backward", spy)
-    return calls
+    return spy_on(monkeypatch, hopper_bwd, "hopper_attention_backward")
 
 
 @needs_hopper
@@ -239,17 +232,7 @@ def test_the_static_choice_on_a_mocked_hopper(monkeypatch):
     for each one it declines."""
     from flash_inductor.launch import hopper, hopper_bwd
 
-    monkeypatch.setattr(hopper, "_capability", lambda device: (9, 0))
-    monkeypatch.setattr(hopper, "_gluon_available", lambda: True)
-
-    class Cuda(torch.Tensor):  # a CPU tensor that says it is on a GPU: the check reads only metadata
-        @property
-        def is_cuda(self):
-            return True
-
-    def t(*shape, dtype=torch.bfloat16):
-        return torch.empty(shape, dtype=dtype).as_subclass(Cuda)
-
+    t = mock_hopper(monkeypatch)
     reason = hopper_bwd.hopper_backward_unsupported_reason
     q, kv = t(2, 8, 64, 128), t(2, 2, 64, 128)
     q64, kv64 = t(2, 8, 64, 64), t(2, 2, 64, 64)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import needs_hopper
+from helpers import mock_hopper, needs_hopper, spy_on
 
 
 
@@ -129,14 +129,7 @@ def test_register_plan_fills_the_register_file():
 def _count_hopper_launches(monkeypatch):
     from flash_inductor.launch import hopper
 
-    calls = []
-    real = hopper.hopper_attention_forward
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("is_causal"))
-        return real(*args, **kwargs)
-    monkeypatch.setattr(hopper, "hopper_attention_forward", spy)
-    return calls
+    return spy_on(monkeypatch, hopper, "hopper_attention_forward")
 
 
 @needs_hopper
@@ -195,17 +188,7 @@ def test_the_static_choice_on_a_mocked_hopper(monkeypatch):
     calls the kernel implements and names the reason for each one it declines."""
     from flash_inductor.launch import hopper
 
-    monkeypatch.setattr(hopper, "_capability", lambda device: (9, 0))
-    monkeypatch.setattr(hopper, "_gluon_available", lambda: True)
-
-    class Cuda(torch.Tensor):  # a CPU tensor that says it is on a GPU: the check reads only metadata
-        @property
-        def is_cuda(self):
-            return True
-
-    def t(*shape, dtype=torch.bfloat16):
-        return torch.empty(shape, dtype=dtype).as_subclass(Cuda)
-
+    t = mock_hopper(monkeypatch)
     q, kv = t(2, 8, 64, 128), t(2, 2, 64, 128)
     assert hopper.hopper_forward_unsupported_reason(q, kv, kv, None, 0.0, None, "stable") is None
     assert hopper.hopper_forward_unsupported_reason(q, kv, kv, None, 0.0, None, "fast") is None
