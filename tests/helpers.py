@@ -535,19 +535,22 @@ def spy_on(monkeypatch, module, name: str) -> list:
     return calls
 
 
+class CudaLooking(torch.Tensor):
+    """A CPU tensor that says it is on a GPU: for support checks that read metadata only."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
 def mock_hopper(monkeypatch):
-    """Make the Hopper support checks see an sm_90 GPU with Gluon, and return a factory of CPU
-    tensors that say they are on a GPU (the checks read metadata only)."""
+    """Make the Hopper support checks see an sm_90 GPU with Gluon, and return a factory of
+    ``CudaLooking`` tensors."""
     from flash_inductor.launch import hopper
 
     monkeypatch.setattr(hopper, "_capability", lambda device: (9, 0))
     monkeypatch.setattr(hopper, "_gluon_available", lambda: True)
 
-    class Cuda(torch.Tensor):
-        @property
-        def is_cuda(self):
-            return True
-
     def tensor(*shape, dtype=torch.bfloat16):
-        return torch.empty(shape, dtype=dtype).as_subclass(Cuda)
+        return torch.empty(shape, dtype=dtype).as_subclass(CudaLooking)
     return tensor

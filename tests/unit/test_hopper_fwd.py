@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import mock_hopper, needs_hopper, spy_on
+from helpers import CudaLooking, mock_hopper, needs_hopper, spy_on
 
 
 
@@ -208,23 +208,15 @@ def test_explain_names_the_forward_kernel_on_a_mocked_hopper(monkeypatch):
     Hopper one, or the Triton one and why (here a mask); elsewhere it says nothing of kernels."""
     import torch.fx as fx
 
-    from flash_inductor.launch import hopper
     from flash_inductor.passes.site import AttentionSite, describe_rewrite
 
-    monkeypatch.setattr(hopper, "_capability", lambda device: (9, 0))
-    monkeypatch.setattr(hopper, "_gluon_available", lambda: True)
-
-    class Cuda(torch.Tensor):
-        @property
-        def is_cuda(self):
-            return True
-
+    mock_hopper(monkeypatch)
     graph = fx.Graph()
 
     def node(name, *shape, dtype=torch.bfloat16, cuda=True):
         n = graph.placeholder(name)
         value = torch.empty(shape, dtype=dtype)
-        n.meta["example_value"] = value.as_subclass(Cuda) if cuda else value
+        n.meta["example_value"] = value.as_subclass(CudaLooking) if cuda else value
         return n
 
     q, k, v = node("q", 2, 8, 64, 128), node("k", 2, 8, 64, 128), node("v", 2, 8, 64, 128)

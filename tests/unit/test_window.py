@@ -34,6 +34,7 @@ from helpers import (
     lse_baseline,
     make_mask,
     make_qkv,
+    mock_hopper,
     randn,
     ref_forward_backward,
     sdpa_baseline,
@@ -406,16 +407,8 @@ def test_hopper_forward_declines_a_window(monkeypatch):
     kernels run instead (what explain() reports for such a site)."""
     from flash_inductor.launch import hopper
 
-    monkeypatch.setattr(hopper, "_capability", lambda device: (9, 0))
-    monkeypatch.setattr(hopper, "_gluon_available", lambda: True)
-
-    class Cuda(torch.Tensor):
-        @property
-        def is_cuda(self):
-            return True
-
-    q = torch.empty(2, 8, 64, 128, dtype=torch.bfloat16).as_subclass(Cuda)
-    kv = torch.empty(2, 2, 64, 128, dtype=torch.bfloat16).as_subclass(Cuda)
+    t = mock_hopper(monkeypatch)
+    q, kv = t(2, 8, 64, 128), t(2, 2, 64, 128)
     assert hopper.hopper_forward_unsupported_reason(q, kv, kv, None, 0.0, None, "stable") is None
     assert hopper.hopper_forward_unsupported_reason(q, kv, kv, None, 0.0, None, "stable", window=(-1, -1)) is None
     assert hopper.hopper_forward_unsupported_reason(q, kv, kv, None, 0.0, None, "stable",
