@@ -124,6 +124,17 @@ def dropout_seed(SEED, HAS_DROPOUT: tl.constexpr):
 
 
 @triton.jit
+def dropout_scales(SEED, dropout_p, HAS_DROPOUT: tl.constexpr):
+    """(seed, keep_scale) of the backward passes: the dropout seed and 1 / (1 - dropout_p), the
+    scale of the kept elements; 0 and 1 without dropout."""
+    seed = dropout_seed(SEED, HAS_DROPOUT=HAS_DROPOUT)
+    keep_scale = 1.0
+    if HAS_DROPOUT:
+        keep_scale = 1.0 / (1.0 - dropout_p)
+    return seed, keep_scale
+
+
+@triton.jit
 def online_softmax_start(BLOCK_M: tl.constexpr, BLOCK_EV: tl.constexpr):
     """(m_i, l_i, acc) before the first key: max -inf, sum 0, output 0, all fp32."""
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
