@@ -69,7 +69,7 @@ import triton.language as tl
 
 from .block_sparse import layout_visible, query_tile_key_tiles
 from .common import (LN2, accumulate_pv, add_attn_mask, block_offsets, dropout_keep, dropout_seed, loop_tile,
-                     online_softmax_start, query_heads)
+                     online_softmax_start, query_heads, row_normaliser)
 
 
 @triton.jit
@@ -220,12 +220,7 @@ def _attn_fwd(
             FROM_LIST=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
         )
 
-    # l == 0 exactly when no key was visible: output 0 and LSE -inf instead of 0/0.
-    empty_row = l_i == 0.0
-    l_safe = tl.where(empty_row, 1.0, l_i)
-    inv_l = 1.0 / l_safe
-    if HAS_DROPOUT:
-        inv_l = inv_l / (1.0 - dropout_p)
+    empty_row, l_safe, inv_l = row_normaliser(l_i, dropout_p, HAS_DROPOUT=HAS_DROPOUT)
     out = acc * inv_l[:, None]
     lse = tl.where(empty_row, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
 

@@ -48,7 +48,8 @@ import triton
 import triton.language as tl
 
 from .band import query_tile_key_ranges
-from .common import LN2, block_offsets, dropout_keep, dropout_seed, mask_scores, online_softmax_start, query_heads
+from .common import (LN2, block_offsets, dropout_keep, dropout_seed, mask_scores, online_softmax_start, query_heads,
+                     row_normaliser)
 
 E4M3_MAX = tl.constexpr(448.0)
 # P·2⁸ lies in [0, 256]: below e4m3's 448, and probabilities down to 2⁻¹⁴ become normal numbers.
@@ -223,11 +224,7 @@ def _attn_fwd_fp8(
         HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, EMULATE_ROUNDING=EMULATE_ROUNDING, BLOCK_N=BLOCK_N,
     )
 
-    empty_row = l_i == 0.0
-    l_safe = tl.where(empty_row, 1.0, l_i)
-    inv_l = 1.0 / l_safe
-    if HAS_DROPOUT:
-        inv_l = inv_l / (1.0 - dropout_p)
+    empty_row, l_safe, inv_l = row_normaliser(l_i, dropout_p, HAS_DROPOUT=HAS_DROPOUT)
     v_dequant = tl.load(V_DEQUANT + bh_kv * HEAD_DIM_V + offs_ev, mask=offs_ev < HEAD_DIM_V, other=0.0)
     out = acc * inv_l[:, None] * (v_dequant / P_SHIFT)[None, :]
     lse = tl.where(empty_row, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)

@@ -144,6 +144,19 @@ def online_softmax_start(BLOCK_M: tl.constexpr, BLOCK_EV: tl.constexpr):
 
 
 @triton.jit
+def row_normaliser(l_i, dropout_p, HAS_DROPOUT: tl.constexpr):
+    """(empty_row, l_safe, inv_l) at the end of the online softmax: l == 0 exactly when no key was
+    visible, and such a row divides by 1 (output 0, LSE -inf) instead of 0/0; inv_l also undoes
+    dropout's 1 - dropout_p."""
+    empty_row = l_i == 0.0
+    l_safe = tl.where(empty_row, 1.0, l_i)
+    inv_l = 1.0 / l_safe
+    if HAS_DROPOUT:
+        inv_l = inv_l / (1.0 - dropout_p)
+    return empty_row, l_safe, inv_l
+
+
+@triton.jit
 def loop_tile(it, listed, offs_base, length, BLOCK: tl.constexpr, FROM_LIST: tl.constexpr):
     """(offs, in_range) of the tile a loop step visits: the tile starting at ``it``, or under
     FROM_LIST the one at position ``it`` of a block-sparse list (``listed[0]``)."""
