@@ -207,7 +207,8 @@ def _attn_fwd(
     v_strides = (stride_vb, stride_vh, stride_vn, stride_ve)
     mask_strides = (stride_mb, stride_mh, stride_mm, stride_mn)
     # One call per range of ``ranges`` = (lo, mid, split, hi), unrolled at compile time: [lo, mid)
-    # (under WINDOW_LEFT only) and [split, hi) with the select, [mid, split) without.
+    # (under WINDOW_LEFT only) and [split, hi) with the select, [mid, split) without (LAYOUT_CHECK acts
+    # only under CHECK_BOUNDS).
     for part in tl.static_range(0 if WINDOW_LEFT else 1, 3):
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, query_block, k_base, v_base, mask_base, dropout,
