@@ -20,7 +20,7 @@ from .monitoring import session as _monitor_session
 from .ops import attention as _attention_ops  # registers the ops
 from .launch.band import NO_WINDOW
 from .launch.fp8 import check_fp8_device, check_fp8_window
-from .block_sparse import BlockSparseLayout, resolve_block_mask
+from .block_sparse import BlockSparseLayout, broadcast_per_head, resolve_block_mask
 from .schedules import get_schedule
 
 try:  # CausalBias exists in every supported torch, but keep the import failure local.
@@ -411,18 +411,7 @@ def _broadcast_mask(attn_mask, query, batch_shape, heads_q, seq_q, seq_k):
         )
     if attn_mask.device != query.device:
         raise ValueError(f"flash_attention: attn_mask is on {attn_mask.device} but query is on {query.device}.")
-    full_shape = (*batch_shape, heads_q, seq_q, seq_k) if query.dim() >= 4 else (*batch_shape, seq_q, seq_k)
-    try:
-        expanded = attn_mask.expand(full_shape)  # a view: broadcast dims get stride 0
-    except RuntimeError:
-        raise ValueError(
-            f"flash_attention: attn_mask of shape {tuple(attn_mask.shape)} is not broadcastable to "
-            f"(batch..., heads, L, S) = {tuple(full_shape)}."
-        ) from None
-    if query.dim() == 3:
-        return expanded.unsqueeze(1)
-    if query.dim() == 2:
-        return expanded[None, None]
-    if query.dim() == 4:
-        return expanded
-    return expanded.reshape(-1, heads_q, seq_q, seq_k)
+    return broadcast_per_head(
+        attn_mask, (seq_q, seq_k), query.dim(), batch_shape, heads_q,
+        lambda full_shape: f"flash_attention: attn_mask of shape {tuple(attn_mask.shape)} is not broadcastable "
+                           f"to (batch..., heads, L, S) = {full_shape}.")

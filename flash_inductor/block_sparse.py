@@ -190,6 +190,26 @@ def expand_block_map(block_map: Tensor, block_q: int, block_k: int, row_start: i
     return block_map[..., rows, :][..., cols]
 
 
+def broadcast_per_head(t: Tensor, inner: tuple, query_dim: int, batch_shape, heads_q: int, error) -> Tensor:
+    """``t``, a map over a query's (batch..., heads, *inner), or (batch..., *inner) for a query
+    without a head dim, broadcast to it (a view: broadcast dims get stride 0) and shaped
+    (B', heads, *inner) as the launchers take it: batch dims flattened, a missing head dim of 1.
+    ``inner`` is (L, S) for the element mask (``api.flash_attention``'s attn_mask), the block
+    counts for a block map. A ``t`` that does not broadcast raises ValueError(``error(full shape)``)."""
+    full_shape = (*batch_shape, heads_q, *inner) if query_dim >= 4 else (*batch_shape, *inner)
+    try:
+        expanded = t.expand(full_shape)
+    except RuntimeError:
+        raise ValueError(error(tuple(full_shape))) from None
+    if query_dim == 3:
+        return expanded.unsqueeze(1)
+    if query_dim == 2:
+        return expanded[None, None]
+    if query_dim == 4:
+        return expanded
+    return expanded.reshape(-1, heads_q, *inner)
+
+
 def resolve_block_mask(block_mask, attn_mask_given: bool, query: Tensor, batch_shape, heads_q: int,
                        seq_q: int, seq_k: int) -> OpLayout:
     """``flash_attention``'s ``block_mask`` argument as the op's (block_map, block_q, block_k).
@@ -221,22 +241,11 @@ def resolve_block_mask(block_mask, attn_mask_given: bool, query: Tensor, batch_s
     if block_map.device != query.device:
         raise ValueError(f"block_mask: the block map is on {block_map.device} but query is on {query.device}; "
                          "move it with BlockSparseLayout(block_map.to(query.device), block_size).")
-    blocks = tuple(block_map.shape[-2:])
-    full_shape = (*batch_shape, heads_q, *blocks) if query.dim() >= 4 else (*batch_shape, *blocks)
-    try:
-        expanded = block_map.expand(full_shape)  # a view: broadcast dims get stride 0
-    except RuntimeError:
-        raise ValueError(
-            f"block_mask: a block map of shape {tuple(block_map.shape)} does not broadcast to (batch..., heads, "
-            f"query blocks, key blocks) = {tuple(full_shape)}; give it batch and head dims of 1 or of the "
-            "query's sizes."
-        ) from None
-    if query.dim() == 3:
-        expanded = expanded.unsqueeze(1)
-    elif query.dim() == 2:
-        expanded = expanded[None, None]
-    elif query.dim() > 4:
-        expanded = expanded.reshape(-1, heads_q, *blocks)
+    expanded = broadcast_per_head(
+        block_map, tuple(block_map.shape[-2:]), query.dim(), batch_shape, heads_q,
+        lambda full_shape: f"block_mask: a block map of shape {tuple(block_map.shape)} does not broadcast to "
+                           f"(batch..., heads, query blocks, key blocks) = {full_shape}; give it batch and head "
+                           "dims of 1 or of the query's sizes.")
     # Broadcast batch / head dims back to size 1: the launchers index the map with a stride of 0
     # there, and convert it to tiles once rather than once per batch element or head.
     for dim in (0, 1):

@@ -96,8 +96,10 @@ the same as with the values passed one by one):
     query_block     (q, do, offs_m, q_rows_ok, row_ids): the dQ program's rows
     row_pointers    (ROW_REF, ROW_SHIFT, DELTA); row_values (row_ref, row_scale, delta)
     exact_sums      (σ, σ̃, Λ, K̄) = (ds_sum, ds_seen_sum, p_sum, p_k)
-    listed          (tile list, block map at this batch and head, its two strides), or None;
-                    sparse (the dK/dV kernel's layout arguments and key tile, for _dkdv_heads)
+    listed          (tile list, block map at this batch and head, its two strides); dense, None or
+                    a placeholder (``block_sparse.query_tile_key_tiles``); sparse (the kernels'
+                    layout arguments, for ``block_sparse.listed_tiles``)
+    ranges          (lo, mid, split, hi) of the dQ pass, (lo, mid, mid_hi, hi) of the dK/dV pass
     dropout         (seed, keep_scale, dropout_p)
 
 Δ and the LSE's gradient. Δ_i = rowsum(dO_i ∘ O_i) − dLSE_i: the LSE output's own gradient
@@ -153,9 +155,9 @@ import triton
 import triton.language as tl
 
 from .attn_bwd_tiles import _dkdv_tiles, _dq_tiles
-from .band import key_tile_query_ranges, query_tile_key_ranges
-from .block_sparse import tile_lists
-from .common import LOG2E, mask_scores
+from .band import key_tile_query_ranges
+from .block_sparse import listed_tiles, query_tile_key_tiles
+from .common import LOG2E, block_offsets, dropout_scales, mask_scores, query_heads
 from .ds_scaling import _ds_loop_choice, _max_as_stat
 
 # LSEs below this (natural log) only come from rows whose every visible key sits at the
@@ -288,7 +290,7 @@ def _attn_bwd_row_reference(
 @triton.jit
 def _dkdv_heads(
     dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-    offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides, sparse,
+    offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse,
     H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -299,11 +301,11 @@ def _dkdv_heads(
     HAS_BLOCK_SPARSITY: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
     LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
 ):
-    """Every query head of the GQA group: blocks [lo, mid) with the visibility select, [mid, mid_hi)
-    without, and under WINDOW_LEFT [mid_hi, hi) with it (the window's left edge).
-    Under HAS_BLOCK_SPARSITY the ranges are positions in each head's own list of query tiles
-    (``sparse``: the kernel's layout arguments and this key tile), its PARTIAL tiles first
-    ([lo, mid), with the select), then its FULL ones ([mid, mid_hi), without)."""
+    """Every query head of the GQA group: of ``ranges`` = (lo, mid, mid_hi, hi), blocks [lo, mid) with
+    the visibility select, [mid, mid_hi) without, and under WINDOW_LEFT [mid_hi, hi) with it (the
+    window's left edge). Under HAS_BLOCK_SPARSITY the ranges are positions in each head's own list of
+    query tiles (``sparse``: the kernel's layout arguments; the list is this key tile's), its PARTIAL
+    tiles first ([lo, mid), with the select), then its FULL ones ([mid, mid_hi), without)."""
     stride_qb, stride_qh, _, _ = q_strides
     stride_dob, stride_doh, _, _ = do_strides
     stride_mb, stride_mh, _, _ = mask_strides
@@ -314,53 +316,26 @@ def _dkdv_heads(
         do_base = DO + b * stride_dob + h * stride_doh
         mask_base = MASK + b * stride_mb + h * stride_mh
         if HAS_BLOCK_SPARSITY:
-            COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len, layout_strides, tile = sparse
-            stride_bmb, stride_bmh, stride_bmm, stride_bmn = layout_strides
-            n_full, n_partial, tile_list = tile_lists(COUNTS, IDX, b, h, tile, stride_cb, stride_ch, stride_ib,
-                                                      stride_ih, list_len)
-            listed = (tile_list, BLOCK_MAP + b * stride_bmb + h * stride_bmh, stride_bmm, stride_bmn)
+            n_full, n_partial, listed = listed_tiles(sparse, b, h, tl.program_id(0))  # this key tile's list
             tiles = (0, n_partial, n_partial + n_full, n_partial + n_full)
         else:
             listed = None
-            tiles = (lo, mid, mid_hi, hi)
-        first, unchecked, unchecked_end, last = tiles
-        # The calls differ only in their range and CHECK.
-        dk, dv = _dkdv_tiles(
-            dk, dv, key_block, q_base, do_base, mask_base, bh, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, first, unchecked, q_strides, do_strides, mask_strides, listed,
-            L, S, causal_offset, window_lower, qk_scale_log2,
-            CHECK=True,
-            RESCALE=RESCALE, SHIFT=SHIFT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK,
-            MASK_IS_BOOL=MASK_IS_BOOL, HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
-            P_IN_FP32=P_IN_FP32,
-            DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
-            EVEN_M=EVEN_M, EVEN_E=EVEN_E, BLOCK_M=BLOCK_M,
-            FROM_LIST=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
-        )
-        dk, dv = _dkdv_tiles(
-            dk, dv, key_block, q_base, do_base, mask_base, bh, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, unchecked, unchecked_end, q_strides, do_strides, mask_strides, listed,
-            L, S, causal_offset, window_lower, qk_scale_log2,
-            CHECK=False,
-            RESCALE=RESCALE, SHIFT=SHIFT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK,
-            MASK_IS_BOOL=MASK_IS_BOOL, HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
-            P_IN_FP32=P_IN_FP32,
-            DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
-            EVEN_M=EVEN_M, EVEN_E=EVEN_E, BLOCK_M=BLOCK_M,
-            FROM_LIST=HAS_BLOCK_SPARSITY,
-        )
-        if WINDOW_LEFT:
+            tiles = ranges
+        # One call per range of ``tiles``, unrolled at compile time; the layout's element test
+        # (LAYOUT_CHECK) is for the checked ranges only.
+        for part in tl.static_range(0, 3 if WINDOW_LEFT else 2):
             dk, dv = _dkdv_tiles(
                 dk, dv, key_block, q_base, do_base, mask_base, bh, row_pointers, DMASK, dropout, ds_up,
-                offs_m_base, offs_e, offs_ev, unchecked_end, last, q_strides, do_strides, mask_strides, listed,
-                L, S, causal_offset, window_lower, qk_scale_log2,
-                CHECK=True,
+                offs_m_base, offs_e, offs_ev, tiles[part], tiles[part + 1], q_strides, do_strides, mask_strides,
+                listed, L, S, causal_offset, window_lower, qk_scale_log2,
+                CHECK=part != 1,
                 RESCALE=RESCALE, SHIFT=SHIFT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK,
                 MASK_IS_BOOL=MASK_IS_BOOL, HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
                 P_IN_FP32=P_IN_FP32,
                 DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
                 EVEN_M=EVEN_M, EVEN_E=EVEN_E, BLOCK_M=BLOCK_M,
-                FROM_LIST=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
+                FROM_LIST=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK and part != 1, LAYOUT_BQ=LAYOUT_BQ,
+                LAYOUT_BK=LAYOUT_BK,
             )
     return dk, dv
 
@@ -396,11 +371,8 @@ def _attn_bwd_dkdv(
     bh_kv = tl.program_id(1)
     b = (bh_kv // H_KV).to(tl.int64)
     h_kv = (bh_kv % H_KV).to(tl.int64)
-
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_m_base = tl.arange(0, BLOCK_M)
-    offs_e = tl.arange(0, BLOCK_E)
-    offs_ev = tl.arange(0, BLOCK_EV)
+    offs_n, offs_m_base, offs_e, offs_ev = block_offsets(start_n, BLOCK_OWN=BLOCK_N, BLOCK_LOOP=BLOCK_M,
+                                                         BLOCK_E=BLOCK_E, BLOCK_EV=BLOCK_EV)
     kv_rows_ok = offs_n < S
 
     k = tl.load(K + b * stride_kb + h_kv * stride_kh + offs_n[:, None] * stride_kn + offs_e[None, :] * stride_ke,
@@ -410,18 +382,13 @@ def _attn_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_EV], dtype=tl.float32)
 
-    seed = 0
-    keep_scale = 1.0
-    if HAS_DROPOUT:
-        seed = tl.load(SEED)
-        keep_scale = 1.0 / (1.0 - dropout_p)
+    seed, keep_scale = dropout_scales(SEED, dropout_p, HAS_DROPOUT=HAS_DROPOUT)
     # The query tiles that see these keys, and which of them need the visibility select.
-    lo, mid, mid_hi, hi = key_tile_query_ranges(start_n, L, S, causal_offset, window_lower, IS_CAUSAL=IS_CAUSAL,
-                                                WINDOW_LEFT=WINDOW_LEFT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-    sparse = None  # a block-sparse layout's arguments, read per query head by _dkdv_heads
-    if HAS_BLOCK_SPARSITY:
-        sparse = (COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len,
-                  (stride_bmb, stride_bmh, stride_bmm, stride_bmn), tl.program_id(0))
+    ranges = key_tile_query_ranges(start_n, L, S, causal_offset, window_lower, IS_CAUSAL=IS_CAUSAL,
+                                   WINDOW_LEFT=WINDOW_LEFT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    # A block-sparse layout's arguments, read per query head by _dkdv_heads.
+    sparse = (COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len,
+              stride_bmb, stride_bmh, stride_bmm, stride_bmn)
 
     # Decided once for the whole program; a compile-time False (and ds_up a compile-time 1) unless
     # the schedule rescales, so the other kernels hold the plain, unscaled loop alone. The rare
@@ -441,7 +408,7 @@ def _attn_bwd_dkdv(
     if needs_rescale:
         dk, dv = _dkdv_heads(
             dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides, sparse,
+            offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse,
             H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=True, SHIFT=True,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
@@ -454,7 +421,7 @@ def _attn_bwd_dkdv(
     elif tl.load(SHIFT_FLAG) != 0:
         dk, dv = _dkdv_heads(
             dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides, sparse,
+            offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse,
             H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=False, SHIFT=True,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
@@ -467,7 +434,7 @@ def _attn_bwd_dkdv(
     else:
         dk, dv = _dkdv_heads(
             dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, lo, mid, mid_hi, hi, q_strides, do_strides, mask_strides, sparse,
+            offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse,
             H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=False, SHIFT=False,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
@@ -490,7 +457,7 @@ def _attn_bwd_dkdv(
 @triton.jit
 def _dq_blocks(
     dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-    offs_n_base, offs_e, offs_ev, lo, mid, split, hi, k_strides, v_strides, mask_strides, listed,
+    offs_n_base, offs_e, offs_ev, ranges, k_strides, v_strides, mask_strides, listed,
     S, causal_offset, window_lower, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -501,45 +468,23 @@ def _dq_blocks(
     BLOCK_N: tl.constexpr, FROM_LIST: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
     LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
 ):
-    """Key blocks [mid, split) without the visibility select, [split, hi) and under WINDOW_LEFT
-    [lo, mid) with it (the calls differ only in their range and CHECK). Under FROM_LIST the ranges are
-    positions in ``listed[0]``, a block-sparse layout's list of this query tile's key tiles."""
-    if WINDOW_LEFT:
+    """The key tiles of ``ranges`` = (lo, mid, split, hi): [mid, split) without the visibility select,
+    [split, hi) and under WINDOW_LEFT [lo, mid) with it, one call per range, unrolled at compile time.
+    Under FROM_LIST the ranges are positions in ``listed[0]``, a block-sparse layout's list of this
+    query tile's key tiles. The layout's element test (LAYOUT_CHECK) is for the checked ranges only."""
+    for part in tl.static_range(0 if WINDOW_LEFT else 1, 3):
         dq, exact_sums = _dq_tiles(
             dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-            offs_n_base, offs_e, offs_ev, lo, mid, k_strides, v_strides, mask_strides, listed,
+            offs_n_base, offs_e, offs_ev, ranges[part], ranges[part + 1], k_strides, v_strides, mask_strides, listed,
             S, causal_offset, window_lower, qk_scale_log2,
-            CHECK=True,
+            CHECK=part != 1,
             RESCALE=RESCALE, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
             HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
             DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK,
             FP32_DOT=FP32_DOT, EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
-            FROM_LIST=FROM_LIST, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
+            FROM_LIST=FROM_LIST, LAYOUT_CHECK=LAYOUT_CHECK and part != 1, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
         )
-    dq, exact_sums = _dq_tiles(
-        dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-        offs_n_base, offs_e, offs_ev, mid, split, k_strides, v_strides, mask_strides, listed,
-        S, causal_offset, window_lower, qk_scale_log2,
-        CHECK=False,
-        RESCALE=RESCALE, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-        HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
-        DS_IN_FP32=DS_IN_FP32,
-        DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
-        EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
-        FROM_LIST=FROM_LIST,
-    )
-    return _dq_tiles(
-        dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-        offs_n_base, offs_e, offs_ev, split, hi, k_strides, v_strides, mask_strides, listed,
-        S, causal_offset, window_lower, qk_scale_log2,
-        CHECK=True,
-        RESCALE=RESCALE, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-        HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
-        DS_IN_FP32=DS_IN_FP32,
-        DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
-        EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
-        FROM_LIST=FROM_LIST, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
-    )
+    return dq, exact_sums
 
 
 @triton.jit
@@ -570,15 +515,9 @@ def _attn_bwd_dq(
     sm_scale = tl.cast(sm_scale, tl.float32)
     dropout_p = tl.cast(dropout_p, tl.float32)
     start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b = (bh // H_Q).to(tl.int64)
-    h = (bh % H_Q).to(tl.int64)
-    h_kv = h // GROUP
-
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n_base = tl.arange(0, BLOCK_N)
-    offs_e = tl.arange(0, BLOCK_E)
-    offs_ev = tl.arange(0, BLOCK_EV)
+    bh, b, h, h_kv = query_heads(H_Q, GROUP)
+    offs_m, offs_n_base, offs_e, offs_ev = block_offsets(start_m, BLOCK_OWN=BLOCK_M, BLOCK_LOOP=BLOCK_N,
+                                                         BLOCK_E=BLOCK_E, BLOCK_EV=BLOCK_EV)
     q_rows_ok = offs_m < L
 
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_e[None, :] * stride_qe,
@@ -592,11 +531,7 @@ def _attn_bwd_dq(
     k_base = K + b * stride_kb + h_kv * stride_kh
     v_base = V + b * stride_vb + h_kv * stride_vh
     mask_base = MASK + b * stride_mb + h * stride_mh
-    seed = 0
-    keep_scale = 1.0
-    if HAS_DROPOUT:
-        seed = tl.load(SEED)
-        keep_scale = 1.0 / (1.0 - dropout_p)
+    seed, keep_scale = dropout_scales(SEED, dropout_p, HAS_DROPOUT=HAS_DROPOUT)
 
     dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
     # Exact Δ's sums (unused, and compiled away, without it).
@@ -609,15 +544,11 @@ def _attn_bwd_dq(
     # holds the causal diagonal and the ragged last key block, [lo, mid) the window's left edge.
     # Under HAS_BLOCK_SPARSITY the same ranges are positions in this query tile's list of key tiles,
     # its FULL ones first ([mid, split)), then its PARTIAL ones ([split, hi)), as in the forward.
-    if HAS_BLOCK_SPARSITY:
-        n_full, n_partial, tile_list = tile_lists(COUNTS, IDX, b, h, tl.program_id(0), stride_cb, stride_ch,
-                                                  stride_ib, stride_ih, list_len)
-        listed = (tile_list, BLOCK_MAP + b * stride_bmb + h * stride_bmh, stride_bmm, stride_bmn)
-        lo, mid, split, hi = 0, 0, n_full, n_full + n_partial
-    else:
-        listed = None
-        lo, mid, split, hi = query_tile_key_ranges(start_m, S, causal_offset, window_lower, IS_CAUSAL=IS_CAUSAL,
-                                                   WINDOW_LEFT=WINDOW_LEFT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    sparse = (COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len,
+              stride_bmb, stride_bmh, stride_bmm, stride_bmn)
+    listed, ranges = query_tile_key_tiles(start_m, b, h, S, causal_offset, window_lower, sparse,
+                                          HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY, IS_CAUSAL=IS_CAUSAL,
+                                          WINDOW_LEFT=WINDOW_LEFT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
 
     # P = exp2(s2 - reference - shift). Only rows at the mask clamp have a shift (see
     # _attn_bwd_row_reference), and it cannot join the reference there (~1e38 would absorb it).
@@ -642,7 +573,7 @@ def _attn_bwd_dq(
     if needs_rescale:
         dq, exact_sums = _dq_blocks(
             dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-            offs_n_base, offs_e, offs_ev, lo, mid, split, hi, k_strides, v_strides, mask_strides, listed,
+            offs_n_base, offs_e, offs_ev, ranges, k_strides, v_strides, mask_strides, listed,
             S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=True,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
@@ -655,7 +586,7 @@ def _attn_bwd_dq(
     else:
         dq, exact_sums = _dq_blocks(
             dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-            offs_n_base, offs_e, offs_ev, lo, mid, split, hi, k_strides, v_strides, mask_strides, listed,
+            offs_n_base, offs_e, offs_ev, ranges, k_strides, v_strides, mask_strides, listed,
             S, causal_offset, window_lower, qk_scale_log2,
             RESCALE=False,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,

@@ -12,9 +12,9 @@ import triton
 import triton.language as tl
 
 from .block_sparse import layout_visible
-from .common import dropout_keep, mask_scores
+from .common import dropout_keep, loop_tile, mask_scores
 from .ds_scaling import _accumulate_ds_dot, _ds_scores, _ds_tile, _ds_unscale
-from .tile_loads import load_rows, load_tile
+from .tile_loads import load_rows, load_tile_pair
 
 
 @triton.jit
@@ -38,20 +38,11 @@ def _dkdv_tiles(
     k, v, offs_n, kv_rows_ok = key_block
     ROW_REF, ROW_SHIFT, DELTA = row_pointers
     seed, keep_scale, dropout_p = dropout
-    _, _, stride_qm, stride_qe = q_strides
-    _, _, stride_dom, stride_doe = do_strides
     _, _, stride_mm, stride_mn = mask_strides
     for it in range(lo, hi, 1 if FROM_LIST else BLOCK_M):
-        if FROM_LIST:
-            start_m = tl.load(listed[0] + it) * BLOCK_M
-        else:
-            start_m = it
-        offs_m = start_m + offs_m_base
-        q_rows_ok = offs_m < L
-        q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_e[None, :] * stride_qe,
-                      q_rows_ok, offs_e < HEAD_DIM, EVEN_ROWS=EVEN_M, EVEN_COLS=EVEN_E)
-        do = load_tile(do_base + offs_m[:, None] * stride_dom + offs_ev[None, :] * stride_doe,
-                       q_rows_ok, offs_ev < HEAD_DIM_V, EVEN_ROWS=EVEN_M, EVEN_COLS=EVEN_E)
+        offs_m, q_rows_ok = loop_tile(it, listed, offs_m_base, L, BLOCK=BLOCK_M, FROM_LIST=FROM_LIST)
+        q, do = load_tile_pair(q_base, do_base, offs_m, q_rows_ok, offs_e, offs_ev, q_strides, do_strides,
+                               HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, EVEN_ROWS=EVEN_M, EVEN_COLS=EVEN_E)
         row_ids = bh * L + offs_m
         row_ref = load_rows(ROW_REF + row_ids, q_rows_ok, float("inf"), EVEN_ROWS=EVEN_M)
         delta = load_rows(DELTA + row_ids, q_rows_ok, 0.0, EVEN_ROWS=EVEN_M)
@@ -117,20 +108,11 @@ def _dq_tiles(
     q, do, offs_m, q_rows_ok, row_ids = query_block
     row_ref, row_scale, delta = row_values
     seed, keep_scale, dropout_p = dropout
-    _, _, stride_kn, stride_ke = k_strides
-    _, _, stride_vn, stride_ve = v_strides
     _, _, stride_mm, stride_mn = mask_strides
     for it in range(lo, hi, 1 if FROM_LIST else BLOCK_N):
-        if FROM_LIST:
-            start_n = tl.load(listed[0] + it) * BLOCK_N
-        else:
-            start_n = it
-        offs_n = start_n + offs_n_base
-        kv_rows_ok = offs_n < S
-        k = load_tile(k_base + offs_n[:, None] * stride_kn + offs_e[None, :] * stride_ke,
-                      kv_rows_ok, offs_e < HEAD_DIM, EVEN_ROWS=EVEN_N, EVEN_COLS=EVEN_E)
-        v = load_tile(v_base + offs_n[:, None] * stride_vn + offs_ev[None, :] * stride_ve,
-                      kv_rows_ok, offs_ev < HEAD_DIM_V, EVEN_ROWS=EVEN_N, EVEN_COLS=EVEN_E)
+        offs_n, kv_rows_ok = loop_tile(it, listed, offs_n_base, S, BLOCK=BLOCK_N, FROM_LIST=FROM_LIST)
+        k, v = load_tile_pair(k_base, v_base, offs_n, kv_rows_ok, offs_e, offs_ev, k_strides, v_strides,
+                              HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, EVEN_ROWS=EVEN_N, EVEN_COLS=EVEN_E)
         s2 = tl.dot(q, tl.trans(k), input_precision=FP32_DOT) * qk_scale_log2
         tile_ok = q_rows_ok[:, None] & kv_rows_ok[None, :]
         s2 = mask_scores(s2, mask_base, offs_m[:, None], offs_n[None, :], tile_ok, stride_mm, stride_mn, causal_offset,

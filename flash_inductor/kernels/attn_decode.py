@@ -69,7 +69,7 @@ The signatures stay flat, one scalar per stride, for torch's ``wrap_triton`` (se
 import triton
 import triton.language as tl
 
-from .common import LN2, add_attn_mask
+from .common import LN2, accumulate_pv, add_attn_mask, online_softmax_start
 
 
 @triton.jit
@@ -117,9 +117,7 @@ def _attn_decode_split(
         # No row of the tile sees past key L - 1 + causal_offset: skip the blocks beyond it.
         hi = tl.minimum(hi, L + causal_offset)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_EV], dtype=tl.float32)
+    m_i, l_i, acc = online_softmax_start(BLOCK_M, BLOCK_EV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
         kv_ok = offs_n < hi
@@ -143,15 +141,8 @@ def _attn_decode_split(
         alpha = tl.math.exp2(m_i - m_ref)
         p = tl.math.exp2(s2 - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + offs_n[:, None] * stride_vn + offs_ev[None, :] * stride_ve,
-            mask=kv_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0,
-        )
-        if P_IN_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision=FP32_DOT)
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=FP32_DOT)
-        acc = acc * alpha[:, None] + pv
+        acc = accumulate_pv(acc, alpha, p, v_base, offs_n, offs_ev, stride_vn, stride_ve, kv_ok,
+                            HEAD_DIM_V=HEAD_DIM_V, P_IN_FP32=P_IN_FP32, FP32_DOT=FP32_DOT)
         m_i = m_new
 
     # l == 0 exactly when no key of this split was visible to the row (or the split is past the

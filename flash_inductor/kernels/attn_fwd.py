@@ -60,15 +60,16 @@ and scalars only (torch 2.13's ``UserDefinedTritonKernel`` in ``_inductor/ir.py`
 "Unsupported arg type" on a tuple).
 Its helper takes tuples, which Triton inlines away: ``*_strides`` (batch, head, row, column) of
 one tensor, ``query_block`` (q, offs_m, rng_rows), ``dropout`` (seed, dropout_p), ``listed``
-(tile list, block map at this batch and head, its row and column strides; None when dense).
+(tile list, block map at this batch and head, its row and column strides; a placeholder when
+dense: ``block_sparse.query_tile_key_tiles``).
 """
 
 import triton
 import triton.language as tl
 
-from .band import query_tile_key_ranges
-from .block_sparse import layout_visible, tile_lists
-from .common import LN2, add_attn_mask, dropout_keep
+from .block_sparse import layout_visible, query_tile_key_tiles
+from .common import (LN2, accumulate_pv, add_attn_mask, block_offsets, dropout_keep, dropout_seed, loop_tile,
+                     online_softmax_start, query_heads, row_normaliser)
 
 
 @triton.jit
@@ -96,12 +97,7 @@ def _attn_fwd_inner(
     _, _, stride_vn, stride_ve = v_strides
     _, _, stride_mm, stride_mn = mask_strides
     for it in range(lo, hi, 1 if FROM_LIST else BLOCK_N):
-        if FROM_LIST:
-            start_n = tl.load(listed[0] + it) * BLOCK_N
-        else:
-            start_n = it
-        offs_n = start_n + offs_n_base
-        kv_rows_ok = offs_n < S
+        offs_n, kv_rows_ok = loop_tile(it, listed, offs_n_base, S, BLOCK=BLOCK_N, FROM_LIST=FROM_LIST)
         k = tl.load(
             k_base + offs_n[None, :] * stride_kn + offs_e[:, None] * stride_ke,
             mask=kv_rows_ok[None, :] & (offs_e[:, None] < HEAD_DIM), other=0.0,
@@ -143,15 +139,8 @@ def _attn_fwd_inner(
             # l_i sums the undropped P: dropout acts on normalised probabilities.
             keep = dropout_keep(seed, rng_rows[:, None], offs_n[None, :], S, dropout_p)
             p = tl.where(keep, p, 0.0)
-        v = tl.load(
-            v_base + offs_n[:, None] * stride_vn + offs_ev[None, :] * stride_ve,
-            mask=kv_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0,
-        )
-        if P_IN_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision=FP32_DOT)
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=FP32_DOT)
-        acc = acc * alpha[:, None] + pv
+        acc = accumulate_pv(acc, alpha, p, v_base, offs_n, offs_ev, stride_vn, stride_ve, kv_rows_ok,
+                            HEAD_DIM_V=HEAD_DIM_V, P_IN_FP32=P_IN_FP32, FP32_DOT=FP32_DOT)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -186,16 +175,9 @@ def _attn_fwd(
     qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
     dropout_p = tl.cast(dropout_p, tl.float32)
     start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b = (bh // H_Q).to(tl.int64)
-    h = (bh % H_Q).to(tl.int64)
-    h_kv = h // GROUP  # grouped-query attention: K/V are indexed, never repeated
-
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n_base = tl.arange(0, BLOCK_N)
-    offs_e = tl.arange(0, BLOCK_E)
-    offs_ev = tl.arange(0, BLOCK_EV)
-
+    bh, b, h, h_kv = query_heads(H_Q, GROUP)
+    offs_m, offs_n_base, offs_e, offs_ev = block_offsets(start_m, BLOCK_OWN=BLOCK_M, BLOCK_LOOP=BLOCK_N,
+                                                         BLOCK_E=BLOCK_E, BLOCK_EV=BLOCK_EV)
     q = tl.load(
         Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_e[None, :] * stride_qe,
         mask=(offs_m[:, None] < L) & (offs_e[None, :] < HEAD_DIM), other=0.0,
@@ -203,14 +185,9 @@ def _attn_fwd(
     k_base = K + b * stride_kb + h_kv * stride_kh
     v_base = V + b * stride_vb + h_kv * stride_vh
     mask_base = MASK + b * stride_mb + h * stride_mh
-    seed = 0
-    if HAS_DROPOUT:
-        seed = tl.load(SEED)
+    seed = dropout_seed(SEED, HAS_DROPOUT=HAS_DROPOUT)
     rng_rows = bh.to(tl.int64) * L + offs_m
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_EV], dtype=tl.float32)
+    m_i, l_i, acc = online_softmax_start(BLOCK_M, BLOCK_EV)
 
     # Key blocks [mid, split) are whole and visible to every row of this query block, so they
     # skip the bounds/band select; [split, hi) holds the diagonal and the ragged tail, and under
@@ -218,60 +195,33 @@ def _attn_fwd(
     # Under HAS_BLOCK_SPARSITY the same ranges are positions in this query tile's list of key tiles,
     # its FULL ones first ([mid, split)), then its PARTIAL ones ([split, hi)): ``launch/block_tiles.py``
     # folds the band into those classes.
-    if HAS_BLOCK_SPARSITY:
-        n_full, n_partial, tile_list = tile_lists(COUNTS, IDX, b, h, tl.program_id(0), stride_cb, stride_ch,
-                                                  stride_ib, stride_ih, list_len)
-        listed = (tile_list, BLOCK_MAP + b * stride_bmb + h * stride_bmh, stride_bmm, stride_bmn)
-        lo, mid, split, hi = 0, 0, n_full, n_full + n_partial
-    else:
-        listed = None
-        lo, mid, split, hi = query_tile_key_ranges(start_m, S, causal_offset, window_lower, IS_CAUSAL=IS_CAUSAL,
-                                                   WINDOW_LEFT=WINDOW_LEFT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    sparse = (COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len,
+              stride_bmb, stride_bmh, stride_bmm, stride_bmn)
+    listed, ranges = query_tile_key_tiles(start_m, b, h, S, causal_offset, window_lower, sparse,
+                                          HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY, IS_CAUSAL=IS_CAUSAL,
+                                          WINDOW_LEFT=WINDOW_LEFT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
 
     query_block = (q, offs_m, rng_rows)
     dropout = (seed, dropout_p)
     k_strides = (stride_kb, stride_kh, stride_kn, stride_ke)
     v_strides = (stride_vb, stride_vh, stride_vn, stride_ve)
     mask_strides = (stride_mb, stride_mh, stride_mm, stride_mn)
-    # The calls differ only in their range and CHECK_BOUNDS.
-    if WINDOW_LEFT:
+    # One call per range of ``ranges`` = (lo, mid, split, hi), unrolled at compile time: [lo, mid)
+    # (under WINDOW_LEFT only) and [split, hi) with the select, [mid, split) without (LAYOUT_CHECK acts
+    # only under CHECK_BOUNDS).
+    for part in tl.static_range(0 if WINDOW_LEFT else 1, 3):
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, query_block, k_base, v_base, mask_base, dropout,
-            offs_n_base, offs_e, offs_ev, lo, mid, k_strides, v_strides, mask_strides, listed,
+            offs_n_base, offs_e, offs_ev, ranges[part], ranges[part + 1], k_strides, v_strides, mask_strides, listed,
             L, S, causal_offset, window_lower, qk_scale_log2,
-            CHECK_BOUNDS=True,
+            CHECK_BOUNDS=part != 1,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
             HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
             FP32_DOT=FP32_DOT, FOLD_SCALE=FOLD_SCALE, BLOCK_N=BLOCK_N,
             FROM_LIST=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
         )
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, query_block, k_base, v_base, mask_base, dropout,
-        offs_n_base, offs_e, offs_ev, mid, split, k_strides, v_strides, mask_strides, listed,
-        L, S, causal_offset, window_lower, qk_scale_log2,
-        CHECK_BOUNDS=False,
-        HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-        HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
-        FP32_DOT=FP32_DOT, FOLD_SCALE=FOLD_SCALE, BLOCK_N=BLOCK_N,
-        FROM_LIST=HAS_BLOCK_SPARSITY,
-    )
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, query_block, k_base, v_base, mask_base, dropout,
-        offs_n_base, offs_e, offs_ev, split, hi, k_strides, v_strides, mask_strides, listed,
-        L, S, causal_offset, window_lower, qk_scale_log2,
-        CHECK_BOUNDS=True,
-        HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-        HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
-        FP32_DOT=FP32_DOT, FOLD_SCALE=FOLD_SCALE, BLOCK_N=BLOCK_N,
-        FROM_LIST=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
-    )
 
-    # l == 0 exactly when no key was visible: output 0 and LSE -inf instead of 0/0.
-    empty_row = l_i == 0.0
-    l_safe = tl.where(empty_row, 1.0, l_i)
-    inv_l = 1.0 / l_safe
-    if HAS_DROPOUT:
-        inv_l = inv_l / (1.0 - dropout_p)
+    empty_row, l_safe, inv_l = row_normaliser(l_i, dropout_p, HAS_DROPOUT=HAS_DROPOUT)
     out = acc * inv_l[:, None]
     lse = tl.where(empty_row, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
 

@@ -47,7 +47,9 @@ arguments); the helper takes ``query_block`` (q8, row_factor, offs_m, rng_rows),
 import triton
 import triton.language as tl
 
-from .common import LN2, dropout_keep, mask_scores
+from .band import query_tile_key_ranges
+from .common import (LN2, block_offsets, dropout_keep, dropout_seed, mask_scores, online_softmax_start, query_heads,
+                     row_normaliser)
 
 E4M3_MAX = tl.constexpr(448.0)
 # P·2⁸ lies in [0, 256]: below e4m3's 448, and probabilities down to 2⁻¹⁴ become normal numbers.
@@ -180,16 +182,10 @@ def _attn_fwd_fp8(
     qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
     dropout_p = tl.cast(dropout_p, tl.float32)
     start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b = (bh // H_Q).to(tl.int64)
-    h = (bh % H_Q).to(tl.int64)
-    h_kv = h // GROUP
+    bh, b, h, h_kv = query_heads(H_Q, GROUP)
     bh_kv = b * (H_Q // GROUP) + h_kv
-
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n_base = tl.arange(0, BLOCK_N)
-    offs_e = tl.arange(0, BLOCK_E)
-    offs_ev = tl.arange(0, BLOCK_EV)
+    offs_m, offs_n_base, offs_e, offs_ev = block_offsets(start_m, BLOCK_OWN=BLOCK_M, BLOCK_LOOP=BLOCK_N,
+                                                         BLOCK_E=BLOCK_E, BLOCK_EV=BLOCK_EV)
     row_ok = offs_m < L
 
     q8 = tl.load(Q8 + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_e[None, :] * stride_qe,
@@ -199,23 +195,14 @@ def _attn_fwd_fp8(
     v_base = V8 + b * stride_vb + h_kv * stride_vh
     k_dequant_base = K_DEQUANT + bh_kv * S
     mask_base = MASK + b * stride_mb + h * stride_mh
-    seed = 0
-    if HAS_DROPOUT:
-        seed = tl.load(SEED)
+    seed = dropout_seed(SEED, HAS_DROPOUT=HAS_DROPOUT)
     rng_rows = bh.to(tl.int64) * L + offs_m
+    m_i, l_i, acc = online_softmax_start(BLOCK_M, BLOCK_EV)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_EV], dtype=tl.float32)
-
-    # The same split as the 16-bit forward: whole, fully visible key blocks skip the select.
-    if IS_CAUSAL:
-        hi = tl.minimum(S, start_m + BLOCK_M + causal_offset)
-        split = tl.minimum(S, start_m + causal_offset + 1)
-    else:
-        hi = S
-        split = S
-    split = tl.maximum(split // BLOCK_N * BLOCK_N, 0)
+    # The same split as the 16-bit forward (no window here: lo = mid = 0): whole, fully visible key
+    # blocks [0, split) skip the select, [split, hi) take it.
+    _, _, split, hi = query_tile_key_ranges(start_m, S, causal_offset, 0, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=False,
+                                            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     query_block = (q8, row_factor, offs_m, rng_rows)
     dropout = (seed, dropout_p)
     k_strides = (stride_kb, stride_kh, stride_kn, stride_ke)
@@ -237,11 +224,7 @@ def _attn_fwd_fp8(
         HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, EMULATE_ROUNDING=EMULATE_ROUNDING, BLOCK_N=BLOCK_N,
     )
 
-    empty_row = l_i == 0.0
-    l_safe = tl.where(empty_row, 1.0, l_i)
-    inv_l = 1.0 / l_safe
-    if HAS_DROPOUT:
-        inv_l = inv_l / (1.0 - dropout_p)
+    empty_row, l_safe, inv_l = row_normaliser(l_i, dropout_p, HAS_DROPOUT=HAS_DROPOUT)
     v_dequant = tl.load(V_DEQUANT + bh_kv * HEAD_DIM_V + offs_ev, mask=offs_ev < HEAD_DIM_V, other=0.0)
     out = acc * inv_l[:, None] * (v_dequant / P_SHIFT)[None, :]
     lse = tl.where(empty_row, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)

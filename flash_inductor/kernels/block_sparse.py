@@ -22,6 +22,8 @@ Symbols
 import triton
 import triton.language as tl
 
+from .band import query_tile_key_ranges
+
 
 @triton.jit
 def tile_lists(COUNTS, IDX, b, h, tile, stride_cb, stride_ch, stride_ib, stride_ih, list_len):
@@ -38,3 +40,35 @@ def layout_visible(map_base, stride_bmm, stride_bmn, q_idx, k_idx, in_bounds,
     computed = tl.load(map_base + (q_idx // LAYOUT_BQ) * stride_bmm + (k_idx // LAYOUT_BK) * stride_bmn,
                        mask=in_bounds, other=0)
     return computed != 0
+
+
+@triton.jit
+def listed_tiles(sparse, b, h, tile):
+    """(n_full, n_partial, listed) of one outer tile at batch b, head h; ``sparse`` is the kernel's
+    layout arguments (COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len,
+    stride_bmb, stride_bmh, stride_bmm, stride_bmn)."""
+    COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len, \
+        stride_bmb, stride_bmh, stride_bmm, stride_bmn = sparse
+    n_full, n_partial, tile_list = tile_lists(COUNTS, IDX, b, h, tile, stride_cb, stride_ch, stride_ib, stride_ih,
+                                              list_len)
+    return n_full, n_partial, (tile_list, BLOCK_MAP + b * stride_bmb + h * stride_bmh, stride_bmm, stride_bmn)
+
+
+@triton.jit
+def query_tile_key_tiles(start_m, b, h, S, causal_offset, window_lower, sparse,
+                         HAS_BLOCK_SPARSITY: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(listed, (lo, mid, split, hi)): the key tiles of the program's query tile at ``start_m`` (the
+    forward and the dQ pass), [lo, mid) and [split, hi) with the visibility select, [mid, split)
+    without (``band.query_tile_key_ranges``). Under HAS_BLOCK_SPARSITY they are positions in the
+    tile's list, its FULL tiles first ([mid, split)), then its PARTIAL ones ([split, hi)). Dense,
+    ``listed`` is a placeholder of the same shape that the loops never read (FROM_LIST and
+    LAYOUT_CHECK are False), since a Triton function cannot return None."""
+    if HAS_BLOCK_SPARSITY:
+        n_full, n_partial, listed = listed_tiles(sparse, b, h, tl.program_id(0))
+        ranges = (0, 0, n_full, n_full + n_partial)
+    else:
+        listed = (0, 0, 0, 0)
+        ranges = query_tile_key_ranges(start_m, S, causal_offset, window_lower, IS_CAUSAL=IS_CAUSAL,
+                                       WINDOW_LEFT=WINDOW_LEFT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    return listed, ranges

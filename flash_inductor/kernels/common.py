@@ -9,9 +9,22 @@ stride_mm / stride_mn), in_bounds (the tile's elements inside L x S), causal_off
 visible from row i when j <= i + causal_offset), window_lower (and, under WINDOW_LEFT, when
 j >= i + window_lower: ``launch/band.py``).
 
+The kernels' shared prologue (the program's batch and heads, its offsets, the dropout seed, the
+online softmax's starting state) and loop steps (a loop tile's indices, the P·V product) live here
+too, so that each kernel states only what is its own. Triton inlines every helper: the compiled code
+is the same as with the lines written out in each kernel.
+
+More symbols: bh (the program's (batch, query head) index, axis 1), b, h, h_kv (its batch, query
+head and K/V head; GROUP query heads share one K/V head), offs (a tile's rows or keys), offs_base
+(arange(0, BLOCK) of the looped-over tiles), offs_e / offs_ev (head-dim and value-dim columns),
+listed (a block-sparse tile list and its layout: ``block_sparse.py``), alpha (the online softmax's
+rescale of acc), p (P, unnormalised).
+
 Constexpr switches: HAS_MASK (a mask is given), MASK_IS_BOOL (bool, True = attend, or an
 additive float mask), IS_CAUSAL (keys past i + causal_offset are invisible), WINDOW_LEFT (keys
-before i + window_lower are invisible), CHECK (apply the bounds / band select: ``mask_scores``).
+before i + window_lower are invisible), CHECK (apply the bounds / band select: ``mask_scores``),
+HAS_DROPOUT (dropout on P, from SEED), FROM_LIST (walk a block-sparse list), P_IN_FP32 and FP32_DOT
+(P meets V in fp32; the dots' input_precision), HEAD_DIM_V (Ev, the value head dim).
 """
 
 import triton
@@ -77,3 +90,95 @@ def dropout_keep(seed, rows, cols, S, dropout_p):
     exactly, with no stored bits, whatever tiling either pass uses.
     """
     return tl.rand(seed, rows * S + cols) >= dropout_p
+
+
+@triton.jit
+def query_heads(H_Q, GROUP):
+    """(bh, b, h, h_kv) of a program whose second grid axis runs over batch x query heads."""
+    bh = tl.program_id(1)
+    b = (bh // H_Q).to(tl.int64)
+    h = (bh % H_Q).to(tl.int64)
+    h_kv = h // GROUP  # grouped-query attention: K/V are indexed, never repeated
+    return bh, b, h, h_kv
+
+
+@triton.jit
+def block_offsets(start, BLOCK_OWN: tl.constexpr, BLOCK_LOOP: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_EV: tl.constexpr):
+    """(offs, offs_base, offs_e, offs_ev): the program's own rows or keys from ``start``, the
+    looped-over tiles' base offsets, and the head-dim and value-dim columns."""
+    offs = start + tl.arange(0, BLOCK_OWN)
+    offs_base = tl.arange(0, BLOCK_LOOP)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_ev = tl.arange(0, BLOCK_EV)
+    return offs, offs_base, offs_e, offs_ev
+
+
+@triton.jit
+def dropout_seed(SEED, HAS_DROPOUT: tl.constexpr):
+    """The dropout seed (a device scalar, so that a new seed needs no recompile); 0, unused, without."""
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+    return seed
+
+
+@triton.jit
+def dropout_scales(SEED, dropout_p, HAS_DROPOUT: tl.constexpr):
+    """(seed, keep_scale) of the backward passes: the dropout seed and 1 / (1 - dropout_p), the
+    scale of the kept elements; 0 and 1 without dropout."""
+    seed = dropout_seed(SEED, HAS_DROPOUT=HAS_DROPOUT)
+    keep_scale = 1.0
+    if HAS_DROPOUT:
+        keep_scale = 1.0 / (1.0 - dropout_p)
+    return seed, keep_scale
+
+
+@triton.jit
+def online_softmax_start(BLOCK_M: tl.constexpr, BLOCK_EV: tl.constexpr):
+    """(m_i, l_i, acc) before the first key: max -inf, sum 0, output 0, all fp32."""
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_EV], dtype=tl.float32)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def row_normaliser(l_i, dropout_p, HAS_DROPOUT: tl.constexpr):
+    """(empty_row, l_safe, inv_l) at the end of the online softmax: l == 0 exactly when no key was
+    visible, and such a row divides by 1 (output 0, LSE -inf) instead of 0/0; inv_l also undoes
+    dropout's 1 - dropout_p."""
+    empty_row = l_i == 0.0
+    l_safe = tl.where(empty_row, 1.0, l_i)
+    inv_l = 1.0 / l_safe
+    if HAS_DROPOUT:
+        inv_l = inv_l / (1.0 - dropout_p)
+    return empty_row, l_safe, inv_l
+
+
+@triton.jit
+def loop_tile(it, listed, offs_base, length, BLOCK: tl.constexpr, FROM_LIST: tl.constexpr):
+    """(offs, in_range) of the tile a loop step visits: the tile starting at ``it``, or under
+    FROM_LIST the one at position ``it`` of a block-sparse list (``listed[0]``)."""
+    if FROM_LIST:
+        start = tl.load(listed[0] + it) * BLOCK
+    else:
+        start = it
+    offs = start + offs_base
+    return offs, offs < length
+
+
+@triton.jit
+def accumulate_pv(acc, alpha, p, v_base, offs_n, offs_ev, stride_vn, stride_ve, kv_ok,
+                  HEAD_DIM_V: tl.constexpr, P_IN_FP32: tl.constexpr, FP32_DOT: tl.constexpr):
+    """acc rescaled by alpha plus P·V for the key tile ``offs_n`` (keys past ``kv_ok`` load as 0).
+    P is rounded to V's dtype for the dot unless P_IN_FP32."""
+    v = tl.load(
+        v_base + offs_n[:, None] * stride_vn + offs_ev[None, :] * stride_ve,
+        mask=kv_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0,
+    )
+    if P_IN_FP32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision=FP32_DOT)
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=FP32_DOT)
+    return acc * alpha[:, None] + pv

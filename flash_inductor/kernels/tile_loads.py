@@ -4,11 +4,12 @@ The loops of the backward passes load Q/dO (dK/dV pass) or K/V (dQ pass) tiles a
 vectors through these helpers; the launcher tells them which bounds cannot bind.
 
 Symbols: ptrs (a tile's or a row vector's pointers), rows_ok / cols_ok (which rows and columns
-lie inside the tensor), other (the fill value past the rows).
+lie inside the tensor), other (the fill value past the rows), offs (the rows a loop step visits),
+offs_e / offs_ev (head-dim and value-dim columns), *_strides ((batch, head, row, column) strides).
 
 Constexpr switches: EVEN_ROWS (the looped-over length is a whole number of blocks: the
 launcher's EVEN_M / EVEN_N) and EVEN_COLS (the head dim equals its padded width: EVEN_E) drop
-the row and column masks.
+the row and column masks; HEAD_DIM / HEAD_DIM_V (E and Ev, the first and second tile's widths).
 """
 
 import triton
@@ -42,3 +43,18 @@ def load_rows(ptrs, rows_ok, other, EVEN_ROWS: tl.constexpr):
     else:
         vec = tl.load(ptrs, mask=rows_ok, other=other)
     return vec
+
+
+@triton.jit
+def load_tile_pair(a_base, b_base, offs, rows_ok, offs_e, offs_ev, a_strides, b_strides,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                   EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.constexpr):
+    """The rows ``offs`` of the two tensors a backward loop walks together, (Q, dO) in the dK/dV
+    pass and (K, V) in the dQ pass: E columns of the first, Ev of the second (see ``load_tile``)."""
+    _, _, stride_an, stride_ae = a_strides
+    _, _, stride_bn, stride_be = b_strides
+    a = load_tile(a_base + offs[:, None] * stride_an + offs_e[None, :] * stride_ae,
+                  rows_ok, offs_e < HEAD_DIM, EVEN_ROWS=EVEN_ROWS, EVEN_COLS=EVEN_COLS)
+    b = load_tile(b_base + offs[:, None] * stride_bn + offs_ev[None, :] * stride_be,
+                  rows_ok, offs_ev < HEAD_DIM_V, EVEN_ROWS=EVEN_ROWS, EVEN_COLS=EVEN_COLS)
+    return a, b

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from ..tuning.kernel_config import AttentionConfigs
 # The launch wrapper and the config lookup are read off the module at every launch, so that tools
 # and tests can swap them (tools/smem_check.py compiles for sm_90 instead of launching; the
 # bounds tests force wide tiles; tests spy on launches).
@@ -88,22 +87,10 @@ def _quantize(x: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tenso
     return x8, dequant
 
 
-def attention_forward_fp8(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    rng_seed: torch.Tensor | None,
-    dropout_p: float,
-    is_causal: bool,
-    causal_offset: int,
-    scale: float,
-    schedule: str,
-    *,
-    configs: AttentionConfigs | None = None,
-    window: tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``attention_forward``'s contract under the `fp8` schedule: (out in the input dtype,
+def attention_forward_fp8(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
+                          schedule, *, configs=None, window=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention_forward``'s contract under the `fp8` schedule: its arguments (typed there; a
+    block-sparse layout arrives folded into ``attn_mask``) and its results, (out in the input dtype,
     lse fp32 natural log). The LSE is the fp8 forward's own (from e4m3-rounded scores)."""
     from ..kernels.attn_fwd_fp8 import _attn_fwd_fp8
 

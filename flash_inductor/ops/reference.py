@@ -177,6 +177,21 @@ def _layout_scores(problem: _GroupedProblem, scores: torch.Tensor, block_layout:
     return scores.masked_fill(~in_layout.reshape(scores.shape), float("-inf"))
 
 
+def _visible_score_chunks(problem, grouped_query, key, attn_mask, band, scale, block_layout):
+    """(start, stop, scores) of each chunk of keys the band reaches: the scores of keys
+    [start, stop) with the mask, the band and the block layout applied (-inf where invisible)."""
+    for start, stop in _key_chunks(problem.key_len, band, problem.query_len):
+        scores = _chunk_scores(problem, grouped_query, key[..., start:stop, :], attn_mask, band, scale, start, stop)
+        yield start, stop, _layout_scores(problem, scores, block_layout, start, stop)
+
+
+def _running_max(row_max, scores):
+    """(new row max, the shift to exponentiate against) after one more chunk of scores. A row with
+    no visible key so far has max -inf; shifting by it would give -inf - -inf = NaN, so it shifts by 0."""
+    new_max = torch.maximum(row_max, scores.amax(dim=-1))
+    return new_max, torch.where(new_max.isneginf(), torch.zeros_like(new_max), new_max)
+
+
 def _dropout_scale(
     problem: _GroupedProblem,
     rng_seed: Optional[torch.Tensor],
@@ -240,13 +255,8 @@ def reference_forward(
         (*rows_shape, value.shape[-1]), dtype=problem.compute_dtype, device=problem.device
     )
 
-    for start, stop in _key_chunks(problem.key_len, band, problem.query_len):
-        scores = _layout_scores(problem, _chunk_scores(
-            problem, grouped_query, key[..., start:stop, :], attn_mask, band, scale, start, stop
-        ), block_layout, start, stop)
-        new_max = torch.maximum(running_max, scores.amax(dim=-1))
-        # A row with no visible key so far has max -inf; shifting by it would give -inf - -inf = NaN.
-        shift = torch.where(new_max.isneginf(), torch.zeros_like(new_max), new_max)
+    for start, stop, scores in _visible_score_chunks(problem, grouped_query, key, attn_mask, band, scale, block_layout):
+        new_max, shift = _running_max(running_max, scores)
         correction = torch.exp(running_max - shift)
         probs = torch.exp(scores - shift[..., None])
         running_sum = running_sum * correction + probs.sum(dim=-1)
@@ -285,12 +295,8 @@ def _row_reference(problem, grouped_query, key, attn_mask, band, scale, grouped_
     if saturated.any():
         row_max = torch.full_like(reference, float("-inf"))
         row_sum = torch.zeros_like(reference)
-        for start, stop in _key_chunks(problem.key_len, band, problem.query_len):
-            scores = _layout_scores(problem, _chunk_scores(
-                problem, grouped_query, key[..., start:stop, :], attn_mask, band, scale, start, stop
-            ), block_layout, start, stop)
-            new_max = torch.maximum(row_max, scores.amax(dim=-1))
-            safe_max = torch.where(new_max.isneginf(), torch.zeros_like(new_max), new_max)
+        for _, _, scores in _visible_score_chunks(problem, grouped_query, key, attn_mask, band, scale, block_layout):
+            new_max, safe_max = _running_max(row_max, scores)
             row_sum = row_sum * torch.exp(row_max - safe_max) + torch.exp(scores - safe_max[..., None]).sum(dim=-1)
             row_max = new_max
         reference = torch.where(saturated, row_max, reference)

@@ -244,15 +244,24 @@ def _reaches_product(node: Any, depth: int = 8) -> bool:
     return False
 
 
+def _two_tensor_op(node: fx.Node, inplace_function, functions: tuple, method: str) -> Optional[bool]:
+    """For ``node`` an add or a sub (``method``) of two graph tensors with alpha 1: whether it is the
+    in-place form (``inplace_function``, ``method_``). None for any other node."""
+    inplace = is_function(node, inplace_function) or is_method(node, method + "_")
+    if not (inplace or is_function(node, *functions) or is_method(node, method)):
+        return None
+    args = bind(node, ("input", "other"), dict(alpha=1))
+    if args["alpha"] != 1 or len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
+        return None
+    return inplace
+
+
 def _pattern_mask_1(node: fx.Node, head_dim: Any) -> Optional[Step]:
     # BERT / HF Llama: scores + attention_mask (additive, finfo.min or -inf); T5: scores +=
     # position_bias, which must receive its gradient (a float attn_mask does); Falcon (ALiBi):
     # scores + alibi.view(...), before its scale.
-    inplace = is_function(node, operator.iadd) or is_method(node, "add_")
-    if not (inplace or is_function(node, operator.add, torch.add) or is_method(node, "add")):
-        return None
-    args = bind(node, ("input", "other"), dict(alpha=1))
-    if args["alpha"] != 1 or len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
+    inplace = _two_tensor_op(node, operator.iadd, (operator.add, torch.add), "add")
+    if inplace is None:
         return None
     candidates = (0,) if inplace else (0, 1)  # in place, the mutated operand must be the scores
     for i in candidates:
@@ -267,11 +276,7 @@ def _pattern_mask_1(node: fx.Node, head_dim: Any) -> Optional[Step]:
 def _pattern_mask_4(node: fx.Node, head_dim: Any) -> Optional[Step]:
     # Older BERT ports, GPT-J style: scores - 10000.0 * (1 - mask), a bias subtracted from the
     # scores: an additive mask with factor -1 (exact: negation rounds nothing).
-    inplace = is_function(node, operator.isub) or is_method(node, "sub_")
-    if not (inplace or is_function(node, operator.sub, torch.sub) or is_method(node, "sub")):
-        return None
-    args = bind(node, ("input", "other"), dict(alpha=1))
-    if args["alpha"] != 1 or len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
+    if _two_tensor_op(node, operator.isub, (operator.sub, torch.sub), "sub") is None:
         return None
     scores, mask = node.args
     if not (_is_product(scores) or _reaches_product(scores)):
