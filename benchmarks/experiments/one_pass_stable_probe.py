@@ -23,7 +23,7 @@ against cuDNN's, each timed alone after heating. A time budget stops the grid.
 
 RESULT (H200, 2026-12-02, --skip-accuracy --seqs 16384; benchmarks/results/hopper_bwd_nvidia-h200_20261202.json,
 `one_pass_stable`): forward+backward / cuDNN: one-pass 0.57-0.63, stable 0.71-0.78, fast 0.88-0.94.
-The split forward takes 1.52-1.90x the forward's time, the DQ_RESIDUAL backward 1.46-1.54x fast's.
+The split forward takes 1.52-1.90x the forward's time, the DQ_RESIDUAL backward 1.45-1.54x fast's.
 Accurate (tests/unit/test_hopper_bwd.py::test_one_pass_exact_delta_on_near_tied_keys passes on the
 H200), too slow to replace `stable`'s two-pass backward.
 """
