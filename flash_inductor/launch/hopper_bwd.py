@@ -21,12 +21,11 @@ cast to dq.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
-
-import functools
-import logging
 
 from ..schedules import get_schedule
 from .common import LOG2E, cdiv
