@@ -44,7 +44,7 @@ def _kernels_package():
 
 
 def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int = 64, stages: int = 2,
-                   dq_split: bool = False, dq_tma: bool = True, dq_residual: bool = False, consumer_regs: int = 240, loader_regs: int = 24, maxnreg: int = 168):
+                   dq_split: bool = False, dq_tma: bool = True, consumer_regs: int = 240, loader_regs: int = 24, maxnreg: int = 168):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -63,12 +63,12 @@ def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int = 64, s
     signature = {
         "q_desc": q_sig, "k_desc": kv_sig, "v_desc": kv_sig, "do_desc": q_sig, "dk_desc": kv_sig, "dv_desc": kv_sig,
         "dq_desc": dq_sig,
-        "LSE": "*fp32", "DELTA": "*fp32", "DQ_ACCUM": "*fp32", "KBAR": "*fp32",
+        "LSE": "*fp32", "DELTA": "*fp32", "DQ_ACCUM": "*fp32",
         "L": "i32", "S": "i32", "H_KV": "i32", "GROUP": "i32", "causal_offset": "i32", "qk_scale": "fp32",
         "sm_scale": "fp32",
     }
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=128, NUM_STAGES=stages, IS_CAUSAL=causal,
-                      DQ_SPLIT=dq_split, DQ_TMA=dq_tma, DQ_RESIDUAL=dq_residual, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs)
+                      DQ_SPLIT=dq_split, DQ_TMA=dq_tma, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs)
     signature.update({k: "constexpr" for k in constexprs})
     src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
@@ -94,15 +94,13 @@ def main() -> int:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--dq-split", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--dq-tma", type=int, nargs="*", default=[1], help="1: TMA reduce-add of dQ tiles, 0: atomics")
-    ap.add_argument("--dq-residual", action="store_true", help="DQ_RESIDUAL: compensate dS's rounding per key block")
     ap.add_argument("--dump", default=None, help="folder for the ttgir/ptx/sass of each config")
     args = ap.parse_args()
     for e in args.head_dim:
         for split, dq_tma in ((s, t) for s in args.dq_split for t in args.dq_tma):
-            k = compile_config(e, args.dtype, args.causal, args.block_m, args.stages, bool(split), bool(dq_tma),
-                               args.dq_residual)
+            k = compile_config(e, args.dtype, args.causal, args.block_m, args.stages, bool(split), bool(dq_tma))
             print(f"E={e} {args.dtype} causal={args.causal} BM={args.block_m} stages={args.stages} "
-                  f"dq_split={bool(split)} dq_tma={bool(dq_tma)} dq_residual={args.dq_residual}: {report(k)}", flush=True)
+                  f"dq_split={bool(split)} dq_tma={bool(dq_tma)}: {report(k)}", flush=True)
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
                 tag = f"e{e}_{args.dtype}_{'c' if args.causal else 'n'}_bm{args.block_m}_s{args.stages}_split{split}_tma{dq_tma}"

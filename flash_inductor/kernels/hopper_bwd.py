@@ -40,14 +40,6 @@ Constexpr switches:
               it to the accumulator with one TMA reduce-add (``dq_desc``, box BLOCK_M x its dQ
               columns), waited for only before the tile is written again, a tile pair later.
               False: one relaxed scalar atomic add per element (``DQ_ACCUM``'s pointer).
-  DQ_RESIDUAL dS's rounding in dS·K is compensated per 64-key block: each consumer sums
-              r = dS - round(dS) over its keys for every query row (fp32), the two consumers swap
-              those sums through shared memory with the dS handshake, and dq gains
-              Σ_c r_c ⊗ k̄_c (``KBAR``: each 64-key block's mean key, fp32). The sum is then
-              Σⱼ dSᵢⱼ kⱼ + Σⱼ eᵢⱼ (kⱼ - k̄_block): the rounding meets only the keys' spread inside
-              their block, not a component they all share (near-tied keys). With an exact Δ
-              (``DELTA`` from dO·(O + O_lo) of the forward's SPLIT_P) this is the one-pass form of
-              `stable`'s correction (docs/hopper_backward.md). Needs DQ_SPLIT. An experiment.
 
 Precision contract as ``kernels/attn_bwd.py`` under the `fast` schedule: S, P, dP and dS stay
 fp32 until dS meets the matrix unit; P rounded to the input dtype for dV, dS for dK and dQ.
@@ -127,12 +119,12 @@ def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, 
 
 
 @gluon.jit
-def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, res_smem,
+def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                          kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                         LSE, DELTA, DQ_ACCUM, KBAR, L, S, H_KV, GROUP, causal_offset, qk_scale, sm_scale,
+                         LSE, DELTA, DQ_ACCUM, L, S, H_KV, GROUP, causal_offset, qk_scale, sm_scale,
                          CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                         DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, DQ_RESIDUAL: gl.constexpr):
+                         DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
     dtype: gl.constexpr = dk_desc.dtype
     KC: gl.constexpr = KEYS_PER_CONSUMER
     # Sᵀ and dPᵀ: (64 keys) x (BLOCK_M query rows); dK, dV: (64 keys) x E.
@@ -178,9 +170,6 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
     dq_cols = dq_cols + dq_col0
     if DQ_TMA:
         dq_tile = dq_smem.index(CONSUMER)
-    if DQ_RESIDUAL:
-        # Where this CTA's two 64-key blocks' mean keys are (KBAR: (B, H_KV, key blocks, E)).
-        kbar_row = ((b * H_KV + h_kv) * gl.cdiv(S, KC) + n0 // KC).to(gl.int64) * HEAD_DIM
     mbarrier.wait(kv_ready.index(CONSUMER), 0)
 
     for t in range(GROUP * n_m):
@@ -229,9 +218,6 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
             # other has arrived for tile t + 1, i.e. after its dQ GEMM of tile t retired.
             buf = ds_smem.index(t % 2)
             buf.slice(CONSUMER * KC, KC, dim=0).store(dst16)
-            if DQ_RESIDUAL:
-                # σ - σ̃ of this consumer's keys, per query row; published with the dS handshake.
-                res_smem.index((t % 2) * NUM_CONSUMERS + CONSUMER).store(gl.sum(dst - dst16.to(gl.float32), 0))
             fence_async_shared()
             mbarrier.arrive(ds_ready.index(t % 2), count=1)
             mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
@@ -244,15 +230,6 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
         # pt_op/ds_op stay in deps so their registers are not reused under the running wgmma.
         dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
         mbarrier.arrive(q_empty.index(slot), count=1)
-        if DQ_RESIDUAL:
-            res_layout: gl.constexpr = gl.SliceLayout(1, dq_layout)
-            res0 = res_smem.index((t % 2) * NUM_CONSUMERS).load(res_layout)
-            res1 = res_smem.index((t % 2) * NUM_CONSUMERS + 1).load(res_layout)
-            # Loaded per tile (L1-resident) rather than held across the loop: registers are short.
-            kbar0 = gl.load(KBAR + kbar_row + dq_cols)
-            kbar1 = gl.load(KBAR + kbar_row + HEAD_DIM + dq_cols, mask=(n0 + KC < S) | (dq_cols < 0), other=0.0)
-            dq = (dq + gl.expand_dims(res0, 1) * gl.expand_dims(kbar0, 0)
-                  + gl.expand_dims(res1, 1) * gl.expand_dims(kbar1, 0))
         # The softmax scale goes on in fp32 here, after the cast of dS, so dS's rounding is FA2's.
         dq = dq * sm_scale
         if DQ_TMA:
@@ -281,18 +258,16 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
 
 
 @gluon.jit
-def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, DQ_ACCUM, KBAR,
+def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, DQ_ACCUM,
                      L, S, H_KV, GROUP, causal_offset, qk_scale, sm_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr,
-                     DQ_TMA: gl.constexpr, DQ_RESIDUAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     LOADER_REGS: gl.constexpr):
+                     DQ_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(S, BLOCK_N), B * H_KV). Descriptors are 4-D over (B, H, L or S, E): Q and dO
     boxes (1, 1, BLOCK_M, E); K, V, dK, dV boxes (1, 1, 64, E). DQ_ACCUM is (B, Hq, L, E) fp32
     zeros, contiguous, and ``dq_desc`` describes it with box (1, 1, BLOCK_M, E or E / 2 under
     DQ_SPLIT) (used only under DQ_TMA); LSE (natural log) and DELTA are (B, Hq, L) fp32, contiguous."""
     gl.static_assert(BLOCK_N == NUM_CONSUMERS * KEYS_PER_CONSUMER, "BLOCK_N is 64 keys per consumer")
-    gl.static_assert(DQ_SPLIT or not DQ_RESIDUAL, "DQ_RESIDUAL swaps its row sums with DQ_SPLIT's handshake")
     dtype: gl.constexpr = q_desc.dtype
     qk_scale = qk_scale.to(gl.float32)
     sm_scale = sm_scale.to(gl.float32)
@@ -314,12 +289,6 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
         dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS] + dq_desc.block_type.shape, dq_desc.layout)
     else:
         dq_smem = ds_smem  # unused
-    if DQ_RESIDUAL:
-        # Per tile parity and consumer, one fp32 row sum per query row.
-        res_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_CONSUMERS, BLOCK_M],
-                                             gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    else:
-        res_smem = ds_smem  # unused
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -336,14 +305,14 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
         mbarrier.init(q_empty.index(i), count=NUM_CONSUMERS)
 
     gl.warp_specialize([
-        (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, res_smem,
+        (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                                 kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                                LSE, DELTA, DQ_ACCUM, KBAR, L, S, H_KV, GROUP, causal_offset, qk_scale, sm_scale,
-                                0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, DQ_SPLIT, DQ_TMA, DQ_RESIDUAL)),
-        (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, res_smem,
+                                LSE, DELTA, DQ_ACCUM, L, S, H_KV, GROUP, causal_offset, qk_scale, sm_scale,
+                                0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, DQ_SPLIT, DQ_TMA)),
+        (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                                 kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                                LSE, DELTA, DQ_ACCUM, KBAR, L, S, H_KV, GROUP, causal_offset, qk_scale, sm_scale,
-                                1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, DQ_SPLIT, DQ_TMA, DQ_RESIDUAL)),
+                                LSE, DELTA, DQ_ACCUM, L, S, H_KV, GROUP, causal_offset, qk_scale, sm_scale,
+                                1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, DQ_SPLIT, DQ_TMA)),
         (_hopper_bwd_loader, (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem,
                               kv_ready, q_ready, do_ready, q_empty,
                               L, H_KV, GROUP, causal_offset, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),

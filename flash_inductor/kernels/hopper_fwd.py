@@ -30,12 +30,6 @@ Constexpr switches:
   PINGPONG      the consumers take turns issuing their MMAs (a token passed round-robin through
                 mbarriers, FA3's warp scheduler barrier), so one warpgroup's softmax runs while
                 the next one's GEMMs own the tensor cores, rather than all contending at once.
-  SPLIT_P       P·V takes P in two 16-bit halves, p_hi = round(P) and p_lo = round(P - p_hi), in
-                two wgmmas into the same fp32 accumulator, so acc holds Σ P·v with P exact to
-                about u² instead of round(P)·v; the kernel then also stores O_lo = round(O_fp32 -
-                O) through ``o_lo_desc``. dO·(O + O_lo) is then the backward's exact Δ
-                (Σⱼ Pᵢⱼ dPᵢⱼ) without a pass over the keys (docs/hopper_backward.md). An experiment:
-                the op does not set it yet.
 
 Schedule (per consumer, FA3's intra-warpgroup overlap): the Q·Kᵀ of tile j is issued before
 the P·V of tile j-1, so the softmax of tile j runs while the tensor cores finish P·V of j-1;
@@ -135,19 +129,6 @@ def _softmax_step(s, m_i, l_i, qk_scale, row_ids, j, n_full, S, causal_offset,
 
 
 @gluon.jit
-def _p_operands(p, dtype: gl.constexpr, p_layout: gl.constexpr, SPLIT_P: gl.constexpr):
-    """P·V's A operands from the fp32 P: round(P), and under SPLIT_P also round(P - round(P))
-    (else the same registers again, never read)."""
-    p_hi = p.to(dtype)
-    p_op = gl.convert_layout(p_hi, p_layout)
-    if SPLIT_P:
-        p_lo_op = gl.convert_layout((p - p_hi.to(gl.float32)).to(dtype), p_layout)
-    else:
-        p_lo_op = p_op
-    return p_op, p_lo_op
-
-
-@gluon.jit
 def _take_turn(turn, round, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr):
     """Wait for this warpgroup's turn to issue MMAs in round ``round``. Consumer c waits on
     turn[c], which consumer c-1 arrives on after issuing; consumer 0 goes first (a fresh mbarrier
@@ -166,13 +147,12 @@ def _pass_turn(turn, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPO
 
 
 @gluon.jit
-def _hopper_fwd_consumer(o_desc, o_lo_desc, q_smem, k_smem, v_smem,
+def _hopper_fwd_consumer(o_desc, q_smem, k_smem, v_smem,
                          q_ready, k_ready, v_ready, k_empty, v_empty,
                          LSE, L, S, H, causal_offset, qk_scale,
                          turn, CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                         NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                         SPLIT_P: gl.constexpr):
+                         NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     """One warpgroup: BLOCK_M query rows against every key tile the loader brings."""
     ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
     dtype: gl.constexpr = o_desc.dtype
@@ -214,7 +194,7 @@ def _hopper_fwd_consumer(o_desc, o_lo_desc, q_smem, k_smem, v_smem,
     mbarrier.arrive(k_empty.index(0), count=1)
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, row_ids, 0, n_full, S, causal_offset,
                                        s_layout, BLOCK_N, IS_CAUSAL)
-    p_op, p_lo_op = _p_operands(p, dtype, p_layout, SPLIT_P)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
 
     for j in range(1, n_tiles):
         slot = j % NUM_STAGES
@@ -229,19 +209,17 @@ def _hopper_fwd_consumer(o_desc, o_lo_desc, q_smem, k_smem, v_smem,
         mbarrier.wait(v_ready.index(prev), prev_phase)
         v_tile = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
         acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
-        if SPLIT_P:
-            acc_tok = warpgroup_mma(p_lo_op, v_tile, acc_tok, is_async=True)
         _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
-        # wgmma groups retire in issue order: with the P·V group(s) still outstanding, S_j is done.
-        s = warpgroup_mma_wait(num_outstanding=2 if SPLIT_P else 1, deps=(s_tok, ))
+        # wgmma groups retire in issue order: one outstanding means S_j is done, P·V may not be.
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, row_ids, j, n_full, S, causal_offset,
                                            s_layout, BLOCK_N, IS_CAUSAL)
         # p_op stays in deps so its registers are not reused while the P·V that reads them runs.
-        acc, p_op, p_lo_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op, p_lo_op))
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op))
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        p_op, p_lo_op = _p_operands(p, dtype, p_layout, SPLIT_P)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
 
     last = (n_tiles - 1) % NUM_STAGES
     last_phase = ((n_tiles - 1) // NUM_STAGES) & 1
@@ -249,18 +227,15 @@ def _hopper_fwd_consumer(o_desc, o_lo_desc, q_smem, k_smem, v_smem,
     mbarrier.wait(v_ready.index(last), last_phase)
     v_tile = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
     acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
-    if SPLIT_P:
-        acc_tok = warpgroup_mma(p_lo_op, v_tile, acc_tok, is_async=True)
     _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
-    acc, p_op, p_lo_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op, p_lo_op))
+    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op))
     mbarrier.arrive(v_empty.index(last), count=1)
 
     # l_i == 0 exactly when no key was visible: output 0 and LSE -inf instead of 0/0.
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
     inv_l = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
-    out_fp32 = acc * gl.expand_dims(inv_l, 1)
-    out = out_fp32.to(dtype)
+    out = (acc * gl.expand_dims(inv_l, 1)).to(dtype)
     lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
     gl.store(LSE + (b * H + h).to(gl.int64) * L + row_ids, lse, mask=row_ids < L)
 
@@ -269,23 +244,16 @@ def _hopper_fwd_consumer(o_desc, o_lo_desc, q_smem, k_smem, v_smem,
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], q_smem.index(CONSUMER))
     tma.store_wait(pendings=0)
-    if SPLIT_P:
-        q_tile.store((out_fp32 - out.to(gl.float32)).to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_lo_desc, [b, h, row0, 0], q_smem.index(CONSUMER))
-        tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, o_lo_desc, LSE,
+def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE,
                      L, S, H, GROUP, causal_offset, qk_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                     PINGPONG: gl.constexpr, SPLIT_P: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     LOADER_REGS: gl.constexpr):
+                     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(L, BLOCK_M * NUM_CONSUMERS), B * H). Q/K/V/O descriptors are 4-D over
-    (B, H, L or S, E) with boxes (1, 1, rows, E), so TMA clips and zero-fills per head.
-    ``o_lo_desc`` (O's rounding residual, like O) is written only under SPLIT_P."""
+    (B, H, L or S, E) with boxes (1, 1, rows, E), so TMA clips and zero-fills per head."""
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "two or three consumer warpgroups")
     dtype: gl.constexpr = q_desc.dtype
     qk_scale = qk_scale.to(gl.float32)
@@ -312,12 +280,12 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, o_lo_desc, LSE,
     # partition gets its arguments spelled out; the default partition is consumer 0.
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_hopper_fwd_consumer, (o_desc, o_lo_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+            (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
                                     LSE, L, S, H, causal_offset, qk_scale, turn,
-                                    0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG, SPLIT_P)),
-            (_hopper_fwd_consumer, (o_desc, o_lo_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                                    0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG)),
+            (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
                                     LSE, L, S, H, causal_offset, qk_scale, turn,
-                                    1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG, SPLIT_P)),
+                                    1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG)),
             (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                   q_ready, k_ready, v_ready, k_empty, v_empty,
                                   L, S, H, GROUP, causal_offset,
@@ -325,15 +293,15 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, o_lo_desc, LSE,
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_hopper_fwd_consumer, (o_desc, o_lo_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+            (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
                                     LSE, L, S, H, causal_offset, qk_scale, turn,
-                                    0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG, SPLIT_P)),
-            (_hopper_fwd_consumer, (o_desc, o_lo_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                                    0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG)),
+            (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
                                     LSE, L, S, H, causal_offset, qk_scale, turn,
-                                    1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG, SPLIT_P)),
-            (_hopper_fwd_consumer, (o_desc, o_lo_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                                    1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG)),
+            (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
                                     LSE, L, S, H, causal_offset, qk_scale, turn,
-                                    2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG, SPLIT_P)),
+                                    2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG)),
             (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                   q_ready, k_ready, v_ready, k_empty, v_empty,
                                   L, S, H, GROUP, causal_offset,

@@ -199,16 +199,13 @@ def tma_descriptor(t: torch.Tensor, rows: int, cols: int | None = None):
 
 def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                              scale: float | None = None, is_causal: bool = False, causal_offset: int = 0,
-                             config: HopperForwardConfig | None = None,
-                             out_residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             config: HopperForwardConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on the Gluon Hopper kernel. ``query`` (B, Hq, L, E), ``key``/``value``
     (B, Hkv, S, E) with Hq a multiple of Hkv. Key j is visible to query i iff
     ``j <= i + causal_offset`` when ``is_causal`` (0: top-left, SDPA's convention).
 
     Returns (out (B, Hq, L, E) in the input dtype, lse (B, Hq, L) fp32, natural log). Call only
-    where ``hopper_forward_supported`` says so. ``out_residual`` (contiguous, like ``out``): run the
-    kernel's SPLIT_P variant, which forms P·V with P exact to about u² and writes O's rounding
-    residual there (an experiment, ``benchmarks/experiments/one_pass_stable_probe.py``)."""
+    where ``hopper_forward_supported`` says so."""
     from ..kernels.hopper_fwd import _attn_fwd_hopper
 
     batch, heads_q, seq_q, head_dim = query.shape
@@ -222,11 +219,11 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     grid = (cdiv(seq_q, rows), batch * heads_q)
     _attn_fwd_hopper[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, cfg.block_n), tma_descriptor(value, cfg.block_n),
-        tma_descriptor(out, cfg.block_m), tma_descriptor(out if out_residual is None else out_residual, cfg.block_m), lse,
+        tma_descriptor(out, cfg.block_m), lse,
         seq_q, seq_k, heads_q, heads_q // heads_kv, causal_offset if is_causal else 0, scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal, PINGPONG=cfg.pingpong,
-        SPLIT_P=out_residual is not None, CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
+        CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         # The entry cap fills the register file; setmaxnreg then moves the loader's registers to
         # the consumers (2 consumers: 168 -> 240/240/24; 3: 128 -> 160/160/160/24).
         num_warps=4, maxnreg=cfg.maxnreg,

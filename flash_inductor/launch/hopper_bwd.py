@@ -48,15 +48,12 @@ class HopperBackwardConfig:
     owns 128 keys (64 per consumer warpgroup). ``dq_split``: the two consumers share dS through
     shared memory and each computes half of dQ's columns (FA3's split), rather than each adding
     its own 64-key partial dQ. ``dq_tma``: dQ partials reach the fp32 accumulator through shared
-    memory and one TMA reduce-add per tile rather than one scalar atomic add per element.
-    ``dq_residual``: compensate dS's rounding in dS·K per 64-key block (the kernel's DQ_RESIDUAL;
-    an experiment toward `stable` on this path, needs ``dq_split``)."""
+    memory and one TMA reduce-add per tile rather than one scalar atomic add per element."""
 
     block_m: int = 64
     num_stages: int = 2
     dq_split: bool = True
     dq_tma: bool = True
-    dq_residual: bool = False
     consumer_regs: int = 240
     loader_regs: int = 24
 
@@ -99,12 +96,7 @@ def hopper_backward_unsupported_reason(query, key, value, attn_mask=None, dropou
 
 
 def backward_tma_unsupported_reason(grad_out, query, key, value) -> str | None:
-    """None if TMA descriptors can address the backward's (real) inputs, else why not. dO must
-    also have the inputs' dtype and shape (the kernel reads it through a descriptor of Q's kind; a
-    caller such as the ring's merge may hand in an fp32 dO)."""
-    if grad_out.dtype != query.dtype or grad_out.shape != query.shape:
-        return (f"grad_out {grad_out.dtype} {tuple(grad_out.shape)} differs from query's "
-                f"{query.dtype} {tuple(query.shape)}")
+    """None if TMA descriptors can address the backward's (real) inputs, else why not."""
     return tma_unsupported_reason(query, key, value) or tma_unsupported_reason(grad_out, key, value)
 
 
@@ -150,31 +142,19 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     lse = lse.to(torch.float32).contiguous()
     dq_accum = torch.zeros((batch, heads_q, seq_q, head_dim), dtype=torch.float32, device=query.device)
     dq_tma = cfg.dq_tma and HAS_TMA_REDUCE
-    kbar = _block_mean_keys(key, 64) if cfg.dq_residual else lse
     dq_cols = head_dim // 2 if cfg.dq_split else head_dim
     grid = (cdiv(seq_k, cfg.block_n), batch * heads_kv)
     _attn_bwd_hopper[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, 64), tma_descriptor(value, 64),
         tma_descriptor(grad_out, cfg.block_m), tma_descriptor(dk, 64), tma_descriptor(dv, 64),
-        tma_descriptor(dq_accum, cfg.block_m, dq_cols), lse, delta, dq_accum, kbar,
+        tma_descriptor(dq_accum, cfg.block_m, dq_cols), lse, delta, dq_accum,
         seq_q, seq_k, heads_kv, heads_q // heads_kv, causal_offset if is_causal else 0, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-        IS_CAUSAL=is_causal, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma,
-        DQ_RESIDUAL=cfg.dq_residual, CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
+        IS_CAUSAL=is_causal, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma, CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
     # The kernel already added scale·dS·K: only the cast is left.
     return dq_accum.to(query.dtype), dk, dv
-
-
-def _block_mean_keys(key: torch.Tensor, width: int) -> torch.Tensor:
-    """(B, Hkv, cdiv(S, width), E) fp32: the mean of each block of ``width`` keys (a ragged last
-    block over the keys it has)."""
-    batch, heads, seq, dim = key.shape
-    blocks = cdiv(seq, width)
-    padded = torch.nn.functional.pad(key.float(), (0, 0, 0, blocks * width - seq))
-    counts = (seq - torch.arange(blocks, device=key.device) * width).clamp(max=width).float()
-    return (padded.view(batch, heads, blocks, width, dim).sum(3) / counts[:, None]).contiguous()
 
 
 def hopper_backward_supported(grad_out, query, key, value, attn_mask=None, dropout_p: float = 0.0,
