@@ -53,7 +53,7 @@ RESULT (CPU, torch 2.13; benchmarks/results/delta_variants_cpu_20261201.json, it
     block's mean, which only K̄ itself cancels. Closed.
   * One pass ('one_pass' in the results file, 2026-12-02, --quick; base 3 seeds, features 2).
     p32_res64 takes fp32_o_p32's Δ (a forward whose P·V sees P exactly: the Gluon forward's
-    SPLIT_P) and compensates dS's rounding per 64-key block, dq += Σ_b (σ_b − σ̃_b)·k̄_b
+    SPLIT_P, tried on the H200 and retired, docs/hopper_backward.md) and compensates dS's rounding per 64-key block, dq += Σ_b (σ_b − σ̃_b)·k̄_b
     (rounding_residual_dq; p32_res128 per 128). Against exact_kernel, median (max): dk 1.00 in
     every case and feature (0.87-1.00); dq random 1.03-1.19, near_tied 1.00-1.11 in bf16 and
     1.41-1.64 in fp16, drift 0.52-0.69 (128: 1.05-1.12), RoPE 1.8-2.0 (2.0), peaked 1.3-1.6,
