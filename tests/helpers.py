@@ -554,3 +554,28 @@ def mock_hopper(monkeypatch):
     def tensor(*shape, dtype=torch.bfloat16):
         return torch.empty(shape, dtype=dtype).as_subclass(CudaLooking)
     return tensor
+
+
+def assert_shadow_check_passes(seq: int, **attention_kwargs) -> None:
+    """A one-layer model whose attention is ``flash_attention(q, k, v, **attention_kwargs)`` (two
+    heads of 8, batch 2, ``seq`` tokens) passes ``flash_inductor.debug.shadow``: one site, no
+    failure, and out, dq, dk and dv all compared against the float64 twin."""
+    import flash_inductor
+    from flash_inductor import debug
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 3 * 16)
+
+        def forward(self, x):
+            q, k, v = self.proj(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+            return flash_inductor.flash_attention(q, k, v, **attention_kwargs).sum()
+
+    torch.manual_seed(0)
+    model = Attention()
+    with debug.shadow(model) as check:
+        model(torch.randn(2, seq, 16)).backward()
+    report = check.report()
+    assert report.sites == ["<model>"] and report.first_failure is None, str(report)
+    assert {c.result for c in report.checks if c.compared} == {"out", "dq", "dk", "dv"}

@@ -31,7 +31,7 @@ import flash_inductor
 from flash_inductor.passes import handwritten, sdpa
 from flash_inductor.passes.report import REPORTS
 from flash_inductor.passes.site import AttentionSite
-from helpers import DEVICE, assert_close_to_ref
+from helpers import DEVICE, assert_close_to_ref, assert_shadow_check_passes
 from model_zoo import HEADS, HIDDEN, KV_HEADS, SEQ, VOCAB, compile_backend, token_inputs
 
 B, H, L, E, W = 2, 2, 9, 8, 3
@@ -542,24 +542,7 @@ def test_debug_shadow_checks_a_sliding_window_site():
 
 
 def test_debug_shadow_checks_our_op_with_a_window():
-    from flash_inductor import debug
-
-    class Attention(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.proj = nn.Linear(16, 3 * 16)
-
-        def forward(self, x):
-            q, k, v = self.proj(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
-            return flash_inductor.flash_attention(q, k, v, window=(W, 1)).sum()
-
-    torch.manual_seed(0)
-    model = Attention()
-    with debug.shadow(model) as check:
-        model(torch.randn(2, 11, 16)).backward()
-    report = check.report()
-    assert report.sites == ["<model>"] and report.first_failure is None, str(report)
-    assert {c.result for c in report.checks if c.compared} == {"out", "dq", "dk", "dv"}
+    assert_shadow_check_passes(11, window=(W, 1))
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -9,6 +9,8 @@ import json
 import pytest
 import torch
 
+from helpers import assert_shadow_check_passes
+
 
 @pytest.fixture(scope="module")
 def demo():
@@ -71,24 +73,7 @@ def test_shadow_changes_nothing_and_is_gone_after_the_block(demo, debug):
 
 
 def test_shadow_checks_our_op(debug):
-    import flash_inductor
-
-    class Attention(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.proj = torch.nn.Linear(16, 3 * 16)
-
-        def forward(self, x):
-            q, k, v = self.proj(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
-            return flash_inductor.flash_attention(q, k, v, is_causal=True).sum()
-
-    torch.manual_seed(0)
-    model = Attention()
-    with debug.shadow(model) as check:
-        model(torch.randn(2, 11, 16)).backward()
-    report = check.report()
-    assert report.sites == ["<model>"] and report.first_failure is None, str(report)
-    assert {c.result for c in report.checks if c.compared} == {"out", "dq", "dk", "dv"}
+    assert_shadow_check_passes(11, is_causal=True)
 
 
 def test_baseline_flags_the_overflowing_site_first(demo, debug, tmp_path):

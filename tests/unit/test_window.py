@@ -29,6 +29,7 @@ from helpers import (
     ON_CUDA,
     assert_close_to_ref,
     assert_dead_rows_exact,
+    assert_shadow_check_passes,
     attention_ref,
     dropout_keep,
     lse_baseline,
@@ -487,25 +488,9 @@ def test_window_under_torch_compile(device):
 def test_debug_shadow_knows_the_window():
     """flash_inductor.debug's float64 twin of our op applies the window too: a twin without it
     would differ from the op and fail the check (its visibility is also the window's band)."""
-    from flash_inductor import debug
     from flash_inductor.debug import sites
 
-    class Attention(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.proj = torch.nn.Linear(16, 3 * 16)
-
-        def forward(self, x):
-            q, k, v = self.proj(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
-            return flash_inductor.flash_attention(q, k, v, window=(3, 1)).sum()
-
-    torch.manual_seed(0)
-    model = Attention()
-    with debug.shadow(model) as check:
-        model(torch.randn(2, 40, 16)).backward()
-    report = check.report()
-    assert report.sites == ["<model>"] and report.first_failure is None, str(report)
-    assert {c.result for c in report.checks if c.compared} == {"out", "dq", "dk", "dv"}
+    assert_shadow_check_passes(40, window=(3, 1))
     q = torch.empty(1, 1, 7, 4)
     k = torch.empty(1, 1, 9, 4)
     assert torch.equal(sites.visibility(q, k, None, True, 0, (1, 0)), band_of(7, 9, (1, 0), 0))
