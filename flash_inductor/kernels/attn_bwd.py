@@ -157,8 +157,9 @@ import triton.language as tl
 from .attn_bwd_tiles import _dkdv_tiles, _dq_tiles
 from .band import key_tile_query_ranges
 from .block_sparse import listed_tiles, query_tile_key_tiles
-from .common import LOG2E, block_offsets, dropout_scales, mask_scores, query_heads
+from .common import LOG2E, dropout_scales, fp32_scalars, mask_scores, query_heads
 from .ds_scaling import _ds_loop_choice, _max_as_stat
+from .tile_loads import load_own_block
 
 # LSEs below this (natural log) only come from rows whose every visible key sits at the
 # -1e38 mask clamp; see _attn_bwd_row_reference.
@@ -362,23 +363,17 @@ def _attn_bwd_dkdv(
     HAS_BLOCK_SPARSITY: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
     LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
 ):
-    # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
-    # with them would promote the fp32 accumulators, so fix them at fp32 first.
-    qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
-    sm_scale = tl.cast(sm_scale, tl.float32)
-    dropout_p = tl.cast(dropout_p, tl.float32)
+    qk_scale_log2, sm_scale, dropout_p = fp32_scalars(qk_scale_log2, sm_scale, dropout_p)
     start_n = tl.program_id(0) * BLOCK_N
     bh_kv = tl.program_id(1)
     b = (bh_kv // H_KV).to(tl.int64)
     h_kv = (bh_kv % H_KV).to(tl.int64)
-    offs_n, offs_m_base, offs_e, offs_ev = block_offsets(start_n, BLOCK_OWN=BLOCK_N, BLOCK_LOOP=BLOCK_M,
-                                                         BLOCK_E=BLOCK_E, BLOCK_EV=BLOCK_EV)
-    kv_rows_ok = offs_n < S
-
-    k = tl.load(K + b * stride_kb + h_kv * stride_kh + offs_n[:, None] * stride_kn + offs_e[None, :] * stride_ke,
-                mask=kv_rows_ok[:, None] & (offs_e[None, :] < HEAD_DIM), other=0.0)
-    v = tl.load(V + b * stride_vb + h_kv * stride_vh + offs_n[:, None] * stride_vn + offs_ev[None, :] * stride_ve,
-                mask=kv_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0)
+    offs_n, offs_m_base, offs_e, offs_ev, kv_rows_ok, k, v = load_own_block(
+        start_n, S, K + b * stride_kb + h_kv * stride_kh, V + b * stride_vb + h_kv * stride_vh,
+        (stride_kb, stride_kh, stride_kn, stride_ke), (stride_vb, stride_vh, stride_vn, stride_ve),
+        BLOCK_OWN=BLOCK_N, BLOCK_LOOP=BLOCK_M, BLOCK_E=BLOCK_E, BLOCK_EV=BLOCK_EV,
+        HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
+    )
     dk = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_EV], dtype=tl.float32)
 
@@ -390,60 +385,35 @@ def _attn_bwd_dkdv(
     sparse = (COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len,
               stride_bmb, stride_bmh, stride_bmm, stride_bmn)
 
-    # Decided once for the whole program; a compile-time False (and ds_up a compile-time 1) unless
-    # the schedule rescales, so the other kernels hold the plain, unscaled loop alone. The rare
-    # rescaling loop always applies the row shift; the plain loop skips it unless some row of the
-    # call needs it (SHIFT_FLAG, set by the row-reference kernel).
-    needs_rescale = False
+    # Which loop runs is decided once for the whole program: 0 the plain loop without row shifts,
+    # 1 the plain loop with them (some row of the call needs one: SHIFT_FLAG, set by the
+    # row-reference kernel), 2 the rare rescaling loop, which always applies the shift. Each is its
+    # own compile-time instance of _dkdv_heads; without DS_RESCALE only the first two exist and
+    # ds_up is a compile-time 1.
+    loop = tl.where(tl.load(SHIFT_FLAG) != 0, 1, 0)
     ds_up = 1.0
     if DS_RESCALE:
         needs_rescale, ds_up = _ds_loop_choice(DS_STATS, keep_scale)
+        loop = tl.where(needs_rescale, 2, loop)
     key_block = (k, v, offs_n, kv_rows_ok)
     row_pointers = (ROW_REF, ROW_SHIFT, DELTA)
     dropout = (seed, keep_scale, dropout_p)
     q_strides = (stride_qb, stride_qh, stride_qm, stride_qe)
     do_strides = (stride_dob, stride_doh, stride_dom, stride_doe)
     mask_strides = (stride_mb, stride_mh, stride_mm, stride_mn)
-    # The three calls differ only in RESCALE and SHIFT.
-    if needs_rescale:
-        dk, dv = _dkdv_heads(
-            dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse,
-            H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
-            RESCALE=True, SHIFT=True,
-            HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
-            DS_IN_FP32=DS_IN_FP32,
-            DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT, EVEN_M=EVEN_M, EVEN_E=EVEN_E,
-            BLOCK_M=BLOCK_M,
-            HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
-        )
-    elif tl.load(SHIFT_FLAG) != 0:
-        dk, dv = _dkdv_heads(
-            dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse,
-            H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
-            RESCALE=False, SHIFT=True,
-            HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
-            DS_IN_FP32=DS_IN_FP32,
-            DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT, EVEN_M=EVEN_M, EVEN_E=EVEN_E,
-            BLOCK_M=BLOCK_M,
-            HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
-        )
-    else:
-        dk, dv = _dkdv_heads(
-            dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse,
-            H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
-            RESCALE=False, SHIFT=False,
-            HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
-            DS_IN_FP32=DS_IN_FP32,
-            DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT, EVEN_M=EVEN_M, EVEN_E=EVEN_E,
-            BLOCK_M=BLOCK_M,
-            HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
-        )
+    for variant in tl.static_range(3 if DS_RESCALE else 2):
+        if loop == variant:
+            dk, dv = _dkdv_heads(
+                dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
+                offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse,
+                H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
+                RESCALE=variant == 2, SHIFT=variant > 0,
+                HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
+                HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
+                DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
+                EVEN_M=EVEN_M, EVEN_E=EVEN_E, BLOCK_M=BLOCK_M, HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY,
+                LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
+            )
 
     if DS_RESCALE:
         dk = dk * (sm_scale / ds_up)  # dk holds ds_up * Σ dS·q; exact, ds_up being a power of two
@@ -509,21 +479,15 @@ def _attn_bwd_dq(
     HAS_BLOCK_SPARSITY: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
     LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
 ):
-    # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
-    # with them would promote the fp32 accumulators, so fix them at fp32 first.
-    qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
-    sm_scale = tl.cast(sm_scale, tl.float32)
-    dropout_p = tl.cast(dropout_p, tl.float32)
+    qk_scale_log2, sm_scale, dropout_p = fp32_scalars(qk_scale_log2, sm_scale, dropout_p)
     start_m = tl.program_id(0) * BLOCK_M
     bh, b, h, h_kv = query_heads(H_Q, GROUP)
-    offs_m, offs_n_base, offs_e, offs_ev = block_offsets(start_m, BLOCK_OWN=BLOCK_M, BLOCK_LOOP=BLOCK_N,
-                                                         BLOCK_E=BLOCK_E, BLOCK_EV=BLOCK_EV)
-    q_rows_ok = offs_m < L
-
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_e[None, :] * stride_qe,
-                mask=q_rows_ok[:, None] & (offs_e[None, :] < HEAD_DIM), other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_ev[None, :] * stride_doe,
-                 mask=q_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0)
+    offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, q, do = load_own_block(
+        start_m, L, Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh,
+        (stride_qb, stride_qh, stride_qm, stride_qe), (stride_dob, stride_doh, stride_dom, stride_doe),
+        BLOCK_OWN=BLOCK_M, BLOCK_LOOP=BLOCK_N, BLOCK_E=BLOCK_E, BLOCK_EV=BLOCK_EV,
+        HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
+    )
     row_ids = bh.to(tl.int64) * L + offs_m
     row_ref = tl.load(ROW_REF + row_ids, mask=q_rows_ok, other=float("inf"))
     row_shift = tl.load(ROW_SHIFT + row_ids, mask=q_rows_ok, other=0.0)
@@ -557,45 +521,33 @@ def _attn_bwd_dq(
     # end; Δ's correction, a ratio of two such sums, needs none. A per-score subtraction cost one
     # add per score, a branch on the shift two exp2 (the compiler evaluated both sides).
     row_scale = tl.math.exp2(-row_shift)
-    # Decided once for the whole program; a compile-time False (and ds_up a compile-time 1) unless
-    # the schedule rescales, so the other kernels hold the plain, unscaled loop alone.
-    needs_rescale = False
+    # Which loop runs is decided once for the whole program: 0 the plain loop, 1 the rare
+    # rescaling one, each its own compile-time instance of _dq_blocks. Without DS_RESCALE only the
+    # plain loop exists and ds_up is a compile-time 1.
+    loop = 0
     ds_up = 1.0
     if DS_RESCALE:
         needs_rescale, ds_up = _ds_loop_choice(DS_STATS, keep_scale)
+        loop = tl.where(needs_rescale, 1, 0)
     query_block = (q, do, offs_m, q_rows_ok, row_ids)
     row_values = (row_ref, row_scale, delta)
     dropout = (seed, keep_scale, dropout_p)
     k_strides = (stride_kb, stride_kh, stride_kn, stride_ke)
     v_strides = (stride_vb, stride_vh, stride_vn, stride_ve)
     mask_strides = (stride_mb, stride_mh, stride_mm, stride_mn)
-    # The two calls differ only in RESCALE.
-    if needs_rescale:
-        dq, exact_sums = _dq_blocks(
-            dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-            offs_n_base, offs_e, offs_ev, ranges, k_strides, v_strides, mask_strides, listed,
-            S, causal_offset, window_lower, qk_scale_log2,
-            RESCALE=True,
-            HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
-            DS_IN_FP32=DS_IN_FP32,
-            DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
-            EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
-            FROM_LIST=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
-        )
-    else:
-        dq, exact_sums = _dq_blocks(
-            dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-            offs_n_base, offs_e, offs_ev, ranges, k_strides, v_strides, mask_strides, listed,
-            S, causal_offset, window_lower, qk_scale_log2,
-            RESCALE=False,
-            HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
-            DS_IN_FP32=DS_IN_FP32,
-            DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
-            EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
-            FROM_LIST=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
-        )
+    for variant in tl.static_range(2 if DS_RESCALE else 1):
+        if loop == variant:
+            dq, exact_sums = _dq_blocks(
+                dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
+                offs_n_base, offs_e, offs_ev, ranges, k_strides, v_strides, mask_strides, listed,
+                S, causal_offset, window_lower, qk_scale_log2,
+                RESCALE=variant == 1,
+                HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
+                HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
+                DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK,
+                FP32_DOT=FP32_DOT, EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N, FROM_LIST=HAS_BLOCK_SPARSITY,
+                LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
+            )
     ds_sum, ds_seen_sum, p_sum, p_k = exact_sums
 
     if EXACT_DELTA:
