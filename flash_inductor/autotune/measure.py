@@ -72,6 +72,13 @@ class Problem:
     scale: float
     dout: torch.Tensor
 
+    def visibility(self):
+        """The causal side as the launchers take it (a tuning problem has no window or block-sparse
+        layout)."""
+        from ..launch.visibility import Visibility
+
+        return Visibility(is_causal=self.is_causal, causal_offset=self.causal_offset)
+
 
 def make_problem(bucket: Bucket, shape: Shape, device, seed: int, *, qk_mult: float = 1.0, v_mult: float = 1.0,
                  dead_rows: bool = False, on_device: bool = False, shared_mask: bool = False) -> Problem:
@@ -147,15 +154,15 @@ class LaunchRunner:
         # Directly, as inside the op: through wrap_triton's HOP the host work per launch
         # would be timed too (launch.direct_kernel_calls).
         with launch.direct_kernel_calls():
-            return launch.attention_forward(p.q, p.k, p.v, p.mask, None, 0.0, p.is_causal, p.causal_offset,
-                                            p.scale, schedule, configs=configs)
+            return launch.attention_forward(p.q, p.k, p.v, p.mask, None, 0.0, p.scale, schedule,
+                                            visibility=p.visibility(), configs=configs)
 
     def backward(self, p, out, lse, configs, schedule):
         from .. import launch
 
         with launch.direct_kernel_calls():
             dq, dk, dv, _ = launch.attention_backward(p.dout, p.q, p.k, p.v, p.mask, out, lse, None, None, 0.0,
-                                                      p.is_causal, p.causal_offset, p.scale, schedule, False,
+                                                      p.scale, schedule, False, visibility=p.visibility(),
                                                       configs=configs)
         return dq, dk, dv
 
@@ -164,7 +171,7 @@ class LaunchRunner:
         from ..launch.decode import decode_attention_forward
 
         with launch.direct_kernel_calls():
-            return decode_attention_forward(p.q, p.k, p.v, p.mask, p.is_causal, p.causal_offset, p.scale, schedule,
+            return decode_attention_forward(p.q, p.k, p.v, p.mask, p.scale, schedule, visibility=p.visibility(),
                                             config=configs.decode)
 
 

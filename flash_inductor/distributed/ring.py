@@ -152,12 +152,15 @@ def _block_backward(config: RingConfig, schedule: str, grad_out, query, key, val
     # The kernels read the LSE and its gradient as flat (B·Hq·L) vectors: a row slice must be copied.
     lse_rows = lse[:, :, call.q].contiguous()
     grad_lse_rows = None if grad_lse is None else grad_lse[:, :, call.q].contiguous()
-    args = (grad_out[:, :, call.q], q, k, v, mask, out[:, :, call.q], lse_rows, grad_lse_rows, None, 0.0,
-            call.is_causal, call.causal_offset, config.scale, schedule, False)
+    tensors = (grad_out[:, :, call.q], q, k, v, mask, out[:, :, call.q], lse_rows, grad_lse_rows)
     if attention_ops.eager_fast_path_applies(q, k, v, mask):
+        # The launcher takes the causal side as one keyword argument, the op as two flat ones.
         with launch.direct_kernel_calls():
-            return launch.attention_backward(*args)
-    return torch.ops.flash_inductor.attention_backward(*args)
+            return launch.attention_backward(
+                *tensors, None, 0.0, config.scale, schedule, False,
+                visibility=launch.Visibility(is_causal=call.is_causal, causal_offset=call.causal_offset))
+    return torch.ops.flash_inductor.attention_backward(
+        *tensors, None, 0.0, call.is_causal, call.causal_offset, config.scale, schedule, False)
 
 
 def _merge(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:

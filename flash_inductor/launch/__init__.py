@@ -1,7 +1,8 @@
 """Launchers: validate what the kernels need, allocate outputs, pick configs, launch.
 
 One module per path: ``forward`` (16-bit and fp32), ``fp8`` (the `fp8` schedule's forward),
-``backward``; ``common`` holds what they share. Inputs arrive normalised by
+``backward``; ``common`` holds what they share, ``visibility`` the one argument that says which
+keys each query row sees (causal side, window, block-sparse layout). Inputs arrive normalised by
 ``flash_inductor.api`` (4-D, validated). The contract of ``attention_forward`` /
 ``attention_backward`` is that of the reference path in ``flash_inductor.ops.reference``; tests
 compare the two.
@@ -18,8 +19,11 @@ from .common import (
     triton_available,
 )
 from .forward import attention_forward
+from .visibility import NO_MASKING, Visibility
 
 __all__ = [
+    "NO_MASKING",
+    "Visibility",
     "attention_backward",
     "attention_forward",
     "can_launch_directly",

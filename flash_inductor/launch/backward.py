@@ -11,55 +11,39 @@ from ..schedules import STABLE, get_schedule
 # and tests can swap them (tools/smem_check.py compiles for sm_90 instead of launching; the
 # bounds tests force wide tiles; tests spy on launches).
 from . import common
-from .band import band_lower, resolve_band
+from .band import band_lower
 from .common import LOG2E, cdiv, common_meta, head_dims, whole_blocks
 from .block_tiles import check_block_layout, fold_into_mask, kernel_layout
 from .forward import attention_forward
+from .visibility import NO_MASKING, Visibility
 
 
 def attention_backward(
-    grad_out: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    grad_lse: torch.Tensor | None,
-    rng_seed: torch.Tensor | None,
-    dropout_p: float,
-    is_causal: bool,
-    causal_offset: int,
-    scale: float,
-    schedule: str,
-    compute_mask_grad: bool,
-    *,
-    configs: AttentionConfigs | None = None,
+    grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attn_mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
+    rng_seed: torch.Tensor | None, dropout_p: float, scale: float, schedule: str, compute_mask_grad: bool, *,
+    visibility: Visibility = NO_MASKING, configs: AttentionConfigs | None = None,
     ds_bound: torch.Tensor | None = None,
-    window: tuple[int, int] | None = None,
-    block_map: torch.Tensor | None = None,
-    block_q: int = 0,
-    block_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the backward kernels. Returns (dq, dk, dv, dmask); dmask is empty unless asked for.
 
-    ``configs`` forces the launch configs (the autotuner's candidates); None looks them up.
-    ``ds_bound`` (a one-element fp32 tensor) replaces the bound on |dS| that the preprocess
-    measures, under the schedules that rescale dS (fp16 `stable`): tests and experiments force
-    either loop with it (a bound past ``ds_scaling.DS_RESCALE_ABOVE``, or inf, takes the rescaling
-    loop). Elsewhere it is ignored. ``window`` is ``flash_attention``'s (left, right) or None.
-    ``block_map``/``block_q``/``block_k``: a block-sparse layout (``flash_inductor.block_sparse``)."""
+    ``visibility``: the causal side, the sliding window and the block-sparse layout
+    (``launch.visibility``), as the forward's. ``configs`` forces the launch configs (the
+    autotuner's candidates); None looks them up. ``ds_bound`` (a one-element fp32 tensor) replaces
+    the bound on |dS| that the preprocess measures, under the schedules that rescale dS (fp16
+    `stable`): tests and experiments force either loop with it (a bound past
+    ``ds_scaling.DS_RESCALE_ABOVE``, or inf, takes the rescaling loop). Elsewhere it is ignored."""
     from ..kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_row_reference
 
+    block_map, block_q, block_k = visibility.block_map, visibility.block_q, visibility.block_k
     if block_map is not None:
         check_block_layout(block_map, block_q, block_k, query, key)
-    layout = dict(block_map=block_map, block_q=block_q, block_k=block_k)
     if get_schedule(schedule).fp8_forward:
         # fp8 is a forward schedule: the gradient is the 16-bit attention's, from a 16-bit forward
         # (its O and LSE; the fp8 ones would not match the recomputed P) and `stable`'s backward.
         schedule = STABLE.name
-        out, lse = attention_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                                     scale, schedule, window=window, **layout)
+        out, lse = attention_forward(query, key, value, attn_mask, rng_seed, dropout_p, scale, schedule,
+                                     visibility=visibility)
     batch, heads_q, seq_q, _ = query.shape
     heads_kv, seq_k = key.shape[1], key.shape[2]
     head_dim, head_dim_v = head_dims(query, value)
@@ -80,7 +64,7 @@ def attention_backward(
 
     # The kernels see the band: its upper side as the causal arguments, its lower side as
     # WINDOW_LEFT and window_lower (as the forward's).
-    band = resolve_band(is_causal, causal_offset, window, seq_q, seq_k)
+    band = visibility.band(seq_q, seq_k)
     is_causal, causal_offset = band.upper is not None, (band.upper if band.upper is not None else 0)
     window_lower = band_lower(band)
     meta_window = dict(WINDOW_LEFT=band.lower is not None)

@@ -25,8 +25,9 @@ from ..tuning.buckets import length_hint, mask_kind
 from ..tuning.configs import decode_program_slots, decode_split_count, select_decode_config
 from ..tuning.kernel_config import KernelConfig, padded_head_dim
 from . import common
-from .band import band_lower, resolve_band
+from .band import band_lower
 from .common import LOG2E, cdiv, common_meta, forward_outputs
+from .visibility import NO_MASKING, Visibility
 
 log = logging.getLogger("flash_inductor")
 
@@ -70,15 +71,14 @@ def log_normal_forward(reason: str) -> None:
         log.debug("flash_inductor: forward on the normal kernel, not the split-KV decode one: %s", reason)
 
 
-def decode_forward_or_none(query, key, value, attn_mask, dropout_p: float, is_causal: bool, causal_offset,
-                           scale: float, schedule: str, window=None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+def decode_forward_or_none(query, key, value, attn_mask, dropout_p: float, scale: float, schedule: str, *,
+                           visibility: Visibility = NO_MASKING) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """The decode forward's (out, lse) where it applies; None (reason logged) where it does not."""
-    reason = decode_unsupported_reason(query, key, attn_mask, dropout_p, schedule, window)
+    reason = decode_unsupported_reason(query, key, attn_mask, dropout_p, schedule, visibility.window)
     if reason is not None:
         log_normal_forward(reason)
         return None
-    return decode_attention_forward(query, key, value, attn_mask, is_causal, causal_offset, scale, schedule,
-                                    window=window)
+    return decode_attention_forward(query, key, value, attn_mask, scale, schedule, visibility=visibility)
 
 
 def rows_per_program(group_rows: int, config: KernelConfig) -> int:
@@ -102,21 +102,25 @@ def active_keys(band, seq_q, seq_k, block_n: int):
 
 def decode_attention_forward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
-    is_causal: bool, causal_offset, scale: float, schedule: str, *,
-    config: Optional[KernelConfig] = None, num_splits: Optional[int] = None, window=None,
+    scale: float, schedule: str, *, visibility: Visibility = NO_MASKING,
+    config: Optional[KernelConfig] = None, num_splits: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the split and merge kernels. ``config`` and ``num_splits`` force the launch config and
-    the split count (the autotuner, tests); None looks them up. ``window``: None or (left, right),
-    as the op takes it."""
+    """Run the split and merge kernels. ``visibility``: the causal side and the sliding window
+    (``launch.visibility``; the decode kernels take no block-sparse layout). ``config`` and
+    ``num_splits`` force the launch config and the split count (the autotuner, tests); None looks
+    them up."""
     from ..kernels.attn_decode import _attn_decode_merge, _attn_decode_split
 
+    if visibility.block_map is not None:
+        raise ValueError("decode_attention_forward: the split-KV decode kernels take no block-sparse layout "
+                         "(visibility.block_map); run launch.attention_forward for a block-sparse call.")
     batch, heads_q, seq_q, _ = query.shape
     heads_kv, seq_k = key.shape[1], key.shape[2]
     group = heads_q // heads_kv
     out, lse = forward_outputs(query, value)
     # The kernels see the band (launch/band.py): its upper side as the causal arguments, its lower
     # side (a window's left bound) as WINDOW_LEFT and window_lower.
-    band = resolve_band(is_causal, causal_offset, window, seq_q, seq_k)
+    band = visibility.band(seq_q, seq_k)
     is_causal, causal_offset = band.upper is not None, (band.upper if band.upper is not None else 0)
     switches, mask_arg, mask_strides, meta = common_meta(query, key, value, attn_mask, 0.0, is_causal, schedule)
     meta.pop("HAS_DROPOUT")

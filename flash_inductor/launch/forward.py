@@ -10,10 +10,11 @@ from ..schedules import get_schedule
 # and tests can swap them (tools/smem_check.py compiles for sm_90 instead of launching; the
 # bounds tests force wide tiles; tests spy on launches).
 from . import common
-from .band import band_lower, resolve_band
+from .band import band_lower
 from .common import LOG2E, cdiv, common_meta, forward_outputs
 from .block_tiles import check_block_layout, fold_into_mask, kernel_layout
 from .fp8 import attention_forward_fp8
+from .visibility import NO_MASKING, Visibility
 
 
 def _fold_scale(scale: float, has_mask: bool) -> bool:
@@ -28,37 +29,25 @@ def _fold_scale(scale: float, has_mask: bool) -> bool:
 
 
 def attention_forward(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    rng_seed: torch.Tensor | None,
-    dropout_p: float,
-    is_causal: bool,
-    causal_offset: int,
-    scale: float,
-    schedule: str,
-    *,
-    configs: AttentionConfigs | None = None,
-    window: tuple[int, int] | None = None,
-    block_map: torch.Tensor | None = None,
-    block_q: int = 0,
-    block_k: int = 0,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+    rng_seed: torch.Tensor | None, dropout_p: float, scale: float, schedule: str, *,
+    visibility: Visibility = NO_MASKING, configs: AttentionConfigs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward kernel. Returns (out (B, Hq, L, Ev) in the input dtype, lse (B, Hq, L) fp32).
 
-    ``configs`` forces the launch configs (the autotuner's candidates); None looks them up.
-    ``window`` is ``flash_attention``'s (left, right) or None.
-    ``block_map``/``block_q``/``block_k``: a block-sparse layout (``flash_inductor.block_sparse``)."""
+    ``visibility``: the causal side, the sliding window and the block-sparse layout
+    (``launch.visibility``). ``configs`` forces the launch configs (the autotuner's candidates);
+    None looks them up."""
     from ..kernels.attn_fwd import _attn_fwd
 
+    block_map, block_q, block_k = visibility.block_map, visibility.block_q, visibility.block_k
     if block_map is not None:
         check_block_layout(block_map, block_q, block_k, query, key)
     if get_schedule(schedule).fp8_forward:
         if block_map is not None:  # the fp8 kernel walks every tile: the layout becomes an element mask
             attn_mask = fold_into_mask(attn_mask, block_map, block_q, block_k, (*query.shape[:3], key.shape[2]))
-        return attention_forward_fp8(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                                     scale, schedule, configs=configs, window=window)
+        return attention_forward_fp8(query, key, value, attn_mask, rng_seed, dropout_p, scale, schedule,
+                                     visibility=visibility.without_block_layout(), configs=configs)
     batch, heads_q, seq_q, _ = query.shape
     heads_kv, seq_k = key.shape[1], key.shape[2]
     out, lse = forward_outputs(query, value)
@@ -66,7 +55,7 @@ def attention_forward(
         return out, lse
     # The kernel sees the band: its upper side as the causal arguments, its lower side (a
     # window's left bound) as WINDOW_LEFT and window_lower.
-    band = resolve_band(is_causal, causal_offset, window, seq_q, seq_k)
+    band = visibility.band(seq_q, seq_k)
     is_causal, causal_offset = band.upper is not None, (band.upper if band.upper is not None else 0)
 
     switches, mask_arg, mask_strides, meta = common_meta(query, key, value, attn_mask, dropout_p, is_causal, schedule)

@@ -16,6 +16,7 @@ import torch
 from . import common
 from .band import has_window
 from .common import LOG2E, cdiv, common_meta, forward_outputs, interpreter_enabled
+from .visibility import NO_MASKING, Visibility
 
 # fp8 tensor cores: Ada (sm_89) and Hopper (sm_90) onwards.
 FP8_MIN_CAPABILITY = (8, 9)
@@ -87,15 +88,20 @@ def _quantize(x: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tenso
     return x8, dequant
 
 
-def attention_forward_fp8(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
-                          schedule, *, configs=None, window=None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_forward_fp8(query, key, value, attn_mask, rng_seed, dropout_p, scale, schedule, *,
+                          visibility: Visibility = NO_MASKING, configs=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention_forward``'s contract under the `fp8` schedule: its arguments (typed there; a
-    block-sparse layout arrives folded into ``attn_mask``) and its results, (out in the input dtype,
-    lse fp32 natural log). The LSE is the fp8 forward's own (from e4m3-rounded scores)."""
+    block-sparse layout arrives folded into ``attn_mask``, never in ``visibility``) and its results,
+    (out in the input dtype, lse fp32 natural log). The LSE is the fp8 forward's own (from
+    e4m3-rounded scores)."""
     from ..kernels.attn_fwd_fp8 import _attn_fwd_fp8
 
     check_fp8_device(query.device)
-    check_fp8_window(window)
+    check_fp8_window(visibility.window)
+    if visibility.block_map is not None:
+        raise ValueError("attention_forward_fp8: the fp8 kernel takes no block-sparse layout; fold it into "
+                         "attn_mask (block_tiles.fold_into_mask), as launch.attention_forward does.")
+    is_causal, causal_offset = visibility.is_causal, visibility.causal_offset
     batch, heads_q, seq_q, _ = query.shape
     heads_kv, seq_k = key.shape[1], key.shape[2]
     out, lse = forward_outputs(query, value)

@@ -44,6 +44,7 @@ from ..launch.band import NO_WINDOW
 # 2.11-2.14 all have it; where it is missing every call takes the registered op instead).
 _functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 from ..launch.block_tiles import check_block_layout
+from ..launch.visibility import Visibility
 from .reference import reference_backward, reference_forward
 
 # --------------------------------------------------------------------------------------
@@ -101,7 +102,8 @@ def _forward_on_hopper(query: Tensor, key: Tensor, value: Tensor, is_causal: boo
                                                causal_offset=causal_offset)
     hopper.log_triton_forward(reason)
     with launch.direct_kernel_calls():
-        return launch.attention_forward(query, key, value, None, None, 0.0, is_causal, causal_offset, scale, schedule)
+        return launch.attention_forward(query, key, value, None, None, 0.0, scale, schedule,
+                                        visibility=Visibility(is_causal=is_causal, causal_offset=causal_offset))
 
 
 attention_forward_hopper = torch.library.custom_op("flash_inductor::attention_forward_hopper", mutates_args=())(
@@ -119,9 +121,11 @@ def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal
     the Gluon Hopper kernel where it applies, else the Triton kernels. ``hopper_call`` is the
     opaque op inside the registered op, the plain function on the eager fast path (no dispatcher
     there). Block-sparse calls skip the decode kernels, which read every key of the band."""
+    visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=window, block_map=block_map,
+                            block_q=block_q, block_k=block_k)
     if block_map is None:
-        decoded = decode.decode_forward_or_none(query, key, value, attn_mask, dropout_p, is_causal, causal_offset,
-                                                scale, schedule, window=window)
+        decoded = decode.decode_forward_or_none(query, key, value, attn_mask, dropout_p, scale, schedule,
+                                                visibility=visibility)
         if decoded is not None:
             return decoded
     reason = hopper.hopper_forward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
@@ -129,9 +133,8 @@ def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal
     if reason is None:
         return hopper_call(query, key, value, is_causal, causal_offset, scale, schedule)
     hopper.log_triton_forward(reason)
-    return launch.attention_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                                    scale, schedule, window=window, block_map=block_map, block_q=block_q,
-                                    block_k=block_k)
+    return launch.attention_forward(query, key, value, attn_mask, rng_seed, dropout_p, scale, schedule,
+                                    visibility=visibility)
 
 
 # --------------------------------------------------------------------------------------
@@ -149,7 +152,9 @@ def _backward_on_hopper(grad_out: Tensor, query: Tensor, key: Tensor, value: Ten
     hopper_bwd.log_triton_backward(reason)
     with launch.direct_kernel_calls():
         dq, dk, dv, _ = launch.attention_backward(grad_out, query, key, value, None, out, lse, grad_lse, None, 0.0,
-                                                  is_causal, causal_offset, scale, schedule, False)
+                                                  scale, schedule, False,
+                                                  visibility=Visibility(is_causal=is_causal,
+                                                                        causal_offset=causal_offset))
     return dq, dk, dv
 
 
@@ -175,9 +180,10 @@ def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse,
                                  schedule)
         return dq, dk, dv, query.new_empty(0)
     hopper_bwd.log_triton_backward(reason)
+    visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=window, block_map=block_map,
+                            block_q=block_q, block_k=block_k)
     return launch.attention_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
-                                     is_causal, causal_offset, scale, schedule, compute_mask_grad, window=window,
-                                     block_map=block_map, block_q=block_q, block_k=block_k)
+                                     scale, schedule, compute_mask_grad, visibility=visibility)
 
 
 # --------------------------------------------------------------------------------------
