@@ -94,12 +94,14 @@ class Problem:
                                              for _ in range(4))
         self.causal, self.schedule = args.causal, schedule
         self.scale = args.head_dim ** -0.5
-        self.out, self.lse = launch.attention_forward(self.q, self.k, self.v, None, None, 0.0, self.causal, 0,
-                                                      self.scale, schedule)
+        self.visibility = launch.Visibility(is_causal=self.causal)
+        self.out, self.lse = launch.attention_forward(self.q, self.k, self.v, None, None, 0.0, self.scale, schedule,
+                                                      visibility=self.visibility)
 
     def backward(self, configs=None):
         return launch.attention_backward(self.dout, self.q, self.k, self.v, None, self.out, self.lse, None, None,
-                                         0.0, self.causal, 0, self.scale, self.schedule, False, configs=configs)
+                                         0.0, self.scale, self.schedule, False, visibility=self.visibility,
+                                         configs=configs)
 
     def table_configs(self):
         return launch.common.launch_configs(self.q, self.k, self.v, None, self.causal, self.schedule, None)

@@ -110,13 +110,20 @@ def check(head_dim: int, mask_kind: str, dtype_name: str, schedule: str, seq: in
         configs = cuda_heuristic_configs(ARCH, dtype.itemsize, head_dim, head_dim, schedule, config_kind)
     record: list[tuple[str, int]] = []
     with compiling_launches(record, compiled_by_name):
-        # The window only when there is one: tools/carry_table_entries.py runs this against older
-        # launchers, which take no window.
-        extra = {"window": window} if window is not None else {}
-        launch.attention_forward(q, k, v, mask, None, 0.0, causal, 0, head_dim ** -0.5, schedule, configs=configs,
-                                 **extra)
-        launch.attention_backward(dout, q, k, v, mask, out, lse, None, None, 0.0, causal, 0, head_dim ** -0.5,
-                                  schedule, False, configs=configs, **extra)
+        scale = head_dim ** -0.5
+        if hasattr(launch, "Visibility"):
+            visibility = launch.Visibility(is_causal=causal, window=window)
+            launch.attention_forward(q, k, v, mask, None, 0.0, scale, schedule, visibility=visibility,
+                                     configs=configs)
+            launch.attention_backward(dout, q, k, v, mask, out, lse, None, None, 0.0, scale, schedule, False,
+                                      visibility=visibility, configs=configs)
+        else:
+            # tools/carry_table_entries.py --whole-package runs this against older launchers, which
+            # take the causal side positionally and the window (if at all) as a keyword.
+            extra = {"window": window} if window is not None else {}
+            launch.attention_forward(q, k, v, mask, None, 0.0, causal, 0, scale, schedule, configs=configs, **extra)
+            launch.attention_backward(dout, q, k, v, mask, out, lse, None, None, 0.0, causal, 0, scale, schedule,
+                                      False, configs=configs, **extra)
         # Older launchers' configs (tools/carry_table_entries.py) have no decode role.
         if getattr(configs, "decode", None) is not None:
             _decode_launch(head_dim, mask_kind, dtype, schedule, seq, configs.decode, gen, window)
@@ -126,6 +133,7 @@ def check(head_dim: int, mask_kind: str, dtype_name: str, schedule: str, seq: in
 def _decode_launch(head_dim, mask_kind, dtype, schedule, seq, config, gen, window=None) -> None:
     """The split-KV decode kernels at their widest tile: 16 query rows of a group of 8 heads
     (128 packed rows, the config's row cap per program)."""
+    from flash_inductor import launch
     from flash_inductor.launch.decode import DECODE_MAX_QUERY_ROWS, decode_attention_forward
 
     rows, group = DECODE_MAX_QUERY_ROWS, 8
@@ -136,8 +144,13 @@ def _decode_launch(head_dim, mask_kind, dtype, schedule, seq, config, gen, windo
         mask = (torch.rand((1, 1, 1, seq), generator=gen) > 0.3).expand(1, group, rows, seq)
     elif mask_kind == "float":
         mask = torch.randn((1, group, rows, seq), generator=gen, dtype=dtype)
-    decode_attention_forward(q, k, v, mask, mask_kind == "causal", seq - rows, head_dim ** -0.5, schedule,
-                             config=config, num_splits=2, window=window)
+    causal, offset, scale = mask_kind == "causal", seq - rows, head_dim ** -0.5
+    if hasattr(launch, "Visibility"):
+        visibility = launch.Visibility(is_causal=causal, causal_offset=offset, window=window)
+        decode_attention_forward(q, k, v, mask, scale, schedule, visibility=visibility, config=config, num_splits=2)
+    else:  # older launchers (tools/carry_table_entries.py --whole-package), as in check()
+        decode_attention_forward(q, k, v, mask, causal, offset, scale, schedule, config=config, num_splits=2,
+                                 window=window)
 
 
 def main(argv=None) -> int:

@@ -98,7 +98,7 @@ def _run_case(case: dict, device: str) -> dict:
     configs = AttentionConfigs(
         forward=forward_config or launch.common.launch_configs(q, k, v, None, False, case["schedule"], None).forward,
         backward_dkdv=KernelConfig(*case["dkdv"]), backward_dq=KernelConfig(*case["dq"]))
-    common = (None, 0.0, False, 0, case["head_dim"] ** -0.5, case["schedule"])
+    common = (None, 0.0, case["head_dim"] ** -0.5, case["schedule"])
     try:
         out, lse = launch.attention_forward(q, k, v, None, *common, configs=configs)
         if device == "cuda":

@@ -137,9 +137,10 @@ def main(argv=None) -> int:
         gen = torch.Generator(device=args.device).manual_seed(0)
         q, k, v, do = (torch.randn((b, h, n, e), generator=gen, device=args.device, dtype=DTYPES[dt]) for _ in range(4))
         scale = e ** -0.5
-        out, lse = launch.attention_forward(q, k, v, None, None, 0.0, causal, 0, scale, "fast")
-        ours = lambda: launch.attention_backward(do, q, k, v, None, out, lse, None, None, 0.0, causal, 0,  # noqa: E731
-                                                 scale, "fast", False)
+        visibility = launch.Visibility(is_causal=causal)
+        out, lse = launch.attention_forward(q, k, v, None, None, 0.0, scale, "fast", visibility=visibility)
+        ours = lambda: launch.attention_backward(do, q, k, v, None, out, lse, None, None, 0.0,  # noqa: E731
+                                                 scale, "fast", False, visibility=visibility)
         ours_grads = ours()[:3]
         ours_times = kernel_times_us(ours, args.calls, args.device)
         small = n * n * b * h <= 2 ** 22

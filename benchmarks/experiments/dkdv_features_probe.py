@@ -166,8 +166,8 @@ def main(argv=None) -> int:
         gen = torch.Generator(device=args.device).manual_seed(0)
         q, k, v, do = (torch.randn((b, h, n, e), generator=gen, device=args.device, dtype=DTYPES[dt]) for _ in range(4))
         scale = e ** -0.5
-        out, lse = launch.attention_forward(q, k, v, None, None, 0.0, False, 0, scale, "fast")
-        ours = lambda: launch.attention_backward(do, q, k, v, None, out, lse, None, None, 0.0, False, 0,  # noqa: E731
+        out, lse = launch.attention_forward(q, k, v, None, None, 0.0, scale, "fast")
+        ours = lambda: launch.attention_backward(do, q, k, v, None, out, lse, None, None, 0.0,  # noqa: E731
                                                  scale, "fast", False)
         ours_grads = ours()[1:3]
         ours_times = kernel_times_us(ours, args.calls, args.device)
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
             label = "{}x{}/w{}/s{}".format(*cfg)
             try:
                 times = kernel_times_us(lambda: launch.attention_backward(  # noqa: B023
-                    do, q, k, v, None, out, lse, None, None, 0.0, False, 0, scale, "fast", False, configs=forced),
+                    do, q, k, v, None, out, lse, None, None, 0.0, scale, "fast", False, configs=forced),
                     args.calls, args.device)
                 rows.append(dict(problem=problem, variant="ours-fast dkdv", config=label, us=times.get("_attn_bwd_dkdv")))
             except Exception as exc:  # out of shared memory, say

@@ -83,6 +83,7 @@ class Case:
         self.q, self.k, self.v, self.dout = (torch.randn(shape, generator=gen, device=args.device)
                                              for _ in range(4))
         self.head_dim, self.causal, self.scale = head_dim, causal, head_dim ** -0.5
+        self.visibility = launch.Visibility(is_causal=causal)
         self._reference = None
 
     def configs(self, role=None, label=None) -> AttentionConfigs:
@@ -90,12 +91,13 @@ class Case:
         return dataclasses.replace(base, **{role: parse_config(label)}) if role else base
 
     def forward(self, configs):
-        return launch.attention_forward(self.q, self.k, self.v, None, None, 0.0, self.causal, 0, self.scale,
-                                        SCHEDULE, configs=configs)
+        return launch.attention_forward(self.q, self.k, self.v, None, None, 0.0, self.scale, SCHEDULE,
+                                        visibility=self.visibility, configs=configs)
 
     def backward(self, configs, out, lse):
         return launch.attention_backward(self.dout, self.q, self.k, self.v, None, out, lse, None, None, 0.0,
-                                         self.causal, 0, self.scale, SCHEDULE, False, configs=configs)[:3]
+                                         self.scale, SCHEDULE, False, visibility=self.visibility,
+                                         configs=configs)[:3]
 
     def run(self, role, configs):
         """The call an item times: the forward for the forward's tile, else a backward after a

@@ -202,8 +202,8 @@ def make_inputs(p, device):
 
 
 def run_ours(q, k, v, causal, scale):
-    from flash_inductor.launch import attention_forward
-    return attention_forward(q, k, v, None, None, 0.0, causal, 0, scale, "stable")
+    from flash_inductor.launch import Visibility, attention_forward
+    return attention_forward(q, k, v, None, None, 0.0, scale, "stable", visibility=Visibility(is_causal=causal))
 
 
 def ours_config(q, k, v, causal):

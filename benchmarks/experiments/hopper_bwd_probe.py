@@ -171,7 +171,7 @@ def backward_steps(q, k, v, do, causal, providers):
     """name -> a closure running that provider's backward alone."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from flash_inductor.launch import attention_backward
+    from flash_inductor.launch import Visibility, attention_backward
 
     scale = q.shape[-1] ** -0.5
     out, lse = hopper_attention_forward(q, k, v, scale=scale, is_causal=causal)
@@ -182,7 +182,8 @@ def backward_steps(q, k, v, do, causal, providers):
                                                                        is_causal=causal, config=c))(CONFIGS[name])
         elif name.startswith("triton-"):
             steps[name] = (lambda sched: lambda: attention_backward(do, q, k, v, None, out, lse, None, None, 0.0,
-                                                                    causal, 0, scale, sched, False))(name[7:])
+                                                                    scale, sched, False,
+                                                                    visibility=Visibility(is_causal=causal)))(name[7:])
         elif name == "cudnn":
             qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

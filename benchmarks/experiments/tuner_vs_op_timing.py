@@ -92,8 +92,8 @@ def build_calls(args):
 
     def launch_hop_way():  # the tuner's old way: every launch through wrap_triton's HOP
         return launch.attention_backward(problem.dout, problem.q, problem.k, problem.v, problem.mask, out, lse,
-                                         None, None, 0.0, problem.is_causal, problem.causal_offset, problem.scale,
-                                         args.schedule, False, configs=configs)[:3]
+                                         None, None, 0.0, problem.scale, args.schedule, False,
+                                         visibility=problem.visibility(), configs=configs)[:3]
 
     def launch_way():  # the tuner now (launch.direct_kernel_calls)
         return runner.backward(problem, out, lse, configs, args.schedule)
