@@ -191,6 +191,14 @@ def causal_visible(seq_q, seq_k, offset, device) -> torch.Tensor:
     return j <= i + offset
 
 
+def launch_visibility(causal_offset: Optional[int] = None, **rules):
+    """The launchers' ``launch.Visibility`` in these helpers' convention: ``causal_offset`` None is
+    not causal; ``rules`` are its other fields (``window``, ``block_map``, ``block_q``, ``block_k``)."""
+    from flash_inductor.launch import Visibility
+
+    return Visibility(is_causal=causal_offset is not None, causal_offset=causal_offset or 0, **rules)
+
+
 def visibility(query, key, attn_mask, causal_offset) -> torch.Tensor:
     """(..., Hq, L, S) bool: which scores are not masked (before dropout)."""
     seq_q, seq_k = query.shape[-2], key.shape[-2]

@@ -29,7 +29,7 @@ from flash_inductor.tuning.buckets import Bucket
 from flash_inductor.tuning.configs import AttentionConfigs, KernelConfig
 from flash_inductor.autotune.measure import sqnr_db
 from flash_inductor.schedules import FP8_SQNR_BUDGET_DB
-from helpers import (ON_CUDA, assert_close_to_ref, assert_dead_rows_exact, make_mask, make_qkv,
+from helpers import (ON_CUDA, assert_close_to_ref, assert_dead_rows_exact, launch_visibility, make_mask, make_qkv,
                      ref_forward_backward, sdpa_baseline)
 from unit.test_kernels import Case, check_case  # tests/ is on the path (pyproject), unit/ a namespace
 
@@ -158,9 +158,9 @@ def _check_fp8_forward(case: Case, dtype: torch.dtype, device: str, configs: Att
     q, k, v = make_qkv(case.batch, case.heads_q, case.heads_kv, case.seq_q, case.seq_k, case.head_dim,
                        case.head_dim_v, dtype, device, seed=0)
     mask = make_mask(case.mask, case.batch, case.heads_q, case.seq_q, case.seq_k, dtype, device)
-    causal = case.causal_offset is not None
     scale = case.head_dim**-0.5
-    out, _ = launch.attention_forward(q, k, v, mask, None, 0.0, causal, 0, scale, "fp8", configs=configs)
+    out, _ = launch.attention_forward(q, k, v, mask, None, 0.0, scale, "fp8",
+                                      visibility=launch_visibility(case.causal_offset), configs=configs)
     truth = ref_forward_backward(q, k, v, mask, causal_offset=case.causal_offset, scale=scale)["out"]
     assert torch.isfinite(out).all()
     assert sqnr_db(out, truth) >= FP8_SQNR_BUDGET_DB
@@ -178,7 +178,7 @@ def test_table_decode_pick_at_length_one(pick, lengths, device):
     mask = make_mask(mask_kind if mask_kind in ("bool", "float") else "none", 2, 8, seq_q, seq_k, dtype, device)
     offset = seq_k - seq_q if mask_kind == "causal" else None
     scale = width**-0.5
-    out, lse = decode_attention_forward(q, k, v, mask, offset is not None, offset or 0, scale, schedule,
+    out, lse = decode_attention_forward(q, k, v, mask, scale, schedule, visibility=launch_visibility(offset),
                                         config=config)
     ref = ref_forward_backward(q, k, v, mask, causal_offset=offset, scale=scale)
     base = sdpa_baseline(q, k, v, mask, causal_offset=offset, scale=scale)

@@ -196,7 +196,7 @@ def test_the_op_runs_through_a_broken_table(monkeypatch):
     """The whole launch path: a forward with a table whose lookup fails computes the same output
     as without a table, and warns once."""
     q, k, v = make_qkv(1, 2, 2, 37, 37, 16, 16, torch.float32, "cpu", seed=3)
-    expected, _ = launch.attention_forward(q, k, v, None, None, 0.0, False, 0, 0.25, "stable")
+    expected, _ = launch.attention_forward(q, k, v, None, None, 0.0, 0.25, "stable")
 
     def broken(self, bucket):
         raise KeyError("forward")
@@ -205,7 +205,7 @@ def test_the_op_runs_through_a_broken_table(monkeypatch):
     with cache.override_table(table_of(**{"stable__fp32__e16__none__s128__forward": fwd_entry(16, 16)})):
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
-            out, _ = launch.attention_forward(q, k, v, None, None, 0.0, False, 0, 0.25, "stable")
+            out, _ = launch.attention_forward(q, k, v, None, None, 0.0, 0.25, "stable")
     torch.testing.assert_close(out, expected)
     assert len(record) == 1 and "lookup failed" in str(record[0].message)
 

@@ -324,9 +324,10 @@ def launch_spy(monkeypatch):
 def _forward_backward(device=DEVICE):
     q, k, v = make_qkv(1, 2, 2, 37, 45, 24, 24, torch.float16, device, seed=0)
     dout = randn((1, 2, 37, 24), torch.float16, device, 2)
-    out, lse = launch.attention_forward(q, k, v, None, None, 0.0, True, 8, 24**-0.5, "stable")
-    dq, dk, dv, _ = launch.attention_backward(dout, q, k, v, None, out, lse, None, None, 0.0, True, 8, 24**-0.5,
-                                              "stable", False)
+    visibility = launch.Visibility(is_causal=True, causal_offset=8)
+    out, lse = launch.attention_forward(q, k, v, None, None, 0.0, 24**-0.5, "stable", visibility=visibility)
+    dq, dk, dv, _ = launch.attention_backward(dout, q, k, v, None, out, lse, None, None, 0.0, 24**-0.5, "stable",
+                                              False, visibility=visibility)
     return out, dq, dk, dv
 
 

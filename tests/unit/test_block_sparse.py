@@ -20,7 +20,7 @@ import torch
 import flash_inductor
 from flash_inductor import BlockSparseLayout, flash_attention, launch
 from flash_inductor.block_sparse import expand_block_map, resolve_block_mask
-from flash_inductor.launch import block_tiles
+from flash_inductor.launch import Visibility, block_tiles
 from flash_inductor.tuning.kernel_config import AttentionConfigs, KernelConfig
 from helpers import (
     DEVICE,
@@ -28,6 +28,7 @@ from helpers import (
     assert_close_to_ref,
     assert_dead_rows_exact,
     dropout_keep,
+    launch_visibility,
     lse_baseline,
     make_mask,
     make_qkv,
@@ -356,8 +357,9 @@ def test_kernels_against_fp64(case, kernel_dtype, device):
     if mask is not None and mask.is_floating_point() and case.mask_grad:
         mask = mask.clone()
     scale = case.head_dim**-0.5
-    common = (rng_seed, case.dropout_p, case.causal_offset is not None, case.causal_offset or 0, scale, "stable")
-    layout = dict(block_map=block_map, block_q=case.block[0], block_k=case.block[1])
+    common = (rng_seed, case.dropout_p, scale, "stable")
+    layout = dict(visibility=launch_visibility(case.causal_offset, block_map=block_map, block_q=case.block[0],
+                                               block_k=case.block[1]))
     configs = _configs(case)
     out, lse = launch.attention_forward(q, k, v, mask, *common, configs=configs, **layout)
     dq, dk, dv, dmask = launch.attention_backward(dout, q, k, v, mask, out, lse, None, *common, case.mask_grad,
@@ -470,8 +472,8 @@ def test_kernels_take_the_block_sparse_path(monkeypatch, device, block, straddle
     spy_on_launches(monkeypatch, lambda name, kwargs: seen.setdefault(name, kwargs))
     q, k, v = make_qkv(1, 2, 2, 45, 61, 16, 16, torch.float32, device, seed=8)
     block_map = random_block_map(1, 2, 45, 61, block, 0.5, seed=9).to(device)
-    layout = dict(block_map=block_map, block_q=block[0], block_k=block[1])
-    common = (None, 0.0, False, 0, 0.25, "stable")
+    layout = dict(visibility=Visibility(block_map=block_map, block_q=block[0], block_k=block[1]))
+    common = (None, 0.0, 0.25, "stable")
     out, lse = launch.attention_forward(q, k, v, None, *common, **layout)
     launch.attention_backward(torch.ones_like(out), q, k, v, None, out, lse, None, *common, False, **layout)
     for name in ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv"):
@@ -506,9 +508,9 @@ def test_skipped_blocks_are_never_read(kernel_dtype, device, block):
     assert stop > start
     k[..., start:stop, :] = float("nan")
     v[..., start:stop, :] = float("nan")
-    layout = dict(block_map=block_map.to(device), block_q=block[0], block_k=block[1],
+    layout = dict(visibility=Visibility(block_map=block_map.to(device), block_q=block[0], block_k=block[1]),
                   configs=AttentionConfigs(*(KernelConfig(tile, tile, 4 if ON_CUDA else 1, 1),) * 3))
-    common = (None, 0.0, False, 0, 0.25, "stable")
+    common = (None, 0.0, 0.25, "stable")
     out, lse = launch.attention_forward(q, k, v, None, *common, **layout)
     dout = randn(out.shape, kernel_dtype, device, 12)
     dq, dk, dv, _ = launch.attention_backward(dout, q, k, v, None, out, lse, None, *common, False, **layout)
@@ -540,8 +542,9 @@ def test_kernels_with_a_window(case, window, device):
     band = resolve_band(case.causal_offset is not None, case.causal_offset or 0, window, case.seq_q, case.seq_k)
     dense = dense & band.visible(case.seq_q, case.seq_k, device)
     scale = case.head_dim**-0.5
-    common = (None, 0.0, case.causal_offset is not None, case.causal_offset or 0, scale, "stable")
-    layout = dict(block_map=block_map, block_q=case.block[0], block_k=case.block[1], window=window)
+    common = (None, 0.0, scale, "stable")
+    layout = dict(visibility=launch_visibility(case.causal_offset, window=window, block_map=block_map,
+                                               block_q=case.block[0], block_k=case.block[1]))
     out, lse = launch.attention_forward(q, k, v, None, *common, **layout)
     dq, dk, dv, _ = launch.attention_backward(dout, q, k, v, None, out, lse, None, *common, False, **layout)
     _check(dataclasses.replace(case, causal_offset=None), dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), q, k, v, dense,
@@ -555,8 +558,8 @@ def test_float_mask_at_the_clamp_with_a_layout(device):
     case = Case(block=(16, 24), mask="finfo_min", mask_grad=True)
     q, k, v, block_map, mask, dense, dout, keep, rng_seed = _inputs(case, torch.float32, device)
     scale = case.head_dim**-0.5
-    common = (None, 0.0, False, 0, scale, "stable")
-    layout = dict(block_map=block_map, block_q=case.block[0], block_k=case.block[1])
+    common = (None, 0.0, scale, "stable")
+    layout = dict(visibility=Visibility(block_map=block_map, block_q=case.block[0], block_k=case.block[1]))
     out, lse = launch.attention_forward(q, k, v, mask, *common, **layout)
     dq, dk, dv, dmask = launch.attention_backward(dout, q, k, v, mask, out, lse, None, *common, True, **layout)
     _check(case, dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dmask=dmask), q, k, v, dense, dout, keep, scale)

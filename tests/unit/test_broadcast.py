@@ -113,7 +113,7 @@ def test_kernels_read_stride_zero_views(which):
     assert any(t.stride(0) == 0 for t in views)
     copies = [t.contiguous() for t in views]
     dout = randn((2, 2, 17, 16), dtype, device, 3)
-    common = (None, 0.0, False, 0, 0.25, "stable")
+    common = (None, 0.0, 0.25, "stable")
     results = []
     for qq, kk, vv in (views, copies):
         out, lse = launch.attention_forward(qq, kk, vv, None, *common)

@@ -24,6 +24,7 @@ from helpers import (
     ON_CUDA,
     assert_close_to_ref,
     assert_dead_rows_exact,
+    launch_visibility,
     lse_baseline,
     make_qkv,
     randn,
@@ -117,8 +118,9 @@ def check_decode(case: DecodeCase, dtype, device, **launch_kwargs):
     mask = decode_mask(case.mask, case, dtype, device)
     offset = causal_offset_of(case)
     scale = case.head_dim ** -0.5
-    out, lse = decode.decode_attention_forward(q, k, v, mask, offset is not None, offset or 0, scale, "stable",
-                                               num_splits=case.splits, window=case.window, **launch_kwargs)
+    out, lse = decode.decode_attention_forward(q, k, v, mask, scale, "stable",
+                                               visibility=launch_visibility(offset, window=case.window),
+                                               num_splits=case.splits, **launch_kwargs)
     mask = with_window(mask, case, dtype, device)
     assert out.shape == (case.batch, case.heads_q, case.seq_q, head_dim_v) and out.dtype == dtype
     assert lse.shape == out.shape[:-1] and lse.dtype == torch.float32
@@ -169,7 +171,7 @@ def test_fully_masked_splits_and_rows(device):
     # Every row, every split empty: the whole output is 0, the LSE -inf.
     q, k, v = make_qkv(1, 8, 1, 4, 97, 24, 24, torch.float32, device)
     nothing = torch.zeros((1, 1, 1, 97), dtype=torch.bool, device=device).expand(1, 8, 4, 97)
-    out, lse = decode.decode_attention_forward(q, k, v, nothing, False, 0, 0.2, "stable", num_splits=4)
+    out, lse = decode.decode_attention_forward(q, k, v, nothing, 0.2, "stable", num_splits=4)
     assert (out == 0).all() and lse.isneginf().all()
 
 
@@ -284,7 +286,7 @@ def test_the_table_decode_entry_is_used(monkeypatch, device):
         seen = []
         spy_on_launches(monkeypatch, lambda name, kwargs: seen.append((name, kwargs.get("BLOCK_N"))))
         mask = torch.ones((1, 1, 1, 200), dtype=torch.bool, device=device).expand(1, 4, 2, 200)
-        decode.decode_attention_forward(q, k, v, mask, False, 0, 0.2, "stable", num_splits=2)
+        decode.decode_attention_forward(q, k, v, mask, 0.2, "stable", num_splits=2)
     assert ("_attn_decode_split", 64) in seen
 
 

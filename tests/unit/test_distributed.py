@@ -267,8 +267,8 @@ def test_kernels_backward_with_keys_split_across_calls(schedule, device):
     out_acc = torch.zeros(q.shape, dtype=F32, device=device)
     lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=F32, device=device)
     for keys, offset in calls:
-        out_b, lse_b = launch.attention_forward(q, k[:, :, keys], v[:, :, keys], None, None, 0.0, True, offset,
-                                                scale, schedule)
+        out_b, lse_b = launch.attention_forward(q, k[:, :, keys], v[:, :, keys], None, None, 0.0, scale, schedule,
+                                                visibility=launch.Visibility(is_causal=True, causal_offset=offset))
         merged = torch.logaddexp(lse_acc, lse_b)
         shift = torch.where(merged.isneginf(), 0.0, merged)
         out_acc = out_acc * torch.exp(lse_acc - shift)[..., None] + out_b.float() * torch.exp(lse_b - shift)[..., None]
@@ -276,9 +276,9 @@ def test_kernels_backward_with_keys_split_across_calls(schedule, device):
     dq = torch.zeros(q.shape, dtype=F32, device=device)
     dk, dv = [], []
     for keys, offset in calls:
-        dq_b, dk_b, dv_b, _ = launch.attention_backward(dout, q, k[:, :, keys], v[:, :, keys], None, out_acc,
-                                                        lse_acc, None, None, 0.0, True, offset, scale, schedule,
-                                                        False)
+        dq_b, dk_b, dv_b, _ = launch.attention_backward(
+            dout, q, k[:, :, keys], v[:, :, keys], None, out_acc, lse_acc, None, None, 0.0, scale, schedule, False,
+            visibility=launch.Visibility(is_causal=True, causal_offset=offset))
         dq += dq_b.float()
         dk.append(dk_b)
         dv.append(dv_b)

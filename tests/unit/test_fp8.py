@@ -21,8 +21,8 @@ from flash_inductor.tuning import cache
 from flash_inductor.tuning.buckets import Bucket
 from flash_inductor.autotune.plan import Grid, make_plan
 from flash_inductor.schedules import FP8_SQNR_BUDGET_DB, SCHEDULES
-from helpers import (DEVICE, ON_CUDA, assert_close_to_ref, assert_dead_rows_exact, attention_ref, make_mask, make_qkv,
-                     randn, ref_forward_backward)
+from helpers import (DEVICE, ON_CUDA, assert_close_to_ref, assert_dead_rows_exact, attention_ref, launch_visibility,
+                     make_mask, make_qkv, randn, ref_forward_backward)
 
 F8 = torch.float8_e4m3fn
 DTYPES = (torch.float16, torch.bfloat16) if ON_CUDA else (torch.float16, torch.float32)
@@ -60,8 +60,8 @@ def _emulated_sqnr(q, k, v, mask, causal_offset, scale) -> float:
 
 def _forward(q, k, v, mask=None, causal_offset=None, scale=None, schedule="fp8", dropout=(None, 0.0)):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return launch.attention_forward(q, k, v, mask, dropout[0], dropout[1], causal_offset is not None,
-                                    causal_offset or 0, scale, schedule)
+    return launch.attention_forward(q, k, v, mask, dropout[0], dropout[1], scale, schedule,
+                                    visibility=launch_visibility(causal_offset))
 
 
 CASES = {
@@ -154,9 +154,11 @@ def test_fp8_backward_is_the_stable_backward_of_the_16_bit_forward():
     dout = randn((1, 2, 37, 32), torch.float16, DEVICE, seed=12)
     out8, lse8 = _forward(q, k, v, causal_offset=8)
     out16, lse16 = _forward(q, k, v, causal_offset=8, schedule="stable")
-    args = (None, 0.0, True, 8, 32 ** -0.5)  # seed, dropout_p, is_causal, offset, scale
-    ours = launch.attention_backward(dout, q, k, v, None, out8, lse8, None, *args, "fp8", False)
-    stable = launch.attention_backward(dout, q, k, v, None, out16, lse16, None, *args, "stable", False)
+    args = (None, 0.0, 32 ** -0.5)  # seed, dropout_p, scale
+    visibility = launch_visibility(8)
+    ours = launch.attention_backward(dout, q, k, v, None, out8, lse8, None, *args, "fp8", False, visibility=visibility)
+    stable = launch.attention_backward(dout, q, k, v, None, out16, lse16, None, *args, "stable", False,
+                                       visibility=visibility)
     for name, a, b in zip(("dq", "dk", "dv"), ours, stable):
         assert torch.equal(a, b), name
 

@@ -264,7 +264,8 @@ def test_the_op_dispatches_to_the_hopper_call_it_is_given(monkeypatch):
         return q * 2, k * 3, v * 4
 
     def triton_call(*args, **kwargs):
-        seen.append(("triton", args[10:13], kwargs["window"]))
+        visibility, scale = kwargs["visibility"], args[10]
+        seen.append(("triton", (visibility.is_causal, visibility.causal_offset, scale), visibility.window))
         return q, k, v, q.new_empty(0)
     monkeypatch.setattr(ops_attention.launch, "attention_backward", triton_call)
     monkeypatch.setattr(hopper_bwd, "hopper_backward_unsupported_reason", lambda *a, **kw: None)

@@ -28,6 +28,7 @@ from helpers import (
     assert_close_to_ref,
     assert_dead_rows_exact,
     dropout_keep,
+    launch_visibility,
     lse_baseline,
     make_mask,
     make_qkv,
@@ -93,10 +94,11 @@ def run_case(case: Case, dtype: torch.dtype, device: str, schedule: str = "stabl
         rng_seed = torch.tensor([seed_value], dtype=torch.int64, device=device)
         keep = dropout_keep(seed_value, case.batch, case.heads_q, case.seq_q, case.seq_k, case.dropout_p, device)
     offset = case.causal_offset
-    common = (rng_seed, case.dropout_p, offset is not None, offset or 0, scale, schedule)
-    out, lse = launch.attention_forward(q, k, v, mask, *common, configs=configs)
+    common = (rng_seed, case.dropout_p, scale, schedule)
+    visibility = launch_visibility(offset)
+    out, lse = launch.attention_forward(q, k, v, mask, *common, visibility=visibility, configs=configs)
     dq, dk, dv, dmask = launch.attention_backward(dout, q, k, v, mask, out, lse, dlse, *common, case.mask_grad,
-                                                  configs=configs)
+                                                  visibility=visibility, configs=configs)
     ours = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dmask=dmask)
     inputs = dict(q=q, k=k, v=v, mask=mask, dout=dout, dlse=dlse, scale=scale, offset=offset,
                   rng_seed=rng_seed, keep=keep)
@@ -274,7 +276,7 @@ def test_forward_folds_the_scale_only_without_a_mask(monkeypatch, mask, scale, f
     attn_mask = None if mask is None else (
         torch.ones(1, 1, 16, 16, dtype=torch.bool, device=DEVICE).tril() if mask == "bool"
         else randn((1, 1, 16, 16), torch.float16, DEVICE, 4))
-    launch.attention_forward(q, k, v, attn_mask, None, 0.0, False, 0, scale, "stable")
+    launch.attention_forward(q, k, v, attn_mask, None, 0.0, scale, "stable")
     assert seen == [folds]
 
 
@@ -384,7 +386,7 @@ def test_near_tied_keys_need_exact_delta_fp16(device):
         base = sdpa_baseline(q, k, v, scale=scale, grad_out=dout)
     grads = {}
     for schedule in SCHEDULES:
-        common = (None, 0.0, False, 0, scale, schedule)
+        common = (None, 0.0, scale, schedule)
         out, lse = launch.attention_forward(q, k, v, None, *common)
         grads[schedule] = dict(zip(("dq", "dk", "dv"), launch.attention_backward(
             dout, q, k, v, None, out, lse, None, *common, False)))
@@ -584,7 +586,7 @@ def test_tiny_ds_scaled_out_of_fp16_subnormals(variant, device):
     ref = ref_forward_backward(q, k, v, scale=scale, grad_out=dout)
     with sdpa_kernel(SDPBackend.MATH):
         base = sdpa_baseline(q, k, v, scale=scale, grad_out=dout)
-    common = (None, 0.0, False, 0, scale, "stable")
+    common = (None, 0.0, scale, "stable")
     out, lse = launch.attention_forward(q, k, v, None, *common)
     grads = dict(zip(("dq", "dk", "dv"), launch.attention_backward(dout, q, k, v, None, out, lse, None, *common,
                                                                    False)))
@@ -600,7 +602,7 @@ def test_plain_loop_scale_up_is_exact(device):
     q, k, v, dout = _tiny_ds_problem(device, q_mult=1.0 / 16, k_mult=16.0, v_mult=1.0)
     dout = (dout.double() * 2**-12).to(torch.float16)  # dS ~ 1e-5, mostly subnormal
     scale = q.shape[-1] ** -0.5
-    common = (None, 0.0, False, 0, scale, "stable")
+    common = (None, 0.0, scale, "stable")
     out, lse = launch.attention_forward(q, k, v, None, *common)
     small = launch.attention_backward(dout, q, k, v, None, out, lse, None, *common, False)[:3]
     large = launch.attention_backward(dout * 2**10, q, k, v, None, out, lse, None, *common, False)[:3]
@@ -629,9 +631,10 @@ def test_ragged_key_block_with_very_negative_logits(causal, device):
     dout = randn((1, 2, case.seq_q, 24), kernel_dtype, device, 13)
     scale = 24**-0.5
     offset = case.causal_offset
-    common = (None, 0.0, offset is not None, offset or 0, scale, "stable")
-    out, lse = launch.attention_forward(q, k, v, mask, *common)
-    dq, dk, dv, _ = launch.attention_backward(dout, q, k, v, mask, out, lse, None, *common, False)
+    common = (None, 0.0, scale, "stable")
+    out, lse = launch.attention_forward(q, k, v, mask, *common, visibility=launch_visibility(offset))
+    dq, dk, dv, _ = launch.attention_backward(dout, q, k, v, mask, out, lse, None, *common, False,
+                                              visibility=launch_visibility(offset))
     assert lse.max() < -150  # past exp2's fp32 range once multiplied by log2(e)
     ref = ref_forward_backward(q, k, v, mask, causal_offset=offset, scale=scale, grad_out=dout)
     base = sdpa_baseline(q, k, v, mask, causal_offset=offset, scale=scale, grad_out=dout)

@@ -231,9 +231,9 @@ def test_launcher_refuses_a_mask_not_broadcast_to_the_problem(shape):
     k, v = (randn((2, 3, 48, 16), torch.float32, DEVICE, seed=s) for s in (1, 2))
     mask = (torch.rand(shape, generator=torch.Generator().manual_seed(3)) > 0.3).to(DEVICE)
     with pytest.raises(ValueError, match="attn_mask"):
-        launch.attention_forward(q, k, v, mask, None, 0.0, False, 0, 0.25, "stable")
+        launch.attention_forward(q, k, v, mask, None, 0.0, 0.25, "stable")
     if shape == (2, 1, 1, 48):  # broadcast first, the launcher takes it and computes the masked attention
-        out, _ = launch.attention_forward(q, k, v, mask.expand(2, 3, 32, 48), None, 0.0, False, 0, 0.25, "stable")
+        out, _ = launch.attention_forward(q, k, v, mask.expand(2, 3, 32, 48), None, 0.0, 0.25, "stable")
         ref, _ = attention_ref(q, k, v, mask, scale=0.25)
         sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
         assert_close_to_ref("out", out, ref, sdpa)

@@ -32,6 +32,7 @@ from helpers import (
     assert_shadow_check_passes,
     attention_ref,
     dropout_keep,
+    launch_visibility,
     lse_baseline,
     make_mask,
     make_qkv,
@@ -246,10 +247,11 @@ def run_window_case(case: WindowCase, dtype, device, schedule="stable", seed=0):
         rng_seed = torch.tensor([seed_value], dtype=torch.int64, device=device)
         keep = dropout_keep(seed_value, case.batch, case.heads_q, case.seq_q, case.seq_k, case.dropout_p, device)
     offset = case.causal_offset
-    common = (rng_seed, case.dropout_p, offset is not None, offset or 0, scale, schedule)
-    out, lse = launch.attention_forward(q, k, v, mask, *common, window=case.window)
+    common = (rng_seed, case.dropout_p, scale, schedule)
+    visibility = launch_visibility(offset, window=case.window)
+    out, lse = launch.attention_forward(q, k, v, mask, *common, visibility=visibility)
     dq, dk, dv, dmask = launch.attention_backward(dout, q, k, v, mask, out, lse, None, *common, case.mask_grad,
-                                                  window=case.window)
+                                                  visibility=visibility)
     ours = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dmask=dmask)
     ref_mask = fold_band(mask, band_of(case.seq_q, case.seq_k, case.window, offset, device))
     kwargs = dict(scale=scale, dropout_mask=keep, dropout_p=case.dropout_p, grad_out=dout, mask_grad=case.mask_grad)
@@ -302,12 +304,13 @@ def test_scores_outside_the_band_are_never_read_unchecked(device):
     visible = band_of(case.seq_q, case.seq_k, case.window, None, device)
     clean = make_mask("float", case.batch, case.heads_q, case.seq_q, case.seq_k, torch.float32, device, seed=5)
     dout = randn(q.shape[:-1] + (case.head_dim_v,), torch.float32, device, 6)
-    common = (None, 0.0, False, 0, case.head_dim ** -0.5, "stable")
+    common = (None, 0.0, case.head_dim ** -0.5, "stable")
+    visibility = launch_visibility(window=case.window)
     results = []
     for outside in (float("nan"), float("-inf")):
         mask = torch.where(visible, clean, torch.full_like(clean, outside))
-        out, lse = launch.attention_forward(q, k, v, mask, *common, window=case.window)
-        grads = launch.attention_backward(dout, q, k, v, mask, out, lse, None, *common, True, window=case.window)
+        out, lse = launch.attention_forward(q, k, v, mask, *common, visibility=visibility)
+        grads = launch.attention_backward(dout, q, k, v, mask, out, lse, None, *common, True, visibility=visibility)
         results.append((out, lse, *grads))
     for name, poisoned, clean_result in zip(("out", "lse", "dq", "dk", "dv", "dmask"), *results):
         assert not poisoned.isnan().any(), f"{name}: a NaN outside the band reached the result"
