@@ -10,8 +10,9 @@ backward are the exception: opaque ops of their own, see below):
   compute_mask_grad, window_left=-1, window_right=-1, block_map?, block_q=0, block_k=0) -> (dq, dk, dv, dmask)``
 
 ``window_left`` / ``window_right`` are the sliding window of ``flash_attention(window=...)``
-(FlashAttention's definition, -1 an open side); ``launch.band`` turns them and the causal
-arguments into the band of keys each row sees.
+(FlashAttention's definition, -1 an open side). The ops build one ``launch.Visibility`` from the
+causal arguments, the window and the block-sparse layout for the launchers, which turn it into the
+band of keys each row sees (``launch.band``) and the kernels' tile lists.
 
 Inputs are the normalised 4-D tensors ``flash_inductor.api`` produces: query (B, Hq, L, E),
 key (B, Hkv, S, E), value (B, Hkv, S, Ev), mask a (B, Hq, L, S) view (possibly stride-0
