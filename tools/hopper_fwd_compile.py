@@ -35,7 +35,7 @@ def _kernel_module():
 
 
 def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int, block_n: int, stages: int,
-                   consumers: int = 2, pingpong: bool = False, loader_regs: int = 24):
+                   consumers: int = 2, pingpong: bool = False, loader_regs: int = 24, window: bool = False):
     # Same register plan as launch/hopper.py: the entry cap fills the file for 4*(consumers+1) warps.
     consumer_regs, maxnreg = (240, 168) if consumers == 2 else (160, 128)
     import triton
@@ -54,14 +54,15 @@ def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int, block_
     kv_sig = f"tensordesc<{dtype}[{', '.join(map(str, kv_box))}],{kv_layout!r}>"
     signature = {
         "q_desc": q_sig, "k_desc": kv_sig, "v_desc": kv_sig, "o_desc": q_sig, "LSE": "*fp32",
-        "L": "i32", "S": "i32", "H": "i32", "GROUP": "i32", "causal_offset": "i32", "qk_scale": "fp32",
+        "L": "i32", "S": "i32", "H": "i32", "GROUP": "i32", "causal_offset": "i32", "window_lower": "i32",
+        "qk_scale": "fp32",
         "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "NUM_STAGES": "constexpr",
-        "NUM_CONSUMERS": "constexpr", "IS_CAUSAL": "constexpr", "PINGPONG": "constexpr", "CONSUMER_REGS": "constexpr",
-        "LOADER_REGS": "constexpr",
+        "NUM_CONSUMERS": "constexpr", "IS_CAUSAL": "constexpr", "WINDOW_LEFT": "constexpr", "PINGPONG": "constexpr",
+        "CONSUMER_REGS": "constexpr", "LOADER_REGS": "constexpr",
     }
     constexprs = {
         "HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "NUM_STAGES": stages,
-        "NUM_CONSUMERS": consumers, "IS_CAUSAL": causal, "PINGPONG": pingpong, "CONSUMER_REGS": consumer_regs, "LOADER_REGS": loader_regs,
+        "NUM_CONSUMERS": consumers, "IS_CAUSAL": causal, "WINDOW_LEFT": window, "PINGPONG": pingpong, "CONSUMER_REGS": consumer_regs, "LOADER_REGS": loader_regs,
     }
     src = GluonASTSource(fn=_attn_fwd_hopper, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -120,6 +121,7 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, nargs="*", default=[64, 128])
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--window", action="store_true", help="a sliding window's left side (WINDOW_LEFT)")
     ap.add_argument("--block-m", type=int, default=64)
     ap.add_argument("--block-n", type=int, default=128)
     ap.add_argument("--stages", type=int, default=0, help="0: 2 for E=128, 3 for E=64")
@@ -130,12 +132,12 @@ def main() -> int:
     for e in args.head_dim:
         stages = args.stages or (2 if e == 128 else 3)
         k = compile_config(e, args.dtype, args.causal, args.block_m, args.block_n, stages, args.consumers,
-                           args.pingpong)
+                           args.pingpong, window=args.window)
         r = report(k)
-        print(f"E={e} {args.dtype} causal={args.causal} pingpong={args.pingpong} BM={args.block_m}x{args.consumers} BN={args.block_n} stages={stages}: {r}")
+        print(f"E={e} {args.dtype} causal={args.causal} window={args.window} pingpong={args.pingpong} BM={args.block_m}x{args.consumers} BN={args.block_n} stages={stages}: {r}")
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
-            tag = f"e{e}_{args.dtype}_{'c' if args.causal else 'n'}_bn{args.block_n}_s{stages}_w{args.consumers}{'_pp' if args.pingpong else ''}"
+            tag = f"e{e}_{args.dtype}_{'c' if args.causal else 'n'}{'w' if args.window else ''}_bn{args.block_n}_s{stages}_w{args.consumers}{'_pp' if args.pingpong else ''}"
             for ext in ("ttgir", "ptx"):
                 with open(os.path.join(args.dump, f"{tag}.{ext}"), "w") as f:
                     f.write(k.asm[ext])

@@ -27,6 +27,9 @@ Constexpr switches:
   NUM_CONSUMERS consumer warpgroups per CTA; the CTA owns NUM_CONSUMERS·BLOCK_M query rows and
                 every consumer reads every K/V tile of the ring (so K/V are loaded once per CTA).
   IS_CAUSAL     key j is visible to query i iff j <= i + causal_offset (0: top-left, SDPA's).
+  WINDOW_LEFT   a sliding window's left side (launch/band.py): key j is visible to query i only
+                if also j >= i + window_lower. The CTA's loop starts at the first key tile its top
+                row can see, so tiles wholly left of the band are never loaded.
   PINGPONG      the consumers take turns issuing their MMAs (a token passed round-robin through
                 mbarriers, FA3's warp scheduler barrier), so one warpgroup's softmax runs while
                 the next one's GEMMs own the tensor cores, rather than all contending at once.
@@ -34,7 +37,8 @@ Constexpr switches:
 Schedule (per consumer, FA3's intra-warpgroup overlap): the Q·Kᵀ of tile j is issued before
 the P·V of tile j-1, so the softmax of tile j runs while the tensor cores finish P·V of j-1;
 the consumers are independent partitions, so one warpgroup's softmax also overlaps the other's
-MMAs. Tiles below the causal diagonal and inside S skip the visibility select.
+MMAs. Tiles between the band's edges (below the causal diagonal, right of the window's left
+side) and inside S skip the visibility select.
 """
 
 from triton.experimental import gluon
@@ -51,8 +55,10 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _tile_counts(row0, S, causal_offset, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """(key tiles to visit, leading tiles wholly visible to rows [row0, row0 + ROWS)).
+def _tile_range(row0, S, causal_offset, window_lower, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr):
+    """The key tiles rows [row0, row0 + ROWS) visit: (first tile, tile count, n_full, lo_full).
+    Tiles lo_full <= j < n_full are wholly visible to every one of those rows (no select).
 
     At least one tile is visited, so a block whose rows see no key still runs the loop once and
     leaves l_i = 0 (output 0, LSE -inf) instead of an unwritten output."""
@@ -62,16 +68,23 @@ def _tile_counts(row0, S, causal_offset, ROWS: gl.constexpr, BLOCK_N: gl.constex
     else:
         hi = S
         n_full = S // BLOCK_N
-    n_tiles = gl.cdiv(gl.maximum(hi, 1), BLOCK_N)
-    return n_tiles, gl.maximum(n_full, 0)
+    end = gl.cdiv(gl.maximum(hi, 1), BLOCK_N)
+    lo = 0
+    lo_full = 0
+    if WINDOW_LEFT:
+        # The top row's left side gives the first tile; the bottom row's, the first tile that
+        # every row sees from its first key on.
+        lo = gl.minimum(gl.maximum(row0 + window_lower, 0) // BLOCK_N, end - 1)
+        lo_full = gl.cdiv(gl.maximum(row0 + ROWS - 1 + window_lower, 0), BLOCK_N)
+    return lo, end - lo, gl.maximum(n_full, 0), lo_full
 
 
 @gluon.jit
 def _hopper_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                        q_ready, k_ready, v_ready, k_empty, v_empty,
-                       L, S, H, GROUP, causal_offset,
+                       L, S, H, GROUP, causal_offset, window_lower,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                       NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                       NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr):
     """One warp: Q once per consumer, then K/V tiles into the ring as slots free up."""
     ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
     start_m, b, h = _block_coords(L, H, ROWS, IS_CAUSAL)
@@ -79,19 +92,21 @@ def _hopper_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, start_m + c * BLOCK_M, 0], q_ready.index(c), q_smem.index(c))
-    n_tiles, n_full = _tile_counts(start_m, S, causal_offset, ROWS, BLOCK_N, IS_CAUSAL)
-    for j in range(n_tiles):
-        slot = j % NUM_STAGES
+    lo, n_tiles, _, _ = _tile_range(start_m, S, causal_offset, window_lower, ROWS, BLOCK_N, IS_CAUSAL, WINDOW_LEFT)
+    # t counts the ring's tiles from 0; the key tile it holds is lo + t.
+    for t in range(n_tiles):
+        slot = t % NUM_STAGES
+        key0 = (lo + t) * BLOCK_N
         # A fresh mbarrier counts as having completed the phase before phase 0, so the first
         # pass over the ring waits on parity 1 and goes straight through.
-        empty_phase = ((j // NUM_STAGES) & 1) ^ 1
+        empty_phase = ((t // NUM_STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(slot), empty_phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, h_kv, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        tma.async_copy_global_to_shared(k_desc, [b, h_kv, key0, 0], k_ready.index(slot), k_smem.index(slot))
         # V has its own barriers so Q·Kᵀ can start before V lands.
         mbarrier.wait(v_empty.index(slot), empty_phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, h_kv, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [b, h_kv, key0, 0], v_ready.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
@@ -106,17 +121,22 @@ def _block_coords(L, H, ROWS: gl.constexpr, IS_CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale, row_ids, j, n_full, S, causal_offset,
-                  s_layout: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """Fold one tile of unscaled scores into (m_i, l_i); returns (p in fp32, alpha, m_i, l_i)."""
-    if j >= n_full:
-        # Diagonal or ragged-tail tile: keys past S (zero rows that TMA filled in; the 4-D
-        # descriptor clips per head, so they are never another head's keys) and keys above the
-        # diagonal go to -inf.
-        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        visible = gl.expand_dims(cols < S, 0)
+def _softmax_step(s, m_i, l_i, qk_scale, row_ids, j, n_full, lo_full, S, causal_offset, window_lower,
+                  s_layout: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr):
+    """Fold key tile j's unscaled scores into (m_i, l_i); returns (p in fp32, alpha, m_i, l_i)."""
+    needs_select = j >= n_full
+    if WINDOW_LEFT:
+        needs_select = needs_select | (j < lo_full)
+    if needs_select:
+        # Diagonal, window-edge or ragged-tail tile: keys past S (zero rows that TMA filled in;
+        # the 4-D descriptor clips per head, so they are never another head's keys) and keys
+        # outside the band go to -inf.
+        cols = gl.expand_dims(j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
+        visible = cols < S
         if IS_CAUSAL:
-            visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(row_ids, 1) + causal_offset)
+            visible = visible & (cols <= gl.expand_dims(row_ids, 1) + causal_offset)
+        if WINDOW_LEFT:
+            visible = visible & (cols >= gl.expand_dims(row_ids, 1) + window_lower)
         s = gl.where(visible, s, float("-inf"))
     # Max on the unscaled scores, scaled once: exact for qk_scale > 0 (x -> fl(c·x) is monotonic),
     # and exp2's argument below is then a single FFMA per score.
@@ -149,10 +169,11 @@ def _pass_turn(turn, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPO
 @gluon.jit
 def _hopper_fwd_consumer(o_desc, q_smem, k_smem, v_smem,
                          q_ready, k_ready, v_ready, k_empty, v_empty,
-                         LSE, L, S, H, causal_offset, qk_scale,
+                         LSE, L, S, H, causal_offset, window_lower, qk_scale,
                          turn, CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                         NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+                         NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+                         PINGPONG: gl.constexpr):
     """One warpgroup: BLOCK_M query rows against every key tile the loader brings."""
     ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
     dtype: gl.constexpr = o_desc.dtype
@@ -168,13 +189,14 @@ def _hopper_fwd_consumer(o_desc, q_smem, k_smem, v_smem,
     start_m, b, h = _block_coords(L, H, ROWS, IS_CAUSAL)
     row0 = start_m + CONSUMER * BLOCK_M
     row_ids = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
-    # Every consumer walks the CTA's tile count (the loader's): each ring slot then gets one
-    # release from every consumer, and under PINGPONG every consumer takes the same number of
-    # turns. Under causal masking the last tiles can lie wholly above this warpgroup's diagonal;
-    # they are fully masked (p = 0), which costs their MMAs but no special case. n_full is this
-    # warpgroup's own unmasked prefix.
-    n_tiles, n_full_cta = _tile_counts(start_m, S, causal_offset, ROWS, BLOCK_N, IS_CAUSAL)
-    n_tiles_own, n_full = _tile_counts(row0, S, causal_offset, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    # Every consumer walks the CTA's tiles (the loader's): each ring slot then gets one release
+    # from every consumer, and under PINGPONG every consumer takes the same number of turns.
+    # Under causal masking the last tiles can lie wholly above this warpgroup's diagonal (and
+    # under a window the first ones wholly left of its band); they are fully masked (p = 0),
+    # which costs their MMAs but no special case. [lo_full, n_full) is this warpgroup's own
+    # unmasked range.
+    lo, n_tiles, _, _ = _tile_range(start_m, S, causal_offset, window_lower, ROWS, BLOCK_N, IS_CAUSAL, WINDOW_LEFT)
+    _, _, n_full, lo_full = _tile_range(row0, S, causal_offset, window_lower, BLOCK_M, BLOCK_N, IS_CAUSAL, WINDOW_LEFT)
 
     q_tile = q_smem.index(CONSUMER).reshape([BLOCK_M, HEAD_DIM])
     mbarrier.wait(q_ready.index(CONSUMER), 0)
@@ -192,17 +214,18 @@ def _hopper_fwd_consumer(o_desc, q_smem, k_smem, v_smem,
     _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(0), count=1)
-    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, row_ids, 0, n_full, S, causal_offset,
-                                       s_layout, BLOCK_N, IS_CAUSAL)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, row_ids, lo, n_full, lo_full, S, causal_offset,
+                                       window_lower, s_layout, BLOCK_N, IS_CAUSAL, WINDOW_LEFT)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-    for j in range(1, n_tiles):
-        slot = j % NUM_STAGES
-        phase = (j // NUM_STAGES) & 1
-        prev = (j - 1) % NUM_STAGES
-        prev_phase = ((j - 1) // NUM_STAGES) & 1
-        # Issue S_j = Q·K_jᵀ first, then P_{j-1}·V_{j-1}: the softmax of S_j below overlaps P·V.
-        _take_turn(turn, j, CONSUMER, PINGPONG)
+    # t counts the ring's tiles, as the loader does; the key tile is lo + t.
+    for t in range(1, n_tiles):
+        slot = t % NUM_STAGES
+        phase = (t // NUM_STAGES) & 1
+        prev = (t - 1) % NUM_STAGES
+        prev_phase = ((t - 1) // NUM_STAGES) & 1
+        # Issue S_t = Q·K_tᵀ first, then P_{t-1}·V_{t-1}: the softmax of S_t below overlaps P·V.
+        _take_turn(turn, t, CONSUMER, PINGPONG)
         mbarrier.wait(k_ready.index(slot), phase)
         k_tile = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
         s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -210,11 +233,11 @@ def _hopper_fwd_consumer(o_desc, q_smem, k_smem, v_smem,
         v_tile = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
         acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
         _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
-        # wgmma groups retire in issue order: one outstanding means S_j is done, P·V may not be.
+        # wgmma groups retire in issue order: one outstanding means S_t is done, P·V may not be.
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, row_ids, j, n_full, S, causal_offset,
-                                           s_layout, BLOCK_N, IS_CAUSAL)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, row_ids, lo + t, n_full, lo_full, S,
+                                           causal_offset, window_lower, s_layout, BLOCK_N, IS_CAUSAL, WINDOW_LEFT)
         # p_op stays in deps so its registers are not reused while the P·V that reads them runs.
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op))
         mbarrier.arrive(v_empty.index(prev), count=1)
@@ -248,10 +271,11 @@ def _hopper_fwd_consumer(o_desc, q_smem, k_smem, v_smem,
 
 @gluon.jit
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE,
-                     L, S, H, GROUP, causal_offset, qk_scale,
+                     L, S, H, GROUP, causal_offset, window_lower, qk_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                     WINDOW_LEFT: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     LOADER_REGS: gl.constexpr):
     """Grid (cdiv(L, BLOCK_M * NUM_CONSUMERS), B * H). Q/K/V/O descriptors are 4-D over
     (B, H, L or S, E) with boxes (1, 1, rows, E), so TMA clips and zero-fills per head."""
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "two or three consumer warpgroups")
@@ -281,29 +305,29 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE,
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                                    LSE, L, S, H, causal_offset, qk_scale, turn,
-                                    0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG)),
+                                    LSE, L, S, H, causal_offset, window_lower, qk_scale, turn, 0, HEAD_DIM,
+                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG)),
             (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                                    LSE, L, S, H, causal_offset, qk_scale, turn,
-                                    1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG)),
+                                    LSE, L, S, H, causal_offset, window_lower, qk_scale, turn, 1, HEAD_DIM,
+                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG)),
             (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                   q_ready, k_ready, v_ready, k_empty, v_empty,
-                                  L, S, H, GROUP, causal_offset,
-                                  BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL)),
+                                  L, S, H, GROUP, causal_offset, window_lower,
+                                  BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
             (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                                    LSE, L, S, H, causal_offset, qk_scale, turn,
-                                    0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG)),
+                                    LSE, L, S, H, causal_offset, window_lower, qk_scale, turn, 0, HEAD_DIM,
+                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG)),
             (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                                    LSE, L, S, H, causal_offset, qk_scale, turn,
-                                    1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG)),
+                                    LSE, L, S, H, causal_offset, window_lower, qk_scale, turn, 1, HEAD_DIM,
+                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG)),
             (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                                    LSE, L, S, H, causal_offset, qk_scale, turn,
-                                    2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG)),
+                                    LSE, L, S, H, causal_offset, window_lower, qk_scale, turn, 2, HEAD_DIM,
+                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG)),
             (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                   q_ready, k_ready, v_ready, k_empty, v_empty,
-                                  L, S, H, GROUP, causal_offset,
-                                  BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL)),
+                                  L, S, H, GROUP, causal_offset, window_lower,
+                                  BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])

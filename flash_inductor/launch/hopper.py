@@ -15,7 +15,8 @@ in the input dtype and lse (B, Hq, L) fp32 in natural log (-inf for a row that s
 the two are interchangeable for the backward, which stays on the Triton kernels.
 
 What it covers now: sm_90, bf16/fp16, E = Ev in {64, 128}, no mask, no dropout, causal or not
-(any ``causal_offset``), grouped-query attention, the schedules whose forward rounds P to the
+(any ``causal_offset``), sliding windows (the band of ``launch/band.py``: the kernel starts each
+block's key loop at the window's left edge), grouped-query attention, the schedules whose forward rounds P to the
 input dtype (`fast`, `stable`), and any strides TMA can address (last dim contiguous, the others
 16-byte multiples, a 16-byte-aligned base), so (B, L, H, E) views transposed to (B, H, L, E)
 need no copy. Everything else keeps the Triton kernels.
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..schedules import get_schedule
-from .band import has_window
+from .band import resolve_band
 from .common import LOG2E, cdiv
 
 log = logging.getLogger("flash_inductor")
@@ -42,8 +43,6 @@ NOT_4D = "inputs are not 4-D (B, H, L, E)"
 HEADS_NOT_GROUPED = "query heads are not a multiple of key/value heads"
 LENGTHS_DIFFER = "batch or key length mismatch"
 LAYOUT_REASONS = (NOT_4D, HEADS_NOT_GROUPED, LENGTHS_DIFFER)
-# The kernel skips tiles past the causal diagonal only; a window's band (launch/band.py) runs on Triton.
-WINDOW = "a sliding window (not implemented on this path)"
 BLOCK_SPARSE = "a block-sparse layout (block_mask; its key loop visits every tile)"
 
 HEAD_DIMS = (64, 128)
@@ -154,8 +153,7 @@ def hopper_forward_unsupported_reason(query, key, value, attn_mask=None, dropout
         return "an attention mask (not implemented on this path yet)"
     if dropout_p > 0.0:
         return "dropout (not implemented on this path yet)"
-    if has_window(window):
-        return WINDOW
+    del window  # any band (launch/band.py): the kernel skips the tiles outside it
     if block_sparse:
         return BLOCK_SPARSE
     if scale is not None and not scale > 0:
@@ -199,10 +197,12 @@ def tma_descriptor(t: torch.Tensor, rows: int, cols: int | None = None):
 
 def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                              scale: float | None = None, is_causal: bool = False, causal_offset: int = 0,
+                             window: tuple[int, int] | None = None,
                              config: HopperForwardConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on the Gluon Hopper kernel. ``query`` (B, Hq, L, E), ``key``/``value``
     (B, Hkv, S, E) with Hq a multiple of Hkv. Key j is visible to query i iff
-    ``j <= i + causal_offset`` when ``is_causal`` (0: top-left, SDPA's convention).
+    ``j <= i + causal_offset`` when ``is_causal`` (0: top-left, SDPA's convention), and inside
+    ``window`` (FlashAttention's (left, right), or None) if one is given.
 
     Returns (out (B, Hq, L, E) in the input dtype, lse (B, Hq, L) fp32, natural log). Call only
     where ``hopper_forward_supported`` says so."""
@@ -212,6 +212,10 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     heads_kv, seq_k = key.shape[1], key.shape[2]
     if scale is None:
         scale = head_dim ** -0.5
+    # The kernel sees the band: its upper side as the causal arguments, its lower side as
+    # WINDOW_LEFT and window_lower (as the Triton forward does).
+    band = resolve_band(is_causal, causal_offset, window, seq_q, seq_k)
+    is_causal = band.upper is not None
     cfg = config or default_config(head_dim, is_causal)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
@@ -220,9 +224,11 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     _attn_fwd_hopper[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, cfg.block_n), tma_descriptor(value, cfg.block_n),
         tma_descriptor(out, cfg.block_m), lse,
-        seq_q, seq_k, heads_q, heads_q // heads_kv, causal_offset if is_causal else 0, scale * LOG2E,
+        seq_q, seq_k, heads_q, heads_q // heads_kv, band.upper if is_causal else 0,
+        band.lower if band.lower is not None else 0, scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-        NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal, PINGPONG=cfg.pingpong,
+        NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal, WINDOW_LEFT=band.lower is not None,
+        PINGPONG=cfg.pingpong,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         # The entry cap fills the register file; setmaxnreg then moves the loader's registers to
         # the consumers (2 consumers: 168 -> 240/240/24; 3: 128 -> 160/160/160/24).

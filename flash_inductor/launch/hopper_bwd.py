@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..schedules import get_schedule
+from .band import has_window
 from .common import LOG2E, cdiv
 from .hopper import NOT_HOPPER, hopper_forward_unsupported_reason, tma_descriptor, tma_unsupported_reason
 
@@ -40,6 +41,9 @@ E64_NON_CAUSAL = "head dim 64 without causal masking (the Triton backward measur
 # Triton backward sums each dq row in one program, in a fixed order.
 DETERMINISTIC = ("torch.use_deterministic_algorithms(True) (the Hopper backward adds dQ across key blocks "
                  "in an order that varies run to run)")
+# The backward's query loop skips tiles past the causal diagonal only; a window's band
+# (launch/band.py) keeps the Triton backward, which skips both edges.
+WINDOW = "a sliding window (not implemented on the Hopper backward)"
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,8 @@ def hopper_backward_unsupported_reason(query, key, value, attn_mask=None, dropou
     if reason is not None:
         return reason
     sched = get_schedule(schedule)
+    if has_window(window):
+        return WINDOW
     if sched.exact_delta or sched.ds_rescale or sched.ds_in_fp32:
         return (f"schedule {sched.name!r} (the Hopper backward implements `fast`'s Δ and dS cast; "
                 "exact Δ and fp16 dS rescaling are not implemented on this path)")

@@ -242,7 +242,7 @@ def test_the_static_choice_on_a_mocked_hopper(monkeypatch):
     assert "schedule 'stable'" in reason(q, kv, kv, None, 0.0, None, "stable")
     assert "mask" in reason(q, kv, kv, t(2, 8, 64, 64, dtype=torch.bool), 0.0, None, "fast")
     assert "dropout" in reason(q, kv, kv, None, 0.1, None, "fast")
-    assert reason(q, kv, kv, None, 0.0, None, "fast", window=(16, 0)) == hopper.WINDOW
+    assert reason(q, kv, kv, None, 0.0, None, "fast", window=(16, 0)) == hopper_bwd.WINDOW
     assert reason(q, kv, kv, None, 0.0, None, "fast", block_sparse=True) == hopper.BLOCK_SPARSE
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     assert reason(q, kv, kv, None, 0.0, None, "fast") == hopper_bwd.DETERMINISTIC

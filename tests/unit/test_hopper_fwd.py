@@ -1,6 +1,6 @@
 """The Gluon Hopper forward (launch/hopper.py) against the fp64 reference with the project's
-tolerance rule (tests/helpers.py): dtype x head dim x causal x odd lengths, grouped-query heads,
-strided (B, L, H, E) views, and rows that see no key. Runs only on an sm_90 GPU with a Triton
+tolerance rule (tests/helpers.py): dtype x head dim x causal x odd lengths, sliding windows,
+grouped-query heads, strided (B, L, H, E) views, and rows that see no key. Runs only on an sm_90 GPU with a Triton
 that has Gluon; elsewhere each test is skipped with the reason."""
 
 from __future__ import annotations
@@ -25,30 +25,31 @@ def _inputs(dtype, head_dim, batch, heads_q, heads_kv, seq_q, seq_k, transposed=
     return rand(heads_q, seq_q), rand(heads_kv, seq_k), rand(heads_kv, seq_k)
 
 
-def _reference(q, k, v, scale, is_causal, causal_offset):
+def _reference(q, k, v, scale, is_causal, causal_offset, window=None):
+    from flash_inductor.launch.band import resolve_band
+
     group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)
     s = (q.double() @ k.transpose(-1, -2)) * scale
-    visible = torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device)
-    if is_causal:
-        visible = (torch.arange(k.shape[2], device=q.device)[None, :]
-                   <= torch.arange(q.shape[2], device=q.device)[:, None] + causal_offset)
+    visible = resolve_band(is_causal, causal_offset, window, q.shape[2], k.shape[2]).visible(
+        q.shape[2], k.shape[2], device=q.device)
     s = s.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     return p @ v, lse, visible
 
 
-def _check(q, k, v, is_causal, causal_offset=0):
+def _check(q, k, v, is_causal, causal_offset=0, window=None):
     import torch.nn.functional as F
 
     from flash_inductor.launch.hopper import hopper_attention_forward, hopper_forward_supported
 
     scale = q.shape[-1] ** -0.5
     assert hopper_forward_supported(q, k, v, None, 0.0, scale)
-    out, lse = hopper_attention_forward(q, k, v, scale=scale, is_causal=is_causal, causal_offset=causal_offset)
-    ref, lse_ref, visible = _reference(q, k, v, scale, is_causal, causal_offset)
+    out, lse = hopper_attention_forward(q, k, v, scale=scale, is_causal=is_causal, causal_offset=causal_offset,
+                                        window=window)
+    ref, lse_ref, visible = _reference(q, k, v, scale, is_causal, causal_offset, window)
     group = q.shape[1] // k.shape[1]
     base = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
                                           attn_mask=visible, scale=scale)
@@ -73,6 +74,19 @@ def _check(q, k, v, is_causal, causal_offset=0):
 @pytest.mark.parametrize("seq_q, seq_k", [(97, 97), (300, 300), (1025, 1025), (256, 700), (700, 256)])
 def test_matches_fp64(dtype, head_dim, is_causal, seq_q, seq_k):
     _check(*_inputs(dtype, head_dim, 2, 3, 3, seq_q, seq_k), is_causal)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("is_causal", (False, True))
+# (left, right) as FlashAttention defines them: a causal sliding window, a left side alone, a band
+# narrower than one key tile on both sides, the diagonal alone (rows that see no key when L > S),
+# and a left side wider than S (no bound at all).
+@pytest.mark.parametrize("window", [(200, 0), (300, -1), (40, 40), (0, 0), (5000, 0)])
+@pytest.mark.parametrize("seq_q, seq_k", [(1025, 1025), (300, 700), (700, 300)])
+def test_sliding_windows_match_fp64(dtype, head_dim, is_causal, window, seq_q, seq_k):
+    _check(*_inputs(dtype, head_dim, 1, 2, 1, seq_q, seq_k), is_causal, window=window)
 
 
 @needs_hopper
@@ -192,6 +206,7 @@ def test_the_static_choice_on_a_mocked_hopper(monkeypatch):
     q, kv = t(2, 8, 64, 128), t(2, 2, 64, 128)
     assert hopper.hopper_forward_unsupported_reason(q, kv, kv, None, 0.0, None, "stable") is None
     assert hopper.hopper_forward_unsupported_reason(q, kv, kv, None, 0.0, None, "fast") is None
+    assert hopper.hopper_forward_unsupported_reason(q, kv, kv, None, 0.0, None, "stable", window=(16, 0)) is None
     assert "accurate" in hopper.hopper_forward_unsupported_reason(q, kv, kv, None, 0.0, None, "accurate")
     assert "fp8" in hopper.hopper_forward_unsupported_reason(q, kv, kv, None, 0.0, None, "fp8")
     assert "mask" in hopper.hopper_forward_unsupported_reason(q, kv, kv, t(2, 8, 64, 64, dtype=torch.bool))
