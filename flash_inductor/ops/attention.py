@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import launch
 from ..launch import decode, hopper, hopper_bwd
-from ..launch.band import NO_WINDOW
+from ..launch.band import NO_WINDOW, window_pair
 
 # What the eager fast path needs besides launch.can_launch_directly(), looked up once (torch
 # 2.11-2.14 all have it; where it is missing every call takes the registered op instead).
@@ -96,15 +96,18 @@ def _reference_layout(block_map: Optional[Tensor], block_q: int, block_k: int) -
 
 
 def _forward_on_hopper(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, causal_offset: int,
-                       scale: float, schedule: str) -> tuple[Tensor, Tensor]:
+                       scale: float, schedule: str, window_left: int = -1,
+                       window_right: int = -1) -> tuple[Tensor, Tensor]:
+    window = (window_left, window_right)
     reason = hopper.tma_unsupported_reason(query, key, value)
     if reason is None:
         return hopper.hopper_attention_forward(query, key, value, scale=scale, is_causal=is_causal,
-                                               causal_offset=causal_offset)
+                                               causal_offset=causal_offset, window=window)
     hopper.log_triton_forward(reason)
     with launch.direct_kernel_calls():
         return launch.attention_forward(query, key, value, None, None, 0.0, scale, schedule,
-                                        visibility=Visibility(is_causal=is_causal, causal_offset=causal_offset))
+                                        visibility=Visibility(is_causal=is_causal, causal_offset=causal_offset,
+                                                              window=window))
 
 
 attention_forward_hopper = torch.library.custom_op("flash_inductor::attention_forward_hopper", mutates_args=())(
@@ -112,7 +115,8 @@ attention_forward_hopper = torch.library.custom_op("flash_inductor::attention_fo
 
 
 @attention_forward_hopper.register_fake
-def _hopper_forward_fake(query, key, value, is_causal, causal_offset, scale, schedule):
+def _hopper_forward_fake(query, key, value, is_causal, causal_offset, scale, schedule, window_left=-1,
+                         window_right=-1):
     return _forward_fake(query, key, value)
 
 
@@ -132,7 +136,7 @@ def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal
     reason = hopper.hopper_forward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
                                                       window=window, block_sparse=block_map is not None)
     if reason is None:
-        return hopper_call(query, key, value, is_causal, causal_offset, scale, schedule)
+        return hopper_call(query, key, value, is_causal, causal_offset, scale, schedule, *window_pair(window))
     hopper.log_triton_forward(reason)
     return launch.attention_forward(query, key, value, attn_mask, rng_seed, dropout_p, scale, schedule,
                                     visibility=visibility)

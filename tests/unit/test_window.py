@@ -406,17 +406,39 @@ def test_fp8_refuses_a_window():
     flash_inductor.flash_attention(q, q, q, window=(-1, -1), schedule="fp8")  # no window: runs
 
 
-def test_hopper_forward_declines_a_window(monkeypatch):
-    """The Gluon forward has no window: its static check names the reason, and the Triton
-    kernels run instead (what explain() reports for such a site)."""
-    from flash_inductor.launch import hopper
+def test_hopper_forward_takes_a_window_and_the_backward_declines_it(monkeypatch):
+    """The Gluon forward skips the tiles outside a window's band, so its static check takes a
+    windowed call; the Gluon backward skips only past the causal diagonal, so under `fast` it names
+    the window and the Triton backward runs (what explain() reports for such a site)."""
+    from flash_inductor.launch import hopper, hopper_bwd
 
     t = mock_hopper(monkeypatch)
     q, kv = t(2, 8, 64, 128), t(2, 2, 64, 128)
-    assert hopper.hopper_forward_unsupported_reason(q, kv, kv, None, 0.0, None, "stable") is None
-    assert hopper.hopper_forward_unsupported_reason(q, kv, kv, None, 0.0, None, "stable", window=(-1, -1)) is None
-    assert hopper.hopper_forward_unsupported_reason(q, kv, kv, None, 0.0, None, "stable",
-                                                    window=(127, 0)) == hopper.WINDOW
+    for window in (None, (-1, -1), (127, 0), (127, 5), (300, -1)):
+        assert hopper.hopper_forward_unsupported_reason(q, kv, kv, None, 0.0, None, "stable", window=window) is None
+    assert hopper_bwd.hopper_backward_unsupported_reason(q, kv, kv, None, 0.0, None, "fast", is_causal=True) is None
+    assert hopper_bwd.hopper_backward_unsupported_reason(q, kv, kv, None, 0.0, None, "fast", is_causal=True,
+                                                         window=(127, 0)) == hopper_bwd.WINDOW
+
+
+def test_the_op_hands_the_window_to_the_hopper_forward(monkeypatch):
+    """Runs anywhere: the op's forward gives the Hopper entry the window as its two ints (the opaque
+    op's schema), and a call without one the open (-1, -1)."""
+    from flash_inductor.launch import decode, hopper
+    from flash_inductor.ops import attention as ops_attention
+
+    q = torch.randn(1, 2, 8, 64)
+    seen = []
+    monkeypatch.setattr(decode, "decode_forward_or_none", lambda *a, **kw: None)
+    monkeypatch.setattr(hopper, "hopper_forward_unsupported_reason", lambda *a, **kw: None)
+
+    def hopper_call(*args):
+        seen.append(args[3:])
+        return q, q.new_zeros(1, 2, 8)
+    ops_attention._kernel_forward(q, q, q, None, None, 0.0, True, 0, 0.125, "stable", window=(5, 0),
+                                  hopper_call=hopper_call)
+    ops_attention._kernel_forward(q, q, q, None, None, 0.0, False, 0, 0.125, "stable", hopper_call=hopper_call)
+    assert seen == [(True, 0, 0.125, "stable", 5, 0), (False, 0, 0.125, "stable", -1, -1)]
 
 
 # ------------------------------------------------------------------------------------------
