@@ -385,35 +385,60 @@ def _attn_bwd_dkdv(
     sparse = (COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len,
               stride_bmb, stride_bmh, stride_bmm, stride_bmn)
 
-    # Which loop runs is decided once for the whole program: 0 the plain loop without row shifts,
-    # 1 the plain loop with them (some row of the call needs one: SHIFT_FLAG, set by the
-    # row-reference kernel), 2 the rare rescaling loop, which always applies the shift. Each is its
-    # own compile-time instance of _dkdv_heads; without DS_RESCALE only the first two exist and
-    # ds_up is a compile-time 1.
-    loop = tl.where(tl.load(SHIFT_FLAG) != 0, 1, 0)
+    # Decided once for the whole program; a compile-time False (and ds_up a compile-time 1) unless
+    # the schedule rescales, so the other kernels hold the plain, unscaled loop alone. The rare
+    # rescaling loop always applies the row shift; the plain loop skips it unless some row of the
+    # call needs it (SHIFT_FLAG, set by the row-reference kernel).
+    needs_rescale = False
     ds_up = 1.0
     if DS_RESCALE:
         needs_rescale, ds_up = _ds_loop_choice(DS_STATS, keep_scale)
-        loop = tl.where(needs_rescale, 2, loop)
     key_block = (k, v, offs_n, kv_rows_ok)
     row_pointers = (ROW_REF, ROW_SHIFT, DELTA)
     dropout = (seed, keep_scale, dropout_p)
     q_strides = (stride_qb, stride_qh, stride_qm, stride_qe)
     do_strides = (stride_dob, stride_doh, stride_dom, stride_doe)
     mask_strides = (stride_mb, stride_mh, stride_mm, stride_mn)
-    for variant in tl.static_range(3 if DS_RESCALE else 2):
-        if loop == variant:
-            dk, dv = _dkdv_heads(
-                dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-                offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse,
-                H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
-                RESCALE=variant == 2, SHIFT=variant > 0,
-                HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-                HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
-                DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
-                EVEN_M=EVEN_M, EVEN_E=EVEN_E, BLOCK_M=BLOCK_M, HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY,
-                LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
-            )
+    # The three calls differ only in RESCALE and SHIFT.
+    if needs_rescale:
+        dk, dv = _dkdv_heads(
+            dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
+            offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse,
+            H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
+            RESCALE=True, SHIFT=True,
+            HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
+            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
+            DS_IN_FP32=DS_IN_FP32,
+            DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT, EVEN_M=EVEN_M, EVEN_E=EVEN_E,
+            BLOCK_M=BLOCK_M,
+            HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
+        )
+    elif tl.load(SHIFT_FLAG) != 0:
+        dk, dv = _dkdv_heads(
+            dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
+            offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse,
+            H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
+            RESCALE=False, SHIFT=True,
+            HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
+            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
+            DS_IN_FP32=DS_IN_FP32,
+            DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT, EVEN_M=EVEN_M, EVEN_E=EVEN_E,
+            BLOCK_M=BLOCK_M,
+            HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
+        )
+    else:
+        dk, dv = _dkdv_heads(
+            dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
+            offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse,
+            H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
+            RESCALE=False, SHIFT=False,
+            HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
+            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
+            DS_IN_FP32=DS_IN_FP32,
+            DS_RESCALE=DS_RESCALE, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT, EVEN_M=EVEN_M, EVEN_E=EVEN_E,
+            BLOCK_M=BLOCK_M,
+            HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
+        )
 
     if DS_RESCALE:
         dk = dk * (sm_scale / ds_up)  # dk holds ds_up * Σ dS·q; exact, ds_up being a power of two
@@ -521,33 +546,45 @@ def _attn_bwd_dq(
     # end; Δ's correction, a ratio of two such sums, needs none. A per-score subtraction cost one
     # add per score, a branch on the shift two exp2 (the compiler evaluated both sides).
     row_scale = tl.math.exp2(-row_shift)
-    # Which loop runs is decided once for the whole program: 0 the plain loop, 1 the rare
-    # rescaling one, each its own compile-time instance of _dq_blocks. Without DS_RESCALE only the
-    # plain loop exists and ds_up is a compile-time 1.
-    loop = 0
+    # Decided once for the whole program; a compile-time False (and ds_up a compile-time 1) unless
+    # the schedule rescales, so the other kernels hold the plain, unscaled loop alone.
+    needs_rescale = False
     ds_up = 1.0
     if DS_RESCALE:
         needs_rescale, ds_up = _ds_loop_choice(DS_STATS, keep_scale)
-        loop = tl.where(needs_rescale, 1, 0)
     query_block = (q, do, offs_m, q_rows_ok, row_ids)
     row_values = (row_ref, row_scale, delta)
     dropout = (seed, keep_scale, dropout_p)
     k_strides = (stride_kb, stride_kh, stride_kn, stride_ke)
     v_strides = (stride_vb, stride_vh, stride_vn, stride_ve)
     mask_strides = (stride_mb, stride_mh, stride_mm, stride_mn)
-    for variant in tl.static_range(2 if DS_RESCALE else 1):
-        if loop == variant:
-            dq, exact_sums = _dq_blocks(
-                dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
-                offs_n_base, offs_e, offs_ev, ranges, k_strides, v_strides, mask_strides, listed,
-                S, causal_offset, window_lower, qk_scale_log2,
-                RESCALE=variant == 1,
-                HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
-                HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
-                DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK,
-                FP32_DOT=FP32_DOT, EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N, FROM_LIST=HAS_BLOCK_SPARSITY,
-                LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
-            )
+    # The two calls differ only in RESCALE.
+    if needs_rescale:
+        dq, exact_sums = _dq_blocks(
+            dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
+            offs_n_base, offs_e, offs_ev, ranges, k_strides, v_strides, mask_strides, listed,
+            S, causal_offset, window_lower, qk_scale_log2,
+            RESCALE=True,
+            HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
+            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
+            DS_IN_FP32=DS_IN_FP32,
+            DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
+            EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
+            FROM_LIST=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
+        )
+    else:
+        dq, exact_sums = _dq_blocks(
+            dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
+            offs_n_base, offs_e, offs_ev, ranges, k_strides, v_strides, mask_strides, listed,
+            S, causal_offset, window_lower, qk_scale_log2,
+            RESCALE=False,
+            HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
+            HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
+            DS_IN_FP32=DS_IN_FP32,
+            DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK, FP32_DOT=FP32_DOT,
+            EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
+            FROM_LIST=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
+        )
     ds_sum, ds_seen_sum, p_sum, p_k = exact_sums
 
     if EXACT_DELTA:
