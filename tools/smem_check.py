@@ -89,6 +89,16 @@ def check(head_dim: int, mask_kind: str, dtype_name: str, schedule: str, seq: in
           compiled_by_name: dict | None = None) -> list[tuple[str, int]]:
     """(kernel, shared bytes) for one forward, one backward and one decode forward of length ``seq``, with ``configs``
     (default: Hopper's heuristic ones); the compiled kernels go to ``compiled_by_name`` if given."""
+    record: list[tuple[str, int]] = []
+    with compiling_launches(record, compiled_by_name):
+        run_launches(head_dim, mask_kind, dtype_name, schedule, seq, configs)
+    return record
+
+
+def run_launches(head_dim: int, mask_kind: str, dtype_name: str, schedule: str, seq: int = SEQ, configs=None) -> None:
+    """Call the launchers for one forward, one backward and one decode forward of length ``seq``
+    (``configs`` default: Hopper's heuristic ones). Run it where ``launch.common.launcher`` is
+    replaced (``compiling_launches``; tools/kernel_writes.py): the tensors are CPU tensors."""
     from flash_inductor import launch
     from flash_inductor.tuning.configs import cuda_heuristic_configs
 
@@ -108,26 +118,22 @@ def check(head_dim: int, mask_kind: str, dtype_name: str, schedule: str, seq: in
     config_kind = {"window": "causal", "window_bool": "bool"}.get(mask_kind, mask_kind)
     if configs is None:
         configs = cuda_heuristic_configs(ARCH, dtype.itemsize, head_dim, head_dim, schedule, config_kind)
-    record: list[tuple[str, int]] = []
-    with compiling_launches(record, compiled_by_name):
-        scale = head_dim ** -0.5
-        if hasattr(launch, "Visibility"):
-            visibility = launch.Visibility(is_causal=causal, window=window)
-            launch.attention_forward(q, k, v, mask, None, 0.0, scale, schedule, visibility=visibility,
-                                     configs=configs)
-            launch.attention_backward(dout, q, k, v, mask, out, lse, None, None, 0.0, scale, schedule, False,
-                                      visibility=visibility, configs=configs)
-        else:
-            # tools/carry_table_entries.py --whole-package runs this against older launchers, which
-            # take the causal side positionally and the window (if at all) as a keyword.
-            extra = {"window": window} if window is not None else {}
-            launch.attention_forward(q, k, v, mask, None, 0.0, causal, 0, scale, schedule, configs=configs, **extra)
-            launch.attention_backward(dout, q, k, v, mask, out, lse, None, None, 0.0, causal, 0, scale, schedule,
-                                      False, configs=configs, **extra)
-        # Older launchers' configs (tools/carry_table_entries.py) have no decode role.
-        if getattr(configs, "decode", None) is not None:
-            _decode_launch(head_dim, mask_kind, dtype, schedule, seq, configs.decode, gen, window)
-    return record
+    scale = head_dim ** -0.5
+    if hasattr(launch, "Visibility"):
+        visibility = launch.Visibility(is_causal=causal, window=window)
+        launch.attention_forward(q, k, v, mask, None, 0.0, scale, schedule, visibility=visibility, configs=configs)
+        launch.attention_backward(dout, q, k, v, mask, out, lse, None, None, 0.0, scale, schedule, False,
+                                  visibility=visibility, configs=configs)
+    else:
+        # tools/carry_table_entries.py --whole-package runs this against older launchers, which
+        # take the causal side positionally and the window (if at all) as a keyword.
+        extra = {"window": window} if window is not None else {}
+        launch.attention_forward(q, k, v, mask, None, 0.0, causal, 0, scale, schedule, configs=configs, **extra)
+        launch.attention_backward(dout, q, k, v, mask, out, lse, None, None, 0.0, causal, 0, scale, schedule,
+                                  False, configs=configs, **extra)
+    # Older launchers' configs (tools/carry_table_entries.py) have no decode role.
+    if getattr(configs, "decode", None) is not None:
+        _decode_launch(head_dim, mask_kind, dtype, schedule, seq, configs.decode, gen, window)
 
 
 def _decode_launch(head_dim, mask_kind, dtype, schedule, seq, config, gen, window=None) -> None:

@@ -157,9 +157,9 @@ import triton.language as tl
 from .attn_bwd_tiles import _dkdv_tiles, _dq_tiles
 from .band import key_tile_query_ranges
 from .block_sparse import listed_tiles, query_tile_key_tiles
-from .common import LOG2E, dropout_scales, fp32_scalars, mask_scores, query_heads
+from .common import LOG2E, block_offsets, dropout_scales, fp32_scalars, mask_scores, query_heads
 from .ds_scaling import _ds_loop_choice, _max_as_stat
-from .tile_loads import load_own_block
+from .tile_loads import load_tile_pair
 
 # LSEs below this (natural log) only come from rows whose every visible key sits at the
 # -1e38 mask clamp; see _attn_bwd_row_reference.
@@ -368,12 +368,13 @@ def _attn_bwd_dkdv(
     bh_kv = tl.program_id(1)
     b = (bh_kv // H_KV).to(tl.int64)
     h_kv = (bh_kv % H_KV).to(tl.int64)
-    offs_n, offs_m_base, offs_e, offs_ev, kv_rows_ok, k, v = load_own_block(
-        start_n, S, K + b * stride_kb + h_kv * stride_kh, V + b * stride_vb + h_kv * stride_vh,
-        (stride_kb, stride_kh, stride_kn, stride_ke), (stride_vb, stride_vh, stride_vn, stride_ve),
-        BLOCK_OWN=BLOCK_N, BLOCK_LOOP=BLOCK_M, BLOCK_E=BLOCK_E, BLOCK_EV=BLOCK_EV,
-        HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
-    )
+    offs_n, offs_m_base, offs_e, offs_ev = block_offsets(start_n, BLOCK_OWN=BLOCK_N, BLOCK_LOOP=BLOCK_M,
+                                                         BLOCK_E=BLOCK_E, BLOCK_EV=BLOCK_EV)
+    kv_rows_ok = offs_n < S
+    k, v = load_tile_pair(K + b * stride_kb + h_kv * stride_kh, V + b * stride_vb + h_kv * stride_vh, offs_n,
+                          kv_rows_ok, offs_e, offs_ev, (stride_kb, stride_kh, stride_kn, stride_ke),
+                          (stride_vb, stride_vh, stride_vn, stride_ve),
+                          HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, EVEN_ROWS=False, EVEN_COLS=False)
     dk = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_EV], dtype=tl.float32)
 
@@ -507,12 +508,13 @@ def _attn_bwd_dq(
     qk_scale_log2, sm_scale, dropout_p = fp32_scalars(qk_scale_log2, sm_scale, dropout_p)
     start_m = tl.program_id(0) * BLOCK_M
     bh, b, h, h_kv = query_heads(H_Q, GROUP)
-    offs_m, offs_n_base, offs_e, offs_ev, q_rows_ok, q, do = load_own_block(
-        start_m, L, Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh,
-        (stride_qb, stride_qh, stride_qm, stride_qe), (stride_dob, stride_doh, stride_dom, stride_doe),
-        BLOCK_OWN=BLOCK_M, BLOCK_LOOP=BLOCK_N, BLOCK_E=BLOCK_E, BLOCK_EV=BLOCK_EV,
-        HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
-    )
+    offs_m, offs_n_base, offs_e, offs_ev = block_offsets(start_m, BLOCK_OWN=BLOCK_M, BLOCK_LOOP=BLOCK_N,
+                                                         BLOCK_E=BLOCK_E, BLOCK_EV=BLOCK_EV)
+    q_rows_ok = offs_m < L
+    q, do = load_tile_pair(Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh, offs_m,
+                           q_rows_ok, offs_e, offs_ev, (stride_qb, stride_qh, stride_qm, stride_qe),
+                           (stride_dob, stride_doh, stride_dom, stride_doe),
+                           HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, EVEN_ROWS=False, EVEN_COLS=False)
     row_ids = bh.to(tl.int64) * L + offs_m
     row_ref = tl.load(ROW_REF + row_ids, mask=q_rows_ok, other=float("inf"))
     row_shift = tl.load(ROW_SHIFT + row_ids, mask=q_rows_ok, other=0.0)

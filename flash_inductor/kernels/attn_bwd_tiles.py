@@ -12,9 +12,9 @@ import triton
 import triton.language as tl
 
 from .block_sparse import layout_visible
-from .common import dropout_keep, mask_scores
+from .common import dropout_keep, loop_tile, mask_scores
 from .ds_scaling import _accumulate_ds_dot, _ds_scores, _ds_tile, _ds_unscale
-from .tile_loads import load_loop_step, load_rows
+from .tile_loads import load_rows, load_tile_pair
 
 
 @triton.jit
@@ -40,11 +40,9 @@ def _dkdv_tiles(
     seed, keep_scale, dropout_p = dropout
     _, _, stride_mm, stride_mn = mask_strides
     for it in range(lo, hi, 1 if FROM_LIST else BLOCK_M):
-        offs_m, q_rows_ok, q, do = load_loop_step(
-            it, listed, offs_m_base, L, q_base, do_base, offs_e, offs_ev, q_strides, do_strides,
-            BLOCK=BLOCK_M, FROM_LIST=FROM_LIST, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
-            EVEN_ROWS=EVEN_M, EVEN_COLS=EVEN_E,
-        )
+        offs_m, q_rows_ok = loop_tile(it, listed, offs_m_base, L, BLOCK=BLOCK_M, FROM_LIST=FROM_LIST)
+        q, do = load_tile_pair(q_base, do_base, offs_m, q_rows_ok, offs_e, offs_ev, q_strides, do_strides,
+                               HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, EVEN_ROWS=EVEN_M, EVEN_COLS=EVEN_E)
         row_ids = bh * L + offs_m
         row_ref = load_rows(ROW_REF + row_ids, q_rows_ok, float("inf"), EVEN_ROWS=EVEN_M)
         delta = load_rows(DELTA + row_ids, q_rows_ok, 0.0, EVEN_ROWS=EVEN_M)
@@ -112,11 +110,9 @@ def _dq_tiles(
     seed, keep_scale, dropout_p = dropout
     _, _, stride_mm, stride_mn = mask_strides
     for it in range(lo, hi, 1 if FROM_LIST else BLOCK_N):
-        offs_n, kv_rows_ok, k, v = load_loop_step(
-            it, listed, offs_n_base, S, k_base, v_base, offs_e, offs_ev, k_strides, v_strides,
-            BLOCK=BLOCK_N, FROM_LIST=FROM_LIST, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
-            EVEN_ROWS=EVEN_N, EVEN_COLS=EVEN_E,
-        )
+        offs_n, kv_rows_ok = loop_tile(it, listed, offs_n_base, S, BLOCK=BLOCK_N, FROM_LIST=FROM_LIST)
+        k, v = load_tile_pair(k_base, v_base, offs_n, kv_rows_ok, offs_e, offs_ev, k_strides, v_strides,
+                              HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, EVEN_ROWS=EVEN_N, EVEN_COLS=EVEN_E)
         s2 = tl.dot(q, tl.trans(k), input_precision=FP32_DOT) * qk_scale_log2
         tile_ok = q_rows_ok[:, None] & kv_rows_ok[None, :]
         s2 = mask_scores(s2, mask_base, offs_m[:, None], offs_n[None, :], tile_ok, stride_mm, stride_mn, causal_offset,

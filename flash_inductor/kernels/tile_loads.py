@@ -15,8 +15,6 @@ the row and column masks; HEAD_DIM / HEAD_DIM_V (E and Ev, the first and second 
 import triton
 import triton.language as tl
 
-from .common import block_offsets, loop_tile
-
 
 @triton.jit
 def load_tile(ptrs, rows_ok, cols_ok, EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.constexpr):
@@ -60,32 +58,3 @@ def load_tile_pair(a_base, b_base, offs, rows_ok, offs_e, offs_ev, a_strides, b_
     b = load_tile(b_base + offs[:, None] * stride_bn + offs_ev[None, :] * stride_be,
                   rows_ok, offs_ev < HEAD_DIM_V, EVEN_ROWS=EVEN_ROWS, EVEN_COLS=EVEN_COLS)
     return a, b
-
-
-@triton.jit
-def load_own_block(start, length, a_base, b_base, a_strides, b_strides,
-                   BLOCK_OWN: tl.constexpr, BLOCK_LOOP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr):
-    """A backward program's prologue: the BLOCK_OWN rows from ``start`` that it owns and its two
-    tiles of them, (K, V) in the dK/dV pass and (Q, dO) in the dQ pass, with every load mask on
-    (they load once). Returns (offs, offs_loop_base, offs_e, offs_ev, rows_ok, a, b); ``a_base``
-    and ``b_base`` already point at the program's (batch, head)."""
-    offs, offs_loop_base, offs_e, offs_ev = block_offsets(start, BLOCK_OWN=BLOCK_OWN, BLOCK_LOOP=BLOCK_LOOP,
-                                                          BLOCK_E=BLOCK_E, BLOCK_EV=BLOCK_EV)
-    rows_ok = offs < length
-    a, b = load_tile_pair(a_base, b_base, offs, rows_ok, offs_e, offs_ev, a_strides, b_strides,
-                          HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, EVEN_ROWS=False, EVEN_COLS=False)
-    return offs, offs_loop_base, offs_e, offs_ev, rows_ok, a, b
-
-
-@triton.jit
-def load_loop_step(it, listed, offs_base, length, a_base, b_base, offs_e, offs_ev, a_strides, b_strides,
-                   BLOCK: tl.constexpr, FROM_LIST: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                   EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.constexpr):
-    """One step of a backward loop: the tile it visits (``common.loop_tile``: the tile at ``it``, or
-    under FROM_LIST the one at position ``it`` of a block-sparse list) and its rows of the two
-    tensors the loop walks. Returns (offs, rows_ok, a, b)."""
-    offs, rows_ok = loop_tile(it, listed, offs_base, length, BLOCK=BLOCK, FROM_LIST=FROM_LIST)
-    a, b = load_tile_pair(a_base, b_base, offs, rows_ok, offs_e, offs_ev, a_strides, b_strides,
-                          HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, EVEN_ROWS=EVEN_ROWS, EVEN_COLS=EVEN_COLS)
-    return offs, rows_ok, a, b

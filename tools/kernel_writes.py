@@ -1,0 +1,130 @@
+"""Which tensors torch.compile believes each of our kernels writes, checked on any machine.
+
+    python -m tools.kernel_writes                      # E 64, every mask kind, bf16/fp16, stable/fast
+    python -m tools.kernel_writes --head-dims 128 --masks float --schedules stable
+
+Under ``torch.compile`` a user-defined Triton kernel (``wrap_triton``) is functionalised: torch reads
+the kernel's TTIR to find which pointer arguments it stores through, and clones those tensors
+before the call. When that analysis cannot follow the kernel, it assumes *every* tensor argument is
+written. A kernel that then appears to write its inputs breaks training graphs: AOT autograd copies
+the "mutated" query back into a leaf that requires grad, and the compile fails (this happened once:
+a helper that returned both row offsets and the tiles it loaded made the offsets look derived from
+the Q and dO pointers, so every store through them counted as a write to Q and dO).
+
+This tool runs the launchers as tools/smem_check.py does (CPU tensors, an sm_90 stand-in driver, no
+GPU) but hands each launch to torch's analysis instead of compiling it, and prints the tensors it
+reports written. It exits 1 if a kernel appears to write a tensor outside its outputs
+(``OUTPUTS``: an input, as in the failure above), or nothing at all.
+Without TRITON_INTERPRET: interpreted kernels have no TTIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import os
+import sys
+
+import torch
+
+from tools.smem_check import DTYPES, _HopperStandIn, run_launches
+
+# The parameters each kernel stores through; every other tensor argument is an input. (OUT is the
+# forward's output but the preprocess's input.) A schedule may leave some unwritten (DELTA in the dQ
+# pass is written only under exact Δ, DMASK only for a mask gradient).
+OUTPUTS = {
+    "_attn_fwd": {"OUT", "LSE"},
+    "_attn_bwd_preprocess": {"DELTA", "DS_STATS"},
+    "_attn_bwd_row_reference": {"ROW_REF", "ROW_SHIFT", "SHIFT_FLAG"},
+    "_attn_bwd_dq": {"DQ", "DELTA", "DMASK"},
+    "_attn_bwd_dkdv": {"DK", "DV", "DMASK"},
+    "_attn_decode_split": {"O_PART", "LSE_PART", "OUT", "LSE"},
+    "_attn_decode_merge": {"OUT", "LSE"},
+    "_quantize_fp8": {"X8", "DEQUANT", "COLUMN_AMAX"},
+    "_attn_fwd_fp8": {"OUT", "LSE"},
+}
+
+
+@contextlib.contextmanager
+def analysed_launches(writes: dict[str, set[str]]):
+    """Within the block, every ``launch.common.launcher(kernel)[grid](...)`` runs torch's mutation
+    analysis (``identify_accessed_tensors``) instead of launching, and records the tensors it
+    reports written in ``writes[kernel name]`` (the union over the block's launches)."""
+    from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+    from triton.runtime import driver
+
+    from flash_inductor.launch import common
+
+    class _Analyse:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def analyse(*args, **kwargs):
+                named = dict(zip(self.kernel.arg_names, args), **kwargs)
+                accessed = identify_accessed_tensors(self.kernel, named, {})
+                written = {dep.name for dep in accessed.read_writes.writes if isinstance(named.get(dep.name), torch.Tensor)}
+                writes.setdefault(self.kernel.fn.__name__, set()).update(written)
+            return analyse
+
+    saved_launcher = common.launcher
+    saved_driver = getattr(driver, "_active", None)  # see tools/smem_check.compiling_launches
+    driver.set_active(_HopperStandIn())
+    common.launcher = _Analyse
+    try:
+        yield
+    finally:
+        common.launcher = saved_launcher
+        driver._active = saved_driver
+
+
+def kernel_writes(head_dim: int, mask_kind: str, dtype_name: str, schedule: str, seq: int = 256) -> dict[str, set[str]]:
+    """{kernel name: tensors torch reports it writes} for the launches of tools/smem_check.run_launches."""
+    writes: dict[str, set[str]] = {}
+    with analysed_launches(writes):
+        run_launches(head_dim, mask_kind, dtype_name, schedule, seq)
+    return writes
+
+
+def problems(writes: dict[str, set[str]]) -> list[str]:
+    """What is wrong with a ``kernel_writes`` result: a kernel that writes past its outputs, or
+    nothing, or that ``OUTPUTS`` does not know."""
+    found = []
+    for name, written in sorted(writes.items()):
+        if name not in OUTPUTS:
+            found.append(f"{name} is not in tools/kernel_writes.OUTPUTS; add its output parameters")
+        elif written - OUTPUTS[name]:
+            found.append(f"{name} appears to write its inputs {sorted(written - OUTPUTS[name])}")
+        if not written:
+            found.append(f"{name} appears to write nothing")
+    return found
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--head-dims", default="64")
+    p.add_argument("--masks", default="none,causal,bool,float,window")
+    p.add_argument("--dtypes", default="bf16,fp16")
+    p.add_argument("--schedules", default="stable,fast")
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        p.error("unset TRITON_INTERPRET: interpreted kernels have no TTIR")
+    failed = []
+    for head_dim, mask, dtype, schedule in itertools.product([int(e) for e in args.head_dims.split(",")],
+                                                            args.masks.split(","), args.dtypes.split(","),
+                                                            args.schedules.split(",")):
+        if dtype not in DTYPES:
+            p.error(f"--dtypes: {dtype!r} is not one of {sorted(DTYPES)}")
+        writes = kernel_writes(head_dim, mask, dtype, schedule)
+        print(f"E{head_dim} {mask:<6} {dtype} {schedule:<6} " + "  ".join(f"{n}: {','.join(sorted(w))}"
+                                                                          for n, w in sorted(writes.items())))
+        failed += [f"E{head_dim} {mask} {dtype} {schedule}: {msg}" for msg in problems(writes)]
+    for line in failed:
+        print("PROBLEM", line)
+    print(f"{len(failed)} problem(s)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
