@@ -157,9 +157,8 @@ import triton.language as tl
 from .attn_bwd_tiles import _dkdv_tiles, _dq_tiles
 from .band import key_tile_query_ranges
 from .block_sparse import listed_tiles, query_tile_key_tiles
-from .common import LOG2E, block_offsets, dropout_scales, fp32_scalars, mask_scores, query_heads
+from .common import LOG2E, block_offsets, dropout_scales, mask_scores, query_heads
 from .ds_scaling import _ds_loop_choice, _max_as_stat
-from .tile_loads import load_tile_pair
 
 # LSEs below this (natural log) only come from rows whose every visible key sits at the
 # -1e38 mask clamp; see _attn_bwd_row_reference.
@@ -363,7 +362,11 @@ def _attn_bwd_dkdv(
     HAS_BLOCK_SPARSITY: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
     LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
 ):
-    qk_scale_log2, sm_scale, dropout_p = fp32_scalars(qk_scale_log2, sm_scale, dropout_p)
+    # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
+    # with them would promote the fp32 accumulators, so fix them at fp32 first.
+    qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    dropout_p = tl.cast(dropout_p, tl.float32)
     start_n = tl.program_id(0) * BLOCK_N
     bh_kv = tl.program_id(1)
     b = (bh_kv // H_KV).to(tl.int64)
@@ -371,10 +374,11 @@ def _attn_bwd_dkdv(
     offs_n, offs_m_base, offs_e, offs_ev = block_offsets(start_n, BLOCK_OWN=BLOCK_N, BLOCK_LOOP=BLOCK_M,
                                                          BLOCK_E=BLOCK_E, BLOCK_EV=BLOCK_EV)
     kv_rows_ok = offs_n < S
-    k, v = load_tile_pair(K + b * stride_kb + h_kv * stride_kh, V + b * stride_vb + h_kv * stride_vh, offs_n,
-                          kv_rows_ok, offs_e, offs_ev, (stride_kb, stride_kh, stride_kn, stride_ke),
-                          (stride_vb, stride_vh, stride_vn, stride_ve),
-                          HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, EVEN_ROWS=False, EVEN_COLS=False)
+
+    k = tl.load(K + b * stride_kb + h_kv * stride_kh + offs_n[:, None] * stride_kn + offs_e[None, :] * stride_ke,
+                mask=kv_rows_ok[:, None] & (offs_e[None, :] < HEAD_DIM), other=0.0)
+    v = tl.load(V + b * stride_vb + h_kv * stride_vh + offs_n[:, None] * stride_vn + offs_ev[None, :] * stride_ve,
+                mask=kv_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_EV], dtype=tl.float32)
 
@@ -505,16 +509,21 @@ def _attn_bwd_dq(
     HAS_BLOCK_SPARSITY: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
     LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
 ):
-    qk_scale_log2, sm_scale, dropout_p = fp32_scalars(qk_scale_log2, sm_scale, dropout_p)
+    # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
+    # with them would promote the fp32 accumulators, so fix them at fp32 first.
+    qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    dropout_p = tl.cast(dropout_p, tl.float32)
     start_m = tl.program_id(0) * BLOCK_M
     bh, b, h, h_kv = query_heads(H_Q, GROUP)
     offs_m, offs_n_base, offs_e, offs_ev = block_offsets(start_m, BLOCK_OWN=BLOCK_M, BLOCK_LOOP=BLOCK_N,
                                                          BLOCK_E=BLOCK_E, BLOCK_EV=BLOCK_EV)
     q_rows_ok = offs_m < L
-    q, do = load_tile_pair(Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh, offs_m,
-                           q_rows_ok, offs_e, offs_ev, (stride_qb, stride_qh, stride_qm, stride_qe),
-                           (stride_dob, stride_doh, stride_dom, stride_doe),
-                           HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, EVEN_ROWS=False, EVEN_COLS=False)
+
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_e[None, :] * stride_qe,
+                mask=q_rows_ok[:, None] & (offs_e[None, :] < HEAD_DIM), other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_ev[None, :] * stride_doe,
+                 mask=q_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0)
     row_ids = bh.to(tl.int64) * L + offs_m
     row_ref = tl.load(ROW_REF + row_ids, mask=q_rows_ok, other=float("inf"))
     row_shift = tl.load(ROW_SHIFT + row_ids, mask=q_rows_ok, other=0.0)

@@ -82,13 +82,6 @@ def mask_scores(s2, mask_base, q_idx, k_idx, in_bounds, stride_mm, stride_mn, ca
 
 
 @triton.jit
-def fp32_scalars(qk_scale_log2, sm_scale, dropout_p):
-    """The backward kernels' float arguments, fixed at fp32. Inductor passes Python floats to user
-    kernels as fp64 scalars (torch 2.11); arithmetic with them would promote the fp32 accumulators."""
-    return tl.cast(qk_scale_log2, tl.float32), tl.cast(sm_scale, tl.float32), tl.cast(dropout_p, tl.float32)
-
-
-@triton.jit
 def dropout_keep(seed, rows, cols, S, dropout_p):
     """Counter-based keep mask: element (row, col) of the (B*Hq*L, S) score matrix.
 
