@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
-import os
 import sys
 
 import torch
 
-from tools.smem_check import DTYPES, _HopperStandIn, run_launches
+from tools.smem_check import HopperStandIn, add_case_arguments, cases, run_launches
 
 # The parameters each kernel stores through; every other tensor argument is an input. (OUT is the
 # forward's output but the preprocess's input.) A schedule may leave some unwritten (DELTA in the dQ
@@ -70,7 +68,7 @@ def analysed_launches(writes: dict[str, set[str]]):
 
     saved_launcher = common.launcher
     saved_driver = getattr(driver, "_active", None)  # see tools/smem_check.compiling_launches
-    driver.set_active(_HopperStandIn())
+    driver.set_active(HopperStandIn())
     common.launcher = _Analyse
     try:
         yield
@@ -103,22 +101,13 @@ def problems(writes: dict[str, set[str]]) -> list[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--head-dims", default="64")
-    p.add_argument("--masks", default="none,causal,bool,float,window")
-    p.add_argument("--dtypes", default="bf16,fp16")
-    p.add_argument("--schedules", default="stable,fast")
+    add_case_arguments(p, head_dims="64", masks="none,causal,bool,float,window", schedules="stable,fast")
     args = p.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        p.error("unset TRITON_INTERPRET: interpreted kernels have no TTIR")
     failed = []
-    for head_dim, mask, dtype, schedule in itertools.product([int(e) for e in args.head_dims.split(",")],
-                                                            args.masks.split(","), args.dtypes.split(","),
-                                                            args.schedules.split(",")):
-        if dtype not in DTYPES:
-            p.error(f"--dtypes: {dtype!r} is not one of {sorted(DTYPES)}")
+    for head_dim, mask, dtype, schedule in cases(p, args, "interpreted kernels have no TTIR"):
         writes = kernel_writes(head_dim, mask, dtype, schedule)
-        print(f"E{head_dim} {mask:<6} {dtype} {schedule:<6} " + "  ".join(f"{n}: {','.join(sorted(w))}"
-                                                                          for n, w in sorted(writes.items())))
+        print(f"E{head_dim} {mask:<6} {dtype} {schedule:<6} "
+              + "  ".join(f"{name}: {','.join(sorted(w))}" for name, w in sorted(writes.items())))
         failed += [f"E{head_dim} {mask} {dtype} {schedule}: {msg}" for msg in problems(writes)]
     for line in failed:
         print("PROBLEM", line)

@@ -36,7 +36,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SEQ = 300
 
 
-class _HopperStandIn:
+class HopperStandIn:
     """Just enough of a Triton driver for JITFunction.warmup to compile for sm_90 without a GPU."""
 
     def get_current_device(self):
@@ -76,7 +76,7 @@ def compiling_launches(record: list, compiled_by_name: dict | None = None):
     # The private attribute, not driver.active/reset_active: both build the default driver, which
     # fails on a machine without a GPU.
     saved_driver = getattr(driver, "_active", None)
-    driver.set_active(_HopperStandIn())
+    driver.set_active(HopperStandIn())
     common.launcher = _Compile
     try:
         yield
@@ -159,20 +159,36 @@ def _decode_launch(head_dim, mask_kind, dtype, schedule, seq, config, gen, windo
                                  window=window)
 
 
+def add_case_arguments(p: argparse.ArgumentParser, *, head_dims: str = "64,128,256",
+                       masks: str = "none,causal,bool,float", schedules: str = "stable,fast,accurate") -> None:
+    """The options that pick ``run_launches``'s cases, for the tools that run them (this one,
+    tools/kernel_writes.py): comma lists of head dims, mask kinds, dtypes and schedules."""
+    p.add_argument("--head-dims", default=head_dims)
+    p.add_argument("--masks", default=masks)
+    p.add_argument("--dtypes", default="bf16,fp16")
+    p.add_argument("--schedules", default=schedules)
+
+
+def cases(p: argparse.ArgumentParser, args, why: str) -> list[tuple[int, str, str, str]]:
+    """(head dim, mask kind, dtype, schedule) for every combination ``args`` names. The kernels must
+    be real Triton functions, so TRITON_INTERPRET must be unset (``why`` says what needs them)."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        p.error(f"unset TRITON_INTERPRET: {why}")
+    unknown = sorted(set(args.dtypes.split(",")) - set(DTYPES))
+    if unknown:
+        p.error(f"--dtypes: {unknown} not among {sorted(DTYPES)}")
+    return list(itertools.product([int(e) for e in args.head_dims.split(",")], args.masks.split(","),
+                                  args.dtypes.split(","), args.schedules.split(",")))
+
+
 def main(argv=None) -> int:
     from flash_inductor.tuning.footprint import OPTIN_SMEM_BYTES
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--head-dims", default="64,128,256")
-    p.add_argument("--masks", default="none,causal,bool,float")
-    p.add_argument("--dtypes", default="bf16,fp16")
-    p.add_argument("--schedules", default="stable,fast,accurate")
+    add_case_arguments(p)
     args = p.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        p.error("unset TRITON_INTERPRET: interpreted kernels are not compiled")
+    combos = cases(p, args, "interpreted kernels are not compiled")
     limit = OPTIN_SMEM_BYTES[ARCH]
-    combos = list(itertools.product([int(e) for e in args.head_dims.split(",")], args.masks.split(","),
-                                    args.dtypes.split(","), args.schedules.split(",")))
     over = []
     for i, (e, mask_kind, dtype_name, schedule) in enumerate(combos, 1):
         start = time.time()
