@@ -11,7 +11,7 @@ from ..schedules import STABLE, get_schedule
 # and tests can swap them (tools/smem_check.py compiles for sm_90 instead of launching; the
 # bounds tests force wide tiles; tests spy on launches).
 from . import common
-from .band import band_lower
+from .band import band_lower, causal_side
 from .common import LOG2E, cdiv, common_meta, head_dims, whole_blocks
 from .block_tiles import check_block_layout, fold_into_mask, kernel_layout
 from .forward import attention_forward
@@ -65,7 +65,7 @@ def attention_backward(
     # The kernels see the band: its upper side as the causal arguments, its lower side as
     # WINDOW_LEFT and window_lower (as the forward's).
     band = visibility.band(seq_q, seq_k)
-    is_causal, causal_offset = band.upper is not None, (band.upper if band.upper is not None else 0)
+    is_causal, causal_offset = causal_side(band)
     window_lower = band_lower(band)
     meta_window = dict(WINDOW_LEFT=band.lower is not None)
     switches, mask_arg, mask_strides, meta = common_meta(query, key, value, attn_mask, dropout_p, is_causal, schedule)

@@ -80,6 +80,12 @@ def resolve_band(is_causal: bool, causal_offset, window, seq_q, seq_k) -> Band:
     return Band(lower=lower, upper=upper)
 
 
+def causal_side(band: Band) -> tuple[bool, int]:
+    """The kernels' ``IS_CAUSAL`` and ``causal_offset`` arguments: the band's upper side, which
+    carries the causal diagonal and a window's right side alike; (False, 0) when it is open."""
+    return band.upper is not None, (band.upper if band.upper is not None else 0)
+
+
 def band_lower(band: Band):
     """The kernels' ``window_lower`` argument: the band's lower side; 1 when that side is open.
 

@@ -25,7 +25,7 @@ from ..tuning.buckets import length_hint, mask_kind
 from ..tuning.configs import decode_program_slots, decode_split_count, select_decode_config
 from ..tuning.kernel_config import KernelConfig, padded_head_dim
 from . import common
-from .band import band_lower
+from .band import band_lower, causal_side
 from .common import LOG2E, cdiv, common_meta, forward_outputs
 from .visibility import NO_MASKING, Visibility
 
@@ -121,7 +121,7 @@ def decode_attention_forward(
     # The kernels see the band (launch/band.py): its upper side as the causal arguments, its lower
     # side (a window's left bound) as WINDOW_LEFT and window_lower.
     band = visibility.band(seq_q, seq_k)
-    is_causal, causal_offset = band.upper is not None, (band.upper if band.upper is not None else 0)
+    is_causal, causal_offset = causal_side(band)
     switches, mask_arg, mask_strides, meta = common_meta(query, key, value, attn_mask, 0.0, is_causal, schedule)
     meta.pop("HAS_DROPOUT")
     interpreted = common.interpreter_enabled()

@@ -10,7 +10,7 @@ from ..schedules import get_schedule
 # and tests can swap them (tools/smem_check.py compiles for sm_90 instead of launching; the
 # bounds tests force wide tiles; tests spy on launches).
 from . import common
-from .band import band_lower
+from .band import band_lower, causal_side
 from .common import LOG2E, cdiv, common_meta, forward_outputs
 from .block_tiles import check_block_layout, fold_into_mask, kernel_layout
 from .fp8 import attention_forward_fp8
@@ -56,7 +56,7 @@ def attention_forward(
     # The kernel sees the band: its upper side as the causal arguments, its lower side (a
     # window's left bound) as WINDOW_LEFT and window_lower.
     band = visibility.band(seq_q, seq_k)
-    is_causal, causal_offset = band.upper is not None, (band.upper if band.upper is not None else 0)
+    is_causal, causal_offset = causal_side(band)
 
     switches, mask_arg, mask_strides, meta = common_meta(query, key, value, attn_mask, dropout_p, is_causal, schedule)
     cfg = common.launch_configs(query, key, value, attn_mask, is_causal, schedule, configs).forward

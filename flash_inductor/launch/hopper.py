@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..schedules import get_schedule
-from .band import resolve_band
+from .band import band_lower, causal_side, resolve_band
 from .common import LOG2E, cdiv
 
 log = logging.getLogger("flash_inductor")
@@ -215,7 +215,7 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     # The kernel sees the band: its upper side as the causal arguments, its lower side as
     # WINDOW_LEFT and window_lower (as the Triton forward does).
     band = resolve_band(is_causal, causal_offset, window, seq_q, seq_k)
-    is_causal = band.upper is not None
+    is_causal, causal_offset = causal_side(band)
     cfg = config or default_config(head_dim, is_causal)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
@@ -224,8 +224,7 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     _attn_fwd_hopper[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, cfg.block_n), tma_descriptor(value, cfg.block_n),
         tma_descriptor(out, cfg.block_m), lse,
-        seq_q, seq_k, heads_q, heads_q // heads_kv, band.upper if is_causal else 0,
-        band.lower if band.lower is not None else 0, scale * LOG2E,
+        seq_q, seq_k, heads_q, heads_q // heads_kv, causal_offset, band_lower(band), scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal, WINDOW_LEFT=band.lower is not None,
         PINGPONG=cfg.pingpong,
