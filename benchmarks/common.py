@@ -270,9 +270,12 @@ def slug(text):
 
 
 def output_stem(out_dir, env, tag=None, prefix="bench", device=None):
-    """<out_dir>/<prefix>_<gpu>_<yyyymmdd>[_<tag>] (off CUDA the device stands in for the GPU)."""
+    """<out_dir>/<prefix>_<gpu>_<yyyymmdd>[_<tag>]. Off CUDA the device stands in for the GPU: a run
+    with ``device="cpu"`` on a machine that has a GPU is named after the CPU, not the GPU it did not use."""
     date = env["date"][:10].replace("-", "")
-    return os.path.join(out_dir, f"{prefix}_{slug(env['gpu'] or device)}_{date}" + (f"_{slug(tag)}" if tag else ""))
+    on_gpu = device is None or str(device).startswith("cuda")
+    name = env["gpu"] if on_gpu and env["gpu"] else device
+    return os.path.join(out_dir, f"{prefix}_{slug(name)}_{date}" + (f"_{slug(tag)}" if tag else ""))
 
 
 def add_cell_args(p, *, dtype, batch, heads, seq, head_dim):

@@ -12,7 +12,9 @@ Each part is a family of sparsity patterns with its own grid of cells and the sa
 * ``flex``: ``torch.compile``d FlexAttention with a ``BlockMask`` of the same pattern
   (``create_block_mask``, built once per cell, untimed);
 * ``sdpa-mask``: dense SDPA with the same pattern as a bool ``attn_mask`` (every score computed);
-* ``ours-mask`` (not in the default set): ours with the bool mask, the dense cost of our kernels.
+* ``ours-mask`` (not in the default set): ours with the bool mask, the dense cost of our kernels;
+* ``ours-fast`` (window part, not in the default set): ours under the `fast` schedule, whose Δ is
+  Flex's (rowsum(dO∘O)) and whose backward is the Gluon one on Hopper.
 
 Part ``window``: bf16, E 128, L = S from 4k to 32k (batch * L = ``--tokens``, heads = 2048 / E),
 windows of w keys from 256 to 4k with w <= L, as ``window=(w - 1, 0)`` (a causal sliding window,
@@ -27,7 +29,7 @@ Every step runs back to back for ``--heat-ms`` before it is timed (the H200's cl
 load, ``benchmarks/README.md``), then ``do_bench``'s median. Each cell records ms, the effective
 TFLOP/s (4·B·H·E per visible score, x3.5 for forward+backward), the fraction of dense tiles our
 kernels visit (``flash_inductor.launch.band.visited_tiles`` at 128 x 64 tiles) and, for ``ours``,
-the largest difference from ``sdpa-mask``'s output. The table prints ours' speed-up over each
+the largest difference from ``sdpa-mask``'s output (``ours-fast`` too). The table prints ours' speed-up over each
 contender. Records are appended to ``<stem>.partial.jsonl`` as they land; ``--time-budget`` stops
 starting cells and records the rest as skipped. Writes ``sparse_<part>_<gpu>_<date>.json`` and a
 PNG under ``--out`` (default ``$OUT``, else /tmp/flash_inductor_out).
@@ -146,6 +148,9 @@ def _window_attention(provider, cell, device):
     seq = cell["seq"]
     if provider == "ours":
         return lambda q, k, v: flash_inductor.flash_attention(q, k, v, window=window)
+    if provider == "ours-fast":
+        # The `fast` schedule: Δ = rowsum(dO∘O), as Flex computes it, and the Gluon backward on Hopper.
+        return lambda q, k, v: flash_inductor.flash_attention(q, k, v, window=window, schedule="fast")
     if provider == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
         block_mask = create_block_mask(window_mask_mod(*window, seq, seq), B=None, H=None, Q_LEN=seq, KV_LEN=seq,
@@ -161,7 +166,7 @@ def _window_attention(provider, cell, device):
 
 
 PARTS = {
-    "window": Part("window", providers=("ours", "flex", "sdpa-mask", "ours-mask"),
+    "window": Part("window", providers=("ours", "flex", "sdpa-mask", "ours-mask", "ours-fast"),
                    default_providers=("ours", "flex", "sdpa-mask"), cells=_window_cells,
                    attention=_window_attention, visible=_window_visible, visible_count=_window_visible_count,
                    tile_fraction=_window_tile_fraction),
@@ -240,7 +245,7 @@ def run_cell(part, cell, provider, args, device):
             def step():
                 return torch.autograd.grad(attn(q, k, v), (q, k, v), dout)
         out = call_recorded(step)  # compiles, and fails here rather than inside the timing
-        if provider == "ours":
+        if provider in ("ours", "ours-fast"):
             expected = _reference_output(part, cell, q, k, v, device)
             first = out if cell["mode"] == "fwd" else attn(q, k, v)
             record["max_abs_diff"] = (first.float() - expected.float()).abs().max().item()

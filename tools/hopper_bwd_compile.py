@@ -4,6 +4,7 @@ atomics (RED) it is built on. Reuses tools/hopper_fwd_compile.py's ptxas/cuobjdu
 
     python tools/hopper_bwd_compile.py                        # E 64 and 128, both dQ schemes
     python tools/hopper_bwd_compile.py --head-dim 128 --dq-split 1 --causal --dump /tmp/hbwd
+    python tools/hopper_bwd_compile.py --head-dim 128 --dq-split 1 --causal --window   # WINDOW_LEFT
 
 Needs a Triton with Gluon (3.6 on the H200) and its bundled ptxas/cuobjdump; no torch.
 """
@@ -44,7 +45,8 @@ def _kernels_package():
 
 
 def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int = 64, stages: int = 2,
-                   dq_split: bool = False, dq_tma: bool = True, consumer_regs: int = 240, loader_regs: int = 24, maxnreg: int = 168):
+                   dq_split: bool = False, dq_tma: bool = True, consumer_regs: int = 240, loader_regs: int = 24,
+                   maxnreg: int = 168, window: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -64,11 +66,15 @@ def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int = 64, s
         "q_desc": q_sig, "k_desc": kv_sig, "v_desc": kv_sig, "do_desc": q_sig, "dk_desc": kv_sig, "dv_desc": kv_sig,
         "dq_desc": dq_sig,
         "LSE": "*fp32", "DELTA": "*fp32", "DQ_ACCUM": "*fp32",
-        "L": "i32", "S": "i32", "H_KV": "i32", "GROUP": "i32", "causal_offset": "i32", "qk_scale": "fp32",
+        "L": "i32", "S": "i32", "H_KV": "i32", "GROUP": "i32", "causal_offset": "i32", "window_lower": "i32",
+        "qk_scale": "fp32",
         "sm_scale": "fp32",
     }
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=128, NUM_STAGES=stages, IS_CAUSAL=causal,
-                      DQ_SPLIT=dq_split, DQ_TMA=dq_tma, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs)
+                      WINDOW_LEFT=window, DQ_SPLIT=dq_split, DQ_TMA=dq_tma, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs)
+    if not window:
+        # A launch without a window passes window_lower = 1, which Triton compiles in as a constant.
+        constexprs["window_lower"] = 1
     signature.update({k: "constexpr" for k in constexprs})
     src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
@@ -90,6 +96,7 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, nargs="*", default=[64, 128])
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--window", action="store_true", help="a sliding window's left side (WINDOW_LEFT)")
     ap.add_argument("--block-m", type=int, default=64)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--dq-split", type=int, nargs="*", default=[0, 1])
@@ -98,12 +105,13 @@ def main() -> int:
     args = ap.parse_args()
     for e in args.head_dim:
         for split, dq_tma in ((s, t) for s in args.dq_split for t in args.dq_tma):
-            k = compile_config(e, args.dtype, args.causal, args.block_m, args.stages, bool(split), bool(dq_tma))
-            print(f"E={e} {args.dtype} causal={args.causal} BM={args.block_m} stages={args.stages} "
+            k = compile_config(e, args.dtype, args.causal, args.block_m, args.stages, bool(split), bool(dq_tma),
+                               window=args.window)
+            print(f"E={e} {args.dtype} causal={args.causal} window={args.window} BM={args.block_m} stages={args.stages} "
                   f"dq_split={bool(split)} dq_tma={bool(dq_tma)}: {report(k)}", flush=True)
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
-                tag = f"e{e}_{args.dtype}_{'c' if args.causal else 'n'}_bm{args.block_m}_s{args.stages}_split{split}_tma{dq_tma}"
+                tag = f"e{e}_{args.dtype}_{'c' if args.causal else 'n'}{'w' if args.window else ''}_bm{args.block_m}_s{args.stages}_split{split}_tma{dq_tma}"
                 for ext in ("ttgir", "ptx"):
                     with open(os.path.join(args.dump, f"{tag}.{ext}"), "w") as f:
                         f.write(k.asm[ext])

@@ -44,12 +44,26 @@ OUTPUTS = {
 }
 
 
+def written_tensors(kernel, named: dict) -> set[str]:
+    """The tensor arguments torch's analysis of ``kernel``'s TTIR reports written, as AOT autograd
+    sees them when the kernel runs under torch.compile. Newer torch calls it
+    ``identify_accessed_tensors`` (reads and writes), torch 2.11 ``identify_mutated_tensors``
+    (writes alone); both count every tensor as written when the analysis itself fails."""
+    from torch._higher_order_ops import triton_kernel_wrap
+
+    if hasattr(triton_kernel_wrap, "identify_accessed_tensors"):
+        accessed = triton_kernel_wrap.identify_accessed_tensors(kernel, named, {})
+        names = {dep.name for dep in accessed.read_writes.writes}
+    else:
+        names = set(triton_kernel_wrap.identify_mutated_tensors(kernel, named, {}))
+    return {name for name in names if isinstance(named.get(name), torch.Tensor)}
+
+
 @contextlib.contextmanager
 def analysed_launches(writes: dict[str, set[str]]):
     """Within the block, every ``launch.common.launcher(kernel)[grid](...)`` runs torch's mutation
-    analysis (``identify_accessed_tensors``) instead of launching, and records the tensors it
-    reports written in ``writes[kernel name]`` (the union over the block's launches)."""
-    from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+    analysis (:func:`written_tensors`) instead of launching, and records the tensors it reports
+    written in ``writes[kernel name]`` (the union over the block's launches)."""
     from triton.runtime import driver
 
     from flash_inductor.launch import common
@@ -61,9 +75,7 @@ def analysed_launches(writes: dict[str, set[str]]):
         def __getitem__(self, grid):
             def analyse(*args, **kwargs):
                 named = dict(zip(self.kernel.arg_names, args), **kwargs)
-                accessed = identify_accessed_tensors(self.kernel, named, {})
-                written = {dep.name for dep in accessed.read_writes.writes if isinstance(named.get(dep.name), torch.Tensor)}
-                writes.setdefault(self.kernel.fn.__name__, set()).update(written)
+                writes.setdefault(self.kernel.fn.__name__, set()).update(written_tensors(self.kernel, named))
             return analyse
 
     saved_launcher = common.launcher

@@ -30,7 +30,11 @@ Constexpr switches:
   BLOCK_M     query rows per streamed tile (the N of Sᵀ, the K of the dV/dK GEMMs).
   BLOCK_N     keys per CTA, 64 per consumer warpgroup (two consumers: 128).
   NUM_STAGES  depth of the Q/dO ring.
-  IS_CAUSAL   key j is visible to query i iff j <= i + causal_offset (0: top-left, SDPA's).
+  IS_CAUSAL   key j is visible to query i iff j <= i + causal_offset (0: top-left, SDPA's); the
+              upper side of a sliding window's band arrives here too (launch/band.py).
+  WINDOW_LEFT key j is visible to query i only if j >= i + window_lower, the band's lower side:
+              each CTA's query sweep ends at the last row that sees its last key, and only tiles
+              that edge crosses take the select.
   DQ_SPLIT    False: each consumer computes dS_c·K_c (BLOCK_M x E, over its own 64 keys) and
               adds it atomically, two partial dQ per tile pair. True (FA3's split): both
               consumers' dSᵀ go to one shared (128 x BLOCK_M) buffer and consumer c computes
@@ -63,16 +67,24 @@ NUM_CONSUMERS = gl.constexpr(2)
 
 
 @gluon.jit
-def _q_tiles(n0, L, causal_offset, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
+def _q_tiles(n0, L, causal_offset, window_lower, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr):
     """(first query tile, number of query tiles) that can see a key of [n0, n0 + BLOCK_N).
-    Under causal masking query i sees key n0 iff i >= n0 - causal_offset."""
+    Query i sees key j iff j <= i + causal_offset (IS_CAUSAL) and j >= i + window_lower
+    (WINDOW_LEFT): the first row to see key n0 is n0 - causal_offset, the last row to see key
+    n0 + BLOCK_N - 1 is n0 + BLOCK_N - 1 - window_lower. The count is 0 when no row does (the
+    block's dK and dV are then 0)."""
     n_all = gl.cdiv(L, BLOCK_M)
     if IS_CAUSAL:
         first = gl.maximum(n0 - causal_offset, 0) // BLOCK_M
         first = gl.minimum(first, n_all)
     else:
         first = n0 * 0
-    return first, n_all - first
+    end = n_all
+    if WINDOW_LEFT:
+        end = gl.minimum(gl.cdiv(gl.maximum(n0 + BLOCK_N - window_lower, 0), BLOCK_M), n_all)
+        end = gl.maximum(end, first)
+    return first, end - first
 
 
 @gluon.jit
@@ -93,9 +105,9 @@ def _cta_coords(H_KV, BLOCK_N: gl.constexpr):
 @gluon.jit
 def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem,
                        kv_ready, q_ready, do_ready, q_empty,
-                       L, H_KV, GROUP, causal_offset,
+                       L, H_KV, GROUP, causal_offset, window_lower,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                       IS_CAUSAL: gl.constexpr):
+                       IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr):
     """One warp: each consumer's K and V once, then Q and dO tiles into the ring."""
     n0, b, h_kv = _cta_coords(H_KV, BLOCK_N)
     for c in gl.static_range(NUM_CONSUMERS):
@@ -104,7 +116,8 @@ def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, 
                                         _rows4d(k_smem, c, k_desc))
         tma.async_copy_global_to_shared(v_desc, [b, h_kv, n0 + c * KEYS_PER_CONSUMER, 0], kv_ready.index(c),
                                         _rows4d(v_smem, c, v_desc))
-    first, n_m = _q_tiles(n0, L, causal_offset, BLOCK_M, IS_CAUSAL)
+    first, n_m = _q_tiles(n0, L, causal_offset, window_lower, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                          IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT)
     for t in range(GROUP * n_m):
         slot = t % NUM_STAGES
         # A fresh mbarrier counts as having completed the phase before phase 0: the first pass
@@ -121,10 +134,10 @@ def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, 
 @gluon.jit
 def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                          kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                         LSE, DELTA, DQ_ACCUM, L, S, H_KV, GROUP, causal_offset, qk_scale, sm_scale,
+                         LSE, DELTA, DQ_ACCUM, L, S, H_KV, GROUP, causal_offset, window_lower, qk_scale, sm_scale,
                          CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                         DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
+                         WINDOW_LEFT: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
     dtype: gl.constexpr = dk_desc.dtype
     KC: gl.constexpr = KEYS_PER_CONSUMER
     # Sᵀ and dPᵀ: (64 keys) x (BLOCK_M query rows); dK, dV: (64 keys) x E.
@@ -147,7 +160,8 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
     n0, b, h_kv = _cta_coords(H_KV, BLOCK_N)
     k0 = n0 + CONSUMER * KC
     key_ids = k0 + gl.arange(0, KC, layout=key_layout)
-    first, n_m = _q_tiles(n0, L, causal_offset, BLOCK_M, IS_CAUSAL)
+    first, n_m = _q_tiles(n0, L, causal_offset, window_lower, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                          IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT)
     H_Q = H_KV * GROUP
 
     k_2d = k_smem.reshape([BLOCK_N, HEAD_DIM])
@@ -192,16 +206,21 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
         mbarrier.wait(do_ready.index(slot), phase)
         dpt_tok = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
+        # Masking binds where some key of this consumer lies past S (the zero keys TMA filled in
+        # score 0, and exp2(0 - lse2) need not be small) or outside some row's band: above its
+        # diagonal (IS_CAUSAL) or left of its window (WINDOW_LEFT).
         if IS_CAUSAL:
-            # Masking binds where some key of this consumer lies above some row's diagonal, or
-            # past S (the zero keys TMA filled in score 0, and exp2(0 - lse2) need not be small).
             needs_mask = (m + causal_offset < k0 + KC - 1) | (k0 + KC > S)
         else:
             needs_mask = k0 + KC > S
+        if WINDOW_LEFT:
+            needs_mask = needs_mask | (k0 < m + BLOCK_M - 1 + window_lower)
         if needs_mask:
             visible = gl.expand_dims(key_ids < S, 1)
             if IS_CAUSAL:
                 visible = visible & (gl.expand_dims(key_ids, 1) <= gl.expand_dims(q_ids, 0) + causal_offset)
+            if WINDOW_LEFT:
+                visible = visible & (gl.expand_dims(key_ids, 1) >= gl.expand_dims(q_ids, 0) + window_lower)
             st = gl.where(visible, st, float("-inf"))
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
         pt_op = gl.convert_layout(pt.to(dtype), a_layout)
@@ -259,10 +278,10 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
 
 @gluon.jit
 def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, DQ_ACCUM,
-                     L, S, H_KV, GROUP, causal_offset, qk_scale, sm_scale,
+                     L, S, H_KV, GROUP, causal_offset, window_lower, qk_scale, sm_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr,
-                     DQ_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                     NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+                     DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(S, BLOCK_N), B * H_KV). Descriptors are 4-D over (B, H, L or S, E): Q and dO
     boxes (1, 1, BLOCK_M, E); K, V, dK, dV boxes (1, 1, 64, E). DQ_ACCUM is (B, Hq, L, E) fp32
     zeros, contiguous, and ``dq_desc`` describes it with box (1, 1, BLOCK_M, E or E / 2 under
@@ -307,13 +326,16 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     gl.warp_specialize([
         (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                                 kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                                LSE, DELTA, DQ_ACCUM, L, S, H_KV, GROUP, causal_offset, qk_scale, sm_scale,
-                                0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, DQ_SPLIT, DQ_TMA)),
+                                LSE, DELTA, DQ_ACCUM, L, S, H_KV, GROUP, causal_offset, window_lower, qk_scale,
+                                sm_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT,
+                                DQ_SPLIT, DQ_TMA)),
         (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                                 kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                                LSE, DELTA, DQ_ACCUM, L, S, H_KV, GROUP, causal_offset, qk_scale, sm_scale,
-                                1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, DQ_SPLIT, DQ_TMA)),
+                                LSE, DELTA, DQ_ACCUM, L, S, H_KV, GROUP, causal_offset, window_lower, qk_scale,
+                                sm_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT,
+                                DQ_SPLIT, DQ_TMA)),
         (_hopper_bwd_loader, (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem,
                               kv_ready, q_ready, do_ready, q_empty,
-                              L, H_KV, GROUP, causal_offset, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+                              L, H_KV, GROUP, causal_offset, window_lower, BLOCK_M, BLOCK_N, NUM_STAGES,
+                              IS_CAUSAL, WINDOW_LEFT)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

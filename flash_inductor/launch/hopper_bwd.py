@@ -6,7 +6,9 @@ The op (``ops/attention.py``) chooses it at launch time, as it chooses the Hoppe
 otherwise goes to the ``flash_inductor`` logger at INFO, once per reason.
 
 What it covers: sm_90, bf16/fp16, E = Ev = 128, or 64 under causal masking, no mask, no dropout,
-no window or block-sparse layout, causal or not (any ``causal_offset``), grouped-query attention,
+no block-sparse layout, causal or not (any ``causal_offset``), sliding windows (the band of
+``launch/band.py``: each key block's query sweep ends at the window's left edge), grouped-query
+attention,
 the `fast` schedule (Δ = rowsum(dO∘O) - dLSE, dS cast straight to the input dtype),
 TMA-addressable strides. `stable`, the default, needs the exact Δ and fp16 dS rescaling, which
 this one-pass kernel does not do (docs/hopper_backward.md says why and what it would cost); it
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..schedules import get_schedule
-from .band import has_window
+from .band import band_lower, causal_side, resolve_band
 from .common import LOG2E, cdiv
 from .hopper import NOT_HOPPER, hopper_forward_unsupported_reason, tma_descriptor, tma_unsupported_reason
 
@@ -41,9 +43,6 @@ E64_NON_CAUSAL = "head dim 64 without causal masking (the Triton backward measur
 # Triton backward sums each dq row in one program, in a fixed order.
 DETERMINISTIC = ("torch.use_deterministic_algorithms(True) (the Hopper backward adds dQ across key blocks "
                  "in an order that varies run to run)")
-# The backward's query loop skips tiles past the causal diagonal only; a window's band
-# (launch/band.py) keeps the Triton backward, which skips both edges.
-WINDOW = "a sliding window (not implemented on the Hopper backward)"
 
 
 @dataclass(frozen=True)
@@ -89,8 +88,6 @@ def hopper_backward_unsupported_reason(query, key, value, attn_mask=None, dropou
     if reason is not None:
         return reason
     sched = get_schedule(schedule)
-    if has_window(window):
-        return WINDOW
     if sched.exact_delta or sched.ds_rescale or sched.ds_in_fp32:
         return (f"schedule {sched.name!r} (the Hopper backward implements `fast`'s Δ and dS cast; "
                 "exact Δ and fp16 dS rescaling are not implemented on this path)")
@@ -117,13 +114,14 @@ def log_triton_backward(reason: str) -> None:
 def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None = None, *,
                               scale: float | None = None, is_causal: bool = False, causal_offset: int = 0,
-                              config: HopperBackwardConfig | None = None,
+                              window: tuple[int, int] | None = None, config: HopperBackwardConfig | None = None,
                               delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on the Gluon Hopper kernel, `fast` schedule.
 
     ``query``/``out``/``grad_out`` (B, Hq, L, E), ``key``/``value`` (B, Hkv, S, E) with Hq a
     multiple of Hkv; ``lse`` (B, Hq, L) fp32 in natural log as the forward returns it (-inf for a
-    row that sees no key: its gradients are 0); ``grad_lse`` the LSE output's gradient, or None.
+    row that sees no key: its gradients are 0); ``grad_lse`` the LSE output's gradient, or None;
+    ``window`` FlashAttention's (left, right), or None, on top of ``is_causal``.
     ``delta`` (B, Hq, L) fp32 replaces the preprocess's Δ (experiments). Call only where
     ``hopper_backward_unsupported_reason`` and ``tma_unsupported_reason`` (on query, key, value,
     grad_out) say so."""
@@ -149,14 +147,19 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     dq_accum = torch.zeros((batch, heads_q, seq_q, head_dim), dtype=torch.float32, device=query.device)
     dq_tma = cfg.dq_tma and HAS_TMA_REDUCE
     dq_cols = head_dim // 2 if cfg.dq_split else head_dim
+    # The kernel sees the band as the Hopper forward does: its upper side as the causal
+    # arguments, its lower side as WINDOW_LEFT and window_lower.
+    band = resolve_band(is_causal, causal_offset, window, seq_q, seq_k)
+    band_is_causal, band_upper = causal_side(band)
     grid = (cdiv(seq_k, cfg.block_n), batch * heads_kv)
     _attn_bwd_hopper[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, 64), tma_descriptor(value, 64),
         tma_descriptor(grad_out, cfg.block_m), tma_descriptor(dk, 64), tma_descriptor(dv, 64),
         tma_descriptor(dq_accum, cfg.block_m, dq_cols), lse, delta, dq_accum,
-        seq_q, seq_k, heads_kv, heads_q // heads_kv, causal_offset if is_causal else 0, scale * LOG2E, scale,
+        seq_q, seq_k, heads_kv, heads_q // heads_kv, band_upper, band_lower(band), scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-        IS_CAUSAL=is_causal, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma, CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
+        IS_CAUSAL=band_is_causal, WINDOW_LEFT=band.lower is not None, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma,
+        CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
     # The kernel already added scale·dS·K: only the cast is left.
@@ -165,8 +168,8 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
 
 def hopper_backward_supported(grad_out, query, key, value, attn_mask=None, dropout_p: float = 0.0,
                               scale: float | None = None, schedule: str | None = None, *,
-                              is_causal: bool = True) -> bool:
+                              is_causal: bool = True, window=None) -> bool:
     """Whether ``hopper_attention_backward`` implements this call (real tensors)."""
     return (hopper_backward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
-                                               is_causal=is_causal) is None
+                                               is_causal=is_causal, window=window) is None
             and backward_tma_unsupported_reason(grad_out, query, key, value) is None)

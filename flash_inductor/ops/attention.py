@@ -149,17 +149,18 @@ def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal
 
 def _backward_on_hopper(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
                         grad_lse: Optional[Tensor], is_causal: bool, causal_offset: int, scale: float,
-                        schedule: str) -> tuple[Tensor, Tensor, Tensor]:
+                        schedule: str, window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor, Tensor]:
+    window = (window_left, window_right)
     reason = hopper_bwd.backward_tma_unsupported_reason(grad_out, query, key, value)
     if reason is None:
         return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
-                                                    is_causal=is_causal, causal_offset=causal_offset)
+                                                    is_causal=is_causal, causal_offset=causal_offset, window=window)
     hopper_bwd.log_triton_backward(reason)
     with launch.direct_kernel_calls():
         dq, dk, dv, _ = launch.attention_backward(grad_out, query, key, value, None, out, lse, grad_lse, None, 0.0,
                                                   scale, schedule, False,
                                                   visibility=Visibility(is_causal=is_causal,
-                                                                        causal_offset=causal_offset))
+                                                                        causal_offset=causal_offset, window=window))
     return dq, dk, dv
 
 
@@ -168,7 +169,8 @@ attention_backward_hopper = torch.library.custom_op("flash_inductor::attention_b
 
 
 @attention_backward_hopper.register_fake
-def _hopper_backward_fake(grad_out, query, key, value, out, lse, grad_lse, is_causal, causal_offset, scale, schedule):
+def _hopper_backward_fake(grad_out, query, key, value, out, lse, grad_lse, is_causal, causal_offset, scale, schedule,
+                          window_left=-1, window_right=-1):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
@@ -182,7 +184,7 @@ def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse,
                                                            block_sparse=block_map is not None)
     if reason is None:
         dq, dk, dv = hopper_call(grad_out, query, key, value, out, lse, grad_lse, is_causal, causal_offset, scale,
-                                 schedule)
+                                 schedule, *window_pair(window))
         return dq, dk, dv, query.new_empty(0)
     hopper_bwd.log_triton_backward(reason)
     visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=window, block_map=block_map,

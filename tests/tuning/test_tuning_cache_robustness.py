@@ -192,10 +192,11 @@ def test_an_error_in_finding_the_tables_becomes_one_warning(tmp_path, fake_h200,
 
 
 @pytest.mark.launches_kernels
-def test_the_op_runs_through_a_broken_table(monkeypatch):
+@pytest.mark.launches_kernels
+def test_the_op_runs_through_a_broken_table(monkeypatch, device):
     """The whole launch path: a forward with a table whose lookup fails computes the same output
     as without a table, and warns once."""
-    q, k, v = make_qkv(1, 2, 2, 37, 37, 16, 16, torch.float32, "cpu", seed=3)
+    q, k, v = make_qkv(1, 2, 2, 37, 37, 16, 16, torch.float32, device, seed=3)
     expected, _ = launch.attention_forward(q, k, v, None, None, 0.0, 0.25, "stable")
 
     def broken(self, bucket):

@@ -1,6 +1,6 @@
 """The Gluon Hopper backward (launch/hopper_bwd.py, `fast` schedule) against fp64 gradients with
 the project's tolerance rule (tests/helpers.assert_close_to_ref): dtype x head dim x causal x odd
-lengths, grouped-query heads, strided (B, L, H, E) views, both dQ schemes, and rows that see no
+lengths, sliding windows, grouped-query heads, strided (B, L, H, E) views, both dQ schemes, and rows that see no
 key (dq exactly 0). GPU tests run only on an sm_90 GPU with a Triton that has Gluon; the support
 check and the register plan are checked everywhere."""
 
@@ -26,10 +26,10 @@ def _inputs(dtype, head_dim, batch, heads_q, heads_kv, seq_q, seq_k, transposed=
     return rand(heads_q, seq_q), rand(heads_kv, seq_k), rand(heads_kv, seq_k), rand(heads_q, seq_q)
 
 
-def _visible(seq_q, seq_k, is_causal, causal_offset):
-    i = torch.arange(seq_q, device="cuda")[:, None]
-    j = torch.arange(seq_k, device="cuda")[None, :]
-    return j <= i + causal_offset if is_causal else torch.ones(seq_q, seq_k, dtype=torch.bool, device="cuda")
+def _visible(seq_q, seq_k, is_causal, causal_offset, window=None):
+    from flash_inductor.launch.band import resolve_band
+
+    return resolve_band(is_causal, causal_offset, window, seq_q, seq_k).visible(seq_q, seq_k, device="cuda")
 
 
 def _fp64_grads(q, k, v, do, scale, visible):
@@ -62,7 +62,7 @@ def _sdpa_grads(q, k, v, do, scale, visible, live_from):
     return torch.autograd.grad(out, (q, k, v), do[:, :, live_from:])
 
 
-def _check(q, k, v, do, is_causal, causal_offset=0, dq_split=True, dq_tma=True):
+def _check(q, k, v, do, is_causal, causal_offset=0, dq_split=True, dq_tma=True, window=None):
     from flash_inductor.launch.hopper import hopper_attention_forward
     from flash_inductor.launch.hopper_bwd import (
         HopperBackwardConfig,
@@ -71,16 +71,19 @@ def _check(q, k, v, do, is_causal, causal_offset=0, dq_split=True, dq_tma=True):
     )
 
     scale = q.shape[-1] ** -0.5
-    assert hopper_backward_supported(do, q, k, v, None, 0.0, scale, "fast")
-    out, lse = hopper_attention_forward(q, k, v, scale=scale, is_causal=is_causal, causal_offset=causal_offset)
+    assert hopper_backward_supported(do, q, k, v, None, 0.0, scale, "fast", window=window)
+    out, lse = hopper_attention_forward(q, k, v, scale=scale, is_causal=is_causal, causal_offset=causal_offset,
+                                        window=window)
     dq, dk, dv = hopper_attention_backward(do, q, k, v, out, lse, scale=scale, is_causal=is_causal,
-                                           causal_offset=causal_offset,
+                                           causal_offset=causal_offset, window=window,
                                            config=HopperBackwardConfig(dq_split=dq_split, dq_tma=dq_tma))
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert dq.dtype == dk.dtype == dv.dtype == q.dtype
-    visible = _visible(q.shape[2], k.shape[2], is_causal, causal_offset)
+    visible = _visible(q.shape[2], k.shape[2], is_causal, causal_offset, window)
     live = visible.any(-1)
     live_from = int(live.long().argmax()) if live.any() else q.shape[2]
+    # In every band tested here the rows that see no key come first; the rest are compared as one block.
+    assert bool(live[live_from:].all())
     # Rows with no visible key: exactly zero gradient.
     assert (dq[:, :, :live_from] == 0).all()
     refs, colsum = _fp64_grads(q, k, v, do, scale, visible)
@@ -108,6 +111,27 @@ def _check(q, k, v, do, is_causal, causal_offset=0, dq_split=True, dq_tma=True):
 @pytest.mark.parametrize("seq_q, seq_k", [(97, 97), (300, 300), (256, 700), (700, 256)])
 def test_matches_fp64(dtype, head_dim, is_causal, seq_q, seq_k):
     _check(*_inputs(dtype, head_dim, 2, 3, 3, seq_q, seq_k), is_causal)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", (64, 128))
+# (left, right) as FlashAttention defines them, as in test_hopper_fwd: a causal sliding window, a
+# band narrower than one 64-row tile on both sides, the diagonal alone (rows that see no key when
+# L > S), a left side wider than S (no bound), and a right side alone. E 64 runs on this kernel
+# only where the band's upper side is closed (hopper_bwd.E64_NON_CAUSAL).
+@pytest.mark.parametrize("window", [(200, 0), (40, 40), (0, 0), (5000, 0), (300, 2)])
+@pytest.mark.parametrize("seq_q, seq_k", [(1025, 1025), (300, 700), (700, 300)])
+def test_sliding_windows_match_fp64(dtype, head_dim, window, seq_q, seq_k):
+    _check(*_inputs(dtype, head_dim, 1, 2, 1, seq_q, seq_k), True, causal_offset=seq_k - seq_q, window=window)
+
+
+@needs_hopper
+@pytest.mark.parametrize("window", [(100, -1), (64, 64)])
+def test_sliding_windows_without_causal_masking(window):
+    # E 128 (E 64 without causal masking keeps the Triton backward): a left side alone and a
+    # symmetric band, GQA, L != S.
+    _check(*_inputs(torch.bfloat16, 128, 2, 4, 2, 333, 513), False, window=window)
 
 
 @needs_hopper
@@ -242,7 +266,8 @@ def test_the_static_choice_on_a_mocked_hopper(monkeypatch):
     assert "schedule 'stable'" in reason(q, kv, kv, None, 0.0, None, "stable")
     assert "mask" in reason(q, kv, kv, t(2, 8, 64, 64, dtype=torch.bool), 0.0, None, "fast")
     assert "dropout" in reason(q, kv, kv, None, 0.1, None, "fast")
-    assert reason(q, kv, kv, None, 0.0, None, "fast", window=(16, 0)) == hopper_bwd.WINDOW
+    assert reason(q, kv, kv, None, 0.0, None, "fast", window=(16, 0)) is None
+    assert reason(q64, kv64, kv64, None, 0.0, None, "fast", is_causal=True, window=(16, 16)) is None
     assert reason(q, kv, kv, None, 0.0, None, "fast", block_sparse=True) == hopper.BLOCK_SPARSE
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     assert reason(q, kv, kv, None, 0.0, None, "fast") == hopper_bwd.DETERMINISTIC
@@ -271,9 +296,14 @@ def test_the_op_dispatches_to_the_hopper_call_it_is_given(monkeypatch):
     monkeypatch.setattr(hopper_bwd, "hopper_backward_unsupported_reason", lambda *a, **kw: None)
     dq, dk, dv, dmask = ops_attention._kernel_backward(do, q, k, v, None, q, lse, None, None, 0.0, True, 3, 0.125,
                                                        "fast", False, hopper_call=hopper_call)
-    assert seen == [("hopper", (True, 3, 0.125, "fast"))]
+    assert seen == [("hopper", (True, 3, 0.125, "fast", -1, -1))]
     assert torch.equal(dq, q * 2) and torch.equal(dk, k * 3) and torch.equal(dv, v * 4) and dmask.numel() == 0
     monkeypatch.setattr(hopper_bwd, "hopper_backward_unsupported_reason", lambda *a, **kw: "a reason")
     ops_attention._kernel_backward(do, q, k, v, None, q, lse, None, None, 0.0, False, 0, 0.125, "stable", False,
                                    window=(4, 0), hopper_call=hopper_call)
     assert seen[1] == ("triton", (False, 0, 0.125), (4, 0))
+    # The window reaches the Hopper call as the op's two ints.
+    monkeypatch.setattr(hopper_bwd, "hopper_backward_unsupported_reason", lambda *a, **kw: None)
+    ops_attention._kernel_backward(do, q, k, v, None, q, lse, None, None, 0.0, True, 0, 0.125, "fast", False,
+                                   window=(4, 0), hopper_call=hopper_call)
+    assert seen[2] == ("hopper", (True, 0, 0.125, "fast", 4, 0))
