@@ -344,34 +344,37 @@ def format_table(records, providers, ours="ours"):
 
 def plot(records, path, title=""):
     """Speed-up of ours over each contender against L: one subplot per (style, mode), one line per
-    (window, contender)."""
+    (window, contender); a second row with ``ours-fast`` as the reference where it ran."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ratios = speedups(records)
-    if not ratios:
+    references = [ours for ours in ("ours", "ours-fast") if speedups(records, ours=ours)]
+    if not references:
         return None
-    panels = sorted({(k[0], k[1]) for k in ratios}, key=str)
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    panels = sorted({(k[0], k[1]) for k in speedups(records, ours=references[0])}, key=str)
+    fig, axes = plt.subplots(len(references), len(panels), figsize=(5.5 * len(panels), 4.2 * len(references)),
+                             squeeze=False)
     styles = {"flex": "-", "sdpa-mask": "--", "ours-mask": ":"}
-    windows = sorted({k[3] for k in ratios})
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (style, mode) in zip(axes[0], panels):
-        for color, window in zip(colors * 4, windows):
-            for contender, linestyle in styles.items():
-                pts = sorted((k[2], r[contender]) for k, r in ratios.items()
-                             if (k[0], k[1], k[3]) == (style, mode, window) and contender in r)
-                if pts:
-                    ax.plot(*zip(*pts), linestyle, marker="o", color=color, label=f"w={window} vs {contender}")
-        ax.axhline(1.0, color="grey", linewidth=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
-        ax.set_title(f"{style} window, {mode}", fontsize=9)
-        ax.set_xlabel("L = S")
-        ax.set_ylabel("speed-up of ours (t_other / t_ours)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    for row, ours in zip(axes, references):
+        ratios = speedups(records, ours=ours)
+        windows = sorted({k[3] for k in ratios}, key=lambda w: w or 0)
+        for ax, (style, mode) in zip(row, panels):
+            for color, window in zip(colors * 4, windows):
+                for contender, linestyle in styles.items():
+                    pts = sorted((k[2], r[contender]) for k, r in ratios.items()
+                                 if (k[0], k[1], k[3]) == (style, mode, window) and contender in r)
+                    if pts:
+                        ax.plot(*zip(*pts), linestyle, marker="o", color=color, label=f"w={window} vs {contender}")
+            ax.axhline(1.0, color="grey", linewidth=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log", base=2)
+            ax.set_title(f"{ours}: {style} window, {mode}", fontsize=9)
+            ax.set_xlabel("L = S")
+            ax.set_ylabel(f"speed-up of {ours} (t_other / t_{ours})")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

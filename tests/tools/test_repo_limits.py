@@ -41,3 +41,21 @@ def test_shipped_tables_are_small():
     tables = (ROOT / "flash_inductor" / "tuning" / "tables").glob("*.json")
     total = sum(p.stat().st_size for p in tables)
     assert total <= 100_000, f"shipped tables total {total} bytes (at most 100 KB): keep configs, not search history"
+
+
+def test_readme_layout_names_every_package_and_top_level_module():
+    """The README's Layout block names each subpackage and top-level module of flash_inductor, and
+    each name it gives (``name/`` or ``name.py``) exists, so the map and the tree cannot drift apart."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index("## Layout"):]
+    block = block[block.index("```") + 3:]
+    block = block[:block.index("```")]
+    package = ROOT / "flash_inductor"
+    present = {p.name + "/" for p in package.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    present |= {p.name for p in package.glob("*.py") if p.name != "__init__.py"}
+    named = set(re.findall(r"\b([a-z_]+(?:\.py|/))", block.split("\ntests/")[0]))
+    named.discard("flash_inductor/")
+    assert present - named == set(), f"README's Layout leaves out {sorted(present - named)}"
+    assert named - present == set(), f"README's Layout names what the package lacks: {sorted(named - present)}"
