@@ -71,7 +71,8 @@ def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int = 64, s
         "sm_scale": "fp32",
     }
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=128, NUM_STAGES=stages, IS_CAUSAL=causal,
-                      WINDOW_LEFT=window, DQ_SPLIT=dq_split, DQ_TMA=dq_tma, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs)
+                      WINDOW_LEFT=window, DQ_SPLIT=dq_split, DQ_TMA=dq_tma, CONSUMER_REGS=consumer_regs,
+                      LOADER_REGS=loader_regs)
     if not window:
         # A launch without a window passes window_lower = 1, which Triton compiles in as a constant.
         constexprs["window_lower"] = 1
@@ -107,11 +108,13 @@ def main() -> int:
         for split, dq_tma in ((s, t) for s in args.dq_split for t in args.dq_tma):
             k = compile_config(e, args.dtype, args.causal, args.block_m, args.stages, bool(split), bool(dq_tma),
                                window=args.window)
-            print(f"E={e} {args.dtype} causal={args.causal} window={args.window} BM={args.block_m} stages={args.stages} "
+            print(f"E={e} {args.dtype} causal={args.causal} window={args.window} BM={args.block_m} "
+                  f"stages={args.stages} "
                   f"dq_split={bool(split)} dq_tma={bool(dq_tma)}: {report(k)}", flush=True)
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
-                tag = f"e{e}_{args.dtype}_{'c' if args.causal else 'n'}{'w' if args.window else ''}_bm{args.block_m}_s{args.stages}_split{split}_tma{dq_tma}"
+                band = ("c" if args.causal else "n") + ("w" if args.window else "")
+                tag = f"e{e}_{args.dtype}_{band}_bm{args.block_m}_s{args.stages}_split{split}_tma{dq_tma}"
                 for ext in ("ttgir", "ptx"):
                     with open(os.path.join(args.dump, f"{tag}.{ext}"), "w") as f:
                         f.write(k.asm[ext])

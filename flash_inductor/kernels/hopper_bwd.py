@@ -134,7 +134,8 @@ def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, 
 @gluon.jit
 def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                          kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                         LSE, DELTA, DQ_ACCUM, L, S, H_KV, GROUP, causal_offset, window_lower, qk_scale, sm_scale,
+                         LSE, DELTA, DQ_ACCUM, L, S, H_KV, GROUP, causal_offset, window_lower, qk_scale,
+                         sm_scale,
                          CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                          WINDOW_LEFT: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
@@ -281,7 +282,8 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                      L, S, H_KV, GROUP, causal_offset, window_lower, qk_scale, sm_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-                     DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                     DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     LOADER_REGS: gl.constexpr):
     """Grid (cdiv(S, BLOCK_N), B * H_KV). Descriptors are 4-D over (B, H, L or S, E): Q and dO
     boxes (1, 1, BLOCK_M, E); K, V, dK, dV boxes (1, 1, 64, E). DQ_ACCUM is (B, Hq, L, E) fp32
     zeros, contiguous, and ``dq_desc`` describes it with box (1, 1, BLOCK_M, E or E / 2 under

@@ -8,8 +8,7 @@ otherwise goes to the ``flash_inductor`` logger at INFO, once per reason.
 What it covers: sm_90, bf16/fp16, E = Ev = 128, or 64 under causal masking, no mask, no dropout,
 no block-sparse layout, causal or not (any ``causal_offset``), sliding windows (the band of
 ``launch/band.py``: each key block's query sweep ends at the window's left edge), grouped-query
-attention,
-the `fast` schedule (Δ = rowsum(dO∘O) - dLSE, dS cast straight to the input dtype),
+attention, the `fast` schedule (Δ = rowsum(dO∘O) - dLSE, dS cast straight to the input dtype),
 TMA-addressable strides. `stable`, the default, needs the exact Δ and fp16 dS rescaling, which
 this one-pass kernel does not do (docs/hopper_backward.md says why and what it would cost); it
 and everything else keep the Triton kernels.
