@@ -192,7 +192,6 @@ def test_an_error_in_finding_the_tables_becomes_one_warning(tmp_path, fake_h200,
 
 
 @pytest.mark.launches_kernels
-@pytest.mark.launches_kernels
 def test_the_op_runs_through_a_broken_table(monkeypatch, device):
     """The whole launch path: a forward with a table whose lookup fails computes the same output
     as without a table, and warns once."""
