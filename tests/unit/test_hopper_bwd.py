@@ -1,8 +1,8 @@
 """The Gluon Hopper backward (launch/hopper_bwd.py, `fast` schedule) against fp64 gradients with
 the project's tolerance rule (tests/helpers.assert_close_to_ref): dtype x head dim x causal x odd
-lengths, sliding windows, grouped-query heads, strided (B, L, H, E) views, both dQ schemes, and rows that see no
-key (dq exactly 0). GPU tests run only on an sm_90 GPU with a Triton that has Gluon; the support
-check and the register plan are checked everywhere."""
+lengths, sliding windows, grouped-query heads, strided (B, L, H, E) views, both dQ schemes, and
+rows that see no key (dq exactly 0). GPU tests run only on an sm_90 GPU with a Triton that has
+Gluon; the support check and the register plan are checked everywhere."""
 
 from __future__ import annotations
 
