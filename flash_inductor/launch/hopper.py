@@ -12,12 +12,12 @@ with fake tensors, where neither data pointers nor (under dynamic shapes) stride
 
 ``hopper_attention_forward`` returns what ``launch.attention_forward`` returns: out (B, Hq, L, E)
 in the input dtype and lse (B, Hq, L) fp32 in natural log (-inf for a row that sees no key), so
-the two are interchangeable for the backward, which stays on the Triton kernels.
+either backward (the Triton kernels, or ``launch/hopper_bwd.py`` under `fast`) takes them.
 
 What it covers now: sm_90, bf16/fp16, E = Ev in {64, 128}, no mask, no dropout, causal or not
 (any ``causal_offset``), sliding windows (the band of ``launch/band.py``: the kernel starts each
-block's key loop at the window's left edge), grouped-query attention, the schedules whose forward rounds P to the
-input dtype (`fast`, `stable`), and any strides TMA can address (last dim contiguous, the others
+block's key loop at the window's left edge), grouped-query attention, the schedules whose forward
+rounds P to the input dtype (`fast`, `stable`), and any strides TMA can address (last dim contiguous, the others
 16-byte multiples, a 16-byte-aligned base), so (B, L, H, E) views transposed to (B, H, L, E)
 need no copy. Everything else keeps the Triton kernels.
 """
