@@ -20,6 +20,16 @@ from .passes.report import RewriteReport, one_report_per_compile
 from .passes.site import relative_module_path
 
 
+# The function the pass puts into graphs (passes/site.py). AOT autograd's cache refuses a graph
+# that calls a function it does not know; torch 2.11 checks the graph after the pre-grad passes,
+# so without this entry every warm start there retraced the whole joint graph
+# (benchmarks/cold_start.py). It is keyed by the pass's uuid (our sources, the
+# options, torch and Triton versions, the tuning tables): a cached graph holds what the call
+# traced into, so any change to those must miss. The entry is one of this backend's config
+# patches, like the pass itself.
+_REWRITE_CALL = "flash_inductor.passes.site.rewritten_attention"
+
+
 class FlashInductorBackend:
     """A torch.compile backend callable: ``backend(gm, example_inputs, mode=None, options=None)``.
 
@@ -38,8 +48,19 @@ class FlashInductorBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str] = None,
                  options: Optional[dict] = None):
-        from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
+
+        patches = self.config_patches(mode, options)
+        with one_report_per_compile(verbose=self.options.report) as report:
+            if self.reports is not None:
+                self.reports.append(report)
+                self.frame_anchors.append(_parameter_anchors(gm, example_inputs))
+            return compile_fx(gm, example_inputs, config_patches=patches)
+
+    def config_patches(self, mode: Optional[str] = None, options: Optional[dict] = None) -> dict[str, Any]:
+        """The Inductor config this backend compiles under: torch.compile's mode and options, our
+        pass first in the pre-grad passes, and the rewrite's call marked cacheable."""
+        from torch._inductor import config as inductor_config
 
         patches: dict[str, Any] = {}
         if mode is not None:
@@ -55,11 +76,12 @@ class FlashInductorBackend:
         patches["pre_grad_custom_pass"] = ChainedPass(chained) if len(chained) > 1 else self.graph_pass
         if self.without_caches:
             patches["fx_graph_cache"] = False
-        with one_report_per_compile(verbose=self.options.report) as report:
-            if self.reports is not None:
-                self.reports.append(report)
-                self.frame_anchors.append(_parameter_anchors(gm, example_inputs))
-            return compile_fx(gm, example_inputs, config_patches=patches)
+        elif hasattr(inductor_config, "unsafe_marked_cacheable_functions"):
+            patches["unsafe_marked_cacheable_functions"] = {
+                **patches.get("unsafe_marked_cacheable_functions", inductor_config.unsafe_marked_cacheable_functions),
+                _REWRITE_CALL: self.graph_pass.uuid(),
+            }
+        return patches
 
     def explain(self, fn_or_module: Callable, *args: Any, **kwargs: Any) -> RewriteReport:
         """:func:`flash_inductor.explain` with this backend's options."""

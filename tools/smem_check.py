@@ -98,7 +98,7 @@ def check(head_dim: int, mask_kind: str, dtype_name: str, schedule: str, seq: in
 def run_launches(head_dim: int, mask_kind: str, dtype_name: str, schedule: str, seq: int = SEQ, configs=None) -> None:
     """Call the launchers for one forward, one backward and one decode forward of length ``seq``
     (``configs`` default: Hopper's heuristic ones). Run it where ``launch.common.launcher`` is
-    replaced (``compiling_launches``; tools/kernel_writes.py): the tensors are CPU tensors."""
+    replaced (``compiling_launches``): the tensors are CPU tensors."""
     from flash_inductor import launch
     from flash_inductor.tuning.configs import cuda_heuristic_configs
 
@@ -161,8 +161,8 @@ def _decode_launch(head_dim, mask_kind, dtype, schedule, seq, config, gen, windo
 
 def add_case_arguments(p: argparse.ArgumentParser, *, head_dims: str = "64,128,256",
                        masks: str = "none,causal,bool,float", schedules: str = "stable,fast,accurate") -> None:
-    """The options that pick ``run_launches``'s cases, for the tools that run them (this one,
-    tools/kernel_writes.py): comma lists of head dims, mask kinds, dtypes and schedules."""
+    """The options that pick ``run_launches``'s cases: comma lists of head dims, mask kinds,
+    dtypes and schedules."""
     p.add_argument("--head-dims", default=head_dims)
     p.add_argument("--masks", default=masks)
     p.add_argument("--dtypes", default="bf16,fp16")

@@ -151,28 +151,23 @@ class LaunchRunner:
     def forward(self, p, configs, schedule):
         from .. import launch
 
-        # Directly, as inside the op: through wrap_triton's HOP the host work per launch
-        # would be timed too (launch.direct_kernel_calls).
-        with launch.direct_kernel_calls():
-            return launch.attention_forward(p.q, p.k, p.v, p.mask, None, 0.0, p.scale, schedule,
-                                            visibility=p.visibility(), configs=configs)
+        return launch.attention_forward(p.q, p.k, p.v, p.mask, None, 0.0, p.scale, schedule,
+                                        visibility=p.visibility(), configs=configs)
 
     def backward(self, p, out, lse, configs, schedule):
         from .. import launch
 
-        with launch.direct_kernel_calls():
-            dq, dk, dv, _ = launch.attention_backward(p.dout, p.q, p.k, p.v, p.mask, out, lse, None, None, 0.0,
-                                                      p.scale, schedule, False, visibility=p.visibility(),
-                                                      configs=configs)
+        dq, dk, dv, _ = launch.attention_backward(p.dout, p.q, p.k, p.v, p.mask, out, lse, None, None, 0.0,
+                                                  p.scale, schedule, False, visibility=p.visibility(),
+                                                  configs=configs)
         return dq, dk, dv
 
     def decode(self, p, configs, schedule):
         from .. import launch
         from ..launch.decode import decode_attention_forward
 
-        with launch.direct_kernel_calls():
-            return decode_attention_forward(p.q, p.k, p.v, p.mask, p.scale, schedule, visibility=p.visibility(),
-                                            config=configs.decode)
+        return decode_attention_forward(p.q, p.k, p.v, p.mask, p.scale, schedule, visibility=p.visibility(),
+                                        config=configs.decode)
 
 
 def run_pass(runner: KernelRunner, p: Problem, configs: AttentionConfigs, schedule: str, pass_name: str) -> dict:

@@ -155,10 +155,9 @@ def _block_backward(config: RingConfig, schedule: str, grad_out, query, key, val
     tensors = (grad_out[:, :, call.q], q, k, v, mask, out[:, :, call.q], lse_rows, grad_lse_rows)
     if attention_ops.eager_fast_path_applies(q, k, v, mask):
         # The launcher takes the causal side as one keyword argument, the op as two flat ones.
-        with launch.direct_kernel_calls():
-            return launch.attention_backward(
-                *tensors, None, 0.0, config.scale, schedule, False,
-                visibility=launch.Visibility(is_causal=call.is_causal, causal_offset=call.causal_offset))
+        return launch.attention_backward(
+            *tensors, None, 0.0, config.scale, schedule, False,
+            visibility=launch.Visibility(is_causal=call.is_causal, causal_offset=call.causal_offset))
     return torch.ops.flash_inductor.attention_backward(
         *tensors, None, 0.0, call.is_causal, call.causal_offset, config.scale, schedule, False)
 

@@ -84,10 +84,8 @@ Constexpr switches
     CHECK                   the tile may hold invisible keys: apply the bounds / causal select
     SHIFT                   some row may have a non-zero row_shift (dK/dV pass; SHIFT_FLAG)
 
-Argument groups. The kernels' own signatures stay flat, one scalar per stride, as launched:
-the launchers reach Inductor through torch's ``wrap_triton``, whose code generation for a user
-kernel takes tensors and scalars only (torch 2.13's ``UserDefinedTritonKernel`` in
-``_inductor/ir.py`` raises "Unsupported arg type" on a tuple).
+Argument groups. The kernels' own signatures are flat, one scalar per stride, as launched (see
+``attn_fwd.py``).
 Inside, the kernels hand their helpers tuples, which Triton inlines away (the compiled code is
 the same as with the values passed one by one):
 

@@ -63,7 +63,7 @@ Constexpr switches
     BLOCK_SPLITS            (merge) NUM_SPLITS padded to a power of two
 
 Dropout is not implemented here: a call with dropout takes ``attn_fwd.py`` (``launch/decode.py``).
-The signatures stay flat, one scalar per stride, for torch's ``wrap_triton`` (see ``attn_fwd.py``).
+The signatures are flat, one scalar per stride (see ``attn_fwd.py``).
 """
 
 import triton

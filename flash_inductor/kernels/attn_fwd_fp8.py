@@ -39,8 +39,7 @@ IS_CAUSAL, HAS_DROPOUT and CHECK_BOUNDS as in ``attn_fwd``; and
     PER_ROW            ``_quantize_fp8``: one scale per row (Q, K), else per column (V)
     BLOCK_R            ``_quantize_fp8``: rows per program
 
-The kernels' signatures stay flat, as in ``attn_fwd`` (torch's ``wrap_triton`` has no tuple
-arguments); the helper takes ``query_block`` (q8, row_factor, offs_m, rng_rows), ``dropout``
+The kernels' signatures are flat, as in ``attn_fwd``; the helper takes ``query_block`` (q8, row_factor, offs_m, rng_rows), ``dropout``
 (seed, dropout_p) and ``*_strides`` (batch, head, row, column) tuples.
 """
 

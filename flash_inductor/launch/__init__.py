@@ -10,8 +10,6 @@ compare the two.
 
 from .backward import attention_backward
 from .common import (
-    can_launch_directly,
-    direct_kernel_calls,
     forward_outputs,
     interpreter_enabled,
     kernel_supports,
@@ -26,8 +24,6 @@ __all__ = [
     "Visibility",
     "attention_backward",
     "attention_forward",
-    "can_launch_directly",
-    "direct_kernel_calls",
     "forward_outputs",
     "interpreter_enabled",
     "kernel_supports",

@@ -1,15 +1,13 @@
 """What every launch path shares: whether the kernels take a problem, the launch wrapper,
 the schedule's constexpr switches, the mask and head-dim metadata, config lookup, outputs.
 
-Kernels are launched through ``torch.library.wrap_triton`` so that, inside our ``triton_op``,
-Inductor sees and inlines them; under the Triton interpreter (CPU tests) they are called
-directly. Code that calls the launchers outside the ops (the autotuner, probes) wraps the calls
-in ``direct_kernel_calls()``.
+Kernels are launched as plain Triton launches (``launcher``): the ``flash_inductor::`` ops that
+call the launchers are opaque to ``torch.compile`` (``ops/attention.py`` says why), so nothing
+here is traced.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 
@@ -69,43 +67,11 @@ def kernel_supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor)
 
 
 def launcher(kernel):
-    if interpreter_enabled():
-        return kernel
-    from torch.library import wrap_triton
-
-    return wrap_triton(kernel)
-
-
-# torch keeps the switch between wrap_triton's HOP and direct launches private: looked up once
-# (torch 2.11-2.14 all have it; where it is missing, calls go through the HOP as before).
-try:
-    from torch._library.triton import set_wrap_triton_enabled as _set_wrap_triton_enabled
-except ImportError:
-    _set_wrap_triton_enabled = None
-
-
-def can_launch_directly() -> bool:
-    """Whether :func:`direct_kernel_calls` can take the launches off wrap_triton's HOP here."""
-    return _set_wrap_triton_enabled is not None
-
-
-def direct_kernel_calls() -> contextlib.AbstractContextManager:
-    """Launch the kernels straight through Triton, not through torch's wrap_triton HOP, for
-    callers outside the registered ops: the eager fast path, the autotuner's timing runner,
-    probes. The inputs there are plain tensors, so there is nothing to trace.
-
-    Inside the ops torch already does this: a ``triton_op`` run eagerly turns wrap_triton off for
-    its body. Called from outside, every launch instead goes through the HOP's Python dispatch
-    (kernel side table, dispatch keys, grid function), host work paid per launch, which torch's
-    docstring of the switch puts at "~1ms". The backward makes four launches, so on short
-    problems that host time can outrun the GPU: on the H200 the tuner, calling the launchers bare,
-    read the bf16 E=64 causal L=S=1024 backward at 2.28 ms where the op, same kernels and
-    configs, took 1.18 ms (2026-12-01; benchmarks/experiments/tuner_vs_op_timing.py measures it)."""
-    # torch's own context manager, returned as is: the eager fast path enters this twice per
-    # training step, and a generator wrapped around it doubled its ~3 µs.
-    if _set_wrap_triton_enabled is None:
-        return contextlib.nullcontext()
-    return _set_wrap_triton_enabled(False)
+    """The callable a launcher indexes with its grid: the Triton kernel itself. The ops that call
+    the launchers are opaque to ``torch.compile``, so every launch is a plain Triton launch, eager
+    or compiled. Tools that compile or analyse launches instead of running them
+    (``tools/smem_check.py``, ``tools/sass_mix.py``) replace this function."""
+    return kernel
 
 
 def _fp32_dot_precision(dtype: torch.dtype, accurate: bool) -> str:

@@ -1,8 +1,14 @@
 """The ``flash_inductor::`` attention ops: registration, fake kernels and autograd.
 
-Two public ops, both ``torch.library.triton_op`` so that under ``torch.compile`` on CUDA
-Inductor sees (and inlines) the Triton kernels they launch (the Gluon Hopper forward and
-backward are the exception: opaque ops of their own, see below):
+Two public ops, both opaque ``torch.library.custom_op``s: under ``torch.compile`` each call is one
+extern node, and the kernels are chosen and launched when it runs, as in eager mode.
+They were ``triton_op``s once, which Inductor opens up to inline the Triton kernels, but then
+torch analyses each kernel launch's TTIR to learn what it writes, several times per launch per
+call site (functionalisation, lowering, scheduling): the four backward kernels of an 8-layer
+model made that analysis the largest part of the model's compile, cold or warm
+(benchmarks/cold_start.py), for no gain at run time, since attention is never fused with
+its neighbours. Opaque calls also pick their kernels from the real strides and lengths:
+``launch`` decides from those, and the Gluon kernels' TMA descriptors need them.
 
 * ``flash_inductor::attention_forward(q, k, v, mask?, seed?, dropout_p, is_causal,
   causal_offset, scale, schedule, window_left=-1, window_right=-1, block_map?, block_q=0, block_k=0) -> (out, lse)``
@@ -30,7 +36,6 @@ it as one node rather than unrolling its key loop into the graph.
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
@@ -41,8 +46,8 @@ from .. import launch
 from ..launch import decode, hopper, hopper_bwd
 from ..launch.band import NO_WINDOW, window_pair
 
-# What the eager fast path needs besides launch.can_launch_directly(), looked up once (torch
-# 2.11-2.14 all have it; where it is missing every call takes the registered op instead).
+# What the eager fast path needs, looked up once (torch 2.11-2.14 all have it; where it is
+# missing every call takes the registered op instead).
 _functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 from ..launch.block_tiles import check_block_layout
 from ..launch.visibility import Visibility
@@ -90,8 +95,8 @@ def _reference_layout(block_map: Optional[Tensor], block_q: int, block_k: int) -
 
 
 # --------------------------------------------------------------------------------------
-# Hopper forward (Gluon): opaque, since Inductor cannot inline a kernel that takes TMA
-# descriptors; chosen from static facts at trace time, checked against the real strides here.
+# Hopper forward (Gluon): chosen from the shapes, dtype and options, then checked here against
+# the strides, which its TMA descriptors must be able to address.
 # --------------------------------------------------------------------------------------
 
 
@@ -104,28 +109,17 @@ def _forward_on_hopper(query: Tensor, key: Tensor, value: Tensor, is_causal: boo
         return hopper.hopper_attention_forward(query, key, value, scale=scale, is_causal=is_causal,
                                                causal_offset=causal_offset, window=window)
     hopper.log_triton_forward(reason)
-    with launch.direct_kernel_calls():
-        return launch.attention_forward(query, key, value, None, None, 0.0, scale, schedule,
-                                        visibility=Visibility(is_causal=is_causal, causal_offset=causal_offset,
-                                                              window=window))
-
-
-attention_forward_hopper = torch.library.custom_op("flash_inductor::attention_forward_hopper", mutates_args=())(
-    _forward_on_hopper)
-
-
-@attention_forward_hopper.register_fake
-def _hopper_forward_fake(query, key, value, is_causal, causal_offset, scale, schedule, window_left=-1,
-                         window_right=-1):
-    return _forward_fake(query, key, value)
+    return launch.attention_forward(query, key, value, None, None, 0.0, scale, schedule,
+                                    visibility=Visibility(is_causal=is_causal, causal_offset=causal_offset,
+                                                          window=window))
 
 
 def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
-                    window=NO_WINDOW, block_map=None, block_q=0, block_k=0, *, hopper_call=attention_forward_hopper):
+                    window=NO_WINDOW, block_map=None, block_q=0, block_k=0, *, hopper_call=_forward_on_hopper):
     """The CUDA forward: the split-KV decode kernels for a few query rows against long keys, else
-    the Gluon Hopper kernel where it applies, else the Triton kernels. ``hopper_call`` is the
-    opaque op inside the registered op, the plain function on the eager fast path (no dispatcher
-    there). Block-sparse calls skip the decode kernels, which read every key of the band."""
+    the Gluon Hopper kernel where it applies, else the Triton kernels. ``hopper_call`` runs the
+    Hopper kernel (a test may stand in for it). Block-sparse calls skip the decode kernels, which
+    read every key of the band."""
     visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=window, block_map=block_map,
                             block_q=block_q, block_k=block_k)
     if block_map is None:
@@ -143,7 +137,7 @@ def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal
 
 
 # --------------------------------------------------------------------------------------
-# Hopper backward (Gluon, the `fast` schedule): opaque for the same reason as the forward.
+# Hopper backward (Gluon, the `fast` schedule): checked against the strides as the forward.
 # --------------------------------------------------------------------------------------
 
 
@@ -156,27 +150,16 @@ def _backward_on_hopper(grad_out: Tensor, query: Tensor, key: Tensor, value: Ten
         return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
                                                     is_causal=is_causal, causal_offset=causal_offset, window=window)
     hopper_bwd.log_triton_backward(reason)
-    with launch.direct_kernel_calls():
-        dq, dk, dv, _ = launch.attention_backward(grad_out, query, key, value, None, out, lse, grad_lse, None, 0.0,
-                                                  scale, schedule, False,
-                                                  visibility=Visibility(is_causal=is_causal,
-                                                                        causal_offset=causal_offset, window=window))
+    dq, dk, dv, _ = launch.attention_backward(grad_out, query, key, value, None, out, lse, grad_lse, None, 0.0,
+                                              scale, schedule, False,
+                                              visibility=Visibility(is_causal=is_causal,
+                                                                    causal_offset=causal_offset, window=window))
     return dq, dk, dv
-
-
-attention_backward_hopper = torch.library.custom_op("flash_inductor::attention_backward_hopper", mutates_args=())(
-    _backward_on_hopper)
-
-
-@attention_backward_hopper.register_fake
-def _hopper_backward_fake(grad_out, query, key, value, out, lse, grad_lse, is_causal, causal_offset, scale, schedule,
-                          window_left=-1, window_right=-1):
-    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
 def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p, is_causal,
                      causal_offset, scale, schedule, compute_mask_grad, window=NO_WINDOW, block_map=None, block_q=0,
-                     block_k=0, *, hopper_call=attention_backward_hopper):
+                     block_k=0, *, hopper_call=_backward_on_hopper):
     """The CUDA backward: the Gluon Hopper kernel where it applies (``hopper_call`` as in
     ``_kernel_forward``), else the Triton kernels. Returns (dq, dk, dv, dmask)."""
     reason = hopper_bwd.hopper_backward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
@@ -198,30 +181,7 @@ def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse,
 # --------------------------------------------------------------------------------------
 
 
-class _DropMissingTritonNotice(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Triton not available" not in record.getMessage()
-
-
-def _triton_op(name: str):
-    """``torch.library.triton_op``, minus the warning it logs at registration when Triton is not
-    installed: it searches the function for the kernels it launches, and a CPU-only install,
-    which runs the reference path, has none to find. The filter is removed once registered."""
-    decorate = torch.library.triton_op(name, mutates_args=())
-
-    def register(fn):
-        torch_logger = logging.getLogger("torch._library.triton")
-        notice_filter = _DropMissingTritonNotice()
-        torch_logger.addFilter(notice_filter)
-        try:
-            return decorate(fn)
-        finally:
-            torch_logger.removeFilter(notice_filter)
-
-    return register
-
-
-@_triton_op("flash_inductor::attention_forward")
+@torch.library.custom_op("flash_inductor::attention_forward", mutates_args=())
 def attention_forward(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], rng_seed: Optional[Tensor],
     dropout_p: float, is_causal: bool, causal_offset: int, scale: float, schedule: str,
@@ -229,15 +189,15 @@ def attention_forward(
     block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0,
 ) -> tuple[Tensor, Tensor]:
     if launch.kernel_supports(query, key, value):
-        return _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
-                               schedule, (window_left, window_right), block_map, block_q, block_k)
+        return _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
+                               scale, schedule, (window_left, window_right), block_map, block_q, block_k)
     # The reference computes in fp32/fp64 throughout, Delta included (the `accurate` schedule's
     # stages): the schedule has nothing to select there.
     return attention_forward_reference(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
                                        scale, window_left, window_right, block_map, block_q, block_k)
 
 
-@_triton_op("flash_inductor::attention_backward")
+@torch.library.custom_op("flash_inductor::attention_backward", mutates_args=())
 def attention_backward(
     grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
     out: Tensor, lse: Tensor, grad_lse: Optional[Tensor], rng_seed: Optional[Tensor],
@@ -377,7 +337,7 @@ class _EagerKernelAttention(torch.autograd.Function):
     """``attention_forward``'s kernel path and autograd, called directly.
 
     An eager call through ``torch.ops.flash_inductor.attention_forward`` also pays for the
-    custom-op machinery (autograd wrapper, redispatch, the triton_op backend wrapper): on a
+    custom-op machinery (autograd wrapper, redispatch): on a
     2-core CPU with the launches stubbed, 75 µs a forward against 47 µs here, and its backward
     goes through a second op. Plain eager CUDA calls (see :func:`eager_fast_path_applies`) take
     this path instead; it runs the very same launchers, so results are bitwise those of the op.
@@ -386,10 +346,8 @@ class _EagerKernelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
                 window_left, window_right, block_map, block_q, block_k):
-        with launch.direct_kernel_calls():
-            out, lse = _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                                       scale, schedule, (window_left, window_right), block_map, block_q, block_k,
-                                       hopper_call=_forward_on_hopper)
+        out, lse = _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
+                                   scale, schedule, (window_left, window_right), block_map, block_q, block_k)
         _setup_context(ctx, (query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
                              schedule, window_left, window_right, block_map, block_q, block_k), (out, lse))
         return out, lse
@@ -400,15 +358,14 @@ class _EagerKernelAttention(torch.autograd.Function):
             # create_graph=True: the registered backward op records the refusal of a second
             # differentiation, exactly as on the op path.
             return _backward(ctx, grad_out, grad_lse)
-        with launch.direct_kernel_calls():
-            return _run_backward(ctx, grad_out, grad_lse, _launch_backward)
+        return _run_backward(ctx, grad_out, grad_lse, _launch_backward)
 
 
 def _launch_backward(*args, **layout):
     """``_kernel_backward`` with the backward op's positional arguments (the window last) and its
-    layout keywords (``block_map``, ``block_q``, ``block_k``), the Hopper kernel called directly."""
+    layout keywords (``block_map``, ``block_q``, ``block_k``)."""
     *args, window_left, window_right = args
-    return _kernel_backward(*args, window=(window_left, window_right), hopper_call=_backward_on_hopper, **layout)
+    return _kernel_backward(*args, window=(window_left, window_right), **layout)
 
 
 def eager_fast_path_applies(*tensors: Optional[Tensor]) -> bool:
@@ -416,7 +373,7 @@ def eager_fast_path_applies(*tensors: Optional[Tensor]) -> bool:
     or torch-function mode and no functorch transform active, plain tensors only, and inputs the
     Triton kernels take. Anything else (FakeTensor, vmap, DTensor, torch.compile, export) needs
     the registered op, which every one of those understands."""
-    if not launch.can_launch_directly() or _functorch_transforms_active is None:
+    if _functorch_transforms_active is None:
         return False
     if torch.compiler.is_compiling() or _functorch_transforms_active():
         return False
@@ -441,10 +398,8 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
             # Inference: the launch alone. autograd.Function.apply would record nothing here and
             # cost ~20-35 µs of host time a call (2-core CPU, launches stubbed), which
             # a short problem's GPU time may not hide.
-            with launch.direct_kernel_calls():
-                return _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                                       scale, schedule, (window_left, window_right), block_map, block_q, block_k,
-                                       hopper_call=_forward_on_hopper)
+            return _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
+                                   scale, schedule, (window_left, window_right), block_map, block_q, block_k)
         return _EagerKernelAttention.apply(
             query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
             window_left, window_right, block_map, block_q, block_k,

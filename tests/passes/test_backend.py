@@ -128,6 +128,23 @@ def test_user_pre_grad_pass_still_runs_after_ours():
     assert rewritten_attention in seen[0] and F.scaled_dot_product_attention not in seen[0]
 
 
+def test_a_rewritten_graph_is_cacheable_by_aot_autograd():
+    """AOT autograd's cache refuses a graph that calls a function it does not know, and torch
+    2.11 checks the graph after our pass: the backend marks the rewrite's call as cacheable,
+    keyed by the pass's uuid, so a warm start loads the compiled graph instead of retracing."""
+    autograd_cache = pytest.importorskip("torch._functorch._aot_autograd.autograd_cache")
+    graph = torch.fx.Graph()
+    q = graph.placeholder("q")
+    call = graph.call_function(rewritten_attention, (q, q, q))
+    graph.output(call)
+    with pytest.raises(autograd_cache.BypassAOTAutogradCache):
+        autograd_cache.check_node_safe(call)
+    patches = flash_inductor.backend.config_patches()
+    assert list(patches["unsafe_marked_cacheable_functions"].values()) == [flash_inductor.backend.graph_pass.uuid()]
+    with torch._inductor.config.patch(patches):
+        autograd_cache.check_node_safe(call)  # no bypass
+
+
 # ------------------------------------------------------------------------------------------
 # The pass's cache key
 # ------------------------------------------------------------------------------------------

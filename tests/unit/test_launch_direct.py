@@ -1,67 +1,45 @@
-"""``launch.direct_kernel_calls``: callers outside the ops (the autotuner's timing runner) launch the
-kernels straight through Triton, as the ops do, instead of through wrap_triton's HOP dispatch,
-whose per-launch host work the tuner would otherwise time (docs/performance.md, host time)."""
+"""Kernels launch as plain Triton launches, and under ``torch.compile`` the attention ops stay
+opaque: one node each, whose kernels are chosen and launched when it runs. When the ops were
+``triton_op``s, torch analysed every kernel launch's TTIR several times per call site, which made
+the backward's four kernels the largest part of a model's compile (benchmarks/cold_start.py)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from flash_inductor import launch
-from flash_inductor.tuning.buckets import Bucket
-from flash_inductor.tuning.configs import heuristic_configs
-from flash_inductor.autotune.measure import LaunchRunner, Shape, make_problem
+import flash_inductor
+from flash_inductor.launch import common
 from helpers import DEVICE
 
-triton_lib = pytest.importorskip("torch._library.triton")
+
+def test_the_launcher_is_the_kernel_itself():
+    """No torch wrapper (wrap_triton's higher-order op) between a launcher and its kernel."""
+    from flash_inductor.kernels.attn_fwd import _attn_fwd
+
+    assert common.launcher(_attn_fwd) is _attn_fwd
 
 
-def test_direct_kernel_calls_turns_the_hop_off_and_restores_it():
-    assert triton_lib.is_wrap_triton_enabled()
-    with launch.direct_kernel_calls():
-        assert not triton_lib.is_wrap_triton_enabled()
-    assert triton_lib.is_wrap_triton_enabled()
-    with pytest.raises(KeyError):  # restored when the body raises too
-        with launch.direct_kernel_calls():
-            raise KeyError("body")
-    assert triton_lib.is_wrap_triton_enabled()
+def _compiled_graph_targets(fn, *args):
+    """The call targets of the forward and backward graphs AOT autograd hands the compiler."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    targets = []
+
+    def capture(gm, _inputs):
+        targets.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))(*args)
+    out.sum().backward()
+    return targets
 
 
-def test_without_torchs_switch_calls_go_through_as_before_and_eager_takes_the_op(monkeypatch):
-    """The eager fast path relies on direct launches: without torch's switch it hands every call to
-    the registered op (whose triton_op body launches directly on its own)."""
-    from flash_inductor.ops import attention as ops
-
-    monkeypatch.setattr(launch, "kernel_supports", lambda *tensors: True)  # as on a GPU
-    q = torch.randn(1, 2, 8, 16, device=DEVICE)
-    assert ops.eager_fast_path_applies(q, q, q, None, None)
-    monkeypatch.setattr(launch.common, "_set_wrap_triton_enabled", None)
-    assert not launch.can_launch_directly()
-    with launch.direct_kernel_calls():
-        assert triton_lib.is_wrap_triton_enabled()
-    assert not ops.eager_fast_path_applies(q, q, q, None, None)
-
-
-@pytest.mark.parametrize("pass_name", ["forward", "backward"])
-def test_the_tuners_runner_launches_directly(monkeypatch, pass_name):
-    """Every launcher call of the tuner's runner happens with the HOP off (and the results are the
-    launchers' own)."""
-    seen = []
-    for name in ("attention_forward", "attention_backward"):
-        real = getattr(launch, name)
-
-        def spy(*args, _real=real, _name=name, **kwargs):
-            seen.append((_name, triton_lib.is_wrap_triton_enabled()))
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(launch, name, spy)
-    bucket = Bucket("stable", "fp32", 16, "causal", 32, pass_name)
-    problem = make_problem(bucket, Shape(1, 2, 32, 32), DEVICE, seed=0)
-    configs = heuristic_configs(problem.q, 16, 16, launch.interpreter_enabled(), "stable", "causal")
-    runner = LaunchRunner()
-    out, lse = runner.forward(problem, configs, "stable")
-    if pass_name == "backward":
-        grads = runner.backward(problem, out, lse, configs, "stable")
-        assert all(g.shape == t.shape for g, t in zip(grads, (problem.q, problem.k, problem.v)))
-    assert seen and all(not enabled for _, enabled in seen), seen
-    assert torch.isfinite(out).all()
+def test_compiled_attention_is_one_opaque_node_each_way():
+    q, k, v = (torch.randn(1, 2, 16, 8, device=DEVICE, requires_grad=True) for _ in range(3))
+    targets = _compiled_graph_targets(lambda q, k, v: flash_inductor.flash_attention(q, k, v, is_causal=True),
+                                      q, k, v)
+    ours = [t for t in targets if t.startswith("flash_inductor.")]
+    assert ours == ["flash_inductor.attention_forward.default", "flash_inductor.attention_backward.default"], targets
+    assert not any("triton_kernel_wrapper" in t for t in targets), targets
