@@ -1,13 +1,12 @@
 """Launcher for the Gluon Hopper forward (kernels/hopper_fwd.py): which calls it takes, its tile
 config, and the TMA descriptors.
 
-The choice is made in two steps, because the first runs while ``torch.compile`` traces the op
-with fake tensors, where neither data pointers nor (under dynamic shapes) strides are known:
+The choice is made in two steps, the first also used by ``explain()``, which sees only what a
+traced graph holds (no data pointers, and under dynamic shapes no strides):
 
 * ``hopper_forward_unsupported_reason`` decides from what is static (device, dtypes, head dims,
-  mask, dropout, schedule); the op then calls ``flash_inductor::attention_forward_hopper``, an
-  opaque custom op, since Inductor cannot inline a Gluon kernel that takes TMA descriptors;
-* ``tma_unsupported_reason`` checks the real tensors' strides and alignment inside that op, which
+  mask, dropout, schedule);
+* ``tma_unsupported_reason`` then checks the real tensors' strides and alignment, and the op
   falls back to the Triton forward when TMA cannot address them.
 
 ``hopper_attention_forward`` returns what ``launch.attention_forward`` returns: out (B, Hq, L, E)

@@ -30,8 +30,7 @@ without one it is None and the block sizes 0. ``lse`` is natural log, -inf on ro
 (fp64 for float64 inputs).
 
 What the kernels do not take (CPU tensors, float64, head dims over 256) goes to the blocked
-PyTorch reference path, registered as its own opaque ops so ``torch.compile`` on CPU calls
-it as one node rather than unrolling its key loop into the graph.
+PyTorch reference path, registered as ops of its own.
 """
 
 from __future__ import annotations
