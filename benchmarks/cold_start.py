@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -178,7 +179,9 @@ def _child(args, contender: str, part: str, cache_dir: str, model: str, task: st
         cmd += ["-m", "cProfile", "-o", profile_path]
     cmd += ["-m", "benchmarks.cold_start", "--child", result_path, "--part", part, "--contender", contender,
             "--models", model, "--seqs", str(args.seqs_list[0]), "--tasks", task, "--attn", args.attn,
-            "--dtype", args.dtype, "--tokens", str(args.tokens), "--device", args.device] + (["--tiny"] if args.tiny else [])
+            "--dtype", args.dtype, "--tokens", str(args.tokens), "--device", args.device]
+    if args.tiny:
+        cmd.append("--tiny")
     if args.schedule:
         cmd += ["--schedule", args.schedule]
     start = time.perf_counter()
@@ -221,15 +224,19 @@ def measure(args) -> list[dict]:
     cells = [(m, t) for m in args.models.split(",") for t in args.tasks.split(",")]
     jobs = [(m, t, c, p) for m, t in cells for c in contenders for p in args.parts.split(",")
             if not (p == "attention" and c != "flash_inductor")]
-    caches = {}
+    caches, scratch = {}, []
     for model, task, contender, part in common.progress(jobs, "cold-start processes"):
         key = (model, task, contender)
         if part != "warm" or key not in caches:  # warm reuses the cold run's caches
             caches[key] = tempfile.mkdtemp(prefix="cold_start_")
-        record = _child(args, contender, part, caches[key] if part != "attention" else tempfile.mkdtemp(),
-                        model, task)
-        print(json.dumps({k: v for k, v in record.items() if k not in ("profile", "in_process_compiles", "dynamo_phases")}))
+        if part == "attention":
+            scratch.append(tempfile.mkdtemp(prefix="cold_start_"))
+        record = _child(args, contender, part, scratch[-1] if part == "attention" else caches[key], model, task)
+        quiet = ("profile", "in_process_compiles", "dynamo_phases")
+        print(json.dumps({k: v for k, v in record.items() if k not in quiet}))
         records.append(record)
+    for cache_dir in set(caches.values()) | set(scratch):  # compiled kernels: hundreds of MB each
+        shutil.rmtree(cache_dir, ignore_errors=True)
     return records
 
 
