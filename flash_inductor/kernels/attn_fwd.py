@@ -54,9 +54,7 @@ Constexpr switches
     LAYOUT_CHECK            checked tiles also test the layout per element (tiles that straddle
                             layout blocks of LAYOUT_BQ x LAYOUT_BK: ``launch/block_tiles.py``)
 
-The kernel's signature is flat, one scalar per stride, as the launchers pass them (a leftover of
-the time when Inductor inlined the kernels through ``wrap_triton``, which took no tuples; the ops
-are opaque now, so the signatures could group their arguments).
+The kernel's signature is flat, one scalar per stride, as the launchers pass them.
 Its helper takes tuples, which Triton inlines away: ``*_strides`` (batch, head, row, column) of
 one tensor, ``query_block`` (q, offs_m, rng_rows), ``dropout`` (seed, dropout_p), ``listed``
 (tile list, block map at this batch and head, its row and column strides; a placeholder when

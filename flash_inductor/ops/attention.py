@@ -2,13 +2,13 @@
 
 Two public ops, both opaque ``torch.library.custom_op``s: under ``torch.compile`` each call is one
 extern node, and the kernels are chosen and launched when it runs, as in eager mode.
-They were ``triton_op``s once, which Inductor opens up to inline the Triton kernels, but then
-torch analyses each kernel launch's TTIR to learn what it writes, several times per launch per
-call site (functionalisation, lowering, scheduling): the four backward kernels of an 8-layer
-model made that analysis the largest part of the model's compile, cold or warm
-(benchmarks/cold_start.py), for no gain at run time, since attention is never fused with
-its neighbours. Opaque calls also pick their kernels from the real strides and lengths:
-``launch`` decides from those, and the Gluon kernels' TMA descriptors need them.
+Not ``triton_op``s: Inductor would open those up to inline the Triton kernels, and torch then
+analyses each kernel launch's TTIR to learn what it writes, several times per launch per call
+site (functionalisation, lowering, scheduling); for the four backward kernels of an 8-layer model
+that analysis is the largest part of the model's compile, cold or warm (benchmarks/cold_start.py,
+docs/performance.md), for no gain at run time, since attention is never fused with its
+neighbours. Opaque calls also pick their kernels from the real strides and lengths, which
+``launch`` decides from and the Gluon kernels' TMA descriptors need.
 
 * ``flash_inductor::attention_forward(q, k, v, mask?, seed?, dropout_p, is_causal,
   causal_offset, scale, schedule, window_left=-1, window_right=-1, block_map?, block_q=0, block_k=0) -> (out, lse)``
@@ -94,23 +94,17 @@ def _reference_layout(block_map: Optional[Tensor], block_q: int, block_k: int) -
 
 
 # --------------------------------------------------------------------------------------
-# Hopper forward (Gluon): chosen from the shapes, dtype and options, then checked here against
-# the strides, which its TMA descriptors must be able to address.
+# The CUDA paths. The Gluon Hopper kernels are chosen from the shapes, dtypes and options (the
+# check ``explain()`` also makes on a traced graph), then from the strides, which their TMA
+# descriptors must be able to address; anything else runs the Triton kernels.
 # --------------------------------------------------------------------------------------
 
 
 def _forward_on_hopper(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, causal_offset: int,
                        scale: float, schedule: str, window_left: int = -1,
                        window_right: int = -1) -> tuple[Tensor, Tensor]:
-    window = (window_left, window_right)
-    reason = hopper.tma_unsupported_reason(query, key, value)
-    if reason is None:
-        return hopper.hopper_attention_forward(query, key, value, scale=scale, is_causal=is_causal,
-                                               causal_offset=causal_offset, window=window)
-    hopper.log_triton_forward(reason)
-    return launch.attention_forward(query, key, value, None, None, 0.0, scale, schedule,
-                                    visibility=Visibility(is_causal=is_causal, causal_offset=causal_offset,
-                                                          window=window))
+    return hopper.hopper_attention_forward(query, key, value, scale=scale, is_causal=is_causal,
+                                           causal_offset=causal_offset, window=(window_left, window_right))
 
 
 def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
@@ -126,8 +120,9 @@ def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal
                                                 visibility=visibility)
         if decoded is not None:
             return decoded
-    reason = hopper.hopper_forward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
-                                                      window=window, block_sparse=block_map is not None)
+    reason = (hopper.hopper_forward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
+                                                       window=window, block_sparse=block_map is not None)
+              or hopper.tma_unsupported_reason(query, key, value))
     if reason is None:
         return hopper_call(query, key, value, is_causal, causal_offset, scale, schedule, *window_pair(window))
     hopper.log_triton_forward(reason)
@@ -135,35 +130,23 @@ def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal
                                     visibility=visibility)
 
 
-# --------------------------------------------------------------------------------------
-# Hopper backward (Gluon, the `fast` schedule): checked against the strides as the forward.
-# --------------------------------------------------------------------------------------
-
-
 def _backward_on_hopper(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
                         grad_lse: Optional[Tensor], is_causal: bool, causal_offset: int, scale: float,
                         schedule: str, window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor, Tensor]:
-    window = (window_left, window_right)
-    reason = hopper_bwd.backward_tma_unsupported_reason(grad_out, query, key, value)
-    if reason is None:
-        return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
-                                                    is_causal=is_causal, causal_offset=causal_offset, window=window)
-    hopper_bwd.log_triton_backward(reason)
-    dq, dk, dv, _ = launch.attention_backward(grad_out, query, key, value, None, out, lse, grad_lse, None, 0.0,
-                                              scale, schedule, False,
-                                              visibility=Visibility(is_causal=is_causal,
-                                                                    causal_offset=causal_offset, window=window))
-    return dq, dk, dv
+    return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
+                                                is_causal=is_causal, causal_offset=causal_offset,
+                                                window=(window_left, window_right))
 
 
 def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p, is_causal,
                      causal_offset, scale, schedule, compute_mask_grad, window=NO_WINDOW, block_map=None, block_q=0,
                      block_k=0, *, hopper_call=_backward_on_hopper):
-    """The CUDA backward: the Gluon Hopper kernel where it applies (``hopper_call`` as in
-    ``_kernel_forward``), else the Triton kernels. Returns (dq, dk, dv, dmask)."""
-    reason = hopper_bwd.hopper_backward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
-                                                           is_causal=is_causal, window=window,
-                                                           block_sparse=block_map is not None)
+    """The CUDA backward: the Gluon Hopper kernel where it applies (the `fast` schedule;
+    ``hopper_call`` as in ``_kernel_forward``), else the Triton kernels. Returns (dq, dk, dv, dmask)."""
+    reason = (hopper_bwd.hopper_backward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
+                                                            is_causal=is_causal, window=window,
+                                                            block_sparse=block_map is not None)
+              or hopper_bwd.backward_tma_unsupported_reason(grad_out, query, key, value))
     if reason is None:
         dq, dk, dv = hopper_call(grad_out, query, key, value, out, lse, grad_lse, is_causal, causal_offset, scale,
                                  schedule, *window_pair(window))
