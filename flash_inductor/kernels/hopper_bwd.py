@@ -45,8 +45,25 @@ Constexpr switches:
               columns), waited for only before the tile is written again, a tile pair later.
               False: one relaxed scalar atomic add per element (``DQ_ACCUM``'s pointer).
 
+  EXACT_DELTA the `stable` schedule's exact Δ in one pass (docs/hopper_backward.md), from a
+              forward run with its own EXACT_DELTA:
+                lse2   is the forward's integer pivot c (base 2, +inf for a row with no key),
+                pt     round(exp2(st·qk_scale - c)): bitwise the P̃ the forward's P·V used, up to
+                       a power of two, so dSᵀ = P̃ᵀ∘(dPᵀ - Δ) sums to zero over a row exactly
+                       when Δ = dO'·(O + resid), which the preprocess forms;
+                dO     is dO' = round(g·dO) (g the forward's row normaliser, P = g·P̃), so
+                       dV += P̃ᵀ·dO' and dPᵀ = V·dO'ᵀ need no per-score scaling;
+                ds_up  a power of two from the preprocess (1 for bf16; for fp16 it keeps the
+                       call's bound on |dS| at 2^14) taken into dS by one FFMA and out of dK
+                       and dQ with the softmax scale;
+                sigma  the row sums of dS *as rounded* for dS·K, added into SIGMA (B, Hq, L)
+                       fp32 (times scale / ds_up) by a wgmma against a ones tile; the launcher
+                       subtracts sigma·k̂ (the head's mean key) from dq, so dS's rounding
+                       meets only the keys' spread around k̂, not their shared part.
+
 Precision contract as ``kernels/attn_bwd.py`` under the `fast` schedule: S, P, dP and dS stay
 fp32 until dS meets the matrix unit; P rounded to the input dtype for dV, dS for dK and dQ.
+Under EXACT_DELTA, `stable`'s: the exact Δ, and fp16 dS scaled into range.
 """
 
 from triton.experimental import gluon
@@ -132,13 +149,14 @@ def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, 
 
 
 @gluon.jit
-def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
+def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, ones_smem,
                          kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                         LSE, DELTA, DQ_ACCUM, L, S, H_KV, GROUP, causal_offset, window_lower, qk_scale,
-                         sm_scale,
+                         LSE, DELTA, DQ_ACCUM, SIGMA, DS_UP, L, S, H_KV, GROUP, causal_offset, window_lower,
+                         qk_scale, sm_scale,
                          CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                         WINDOW_LEFT: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
+                         WINDOW_LEFT: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr,
+                         EXACT_DELTA: gl.constexpr):
     dtype: gl.constexpr = dk_desc.dtype
     KC: gl.constexpr = KEYS_PER_CONSUMER
     # Sᵀ and dPᵀ: (64 keys) x (BLOCK_M query rows); dK, dV: (64 keys) x E.
@@ -185,6 +203,25 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
     dq_cols = dq_cols + dq_col0
     if DQ_TMA:
         dq_tile = dq_smem.index(CONSUMER)
+    if EXACT_DELTA:
+        ds_up = gl.load(DS_UP)
+        grad_scale = sm_scale / ds_up  # exact: ds_up is a power of two
+        # The consumers that sum dS's rows (consumer 0 under DQ_SPLIT, which sees all 128 keys
+        # in the shared dS buffer; each under no split) fill their ones tile once.
+        SIGMA_KEYS: gl.constexpr = BLOCK_N if DQ_SPLIT else KC
+        sums_rows: gl.constexpr = (CONSUMER == 0) or (not DQ_SPLIT)
+        sig_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, 8, 16])
+        sig_zero = gl.zeros([BLOCK_M, 8], gl.float32, layout=sig_layout)
+        sig_rows0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, sig_layout))
+        sig_cols = gl.arange(0, 8, layout=gl.SliceLayout(0, sig_layout))
+        if sums_rows:
+            ones_tile = ones_smem.index(CONSUMER).slice(0, SIGMA_KEYS, dim=0)
+            fill_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])
+            ones_tile.store(gl.full([SIGMA_KEYS, 8], 1.0, dtype, layout=fill_layout))
+            fence_async_shared()
+    else:
+        grad_scale = sm_scale
     mbarrier.wait(kv_ready.index(CONSUMER), 0)
 
     for t in range(GROUP * n_m):
@@ -196,8 +233,11 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
         q_ids = m + gl.arange(0, BLOCK_M, layout=col_layout)
         q_in = q_ids < L
         # Row statistics go out before the GEMMs wait on them (L2-resident vectors).
-        lse2 = gl.load(LSE + row_base + q_ids, mask=q_in, other=float("inf")) * LOG2E
-        lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
+        if EXACT_DELTA:
+            lse2 = gl.load(LSE + row_base + q_ids, mask=q_in, other=float("inf"))  # the pivot c
+        else:
+            lse2 = gl.load(LSE + row_base + q_ids, mask=q_in, other=float("inf")) * LOG2E
+            lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
         delta = gl.load(DELTA + row_base + q_ids, mask=q_in, other=0.0)
 
         q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
@@ -224,12 +264,18 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
                 visible = visible & (gl.expand_dims(key_ids, 1) >= gl.expand_dims(q_ids, 0) + window_lower)
             st = gl.where(visible, st, float("-inf"))
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        if EXACT_DELTA:
+            pt = pt.to(dtype)  # P̃, as the forward rounded it; dS takes the same values
         pt_op = gl.convert_layout(pt.to(dtype), a_layout)
         # dV += Pᵀ·dO runs while dSᵀ is formed (wgmma groups retire in issue order, so one
         # outstanding after dPᵀ's wait means dPᵀ is done, dV may not be).
         dv_tok = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt_tok, ))
-        dst = pt * (dpt - gl.expand_dims(delta, 0))
+        if EXACT_DELTA:
+            # One FFMA per score, dP·ds_up - Δ·ds_up; a power of two commutes with the rounding.
+            dst = pt.to(gl.float32) * (dpt * ds_up - gl.expand_dims(delta * ds_up, 0))
+        else:
+            dst = pt * (dpt - gl.expand_dims(delta, 0))
         dst16 = dst.to(dtype)
         ds_op = gl.convert_layout(dst16, a_layout)
         dk_tok = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
@@ -247,11 +293,20 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
             buf.store(dst16)
             fence_async_shared()
             dq_tok = warpgroup_mma(buf.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
+        if EXACT_DELTA:
+            if sums_rows:
+                sig_tok = warpgroup_mma(buf.permute((1, 0)), ones_tile, sig_zero, use_acc=False, is_async=True)
+                sig = warpgroup_mma_wait(num_outstanding=0, deps=(sig_tok, ))
+                sig_rows = m + sig_rows0
+                # Every column of the product is the row sum; column 0 goes out.
+                sig_ptrs = SIGMA + row_base + gl.expand_dims(sig_rows, 1) + gl.expand_dims(sig_cols * 0, 0)
+                gl.atomic_add(sig_ptrs, sig * grad_scale, mask=(gl.expand_dims(sig_cols, 0) == 0)
+                              & gl.expand_dims(sig_rows < L, 1), sem="relaxed")
         # pt_op/ds_op stay in deps so their registers are not reused under the running wgmma.
         dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
         mbarrier.arrive(q_empty.index(slot), count=1)
         # The softmax scale goes on in fp32 here, after the cast of dS, so dS's rounding is FA2's.
-        dq = dq * sm_scale
+        dq = dq * grad_scale
         if DQ_TMA:
             # The reduce issued a tile pair ago must have read the tile before it is rewritten.
             # Query rows past L are clipped by the descriptor, as a TMA store clips them.
@@ -271,7 +326,7 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
     fence_async_shared()
     tma.async_copy_shared_to_global(dv_desc, [b, h_kv, k0, 0], _rows4d(v_smem, CONSUMER, dv_desc))
     tma.store_wait(pendings=0)
-    v_tile.store((dk * sm_scale).to(dtype))
+    v_tile.store((dk * grad_scale).to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(dk_desc, [b, h_kv, k0, 0], _rows4d(v_smem, CONSUMER, dk_desc))
     tma.store_wait(pendings=0)
@@ -279,15 +334,17 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
 
 @gluon.jit
 def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, DQ_ACCUM,
-                     L, S, H_KV, GROUP, causal_offset, window_lower, qk_scale, sm_scale,
+                     SIGMA, DS_UP, L, S, H_KV, GROUP, causal_offset, window_lower, qk_scale, sm_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-                     DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     LOADER_REGS: gl.constexpr):
+                     DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, EXACT_DELTA: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(S, BLOCK_N), B * H_KV). Descriptors are 4-D over (B, H, L or S, E): Q and dO
     boxes (1, 1, BLOCK_M, E); K, V, dK, dV boxes (1, 1, 64, E). DQ_ACCUM is (B, Hq, L, E) fp32
     zeros, contiguous, and ``dq_desc`` describes it with box (1, 1, BLOCK_M, E or E / 2 under
-    DQ_SPLIT) (used only under DQ_TMA); LSE (natural log) and DELTA are (B, Hq, L) fp32, contiguous."""
+    DQ_SPLIT) (used only under DQ_TMA); LSE (natural log) and DELTA are (B, Hq, L) fp32, contiguous.
+    Under EXACT_DELTA, LSE is the forward's pivot plane, SIGMA (B, Hq, L) fp32 zeros and DS_UP one
+    fp32 power of two (glossary); otherwise neither is read."""
     gl.static_assert(BLOCK_N == NUM_CONSUMERS * KEYS_PER_CONSUMER, "BLOCK_N is 64 keys per consumer")
     dtype: gl.constexpr = q_desc.dtype
     qk_scale = qk_scale.to(gl.float32)
@@ -310,6 +367,12 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
         dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS] + dq_desc.block_type.shape, dq_desc.layout)
     else:
         dq_smem = ds_smem  # unused
+    if EXACT_DELTA:
+        # A column block of ones per consumer: B of the wgmma that sums dS's rows (512 B each).
+        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 8], dtype)
+        ones_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_N, 8], ones_layout)
+    else:
+        ones_smem = ds_smem  # unused
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -327,15 +390,15 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
 
     gl.warp_specialize([
         (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
-                                kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                                LSE, DELTA, DQ_ACCUM, L, S, H_KV, GROUP, causal_offset, window_lower, qk_scale,
-                                sm_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT,
-                                DQ_SPLIT, DQ_TMA)),
+                                ones_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
+                                LSE, DELTA, DQ_ACCUM, SIGMA, DS_UP, L, S, H_KV, GROUP, causal_offset, window_lower,
+                                qk_scale, sm_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT,
+                                DQ_SPLIT, DQ_TMA, EXACT_DELTA)),
         (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
-                                kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                                LSE, DELTA, DQ_ACCUM, L, S, H_KV, GROUP, causal_offset, window_lower, qk_scale,
-                                sm_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT,
-                                DQ_SPLIT, DQ_TMA)),
+                                ones_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
+                                LSE, DELTA, DQ_ACCUM, SIGMA, DS_UP, L, S, H_KV, GROUP, causal_offset, window_lower,
+                                qk_scale, sm_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT,
+                                DQ_SPLIT, DQ_TMA, EXACT_DELTA)),
         (_hopper_bwd_loader, (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem,
                               kv_ready, q_ready, do_ready, q_empty,
                               L, H_KV, GROUP, causal_offset, window_lower, BLOCK_M, BLOCK_N, NUM_STAGES,

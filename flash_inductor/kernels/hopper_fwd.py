@@ -18,6 +18,17 @@ Symbols (per consumer warpgroup, which owns BLOCK_M query rows of one (batch, he
   LSE      (m_i + log2 l_i) is the log-sum-exp in base 2; it is stored times ln 2, i.e. in
            natural log, the convention of ``launch.attention_forward`` (B, H, L) fp32.
            A row that saw no visible key has l_i = 0: output 0 and LSE -inf (guarded 1/l).
+  Under EXACT_DELTA (the `stable` schedule's one-pass exact Δ, docs/hopper_backward.md):
+  m_i      an integer: the ceiling of the row max, so alpha is a power of two and rescaling P
+           commutes with its rounding; round(exp2(x - m)) then does not depend on which tile
+           set m, and the backward can recompute the very values P·V used.
+  l_i      the sum of P *as rounded*, so acc / l_i is the exact average of V under the weights
+           P·V used.
+  resid    O's rounding residual round(acc / l_i - O), stored beside O: O + resid is that
+           average to about 16 bits more than O alone, which is what Δ = dO·(O + resid) needs.
+  pivot    the backward's row constants, (B, H, L) planes of ROW_CONSTS: c = m_i + floor(log2 l_i)
+           (an integer, +inf for a row with no key) and g = exp2(c - m_i) / l_i (0 there): the
+           backward's P is g · round(exp2(s·qk_scale - c)), whatever the rounding of g.
 
 Constexpr switches:
   HEAD_DIM      E, the head dim of Q, K and V (64 or 128; one TMA box covers it).
@@ -30,6 +41,7 @@ Constexpr switches:
   WINDOW_LEFT   a sliding window's left side (launch/band.py): key j is visible to query i only
                 if also j >= i + window_lower. The CTA's loop starts at the first key tile its top
                 row can see, so tiles wholly left of the band are never loaded.
+  EXACT_DELTA   the integer max, the rounded sum, and the residual and row constants above.
   PINGPONG      the consumers take turns issuing their MMAs (a token passed round-robin through
                 mbarriers, FA3's warp scheduler barrier), so one warpgroup's softmax runs while
                 the next one's GEMMs own the tensor cores, rather than all contending at once.
@@ -122,8 +134,10 @@ def _block_coords(L, H, ROWS: gl.constexpr, IS_CAUSAL: gl.constexpr):
 
 @gluon.jit
 def _softmax_step(s, m_i, l_i, qk_scale, row_ids, j, n_full, lo_full, S, causal_offset, window_lower,
-                  s_layout: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr):
-    """Fold key tile j's unscaled scores into (m_i, l_i); returns (p in fp32, alpha, m_i, l_i)."""
+                  s_layout: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+                  dtype: gl.constexpr, EXACT_DELTA: gl.constexpr):
+    """Fold key tile j's unscaled scores into (m_i, l_i); returns (p, alpha, m_i, l_i), p in fp32,
+    or under EXACT_DELTA already rounded to ``dtype`` (what l_i summed)."""
     needs_select = j >= n_full
     if WINDOW_LEFT:
         needs_select = needs_select | (j < lo_full)
@@ -140,11 +154,18 @@ def _softmax_step(s, m_i, l_i, qk_scale, row_ids, j, n_full, lo_full, S, causal_
         s = gl.where(visible, s, float("-inf"))
     # Max on the unscaled scores, scaled once: exact for qk_scale > 0 (x -> fl(c·x) is monotonic),
     # and exp2's argument below is then a single FFMA per score.
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    tile_max = gl.max(s, 1) * qk_scale
+    if EXACT_DELTA:
+        tile_max = gl.ceil(tile_max)  # -inf stays -inf
+    m_new = gl.maximum(m_i, tile_max)
     m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_ref)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_ref, 1))
-    l_i = l_i * alpha + gl.sum(p, 1)
+    if EXACT_DELTA:
+        p = p.to(dtype)
+        l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
+    else:
+        l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
 
 
@@ -167,13 +188,13 @@ def _pass_turn(turn, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPO
 
 
 @gluon.jit
-def _hopper_fwd_consumer(o_desc, q_smem, k_smem, v_smem,
+def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem,
                          q_ready, k_ready, v_ready, k_empty, v_empty,
-                         LSE, L, S, H, causal_offset, window_lower, qk_scale,
+                         LSE, ROW_CONSTS, L, S, H, causal_offset, window_lower, qk_scale,
                          turn, CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                          NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-                         PINGPONG: gl.constexpr):
+                         PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr):
     """One warpgroup: BLOCK_M query rows against every key tile the loader brings."""
     ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
     dtype: gl.constexpr = o_desc.dtype
@@ -215,7 +236,7 @@ def _hopper_fwd_consumer(o_desc, q_smem, k_smem, v_smem,
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(0), count=1)
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, row_ids, lo, n_full, lo_full, S, causal_offset,
-                                       window_lower, s_layout, BLOCK_N, IS_CAUSAL, WINDOW_LEFT)
+                                       window_lower, s_layout, BLOCK_N, IS_CAUSAL, WINDOW_LEFT, dtype, EXACT_DELTA)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
 
     # t counts the ring's tiles, as the loader does; the key tile is lo + t.
@@ -237,7 +258,8 @@ def _hopper_fwd_consumer(o_desc, q_smem, k_smem, v_smem,
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, row_ids, lo + t, n_full, lo_full, S,
-                                           causal_offset, window_lower, s_layout, BLOCK_N, IS_CAUSAL, WINDOW_LEFT)
+                                           causal_offset, window_lower, s_layout, BLOCK_N, IS_CAUSAL, WINDOW_LEFT,
+                                           dtype, EXACT_DELTA)
         # p_op stays in deps so its registers are not reused while the P·V that reads them runs.
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op))
         mbarrier.arrive(v_empty.index(prev), count=1)
@@ -258,26 +280,45 @@ def _hopper_fwd_consumer(o_desc, q_smem, k_smem, v_smem,
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
     inv_l = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
-    out = (acc * gl.expand_dims(inv_l, 1)).to(dtype)
-    lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
-    gl.store(LSE + (b * H + h).to(gl.int64) * L + row_ids, lse, mask=row_ids < L)
+    out32 = acc * gl.expand_dims(inv_l, 1)
+    out = out32.to(dtype)
+    log2_l = gl.log2(l_safe)
+    lse = gl.where(empty_row, float("-inf"), (m_i + log2_l) * LN2)
+    row_off = (b * H + h).to(gl.int64) * L + row_ids
+    gl.store(LSE + row_off, lse, mask=row_ids < L)
+    if EXACT_DELTA:
+        # Any integer c serves the backward (module docstring); c - m_i is taken as fp32 gives
+        # it, so g stays right where m_i is so large that m_i + floor(log2 l) rounds back to m_i.
+        m_safe = gl.where(empty_row, 0.0, m_i)
+        pivot = m_safe + gl.floor(log2_l)
+        norm = gl.exp2(pivot - m_safe) / l_safe
+        plane = gl.num_programs(1).to(gl.int64) * L
+        gl.store(ROW_CONSTS + row_off, gl.where(empty_row, float("inf"), pivot), mask=row_ids < L)
+        gl.store(ROW_CONSTS + plane + row_off, gl.where(empty_row, 0.0, norm), mask=row_ids < L)
 
     # Q's tile is free (its last wgmma has retired): stage O there and let TMA clip rows >= L.
     q_tile.store(out)
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], q_smem.index(CONSUMER))
     tma.store_wait(pendings=0)
+    if EXACT_DELTA:
+        q_tile.store((out32 - out.to(gl.float32)).to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(r_desc, [b, h, row0, 0], q_smem.index(CONSUMER))
+        tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE,
+def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS,
                      L, S, H, GROUP, causal_offset, window_lower, qk_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                     WINDOW_LEFT: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     LOADER_REGS: gl.constexpr):
+                     WINDOW_LEFT: gl.constexpr, PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(L, BLOCK_M * NUM_CONSUMERS), B * H). Q/K/V/O descriptors are 4-D over
-    (B, H, L or S, E) with boxes (1, 1, rows, E), so TMA clips and zero-fills per head."""
+    (B, H, L or S, E) with boxes (1, 1, rows, E), so TMA clips and zero-fills per head. Under
+    EXACT_DELTA ``r_desc`` describes O's residual (as O) and ROW_CONSTS is (2, B, H, L) fp32
+    (pivot, g); otherwise neither is touched."""
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "two or three consumer warpgroups")
     dtype: gl.constexpr = q_desc.dtype
     qk_scale = qk_scale.to(gl.float32)
@@ -304,12 +345,14 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE,
     # partition gets its arguments spelled out; the default partition is consumer 0.
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                                    LSE, L, S, H, causal_offset, window_lower, qk_scale, turn, 0, HEAD_DIM,
-                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG)),
-            (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                                    LSE, L, S, H, causal_offset, window_lower, qk_scale, turn, 1, HEAD_DIM,
-                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG)),
+            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
+                                    v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset, window_lower, qk_scale, turn, 0, HEAD_DIM,
+                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG,
+                                    EXACT_DELTA)),
+            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
+                                    v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset, window_lower, qk_scale, turn, 1, HEAD_DIM,
+                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG,
+                                    EXACT_DELTA)),
             (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                   q_ready, k_ready, v_ready, k_empty, v_empty,
                                   L, S, H, GROUP, causal_offset, window_lower,
@@ -317,15 +360,18 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE,
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                                    LSE, L, S, H, causal_offset, window_lower, qk_scale, turn, 0, HEAD_DIM,
-                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG)),
-            (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                                    LSE, L, S, H, causal_offset, window_lower, qk_scale, turn, 1, HEAD_DIM,
-                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG)),
-            (_hopper_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                                    LSE, L, S, H, causal_offset, window_lower, qk_scale, turn, 2, HEAD_DIM,
-                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG)),
+            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
+                                    v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset, window_lower, qk_scale, turn, 0, HEAD_DIM,
+                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG,
+                                    EXACT_DELTA)),
+            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
+                                    v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset, window_lower, qk_scale, turn, 1, HEAD_DIM,
+                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG,
+                                    EXACT_DELTA)),
+            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
+                                    v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset, window_lower, qk_scale, turn, 2, HEAD_DIM,
+                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG,
+                                    EXACT_DELTA)),
             (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                   q_ready, k_ready, v_ready, k_empty, v_empty,
                                   L, S, H, GROUP, causal_offset, window_lower,

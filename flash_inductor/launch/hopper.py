@@ -197,14 +197,17 @@ def tma_descriptor(t: torch.Tensor, rows: int, cols: int | None = None):
 def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                              scale: float | None = None, is_causal: bool = False, causal_offset: int = 0,
                              window: tuple[int, int] | None = None,
-                             config: HopperForwardConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             config: HopperForwardConfig | None = None, exact_delta: bool = False) -> tuple:
     """Attention forward on the Gluon Hopper kernel. ``query`` (B, Hq, L, E), ``key``/``value``
     (B, Hkv, S, E) with Hq a multiple of Hkv. Key j is visible to query i iff
     ``j <= i + causal_offset`` when ``is_causal`` (0: top-left, SDPA's convention), and inside
     ``window`` (FlashAttention's (left, right), or None) if one is given.
 
-    Returns (out (B, Hq, L, E) in the input dtype, lse (B, Hq, L) fp32, natural log). Call only
-    where ``hopper_forward_supported`` says so."""
+    Returns (out (B, Hq, L, E) in the input dtype, lse (B, Hq, L) fp32, natural log). With
+    ``exact_delta`` (the `stable` schedule's one-pass backward, docs/hopper_backward.md) also
+    O's rounding residual (as out) and the backward's row constants (2, B, Hq, L) fp32 (pivot,
+    normaliser), which ``launch.hopper_bwd`` takes as its ``exact_delta`` pair. Call only where
+    ``hopper_forward_supported`` says so."""
     from ..kernels.hopper_fwd import _attn_fwd_hopper
 
     batch, heads_q, seq_q, head_dim = query.shape
@@ -218,19 +221,27 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     cfg = config or default_config(head_dim, is_causal)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
+    if exact_delta:
+        resid = torch.empty_like(out)
+        row_consts = torch.empty((2, batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
+    else:
+        resid, row_consts = out, lse  # not touched
+    o_desc = tma_descriptor(out, cfg.block_m)
     rows = cfg.block_m * cfg.num_consumers
     grid = (cdiv(seq_q, rows), batch * heads_q)
     _attn_fwd_hopper[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, cfg.block_n), tma_descriptor(value, cfg.block_n),
-        tma_descriptor(out, cfg.block_m), lse,
+        o_desc, tma_descriptor(resid, cfg.block_m) if exact_delta else o_desc, lse, row_consts,
         seq_q, seq_k, heads_q, heads_q // heads_kv, causal_offset, band_lower(band), scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal, WINDOW_LEFT=band.lower is not None,
-        PINGPONG=cfg.pingpong,
+        PINGPONG=cfg.pingpong, EXACT_DELTA=exact_delta,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         # The entry cap fills the register file; setmaxnreg then moves the loader's registers to
         # the consumers (2 consumers: 168 -> 240/240/24; 3: 128 -> 160/160/160/24).
         num_warps=4, maxnreg=cfg.maxnreg,
     )
+    if exact_delta:
+        return out, lse, resid, row_consts
     return out, lse
 

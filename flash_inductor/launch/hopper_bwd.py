@@ -114,14 +114,18 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
                               out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None = None, *,
                               scale: float | None = None, is_causal: bool = False, causal_offset: int = 0,
                               window: tuple[int, int] | None = None, config: HopperBackwardConfig | None = None,
-                              delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              delta: torch.Tensor | None = None,
+                              exact_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on the Gluon Hopper kernel, `fast` schedule.
 
     ``query``/``out``/``grad_out`` (B, Hq, L, E), ``key``/``value`` (B, Hkv, S, E) with Hq a
     multiple of Hkv; ``lse`` (B, Hq, L) fp32 in natural log as the forward returns it (-inf for a
     row that sees no key: its gradients are 0); ``grad_lse`` the LSE output's gradient, or None;
     ``window`` FlashAttention's (left, right), or None, on top of ``is_causal``.
-    ``delta`` (B, Hq, L) fp32 replaces the preprocess's Δ (experiments). Call only where
+    ``delta`` (B, Hq, L) fp32 replaces the preprocess's Δ (experiments). ``exact_delta``: the
+    (residual, row constants) the forward returned under ``exact_delta=True``; the backward is
+    then `stable`'s, with the exact Δ (``_exact_delta_backward``). Call only where
     ``hopper_backward_unsupported_reason`` and ``tma_unsupported_reason`` (on query, key, value,
     grad_out) say so."""
     from ..kernels.gluon_tma import HAS_TMA_REDUCE
@@ -137,6 +141,10 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     if seq_q == 0 or seq_k == 0 or batch * heads_q == 0:
         return torch.zeros_like(query), dk.zero_(), dv.zero_()
+    if exact_delta is not None:
+        grad_out, lse, delta, sigma, ds_up = _exact_delta_inputs(grad_out, value, out, grad_lse, *exact_delta)
+    else:
+        sigma = ds_up = lse  # not read
     if delta is None:
         delta = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
         if grad_lse is not None:
@@ -154,15 +162,59 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     _attn_bwd_hopper[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, 64), tma_descriptor(value, 64),
         tma_descriptor(grad_out, cfg.block_m), tma_descriptor(dk, 64), tma_descriptor(dv, 64),
-        tma_descriptor(dq_accum, cfg.block_m, dq_cols), lse, delta, dq_accum,
+        tma_descriptor(dq_accum, cfg.block_m, dq_cols), lse, delta, dq_accum, sigma, ds_up,
         seq_q, seq_k, heads_kv, heads_q // heads_kv, band_upper, band_lower(band), scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         IS_CAUSAL=band_is_causal, WINDOW_LEFT=band.lower is not None, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma,
-        CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
+        EXACT_DELTA=exact_delta is not None, CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
+    if exact_delta is not None:
+        # dS's rounding for dS·K met the keys' shared part: take it out against the head's mean
+        # key k̂. The exact rows of dS sum to dLSE_i (g·ΣP̃ = 1), so dq = Σ_j dS_ij (k_j − k̂) +
+        # dLSE_i·k̂ for any fixed k̂; sigma (which carries scale / ds_up) is the rounded rows' sum.
+        if grad_lse is not None:
+            sigma -= scale * grad_lse.to(torch.float32)
+        mean_key = key.float().mean(dim=2, keepdim=True)  # (B, Hkv, 1, E)
+        mean_key = mean_key.repeat_interleave(heads_q // heads_kv, dim=1)
+        dq_accum -= sigma.unsqueeze(-1) * mean_key
     # The kernel already added scale·dS·K: only the cast is left.
     return dq_accum.to(query.dtype), dk, dv
+
+
+# Under fp16 the preprocess's bound on |dS| is kept at 2^14 by a power of two, ds_up (a 4x margin
+# to fp16's 65504 for the rounding of P̃ and Δ), as the Triton backward's plain loop does.
+DS_LIMIT = 16384.0
+
+
+def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
+    """(dO', pivots, Δ', sigma zeros, ds_up) for the exact-Δ backward (kernels/exact_delta_prep.py)."""
+    from ..kernels.exact_delta_prep import _exact_delta_preprocess
+
+    batch, heads_q, seq_q, head_dim = grad_out.shape
+    pivot, norm = row_consts[0], row_consts[1]
+    do_scaled = torch.empty(grad_out.shape, dtype=grad_out.dtype, device=grad_out.device)
+    delta = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=grad_out.device)
+    if grad_lse is not None:
+        grad_lse = grad_lse.to(torch.float32).contiguous()
+    assert resid.stride() == out.stride() and grad_out.stride(-1) == 1 and out.stride(-1) == 1
+    block_m = 64
+    _exact_delta_preprocess[(cdiv(seq_q, block_m), batch * heads_q)](
+        grad_out, out, resid, norm, grad_lse if grad_lse is not None else norm, do_scaled, delta,
+        *grad_out.stride()[:3], *out.stride()[:3], heads_q, seq_q,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, HAS_DLSE=grad_lse is not None, num_warps=4,
+    )
+    if grad_out.dtype == torch.float16:
+        # |dS| <= P̃ (|dO'·v| + |Δ'|) with P̃ <= 2, |Δ'| <= ‖dO'‖ max‖v‖ + |g dLSE|.
+        bound = 4.0 * do_scaled.float().norm(dim=-1).amax() * value.float().norm(dim=-1).amax()
+        if grad_lse is not None:
+            bound = bound + 2.0 * (norm * grad_lse).abs().amax()
+        bound = torch.nan_to_num(bound, nan=float("inf")).clamp(2.0**-26, 2.0**100)
+        ds_up = torch.exp2(torch.floor(torch.log2(DS_LIMIT / bound))).clamp(2.0**-40, 2.0**40).reshape(1)
+    else:
+        ds_up = torch.ones(1, dtype=torch.float32, device=grad_out.device)
+    sigma = torch.zeros((batch, heads_q, seq_q), dtype=torch.float32, device=grad_out.device)
+    return do_scaled, pivot, delta, sigma, ds_up
 
 
 def hopper_backward_supported(grad_out, query, key, value, attn_mask=None, dropout_p: float = 0.0,
