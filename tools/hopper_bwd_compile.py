@@ -71,7 +71,7 @@ def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int = 64, s
         "sm_scale": "fp32",
     }
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=128, NUM_STAGES=stages, IS_CAUSAL=causal,
-                      WINDOW_LEFT=window, DQ_SPLIT=dq_split, DQ_TMA=dq_tma, EXACT_DELTA=exact_delta, CONSUMER_REGS=consumer_regs,
+                      WINDOW_LEFT=window, DQ_SPLIT=dq_split, DQ_TMA=dq_tma, EXACT_DELTA=exact_delta, ROW_SUMS=True, CONSUMER_REGS=consumer_regs,
                       LOADER_REGS=loader_regs)
     if not window:
         # A launch without a window passes window_lower = 1, which Triton compiles in as a constant.

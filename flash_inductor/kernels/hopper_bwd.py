@@ -156,7 +156,7 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
                          CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                          WINDOW_LEFT: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr,
-                         EXACT_DELTA: gl.constexpr):
+                         EXACT_DELTA: gl.constexpr, ROW_SUMS: gl.constexpr):
     dtype: gl.constexpr = dk_desc.dtype
     KC: gl.constexpr = KEYS_PER_CONSUMER
     # Sᵀ and dPᵀ: (64 keys) x (BLOCK_M query rows); dK, dV: (64 keys) x E.
@@ -209,17 +209,20 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
         # The consumers that sum dS's rows (consumer 0 under DQ_SPLIT, which sees all 128 keys
         # in the shared dS buffer; each under no split) fill their ones tile once.
         SIGMA_KEYS: gl.constexpr = BLOCK_N if DQ_SPLIT else KC
-        sums_rows: gl.constexpr = (CONSUMER == 0) or (not DQ_SPLIT)
+        sums_rows: gl.constexpr = ROW_SUMS and ((CONSUMER == 0) or (not DQ_SPLIT))
         sig_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, 8, 16])
         sig_zero = gl.zeros([BLOCK_M, 8], gl.float32, layout=sig_layout)
         sig_rows0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, sig_layout))
         sig_cols = gl.arange(0, 8, layout=gl.SliceLayout(0, sig_layout))
         if sums_rows:
-            ones_tile = ones_smem.index(CONSUMER).slice(0, SIGMA_KEYS, dim=0)
-            fill_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])
-            ones_tile.store(gl.full([SIGMA_KEYS, 8], 1.0, dtype, layout=fill_layout))
+            # Stored (8, keys), keys contiguous, and read transposed: a K-major B operand in the
+            # default swizzle, as Qᵀ is (an unswizzled N-major (keys, 8) tile faulted on the H200).
+            ones_rows = ones_smem.index(CONSUMER).slice(0, SIGMA_KEYS, dim=1)
+            fill_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+            ones_rows.store(gl.full([8, SIGMA_KEYS], 1.0, dtype, layout=fill_layout))
             fence_async_shared()
+            ones_tile = ones_rows.permute((1, 0))
     else:
         grad_scale = sm_scale
     mbarrier.wait(kv_ready.index(CONSUMER), 0)
@@ -338,7 +341,7 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                      DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, EXACT_DELTA: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                     ROW_SUMS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(S, BLOCK_N), B * H_KV). Descriptors are 4-D over (B, H, L or S, E): Q and dO
     boxes (1, 1, BLOCK_M, E); K, V, dK, dV boxes (1, 1, 64, E). DQ_ACCUM is (B, Hq, L, E) fp32
     zeros, contiguous, and ``dq_desc`` describes it with box (1, 1, BLOCK_M, E or E / 2 under
@@ -369,8 +372,8 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
         dq_smem = ds_smem  # unused
     if EXACT_DELTA:
         # A column block of ones per consumer: B of the wgmma that sums dS's rows (512 B each).
-        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 8], dtype)
-        ones_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_N, 8], ones_layout)
+        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], dtype)
+        ones_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, BLOCK_N], ones_layout)
     else:
         ones_smem = ds_smem  # unused
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -393,12 +396,12 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                                 ones_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
                                 LSE, DELTA, DQ_ACCUM, SIGMA, DS_UP, L, S, H_KV, GROUP, causal_offset, window_lower,
                                 qk_scale, sm_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT,
-                                DQ_SPLIT, DQ_TMA, EXACT_DELTA)),
+                                DQ_SPLIT, DQ_TMA, EXACT_DELTA, ROW_SUMS)),
         (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                                 ones_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
                                 LSE, DELTA, DQ_ACCUM, SIGMA, DS_UP, L, S, H_KV, GROUP, causal_offset, window_lower,
                                 qk_scale, sm_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT,
-                                DQ_SPLIT, DQ_TMA, EXACT_DELTA)),
+                                DQ_SPLIT, DQ_TMA, EXACT_DELTA, ROW_SUMS)),
         (_hopper_bwd_loader, (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem,
                               kv_ready, q_ready, do_ready, q_empty,
                               L, H_KV, GROUP, causal_offset, window_lower, BLOCK_M, BLOCK_N, NUM_STAGES,

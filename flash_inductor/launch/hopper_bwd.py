@@ -116,7 +116,7 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
                               window: tuple[int, int] | None = None, config: HopperBackwardConfig | None = None,
                               delta: torch.Tensor | None = None,
                               exact_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              row_sums: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on the Gluon Hopper kernel, `fast` schedule.
 
     ``query``/``out``/``grad_out`` (B, Hq, L, E), ``key``/``value`` (B, Hkv, S, E) with Hq a
@@ -166,10 +166,10 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
         seq_q, seq_k, heads_kv, heads_q // heads_kv, band_upper, band_lower(band), scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         IS_CAUSAL=band_is_causal, WINDOW_LEFT=band.lower is not None, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma,
-        EXACT_DELTA=exact_delta is not None, CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
+        EXACT_DELTA=exact_delta is not None, ROW_SUMS=row_sums, CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
-    if exact_delta is not None:
+    if exact_delta is not None and row_sums:
         # dS's rounding for dS·K met the keys' shared part: take it out against the head's mean
         # key k̂. The exact rows of dS sum to dLSE_i (g·ΣP̃ = 1), so dq = Σ_j dS_ij (k_j − k̂) +
         # dLSE_i·k̂ for any fixed k̂; sigma (which carries scale / ds_up) is the rounded rows' sum.
