@@ -84,6 +84,32 @@ NUM_CONSUMERS = gl.constexpr(2)
 
 
 @gluon.jit
+def _rounded(x, dtype: gl.constexpr):
+    """x rounded to ``dtype`` (bf16/fp16) and kept in fp32, by one packed conversion per pair of
+    elements: written as ``x.to(dtype).to(float32)`` the compiler converts each element on its
+    own (F2F, the slow pipe) to reuse the 16-bit values."""
+    if dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; and.b32 $1, t, 0xffff0000; }",
+            "=r,=r,r,r", [x.to(gl.int32, bitcast=True)], dtype=gl.int32, is_pure=True,
+            pack=2).to(gl.float32, bitcast=True)
+    else:
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t; .reg .b16 lo, hi; cvt.rn.f16x2.f32 t, $3, $2; mov.b32 {lo, hi}, t; "
+            "cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
+            "=f,=f,f,f", [x], dtype=gl.float32, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _add_row_sums(SIGMA, sums, row0, rows_left, rows, cols):
+    """Add column 0 of a (BLOCK_M, 8) tile of row sums (every column holds them) into SIGMA's
+    rows row0 + [0, rows_left), one relaxed atomic per row."""
+    ptrs = SIGMA + row0 + gl.expand_dims(rows, 1) + gl.expand_dims(cols * 0, 0)
+    keep = (gl.expand_dims(cols, 0) == 0) & gl.expand_dims(rows < rows_left, 1)
+    gl.atomic_add(ptrs, sums, mask=keep, sem="relaxed")
+
+
+@gluon.jit
 def _q_tiles(n0, L, causal_offset, window_lower, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr):
     """(first query tile, number of query tiles) that can see a key of [n0, n0 + BLOCK_N).
@@ -223,6 +249,14 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
             ones_rows.store(gl.full([8, SIGMA_KEYS], 1.0, dtype, layout=fill_layout))
             fence_async_shared()
             ones_tile = ones_rows.permute((1, 0))
+            # Tile t's row sums are waited for and added out in tile t + 1 (after its Sᵀ wait,
+            # which retires every earlier group), so their wgmma never delays the loop. The
+            # pending sums are a wgmma's result in the loop, so they start as one: a product of
+            # whatever a dS buffer holds, which no row receives (sig_rows_left = 0).
+            sig = warpgroup_mma(ds_smem.index(0).permute((1, 0)).slice(0, SIGMA_KEYS, dim=1), ones_tile, sig_zero,
+                                use_acc=False, is_async=True)
+        sig_row0 = (b * H_KV * GROUP).to(gl.int64) * L * 0
+        sig_rows_left = 0
     else:
         grad_scale = sm_scale
     mbarrier.wait(kv_ready.index(CONSUMER), 0)
@@ -249,7 +283,14 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
         st_tok = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(slot), phase)
         dpt_tok = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
+        if EXACT_DELTA:
+            if sums_rows:
+                st, sig = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, sig))
+                _add_row_sums(SIGMA, sig * grad_scale, sig_row0, sig_rows_left, sig_rows0, sig_cols)
+            else:
+                st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
+        else:
+            st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
         # Masking binds where some key of this consumer lies past S (the zero keys TMA filled in
         # score 0, and exp2(0 - lse2) need not be small) or outside some row's band: above its
         # diagonal (IS_CAUSAL) or left of its window (WINDOW_LEFT).
@@ -268,7 +309,7 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
             st = gl.where(visible, st, float("-inf"))
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
         if EXACT_DELTA:
-            pt = pt.to(dtype)  # P̃, as the forward rounded it; dS takes the same values
+            pt = _rounded(pt, dtype)  # P̃, as the forward rounded it; dS takes the same values
         pt_op = gl.convert_layout(pt.to(dtype), a_layout)
         # dV += Pᵀ·dO runs while dSᵀ is formed (wgmma groups retire in issue order, so one
         # outstanding after dPᵀ's wait means dPᵀ is done, dV may not be).
@@ -276,7 +317,7 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt_tok, ))
         if EXACT_DELTA:
             # One FFMA per score, dP·ds_up - Δ·ds_up; a power of two commutes with the rounding.
-            dst = pt.to(gl.float32) * (dpt * ds_up - gl.expand_dims(delta * ds_up, 0))
+            dst = pt * (dpt * ds_up - gl.expand_dims(delta * ds_up, 0))
         else:
             dst = pt * (dpt - gl.expand_dims(delta, 0))
         dst16 = dst.to(dtype)
@@ -296,17 +337,19 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
             buf.store(dst16)
             fence_async_shared()
             dq_tok = warpgroup_mma(buf.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
+        # pt_op/ds_op stay in deps so their registers are not reused under the running wgmma.
         if EXACT_DELTA:
             if sums_rows:
-                sig_tok = warpgroup_mma(buf.permute((1, 0)), ones_tile, sig_zero, use_acc=False, is_async=True)
-                sig = warpgroup_mma_wait(num_outstanding=0, deps=(sig_tok, ))
-                sig_rows = m + sig_rows0
-                # Every column of the product is the row sum; column 0 goes out.
-                sig_ptrs = SIGMA + row_base + gl.expand_dims(sig_rows, 1) + gl.expand_dims(sig_cols * 0, 0)
-                gl.atomic_add(sig_ptrs, sig * grad_scale, mask=(gl.expand_dims(sig_cols, 0) == 0)
-                              & gl.expand_dims(sig_rows < L, 1), sem="relaxed")
-        # pt_op/ds_op stay in deps so their registers are not reused under the running wgmma.
-        dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
+                sig = warpgroup_mma(buf.permute((1, 0)), ones_tile, sig_zero, use_acc=False, is_async=True)
+                sig_row0 = row_base + m
+                sig_rows_left = L - m
+                dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=1,
+                                                              deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
+            else:
+                dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0,
+                                                              deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
+        else:
+            dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
         mbarrier.arrive(q_empty.index(slot), count=1)
         # The softmax scale goes on in fp32 here, after the cast of dS, so dS's rounding is FA2's.
         dq = dq * grad_scale
@@ -321,6 +364,11 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
             dq_rows = m + dq_rows0
             dq_ptrs = (DQ_ACCUM + (row_base + gl.expand_dims(dq_rows, 1)) * HEAD_DIM + gl.expand_dims(dq_cols, 0))
             gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(dq_rows < L, 1), sem="relaxed")
+
+    if EXACT_DELTA:
+        if sums_rows:
+            sig = warpgroup_mma_wait(num_outstanding=0, deps=(sig, ))
+            _add_row_sums(SIGMA, sig * grad_scale, sig_row0, sig_rows_left, sig_rows0, sig_cols)
 
     # Epilogue: dK (times the softmax scale) and dV through this consumer's K/V tiles (their
     # last wgmma has retired) and TMA stores, which clip keys >= S. Under DQ_SPLIT the other

@@ -136,8 +136,9 @@ def _block_coords(L, H, ROWS: gl.constexpr, IS_CAUSAL: gl.constexpr):
 def _softmax_step(s, m_i, l_i, qk_scale, row_ids, j, n_full, lo_full, S, causal_offset, window_lower,
                   s_layout: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                   dtype: gl.constexpr, EXACT_DELTA: gl.constexpr):
-    """Fold key tile j's unscaled scores into (m_i, l_i); returns (p, alpha, m_i, l_i), p in fp32,
-    or under EXACT_DELTA already rounded to ``dtype`` (what l_i summed)."""
+    """Fold key tile j's unscaled scores into (m_i, l_i); returns (p, alpha, m_i, l_i), p in fp32.
+    Under EXACT_DELTA p is already rounded to ``dtype`` and l_i is left alone: the rounded P's
+    row sum is a wgmma against a ones tile beside P·V (``_pv_issue``)."""
     needs_select = j >= n_full
     if WINDOW_LEFT:
         needs_select = needs_select | (j < lo_full)
@@ -162,11 +163,34 @@ def _softmax_step(s, m_i, l_i, qk_scale, row_ids, j, n_full, lo_full, S, causal_
     alpha = gl.exp2(m_i - m_ref)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_ref, 1))
     if EXACT_DELTA:
-        p = p.to(dtype)
-        l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
+        p = p.to(dtype)  # its row sum comes from the matrix unit, with P·V (_pv_issue)
     else:
         l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _pv_issue(p_op, v_tile, acc, ones_t, l_acc, EXACT_DELTA: gl.constexpr):
+    """Issue P·V into acc and, under EXACT_DELTA, P·1 into l_acc (every column the row sum of
+    P as rounded, at no ALU cost per score). Returns the tokens for ``_pv_wait``."""
+    acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+    if EXACT_DELTA:
+        l_tok = warpgroup_mma(p_op, ones_t, l_acc, is_async=True)
+    else:
+        l_tok = acc_tok
+    return acc_tok, l_tok
+
+
+@gluon.jit
+def _pv_wait(acc_tok, l_tok, p_op, EXACT_DELTA: gl.constexpr):
+    """Wait for ``_pv_issue``'s MMAs; p_op stays in deps so its registers are not reused while
+    they read it. Returns (acc, l_acc, p_op); l_acc is acc when not EXACT_DELTA."""
+    if EXACT_DELTA:
+        acc, l_acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, l_tok, p_op))
+    else:
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op))
+        l_acc = acc
+    return acc, l_acc, p_op
 
 
 @gluon.jit
@@ -188,7 +212,7 @@ def _pass_turn(turn, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPO
 
 
 @gluon.jit
-def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem,
+def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
                          q_ready, k_ready, v_ready, k_empty, v_empty,
                          LSE, ROW_CONSTS, L, S, H, causal_offset, window_lower, qk_scale,
                          turn, CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -226,6 +250,22 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem,
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    if EXACT_DELTA:
+        # l_acc: the rounded P's row sums, (BLOCK_M, 8) equal columns, rescaled with acc. The ones
+        # are stored (8, keys), keys contiguous, and read transposed: a K-major B operand.
+        l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 8, 16])
+        l_acc = gl.zeros([BLOCK_M, 8], gl.float32, layout=l_layout)
+        ones_rows = ones_smem.index(CONSUMER)
+        ones_rows.store(gl.full([8, BLOCK_N], 1.0, dtype, layout=gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])))
+        fence_async_shared()
+        ones_t = ones_rows.permute((1, 0))
+        # P·V and P·1 are two groups: S_t's wait leaves both of them outstanding.
+        PV_GROUPS: gl.constexpr = 2
+    else:
+        l_acc = acc  # unused
+        ones_t = q_tile  # unused
+        PV_GROUPS: gl.constexpr = 1
 
     # Prologue: S_0 and its softmax; there is no P·V in flight yet.
     _take_turn(turn, 0, CONSUMER, PINGPONG)
@@ -252,18 +292,19 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem,
         s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(prev), prev_phase)
         v_tile = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
-        acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+        acc_tok, l_tok = _pv_issue(p_op, v_tile, acc, ones_t, l_acc, EXACT_DELTA)
         _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
-        # wgmma groups retire in issue order: one outstanding means S_t is done, P·V may not be.
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+        # wgmma groups retire in issue order: with P·V's groups outstanding, S_t is done.
+        s = warpgroup_mma_wait(num_outstanding=PV_GROUPS, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, row_ids, lo + t, n_full, lo_full, S,
                                            causal_offset, window_lower, s_layout, BLOCK_N, IS_CAUSAL, WINDOW_LEFT,
                                            dtype, EXACT_DELTA)
-        # p_op stays in deps so its registers are not reused while the P·V that reads them runs.
-        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op))
+        acc, l_acc, p_op = _pv_wait(acc_tok, l_tok, p_op, EXACT_DELTA)
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        if EXACT_DELTA:
+            l_acc = l_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l_layout)), 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
     last = (n_tiles - 1) % NUM_STAGES
@@ -271,10 +312,13 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem,
     _take_turn(turn, n_tiles, CONSUMER, PINGPONG)
     mbarrier.wait(v_ready.index(last), last_phase)
     v_tile = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
-    acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+    acc_tok, l_tok = _pv_issue(p_op, v_tile, acc, ones_t, l_acc, EXACT_DELTA)
     _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
-    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op))
+    acc, l_acc, p_op = _pv_wait(acc_tok, l_tok, p_op, EXACT_DELTA)
     mbarrier.arrive(v_empty.index(last), count=1)
+    if EXACT_DELTA:
+        # Every column holds the row sum; max picks one exactly.
+        l_i = gl.convert_layout(gl.max(l_acc, 1), row_layout)
 
     # l_i == 0 exactly when no key was visible: output 0 and LSE -inf instead of 0/0.
     empty_row = l_i == 0.0
@@ -331,6 +375,12 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS,
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    if EXACT_DELTA:
+        # A (8, BLOCK_N) tile of ones per consumer, the B operand of the rounded P's row sums.
+        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], dtype)
+        ones_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, BLOCK_N], ones_layout)
+    else:
+        ones_smem = q_smem  # unused
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
         mbarrier.init(turn.index(c), count=1)
@@ -345,11 +395,11 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS,
     # partition gets its arguments spelled out; the default partition is consumer 0.
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
+            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty,
                                     v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset, window_lower, qk_scale, turn, 0, HEAD_DIM,
                                     BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG,
                                     EXACT_DELTA)),
-            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
+            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty,
                                     v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset, window_lower, qk_scale, turn, 1, HEAD_DIM,
                                     BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG,
                                     EXACT_DELTA)),
@@ -360,15 +410,15 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS,
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
+            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty,
                                     v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset, window_lower, qk_scale, turn, 0, HEAD_DIM,
                                     BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG,
                                     EXACT_DELTA)),
-            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
+            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty,
                                     v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset, window_lower, qk_scale, turn, 1, HEAD_DIM,
                                     BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG,
                                     EXACT_DELTA)),
-            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
+            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty,
                                     v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset, window_lower, qk_scale, turn, 2, HEAD_DIM,
                                     BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG,
                                     EXACT_DELTA)),

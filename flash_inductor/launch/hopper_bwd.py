@@ -170,14 +170,7 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
         num_warps=4, maxnreg=cfg.maxnreg,
     )
     if exact_delta is not None and row_sums:
-        # dS's rounding for dS·K met the keys' shared part: take it out against the head's mean
-        # key k̂. The exact rows of dS sum to dLSE_i (g·ΣP̃ = 1), so dq = Σ_j dS_ij (k_j − k̂) +
-        # dLSE_i·k̂ for any fixed k̂; sigma (which carries scale / ds_up) is the rounded rows' sum.
-        if grad_lse is not None:
-            sigma -= scale * grad_lse.to(torch.float32)
-        mean_key = key.float().mean(dim=2, keepdim=True)  # (B, Hkv, 1, E)
-        mean_key = mean_key.repeat_interleave(heads_q // heads_kv, dim=1)
-        dq_accum -= sigma.unsqueeze(-1) * mean_key
+        return _exact_delta_finish_dq(dq_accum, sigma, key, grad_lse, scale, query.dtype), dk, dv
     # The kernel already added scale·dS·K: only the cast is left.
     return dq_accum.to(query.dtype), dk, dv
 
@@ -188,27 +181,33 @@ DS_LIMIT = 16384.0
 
 
 def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
-    """(dO', pivots, Δ', sigma zeros, ds_up) for the exact-Δ backward (kernels/exact_delta_prep.py)."""
-    from ..kernels.exact_delta_prep import _exact_delta_preprocess
+    """(dO', pivots, Δ', sigma zeros, ds_up) for the exact-Δ backward (kernels/exact_delta.py)."""
+    from ..kernels.exact_delta import _exact_delta_preprocess
 
     batch, heads_q, seq_q, head_dim = grad_out.shape
+    heads_kv, seq_k = value.shape[1], value.shape[2]
     pivot, norm = row_consts[0], row_consts[1]
     do_scaled = torch.empty(grad_out.shape, dtype=grad_out.dtype, device=grad_out.device)
     delta = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=grad_out.device)
     if grad_lse is not None:
         grad_lse = grad_lse.to(torch.float32).contiguous()
-    assert resid.stride() == out.stride() and grad_out.stride(-1) == 1 and out.stride(-1) == 1
+    if resid.stride() != out.stride() or grad_out.stride(-1) != 1 or out.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("exact-Δ backward: out and its residual must share strides, and grad_out, out and value "
+                         "need a contiguous last dim")
+    collect_stats = grad_out.dtype == torch.float16
+    stats = torch.zeros(3, dtype=torch.float32, device=grad_out.device)
     block_m = 64
-    _exact_delta_preprocess[(cdiv(seq_q, block_m), batch * heads_q)](
-        grad_out, out, resid, norm, grad_lse if grad_lse is not None else norm, do_scaled, delta,
-        *grad_out.stride()[:3], *out.stride()[:3], heads_q, seq_q,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, HAS_DLSE=grad_lse is not None, num_warps=4,
+    rows = torch.sym_max(seq_q, seq_k) if collect_stats else seq_q
+    _exact_delta_preprocess[(cdiv(rows, block_m), batch * heads_q)](
+        grad_out, out, resid, norm, grad_lse if grad_lse is not None else norm, do_scaled, delta, value, stats,
+        *grad_out.stride()[:3], *out.stride()[:3], *value.stride()[:3], heads_q, heads_kv, seq_q, seq_k,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, HAS_DLSE=grad_lse is not None, COLLECT_STATS=collect_stats,
+        num_warps=4,
     )
-    if grad_out.dtype == torch.float16:
-        # |dS| <= P̃ (|dO'·v| + |Δ'|) with P̃ <= 2, |Δ'| <= ‖dO'‖ max‖v‖ + |g dLSE|.
-        bound = 4.0 * do_scaled.float().norm(dim=-1).amax() * value.float().norm(dim=-1).amax()
-        if grad_lse is not None:
-            bound = bound + 2.0 * (norm * grad_lse).abs().amax()
+    if collect_stats:
+        # |dS| <= P̃ (|dO'·v| + |Δ'|) with P̃ <= 2 and |Δ'| <= ‖dO'‖ max‖v‖ + |g dLSE|: a few
+        # one-element ops on the device, no synchronisation.
+        bound = 4.0 * stats[0].sqrt() * stats[1].sqrt() + 2.0 * stats[2]
         bound = torch.nan_to_num(bound, nan=float("inf")).clamp(2.0**-26, 2.0**100)
         ds_up = torch.exp2(torch.floor(torch.log2(DS_LIMIT / bound))).clamp(2.0**-40, 2.0**40).reshape(1)
     else:
@@ -217,10 +216,22 @@ def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
     return do_scaled, pivot, delta, sigma, ds_up
 
 
-def hopper_backward_supported(grad_out, query, key, value, attn_mask=None, dropout_p: float = 0.0,
-                              scale: float | None = None, schedule: str | None = None, *,
-                              is_causal: bool = True, window=None) -> bool:
-    """Whether ``hopper_attention_backward`` implements this call (real tensors)."""
-    return (hopper_backward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
-                                               is_causal=is_causal, window=window) is None
-            and backward_tma_unsupported_reason(grad_out, query, key, value) is None)
+def _exact_delta_finish_dq(dq_accum, sigma, key, grad_lse, scale, dtype):
+    """dq from the kernel's fp32 sums: dS's rounding for dS·K met the keys' shared part, which
+    comes out against the head's mean key k̂. The exact rows of dS sum to dLSE_i (g·ΣP̃ = 1), so
+    dq = Σ_j dS_ij (k_j − k̂) + dLSE_i·k̂ for any fixed k̂; sigma (times scale / ds_up, as the
+    kernel adds it) is the rounded rows' sum."""
+    from ..kernels.exact_delta import _exact_delta_finish_dq as finish
+
+    batch, heads_q, seq_q, head_dim = dq_accum.shape
+    heads_kv = key.shape[1]
+    if grad_lse is not None:
+        sigma -= scale * grad_lse.to(torch.float32)
+    mean_key = torch.mean(key, dim=2, dtype=torch.float32).contiguous()  # (B, Hkv, E)
+    dq = torch.empty(dq_accum.shape, dtype=dtype, device=dq_accum.device)
+    block_m = 64
+    finish[(cdiv(seq_q, block_m), batch * heads_q)](
+        dq_accum, sigma, mean_key, dq, heads_q, heads_q // heads_kv, seq_q,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, num_warps=4,
+    )
+    return dq

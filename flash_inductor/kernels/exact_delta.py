@@ -1,0 +1,99 @@
+"""The Triton steps around the one-pass exact-Δ backward (``hopper_bwd.py`` under EXACT_DELTA):
+the preprocess before it and the dq finish after it.
+
+Glossary (per query row i of one (batch, query head); docs/hopper_backward.md derives it):
+  g_i     the forward's row normaliser (ROW_CONSTS' second plane): the backward's P is
+          g_i · P̃, P̃ = round(exp2(s·qk_scale − c_i)) as the forward's P·V used it.
+  dO'_i   round(g_i · dO_i) in the input dtype: the dO the backward kernel reads, so that
+          dV = P̃ᵀ·dO' and dP' = dO'·Vᵀ need no per-score factor.
+  O + r   the forward's output plus its 16-bit rounding residual: the average of V under P̃
+          to about 16 bits more than O.
+  Δ'_i    dO'_i·(O_i + r_i) − g_i·dLSE_i in fp32: then Σ_j P̃_ij (dP'_ij − Δ'_i) = −g_i dLSE_i Σ_j P̃_ij
+          exactly as the true dS rows sum, whatever the rounding of g.
+
+  stats   under fp16, the bound on |dS| the kernel scales dS by (``launch.hopper_bwd``):
+          max ‖dO'_i‖², max ‖v_j‖², max |g_i dLSE_i| into DS_STATS (3 fp32, zeroed; a NaN
+          counts as +inf so that a non-finite input never looks small).
+  k̂       the K/V head's mean key; sigma_i the rounded dS rows' sum (times scale / ds_up):
+          dq = dq_acc − sigma_i·k̂ (the dq finish).
+
+Constexpr switches: HEAD_DIM (E, a power of two), BLOCK_M (rows per program), HAS_DLSE (the
+LSE output has a gradient), COLLECT_STATS (fp16: the bound's maxima).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _max_as_stat(values):
+    """Max of non-negative values with NaN read as +inf (max would drop it)."""
+    return tl.max(tl.where(values == values, values, float("inf")), axis=0)
+
+
+@triton.jit
+def _exact_delta_preprocess(DO, O, RESID, NORM, DLSE, DO_SCALED, DELTA, V, DS_STATS,
+                            stride_dob, stride_doh, stride_dom,
+                            stride_ob, stride_oh, stride_om,
+                            stride_vb, stride_vh, stride_vn,
+                            H, H_KV, L, S,
+                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
+                            COLLECT_STATS: tl.constexpr):
+    """Grid (cdiv(max(L, S) if COLLECT_STATS else L, BLOCK_M), B * H); rows past L load nothing and
+    store nothing. DO and O (and RESID, as O)
+    are (B, H, L, E) with a unit last stride, V (B, H_KV, S, E) likewise; NORM, DLSE and DELTA are
+    flat (B·H·L) fp32 rows; DO_SCALED is (B, H, L, E) contiguous."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    cols = tl.arange(0, HEAD_DIM)
+    if COLLECT_STATS:
+        # V's rows: the programs of the first H_KV query heads cover its heads.
+        v_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        if h < H_KV:
+            v = tl.load(V + b.to(tl.int64) * stride_vb + h * stride_vh + v_rows[:, None] * stride_vn + cols[None, :],
+                        mask=(v_rows < S)[:, None], other=0.0).to(tl.float32)
+            tl.atomic_max(DS_STATS + 1, _max_as_stat(tl.sum(v * v, axis=1)), sem="relaxed")
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_rows = rows < L
+    mask = in_rows[:, None]
+    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + rows[:, None] * stride_dom + cols[None, :],
+                 mask=mask, other=0.0)
+    o_off = b.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_om + cols[None, :]
+    o = tl.load(O + o_off, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(RESID + o_off, mask=mask, other=0.0).to(tl.float32)
+    row_ids = bh.to(tl.int64) * L + rows
+    g = tl.load(NORM + row_ids, mask=in_rows, other=0.0)
+    do_scaled = (do.to(tl.float32) * g[:, None]).to(do.dtype)
+    tl.store(DO_SCALED + row_ids[:, None] * HEAD_DIM + cols[None, :], do_scaled, mask=mask)
+    do_f = do_scaled.to(tl.float32)
+    delta = tl.sum(do_f * (o + r), axis=1)
+    if HAS_DLSE:
+        g_dlse = g * tl.load(DLSE + row_ids, mask=in_rows, other=0.0)
+        delta -= g_dlse
+        if COLLECT_STATS:
+            tl.atomic_max(DS_STATS + 2, _max_as_stat(tl.abs(g_dlse)), sem="relaxed")
+    if COLLECT_STATS:
+        tl.atomic_max(DS_STATS, _max_as_stat(tl.sum(do_f * do_f, axis=1)), sem="relaxed")
+    tl.store(DELTA + row_ids, delta, mask=in_rows)
+
+
+@triton.jit
+def _exact_delta_finish_dq(DQ_ACC, SIGMA, MEAN_KEY, DQ, H, GROUP, L,
+                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Grid (cdiv(L, BLOCK_M), B * H). DQ_ACC (B, H, L, E) fp32 and DQ (same, input dtype)
+    contiguous; SIGMA flat (B·H·L) fp32; MEAN_KEY (B, H_KV, E) fp32 contiguous."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h_kv = (bh % H) // GROUP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, HEAD_DIM)
+    row_ids = bh.to(tl.int64) * L + rows
+    mask = (rows < L)[:, None]
+    acc = tl.load(DQ_ACC + row_ids[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
+    sigma = tl.load(SIGMA + row_ids, mask=rows < L, other=0.0)
+    k_hat = tl.load(MEAN_KEY + (b * (H // GROUP) + h_kv).to(tl.int64) * HEAD_DIM + cols)
+    dq = acc - sigma[:, None] * k_hat[None, :]
+    tl.store(DQ + row_ids[:, None] * HEAD_DIM + cols[None, :], dq.to(DQ.dtype.element_ty), mask=mask)
