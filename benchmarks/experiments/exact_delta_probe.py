@@ -5,13 +5,14 @@ kernels/hopper_fwd.py and kernels/hopper_bwd.py; docs/hopper_backward.md), on an
     python3 -m benchmarks.experiments.exact_delta_probe --parts suite --cases near_tied,qk_x100
 
 Parts, one process:
-  * suite: the stability suite's unmasked cases at its full sizes (B 2, H 4, L 2048, E 128; long
-    cases at their lengths) with this path as ``ours:exact1p`` beside `stable` (the Triton
-    backward), `fast`, SDPA's backends; the suite's requirement checked for ``ours:exact1p``.
+  * suite: the stability suite's cases at its full sizes (B 2, H 4, L 2048, E 128; long cases at
+    their lengths) with `stable` (the one-pass path wherever it applies) beside
+    ``ours:stable-triton`` (the plain op: Triton's two-pass backward), `fast` and SDPA's backends;
+    the suite's requirement checked for both.
   * features: causal (top-left and L ≠ S lower-right), GQA and a gradient on the LSE against
-    float64, beside `stable`'s Triton backward on the same inputs (errors and their ratio).
+    float64: the one-pass ops (``exact1p``) beside the two-pass Triton backward on the same inputs.
   * speed: forward+backward, 16k tokens (B = 16384 / L), 2048 / E heads, bf16/fp16, E 64/128,
-    causal or not, L 4k/16k; ``exact1p`` beside `stable` and `fast` (the op) and cuDNN, each heated,
+    causal or not, L 4k/16k; `stable` (one pass), ``stable-triton``, `fast` and cuDNN, each heated,
     do_bench medians, ratios to cuDNN.
 """
 
@@ -28,38 +29,23 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import attention_flops, bench_ms, heat, tflops
-from flash_inductor.launch.hopper import hopper_attention_forward
-from flash_inductor.launch.hopper_bwd import hopper_attention_backward
+import flash_inductor  # noqa: F401 -- registers the ops
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class ExactOnePass(torch.autograd.Function):
-    """The Gluon forward and backward under EXACT_DELTA, with an LSE output."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, is_causal, causal_offset, scale):
-        out, lse, resid, row_consts = hopper_attention_forward(q, k, v, scale=scale, is_causal=is_causal,
-                                                               causal_offset=causal_offset, exact_delta=True)
-        ctx.save_for_backward(q, k, v, out, lse, resid, row_consts)
-        ctx.opts = (is_causal, causal_offset, scale)
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, resid, row_consts = ctx.saved_tensors
-        is_causal, causal_offset, scale = ctx.opts
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = hopper_attention_backward(dout.contiguous(), q, k, v, out, lse, dlse, scale=scale,
-                                               is_causal=is_causal, causal_offset=causal_offset,
-                                               exact_delta=(resid, row_consts))
-        return dq, dk, dv, None, None, None
-
-
 def exact1p(q, k, v, is_causal=False, causal_offset=0, scale=None):
-    return ExactOnePass.apply(q, k, v, is_causal, causal_offset, scale if scale is not None else q.shape[-1] ** -0.5)
+    """(out, lse) of the one-pass ops, the path `stable` takes on the H200."""
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    out, lse, _, _ = torch.ops.flash_inductor.attention_forward_one_pass(q, k, v, is_causal, causal_offset, scale)
+    return out, lse
+
+
+def stable_triton(q, k, v, is_causal=False, causal_offset=0, scale=None):
+    """(out, lse) of the plain op under `stable`: the Hopper forward and the two-pass Triton backward."""
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    return torch.ops.flash_inductor.attention_forward(q, k, v, None, None, 0.0, is_causal, causal_offset, scale,
+                                                      "stable")
 
 
 # ----------------------------------------------------------------------------- suite
@@ -71,11 +57,11 @@ def run_suite(args, record):
 
     def run(p, q, k, v):
         if p.attn_mask is not None:
-            raise NotApplicable("masks are not on this path")
-        out, _ = exact1p(q, k, v, is_causal=p.is_causal, scale=p.scale)
+            raise NotApplicable("the plain op with a mask is `stable` itself")
+        out, _ = stable_triton(q, k, v, is_causal=p.is_causal, scale=p.scale)
         return out
 
-    ours = Implementation("ours:exact1p", run, is_ours=True, schedule="exact1p")
+    ours = Implementation("ours:stable-triton", run, is_ours=True, schedule="stable-triton")
     impls = implementations(["ours:stable", "ours:fast", "sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "sdpa:math"])
     wanted = set(args.cases.split(",")) if args.cases else None
     cases = [c for c in suite_cases.all_cases(suite_cases.FULL)
@@ -88,7 +74,7 @@ def run_suite(args, record):
         else:
             rows.append(dict(case=r.case, dtype=r.dtype, impl=r.impl, status=r.status, reason=r.reason))
     record["suite"] = rows
-    for schedule in ("exact1p", "stable"):
+    for schedule in ("stable", "stable-triton"):
         req = runner.check_requirements(results, schedule)
         worst = sorted((c for c in req.checks if c.bound), key=lambda c: -c.ours_err / c.bound)[:6]
         record[f"requirement_{schedule}"] = dict(
@@ -100,7 +86,7 @@ def run_suite(args, record):
         for v in req.violations[:10]:
             print("   ", v, flush=True)
     for r in rows:
-        if r["impl"] in ("ours:exact1p", "ours:stable", "ours:fast") and "dq" in r:
+        if r["impl"] in ("ours:stable-triton", "ours:stable", "ours:fast") and "dq" in r:
             print(f"  {r['case']:16s} {r['dtype']} {r['impl']:14s} out {r['out']:.2e} dq {r['dq']:.2e} "
                   f"dk {r['dk']:.2e} dv {r['dv']:.2e}", flush=True)
 
@@ -125,8 +111,6 @@ def _fp64_grads(q, k, v, dout, dlse, is_causal, causal_offset, scale):
 
 
 def run_features(args, record):
-    from flash_inductor.ops.attention import attention_forward
-
     cells = [  # (name, B, Hq, Hkv, L, S, causal, offset, dlse)
         ("causal_gqa", 2, 8, 2, 2048, 2048, True, 0, False),
         ("causal_gqa_dlse", 2, 8, 2, 2048, 2048, True, 0, True),
@@ -153,7 +137,7 @@ def run_features(args, record):
                     if impl == "exact1p":
                         o, lse = exact1p(qq, kk, vv, causal, off, scale)
                     else:
-                        o, lse = attention_forward(qq, kk, vv, None, None, 0.0, causal, off, scale, "stable")
+                        o, lse = stable_triton(qq, kk, vv, causal, off, scale)
                     loss = (o.float() * dout.float()).sum()
                     if dlse is not None:
                         loss = loss + (lse.nan_to_num(0.0, neginf=0.0) * dlse).sum()
@@ -176,8 +160,8 @@ def run_speed(args, record):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def provider(name, causal):
-        if name == "exact1p":
-            return lambda q, k, v: exact1p(q, k, v, causal)[0]
+        if name == "stable-triton":
+            return lambda q, k, v: stable_triton(q, k, v, causal)[0]
         if name in ("stable", "fast"):
             return lambda q, k, v: flash_inductor.flash_attention(q, k, v, is_causal=causal, schedule=name)
 
@@ -203,7 +187,7 @@ def run_speed(args, record):
                     dout = torch.randn(shape, device="cuda", dtype=DTYPES[dname])
                     flops = attention_flops(b, h, L, L, e, causal, "fwd_bwd")
                     cell = dict(dtype=dname, head_dim=e, causal=causal, seq=L)
-                    for name in ("cudnn", "exact1p", "stable", "fast"):
+                    for name in ("cudnn", "stable", "stable-triton", "fast"):
                         attn = provider(name, causal)
 
                         def step():
@@ -213,12 +197,13 @@ def run_speed(args, record):
                         ms = bench_ms(step, warmup=10, rep=50, grad_to_none=[q, k, v])
                         cell[name] = ms
                         cell[f"{name}_tflops"] = tflops(flops, ms)
-                    for name in ("exact1p", "stable", "fast"):
+                    for name in ("stable", "stable-triton", "fast"):
                         cell[f"{name}_vs_cudnn"] = cell["cudnn"] / cell[name]
                     rows.append(cell)
                     print(f"  {dname} E{e} causal={causal} L={L}: " + " ".join(
-                        f"{n} {cell[n]:.3f} ms" for n in ("cudnn", "exact1p", "stable", "fast"))
-                        + " | vs cuDNN " + " ".join(f"{n} {cell[n + '_vs_cudnn']:.3f}" for n in ("exact1p", "stable", "fast")),
+                        f"{n} {cell[n]:.3f} ms" for n in ("cudnn", "stable", "stable-triton", "fast"))
+                        + " | vs cuDNN " + " ".join(f"{n} {cell[n + '_vs_cudnn']:.3f}"
+                                                    for n in ("stable", "stable-triton", "fast")),
                         flush=True)
                     del q, k, v, dout
     record["speed"] = rows

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..schedules import get_schedule
+from ..tuning.buckets import length_hint
 from .band import band_lower, causal_side, resolve_band
 from .common import LOG2E, cdiv
 from .hopper import NOT_HOPPER, hopper_forward_unsupported_reason, tma_descriptor, tma_unsupported_reason
@@ -38,6 +39,8 @@ log = logging.getLogger("flash_inductor")
 # backward is 1-6 % faster than this kernel (its 64-key tile pairs do too little MMA work per
 # barrier round trip), so it keeps those calls.
 E64_NON_CAUSAL = "head dim 64 without causal masking (the Triton backward measures faster there)"
+# `stable` runs this kernel only from the one-pass forward, whose residual it needs (ops/one_pass.py).
+NO_RESIDUAL = "the exact Δ needs the one-pass forward's residual (ops/one_pass.py)"
 # dQ is summed across key blocks by TMA reduce-adds, whose order varies from run to run; the
 # Triton backward sums each dq row in one program, in a fixed order.
 DETERMINISTIC = ("torch.use_deterministic_algorithms(True) (the Hopper backward adds dQ across key blocks "
@@ -87,13 +90,31 @@ def hopper_backward_unsupported_reason(query, key, value, attn_mask=None, dropou
     if reason is not None:
         return reason
     sched = get_schedule(schedule)
-    if sched.exact_delta or sched.ds_rescale or sched.ds_in_fp32:
-        return (f"schedule {sched.name!r} (the Hopper backward implements `fast`'s Δ and dS cast; "
-                "exact Δ and fp16 dS rescaling are not implemented on this path)")
-    if query.shape[-1] == 64 and not is_causal:
+    if sched.ds_in_fp32:
+        return f"schedule {sched.name!r} (dS in fp32 for the matrix unit)"
+    # `stable` (exact Δ) runs this kernel in one pass (ops/one_pass.py), which beats the Triton
+    # `stable` backward at every head dim; the E 64 exception is `fast`'s.
+    if not sched.exact_delta and query.shape[-1] == 64 and not is_causal:
         return E64_NON_CAUSAL
     if torch.are_deterministic_algorithms_enabled():
         return DETERMINISTIC
+    return None
+
+
+def one_pass_unsupported_reason(query, key, value, attn_mask=None, dropout_p: float = 0.0,
+                                scale: float | None = None, schedule: str | None = None, *,
+                                window=None, block_sparse: bool = False) -> str | None:
+    """None if a call runs `stable`'s exact Δ on the Hopper kernels in one pass (ops/one_pass.py):
+    the schedule forms the exact Δ and both Hopper kernels take the call. Static properties only
+    (safe on fake tensors); lengths by their hints."""
+    if not get_schedule(schedule).exact_delta:
+        return f"schedule {get_schedule(schedule).name!r} (no exact Δ to form)"
+    reason = hopper_backward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
+                                                window=window, block_sparse=block_sparse)
+    if reason is not None:
+        return reason
+    if 0 in (length_hint(query.shape[2]), length_hint(key.shape[2])):
+        return "an empty sequence"
     return None
 
 
@@ -104,9 +125,8 @@ def backward_tma_unsupported_reason(grad_out, query, key, value) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def log_triton_backward(reason: str) -> None:
-    """Say once per reason, at INFO, why a backward on a Hopper GPU runs the Triton kernels. The
-    default schedule's reason is left out: every `stable` call has it."""
-    if reason not in NOT_HOPPER and not reason.startswith("schedule 'stable'"):
+    """Say once per reason, at INFO, why a backward on a Hopper GPU runs the Triton kernels."""
+    if reason not in NOT_HOPPER:
         log.info("flash_inductor: backward on the Triton kernels, not the Hopper (Gluon) one: %s", reason)
 
 

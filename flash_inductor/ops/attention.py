@@ -50,6 +50,8 @@ from ..launch.band import NO_WINDOW, window_pair
 _functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 from ..launch.block_tiles import check_block_layout
 from ..launch.visibility import Visibility
+from ..schedules import get_schedule
+from .one_pass import attention_one_pass, one_pass_applies
 from .reference import reference_backward, reference_forward
 
 # --------------------------------------------------------------------------------------
@@ -142,11 +144,14 @@ def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse,
                      causal_offset, scale, schedule, compute_mask_grad, window=NO_WINDOW, block_map=None, block_q=0,
                      block_k=0, *, hopper_call=_backward_on_hopper):
     """The CUDA backward: the Gluon Hopper kernel where it applies (the `fast` schedule;
-    ``hopper_call`` as in ``_kernel_forward``), else the Triton kernels. Returns (dq, dk, dv, dmask)."""
+    ``hopper_call`` as in ``_kernel_forward``), else the Triton kernels. Returns (dq, dk, dv, dmask).
+    `stable` on the Hopper kernels needs the forward's residual, which only the one-pass ops
+    (ops/one_pass.py) carry: a `stable` call that reaches this op runs the Triton backward."""
     reason = (hopper_bwd.hopper_backward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
                                                             is_causal=is_causal, window=window,
                                                             block_sparse=block_map is not None)
-              or hopper_bwd.backward_tma_unsupported_reason(grad_out, query, key, value))
+              or hopper_bwd.backward_tma_unsupported_reason(grad_out, query, key, value)
+              or (hopper_bwd.NO_RESIDUAL if get_schedule(schedule).exact_delta else None))
     if reason is None:
         dq, dk, dv = hopper_call(grad_out, query, key, value, out, lse, grad_lse, is_causal, causal_offset, scale,
                                  schedule, *window_pair(window))
@@ -374,7 +379,13 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
                             schedule, window_left=-1, window_right=-1, block_map=None, block_q=0,
                             block_k=0) -> tuple[Tensor, Tensor]:
     """``torch.ops.flash_inductor.attention_forward`` with the same arguments, without the
-    dispatcher where :func:`eager_fast_path_applies`."""
+    dispatcher where :func:`eager_fast_path_applies`. `stable` calls that the Hopper kernels take
+    go to the one-pass ops instead (ops/one_pass.py), which return the same (out, lse)."""
+    if block_map is None and one_pass_applies(query, key, value, attn_mask, dropout_p, scale, schedule,
+                                              window=(window_left, window_right)):
+        return attention_one_pass(query, key, value, is_causal, causal_offset, scale, window_left, window_right,
+                                  fast_path=eager_fast_path_applies(query, key, value),
+                                  needs_autograd=_needs_autograd(query, key, value))
     if eager_fast_path_applies(query, key, value, attn_mask, rng_seed, block_map):
         if not _needs_autograd(query, key, value, attn_mask):
             # Inference: the launch alone. autograd.Function.apply would record nothing here and

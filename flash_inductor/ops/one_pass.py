@@ -1,0 +1,168 @@
+"""The `stable` schedule on the Gluon Hopper kernels: an exact Δ in a one-pass backward.
+
+`stable`'s exact Δ needs, for each query row, Σ_j P_ij dP_ij with the very P the backward uses,
+before dK and dV may use it. The Triton backward gets it from a second pass over the keys. Here the
+forward makes it cheap instead (docs/hopper_backward.md, "Exact Δ in one pass"): it rounds P for
+P·V in a way the backward can repeat bit for bit, and stores O's rounding residual, so that
+Δ = dO'·(O + residual) is exact for that P; the one-pass kernel then does five GEMMs per tile
+pair, as `fast` does. That needs two more tensors from the forward to the backward than
+``attention_forward`` returns, so the path has its own pair of ops:
+
+* ``flash_inductor::attention_forward_one_pass(q, k, v, is_causal, causal_offset, scale,
+  window_left=-1, window_right=-1) -> (out, lse, residual, row_constants)``
+* ``flash_inductor::attention_backward_one_pass(dout, q, k, v, out, lse, dlse?, residual,
+  row_constants, is_causal, causal_offset, scale, window_left=-1, window_right=-1) -> (dq, dk, dv)``
+
+``attention_forward_eager`` (ops/attention.py) routes a call here when :func:`one_pass_applies`
+says so, from static properties alone (safe on fake tensors), so a traced graph holds these ops
+exactly where they will run. Inputs TMA cannot address are copied first. Under
+``torch.use_deterministic_algorithms(True)`` the backward runs the Triton `stable` kernels, which
+take the same out and lse.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import launch
+from ..launch import hopper, hopper_bwd
+from ..launch.visibility import Visibility
+
+
+def one_pass_applies(query, key, value, attn_mask, dropout_p: float, scale: float, schedule: str,
+                     window=None, block_sparse: bool = False) -> bool:
+    """Whether a call takes this path (``launch.hopper_bwd.one_pass_unsupported_reason``)."""
+    return hopper_bwd.one_pass_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
+                                                  window=window, block_sparse=block_sparse) is None
+
+
+def _addressable(*tensors: Tensor) -> list[Tensor]:
+    """The tensors as they are where TMA can address them, else contiguous copies."""
+    return [t if hopper.tma_unsupported_reason(t, t, t) is None else t.contiguous() for t in tensors]
+
+
+def _forward(query, key, value, is_causal, causal_offset, scale, window_left, window_right):
+    batch, heads, seq_q, head_dim = query.shape
+    if seq_q == 0 or key.shape[2] == 0 or batch * heads == 0:
+        out = query.new_zeros(query.shape)
+        lse = query.new_full((batch, heads, seq_q), float("-inf"), dtype=torch.float32)
+        row_consts = torch.stack([torch.full_like(lse, float("inf")), torch.zeros_like(lse)])
+        return out, lse, torch.zeros_like(out), row_consts
+    query, key, value = _addressable(query, key, value)
+    return hopper.hopper_attention_forward(query, key, value, scale=scale, is_causal=is_causal,
+                                           causal_offset=causal_offset, window=(window_left, window_right),
+                                           exact_delta=True)
+
+
+def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, is_causal, causal_offset, scale,
+              window_left, window_right):
+    if torch.are_deterministic_algorithms_enabled() or query.shape[2] == 0 or key.shape[2] == 0:
+        # The Triton `stable` backward re-derives the exact Δ from out and lse in a fixed order.
+        visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=(window_left, window_right))
+        dq, dk, dv, _ = launch.attention_backward(grad_out, query, key, value, None, out, lse, grad_lse, None, 0.0,
+                                                  scale, "stable", False, visibility=visibility)
+        return dq, dk, dv
+    grad_out, query, key, value = _addressable(grad_out, query, key, value)
+    return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
+                                                is_causal=is_causal, causal_offset=causal_offset,
+                                                window=(window_left, window_right), exact_delta=(resid, row_consts))
+
+
+@torch.library.custom_op("flash_inductor::attention_forward_one_pass", mutates_args=())
+def attention_forward_one_pass(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, causal_offset: int,
+                               scale: float, window_left: int = -1,
+                               window_right: int = -1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _forward(query, key, value, is_causal, causal_offset, scale, window_left, window_right)
+
+
+@torch.library.custom_op("flash_inductor::attention_backward_one_pass", mutates_args=())
+def attention_backward_one_pass(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
+                                lse: Tensor, grad_lse: Optional[Tensor], resid: Tensor, row_consts: Tensor,
+                                is_causal: bool, causal_offset: int, scale: float, window_left: int = -1,
+                                window_right: int = -1) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, is_causal,
+                           causal_offset, scale, window_left, window_right)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@attention_forward_one_pass.register_fake
+def _forward_fake(query, key, value, *_options):
+    batch, heads, seq_q, _ = query.shape
+    out = query.new_empty((batch, heads, seq_q, value.shape[-1]))
+    lse = query.new_empty((batch, heads, seq_q), dtype=torch.float32)
+    return out, lse, torch.empty_like(out), query.new_empty((2, batch, heads, seq_q), dtype=torch.float32)
+
+
+@attention_backward_one_pass.register_fake
+def _backward_fake(grad_out, query, key, value, *_rest):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, *options = inputs
+    out, lse, resid, row_consts = output
+    ctx.save_for_backward(query, key, value, out, lse, resid, row_consts)
+    # window_left/right have defaults a caller may leave out.
+    ctx.options = tuple(options) + (-1, -1)[len(options) - 3:]
+    ctx.input_count = len(inputs)
+    ctx.set_materialize_grads(False)  # as ops/attention.py: an unused lse gets no zeros launched
+
+
+def _run_backward(ctx, grad_out, grad_lse, backward_call):
+    if grad_out is None and grad_lse is None:
+        return (None,) * ctx.input_count
+    query, key, value, out, lse, resid, row_consts = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = backward_call(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, *ctx.options)
+    return (dq, dk, dv) + (None,) * (ctx.input_count - 3)
+
+
+def _autograd_backward(ctx, grad_out, grad_lse, _grad_resid, _grad_row_consts):
+    return _run_backward(ctx, grad_out, grad_lse, attention_backward_one_pass)
+
+
+attention_forward_one_pass.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def _refuse_double_backward(ctx, *grads):
+    raise RuntimeError("flash_inductor: double backward through attention (create_graph=True) is not supported; "
+                       "use torch.nn.functional.scaled_dot_product_attention's math backend for that computation.")
+
+
+attention_backward_one_pass.register_autograd(_refuse_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+class _EagerOnePass(torch.autograd.Function):
+    """The ops' launches and autograd without the dispatcher (ops/attention.py's eager fast path)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, is_causal, causal_offset, scale, window_left, window_right):
+        output = _forward(query, key, value, is_causal, causal_offset, scale, window_left, window_right)
+        _setup_context(ctx, (query, key, value, is_causal, causal_offset, scale, window_left, window_right), output)
+        ctx.mark_non_differentiable(output[2], output[3])
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse, _grad_resid, _grad_row_consts):
+        if torch.is_grad_enabled():
+            return _autograd_backward(ctx, grad_out, grad_lse, None, None)
+        return _run_backward(ctx, grad_out, grad_lse, _backward)
+
+
+def attention_one_pass(query, key, value, is_causal: bool, causal_offset: int, scale: float, window_left: int,
+                       window_right: int, *, fast_path: bool, needs_autograd: bool) -> tuple[Tensor, Tensor]:
+    """(out, lse) of the one-pass path: the launches directly where ``fast_path`` (a plain eager
+    call), else the registered op."""
+    args = (query, key, value, is_causal, causal_offset, scale, window_left, window_right)
+    if fast_path:
+        if not needs_autograd:
+            return _forward(*args)[:2]
+        return _EagerOnePass.apply(*args)[:2]
+    return torch.ops.flash_inductor.attention_forward_one_pass(*args)[:2]
+
+
+__all__ = ["attention_forward_one_pass", "attention_backward_one_pass", "attention_one_pass", "one_pass_applies"]

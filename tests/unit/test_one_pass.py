@@ -1,0 +1,177 @@
+"""`stable` on the Gluon Hopper kernels with an exact Δ in one pass (ops/one_pass.py): gradients
+against fp64 under the project's tolerance rule (tests/helpers.assert_close_to_ref) across dtypes,
+head dims, causal sides, GQA, odd lengths and a gradient on the LSE; the stability suite's
+near-tied and x100 cases, where `fast`'s Δ fails and this one must not; which calls take the
+path (the support check runs everywhere, the kernels on an sm_90 GPU only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import (
+    assert_close_to_ref,
+    dtype_id,
+    mock_hopper,
+    needs_hopper,
+    ref_forward_backward,
+    sdpa_baseline,
+)
+
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+# ------------------------------------------------------------------------------ which calls
+
+def test_stable_unmasked_calls_take_the_one_pass_path(monkeypatch):
+    from flash_inductor.launch.hopper_bwd import NO_RESIDUAL, one_pass_unsupported_reason
+
+    t = mock_hopper(monkeypatch)
+    q, k = t(2, 8, 256, 128), t(2, 2, 256, 128)
+    assert one_pass_unsupported_reason(q, k, k, None, 0.0, 0.1, "stable") is None
+    assert one_pass_unsupported_reason(t(1, 4, 100, 64), t(1, 4, 300, 64), t(1, 4, 300, 64), None, 0.0, 0.1,
+                                       "stable", window=(64, 0)) is None
+    assert "no exact" in one_pass_unsupported_reason(q, k, k, None, 0.0, 0.1, "fast")
+    assert one_pass_unsupported_reason(q, k, k, t(2, 8, 256, 256, dtype=torch.bool), 0.0, 0.1, "stable")
+    assert one_pass_unsupported_reason(q, k, k, None, 0.1, 0.1, "stable")
+    assert "empty" in one_pass_unsupported_reason(t(2, 8, 0, 128), k, k, None, 0.0, 0.1, "stable")
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert one_pass_unsupported_reason(q, k, k, None, 0.0, 0.1, "stable")
+    assert "residual" in NO_RESIDUAL
+
+
+def test_cpu_calls_never_take_it():
+    from flash_inductor.ops.one_pass import one_pass_applies
+
+    q = torch.randn(1, 2, 16, 64, dtype=torch.bfloat16)
+    assert not one_pass_applies(q, q, q, None, 0.0, 0.125, "stable")
+
+
+# ------------------------------------------------------------------------------ on the GPU
+
+def _grads(q, k, v, do, dlse, is_causal, causal_offset):
+    from flash_inductor.ops.one_pass import attention_forward_one_pass
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    scale = q.shape[-1] ** -0.5
+    out, lse, resid, rows = torch.ops.flash_inductor.attention_forward_one_pass(*leaves, is_causal, causal_offset,
+                                                                                  scale)
+    assert attention_forward_one_pass is not None and resid.shape == out.shape and rows.shape == (2, *lse.shape)
+    outputs, grads = [out], [do]
+    if dlse is not None:
+        outputs.append(lse)
+        grads.append(dlse)
+    torch.autograd.backward(outputs, grads)
+    return out, lse, [t.grad for t in leaves]
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", ["full", "causal", "lower_right", "gqa_dlse", "ragged", "rows_see_nothing"])
+def test_one_pass_matches_fp64(dtype, head_dim, case):
+    # (B, Hq, Hkv, L, S, is_causal, causal_offset, with dLSE)
+    b, hq, hkv, seq_q, seq_k, causal, offset, with_dlse = {
+        "full": (2, 4, 4, 512, 512, False, 0, False),
+        "causal": (2, 4, 4, 512, 512, True, 0, False),
+        "lower_right": (1, 4, 4, 200, 700, True, 500, False),
+        "gqa_dlse": (2, 8, 2, 384, 384, True, 0, True),
+        "ragged": (1, 3, 1, 333, 517, False, 0, True),
+        "rows_see_nothing": (1, 2, 2, 600, 200, True, -300, False),
+    }[case]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, hq, seq_q, head_dim, device="cuda", generator=gen).to(dtype)
+    k, v = (torch.randn(b, hkv, seq_k, head_dim, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    do = torch.randn(b, hq, seq_q, head_dim, device="cuda", generator=gen).to(dtype)
+    dlse = torch.randn(b, hq, seq_q, device="cuda", generator=gen) if with_dlse else None
+    offset_arg = offset if causal else None
+    out, lse, (dq, dk, dv) = _grads(q, k, v, do, dlse, causal, offset)
+    group = hq // hkv
+    k_full, v_full = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    ref = ref_forward_backward(q, k_full, v_full, causal_offset=offset_arg, grad_out=do, grad_lse=dlse)
+    base = sdpa_baseline(q, k_full, v_full, causal_offset=offset_arg, grad_out=do, grad_lse=dlse)
+    terms = ref["terms"]
+    assert_close_to_ref("out", out, ref["out"], base["out"], terms=terms.get("out"))
+    assert_close_to_ref("dq", dq, ref["dq"], base["dq"], terms=terms.get("dq"))
+    sum_heads = lambda t: t.unflatten(1, (hkv, group)).sum(2)  # noqa: E731
+    assert_close_to_ref("dk", dk, sum_heads(ref["dk"]), sum_heads(base["dk"]), terms=terms.get("dk"))
+    assert_close_to_ref("dv", dv, sum_heads(ref["dv"]), sum_heads(base["dv"]), terms=terms.get("dv"))
+    dead = torch.isinf(ref["lse"])
+    if dead.any():  # rows that see no key: out, dq exactly 0, lse -inf
+        assert torch.equal(lse[dead], ref["lse"][dead].float())
+        assert (dq[dead] == 0).all() and (out[dead] == 0).all()
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", ["near_tied", "qk_x100"])
+def test_stability_cases_meet_the_requirement(dtype, case):
+    """The suite's requirement (||ours - ref|| <= 2 best anchor + floor) on the two cases that
+    `fast`'s Δ fails, with this path as the default schedule."""
+    from flash_inductor.stability import cases as suite_cases
+    from flash_inductor.stability import runner
+    from flash_inductor.stability.anchors import implementations
+
+    sizes = suite_cases.QUICK
+    chosen = [c for c in suite_cases.all_cases(sizes) if c.name == case]
+    impls = implementations(["ours:stable", "ours:fast", "sdpa:math", "sdpa:flash", "sdpa:efficient"])
+    results = runner.run_suite(chosen, impls, "cuda", sizes, dtypes=[dtype])
+    requirement = runner.check_requirements(results, "stable")
+    assert requirement.passed, requirement.format()
+
+
+@needs_hopper
+def test_flash_attention_routes_stable_through_the_one_pass_ops(monkeypatch):
+    """Eager and compiled calls with the default schedule run the one-pass kernels and give the
+    same values; `fast` keeps its own ops."""
+    import flash_inductor
+    from flash_inductor.launch import hopper_bwd
+
+    calls = []
+    real = hopper_bwd.hopper_attention_backward
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("exact_delta") is not None)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(hopper_bwd, "hopper_attention_backward", spy)
+    q, k, v = (torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = flash_inductor.flash_attention(q, k, v, is_causal=True)
+    out.sum().backward()
+    eager = (out.detach(), q.grad.clone())
+    assert calls == [True]
+    q.grad = None
+    targets = []
+
+    def capture(gm, _inputs):
+        from functorch.compile import make_boxed_func
+
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v: flash_inductor.flash_attention(q, k, v, is_causal=True),
+                       backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))
+    compiled = fn(q, k, v)
+    compiled.sum().backward()
+    assert "flash_inductor.attention_forward_one_pass.default" in targets, targets
+    assert "flash_inductor.attention_backward_one_pass.default" in targets, targets
+    assert torch.equal(compiled.detach(), eager[0]) and torch.equal(q.grad, eager[1])
+
+
+@needs_hopper
+def test_deterministic_mode_keeps_the_triton_backward():
+    import flash_inductor
+
+    q, k, v = (torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+    torch.use_deterministic_algorithms(True)
+    try:
+        out = flash_inductor.flash_attention(q, k, v)
+        out.sum().backward()
+        first = q.grad.clone()
+        q.grad = None
+        flash_inductor.flash_attention(q, k, v).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(first, q.grad)
