@@ -255,3 +255,12 @@ def _exact_delta_finish_dq(dq_accum, sigma, key, grad_lse, scale, dtype):
         HEAD_DIM=head_dim, BLOCK_M=block_m, num_warps=4,
     )
     return dq
+
+
+def hopper_backward_supported(grad_out, query, key, value, attn_mask=None, dropout_p: float = 0.0,
+                              scale: float | None = None, schedule: str | None = None, *,
+                              is_causal: bool = True, window=None) -> bool:
+    """Whether ``hopper_attention_backward`` implements this call (real tensors)."""
+    return (hopper_backward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
+                                               is_causal=is_causal, window=window) is None
+            and backward_tma_unsupported_reason(grad_out, query, key, value) is None)

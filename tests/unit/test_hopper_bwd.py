@@ -162,7 +162,8 @@ def test_declines_what_it_does_not_implement():
 
     q, k, v, _ = _inputs(torch.bfloat16, 64, 1, 2, 2, 64, 64)
     assert hopper_backward_unsupported_reason(q, k, v, None, 0.0, None, "fast") is None
-    assert "schedule" in hopper_backward_unsupported_reason(q, k, v, None, 0.0, None, "stable")
+    assert hopper_backward_unsupported_reason(q, k, v, None, 0.0, None, "stable") is None  # in one pass
+    assert "schedule" in hopper_backward_unsupported_reason(q, k, v, None, 0.0, None, "accurate")
     assert "mask" in hopper_backward_unsupported_reason(q, k, v, torch.ones(64, 64, dtype=torch.bool, device="cuda"),
                                                         0.0, None, "fast")
     assert "dropout" in hopper_backward_unsupported_reason(q, k, v, None, 0.1, None, "fast")
@@ -203,7 +204,7 @@ def _count_hopper_backwards(monkeypatch):
 def test_the_op_runs_the_fast_backward_on_hopper(monkeypatch, compiled, head_dim):
     """flash_attention(schedule="fast") takes the Gluon backward on an sm_90 GPU, eagerly and under
     torch.compile (through its opaque op), with gradients inside the tolerance rule; the default
-    schedule keeps the Triton backward."""
+    schedule takes it too, through the one-pass ops (tests/unit/test_one_pass.py)."""
     from flash_inductor import flash_attention
 
     calls = _count_hopper_backwards(monkeypatch)
@@ -226,7 +227,7 @@ def test_the_op_runs_the_fast_backward_on_hopper(monkeypatch, compiled, head_dim
     for name, g, ref, base, term in zip(("dq", "dk", "dv"), grads, refs, bases, terms):
         assert_close_to_ref(name, g, ref, base, terms=term)
     torch.autograd.grad(fn(q, k, v, schedule="stable"), (q, k, v), do)
-    assert calls == [True]
+    assert calls == [True, True]
 
 
 @needs_hopper
@@ -263,7 +264,9 @@ def test_the_static_choice_on_a_mocked_hopper(monkeypatch):
     assert reason(q, kv, kv, None, 0.0, None, "fast", is_causal=False) is None
     assert reason(q64, kv64, kv64, None, 0.0, None, "fast", is_causal=True) is None
     assert reason(q64, kv64, kv64, None, 0.0, None, "fast", is_causal=False) == hopper_bwd.E64_NON_CAUSAL
-    assert "schedule 'stable'" in reason(q, kv, kv, None, 0.0, None, "stable")
+    # `stable` runs it in one pass at every head dim (ops/one_pass.py); `accurate` keeps Triton.
+    assert reason(q64, kv64, kv64, None, 0.0, None, "stable", is_causal=False) is None
+    assert "schedule 'accurate'" in reason(q, kv, kv, None, 0.0, None, "accurate")
     assert "mask" in reason(q, kv, kv, t(2, 8, 64, 64, dtype=torch.bool), 0.0, None, "fast")
     assert "dropout" in reason(q, kv, kv, None, 0.1, None, "fast")
     assert reason(q, kv, kv, None, 0.0, None, "fast", window=(16, 0)) is None
