@@ -65,13 +65,13 @@ def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int = 64, s
     signature = {
         "q_desc": q_sig, "k_desc": kv_sig, "v_desc": kv_sig, "do_desc": q_sig, "dk_desc": kv_sig, "dv_desc": kv_sig,
         "dq_desc": dq_sig,
-        "LSE": "*fp32", "DELTA": "*fp32", "DQ_ACCUM": "*fp32", "SIGMA": "*fp32", "DS_UP": "*fp32",
+        "LSE": "*fp32", "DELTA": "*fp32", "DQ_ACCUM": "*fp32", "DS_UP": "*fp32",
         "L": "i32", "S": "i32", "H_KV": "i32", "GROUP": "i32", "causal_offset": "i32", "window_lower": "i32",
         "qk_scale": "fp32",
         "sm_scale": "fp32",
     }
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=128, NUM_STAGES=stages, IS_CAUSAL=causal,
-                      WINDOW_LEFT=window, DQ_SPLIT=dq_split, DQ_TMA=dq_tma, EXACT_DELTA=exact_delta, ROW_SUMS=True, CONSUMER_REGS=consumer_regs,
+                      WINDOW_LEFT=window, DQ_SPLIT=dq_split, DQ_TMA=dq_tma, EXACT_DELTA=exact_delta, CONSUMER_REGS=consumer_regs,
                       LOADER_REGS=loader_regs)
     if not window:
         # A launch without a window passes window_lower = 1, which Triton compiles in as a constant.

@@ -5,15 +5,15 @@ kernels/hopper_fwd.py and kernels/hopper_bwd.py; docs/hopper_backward.md), on an
     python3 -m benchmarks.experiments.exact_delta_probe --parts suite --cases near_tied,qk_x100
 
 Parts, one process:
-  * suite: the stability suite's cases at its full sizes (B 2, H 4, L 2048, E 128; long cases at
-    their lengths) with `stable` (the one-pass path wherever it applies) beside
-    ``ours:stable-triton`` (the plain op: Triton's two-pass backward), `fast` and SDPA's backends;
-    the suite's requirement checked for both.
+  * suite: the stability suite's unmasked cases at its full sizes (B 2, H 4, L 2048, E 128; long
+    cases at their lengths) with the one-pass ops as ``ours:one-pass`` beside `stable` (the Triton
+    backward, while ``launch.hopper_bwd.ONE_PASS_STABLE`` is off), `fast` and SDPA's backends; the
+    suite's requirement checked for both.
   * features: causal (top-left and L ≠ S lower-right), GQA and a gradient on the LSE against
     float64: the one-pass ops (``exact1p``) beside the two-pass Triton backward on the same inputs.
   * speed: forward+backward, 16k tokens (B = 16384 / L), 2048 / E heads, bf16/fp16, E 64/128,
-    causal or not, L 4k/16k; `stable` (one pass), ``stable-triton``, `fast` and cuDNN, each heated,
-    do_bench medians, ratios to cuDNN.
+    causal or not, L 4k/16k; the one-pass ops, `stable`, `fast` and cuDNN, each heated, do_bench
+    medians, ratios to cuDNN.
 """
 
 from __future__ import annotations
@@ -57,11 +57,11 @@ def run_suite(args, record):
 
     def run(p, q, k, v):
         if p.attn_mask is not None:
-            raise NotApplicable("the plain op with a mask is `stable` itself")
-        out, _ = stable_triton(q, k, v, is_causal=p.is_causal, scale=p.scale)
+            raise NotApplicable("masks are not on the one-pass path")
+        out, _ = exact1p(q, k, v, is_causal=p.is_causal, scale=p.scale)
         return out
 
-    ours = Implementation("ours:stable-triton", run, is_ours=True, schedule="stable-triton")
+    ours = Implementation("ours:one-pass", run, is_ours=True, schedule="one-pass")
     impls = implementations(["ours:stable", "ours:fast", "sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "sdpa:math"])
     wanted = set(args.cases.split(",")) if args.cases else None
     cases = [c for c in suite_cases.all_cases(suite_cases.FULL)
@@ -74,7 +74,7 @@ def run_suite(args, record):
         else:
             rows.append(dict(case=r.case, dtype=r.dtype, impl=r.impl, status=r.status, reason=r.reason))
     record["suite"] = rows
-    for schedule in ("stable", "stable-triton"):
+    for schedule in ("one-pass", "stable"):
         req = runner.check_requirements(results, schedule)
         worst = sorted((c for c in req.checks if c.bound), key=lambda c: -c.ours_err / c.bound)[:6]
         record[f"requirement_{schedule}"] = dict(
@@ -86,7 +86,7 @@ def run_suite(args, record):
         for v in req.violations[:10]:
             print("   ", v, flush=True)
     for r in rows:
-        if r["impl"] in ("ours:stable-triton", "ours:stable", "ours:fast") and "dq" in r:
+        if r["impl"] in ("ours:one-pass", "ours:stable", "ours:fast") and "dq" in r:
             print(f"  {r['case']:16s} {r['dtype']} {r['impl']:14s} out {r['out']:.2e} dq {r['dq']:.2e} "
                   f"dk {r['dk']:.2e} dv {r['dv']:.2e}", flush=True)
 
@@ -160,8 +160,8 @@ def run_speed(args, record):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def provider(name, causal):
-        if name == "stable-triton":
-            return lambda q, k, v: stable_triton(q, k, v, causal)[0]
+        if name == "one-pass":
+            return lambda q, k, v: exact1p(q, k, v, causal)[0]
         if name in ("stable", "fast"):
             return lambda q, k, v: flash_inductor.flash_attention(q, k, v, is_causal=causal, schedule=name)
 
@@ -187,7 +187,7 @@ def run_speed(args, record):
                     dout = torch.randn(shape, device="cuda", dtype=DTYPES[dname])
                     flops = attention_flops(b, h, L, L, e, causal, "fwd_bwd")
                     cell = dict(dtype=dname, head_dim=e, causal=causal, seq=L)
-                    for name in ("cudnn", "stable", "stable-triton", "fast"):
+                    for name in ("cudnn", "one-pass", "stable", "fast"):
                         attn = provider(name, causal)
 
                         def step():
@@ -197,13 +197,13 @@ def run_speed(args, record):
                         ms = bench_ms(step, warmup=10, rep=50, grad_to_none=[q, k, v])
                         cell[name] = ms
                         cell[f"{name}_tflops"] = tflops(flops, ms)
-                    for name in ("stable", "stable-triton", "fast"):
+                    for name in ("one-pass", "stable", "fast"):
                         cell[f"{name}_vs_cudnn"] = cell["cudnn"] / cell[name]
                     rows.append(cell)
                     print(f"  {dname} E{e} causal={causal} L={L}: " + " ".join(
-                        f"{n} {cell[n]:.3f} ms" for n in ("cudnn", "stable", "stable-triton", "fast"))
+                        f"{n} {cell[n]:.3f} ms" for n in ("cudnn", "one-pass", "stable", "fast"))
                         + " | vs cuDNN " + " ".join(f"{n} {cell[n + '_vs_cudnn']:.3f}"
-                                                    for n in ("stable", "stable-triton", "fast")),
+                                                    for n in ("one-pass", "stable", "fast")),
                         flush=True)
                     del q, k, v, dout
     record["speed"] = rows

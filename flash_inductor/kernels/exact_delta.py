@@ -1,5 +1,6 @@
-"""The Triton steps around the one-pass exact-Δ backward (``hopper_bwd.py`` under EXACT_DELTA):
-the preprocess before it and the dq finish after it.
+"""The Triton steps around the one-pass exact-Δ path (``hopper_fwd.py``/``hopper_bwd.py`` under
+EXACT_DELTA): the LSE's shift back from the centred keys after the forward, the backward's
+preprocess, and the dq finish.
 
 Glossary (per query row i of one (batch, query head); docs/hopper_backward.md derives it):
   g_i     the forward's row normaliser (ROW_CONSTS' second plane): the backward's P is
@@ -14,8 +15,8 @@ Glossary (per query row i of one (batch, query head); docs/hopper_backward.md de
   stats   under fp16, the bound on |dS| the kernel scales dS by (``launch.hopper_bwd``):
           max ‖dO'_i‖², max ‖v_j‖², max |g_i dLSE_i| into DS_STATS (3 fp32, zeroed; a NaN
           counts as +inf so that a non-finite input never looks small).
-  k̂       the K/V head's mean key; sigma_i the rounded dS rows' sum (times scale / ds_up):
-          dq = dq_acc − sigma_i·k̂ (the dq finish).
+  k̂       the centring of the keys (ops/one_pass.py): the forward's LSE gets scale·q_i·k̂ back
+          (``_add_row_dot``), and dq the gradient of that term, scale·dLSE_i·k̂ (the dq finish).
 
 Constexpr switches: HEAD_DIM (E, a power of two), BLOCK_M (rows per program), HAS_DLSE (the
 LSE output has a gradient), COLLECT_STATS (fp16: the bound's maxima).
@@ -80,10 +81,11 @@ def _exact_delta_preprocess(DO, O, RESID, NORM, DLSE, DO_SCALED, DELTA, V, DS_ST
 
 
 @triton.jit
-def _exact_delta_finish_dq(DQ_ACC, SIGMA, MEAN_KEY, DQ, H, GROUP, L,
-                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Grid (cdiv(L, BLOCK_M), B * H). DQ_ACC (B, H, L, E) fp32 and DQ (same, input dtype)
-    contiguous; SIGMA flat (B·H·L) fp32; MEAN_KEY (B, H_KV, E) fp32 contiguous."""
+def _finish_dq_with_mean_key(DQ_ACC, WEIGHT, MEAN_KEY, DQ, H, GROUP, L,
+                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """dq = dq_acc + weight_i·k̂ in dq's dtype. Grid (cdiv(L, BLOCK_M), B * H). DQ_ACC (B, H, L, E)
+    fp32 and DQ (same, input dtype) contiguous; WEIGHT flat (B·H·L) fp32; MEAN_KEY (B, H_KV, E)
+    fp32 contiguous."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -93,7 +95,27 @@ def _exact_delta_finish_dq(DQ_ACC, SIGMA, MEAN_KEY, DQ, H, GROUP, L,
     row_ids = bh.to(tl.int64) * L + rows
     mask = (rows < L)[:, None]
     acc = tl.load(DQ_ACC + row_ids[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
-    sigma = tl.load(SIGMA + row_ids, mask=rows < L, other=0.0)
+    weight = tl.load(WEIGHT + row_ids, mask=rows < L, other=0.0)
     k_hat = tl.load(MEAN_KEY + (b * (H // GROUP) + h_kv).to(tl.int64) * HEAD_DIM + cols)
-    dq = acc - sigma[:, None] * k_hat[None, :]
+    dq = acc + weight[:, None] * k_hat[None, :]
     tl.store(DQ + row_ids[:, None] * HEAD_DIM + cols[None, :], dq.to(DQ.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_row_dot(Q, MEAN_KEY, LSE, scale, stride_qb, stride_qh, stride_qm, H, GROUP, L,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """LSE_i += scale·(q_i·k̂) in fp32 (rows at -inf stay there). Grid (cdiv(L, BLOCK_M), B * H);
+    Q (B, H, L, E) with a unit last stride, MEAN_KEY (B, H_KV, E) fp32 contiguous, LSE flat
+    (B·H·L) fp32."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + h * stride_qh + rows[:, None] * stride_qm + cols[None, :],
+                mask=(rows < L)[:, None], other=0.0).to(tl.float32)
+    k_hat = tl.load(MEAN_KEY + (b * (H // GROUP) + h // GROUP).to(tl.int64) * HEAD_DIM + cols)
+    row_ids = bh.to(tl.int64) * L + rows
+    lse = tl.load(LSE + row_ids, mask=rows < L, other=0.0)
+    tl.store(LSE + row_ids, lse + scale * tl.sum(q * k_hat[None, :], axis=1), mask=rows < L)

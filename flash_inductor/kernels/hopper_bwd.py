@@ -55,11 +55,9 @@ Constexpr switches:
                        dV += P̃ᵀ·dO' and dPᵀ = V·dO'ᵀ need no per-score scaling;
                 ds_up  a power of two from the preprocess (1 for bf16; for fp16 it keeps the
                        call's bound on |dS| at 2^14) taken into dS by one FFMA and out of dK
-                       and dQ with the softmax scale;
-                sigma  the row sums of dS *as rounded* for dS·K, added into SIGMA (B, Hq, L)
-                       fp32 (times scale / ds_up) by a wgmma against a ones tile; the launcher
-                       subtracts sigma·k̂ (the head's mean key) from dq, so dS's rounding
-                       meets only the keys' spread around k̂, not their shared part.
+                       and dQ with the softmax scale.
+              The keys are the centred K̃ = K − k̂ of ops/one_pass.py (forward and backward
+              alike), so dS's rounding for dS·K meets only the keys' spread, not their shared part.
 
 Precision contract as ``kernels/attn_bwd.py`` under the `fast` schedule: S, P, dP and dS stay
 fp32 until dS meets the matrix unit; P rounded to the input dtype for dV, dS for dK and dQ.
@@ -98,15 +96,6 @@ def _rounded(x, dtype: gl.constexpr):
             "{ .reg .b32 t; .reg .b16 lo, hi; cvt.rn.f16x2.f32 t, $3, $2; mov.b32 {lo, hi}, t; "
             "cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
             "=f,=f,f,f", [x], dtype=gl.float32, is_pure=True, pack=2)
-
-
-@gluon.jit
-def _add_row_sums(SIGMA, sums, row0, rows_left, rows, cols):
-    """Add column 0 of a (BLOCK_M, 8) tile of row sums (every column holds them) into SIGMA's
-    rows row0 + [0, rows_left), one relaxed atomic per row."""
-    ptrs = SIGMA + row0 + gl.expand_dims(rows, 1) + gl.expand_dims(cols * 0, 0)
-    keep = (gl.expand_dims(cols, 0) == 0) & gl.expand_dims(rows < rows_left, 1)
-    gl.atomic_add(ptrs, sums, mask=keep, sem="relaxed")
 
 
 @gluon.jit
@@ -175,14 +164,14 @@ def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, 
 
 
 @gluon.jit
-def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, ones_smem,
+def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                          kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                         LSE, DELTA, DQ_ACCUM, SIGMA, DS_UP, L, S, H_KV, GROUP, causal_offset, window_lower,
+                         LSE, DELTA, DQ_ACCUM, DS_UP, L, S, H_KV, GROUP, causal_offset, window_lower,
                          qk_scale, sm_scale,
                          CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                          WINDOW_LEFT: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr,
-                         EXACT_DELTA: gl.constexpr, ROW_SUMS: gl.constexpr):
+                         EXACT_DELTA: gl.constexpr):
     dtype: gl.constexpr = dk_desc.dtype
     KC: gl.constexpr = KEYS_PER_CONSUMER
     # Sᵀ and dPᵀ: (64 keys) x (BLOCK_M query rows); dK, dV: (64 keys) x E.
@@ -232,31 +221,6 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
     if EXACT_DELTA:
         ds_up = gl.load(DS_UP)
         grad_scale = sm_scale / ds_up  # exact: ds_up is a power of two
-        # The consumers that sum dS's rows (consumer 0 under DQ_SPLIT, which sees all 128 keys
-        # in the shared dS buffer; each under no split) fill their ones tile once.
-        SIGMA_KEYS: gl.constexpr = BLOCK_N if DQ_SPLIT else KC
-        sums_rows: gl.constexpr = ROW_SUMS and ((CONSUMER == 0) or (not DQ_SPLIT))
-        sig_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, 8, 16])
-        sig_zero = gl.zeros([BLOCK_M, 8], gl.float32, layout=sig_layout)
-        sig_rows0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, sig_layout))
-        sig_cols = gl.arange(0, 8, layout=gl.SliceLayout(0, sig_layout))
-        if sums_rows:
-            # Stored (8, keys), keys contiguous, and read transposed: a K-major B operand in the
-            # default swizzle, as Qᵀ is (an unswizzled N-major (keys, 8) tile faulted on the H200).
-            ones_rows = ones_smem.index(CONSUMER).slice(0, SIGMA_KEYS, dim=1)
-            fill_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-            ones_rows.store(gl.full([8, SIGMA_KEYS], 1.0, dtype, layout=fill_layout))
-            fence_async_shared()
-            ones_tile = ones_rows.permute((1, 0))
-            # Tile t's row sums are waited for and added out in tile t + 1 (after its Sᵀ wait,
-            # which retires every earlier group), so their wgmma never delays the loop. The
-            # pending sums are a wgmma's result in the loop, so they start as one: a product of
-            # whatever a dS buffer holds, which no row receives (sig_rows_left = 0).
-            sig = warpgroup_mma(ds_smem.index(0).permute((1, 0)).slice(0, SIGMA_KEYS, dim=1), ones_tile, sig_zero,
-                                use_acc=False, is_async=True)
-        sig_row0 = (b * H_KV * GROUP).to(gl.int64) * L * 0
-        sig_rows_left = 0
     else:
         grad_scale = sm_scale
     mbarrier.wait(kv_ready.index(CONSUMER), 0)
@@ -283,14 +247,7 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
         st_tok = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(slot), phase)
         dpt_tok = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if EXACT_DELTA:
-            if sums_rows:
-                st, sig = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, sig))
-                _add_row_sums(SIGMA, sig * grad_scale, sig_row0, sig_rows_left, sig_rows0, sig_cols)
-            else:
-                st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
-        else:
-            st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
         # Masking binds where some key of this consumer lies past S (the zero keys TMA filled in
         # score 0, and exp2(0 - lse2) need not be small) or outside some row's band: above its
         # diagonal (IS_CAUSAL) or left of its window (WINDOW_LEFT).
@@ -338,18 +295,7 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
             fence_async_shared()
             dq_tok = warpgroup_mma(buf.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
         # pt_op/ds_op stay in deps so their registers are not reused under the running wgmma.
-        if EXACT_DELTA:
-            if sums_rows:
-                sig = warpgroup_mma(buf.permute((1, 0)), ones_tile, sig_zero, use_acc=False, is_async=True)
-                sig_row0 = row_base + m
-                sig_rows_left = L - m
-                dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=1,
-                                                              deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
-            else:
-                dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0,
-                                                              deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
-        else:
-            dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
+        dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
         mbarrier.arrive(q_empty.index(slot), count=1)
         # The softmax scale goes on in fp32 here, after the cast of dS, so dS's rounding is FA2's.
         dq = dq * grad_scale
@@ -364,11 +310,6 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
             dq_rows = m + dq_rows0
             dq_ptrs = (DQ_ACCUM + (row_base + gl.expand_dims(dq_rows, 1)) * HEAD_DIM + gl.expand_dims(dq_cols, 0))
             gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(dq_rows < L, 1), sem="relaxed")
-
-    if EXACT_DELTA:
-        if sums_rows:
-            sig = warpgroup_mma_wait(num_outstanding=0, deps=(sig, ))
-            _add_row_sums(SIGMA, sig * grad_scale, sig_row0, sig_rows_left, sig_rows0, sig_cols)
 
     # Epilogue: dK (times the softmax scale) and dV through this consumer's K/V tiles (their
     # last wgmma has retired) and TMA stores, which clip keys >= S. Under DQ_SPLIT the other
@@ -385,17 +326,17 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
 
 @gluon.jit
 def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, DQ_ACCUM,
-                     SIGMA, DS_UP, L, S, H_KV, GROUP, causal_offset, window_lower, qk_scale, sm_scale,
+                     DS_UP, L, S, H_KV, GROUP, causal_offset, window_lower, qk_scale, sm_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                      DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, EXACT_DELTA: gl.constexpr,
-                     ROW_SUMS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(S, BLOCK_N), B * H_KV). Descriptors are 4-D over (B, H, L or S, E): Q and dO
     boxes (1, 1, BLOCK_M, E); K, V, dK, dV boxes (1, 1, 64, E). DQ_ACCUM is (B, Hq, L, E) fp32
     zeros, contiguous, and ``dq_desc`` describes it with box (1, 1, BLOCK_M, E or E / 2 under
     DQ_SPLIT) (used only under DQ_TMA); LSE (natural log) and DELTA are (B, Hq, L) fp32, contiguous.
-    Under EXACT_DELTA, LSE is the forward's pivot plane, SIGMA (B, Hq, L) fp32 zeros and DS_UP one
-    fp32 power of two (glossary); otherwise neither is read."""
+    Under EXACT_DELTA, LSE is the forward's pivot plane and DS_UP one fp32 power of two (glossary);
+    otherwise DS_UP is not read."""
     gl.static_assert(BLOCK_N == NUM_CONSUMERS * KEYS_PER_CONSUMER, "BLOCK_N is 64 keys per consumer")
     dtype: gl.constexpr = q_desc.dtype
     qk_scale = qk_scale.to(gl.float32)
@@ -418,12 +359,6 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
         dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS] + dq_desc.block_type.shape, dq_desc.layout)
     else:
         dq_smem = ds_smem  # unused
-    if EXACT_DELTA:
-        # A column block of ones per consumer: B of the wgmma that sums dS's rows (512 B each).
-        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], dtype)
-        ones_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, BLOCK_N], ones_layout)
-    else:
-        ones_smem = ds_smem  # unused
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -441,15 +376,15 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
 
     gl.warp_specialize([
         (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
-                                ones_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                                LSE, DELTA, DQ_ACCUM, SIGMA, DS_UP, L, S, H_KV, GROUP, causal_offset, window_lower,
+                                kv_ready, q_ready, do_ready, q_empty, ds_ready,
+                                LSE, DELTA, DQ_ACCUM, DS_UP, L, S, H_KV, GROUP, causal_offset, window_lower,
                                 qk_scale, sm_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT,
-                                DQ_SPLIT, DQ_TMA, EXACT_DELTA, ROW_SUMS)),
+                                DQ_SPLIT, DQ_TMA, EXACT_DELTA)),
         (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
-                                ones_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                                LSE, DELTA, DQ_ACCUM, SIGMA, DS_UP, L, S, H_KV, GROUP, causal_offset, window_lower,
+                                kv_ready, q_ready, do_ready, q_empty, ds_ready,
+                                LSE, DELTA, DQ_ACCUM, DS_UP, L, S, H_KV, GROUP, causal_offset, window_lower,
                                 qk_scale, sm_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT,
-                                DQ_SPLIT, DQ_TMA, EXACT_DELTA, ROW_SUMS)),
+                                DQ_SPLIT, DQ_TMA, EXACT_DELTA)),
         (_hopper_bwd_loader, (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem,
                               kv_ready, q_ready, do_ready, q_empty,
                               L, H_KV, GROUP, causal_offset, window_lower, BLOCK_M, BLOCK_N, NUM_STAGES,

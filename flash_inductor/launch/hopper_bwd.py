@@ -41,6 +41,13 @@ log = logging.getLogger("flash_inductor")
 E64_NON_CAUSAL = "head dim 64 without causal masking (the Triton backward measures faster there)"
 # `stable` runs this kernel only from the one-pass forward, whose residual it needs (ops/one_pass.py).
 NO_RESIDUAL = "the exact Δ needs the one-pass forward's residual (ops/one_pass.py)"
+# Whether `stable` calls take the one-pass exact-Δ path. Not yet: it is accurate (the stability
+# requirement passes, near-tied dq 3x better than the Triton backward's) but its dS row sums cost
+# the backward 47-56 % (docs/hopper_backward.md), so forward+backward runs at 0.67-0.79x cuDNN
+# against the Triton backward's 0.71-0.79x. The ops exist and are tested; this switch routes calls.
+ONE_PASS_STABLE = False
+ONE_PASS_OFF = ("schedule 'stable' (its exact Δ in one pass is not faster than the Triton backward yet; "
+                "docs/hopper_backward.md)")
 # dQ is summed across key blocks by TMA reduce-adds, whose order varies from run to run; the
 # Triton backward sums each dq row in one program, in a fixed order.
 DETERMINISTIC = ("torch.use_deterministic_algorithms(True) (the Hopper backward adds dQ across key blocks "
@@ -84,7 +91,19 @@ def hopper_backward_unsupported_reason(query, key, value, attn_mask=None, dropou
                                        scale: float | None = None, schedule: str | None = None, *,
                                        is_causal: bool = True, window=None, block_sparse: bool = False) -> str | None:
     """None if the Hopper backward takes this call as far as its static properties go, else why
-    not (for the logs). Safe on fake tensors."""
+    not (for the logs). Safe on fake tensors. `stable` calls take it only while
+    ``ONE_PASS_STABLE`` routes them to the one-pass ops."""
+    sched = get_schedule(schedule)
+    if sched.exact_delta and not sched.ds_in_fp32 and not ONE_PASS_STABLE:
+        return ONE_PASS_OFF
+    return _backward_support_reason(query, key, value, attn_mask, dropout_p, scale, schedule, is_causal=is_causal,
+                                    window=window, block_sparse=block_sparse)
+
+
+def _backward_support_reason(query, key, value, attn_mask=None, dropout_p: float = 0.0,
+                             scale: float | None = None, schedule: str | None = None, *,
+                             is_causal: bool = True, window=None, block_sparse: bool = False) -> str | None:
+    """The kernel's own limits, whatever routes `stable`."""
     reason = hopper_forward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
                                                window=window, block_sparse=block_sparse)
     if reason is not None:
@@ -104,12 +123,13 @@ def hopper_backward_unsupported_reason(query, key, value, attn_mask=None, dropou
 def one_pass_unsupported_reason(query, key, value, attn_mask=None, dropout_p: float = 0.0,
                                 scale: float | None = None, schedule: str | None = None, *,
                                 window=None, block_sparse: bool = False) -> str | None:
-    """None if a call runs `stable`'s exact Δ on the Hopper kernels in one pass (ops/one_pass.py):
-    the schedule forms the exact Δ and both Hopper kernels take the call. Static properties only
-    (safe on fake tensors); lengths by their hints."""
+    """None if a call could run `stable`'s exact Δ on the Hopper kernels in one pass
+    (ops/one_pass.py): the schedule forms the exact Δ and both Hopper kernels take the call.
+    Static properties only (safe on fake tensors); lengths by their hints. Whether calls are
+    routed there is ``ONE_PASS_STABLE``'s."""
     if not get_schedule(schedule).exact_delta:
         return f"schedule {get_schedule(schedule).name!r} (no exact Δ to form)"
-    reason = hopper_backward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
+    reason = _backward_support_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
                                                 window=window, block_sparse=block_sparse)
     if reason is not None:
         return reason
@@ -136,7 +156,7 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
                               window: tuple[int, int] | None = None, config: HopperBackwardConfig | None = None,
                               delta: torch.Tensor | None = None,
                               exact_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
-                              row_sums: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              mean_key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on the Gluon Hopper kernel, `fast` schedule.
 
     ``query``/``out``/``grad_out`` (B, Hq, L, E), ``key``/``value`` (B, Hkv, S, E) with Hq a
@@ -145,7 +165,8 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     ``window`` FlashAttention's (left, right), or None, on top of ``is_causal``.
     ``delta`` (B, Hq, L) fp32 replaces the preprocess's Δ (experiments). ``exact_delta``: the
     (residual, row constants) the forward returned under ``exact_delta=True``; the backward is
-    then `stable`'s, with the exact Δ (``_exact_delta_backward``). Call only where
+    then `stable`'s, with the exact Δ. ``mean_key`` (B, Hkv, E) fp32: ``key`` is the centred K̃ =
+    K − k̂ of ops/one_pass.py, whose LSE carries scale·q·k̂, so dq gets scale·dLSE·k̂ back. Call only where
     ``hopper_backward_unsupported_reason`` and ``tma_unsupported_reason`` (on query, key, value,
     grad_out) say so."""
     from ..kernels.gluon_tma import HAS_TMA_REDUCE
@@ -162,9 +183,9 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     if seq_q == 0 or seq_k == 0 or batch * heads_q == 0:
         return torch.zeros_like(query), dk.zero_(), dv.zero_()
     if exact_delta is not None:
-        grad_out, lse, delta, sigma, ds_up = _exact_delta_inputs(grad_out, value, out, grad_lse, *exact_delta)
+        grad_out, lse, delta, ds_up = _exact_delta_inputs(grad_out, value, out, grad_lse, *exact_delta)
     else:
-        sigma = ds_up = lse  # not read
+        ds_up = lse  # not read
     if delta is None:
         delta = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
         if grad_lse is not None:
@@ -182,15 +203,15 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     _attn_bwd_hopper[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, 64), tma_descriptor(value, 64),
         tma_descriptor(grad_out, cfg.block_m), tma_descriptor(dk, 64), tma_descriptor(dv, 64),
-        tma_descriptor(dq_accum, cfg.block_m, dq_cols), lse, delta, dq_accum, sigma, ds_up,
+        tma_descriptor(dq_accum, cfg.block_m, dq_cols), lse, delta, dq_accum, ds_up,
         seq_q, seq_k, heads_kv, heads_q // heads_kv, band_upper, band_lower(band), scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         IS_CAUSAL=band_is_causal, WINDOW_LEFT=band.lower is not None, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma,
-        EXACT_DELTA=exact_delta is not None, ROW_SUMS=row_sums, CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
+        EXACT_DELTA=exact_delta is not None, CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
-    if exact_delta is not None and row_sums:
-        return _exact_delta_finish_dq(dq_accum, sigma, key, grad_lse, scale, query.dtype), dk, dv
+    if mean_key is not None and grad_lse is not None:
+        return _finish_dq_with_mean_key(dq_accum, mean_key, scale * grad_lse.to(torch.float32), query.dtype), dk, dv
     # The kernel already added scale·dS·K: only the cast is left.
     return dq_accum.to(query.dtype), dk, dv
 
@@ -201,7 +222,7 @@ DS_LIMIT = 16384.0
 
 
 def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
-    """(dO', pivots, Δ', sigma zeros, ds_up) for the exact-Δ backward (kernels/exact_delta.py)."""
+    """(dO', pivots, Δ', ds_up) for the exact-Δ backward (kernels/exact_delta.py)."""
     from ..kernels.exact_delta import _exact_delta_preprocess
 
     batch, heads_q, seq_q, head_dim = grad_out.shape
@@ -232,26 +253,33 @@ def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
         ds_up = torch.exp2(torch.floor(torch.log2(DS_LIMIT / bound))).clamp(2.0**-40, 2.0**40).reshape(1)
     else:
         ds_up = torch.ones(1, dtype=torch.float32, device=grad_out.device)
-    sigma = torch.zeros((batch, heads_q, seq_q), dtype=torch.float32, device=grad_out.device)
-    return do_scaled, pivot, delta, sigma, ds_up
+    return do_scaled, pivot, delta, ds_up
 
 
-def _exact_delta_finish_dq(dq_accum, sigma, key, grad_lse, scale, dtype):
-    """dq from the kernel's fp32 sums: dS's rounding for dS·K met the keys' shared part, which
-    comes out against the head's mean key k̂. The exact rows of dS sum to dLSE_i (g·ΣP̃ = 1), so
-    dq = Σ_j dS_ij (k_j − k̂) + dLSE_i·k̂ for any fixed k̂; sigma (times scale / ds_up, as the
-    kernel adds it) is the rounded rows' sum."""
-    from ..kernels.exact_delta import _exact_delta_finish_dq as finish
+def add_row_dot(query, mean_key, lse, scale: float) -> None:
+    """lse += scale·(q·k̂) in place, fp32 (kernels/exact_delta.py): the one-pass forward's LSE over
+    the centred keys K̃ = K − k̂ back to the LSE over K."""
+    from ..kernels.exact_delta import _add_row_dot
+
+    batch, heads_q, seq_q, head_dim = query.shape
+    heads_kv = mean_key.shape[1]
+    block_m = 64
+    _add_row_dot[(cdiv(seq_q, block_m), batch * heads_q)](
+        query, mean_key.contiguous(), lse, scale, *query.stride()[:3], heads_q, heads_q // heads_kv, seq_q,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, num_warps=4,
+    )
+
+
+def _finish_dq_with_mean_key(dq_accum, mean_key, weight, dtype):
+    """dq = dq_accum + weight_i·k̂ in the input dtype, one pass (kernels/exact_delta.py)."""
+    from ..kernels.exact_delta import _finish_dq_with_mean_key as finish
 
     batch, heads_q, seq_q, head_dim = dq_accum.shape
-    heads_kv = key.shape[1]
-    if grad_lse is not None:
-        sigma -= scale * grad_lse.to(torch.float32)
-    mean_key = torch.mean(key, dim=2, dtype=torch.float32).contiguous()  # (B, Hkv, E)
+    heads_kv = mean_key.shape[1]
     dq = torch.empty(dq_accum.shape, dtype=dtype, device=dq_accum.device)
     block_m = 64
     finish[(cdiv(seq_q, block_m), batch * heads_q)](
-        dq_accum, sigma, mean_key, dq, heads_q, heads_q // heads_kv, seq_q,
+        dq_accum, weight.contiguous(), mean_key.contiguous(), dq, heads_q, heads_q // heads_kv, seq_q,
         HEAD_DIM=head_dim, BLOCK_M=block_m, num_warps=4,
     )
     return dq

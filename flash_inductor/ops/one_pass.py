@@ -5,8 +5,11 @@ before dK and dV may use it. The Triton backward gets it from a second pass over
 forward makes it cheap instead (docs/hopper_backward.md, "Exact Δ in one pass"): it rounds P for
 P·V in a way the backward can repeat bit for bit, and stores O's rounding residual, so that
 Δ = dO'·(O + residual) is exact for that P; the one-pass kernel then does five GEMMs per tile
-pair, as `fast` does. That needs two more tensors from the forward to the backward than
-``attention_forward`` returns, so the path has its own pair of ops:
+pair, as `fast` does. dS's own rounding for dS·K would still meet whatever the keys share
+(near-tied keys); both kernels therefore see centred keys K̃ = K − k̂ (:func:`centred_keys`),
+exactly, so the softmax is unchanged and only the LSE gets scale·q·k̂ back. That needs two more
+tensors from the forward to the backward than ``attention_forward`` returns, so the path has its
+own pair of ops:
 
 * ``flash_inductor::attention_forward_one_pass(q, k, v, is_causal, causal_offset, scale,
   window_left=-1, window_right=-1) -> (out, lse, residual, row_constants)``
@@ -15,7 +18,8 @@ pair, as `fast` does. That needs two more tensors from the forward to the backwa
 
 ``attention_forward_eager`` (ops/attention.py) routes a call here when :func:`one_pass_applies`
 says so, from static properties alone (safe on fake tensors), so a traced graph holds these ops
-exactly where they will run. Inputs TMA cannot address are copied first. Under
+exactly where they will run. It does not yet: ``launch.hopper_bwd.ONE_PASS_STABLE`` is off
+until the path beats the Triton backward (docs/hopper_backward.md). Inputs TMA cannot address are copied first. Under
 ``torch.use_deterministic_algorithms(True)`` the backward runs the Triton `stable` kernels, which
 take the same out and lse.
 """
@@ -34,9 +38,23 @@ from ..launch.visibility import Visibility
 
 def one_pass_applies(query, key, value, attn_mask, dropout_p: float, scale: float, schedule: str,
                      window=None, block_sparse: bool = False) -> bool:
-    """Whether a call takes this path (``launch.hopper_bwd.one_pass_unsupported_reason``)."""
-    return hopper_bwd.one_pass_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
+    """Whether a call takes this path: ``launch.hopper_bwd.ONE_PASS_STABLE`` routes `stable` here
+    and ``one_pass_unsupported_reason`` finds nothing against the call."""
+    return hopper_bwd.ONE_PASS_STABLE and hopper_bwd.one_pass_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
                                                   window=window, block_sparse=block_sparse) is None
+
+
+def centred_keys(key: Tensor) -> tuple[Tensor, Tensor]:
+    """(k̂, K̃ = K − k̂): k̂ (B, Hkv, E) fp32 holds, per head and dimension, the keys' mean rounded
+    to their dtype where every key's component lies within a factor of two of it, else 0. Then
+    K − k̂ is exact in K's dtype (Sterbenz: the difference of two floats within a factor of two
+    of each other is a float), so K̃ + k̂ = K and attention over K̃ is attention over K with each
+    row's scores shifted by q·k̂. Deterministic, so the backward recomputes it."""
+    mean = torch.mean(key, dim=2, dtype=torch.float32).to(key.dtype).float()
+    low, high = (t.float() for t in torch.aminmax(key, dim=2))
+    within = torch.where(mean > 0, (low >= mean / 2) & (high <= mean * 2), (high <= mean / 2) & (low >= mean * 2))
+    k_hat = torch.where(within & (mean != 0), mean, 0.0)
+    return k_hat, key - k_hat.to(key.dtype).unsqueeze(2)
 
 
 def _addressable(*tensors: Tensor) -> list[Tensor]:
@@ -51,10 +69,13 @@ def _forward(query, key, value, is_causal, causal_offset, scale, window_left, wi
         lse = query.new_full((batch, heads, seq_q), float("-inf"), dtype=torch.float32)
         row_consts = torch.stack([torch.full_like(lse, float("inf")), torch.zeros_like(lse)])
         return out, lse, torch.zeros_like(out), row_consts
-    query, key, value = _addressable(query, key, value)
-    return hopper.hopper_attention_forward(query, key, value, scale=scale, is_causal=is_causal,
-                                           causal_offset=causal_offset, window=(window_left, window_right),
-                                           exact_delta=True)
+    query, value = _addressable(query, value)
+    k_hat, k_tilde = centred_keys(key)
+    out, lse, resid, row_consts = hopper.hopper_attention_forward(
+        query, k_tilde, value, scale=scale, is_causal=is_causal, causal_offset=causal_offset,
+        window=(window_left, window_right), exact_delta=True)
+    hopper_bwd.add_row_dot(query, k_hat, lse, scale)  # LSE over K = LSE over K̃ + scale·q·k̂
+    return out, lse, resid, row_consts
 
 
 def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, is_causal, causal_offset, scale,
@@ -65,10 +86,12 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts
         dq, dk, dv, _ = launch.attention_backward(grad_out, query, key, value, None, out, lse, grad_lse, None, 0.0,
                                                   scale, "stable", False, visibility=visibility)
         return dq, dk, dv
-    grad_out, query, key, value = _addressable(grad_out, query, key, value)
-    return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
+    grad_out, query, value = _addressable(grad_out, query, value)
+    k_hat, k_tilde = centred_keys(key)  # dK over K̃ is dK over K: k̂ is a constant shift
+    return hopper_bwd.hopper_attention_backward(grad_out, query, k_tilde, value, out, lse, grad_lse, scale=scale,
                                                 is_causal=is_causal, causal_offset=causal_offset,
-                                                window=(window_left, window_right), exact_delta=(resid, row_consts))
+                                                window=(window_left, window_right), exact_delta=(resid, row_consts),
+                                                mean_key=k_hat)
 
 
 @torch.library.custom_op("flash_inductor::attention_forward_one_pass", mutates_args=())

@@ -162,7 +162,7 @@ def test_declines_what_it_does_not_implement():
 
     q, k, v, _ = _inputs(torch.bfloat16, 64, 1, 2, 2, 64, 64)
     assert hopper_backward_unsupported_reason(q, k, v, None, 0.0, None, "fast") is None
-    assert hopper_backward_unsupported_reason(q, k, v, None, 0.0, None, "stable") is None  # in one pass
+    assert "schedule 'stable'" in hopper_backward_unsupported_reason(q, k, v, None, 0.0, None, "stable")
     assert "schedule" in hopper_backward_unsupported_reason(q, k, v, None, 0.0, None, "accurate")
     assert "mask" in hopper_backward_unsupported_reason(q, k, v, torch.ones(64, 64, dtype=torch.bool, device="cuda"),
                                                         0.0, None, "fast")
@@ -204,7 +204,7 @@ def _count_hopper_backwards(monkeypatch):
 def test_the_op_runs_the_fast_backward_on_hopper(monkeypatch, compiled, head_dim):
     """flash_attention(schedule="fast") takes the Gluon backward on an sm_90 GPU, eagerly and under
     torch.compile (through its opaque op), with gradients inside the tolerance rule; the default
-    schedule takes it too, through the one-pass ops (tests/unit/test_one_pass.py)."""
+    schedule keeps the Triton backward while its one-pass path is off (tests/unit/test_one_pass.py)."""
     from flash_inductor import flash_attention
 
     calls = _count_hopper_backwards(monkeypatch)
@@ -227,7 +227,7 @@ def test_the_op_runs_the_fast_backward_on_hopper(monkeypatch, compiled, head_dim
     for name, g, ref, base, term in zip(("dq", "dk", "dv"), grads, refs, bases, terms):
         assert_close_to_ref(name, g, ref, base, terms=term)
     torch.autograd.grad(fn(q, k, v, schedule="stable"), (q, k, v), do)
-    assert calls == [True, True]
+    assert calls == [True]
 
 
 @needs_hopper
@@ -264,8 +264,12 @@ def test_the_static_choice_on_a_mocked_hopper(monkeypatch):
     assert reason(q, kv, kv, None, 0.0, None, "fast", is_causal=False) is None
     assert reason(q64, kv64, kv64, None, 0.0, None, "fast", is_causal=True) is None
     assert reason(q64, kv64, kv64, None, 0.0, None, "fast", is_causal=False) == hopper_bwd.E64_NON_CAUSAL
-    # `stable` runs it in one pass at every head dim (ops/one_pass.py); `accurate` keeps Triton.
+    # `stable` takes it only through the one-pass ops (ops/one_pass.py), at every head dim once
+    # they are routed; `accurate` keeps Triton.
+    assert reason(q, kv, kv, None, 0.0, None, "stable") == hopper_bwd.ONE_PASS_OFF
+    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", True)
     assert reason(q64, kv64, kv64, None, 0.0, None, "stable", is_causal=False) is None
+    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", False)
     assert "schedule 'accurate'" in reason(q, kv, kv, None, 0.0, None, "accurate")
     assert "mask" in reason(q, kv, kv, t(2, 8, 64, 64, dtype=torch.bool), 0.0, None, "fast")
     assert "dropout" in reason(q, kv, kv, None, 0.1, None, "fast")

@@ -24,9 +24,16 @@ DTYPES = (torch.bfloat16, torch.float16)
 # ------------------------------------------------------------------------------ which calls
 
 def test_stable_unmasked_calls_take_the_one_pass_path(monkeypatch):
+    from flash_inductor.launch import hopper_bwd
     from flash_inductor.launch.hopper_bwd import NO_RESIDUAL, one_pass_unsupported_reason
+    from flash_inductor.ops.one_pass import one_pass_applies
 
     t = mock_hopper(monkeypatch)
+    q = t(2, 8, 256, 128)
+    # Routed only while the switch is on; the support check itself does not depend on it.
+    assert not hopper_bwd.ONE_PASS_STABLE and not one_pass_applies(q, q, q, None, 0.0, 0.1, "stable")
+    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", True)
+    assert one_pass_applies(q, q, q, None, 0.0, 0.1, "stable")
     q, k = t(2, 8, 256, 128), t(2, 2, 256, 128)
     assert one_pass_unsupported_reason(q, k, k, None, 0.0, 0.1, "stable") is None
     assert one_pass_unsupported_reason(t(1, 4, 100, 64), t(1, 4, 300, 64), t(1, 4, 300, 64), None, 0.0, 0.1,
@@ -38,6 +45,25 @@ def test_stable_unmasked_calls_take_the_one_pass_path(monkeypatch):
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     assert one_pass_unsupported_reason(q, k, k, None, 0.0, 0.1, "stable")
     assert "residual" in NO_RESIDUAL
+
+
+def test_centred_keys_are_exact_and_centre_only_what_they_can():
+    """K̃ + k̂ == K bit for bit; near-tied keys (a large shared part) are centred on almost every
+    dimension, keys of both signs on none."""
+    from flash_inductor.ops.one_pass import centred_keys
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in DTYPES:
+        shared = torch.randn(2, 2, 1, 64, generator=gen) * 50
+        near_tied = (shared + torch.randn(2, 2, 300, 64, generator=gen) * 0.05).to(dtype)
+        plain = torch.randn(2, 2, 300, 64, generator=gen).to(dtype)
+        for keys, centred_share in ((near_tied, 0.9), (plain, 0.0)):
+            k_hat, k_tilde = centred_keys(keys)
+            assert k_tilde.dtype == keys.dtype and k_hat.shape == (2, 2, 64)
+            assert torch.equal(k_tilde.double() + k_hat.double().unsqueeze(2), keys.double())
+            share = (k_hat != 0).double().mean().item()
+            assert share >= centred_share if centred_share else share == 0.0
+        assert centred_keys(near_tied)[1].abs().max() < 0.05 * near_tied.abs().max()
 
 
 def test_cpu_calls_never_take_it():
@@ -105,13 +131,15 @@ def test_one_pass_matches_fp64(dtype, head_dim, case):
 @needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("case", ["near_tied", "qk_x100"])
-def test_stability_cases_meet_the_requirement(dtype, case):
+def test_stability_cases_meet_the_requirement(monkeypatch, dtype, case):
     """The suite's requirement (||ours - ref|| <= 2 best anchor + floor) on the two cases that
     `fast`'s Δ fails, with this path as the default schedule."""
+    from flash_inductor.launch import hopper_bwd
     from flash_inductor.stability import cases as suite_cases
     from flash_inductor.stability import runner
     from flash_inductor.stability.anchors import implementations
 
+    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", True)
     sizes = suite_cases.QUICK
     chosen = [c for c in suite_cases.all_cases(sizes) if c.name == case]
     impls = implementations(["ours:stable", "ours:fast", "sdpa:math", "sdpa:flash", "sdpa:efficient"])
@@ -122,11 +150,12 @@ def test_stability_cases_meet_the_requirement(dtype, case):
 
 @needs_hopper
 def test_flash_attention_routes_stable_through_the_one_pass_ops(monkeypatch):
-    """Eager and compiled calls with the default schedule run the one-pass kernels and give the
-    same values; `fast` keeps its own ops."""
+    """With the switch on, eager and compiled calls with the default schedule run the one-pass
+    kernels and give the same values."""
     import flash_inductor
     from flash_inductor.launch import hopper_bwd
 
+    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", True)
     calls = []
     real = hopper_bwd.hopper_attention_backward
 
@@ -161,9 +190,11 @@ def test_flash_attention_routes_stable_through_the_one_pass_ops(monkeypatch):
 
 
 @needs_hopper
-def test_deterministic_mode_keeps_the_triton_backward():
+def test_deterministic_mode_keeps_the_triton_backward(monkeypatch):
     import flash_inductor
+    from flash_inductor.launch import hopper_bwd
 
+    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", True)
     q, k, v = (torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
     torch.use_deterministic_algorithms(True)
     try:
