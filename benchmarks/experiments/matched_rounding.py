@@ -1,7 +1,7 @@
 """EXPERIMENT: an exact Δ for a one-pass backward from a forward whose rounding the backward repeats.
 
-    python -m benchmarks.experiments.matched_rounding            # CPU, the stability suite's QUICK sizes
-    python -m benchmarks.experiments.matched_rounding --cases near_tied,qk_x100 --seq 512 --head-dim 128
+    python -m benchmarks.experiments.matched_rounding            # CPU, the suite's QUICK sizes: ~10 s
+    python -m benchmarks.experiments.matched_rounding --seq 2048 --head-dim 128   # its full sizes: ~3 min
 
 Why: dK and dV need Δ*ᵢ = Σⱼ Pᵢⱼ dPᵢⱼ / Σⱼ Pᵢⱼ before one pass over key blocks has seen a row's
 keys. dO·O misses it because the forward rounds P for P·V while the backward's dS uses fp32 P.
@@ -15,9 +15,21 @@ Here the backward uses the forward's rounded P instead, which it can reproduce e
     dO' = round16(g·dO) with g = 2^(c − LSE₂) (the normalisation; P = g·P̃), and
     Δ' = dO'·(O + r). Then Σⱼ P̃ᵢⱼ (dO'ᵢ·vⱼ − Δ'ᵢ) = 0 to fp32, whatever g's rounding.
   dS = P̃∘(dO'Vᵀ − Δ'), dV = P̃ᵀdO', dK = dSᵀQ, dQ = dS·K: the `fast` kernel's five GEMMs.
-dS's own rounding before dS·K meets the keys' shared component (near-tied keys); `ctr` removes
-it with σ̃ᵢ = Σⱼ round16(dSᵢⱼ) and the head's mean key k̂: dq −= σ̃ᵢ·k̂ (exact for any fixed k̂,
-since the exact dS rows sum to 0).
+dS's own rounding before dS·K meets the keys' shared component (near-tied keys). Two remedies:
+  *_ctr       σ̃ᵢ = Σⱼ round16(dSᵢⱼ) and the head's mean key k̂: dq −= σ̃ᵢ·k̂ (exact for any fixed
+              k̂, since the exact dS rows sum to 0);
+  *_centred   both passes see K̃ = K − k̂ with k̂ chosen so that the subtraction is exact
+              (ops/one_pass.centred_keys: per dimension, the rounded mean where every key is within
+              a factor of two of it, else 0); the softmax is unchanged, and dS·K̃ meets only the
+              keys' spread. What ops/one_pass.py ships.
+Variants: fa2 (`fast`: fp32 P from the LSE, Δ = dO·O), matched, matched_ctr, matched_centred.
+
+RESULT (CPU, torch 2.13, the suite's requirement, sdpa:math and eager as anchors, seed 0):
+  * L 2048, E 128 (the suite's full sizes), every case but the long ones: matched_ctr and
+    matched_centred PASS (worst err/bound 0.26, qk_x100 fp16 dq); matched alone fails near_tied dq
+    (8-10x the bound); fa2 fails near_tied dq (15-17x) and qk_x100 bf16 dq/dk.
+  * On the H200 the kernels agree (benchmarks/results/hopper_bwd_nvidia-h200_20261202.json,
+    'one_pass_exact'; docs/hopper_backward.md).
 
 Pure PyTorch: the kernels' rounding is emulated with fp32 arithmetic and 16-bit casts; exp2 is
 evaluated in float64 and rounded to fp32 (an exp2 that commutes with integer shifts, as MUFU's
@@ -176,7 +188,7 @@ def emulated(variant: str, perturb: bool) -> Implementation:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default=None, help="comma-separated case names (default: all but long)")
-    parser.add_argument("--variants", default="fa2,matched,matched_ctr")
+    parser.add_argument("--variants", default="fa2,matched,matched_ctr,matched_centred")
     parser.add_argument("--perturb", action="store_true")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--head-dim", type=int, default=64)

@@ -210,3 +210,16 @@ def test_fp32_tiles_experiment_runs_every_tile_and_matches_fp64(tmp_path):
         # fp32 sums in another order: within 1e-6 of fp64 and close to the heuristic tile's error.
         assert r["err"] < 1e-5 and 0.5 < r["err_vs_heuristic"] < 2.0, r
         assert r["compile_s"] >= 0
+
+
+def test_matched_rounding_emulation_separates_the_deltas():
+    """The CPU emulation behind ops/one_pass.py: `fast`'s Δ fails the stability requirement on
+    near-tied keys, the forward-matched Δ alone still fails there (dS's rounding meets the keys'
+    shared part), and with centred keys it passes."""
+    run = subprocess.run([*experiment("matched_rounding"), "--cases", "near_tied", "--seq", "256", "--head-dim", "64",
+                          "--variants", "fa2,matched,matched_centred"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    verdicts = {line.split()[2].rstrip(":"): line.split()[3] for line in run.stdout.splitlines()
+                if line.startswith("seed 0 ours:")}
+    assert verdicts == {"ours:fa2": "FAIL", "ours:matched": "FAIL", "ours:matched_centred": "PASS;"}, run.stdout
