@@ -105,7 +105,9 @@ def _fp64_grads(q, k, v, dout, dlse, is_causal, causal_offset, scale):
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     out = p @ vv
-    loss = (out * dout.double()).sum() + ((lse.nan_to_num(0.0, neginf=0.0) * dlse.double()).sum() if dlse is not None else 0)
+    loss = (out * dout.double()).sum()
+    if dlse is not None:
+        loss = loss + (lse.nan_to_num(0.0, neginf=0.0) * dlse.double()).sum()
     loss.backward()
     return q64.grad, k64.grad, v64.grad
 
@@ -145,7 +147,8 @@ def run_features(args, record):
                     errs[impl] = {n: float((x.grad.double() - r).norm() / r.norm().clamp_min(1e-300))
                                   for n, x, r in (("dq", qq, ref[0]), ("dk", kk, ref[1]), ("dv", vv, ref[2]))}
                     errs[impl]["finite"] = bool(all(torch.isfinite(x.grad).all() for x in (qq, kk, vv)))
-                row = dict(dtype=dname, head_dim=e, case=name, **{f"{i}_{n}": v for i, d in errs.items() for n, v in d.items()})
+                row = dict(dtype=dname, head_dim=e, case=name,
+                           **{f"{i}_{n}": v for i, d in errs.items() for n, v in d.items()})
                 out_rows.append(row)
                 print(f"  {dname} E{e} {name:20s} " + " ".join(
                     f"{n} {errs['exact1p'][n]:.2e}/{errs['stable'][n]:.2e}" for n in ("dq", "dk", "dv"))

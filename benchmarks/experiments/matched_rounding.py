@@ -205,7 +205,8 @@ def main(argv=None) -> int:
         for impl in ours:
             req = runner.check_requirements(results, impl.schedule)
             worst = sorted(req.checks, key=lambda c: -(c.ours_err / c.bound if c.bound else 0))[:4]
-            print(f"seed {seed} {impl.name}: {'PASS' if req.passed else f'FAIL {len(req.violations)}'}; worst err/bound: "
+            verdict = "PASS" if req.passed else f"FAIL {len(req.violations)}"
+            print(f"seed {seed} {impl.name}: {verdict}; worst err/bound: "
                   + ", ".join(f"{c.case}/{c.dtype}/{c.result} {c.ours_err / c.bound:.2f}" for c in worst if c.bound))
             for v in req.violations[:6]:
                 print("   ", v)

@@ -392,17 +392,18 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS,
         mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
 
     # Worker partitions take no tensors, only descriptors, shared memory and scalars, so every
-    # partition gets its arguments spelled out; the default partition is consumer 0.
+    # partition gets its arguments spelled out (Gluon 3.6 cannot build a partition's argument
+    # tuple from shared pieces: `+` on tuples fails there); the default partition is consumer 0.
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty,
-                                    v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset, window_lower, qk_scale, turn, 0, HEAD_DIM,
-                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG,
-                                    EXACT_DELTA)),
-            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty,
-                                    v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset, window_lower, qk_scale, turn, 1, HEAD_DIM,
-                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG,
-                                    EXACT_DELTA)),
+            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
+                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset,
+                                    window_lower, qk_scale, turn, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                    NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA)),
+            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
+                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset,
+                                    window_lower, qk_scale, turn, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                    NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA)),
             (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                   q_ready, k_ready, v_ready, k_empty, v_empty,
                                   L, S, H, GROUP, causal_offset, window_lower,
@@ -410,18 +411,18 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS,
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty,
-                                    v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset, window_lower, qk_scale, turn, 0, HEAD_DIM,
-                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG,
-                                    EXACT_DELTA)),
-            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty,
-                                    v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset, window_lower, qk_scale, turn, 1, HEAD_DIM,
-                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG,
-                                    EXACT_DELTA)),
-            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty,
-                                    v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset, window_lower, qk_scale, turn, 2, HEAD_DIM,
-                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG,
-                                    EXACT_DELTA)),
+            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
+                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset,
+                                    window_lower, qk_scale, turn, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                    NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA)),
+            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
+                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset,
+                                    window_lower, qk_scale, turn, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                    NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA)),
+            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
+                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset,
+                                    window_lower, qk_scale, turn, 2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                    NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA)),
             (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                   q_ready, k_ready, v_ready, k_empty, v_empty,
                                   L, S, H, GROUP, causal_offset, window_lower,

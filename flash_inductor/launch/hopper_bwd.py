@@ -145,8 +145,9 @@ def backward_tma_unsupported_reason(grad_out, query, key, value) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def log_triton_backward(reason: str) -> None:
-    """Say once per reason, at INFO, why a backward on a Hopper GPU runs the Triton kernels."""
-    if reason not in NOT_HOPPER:
+    """Say once per reason, at INFO, why a backward on a Hopper GPU runs the Triton kernels. The
+    default schedule's reason while its one-pass path is off is left out: every `stable` call has it."""
+    if reason not in NOT_HOPPER and reason != ONE_PASS_OFF:
         log.info("flash_inductor: backward on the Triton kernels, not the Hopper (Gluon) one: %s", reason)
 
 

@@ -40,7 +40,9 @@ def one_pass_applies(query, key, value, attn_mask, dropout_p: float, scale: floa
                      window=None, block_sparse: bool = False) -> bool:
     """Whether a call takes this path: ``launch.hopper_bwd.ONE_PASS_STABLE`` routes `stable` here
     and ``one_pass_unsupported_reason`` finds nothing against the call."""
-    return hopper_bwd.ONE_PASS_STABLE and hopper_bwd.one_pass_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
+    if not hopper_bwd.ONE_PASS_STABLE:
+        return False
+    return hopper_bwd.one_pass_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
                                                   window=window, block_sparse=block_sparse) is None
 
 
