@@ -23,12 +23,15 @@ Symbols (per consumer warpgroup, which owns BLOCK_M query rows of one (batch, he
            commutes with its rounding; round(exp2(x - m)) then does not depend on which tile
            set m, and the backward can recompute the very values P·V used.
   l_i      the sum of P *as rounded*, so acc / l_i is the exact average of V under the weights
-           P·V used.
+           P·V used; summed by a wgmma of P against a (keys, 8) ones tile beside P·V (l_acc),
+           with no ALU work per score.
   resid    O's rounding residual round(acc / l_i - O), stored beside O: O + resid is that
            average to about 16 bits more than O alone, which is what Δ = dO·(O + resid) needs.
   pivot    the backward's row constants, (B, H, L) planes of ROW_CONSTS: c = m_i + floor(log2 l_i)
            (an integer, +inf for a row with no key) and g = exp2(c - m_i) / l_i (0 there): the
            backward's P is g · round(exp2(s·qk_scale - c)), whatever the rounding of g.
+  The keys are the centred K̃ of ops/one_pass.py, so this LSE is over K̃; the launcher's caller
+  adds scale·q·k̂ back.
 
 Constexpr switches:
   HEAD_DIM      E, the head dim of Q, K and V (64 or 128; one TMA box covers it).

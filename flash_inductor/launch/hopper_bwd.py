@@ -41,10 +41,10 @@ log = logging.getLogger("flash_inductor")
 E64_NON_CAUSAL = "head dim 64 without causal masking (the Triton backward measures faster there)"
 # `stable` runs this kernel only from the one-pass forward, whose residual it needs (ops/one_pass.py).
 NO_RESIDUAL = "the exact Δ needs the one-pass forward's residual (ops/one_pass.py)"
-# Whether `stable` calls take the one-pass exact-Δ path. Not yet: it is accurate (the stability
-# requirement passes, near-tied dq 3x better than the Triton backward's) but its dS row sums cost
-# the backward 47-56 % (docs/hopper_backward.md), so forward+backward runs at 0.67-0.79x cuDNN
-# against the Triton backward's 0.71-0.79x. The ops exist and are tested; this switch routes calls.
+# Whether `stable` calls take the one-pass exact-Δ path (ops/one_pass.py). Not yet: it is
+# accurate and, timed by its parts, faster than the Triton backward (0.87x cuDNN forward+backward
+# at bf16 E 128 causal 16k against 0.71x), but the version with centred keys has not had its GPU
+# tests, the stability suite and a forward+backward grid run end to end (docs/hopper_backward.md).
 ONE_PASS_STABLE = False
 ONE_PASS_OFF = ("schedule 'stable' (its exact Δ in one pass is not faster than the Triton backward yet; "
                 "docs/hopper_backward.md)")
@@ -111,8 +111,8 @@ def _backward_support_reason(query, key, value, attn_mask=None, dropout_p: float
     sched = get_schedule(schedule)
     if sched.ds_in_fp32:
         return f"schedule {sched.name!r} (dS in fp32 for the matrix unit)"
-    # `stable` (exact Δ) runs this kernel in one pass (ops/one_pass.py), which beats the Triton
-    # `stable` backward at every head dim; the E 64 exception is `fast`'s.
+    # The E 64 exception is `fast`'s: `stable`'s one-pass backward (ops/one_pass.py) is faster than
+    # the Triton `stable` backward at E 64 too (docs/hopper_backward.md).
     if not sched.exact_delta and query.shape[-1] == 64 and not is_causal:
         return E64_NON_CAUSAL
     if torch.are_deterministic_algorithms_enabled():
@@ -130,7 +130,7 @@ def one_pass_unsupported_reason(query, key, value, attn_mask=None, dropout_p: fl
     if not get_schedule(schedule).exact_delta:
         return f"schedule {get_schedule(schedule).name!r} (no exact Δ to form)"
     reason = _backward_support_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
-                                                window=window, block_sparse=block_sparse)
+                                      window=window, block_sparse=block_sparse)
     if reason is not None:
         return reason
     if 0 in (length_hint(query.shape[2]), length_hint(key.shape[2])):
@@ -158,7 +158,8 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
                               delta: torch.Tensor | None = None,
                               exact_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
                               mean_key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv) of attention on the Gluon Hopper kernel, `fast` schedule.
+    """Gradients (dq, dk, dv) of attention on the Gluon Hopper kernel: `fast`'s, or with
+    ``exact_delta`` `stable`'s.
 
     ``query``/``out``/``grad_out`` (B, Hq, L, E), ``key``/``value`` (B, Hkv, S, E) with Hq a
     multiple of Hkv; ``lse`` (B, Hq, L) fp32 in natural log as the forward returns it (-inf for a
@@ -166,8 +167,9 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     ``window`` FlashAttention's (left, right), or None, on top of ``is_causal``.
     ``delta`` (B, Hq, L) fp32 replaces the preprocess's Δ (experiments). ``exact_delta``: the
     (residual, row constants) the forward returned under ``exact_delta=True``; the backward is
-    then `stable`'s, with the exact Δ. ``mean_key`` (B, Hkv, E) fp32: ``key`` is the centred K̃ =
-    K − k̂ of ops/one_pass.py, whose LSE carries scale·q·k̂, so dq gets scale·dLSE·k̂ back. Call only where
+    then `stable`'s, with the exact Δ. ``mean_key`` (B, Hkv, E) fp32: ``key`` is the centred
+    K̃ = K − k̂ of ops/one_pass.py, whose LSE carries scale·q·k̂, so dq gets scale·dLSE·k̂ back.
+    Call only where
     ``hopper_backward_unsupported_reason`` and ``tma_unsupported_reason`` (on query, key, value,
     grad_out) say so."""
     from ..kernels.gluon_tma import HAS_TMA_REDUCE
