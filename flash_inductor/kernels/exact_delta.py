@@ -13,8 +13,10 @@ Glossary (per query row i of one (batch, query head); docs/hopper_backward.md de
           exactly as the true dS rows sum, whatever the rounding of g.
 
   stats   under fp16, the bound on |dS| the kernel scales dS by (``launch.hopper_bwd``):
-          max ‖dO'_i‖², max ‖v_j‖², max |g_i dLSE_i| into DS_STATS (3 fp32, zeroed; a NaN
-          counts as +inf so that a non-finite input never looks small).
+          max ‖dO'_i‖², max ‖v_j‖², max |g_i dLSE_i|, each program's into its column of
+          DS_STATS (3, programs) fp32 zeros, which the launcher reduces (one scalar atomic per
+          program on three addresses serialised: 0.41 ms at fp16 E 128 4k against 0.11 for bf16).
+          A NaN counts as +inf so that a non-finite input never looks small.
   k̂       the centring of the keys (ops/one_pass.py): the forward's LSE gets scale·q_i·k̂ back
           (``_add_row_dot``), and dq the gradient of that term, scale·dLSE_i·k̂ (the dq finish).
 
@@ -49,13 +51,15 @@ def _exact_delta_preprocess(DO, O, RESID, NORM, DLSE, DO_SCALED, DELTA, V, DS_ST
     b = bh // H
     h = bh % H
     cols = tl.arange(0, HEAD_DIM)
+    stat = DS_STATS + pid_m * tl.num_programs(1) + bh  # this program's column
+    stat_row = tl.num_programs(0) * tl.num_programs(1)
     if COLLECT_STATS:
         # V's rows: the programs of the first H_KV query heads cover its heads.
         v_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         if h < H_KV:
             v = tl.load(V + b.to(tl.int64) * stride_vb + h * stride_vh + v_rows[:, None] * stride_vn + cols[None, :],
                         mask=(v_rows < S)[:, None], other=0.0).to(tl.float32)
-            tl.atomic_max(DS_STATS + 1, _max_as_stat(tl.sum(v * v, axis=1)), sem="relaxed")
+            tl.store(stat + stat_row, _max_as_stat(tl.sum(v * v, axis=1)))
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     in_rows = rows < L
     mask = in_rows[:, None]
@@ -74,9 +78,9 @@ def _exact_delta_preprocess(DO, O, RESID, NORM, DLSE, DO_SCALED, DELTA, V, DS_ST
         g_dlse = g * tl.load(DLSE + row_ids, mask=in_rows, other=0.0)
         delta -= g_dlse
         if COLLECT_STATS:
-            tl.atomic_max(DS_STATS + 2, _max_as_stat(tl.abs(g_dlse)), sem="relaxed")
+            tl.store(stat + 2 * stat_row, _max_as_stat(tl.abs(g_dlse)))
     if COLLECT_STATS:
-        tl.atomic_max(DS_STATS, _max_as_stat(tl.sum(do_f * do_f, axis=1)), sem="relaxed")
+        tl.store(stat, _max_as_stat(tl.sum(do_f * do_f, axis=1)))
     tl.store(DELTA + row_ids, delta, mask=in_rows)
 
 

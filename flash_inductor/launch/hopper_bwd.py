@@ -239,10 +239,13 @@ def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
         raise ValueError("exact-Δ backward: out and its residual must share strides, and grad_out, out and value "
                          "need a contiguous last dim")
     collect_stats = grad_out.dtype == torch.float16
-    stats = torch.zeros(3, dtype=torch.float32, device=grad_out.device)
     block_m = 64
     rows = torch.sym_max(seq_q, seq_k) if collect_stats else seq_q
-    _exact_delta_preprocess[(cdiv(rows, block_m), batch * heads_q)](
+    grid = (cdiv(rows, block_m), batch * heads_q)
+    # One column of partial maxima per program (no contended atomics), reduced below.
+    stats = torch.zeros((3, grid[0] * grid[1]) if collect_stats else (3, 1), dtype=torch.float32,
+                        device=grad_out.device)
+    _exact_delta_preprocess[grid](
         grad_out, out, resid, norm, grad_lse if grad_lse is not None else norm, do_scaled, delta, value, stats,
         *grad_out.stride()[:3], *out.stride()[:3], *value.stride()[:3], heads_q, heads_kv, seq_q, seq_k,
         HEAD_DIM=head_dim, BLOCK_M=block_m, HAS_DLSE=grad_lse is not None, COLLECT_STATS=collect_stats,
@@ -251,6 +254,7 @@ def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
     if collect_stats:
         # |dS| <= P̃ (|dO'·v| + |Δ'|) with P̃ <= 2 and |Δ'| <= ‖dO'‖ max‖v‖ + |g dLSE|: a few
         # one-element ops on the device, no synchronisation.
+        stats = stats.amax(dim=1)
         bound = 4.0 * stats[0].sqrt() * stats[1].sqrt() + 2.0 * stats[2]
         bound = torch.nan_to_num(bound, nan=float("inf")).clamp(2.0**-26, 2.0**100)
         ds_up = torch.exp2(torch.floor(torch.log2(DS_LIMIT / bound))).clamp(2.0**-40, 2.0**40).reshape(1)
