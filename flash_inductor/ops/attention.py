@@ -379,8 +379,9 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
                             schedule, window_left=-1, window_right=-1, block_map=None, block_q=0,
                             block_k=0) -> tuple[Tensor, Tensor]:
     """``torch.ops.flash_inductor.attention_forward`` with the same arguments, without the
-    dispatcher where :func:`eager_fast_path_applies`. `stable` calls that the Hopper kernels take
-    go to the one-pass ops instead (ops/one_pass.py), which return the same (out, lse)."""
+    dispatcher where :func:`eager_fast_path_applies`. While ``launch.hopper_bwd.ONE_PASS_STABLE``
+    routes them, `stable` calls that the Hopper kernels take go to the one-pass ops instead
+    (ops/one_pass.py), which return the same (out, lse)."""
     if block_map is None and one_pass_applies(query, key, value, attn_mask, dropout_p, scale, schedule,
                                               window=(window_left, window_right)):
         return attention_one_pass(query, key, value, is_causal, causal_offset, scale, window_left, window_right,
