@@ -186,6 +186,7 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     if seq_q == 0 or seq_k == 0 or batch * heads_q == 0:
         return torch.zeros_like(query), dk.zero_(), dv.zero_()
     if exact_delta is not None:
+        # The kernel reads the pivots where it reads the LSE otherwise (+inf: a row with no key).
         grad_out, lse, delta, ds_up = _exact_delta_inputs(grad_out, value, out, grad_lse, *exact_delta)
     else:
         ds_up = lse  # not read
@@ -214,7 +215,9 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
         num_warps=4, maxnreg=cfg.maxnreg,
     )
     if mean_key is not None and grad_lse is not None:
-        return _finish_dq_with_mean_key(dq_accum, mean_key, scale * grad_lse.to(torch.float32), query.dtype), dk, dv
+        # A row with no key has LSE -inf whatever q·k̂ is: its dq stays 0.
+        weight = torch.where(lse == float("inf"), 0.0, scale * grad_lse.to(torch.float32))
+        return _finish_dq_with_mean_key(dq_accum, mean_key, weight, query.dtype), dk, dv
     # The kernel already added scale·dS·K: only the cast is left.
     return dq_accum.to(query.dtype), dk, dv
 
