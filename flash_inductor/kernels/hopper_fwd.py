@@ -22,13 +22,14 @@ Symbols (per consumer warpgroup, which owns BLOCK_M query rows of one (batch, he
   m_i      an integer: the ceiling of the row max, so alpha is a power of two and rescaling P
            commutes with its rounding; round(exp2(x - m)) then does not depend on which tile
            set m, and the backward can recompute the very values P·V used.
-  l_i      the sum of P *as rounded*, so acc / l_i is the exact average of V under the weights
+  l_rnd    the sum of P *as rounded*, so acc / l_rnd is the exact average of V under the weights
            P·V used; summed by a wgmma of P against a (keys, 8) ones tile beside P·V (l_acc),
-           with no ALU work per score.
-  resid    O's rounding residual round(acc / l_i - O), stored beside O: O + resid is that
+           with no ALU work per score. O is acc / l_rnd; the LSE keeps l_i, the fp32 sum, so
+           its accuracy is fp32's as under the other schedules.
+  resid    O's rounding residual round(acc / l_rnd - O), stored beside O: O + resid is that
            average to about 16 bits more than O alone, which is what Δ = dO·(O + resid) needs.
-  pivot    the backward's row constants, (B, H, L) planes of ROW_CONSTS: c = m_i + floor(log2 l_i)
-           (an integer, +inf for a row with no key) and g = exp2(c - m_i) / l_i (0 there): the
+  pivot    the backward's row constants, (B, H, L) planes of ROW_CONSTS: c = m_i + floor(log2 l_rnd)
+           (an integer, +inf for a row with no key) and g = exp2(c - m_i) / l_rnd (0 there): the
            backward's P is g · round(exp2(s·qk_scale - c)), whatever the rounding of g.
   The keys are the centred K̃ of ops/one_pass.py, so this LSE is over K̃; the launcher's caller
   adds scale·q·k̂ back.
@@ -140,8 +141,8 @@ def _softmax_step(s, m_i, l_i, qk_scale, row_ids, j, n_full, lo_full, S, causal_
                   s_layout: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                   dtype: gl.constexpr, EXACT_DELTA: gl.constexpr):
     """Fold key tile j's unscaled scores into (m_i, l_i); returns (p, alpha, m_i, l_i), p in fp32.
-    Under EXACT_DELTA p is already rounded to ``dtype`` and l_i is left alone: the rounded P's
-    row sum is a wgmma against a ones tile beside P·V (``_pv_issue``)."""
+    Under EXACT_DELTA p is already rounded to ``dtype`` (the rounded P's row sum is a wgmma
+    against a ones tile beside P·V, ``_pv_issue``); l_i is the fp32 P's sum either way."""
     needs_select = j >= n_full
     if WINDOW_LEFT:
         needs_select = needs_select | (j < lo_full)
@@ -165,10 +166,9 @@ def _softmax_step(s, m_i, l_i, qk_scale, row_ids, j, n_full, lo_full, S, causal_
     m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_ref)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_ref, 1))
+    l_i = l_i * alpha + gl.sum(p, 1)
     if EXACT_DELTA:
-        p = p.to(dtype)  # its row sum comes from the matrix unit, with P·V (_pv_issue)
-    else:
-        l_i = l_i * alpha + gl.sum(p, 1)
+        p = p.to(dtype)
     return p, alpha, m_new, l_i
 
 
@@ -320,13 +320,17 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
     acc, l_acc, p_op = _pv_wait(acc_tok, l_tok, p_op, EXACT_DELTA)
     mbarrier.arrive(v_empty.index(last), count=1)
     if EXACT_DELTA:
-        # Every column holds the row sum; max picks one exactly.
-        l_i = gl.convert_layout(gl.max(l_acc, 1), row_layout)
+        # Every column holds the rounded P's row sum; max picks one exactly.
+        l_rnd = gl.convert_layout(gl.max(l_acc, 1), row_layout)
+    else:
+        l_rnd = l_i
 
-    # l_i == 0 exactly when no key was visible: output 0 and LSE -inf instead of 0/0.
+    # l_i == 0 exactly when no key was visible (and then l_rnd too): output 0 and LSE -inf
+    # instead of 0/0.
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
-    inv_l = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
+    l_rnd_safe = gl.where(empty_row, 1.0, l_rnd)
+    inv_l = gl.convert_layout(1.0 / l_rnd_safe, gl.SliceLayout(1, o_layout))
     out32 = acc * gl.expand_dims(inv_l, 1)
     out = out32.to(dtype)
     log2_l = gl.log2(l_safe)
@@ -337,8 +341,8 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
         # Any integer c serves the backward (module docstring); c - m_i is taken as fp32 gives
         # it, so g stays right where m_i is so large that m_i + floor(log2 l) rounds back to m_i.
         m_safe = gl.where(empty_row, 0.0, m_i)
-        pivot = m_safe + gl.floor(log2_l)
-        norm = gl.exp2(pivot - m_safe) / l_safe
+        pivot = m_safe + gl.floor(gl.log2(l_rnd_safe))
+        norm = gl.exp2(pivot - m_safe) / l_rnd_safe
         plane = gl.num_programs(1).to(gl.int64) * L
         gl.store(ROW_CONSTS + row_off, gl.where(empty_row, float("inf"), pivot), mask=row_ids < L)
         gl.store(ROW_CONSTS + plane + row_off, gl.where(empty_row, 0.0, norm), mask=row_ids < L)
