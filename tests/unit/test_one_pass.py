@@ -14,6 +14,7 @@ from helpers import (
     dtype_id,
     mock_hopper,
     needs_hopper,
+    lse_baseline,
     ref_forward_backward,
     sdpa_baseline,
 )
@@ -118,6 +119,8 @@ def test_one_pass_matches_fp64(dtype, head_dim, case):
     base = sdpa_baseline(q, k_full, v_full, causal_offset=offset_arg, grad_out=do, grad_lse=dlse)
     terms = ref["terms"]
     assert_close_to_ref("out", out, ref["out"], base["out"], terms=terms.get("out"))
+    # The LSE keeps the fp32 sum of P (O is normalised by the rounded one): fp32's accuracy.
+    assert_close_to_ref("lse", lse, ref["lse"], lse_baseline(q, k_full, causal_offset=offset_arg))
     assert_close_to_ref("dq", dq, ref["dq"], base["dq"], terms=terms.get("dq"))
     sum_heads = lambda t: t.unflatten(1, (hkv, group)).sum(2)  # noqa: E731
     assert_close_to_ref("dk", dk, sum_heads(ref["dk"]), sum_heads(base["dk"]), terms=terms.get("dk"))
