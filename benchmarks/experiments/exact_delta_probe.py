@@ -19,9 +19,7 @@ Parts, one process:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import math
 import os
 import time
 
@@ -159,7 +157,6 @@ def run_features(args, record):
 # ----------------------------------------------------------------------------- speed
 
 def run_speed(args, record):
-    import flash_inductor
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def provider(name, causal):

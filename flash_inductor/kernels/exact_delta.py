@@ -27,11 +27,7 @@ LSE output has a gradient), COLLECT_STATS (fp16: the bound's maxima).
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _max_as_stat(values):
-    """Max of non-negative values with NaN read as +inf (max would drop it)."""
-    return tl.max(tl.where(values == values, values, float("inf")), axis=0)
+from .ds_scaling import _max_as_stat
 
 
 @triton.jit

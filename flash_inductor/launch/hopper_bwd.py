@@ -222,13 +222,9 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     return dq_accum.to(query.dtype), dk, dv
 
 
-# Under fp16 the preprocess's bound on |dS| is kept at 2^14 by a power of two, ds_up (a 4x margin
-# to fp16's 65504 for the rounding of P̃ and Δ), as the Triton backward's plain loop does.
-DS_LIMIT = 16384.0
-
-
 def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
     """(dO', pivots, Δ', ds_up) for the exact-Δ backward (kernels/exact_delta.py)."""
+    from ..kernels.ds_scaling import DS_RESCALE_ABOVE
     from ..kernels.exact_delta import _exact_delta_preprocess
 
     batch, heads_q, seq_q, head_dim = grad_out.shape
@@ -255,12 +251,13 @@ def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
         num_warps=4,
     )
     if collect_stats:
-        # |dS| <= P̃ (|dO'·v| + |Δ'|) with P̃ <= 2 and |Δ'| <= ‖dO'‖ max‖v‖ + |g dLSE|: a few
-        # one-element ops on the device, no synchronisation.
+        # |dS| <= P̃ (|dO'·v| + |Δ'|) with P̃ <= 2 and |Δ'| <= ‖dO'‖ max‖v‖ + |g dLSE|, kept at the
+        # Triton plain loop's limit (a 4x margin to fp16's 65504) by the power of two ds_up, which
+        # may be below 1 here: a few one-element ops on the device, no synchronisation.
         stats = stats.amax(dim=1)
         bound = 4.0 * stats[0].sqrt() * stats[1].sqrt() + 2.0 * stats[2]
         bound = torch.nan_to_num(bound, nan=float("inf")).clamp(2.0**-26, 2.0**100)
-        ds_up = torch.exp2(torch.floor(torch.log2(DS_LIMIT / bound))).clamp(2.0**-40, 2.0**40).reshape(1)
+        ds_up = torch.exp2(torch.floor(torch.log2(DS_RESCALE_ABOVE.value / bound))).clamp(2.0**-40, 2.0**40).reshape(1)
     else:
         ds_up = torch.ones(1, dtype=torch.float32, device=grad_out.device)
     return do_scaled, pivot, delta, ds_up
