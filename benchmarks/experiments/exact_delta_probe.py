@@ -14,6 +14,9 @@ Parts, one process:
   * speed: forward+backward, 16k tokens (B = 16384 / L), 2048 / E heads, bf16/fp16, E 64/128,
     causal or not, L 4k/16k; the one-pass ops, `stable`, `fast` and cuDNN, each heated, do_bench
     medians, ratios to cuDNN.
+  * breakdown: three of those cells part by part: the `fast` and one-pass forwards, the centring
+    of the keys in torch (``centred_keys_reference``) and in Triton (``centred_keys``), and the
+    `fast` and one-pass backwards alone (each from its own forward's outputs).
 """
 
 from __future__ import annotations
@@ -209,17 +212,50 @@ def run_speed(args, record):
     record["speed"] = rows
 
 
+def run_breakdown(args, record):
+    from flash_inductor.ops import one_pass
+
+    ops = torch.ops.flash_inductor
+    rows = []
+    for dname, e, causal, L in (("bf16", 128, True, 16384), ("bf16", 64, False, 4096), ("fp16", 128, False, 4096)):
+        b, h = 16384 // L, 2048 // e
+        q, k, v, dout = (torch.randn((b, h, L, e), device="cuda", dtype=DTYPES[dname]) for _ in range(4))
+        scale = e ** -0.5
+        fast_out, fast_lse = ops.attention_forward(q, k, v, None, None, 0.0, causal, 0, scale, "fast")
+        out, lse, resid, row_consts = ops.attention_forward_one_pass(q, k, v, causal, 0, scale)
+        parts = {
+            "fwd_fast": lambda: ops.attention_forward(q, k, v, None, None, 0.0, causal, 0, scale, "fast"),
+            "fwd_one_pass": lambda: ops.attention_forward_one_pass(q, k, v, causal, 0, scale),
+            "centre_torch": lambda: one_pass.centred_keys_reference(k),
+            "centre_triton": lambda: one_pass.centred_keys(k),
+            "bwd_fast": lambda: ops.attention_backward(dout, q, k, v, None, fast_out, fast_lse, None, None, 0.0,
+                                                       causal, 0, scale, "fast", False),
+            "bwd_one_pass": lambda: ops.attention_backward_one_pass(dout, q, k, v, out, lse, None, resid, row_consts,
+                                                                    causal, 0, scale),
+        }
+        cell = dict(dtype=dname, head_dim=e, causal=causal, seq=L)
+        for name, fn in parts.items():
+            fn()
+            heat(fn, 200, synchronize=torch.cuda.synchronize)
+            cell[name] = bench_ms(fn, warmup=10, rep=50)
+        rows.append(cell)
+        print("  " + " ".join(f"{key} {val:.3f}" if isinstance(val, float) else f"{key} {val}"
+                              for key, val in cell.items()), flush=True)
+    record["breakdown"] = rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None)
-    p.add_argument("--parts", default="features,suite,speed")
+    p.add_argument("--parts", default="features,breakdown,suite,speed")
     p.add_argument("--cases", default=None)
     p.add_argument("--dtypes", default="bf16,fp16")
     p.add_argument("--budget", type=float, default=240.0, help="seconds for the speed grid")
     args = p.parse_args(argv)
     record = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
     parts = args.parts.split(",")
-    for part, fn in (("features", run_features), ("suite", run_suite), ("speed", run_speed)):
+    for part, fn in (("features", run_features), ("breakdown", run_breakdown), ("suite", run_suite),
+                     ("speed", run_speed)):
         if part in parts:
             t0 = time.monotonic()
             print(f"== {part}", flush=True)

@@ -19,7 +19,7 @@ dS's own rounding before dS·K meets the keys' shared component (near-tied keys)
   *_ctr       σ̃ᵢ = Σⱼ round16(dSᵢⱼ) and the head's mean key k̂: dq −= σ̃ᵢ·k̂ (exact for any fixed
               k̂, since the exact dS rows sum to 0);
   *_centred   both passes see K̃ = K − k̂ with k̂ chosen so that the subtraction is exact
-              (ops/one_pass.centred_keys: per dimension, the rounded mean where every key is within
+              (ops/one_pass.centred_keys_reference: per dimension, the rounded mean where every key is within
               a factor of two of it, else 0); the softmax is unchanged, and dS·K̃ meets only the
               keys' spread. What ops/one_pass.py ships.
 Variants: fa2 (`fast`: fp32 P from the LSE, Δ = dO·O), matched, matched_ctr, matched_centred.
@@ -47,6 +47,7 @@ import math
 import torch
 from torch import Tensor
 
+from flash_inductor.ops.one_pass import centred_keys_reference
 from flash_inductor.stability import cases as suite_cases
 from flash_inductor.stability import runner
 from flash_inductor.stability.anchors import Implementation, implementations
@@ -141,24 +142,11 @@ def _backward(q, k, v, do, o, r, c, g, scale, mask, dtype, variant, perturb):
     return dq, dk, dv
 
 
-def centred_keys(k: Tensor) -> tuple[Tensor, Tensor]:
-    """(k̂, K̃ = K − k̂) per head with K̃ exact in K's dtype: k̂_e is the rounded mean of the keys'
-    e-th components where every key lies within a factor of two of it (Sterbenz: the difference
-    of two floats within a factor of two is exact), else 0."""
-    mean = k.float().mean(-2, keepdim=True).to(k.dtype).float()
-    lo, hi = k.float().amin(-2, keepdim=True), k.float().amax(-2, keepdim=True)
-    ok = ((mean > 0) & (lo >= mean / 2) & (hi <= mean * 2)) | ((mean < 0) & (hi <= mean / 2) & (lo >= mean * 2))
-    k_hat = torch.where(ok, mean, 0.0).to(k.dtype)
-    k_tilde = k - k_hat
-    assert torch.equal(k_tilde.float() + k_hat.float(), k.float()), "centring must be exact"
-    return k_hat, k_tilde
-
-
 class _Emulated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, mask, variant, perturb):
         if variant.endswith("centred"):
-            _, k = centred_keys(k)  # the forward and the backward both see K̃; softmax ignores q·k̂
+            _, k = centred_keys_reference(k)  # the forward and the backward both see K̃; softmax ignores q·k̂
         o, r, c, g = _forward(q, k, v, scale, mask, q.dtype)
         ctx.save_for_backward(q, k, v, o, r, c, g)
         ctx.rest = (scale, mask, variant, perturb)
@@ -169,7 +157,7 @@ class _Emulated(torch.autograd.Function):
         q, k, v, o, r, c, g = ctx.saved_tensors
         scale, mask, variant, perturb = ctx.rest
         if variant.endswith("centred"):
-            _, k = centred_keys(k)
+            _, k = centred_keys_reference(k)
         dq, dk, dv = _backward(q, k, v, do, o, r, c, g, scale, mask, q.dtype, variant, perturb)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 

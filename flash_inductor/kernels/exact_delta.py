@@ -14,11 +14,16 @@ Glossary (per query row i of one (batch, query head); docs/hopper_backward.md de
 
   stats   under fp16, the bound on |dS| the kernel scales dS by (``launch.hopper_bwd``):
           max ‖dO'_i‖², max ‖v_j‖², max |g_i dLSE_i|, each program's into its column of
-          DS_STATS (3, programs) fp32 zeros, which the launcher reduces (one scalar atomic per
-          program on three addresses serialised: 0.41 ms at fp16 E 128 4k against 0.11 for bf16).
+          DS_STATS (3, programs) fp32, which the launcher reduces (one scalar atomic per program
+          on three shared addresses took 0.41 ms at fp16 E 128 4k against 0.11 for bf16).
           A NaN counts as +inf so that a non-finite input never looks small.
   k̂       the centring of the keys (ops/one_pass.py): the forward's LSE gets scale·q_i·k̂ back
           (``_add_row_dot``), and dq the gradient of that term, scale·dLSE_i·k̂ (the dq finish).
+          ``_key_moments`` and ``_centre_keys`` find k̂ and write K̃ = K − k̂ in two passes over K
+          (the torch spelling took six kernels and three passes, 10-20 % of the forward).
+  chunk   a run of CHUNK keys of one (batch, KV head): the unit of ``_key_moments``' partial sums,
+          so that a long sequence of few heads still fills the GPU; the chunks' partials are
+          reduced in a fixed order, so k̂ is the same in the forward and the backward.
 
 Constexpr switches: HEAD_DIM (E, a power of two), BLOCK_M (rows per program), HAS_DLSE (the
 LSE output has a gradient), COLLECT_STATS (fp16: the bound's maxima).
@@ -119,3 +124,70 @@ def _add_row_dot(Q, MEAN_KEY, LSE, scale, stride_qb, stride_qh, stride_qm, H, GR
     row_ids = bh.to(tl.int64) * L + rows
     lse = tl.load(LSE + row_ids, mask=rows < L, other=0.0)
     tl.store(LSE + row_ids, lse + scale * tl.sum(q * k_hat[None, :], axis=1), mask=rows < L)
+
+
+@triton.jit
+def _key_moments(K, PARTIAL, stride_kb, stride_kh, stride_kn, H_KV, S, CHUNK,
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per dimension, the sum, min and max of one chunk's keys. Grid (chunks, B * H_KV); K
+    (B, H_KV, S, E) with a unit last stride; PARTIAL (3, B·H_KV, chunks, E) fp32. CHUNK is a
+    multiple of BLOCK_N. A NaN reaches the sum (min/max may drop it), and a NaN mean centres
+    nothing."""
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1)
+    cols = tl.arange(0, HEAD_DIM)
+    base = K + (bh // H_KV).to(tl.int64) * stride_kb + (bh % H_KV) * stride_kh
+    total = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    low = tl.full([HEAD_DIM], float("inf"), dtype=tl.float32)
+    high = tl.full([HEAD_DIM], float("-inf"), dtype=tl.float32)
+    for start in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, S), BLOCK_N):
+        rows = start + tl.arange(0, BLOCK_N)
+        in_rows = (rows < S)[:, None]
+        k = tl.load(base + rows[:, None].to(tl.int64) * stride_kn + cols[None, :], mask=in_rows,
+                    other=0.0).to(tl.float32)
+        total += tl.sum(k, axis=0)
+        low = tl.minimum(low, tl.min(tl.where(in_rows, k, float("inf")), axis=0))
+        high = tl.maximum(high, tl.max(tl.where(in_rows, k, float("-inf")), axis=0))
+    plane = tl.num_programs(1) * tl.num_programs(0) * HEAD_DIM
+    at = PARTIAL + (bh * tl.num_programs(0) + chunk).to(tl.int64) * HEAD_DIM + cols
+    tl.store(at, total)
+    tl.store(at + plane, low)
+    tl.store(at + 2 * plane, high)
+
+
+@triton.jit
+def _centre_keys(K, PARTIAL, K_TILDE, MEAN_KEY, stride_kb, stride_kh, stride_kn, H_KV, S, CHUNK,
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """k̂ from the chunks' partials (every program reduces them in the same order), then
+    K̃ = K − k̂ over this program's chunk. Grid and K as ``_key_moments``; K_TILDE (B, H_KV, S, E)
+    contiguous in K's dtype; MEAN_KEY (B·H_KV, E) fp32, written by each head's first chunk.
+
+    k̂_e is the keys' mean rounded to K's dtype where every key's e-th component lies within a
+    factor of two of it, else 0: then k − k̂ is a float of K's dtype (Sterbenz), so K̃ is exact."""
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1)
+    chunks = tl.num_programs(0)
+    cols = tl.arange(0, HEAD_DIM)
+    plane = tl.num_programs(1) * chunks * HEAD_DIM
+    total = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    low = tl.full([HEAD_DIM], float("inf"), dtype=tl.float32)
+    high = tl.full([HEAD_DIM], float("-inf"), dtype=tl.float32)
+    for c in range(0, chunks):
+        at = PARTIAL + (bh * chunks + c).to(tl.int64) * HEAD_DIM + cols
+        total += tl.load(at)
+        low = tl.minimum(low, tl.load(at + plane))
+        high = tl.maximum(high, tl.load(at + 2 * plane))
+    mean = (total / S).to(K.dtype.element_ty).to(tl.float32)
+    within = tl.where(mean > 0, (low >= mean * 0.5) & (high <= mean * 2.0),
+                      (high <= mean * 0.5) & (low >= mean * 2.0))
+    k_hat = tl.where(within & (mean != 0.0) & (tl.abs(mean) < float("inf")), mean, 0.0)
+    if chunk == 0:
+        tl.store(MEAN_KEY + bh.to(tl.int64) * HEAD_DIM + cols, k_hat)
+    base = K + (bh // H_KV).to(tl.int64) * stride_kb + (bh % H_KV) * stride_kh
+    out = K_TILDE + bh.to(tl.int64) * S * HEAD_DIM
+    for start in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, S), BLOCK_N):
+        rows = start + tl.arange(0, BLOCK_N)
+        in_rows = (rows < S)[:, None]
+        k = tl.load(base + rows[:, None].to(tl.int64) * stride_kn + cols[None, :], mask=in_rows, other=0.0)
+        tl.store(out + rows[:, None].to(tl.int64) * HEAD_DIM + cols[None, :],
+                 (k.to(tl.float32) - k_hat[None, :]).to(K_TILDE.dtype.element_ty), mask=in_rows)

@@ -263,6 +263,27 @@ def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
     return do_scaled, pivot, delta, ds_up
 
 
+def centre_keys(key: torch.Tensor, max_chunks: int = 16, min_chunk: int = 512):
+    """(k̂ (B, H_KV, E) fp32, K̃ = K − k̂ contiguous in K's dtype), the Triton spelling of
+    ``ops/one_pass.centred_keys_reference`` (kernels/exact_delta.py): one pass over K for the
+    chunks' sums, minima and maxima, one for K̃. K (B, H_KV, S ≥ 1, E) with a unit last stride."""
+    from ..kernels.exact_delta import _centre_keys, _key_moments
+
+    batch, heads_kv, seq_k, head_dim = key.shape
+    block_n = max(16, 8192 // head_dim)
+    chunks = max(1, min(max_chunks, seq_k // min_chunk))
+    chunk = cdiv(cdiv(seq_k, chunks), block_n) * block_n
+    chunks = cdiv(seq_k, chunk)
+    partial = torch.empty((3, batch * heads_kv, chunks, head_dim), dtype=torch.float32, device=key.device)
+    k_hat = torch.empty((batch, heads_kv, head_dim), dtype=torch.float32, device=key.device)
+    k_tilde = torch.empty((batch, heads_kv, seq_k, head_dim), dtype=key.dtype, device=key.device)
+    grid = (chunks, batch * heads_kv)
+    args = (*key.stride()[:3], heads_kv, seq_k, chunk)
+    _key_moments[grid](key, partial, *args, HEAD_DIM=head_dim, BLOCK_N=block_n, num_warps=4)
+    _centre_keys[grid](key, partial, k_tilde, k_hat, *args, HEAD_DIM=head_dim, BLOCK_N=block_n, num_warps=4)
+    return k_hat, k_tilde
+
+
 def add_row_dot(query, mean_key, lse, scale: float) -> None:
     """lse += scale·(q·k̂) in place, fp32 (kernels/exact_delta.py): the one-pass forward's LSE over
     the centred keys K̃ = K − k̂ back to the LSE over K."""

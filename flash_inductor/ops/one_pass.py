@@ -46,17 +46,25 @@ def one_pass_applies(query, key, value, attn_mask, dropout_p: float, scale: floa
                                                   window=window, block_sparse=block_sparse) is None
 
 
-def centred_keys(key: Tensor) -> tuple[Tensor, Tensor]:
+def centred_keys_reference(key: Tensor) -> tuple[Tensor, Tensor]:
     """(k̂, K̃ = K − k̂): k̂ (B, Hkv, E) fp32 holds, per head and dimension, the keys' mean rounded
     to their dtype where every key's component lies within a factor of two of it, else 0. Then
     K − k̂ is exact in K's dtype (Sterbenz: the difference of two floats within a factor of two
     of each other is a float), so K̃ + k̂ = K and attention over K̃ is attention over K with each
-    row's scores shifted by q·k̂. Deterministic, so the backward recomputes it."""
+    row's scores shifted by q·k̂. The torch spelling of ``launch.hopper_bwd.centre_keys``, which
+    the path runs (its mean may differ in the last bit: another summation order)."""
     mean = torch.mean(key, dim=2, dtype=torch.float32).to(key.dtype).float()
     low, high = (t.float() for t in torch.aminmax(key, dim=2))
     within = torch.where(mean > 0, (low >= mean / 2) & (high <= mean * 2), (high <= mean / 2) & (low >= mean * 2))
-    k_hat = torch.where(within & (mean != 0), mean, 0.0)
+    k_hat = torch.where(within & (mean != 0) & mean.isfinite(), mean, 0.0)
     return k_hat, key - k_hat.to(key.dtype).unsqueeze(2)
+
+
+def centred_keys(key: Tensor) -> tuple[Tensor, Tensor]:
+    """(k̂, K̃) as :func:`centred_keys_reference` defines them, in two Triton passes over K where
+    K's last stride is 1 (else on a contiguous copy). Deterministic, so the backward recomputes
+    it and gets the forward's K̃."""
+    return hopper_bwd.centre_keys(key if key.stride(-1) == 1 else key.contiguous())
 
 
 def _addressable(*tensors: Tensor) -> list[Tensor]:

@@ -48,23 +48,43 @@ def test_stable_unmasked_calls_take_the_one_pass_path(monkeypatch):
     assert "residual" in NO_RESIDUAL
 
 
-def test_centred_keys_are_exact_and_centre_only_what_they_can():
-    """K̃ + k̂ == K bit for bit; near-tied keys (a large shared part) are centred on almost every
-    dimension, keys of both signs on none."""
-    from flash_inductor.ops.one_pass import centred_keys
+def _centred(keys, spelling):
+    if spelling == "reference":
+        from flash_inductor.ops.one_pass import centred_keys_reference
+        return centred_keys_reference(keys)
+    from flash_inductor.launch.hopper_bwd import centre_keys
+    return centre_keys(keys, min_chunk=64)  # several chunks at these lengths
 
+
+@pytest.mark.parametrize("spelling", ["reference", "triton"])
+def test_centred_keys_are_exact_and_centre_only_what_they_can(spelling):
+    """K̃ + k̂ == K bit for bit; near-tied keys (a large shared part) are centred on almost every
+    dimension, keys of both signs on none; the Triton passes (the interpreter here) agree with the
+    torch spelling to the last bit of the mean, whose summation order differs."""
     gen = torch.Generator().manual_seed(0)
-    for dtype in DTYPES:
+    for dtype in (torch.float16, torch.float32):  # the interpreter's bf16 is unreliable
         shared = torch.randn(2, 2, 1, 64, generator=gen) * 50
         near_tied = (shared + torch.randn(2, 2, 300, 64, generator=gen) * 0.05).to(dtype)
         plain = torch.randn(2, 2, 300, 64, generator=gen).to(dtype)
-        for keys, centred_share in ((near_tied, 0.9), (plain, 0.0)):
-            k_hat, k_tilde = centred_keys(keys)
-            assert k_tilde.dtype == keys.dtype and k_hat.shape == (2, 2, 64)
+        strided = near_tied.transpose(1, 2).contiguous().transpose(1, 2)  # (B, S, H, E) storage
+        for keys, centred_share in ((near_tied, 0.9), (plain, 0.0), (strided, 0.9)):
+            k_hat, k_tilde = _centred(keys, spelling)
+            assert k_tilde.dtype == keys.dtype and k_hat.shape == (2, 2, 64) and k_hat.dtype == torch.float32
             assert torch.equal(k_tilde.double() + k_hat.double().unsqueeze(2), keys.double())
             share = (k_hat != 0).double().mean().item()
             assert share >= centred_share if centred_share else share == 0.0
-        assert centred_keys(near_tied)[1].abs().max() < 0.05 * near_tied.abs().max()
+            if spelling == "triton":
+                reference = _centred(keys, "reference")[0]
+                ulp = 4 * torch.finfo(dtype).eps * reference.abs()  # fp32: another order of 300 terms
+                assert torch.all((k_hat - reference).abs() <= ulp)
+        assert _centred(near_tied, spelling)[1].abs().max() < 0.05 * near_tied.abs().max()
+        # A NaN or an infinite key centres nothing in its dimension (and keeps K̃ + k̂ = K).
+        broken = near_tied.clone()
+        broken[0, 0, 5, 3], broken[1, 1, 7, 4] = float("nan"), float("inf")
+        k_hat, k_tilde = _centred(broken, spelling)
+        assert k_hat[0, 0, 3] == 0 and k_hat[1, 1, 4] == 0 and k_hat[0, 0, 5] != 0
+        for b, h, e in ((0, 0, 3), (1, 1, 4)):
+            torch.testing.assert_close(k_tilde[b, h, :, e], broken[b, h, :, e], rtol=0, atol=0, equal_nan=True)
 
 
 def test_cpu_calls_never_take_it():
