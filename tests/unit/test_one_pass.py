@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import flash_inductor  # noqa: F401 -- registers the ops (a worker may run a GPU test first)
 from helpers import (
+    DEVICE,
     assert_close_to_ref,
     dtype_id,
     mock_hopper,
@@ -59,7 +61,7 @@ def _centred(keys, spelling):
 @pytest.mark.parametrize("spelling", ["reference", "triton"])
 def test_centred_keys_are_exact_and_centre_only_what_they_can(spelling):
     """K̃ + k̂ == K bit for bit; near-tied keys (a large shared part) are centred on almost every
-    dimension, keys of both signs on none; the Triton passes (the interpreter here) agree with the
+    dimension, keys of both signs on none; the Triton passes (under the interpreter on a CPU) agree with the
     torch spelling to the last bit of the mean, whose summation order differs."""
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float16, torch.float32):  # the interpreter's bf16 is unreliable
@@ -68,6 +70,7 @@ def test_centred_keys_are_exact_and_centre_only_what_they_can(spelling):
         plain = torch.randn(2, 2, 300, 64, generator=gen).to(dtype)
         strided = near_tied.transpose(1, 2).contiguous().transpose(1, 2)  # (B, S, H, E) storage
         for keys, centred_share in ((near_tied, 0.9), (plain, 0.0), (strided, 0.9)):
+            keys = keys.to(DEVICE)
             k_hat, k_tilde = _centred(keys, spelling)
             assert k_tilde.dtype == keys.dtype and k_hat.shape == (2, 2, 64) and k_hat.dtype == torch.float32
             assert torch.equal(k_tilde.double() + k_hat.double().unsqueeze(2), keys.double())
@@ -77,6 +80,7 @@ def test_centred_keys_are_exact_and_centre_only_what_they_can(spelling):
                 reference = _centred(keys, "reference")[0]
                 ulp = 4 * torch.finfo(dtype).eps * reference.abs()  # fp32: another order of 300 terms
                 assert torch.all((k_hat - reference).abs() <= ulp)
+        near_tied = near_tied.to(DEVICE)
         assert _centred(near_tied, spelling)[1].abs().max() < 0.05 * near_tied.abs().max()
         # A NaN or an infinite key centres nothing in its dimension (and keeps K̃ + k̂ = K).
         broken = near_tied.clone()
