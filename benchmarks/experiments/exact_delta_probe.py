@@ -7,13 +7,13 @@ kernels/hopper_fwd.py and kernels/hopper_bwd.py; docs/hopper_backward.md), on an
 Parts, one process:
   * suite: the stability suite's unmasked cases at its full sizes (B 2, H 4, L 2048, E 128; long
     cases at their lengths) with the one-pass ops as ``ours:one-pass`` beside `stable` (the Triton
-    backward, while ``launch.hopper_bwd.ONE_PASS_STABLE`` is off), `fast` and SDPA's backends; the
-    suite's requirement checked for both.
+    backward where ``launch.hopper_bwd.ONE_PASS_STABLE`` is off, else the same one-pass ops),
+    `fast` and SDPA's backends; the suite's requirement checked for both.
   * features: causal (top-left and L ≠ S lower-right), GQA and a gradient on the LSE against
     float64: the one-pass ops (``exact1p``) beside the two-pass Triton backward on the same inputs.
   * speed: forward+backward, 16k tokens (B = 16384 / L), 2048 / E heads, bf16/fp16, E 64/128,
-    causal or not, L 4k/16k; the one-pass ops, `stable`, `fast` and cuDNN, each heated, do_bench
-    medians, ratios to cuDNN.
+    causal or not, L 4k/16k; the one-pass ops, `stable` on the Triton backward, `fast` and cuDNN,
+    each heated, do_bench medians, ratios to cuDNN.
   * breakdown: three of those cells part by part: the `fast` and one-pass forwards, the centring
     of the keys in torch (``centred_keys_reference``) and in Triton (``centred_keys``), and the
     `fast` and one-pass backwards alone (each from its own forward's outputs).
@@ -165,7 +165,9 @@ def run_speed(args, record):
     def provider(name, causal):
         if name == "one-pass":
             return lambda q, k, v: exact1p(q, k, v, causal)[0]
-        if name in ("stable", "fast"):
+        if name == "stable":  # the Triton backward, whatever ONE_PASS_STABLE says
+            return lambda q, k, v: stable_triton(q, k, v, causal)[0]
+        if name == "fast":
             return lambda q, k, v: flash_inductor.flash_attention(q, k, v, is_causal=causal, schedule=name)
 
         def cudnn(q, k, v):

@@ -8,10 +8,10 @@ otherwise goes to the ``flash_inductor`` logger at INFO, once per reason.
 What it covers: sm_90, bf16/fp16, E = Ev = 128, or 64 under causal masking, no mask, no dropout,
 no block-sparse layout, causal or not (any ``causal_offset``), sliding windows (the band of
 ``launch/band.py``: each key block's query sweep ends at the window's left edge), grouped-query
-attention, the `fast` schedule (Δ = rowsum(dO∘O) - dLSE, dS cast straight to the input dtype),
-TMA-addressable strides. `stable`, the default, needs the exact Δ and fp16 dS rescaling, which
-this one-pass kernel does not do (docs/hopper_backward.md says why and what it would cost); it
-and everything else keep the Triton kernels.
+attention, the `fast` schedule (Δ = rowsum(dO∘O) - dLSE, dS cast straight to the input dtype), and
+`stable`, the default, through the one-pass ops (ops/one_pass.py: the forward's residual makes
+the exact Δ a preprocess, and fp16's dS is rescaled by a bound), TMA-addressable strides.
+Everything else keeps the Triton kernels.
 
 Steps: the Triton preprocess writes Δ (B, Hq, L) fp32; the Gluon kernel runs one CTA per
 (128-key block, batch, KV head), writes dK and dV directly (the GQA group's query heads are
@@ -41,13 +41,13 @@ log = logging.getLogger("flash_inductor")
 E64_NON_CAUSAL = "head dim 64 without causal masking (the Triton backward measures faster there)"
 # `stable` runs this kernel only from the one-pass forward, whose residual it needs (ops/one_pass.py).
 NO_RESIDUAL = "the exact Δ needs the one-pass forward's residual (ops/one_pass.py)"
-# Whether `stable` calls take the one-pass exact-Δ path (ops/one_pass.py). Not yet: it is
-# accurate and, timed by its parts, faster than the Triton backward (0.87x cuDNN forward+backward
-# at bf16 E 128 causal 16k against 0.71x), but the version with centred keys has not had its GPU
-# tests, the stability suite and a forward+backward grid run end to end (docs/hopper_backward.md).
-ONE_PASS_STABLE = False
-ONE_PASS_OFF = ("schedule 'stable' (its exact Δ in one pass is not faster than the Triton backward yet; "
-                "docs/hopper_backward.md)")
+# Whether `stable` calls take the one-pass exact-Δ path (ops/one_pass.py): measured on the H200
+# against the Triton `stable` backward it replaces, 0.90x cuDNN forward+backward at bf16 E 128
+# causal 16k against 0.71x, with the stability suite's requirement met (docs/hopper_backward.md).
+# Off, `stable` keeps the Triton backward (the A/B's other side).
+ONE_PASS_STABLE = True
+ONE_PASS_OFF = ("schedule 'stable' with launch.hopper_bwd.ONE_PASS_STABLE off (its exact Δ needs the one-pass "
+                "forward's residual; docs/hopper_backward.md)")
 # dQ is summed across key blocks by TMA reduce-adds, whose order varies from run to run; the
 # Triton backward sums each dq row in one program, in a fixed order.
 DETERMINISTIC = ("torch.use_deterministic_algorithms(True) (the Hopper backward adds dQ across key blocks "

@@ -33,10 +33,11 @@ def test_stable_unmasked_calls_take_the_one_pass_path(monkeypatch):
 
     t = mock_hopper(monkeypatch)
     q = t(2, 8, 256, 128)
-    # Routed only while the switch is on; the support check itself does not depend on it.
-    assert not hopper_bwd.ONE_PASS_STABLE and not one_pass_applies(q, q, q, None, 0.0, 0.1, "stable")
-    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", True)
-    assert one_pass_applies(q, q, q, None, 0.0, 0.1, "stable")
+    # Routed while the switch is on (the default); the support check itself does not depend on it.
+    assert hopper_bwd.ONE_PASS_STABLE and one_pass_applies(q, q, q, None, 0.0, 0.1, "stable")
+    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", False)
+    assert not one_pass_applies(q, q, q, None, 0.0, 0.1, "stable")
+    assert one_pass_unsupported_reason(q, q, q, None, 0.0, 0.1, "stable") is None
     q, k = t(2, 8, 256, 128), t(2, 2, 256, 128)
     assert one_pass_unsupported_reason(q, k, k, None, 0.0, 0.1, "stable") is None
     assert one_pass_unsupported_reason(t(1, 4, 100, 64), t(1, 4, 300, 64), t(1, 4, 300, 64), None, 0.0, 0.1,
