@@ -175,16 +175,20 @@ def test_the_op_runs_its_forward_on_hopper_and_trains(monkeypatch, compiled):
 @needs_hopper
 def test_strides_tma_cannot_address_fall_back_to_triton(monkeypatch):
     """A query whose base is not 16-byte aligned passes the static check (fake tensors know no
-    pointers) but not TMA's: the op's Hopper branch then runs the Triton forward, correctly."""
+    pointers) but not TMA's: the plain op's Hopper branch then runs the Triton forward (`fast`),
+    and the one-pass ops (`stable`) run the Hopper kernel on an aligned copy; both correctly."""
     from flash_inductor import flash_attention
 
     calls = _count_hopper_launches(monkeypatch)
     storage = torch.randn(2 * 4 * 256 * 64 + 1, device="cuda", dtype=torch.float16)
-    q = storage[1:].view(2, 4, 256, 64)  # 2-byte offset
+    q = storage[1:].view(2, 4, 256, 64)  # 2-byte offset, yet contiguous: .contiguous() would not copy it
     _, k, v = _inputs(torch.float16, 64, 2, 4, 4, 256, 256)
-    out = flash_attention(q, k, v)
-    assert calls == []
     ref, _, _ = _reference(q, k, v, 64 ** -0.5, False, 0)
+    out = flash_attention(q, k, v, schedule="fast")
+    assert calls == []
+    assert (out.double() - ref).abs().max().item() < 1e-2
+    out = flash_attention(q, k, v)
+    assert calls == [False]
     assert (out.double() - ref).abs().max().item() < 1e-2
 
 
@@ -236,12 +240,18 @@ def test_explain_names_the_forward_kernel_on_a_mocked_hopper(monkeypatch):
 
     q, k, v = node("q", 2, 8, 64, 128), node("k", 2, 8, 64, 128), node("v", 2, 8, 64, 128)
     site = AttentionSite("sdpa", q, q, k, v, is_causal=True)
-    assert describe_rewrite(site, "stable").endswith("forward on the Hopper (Gluon) kernel")
-    assert describe_rewrite(site, "fast").endswith("forward and backward on the Hopper (Gluon) kernels")
-    # A sliding window runs on both Gluon kernels too; `stable` keeps its Triton backward.
+    both = "forward and backward on the Hopper (Gluon) kernels"
+    assert describe_rewrite(site, "stable").endswith(both)  # `stable` through the one-pass ops
+    assert describe_rewrite(site, "fast").endswith(both)
+    # A sliding window runs on both Gluon kernels too.
     windowed = AttentionSite("sdpa", q, q, k, v, is_causal=True, window=(15, 0))
-    assert describe_rewrite(windowed, "fast").endswith("forward and backward on the Hopper (Gluon) kernels")
-    assert describe_rewrite(windowed, "stable").endswith("forward on the Hopper (Gluon) kernel")
+    assert describe_rewrite(windowed, "fast").endswith(both)
+    assert describe_rewrite(windowed, "stable").endswith(both)
+    # With the one-pass path switched off, `stable` keeps its Triton backward.
+    from flash_inductor.launch import hopper_bwd
+    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", False)
+    assert describe_rewrite(site, "stable").endswith("forward on the Hopper (Gluon) kernel")
+    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", True)
     masked = AttentionSite("sdpa", q, q, k, v, attn_mask=node("m", 2, 8, 64, 64, dtype=torch.bool))
     assert "forward on Triton: an attention mask" in describe_rewrite(masked, "stable")
     on_cpu = AttentionSite("sdpa", q, node("qc", 2, 8, 64, 128, cuda=False), k, v)
