@@ -408,7 +408,7 @@ def test_fp8_refuses_a_window():
 
 def test_hopper_kernels_take_a_window(monkeypatch):
     """The Gluon forward and backward both skip the tiles outside a window's band, so their static
-    checks take a windowed call; `stable` still keeps the Triton backward, for its schedule."""
+    checks take a windowed call, under `fast` and (through the one-pass ops) `stable`."""
     from flash_inductor.launch import hopper, hopper_bwd
 
     t = mock_hopper(monkeypatch)
@@ -417,8 +417,12 @@ def test_hopper_kernels_take_a_window(monkeypatch):
         assert hopper.hopper_forward_unsupported_reason(q, kv, kv, None, 0.0, None, "stable", window=window) is None
         assert hopper_bwd.hopper_backward_unsupported_reason(q, kv, kv, None, 0.0, None, "fast", is_causal=True,
                                                              window=window) is None
-    assert "schedule 'stable'" in hopper_bwd.hopper_backward_unsupported_reason(q, kv, kv, None, 0.0, None, "stable",
-                                                                                window=(127, 0))
+        # `stable` through the one-pass ops (ops/one_pass.py), which take windows too.
+        assert hopper_bwd.hopper_backward_unsupported_reason(q, kv, kv, None, 0.0, None, "stable", is_causal=True,
+                                                             window=window) is None
+    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", False)
+    assert hopper_bwd.hopper_backward_unsupported_reason(q, kv, kv, None, 0.0, None, "stable",
+                                                         window=(127, 0)) == hopper_bwd.ONE_PASS_OFF
 
 
 def test_the_op_hands_the_window_to_the_hopper_forward(monkeypatch):
