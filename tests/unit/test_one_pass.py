@@ -2,7 +2,8 @@
 against fp64 under the project's tolerance rule (tests/helpers.assert_close_to_ref) across dtypes,
 head dims, causal sides, GQA, odd lengths and a gradient on the LSE; the stability suite's
 near-tied and x100 cases, where `fast`'s Δ fails and this one must not; which calls take the
-path (the support check runs everywhere, the kernels on an sm_90 GPU only)."""
+path. The support check, the keys' centring and the Triton steps around the Gluon kernels run
+everywhere (the interpreter on a CPU); the Gluon kernels on an sm_90 GPU only."""
 
 from __future__ import annotations
 
@@ -90,6 +91,67 @@ def test_centred_keys_are_exact_and_centre_only_what_they_can(spelling):
         assert k_hat[0, 0, 3] == 0 and k_hat[1, 1, 4] == 0 and k_hat[0, 0, 5] != 0
         for b, h, e in ((0, 0, 3), (1, 1, 4)):
             torch.testing.assert_close(k_tilde[b, h, :, e], broken[b, h, :, e], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["no_dlse", "dlse"])
+def test_the_backward_preprocess_matches_its_definition(with_dlse):
+    """The one-pass backward's Triton preprocess (kernels/exact_delta.py; the interpreter on a CPU)
+    against its glossary, fp16 with GQA and L < S: dO' = round(g·dO) bit for bit, Δ' = dO'·(O + r)
+    − g·dLSE, and ds_up the power of two that keeps the bound on |dS| under DS_RESCALE_ABOVE, from
+    every program's partial maxima (V's rows past L included); a NaN in V gives the smallest."""
+    from flash_inductor.kernels.ds_scaling import DS_RESCALE_ABOVE
+    from flash_inductor.launch.hopper_bwd import _exact_delta_inputs
+
+    gen = torch.Generator().manual_seed(3)
+    b, hq, hkv, seq_q, seq_k, e = 2, 4, 2, 70, 150, 32
+    dtype = torch.float16
+    do, out, resid = (torch.randn(b, hq, seq_q, e, generator=gen).to(dtype) for _ in range(3))
+    resid = (resid.float() * 1e-3).to(dtype)
+    value = torch.randn(b, hkv, seq_k, e, generator=gen).to(dtype)
+    value[1, 1, 140] *= 30  # the largest row of V sits past L
+    pivot = torch.randn(b, hq, seq_q, generator=gen)
+    norm = torch.rand(b, hq, seq_q, generator=gen) * 3
+    dlse = torch.randn(b, hq, seq_q, generator=gen) if with_dlse else None
+    row_consts = torch.stack([pivot, norm]).to(DEVICE)
+    do, out, resid, value = (t.to(DEVICE) for t in (do, out, resid, value))
+    dlse = dlse.to(DEVICE) if with_dlse else None
+    do_scaled, pivots, delta, ds_up = _exact_delta_inputs(do, value, out, dlse, resid, row_consts)
+    g = row_consts[1]
+    want_do = (do.float() * g[..., None]).to(dtype)
+    assert torch.equal(do_scaled, want_do) and torch.equal(pivots, row_consts[0])
+    g_dlse = g * dlse if with_dlse else torch.zeros_like(g)
+    want_delta = (want_do.double() * (out.double() + resid.double())).sum(-1) - g_dlse.double()
+    torch.testing.assert_close(delta.double(), want_delta, rtol=1e-5, atol=1e-5)
+    bound = (4 * want_do.float().square().sum(-1).max().sqrt() * value.float().square().sum(-1).max().sqrt()
+             + 2 * g_dlse.abs().max())
+    want_up = 2.0 ** torch.floor(torch.log2(DS_RESCALE_ABOVE.value / bound))
+    assert ds_up.shape == (1,) and ds_up.item() == want_up.item()
+    value[0, 0, 3, 5] = float("nan")
+    assert _exact_delta_inputs(do, value, out, dlse, resid, row_consts)[3].item() == 2.0 ** -40
+
+
+def test_the_lse_shift_and_the_dq_finish_match_their_definitions():
+    """The one-pass path's other Triton steps (the interpreter on a CPU), GQA, odd lengths: the
+    forward's LSE gets scale·q·k̂ back (a row at -inf stays there), and dq = dq_accum + w·k̂."""
+    from flash_inductor.launch.hopper_bwd import _finish_dq_with_mean_key, add_row_dot
+
+    gen = torch.Generator().manual_seed(4)
+    b, hq, hkv, seq_q, e, scale = 2, 6, 3, 97, 64, 0.125
+    q = torch.randn(b, hq, seq_q, e, generator=gen).to(torch.float16).to(DEVICE)
+    k_hat = (torch.randn(b, hkv, e, generator=gen) * 10).to(DEVICE)
+    lse = torch.randn(b, hq, seq_q, generator=gen).to(DEVICE)
+    lse[0, 1, :7] = float("-inf")
+    k_rep = k_hat.repeat_interleave(hq // hkv, 1)  # (B, Hq, E)
+    want = lse.double() + scale * (q.double() * k_rep[:, :, None].double()).sum(-1)
+    add_row_dot(q, k_hat, lse, scale)
+    torch.testing.assert_close(lse.double(), want, rtol=1e-6, atol=1e-5)
+    assert torch.all(lse[0, 1, :7] == float("-inf"))
+    dq_accum = torch.randn(b, hq, seq_q, e, generator=gen).to(DEVICE)
+    weight = torch.randn(b, hq, seq_q, generator=gen).to(DEVICE)
+    dq = _finish_dq_with_mean_key(dq_accum, k_hat, weight, torch.float16)
+    assert dq.dtype == torch.float16
+    torch.testing.assert_close(dq, (dq_accum + weight[..., None] * k_rep[:, :, None]).to(torch.float16),
+                               rtol=1e-3, atol=1e-3)
 
 
 def test_cpu_calls_never_take_it():
