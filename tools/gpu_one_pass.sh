@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# What `stable`'s one-pass exact Δ (ops/one_pass.py) needs before launch.hopper_bwd.ONE_PASS_STABLE
-# is switched on, in one device call: its GPU tests, then the probe's fp64 features, the stability
-# suite's unmasked cases (long_32k included) and the forward+backward grid against cuDNN, `stable`
-# (Triton backward) and `fast`, and the parts' times (docs/hopper_backward.md, "Exact Δ in one pass").
+# Validates `stable`'s one-pass exact Δ (ops/one_pass.py, routed by launch.hopper_bwd.ONE_PASS_STABLE)
+# in one device call: its GPU tests, then the probe's parts' times, peak memory,
+# the stability suite's unmasked cases (long_32k included) and the forward+backward grid against
+# cuDNN, `stable` on the Triton backward and `fast` (docs/hopper_backward.md, "Exact Δ in one pass").
+# The probe's fp64 features (PARTS=features; ~200 s) repeat what the tests check.
 #
 #   source tools/device_env.sh; bash tools/gpu_one_pass.sh          # ~8 min after the machine starts
 #   SPEED_SECONDS=120 PARTS=suite,speed bash tools/gpu_one_pass.sh
@@ -21,6 +22,6 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   echo "exit status $?"
   echo "=== probe"
   timeout "$(( ${SPEED_SECONDS:-200} + 200 ))" python3 -m benchmarks.experiments.exact_delta_probe --out "$OUT" \
-    --parts "${PARTS:-features,breakdown,suite,speed}" --budget "${SPEED_SECONDS:-200}"
+    --parts "${PARTS:-breakdown,memory,suite,speed}" --budget "${SPEED_SECONDS:-200}"
   echo "exit status $?"
 } 2>&1 | tee "$OUT/one_pass.log"

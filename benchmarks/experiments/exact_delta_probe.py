@@ -14,6 +14,9 @@ Parts, one process:
   * speed: forward+backward, 16k tokens (B = 16384 / L), 2048 / E heads, bf16/fp16, E 64/128,
     causal or not, L 4k/16k; the one-pass ops, `stable` on the Triton backward, `fast` and cuDNN,
     each heated, do_bench medians, ratios to cuDNN.
+  * memory: the peak allocation of one forward+backward above its inputs (bf16, E 128, 16 heads,
+    causal, 16k and 32k; as ``bench_attention.py --memory``), with the outputs (out, dq, dk, dv)
+    taken off as ``workspace_mib``: the one-pass ops, `stable` on the Triton backward, `fast`, cuDNN.
   * breakdown: three of those cells part by part: the `fast` and one-pass forwards, the centring
     of the keys in torch (``centred_keys_reference``) and in Triton (``centred_keys``), and the
     `fast` and one-pass backwards alone (each from its own forward's outputs).
@@ -160,21 +163,6 @@ def run_features(args, record):
 # ----------------------------------------------------------------------------- speed
 
 def run_speed(args, record):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    def provider(name, causal):
-        if name == "one-pass":
-            return lambda q, k, v: exact1p(q, k, v, causal)[0]
-        if name == "stable":  # the Triton backward, whatever ONE_PASS_STABLE says
-            return lambda q, k, v: stable_triton(q, k, v, causal)[0]
-        if name == "fast":
-            return lambda q, k, v: flash_inductor.flash_attention(q, k, v, is_causal=causal, schedule=name)
-
-        def cudnn(q, k, v):
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        return cudnn
-
     rows = []
     start = time.monotonic()
     for dname in args.dtypes.split(","):
@@ -193,7 +181,7 @@ def run_speed(args, record):
                     flops = attention_flops(b, h, L, L, e, causal, "fwd_bwd")
                     cell = dict(dtype=dname, head_dim=e, causal=causal, seq=L)
                     for name in ("cudnn", "one-pass", "stable", "fast"):
-                        attn = provider(name, causal)
+                        attn = _provider(name, causal)
 
                         def step():
                             attn(q, k, v).backward(dout)
@@ -212,6 +200,53 @@ def run_speed(args, record):
                         flush=True)
                     del q, k, v, dout
     record["speed"] = rows
+
+
+def _provider(name, causal):
+    """A forward of (q, k, v) that autograd can differentiate, by the names of the speed grid."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if name == "one-pass":
+        return lambda q, k, v: exact1p(q, k, v, causal)[0]
+    if name == "stable":  # the Triton backward, whatever ONE_PASS_STABLE says
+        return lambda q, k, v: stable_triton(q, k, v, causal)[0]
+    if name == "fast":
+        return lambda q, k, v: flash_inductor.flash_attention(q, k, v, is_causal=causal, schedule=name)
+
+    def cudnn(q, k, v):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return cudnn
+
+
+def run_memory(args, record):
+    from benchmarks.common import release_memory
+
+    rows = []
+    for seq in (16384, 32768):
+        q, k, v, dout = (torch.randn(1, 16, seq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=i < 3)
+                         for i in range(4))
+        cell = dict(dtype="bf16", head_dim=128, heads=16, causal=True, seq=seq)
+        for name in ("one-pass", "stable", "fast", "cudnn"):
+            attn = _provider(name, True)
+
+            def step():
+                return torch.autograd.grad(attn(q, k, v), (q, k, v), dout)
+            step()  # compile outside the measurement
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            grads = step()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - before
+            del grads
+            cell[f"{name}_workspace_mib"] = (peak - 4 * q.numel() * q.element_size()) / 2**20
+            release_memory()
+        rows.append(cell)
+        print("  " + " ".join(f"{key} {val:.0f}" if isinstance(val, float) else f"{key} {val}"
+                              for key, val in cell.items()), flush=True)
+    record["memory"] = rows
 
 
 def run_breakdown(args, record):
@@ -249,15 +284,15 @@ def run_breakdown(args, record):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None)
-    p.add_argument("--parts", default="features,breakdown,suite,speed")
+    p.add_argument("--parts", default="features,breakdown,memory,suite,speed")
     p.add_argument("--cases", default=None)
     p.add_argument("--dtypes", default="bf16,fp16")
     p.add_argument("--budget", type=float, default=240.0, help="seconds for the speed grid")
     args = p.parse_args(argv)
     record = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
     parts = args.parts.split(",")
-    for part, fn in (("features", run_features), ("breakdown", run_breakdown), ("suite", run_suite),
-                     ("speed", run_speed)):
+    for part, fn in (("features", run_features), ("breakdown", run_breakdown), ("memory", run_memory),
+                     ("suite", run_suite), ("speed", run_speed)):
         if part in parts:
             t0 = time.monotonic()
             print(f"== {part}", flush=True)
