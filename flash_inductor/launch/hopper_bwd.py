@@ -41,10 +41,10 @@ log = logging.getLogger("flash_inductor")
 E64_NON_CAUSAL = "head dim 64 without causal masking (the Triton backward measures faster there)"
 # `stable` runs this kernel only from the one-pass forward, whose residual it needs (ops/one_pass.py).
 NO_RESIDUAL = "the exact Δ needs the one-pass forward's residual (ops/one_pass.py)"
-# Whether `stable` calls take the one-pass exact-Δ path (ops/one_pass.py): measured on the H200
-# against the Triton `stable` backward it replaces, 0.90x cuDNN forward+backward at bf16 E 128
-# causal 16k against 0.71x, with the stability suite's requirement met (docs/hopper_backward.md).
-# Off, `stable` keeps the Triton backward (the A/B's other side).
+# Whether `stable` calls take the one-pass exact-Δ path (ops/one_pass.py). Measured on the H200
+# (bf16, docs/hopper_backward.md): forward+backward 0.80-0.88x cuDNN, against 0.70-0.79x with the
+# Triton `stable` backward it replaces; the stability requirement holds on the cases `fast`'s Δ
+# fails (tests/unit/test_one_pass.py). Off, `stable` keeps the Triton backward (the A/B's other side).
 ONE_PASS_STABLE = True
 ONE_PASS_OFF = ("schedule 'stable' with launch.hopper_bwd.ONE_PASS_STABLE off (its exact Δ needs the one-pass "
                 "forward's residual; docs/hopper_backward.md)")
