@@ -1,0 +1,192 @@
+"""The one-pass ops' plumbing (ops/one_pass.py) on any machine: the two Gluon launchers
+(``launch.hopper.hopper_attention_forward`` with ``exact_delta``, ``launch.hopper_bwd.
+hopper_attention_backward``) are replaced by float64 emulations of their contract, so that what
+wraps them runs for real: the keys' centring and the LSE shift (Triton, the interpreter on a CPU),
+the ops' autograd, fakes and schemas, the eager fast path, the copies of inputs TMA cannot
+address, the empty-sequence and deterministic-mode fallbacks. The kernels themselves, and the
+exact Δ's rounding, are tested on the GPU (test_one_pass.py) and emulated bit for bit in
+benchmarks/experiments/matched_rounding.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flash_inductor  # noqa: F401 -- registers the ops
+from helpers import DEVICE, attention_ref, causal_visible, ref_forward_backward
+
+DTYPE = torch.float32  # the emulation is exact; fp32 lets the wrapping's own error show
+
+
+def _visible(seq_q, seq_k, is_causal, causal_offset, window):
+    vis = torch.ones(seq_q, seq_k, dtype=torch.bool, device=DEVICE)
+    if is_causal:
+        vis &= causal_visible(seq_q, seq_k, causal_offset, DEVICE)
+    if window is not None and window != (-1, -1):
+        rel = torch.arange(seq_k, device=DEVICE)[None, :] - (torch.arange(seq_q, device=DEVICE)[:, None]
+                                                             + seq_k - seq_q)
+        left, right = window
+        vis &= (rel >= -left) if left >= 0 else True
+        vis &= (rel <= right) if right >= 0 else True
+    return vis
+
+
+class EmulatedGluon:
+    """The launchers' contract in float64. The forward's row constants are the pivot (here the
+    LSE over K̃ in base 2; +inf for a row that sees no key) and 1; the backward checks that it gets
+    them with the residual, and adds scale·dLSE·k̂ to dq for ``mean_key`` as the real one does."""
+
+    def __init__(self):
+        self.forwards, self.backwards = [], []
+
+    def forward(self, query, key, value, *, scale, is_causal, causal_offset, window, exact_delta, config=None):
+        assert exact_delta and config is None
+        for t in (query, key, value):
+            assert t.data_ptr() % 16 == 0 and t.stride(-1) == 1, "the launcher got a tensor TMA cannot address"
+        self.forwards.append(dict(key=key, window=window, is_causal=is_causal, causal_offset=causal_offset))
+        vis = _visible(query.shape[2], key.shape[2], is_causal, causal_offset, window)
+        out, lse = attention_ref(query, key, value, vis, scale=scale)
+        out16 = out.to(query.dtype)
+        pivot = torch.where(lse.isneginf(), float("inf"), lse / torch.log(torch.tensor(2.0, dtype=lse.dtype)))
+        row_consts = torch.stack([pivot, torch.ones_like(pivot)]).float()
+        return out16, lse.float(), (out - out16.double()).to(query.dtype), row_consts
+
+    def backward(self, grad_out, query, key, value, out, lse, grad_lse=None, *, scale, is_causal, causal_offset,
+                 window, exact_delta, mean_key, config=None, delta=None):
+        resid, row_consts = exact_delta
+        assert resid.shape == out.shape and row_consts.shape == (2, *lse.shape) and delta is None
+        self.backwards.append(dict(key=key, mean_key=mean_key))
+        # In closed form: a backward runs below autograd, where torch.autograd cannot record.
+        vis = _visible(query.shape[2], key.shape[2], is_causal, causal_offset, window)
+        group = query.shape[1] // key.shape[1]
+        q, k, v, do = (t.double() for t in (query, key, value, grad_out))
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~vis, float("-inf"))
+        p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key: 0
+        row_term = (do * (p @ v)).sum(-1)
+        if grad_lse is not None:
+            row_term = row_term - grad_lse.double()
+        ds = p * (do @ v.transpose(-1, -2) - row_term[..., None])
+        dq = scale * ds @ k
+        dk = (scale * ds.transpose(-1, -2) @ q).unflatten(1, (-1, group)).sum(2)
+        dv = (p.transpose(-1, -2) @ do).unflatten(1, (-1, group)).sum(2)
+        if grad_lse is not None:  # the LSE the forward returned carries scale·q·k̂
+            live = ~lse.isneginf()
+            k_hat = mean_key.double().repeat_interleave(group, 1)
+            dq = dq + torch.where(live, scale * grad_lse.double(), 0.0)[..., None] * k_hat[:, :, None, :]
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    from flash_inductor.launch import hopper, hopper_bwd
+
+    gluon = EmulatedGluon()
+    monkeypatch.setattr(hopper, "hopper_attention_forward", gluon.forward)
+    monkeypatch.setattr(hopper_bwd, "hopper_attention_backward", gluon.backward)
+    return gluon
+
+
+def _inputs(b, hq, hkv, seq_q, seq_k, e, seed=0, shared=0.0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, seq_q, e, generator=gen)
+    k = torch.randn(b, hkv, seq_k, e, generator=gen) * 0.3 + shared * torch.randn(b, hkv, 1, e, generator=gen)
+    v = torch.randn(b, hkv, seq_k, e, generator=gen)
+    do = torch.randn(b, hq, seq_q, e, generator=gen)
+    dlse = torch.randn(b, hq, seq_q, generator=gen)
+    return [t.to(DEVICE, DTYPE) for t in (q, k, v, do, dlse)]
+
+
+CASES = {  # (B, Hq, Hkv, L, S, is_causal, causal_offset, window)
+    "full": (1, 2, 2, 40, 40, False, 0, (-1, -1)),
+    "gqa_lower_right": (2, 4, 2, 24, 56, True, 32, (-1, -1)),
+    "rows_see_nothing": (1, 2, 1, 48, 20, True, -24, (-1, -1)),
+    "window": (1, 2, 2, 64, 64, True, 0, (9, 0)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("path", ["op", "eager"])
+def test_gradients_through_the_wrapping_match_fp64(emulated, case, path):
+    """Near-tied keys (a large shared part), so the centring moves them; out, LSE (over K, not K̃)
+    and the gradients with a dLSE, through the registered ops or the eager fast path."""
+    from flash_inductor.ops.one_pass import attention_one_pass
+
+    b, hq, hkv, seq_q, seq_k, causal, offset, window = CASES[case]
+    q, k, v, do, dlse = _inputs(b, hq, hkv, seq_q, seq_k, 16, shared=20.0)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    scale = 0.25
+    out, lse = attention_one_pass(*leaves, causal, offset, scale, *window, fast_path=path == "eager",
+                                  needs_autograd=True)
+    torch.autograd.backward([out, lse], [do, dlse])
+    assert len(emulated.forwards) == len(emulated.backwards) == 1
+    k_tilde, k_hat = emulated.forwards[0]["key"], emulated.backwards[0]["mean_key"]
+    assert (k_hat != 0).float().mean() > 0.5, "near-tied keys should be centred"
+    assert torch.equal(emulated.backwards[0]["key"], k_tilde)  # the backward recomputes the same K̃
+    assert torch.equal(k_tilde.double() + k_hat.double()[:, :, None], k.double())
+    vis = _visible(seq_q, seq_k, causal, offset, window)
+    ref = ref_forward_backward(q, k, v, vis, scale=scale, grad_out=do, grad_lse=dlse)
+    live = ~ref["lse"].isneginf()
+    torch.testing.assert_close(out.double(), ref["out"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(lse.isneginf(), ~live)
+    # The shift back is scale·q·k̂ ~ 100 here: fp32's relative error on it.
+    torch.testing.assert_close(lse.double()[live], ref["lse"][live], rtol=1e-6, atol=1e-4)
+    for name, leaf in zip(("dq", "dk", "dv"), leaves):
+        torch.testing.assert_close(leaf.grad.double(), ref[name], rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_inputs_tma_cannot_address_are_copied(emulated):
+    """A contiguous query at a 4-byte offset and a value with a non-unit last stride reach the
+    launchers as aligned copies, with the same results."""
+    from flash_inductor.ops.one_pass import attention_one_pass
+
+    q, k, v, do, _ = _inputs(1, 2, 2, 32, 32, 16)
+    storage = torch.empty(q.numel() + 1, device=DEVICE, dtype=DTYPE)
+    q_odd = storage[1:].view(q.shape).copy_(q)
+    v_odd = v.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert q_odd.data_ptr() % 16 != 0 and v_odd.stride(-1) != 1
+    out, lse = attention_one_pass(q_odd, k, v_odd, False, 0, 0.25, -1, -1, fast_path=False, needs_autograd=False)
+    want, want_lse = attention_one_pass(q, k, v, False, 0, 0.25, -1, -1, fast_path=False, needs_autograd=False)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+def test_the_ops_pass_opcheck(emulated):
+    """Schemas, fakes and autograd registration agree with the real outputs (torch.library)."""
+    q, k, v, do, dlse = _inputs(1, 4, 2, 24, 40, 16)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ops = torch.ops.flash_inductor
+    torch.library.opcheck(ops.attention_forward_one_pass.default, (*leaves, True, 16, 0.25, -1, -1))
+    out, lse, resid, row_consts = ops.attention_forward_one_pass(q, k, v, True, 16, 0.25)
+    torch.library.opcheck(ops.attention_backward_one_pass.default,
+                          (do, q, k, v, out, lse, dlse, resid, row_consts, True, 16, 0.25, -1, -1))
+
+
+def test_empty_sequences_give_zeros_without_a_launch(emulated):
+    from flash_inductor.ops.one_pass import attention_one_pass
+
+    q, k, v, _, _ = _inputs(1, 2, 2, 8, 8, 16)
+    leaves = [t.clone().requires_grad_() for t in (q, k[:, :, :0], v[:, :, :0])]
+    out, lse = attention_one_pass(*leaves, False, 0, 0.25, -1, -1, fast_path=False, needs_autograd=True)
+    assert torch.equal(out, torch.zeros_like(q)) and bool(lse.isneginf().all())
+    out.sum().backward()
+    assert emulated.forwards == [] and emulated.backwards == []
+    assert torch.equal(leaves[0].grad, torch.zeros_like(q))
+
+
+def test_deterministic_mode_runs_the_triton_backward_on_the_original_keys(emulated):
+    """Under deterministic algorithms the backward is the Triton `stable` one (the interpreter on
+    a CPU), given K itself and the same out and LSE: gradients as fp64's, no emulated backward."""
+    from flash_inductor.ops.one_pass import attention_one_pass
+
+    q, k, v, do, dlse = _inputs(1, 2, 1, 24, 24, 16, shared=5.0)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = attention_one_pass(*leaves, True, 0, 0.25, -1, -1, fast_path=False, needs_autograd=True)
+    torch.use_deterministic_algorithms(True)
+    try:
+        torch.autograd.backward([out, lse], [do, dlse])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert emulated.backwards == []
+    ref = ref_forward_backward(q, k, v, causal_offset=0, scale=0.25, grad_out=do, grad_lse=dlse)
+    for name, leaf in zip(("dq", "dk", "dv"), leaves):
+        torch.testing.assert_close(leaf.grad.double(), ref[name], rtol=1e-3, atol=1e-3, msg=name)
