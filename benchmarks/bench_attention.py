@@ -40,7 +40,7 @@ from benchmarks import precompile
 from benchmarks.common import (DTYPES, GPTBlock, attention_flops, bench_ms, call_recorded, dynamo_limits,
                                environment, first_line, flash_inductor_backend, heat, is_fatal, make_attention,
                                make_inputs, make_step, module_command, no_donated_buffers, output_stem,
-                               progress, release_memory, tflops)
+                               peak_bytes_above_live, progress, release_memory, tflops)
 from benchmarks.gpu_telemetry import GpuTelemetry
 from benchmarks.kernel_time import gpu_busy
 from benchmarks.plot_results import (MODES, PROVIDERS as ALL_PROVIDERS, format_extras, format_table,
@@ -174,14 +174,7 @@ def run_memory(provider, dtype, causal, seq, device="cuda"):
         attn = make_attention(provider, causal, seq, seq, device)
         step = lambda: torch.autograd.grad(attn(q, k, v), (q, k, v), dout)  # noqa: E731
         call_recorded(step)  # warm: compile and autotune outside the measurement; result freed at once
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        grads = step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-        del grads
+        peak = peak_bytes_above_live(step)
         unavoidable = 4 * q.numel() * q.element_size()  # out, dq, dk, dv
         mib = 2.0 ** 20
         return dict(rec, status="ok", peak_extra_mib=peak / mib, workspace_mib=(peak - unavoidable) / mib)

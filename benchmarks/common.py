@@ -90,6 +90,20 @@ def call_recorded(fn):
             raise ProviderError(first_line(exc) + "".join(" | " + r for r in reasons[:3])) from exc
 
 
+def peak_bytes_above_live(step) -> int:
+    """Peak CUDA allocation of one ``step()`` above what is live before it, its result included
+    until the peak is read. Warm ``step`` first, so that compiles and autotuning stay outside."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    result = step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del result
+    return peak
+
+
 def release_memory():
     with contextlib.suppress(Exception):  # after a CUDA fault this raises too; the record says why already
         torch.cuda.empty_cache()

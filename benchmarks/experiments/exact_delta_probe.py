@@ -220,7 +220,7 @@ def _provider(name, causal):
 
 
 def run_memory(args, record):
-    from benchmarks.common import release_memory
+    from benchmarks.common import peak_bytes_above_live, release_memory
 
     rows = []
     for seq in (16384, 32768):
@@ -233,14 +233,7 @@ def run_memory(args, record):
             def step():
                 return torch.autograd.grad(attn(q, k, v), (q, k, v), dout)
             step()  # compile outside the measurement
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-            grads = step()
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() - before
-            del grads
+            peak = peak_bytes_above_live(step)
             cell[f"{name}_workspace_mib"] = (peak - 4 * q.numel() * q.element_size()) / 2**20
             release_memory()
         rows.append(cell)
