@@ -381,12 +381,14 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
     """``torch.ops.flash_inductor.attention_forward`` with the same arguments, without the
     dispatcher where :func:`eager_fast_path_applies`. While ``launch.hopper_bwd.ONE_PASS_STABLE``
     routes them, `stable` calls that the Hopper kernels take go to the one-pass ops instead
-    (ops/one_pass.py), which return the same (out, lse)."""
-    if block_map is None and one_pass_applies(query, key, value, attn_mask, dropout_p, scale, schedule,
-                                              window=(window_left, window_right)):
+    (ops/one_pass.py), which return the same (out, lse) up to rounding, when a backward may follow:
+    without one, the residual and the centred keys they save would buy nothing, and the plain
+    forward is 12-17 % faster (docs/hopper_backward.md)."""
+    needs_autograd = _needs_autograd(query, key, value)
+    if needs_autograd and block_map is None and one_pass_applies(query, key, value, attn_mask, dropout_p, scale,
+                                                                 schedule, window=(window_left, window_right)):
         return attention_one_pass(query, key, value, is_causal, causal_offset, scale, window_left, window_right,
-                                  fast_path=eager_fast_path_applies(query, key, value),
-                                  needs_autograd=_needs_autograd(query, key, value))
+                                  fast_path=eager_fast_path_applies(query, key, value), needs_autograd=True)
     if eager_fast_path_applies(query, key, value, attn_mask, rng_seed, block_map):
         if not _needs_autograd(query, key, value, attn_mask):
             # Inference: the launch alone. autograd.Function.apply would record nothing here and

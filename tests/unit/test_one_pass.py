@@ -14,6 +14,7 @@ import flash_inductor  # noqa: F401 -- registers the ops (a worker may run a GPU
 from helpers import (
     DEVICE,
     assert_close_to_ref,
+    attention_ref,
     dtype_id,
     mock_hopper,
     needs_hopper,
@@ -275,6 +276,40 @@ def test_flash_attention_routes_stable_through_the_one_pass_ops(monkeypatch):
     assert "flash_inductor.attention_forward_one_pass.default" in targets, targets
     assert "flash_inductor.attention_backward_one_pass.default" in targets, targets
     assert torch.equal(compiled.detach(), eager[0]) and torch.equal(q.grad, eager[1])
+
+
+@needs_hopper
+@pytest.mark.parametrize("compiled", (False, True), ids=("eager", "compiled"))
+def test_inference_runs_the_plain_hopper_forward(monkeypatch, compiled):
+    """Without autograd no backward follows, so `stable` skips the one-pass forward's residual and
+    centring: the Gluon forward runs without EXACT_DELTA, eagerly and compiled, and its output
+    matches fp64 as the one-pass forward's does."""
+    import flash_inductor
+    from flash_inductor.launch import hopper, hopper_bwd
+
+    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", True)
+    exact = []
+    real = hopper.hopper_attention_forward
+
+    def spy(*args, **kwargs):
+        exact.append(bool(kwargs.get("exact_delta")))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(hopper, "hopper_attention_forward", spy)
+    q, k, v = (torch.randn(2, 4, 300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    fn = lambda q, k, v: flash_inductor.flash_attention(q, k, v, is_causal=True)  # noqa: E731
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, backend="aot_eager")
+    with torch.no_grad():
+        out = fn(q, k, v)
+    assert exact == [False], exact
+    with_grad = fn(q, k, v)
+    assert exact == [False, True], exact
+    ref = attention_ref(q.detach(), k.detach(), v.detach(), causal_offset=0)[0]
+    plain_err = (out.double() - ref).abs().max().item()
+    one_pass_err = (with_grad.detach().double() - ref).abs().max().item()
+    assert plain_err <= 2 * one_pass_err + 2 * torch.finfo(torch.bfloat16).eps, (plain_err, one_pass_err)
 
 
 @needs_hopper

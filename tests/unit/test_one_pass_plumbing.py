@@ -190,3 +190,40 @@ def test_deterministic_mode_runs_the_triton_backward_on_the_original_keys(emulat
     ref = ref_forward_backward(q, k, v, causal_offset=0, scale=0.25, grad_out=do, grad_lse=dlse)
     for name, leaf in zip(("dq", "dk", "dv"), leaves):
         torch.testing.assert_close(leaf.grad.double(), ref[name], rtol=1e-3, atol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("grad", ["no_grad", "inputs_without_grad", "training"])
+def test_only_a_call_that_may_be_differentiated_takes_the_one_pass_ops(monkeypatch, grad):
+    """The residual and the centred keys serve the backward alone: a call that autograd will not
+    differentiate runs the plain forward (here the Triton one, in the interpreter on a CPU), with
+    the same results."""
+    from flash_inductor.ops import attention as ops_attention
+
+    taken = []
+    monkeypatch.setattr(ops_attention, "one_pass_applies", lambda *args, **kwargs: True)
+    monkeypatch.setattr(ops_attention, "attention_one_pass",
+                        lambda *args, **kwargs: taken.append(kwargs) or _plain(args))
+    q, k, v, _, _ = _inputs(1, 2, 2, 32, 32, 16)
+    if grad == "training":
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with torch.no_grad() if grad == "no_grad" else torch.enable_grad():
+        if grad == "no_grad":
+            q.requires_grad_()
+        out = flash_inductor.flash_attention(q, k, v, is_causal=True, scale=0.25)
+    assert len(taken) == (grad == "training")
+    if taken:
+        assert taken[0]["needs_autograd"]
+    ref = attention_ref(q.detach(), k.detach(), v.detach(), causal_offset=0, scale=0.25)[0]
+    torch.testing.assert_close(out.detach().double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def _plain(args):
+    """What the spy hands back for the one-pass ops: the plain forward's (out, lse) (the routing
+    is under test here, not the ops)."""
+    from flash_inductor.ops.attention import _kernel_forward
+
+    q, k, v, is_causal, causal_offset, scale, left, right = args
+    with torch.no_grad():
+        out, lse = _kernel_forward(q, k, v, None, None, 0.0, is_causal, causal_offset, scale, "stable",
+                                   (left, right), None, 0, 0)
+    return out.requires_grad_(), lse
