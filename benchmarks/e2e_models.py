@@ -173,6 +173,16 @@ def time_step(step, args, device) -> float:
     return common.bench_ms(step, args.warmup, args.rep)
 
 
+def _built_step(name: str, spec: ModelSpec, seq: int, attn: str, task: str, contender: str, args, compile_fn):
+    """One contender's model, compiled, and its step for the cell."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build_model(spec, seq, attn, args.device, common.DTYPES[args.dtype])
+    model.train(task == "train")
+    inputs = make_batch(spec, seq, batch_for(spec, seq, args.tokens), args.device, common.DTYPES[args.dtype])
+    return make_task(model, compile_fn(contender, model), inputs, task)
+
+
 def run_cell(name: str, spec: ModelSpec, seq: int, attn: str, task: str, args, compile_fn=compile_with) -> list[dict]:
     """Both contenders on one (model, seq, attention implementation, task), one record each."""
     batch = batch_for(spec, seq, args.tokens)
@@ -182,12 +192,7 @@ def run_cell(name: str, spec: ModelSpec, seq: int, attn: str, task: str, args, c
     for contender in CONTENDERS:
         record = dict(base, contender=contender)
         try:
-            torch._dynamo.reset()
-            torch.manual_seed(0)
-            model = build_model(spec, seq, attn, args.device, common.DTYPES[args.dtype])
-            model.train(task == "train")
-            inputs = make_batch(spec, seq, batch, args.device, common.DTYPES[args.dtype])
-            step = make_task(model, compile_fn(contender, model), inputs, task)
+            step = _built_step(name, spec, seq, attn, task, contender, args, compile_fn)
             start = time.perf_counter()
             first = step()
             _synchronize(args.device)
@@ -195,12 +200,36 @@ def run_cell(name: str, spec: ModelSpec, seq: int, attn: str, task: str, args, c
             record["first_output"] = float(first.detach().float().mean())
             record["ms"] = time_step(step, args, args.device)
             record["status"] = "ok"
-            del model, inputs, step, first
+            del step, first
         except Exception as exc:  # one failing cell must not end a long run
             record.update(status="error", error=common.first_line(exc))
         common.release_memory()
         records.append(record)
     return records
+
+
+def precompile_items(cells, args) -> list[dict]:
+    """One item per (cell, contender) for ``benchmarks.precompile``: its workers build and run each
+    step once, filling the Inductor and Triton caches this run then reads, so that the timed pass
+    compiles from warm caches (about 5 s a contender where a cold compile takes 20-30 s)."""
+    items = [dict(kind="e2e", model=name, seq=seq, attn=attn, task=task, contender=contender, dtype=args.dtype,
+                  tokens=args.tokens, tiny=args.tiny, schedule=args.schedule)
+             for name, _spec, seq, attn, task in cells for contender in CONTENDERS]
+    items.sort(key=lambda it: -it["seq"])  # the slowest first, so the workers finish together
+    return items
+
+
+def compile_item(item, device) -> None:
+    """Run one precompile item's first step (``benchmarks.precompile`` worker side)."""
+    spec = (TINY_MODELS if item["tiny"] else MODELS)[item["model"]]
+    args = argparse.Namespace(device=device, dtype=item["dtype"], tokens=item["tokens"])
+    compile_fn = compile_with if item["schedule"] is None else functools.partial(compile_with,
+                                                                                 schedule=item["schedule"])
+    with common.dynamo_limits():
+        step = _built_step(item["model"], spec, item["seq"], item["attn"], item["task"], item["contender"], args,
+                           compile_fn)
+        step()
+        _synchronize(device)
 
 
 def summarise(records: list[dict]) -> list[dict]:
@@ -277,6 +306,9 @@ def parse_args(argv=None):
                    help="precision schedule of our backend's attention (default: the backend's, stable)")
     p.add_argument("--cold", action="store_true",
                    help="fresh Triton and Inductor caches, so first_call_s is a cold start")
+    p.add_argument("--precompile", type=int, default=0,
+                   help="worker processes that compile every cell first (0: none); first_call_s then "
+                        "measures a warm start")
     common.add_output_args(p)
     return p.parse_args(argv)
 
@@ -293,6 +325,8 @@ def plan(args) -> list[tuple[str, ModelSpec, int, str, str]]:
 
 def main(argv=None, compile_fn=compile_with) -> list[dict]:
     args = parse_args(argv)
+    if args.cold and args.precompile:
+        raise SystemExit("--cold times a start from empty caches and --precompile fills them first: choose one")
     if args.schedule is not None and compile_fn is compile_with:
         compile_fn = functools.partial(compile_with, schedule=args.schedule)
     if args.cold:  # read when the caches are first used, so setting them here, before any compile, suffices
@@ -302,6 +336,15 @@ def main(argv=None, compile_fn=compile_with) -> list[dict]:
     env = common.environment(common.module_command("benchmarks.e2e_models", argv))
     cells = plan(args)
     deadline = time.monotonic() + args.time_budget if args.time_budget else None
+    if args.precompile:
+        from benchmarks import precompile
+
+        # The workers stop at half the budget: the timed pass compiles whatever they left.
+        half = time.monotonic() + args.time_budget / 2 if args.time_budget else None
+        summary = precompile.warm(precompile_items(cells, args), args.precompile, deadline=half,
+                                  device=args.device)
+        env["precompile"] = summary
+        print(precompile.describe(summary), flush=True)
     records = []
     # Each cell's records land here as they are measured: a run killed from outside (a device
     # call's time limit) still leaves what it measured.

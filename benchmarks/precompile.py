@@ -68,8 +68,15 @@ def shard(items, index, count):
 # ----------------------------------------------------------------------------- one worker
 
 def compile_item(item, device):
-    """Run the item's step once, exactly as bench_attention.run_case's first call does."""
+    """Run the item's step once, exactly as bench_attention.run_case's first call does (or, for
+    an item of ``e2e_models.precompile_items``, as that benchmark's first step does)."""
     import torch
+
+    if item.get("kind") == "e2e":
+        from benchmarks import e2e_models
+
+        e2e_models.compile_item(item, device)
+        return
 
     q, k, v, dout = common.make_inputs(item["batch"], item["heads"], item["seq"], item["head_dim"],
                                        common.DTYPES[item["dtype"]], device)
@@ -191,8 +198,7 @@ def warm(items, workers, *, deadline=None, clock=time.monotonic, device="cuda", 
         summary["compiled"] = sum(x["status"] == "ok" for x in lines)
         failed = [x for x in lines if x["status"] != "ok"]
         summary["failed"] = len(failed)
-        summary["errors"] = [f"{x['provider']} {x['dtype']} E{x['head_dim']} causal={x['causal']} "
-                             f"seq={x['seq']}: {x['error']}" for x in failed[:5]]
+        summary["errors"] = [f"{label(x)}: {x['error']}" for x in failed[:5]]
         for i, proc in enumerate(procs):
             if proc.returncode not in (0, None) and not summary["stopped"]:
                 with open(stderr_paths[i]) as f:
@@ -200,6 +206,13 @@ def warm(items, workers, *, deadline=None, clock=time.monotonic, device="cuda", 
                 summary["errors"].append(f"worker {i} exited {proc.returncode}: {' '.join(tail)[:300]}")
     summary["seconds"] = round(clock() - started, 1)
     return summary
+
+
+def label(item):
+    """An item in a line of the log."""
+    if item.get("kind") == "e2e":
+        return f"{item['model']} {item['attn']} {item['task']} seq={item['seq']} {item['contender']}"
+    return f"{item['provider']} {item['dtype']} E{item['head_dim']} causal={item['causal']} seq={item['seq']}"
 
 
 def describe(summary):

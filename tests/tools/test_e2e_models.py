@@ -54,3 +54,47 @@ def test_a_failing_contender_is_recorded_not_raised():
 def test_unknown_model_names_the_flag():
     with pytest.raises(SystemExit, match="--models"):
         e2e_models.plan(e2e_models.parse_args(["--models", "llama-e32"]))
+
+
+def test_precompile_warms_every_contender_of_every_cell_before_timing(tmp_path, monkeypatch, capsys):
+    """--precompile hands one item per (cell, contender) to benchmarks.precompile's workers,
+    longest sequences first, before any cell is timed; a worker's item runs that contender's step."""
+    from benchmarks import precompile
+
+    order = []
+    warmed = []
+
+    def warm(items, workers, *, deadline=None, device="cuda", **_):
+        order.append("warm")
+        warmed.extend(items)
+        return dict(items=len(items), workers=workers, compiled=len(items), failed=0, errors=[], stopped=False,
+                    seconds=0.0)
+    monkeypatch.setattr(precompile, "warm", warm)
+    real_run_cell = e2e_models.run_cell
+
+    def run_cell(*args, **kwargs):
+        order.append("cell")
+        return real_run_cell(*args, **kwargs)
+    monkeypatch.setattr(e2e_models, "run_cell", run_cell)
+    records = e2e_models.main(["--tiny", "--models", "gpt2,vit", "--seqs", "32,64", "--tokens", "128", "--device",
+                               "cpu", "--dtype", "fp32", "--attn", "sdpa", "--tasks", "infer", "--out", str(tmp_path),
+                               "--rep-steps", "1", "--precompile", "3"], compile_fn=_eager)
+    assert order[0] == "warm" and order.count("cell") == 4
+    assert all(r["status"] == "ok" for r in records)
+    assert len(warmed) == 4 * len(e2e_models.CONTENDERS)
+    assert {(it["model"], it["seq"], it["contender"]) for it in warmed} == {
+        (m, s, c) for m in ("gpt2", "vit") for s in (32, 64) for c in e2e_models.CONTENDERS}
+    assert [it["seq"] for it in warmed] == sorted((it["seq"] for it in warmed), reverse=True)
+    assert "precompile: 8 of 8 cells compiled by 3 workers" in capsys.readouterr().out
+    # A worker's side of one item: the contender's model is built, compiled and stepped once.
+    compiled = []
+    monkeypatch.setattr(e2e_models, "compile_with",
+                        lambda contender, model, schedule=None: compiled.append(contender) or model)
+    e2e_models.compile_item(warmed[0], "cpu")
+    assert compiled == [warmed[0]["contender"]]
+    assert precompile.label(warmed[0]).startswith(f"{warmed[0]['model']} sdpa infer seq=64")
+
+
+def test_cold_and_precompile_exclude_each_other():
+    with pytest.raises(SystemExit, match="choose one"):
+        e2e_models.main(["--cold", "--precompile", "2", "--tiny", "--device", "cpu"], compile_fn=_eager)
