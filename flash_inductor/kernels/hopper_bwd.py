@@ -45,6 +45,9 @@ Constexpr switches:
               columns), waited for only before the tile is written again, a tile pair later.
               False: one relaxed scalar atomic add per element (``DQ_ACCUM``'s pointer).
 
+  HAS_KEY_BIAS a key mask as one base-2 bias per key (``launch.hopper.key_bias``): KEY_BIAS is
+              (B, Hq, S) fp32, added to the scaled scores in the forward's order,
+              Pᵀ = exp2((st·qk_scale + bias) - lse2), so the one-pass P rounds as the forward's.
   EXACT_DELTA the `stable` schedule's exact Δ in one pass (docs/hopper_backward.md), from a
               forward run with its own EXACT_DELTA:
                 lse2   is the forward's integer pivot c (base 2, +inf for a row with no key),
@@ -166,12 +169,12 @@ def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, 
 @gluon.jit
 def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                          kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                         LSE, DELTA, DQ_ACCUM, DS_UP, L, S, H_KV, GROUP, causal_offset, window_lower,
-                         qk_scale, sm_scale,
+                         LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, L, S, H_KV, GROUP, causal_offset,
+                         window_lower, qk_scale, sm_scale,
                          CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                          WINDOW_LEFT: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr,
-                         EXACT_DELTA: gl.constexpr):
+                         EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr):
     dtype: gl.constexpr = dk_desc.dtype
     KC: gl.constexpr = KEYS_PER_CONSUMER
     # Sᵀ and dPᵀ: (64 keys) x (BLOCK_M query rows); dK, dV: (64 keys) x E.
@@ -240,6 +243,10 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
             lse2 = gl.load(LSE + row_base + q_ids, mask=q_in, other=float("inf")) * LOG2E
             lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
         delta = gl.load(DELTA + row_base + q_ids, mask=q_in, other=0.0)
+        if HAS_KEY_BIAS:
+            # This query head's bias over the consumer's keys (-inf past S), a vector per tile.
+            key_bias = gl.load(KEY_BIAS + (b * H_Q + h).to(gl.int64) * S + key_ids, mask=key_ids < S,
+                               other=float("-inf"))
 
         q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
         do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
@@ -264,7 +271,10 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
             if WINDOW_LEFT:
                 visible = visible & (gl.expand_dims(key_ids, 1) >= gl.expand_dims(q_ids, 0) + window_lower)
             st = gl.where(visible, st, float("-inf"))
-        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        if HAS_KEY_BIAS:
+            pt = gl.exp2((st * qk_scale + gl.expand_dims(key_bias, 1)) - gl.expand_dims(lse2, 0))
+        else:
+            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
         if EXACT_DELTA:
             pt = _rounded(pt, dtype)  # P̃, as the forward rounded it; dS takes the same values
         pt_op = gl.convert_layout(pt.to(dtype), a_layout)
@@ -326,17 +336,17 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
 
 @gluon.jit
 def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, DQ_ACCUM,
-                     DS_UP, L, S, H_KV, GROUP, causal_offset, window_lower, qk_scale, sm_scale,
+                     DS_UP, KEY_BIAS, L, S, H_KV, GROUP, causal_offset, window_lower, qk_scale, sm_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                      DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, EXACT_DELTA: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                     HAS_KEY_BIAS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(S, BLOCK_N), B * H_KV). Descriptors are 4-D over (B, H, L or S, E): Q and dO
     boxes (1, 1, BLOCK_M, E); K, V, dK, dV boxes (1, 1, 64, E). DQ_ACCUM is (B, Hq, L, E) fp32
     zeros, contiguous, and ``dq_desc`` describes it with box (1, 1, BLOCK_M, E or E / 2 under
     DQ_SPLIT) (used only under DQ_TMA); LSE (natural log) and DELTA are (B, Hq, L) fp32, contiguous.
     Under EXACT_DELTA, LSE is the forward's pivot plane and DS_UP one fp32 power of two (glossary);
-    otherwise DS_UP is not read."""
+    otherwise DS_UP is not read. Under HAS_KEY_BIAS, KEY_BIAS is (B, Hq, S) fp32, contiguous."""
     gl.static_assert(BLOCK_N == NUM_CONSUMERS * KEYS_PER_CONSUMER, "BLOCK_N is 64 keys per consumer")
     dtype: gl.constexpr = q_desc.dtype
     qk_scale = qk_scale.to(gl.float32)
@@ -377,14 +387,14 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     gl.warp_specialize([
         (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                                 kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                                LSE, DELTA, DQ_ACCUM, DS_UP, L, S, H_KV, GROUP, causal_offset, window_lower,
-                                qk_scale, sm_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT,
-                                DQ_SPLIT, DQ_TMA, EXACT_DELTA)),
+                                LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, L, S, H_KV, GROUP, causal_offset,
+                                window_lower, qk_scale, sm_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
+                                WINDOW_LEFT, DQ_SPLIT, DQ_TMA, EXACT_DELTA, HAS_KEY_BIAS)),
         (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                                 kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                                LSE, DELTA, DQ_ACCUM, DS_UP, L, S, H_KV, GROUP, causal_offset, window_lower,
-                                qk_scale, sm_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT,
-                                DQ_SPLIT, DQ_TMA, EXACT_DELTA)),
+                                LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, L, S, H_KV, GROUP, causal_offset,
+                                window_lower, qk_scale, sm_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
+                                WINDOW_LEFT, DQ_SPLIT, DQ_TMA, EXACT_DELTA, HAS_KEY_BIAS)),
         (_hopper_bwd_loader, (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem,
                               kv_ready, q_ready, do_ready, q_empty,
                               L, H_KV, GROUP, causal_offset, window_lower, BLOCK_M, BLOCK_N, NUM_STAGES,

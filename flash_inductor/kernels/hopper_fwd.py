@@ -46,6 +46,9 @@ Constexpr switches:
                 if also j >= i + window_lower. The CTA's loop starts at the first key tile its top
                 row can see, so tiles wholly left of the band are never loaded.
   EXACT_DELTA   the integer max, the rounded sum, and the residual and row constants above.
+  HAS_KEY_BIAS  a key mask, one value per key (``launch.hopper.key_bias``): KEY_BIAS is (B, H, S)
+                fp32 in base 2 (0 to attend, -inf to hide, an additive mask times log2 e), added
+                to each tile's scaled scores; a mask that varies along the queries never gets here.
   PINGPONG      the consumers take turns issuing their MMAs (a token passed round-robin through
                 mbarriers, FA3's warp scheduler barrier), so one warpgroup's softmax runs while
                 the next one's GEMMs own the tensor cores, rather than all contending at once.
@@ -137,12 +140,13 @@ def _block_coords(L, H, ROWS: gl.constexpr, IS_CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale, row_ids, j, n_full, lo_full, S, causal_offset, window_lower,
+def _softmax_step(s, m_i, l_i, qk_scale, bias, row_ids, j, n_full, lo_full, S, causal_offset, window_lower,
                   s_layout: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-                  dtype: gl.constexpr, EXACT_DELTA: gl.constexpr):
+                  dtype: gl.constexpr, EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr):
     """Fold key tile j's unscaled scores into (m_i, l_i); returns (p, alpha, m_i, l_i), p in fp32.
     Under EXACT_DELTA p is already rounded to ``dtype`` (the rounded P's row sum is a wgmma
-    against a ones tile beside P·V, ``_pv_issue``); l_i is the fp32 P's sum either way."""
+    against a ones tile beside P·V, ``_pv_issue``); l_i is the fp32 P's sum either way.
+    ``bias``: the tile's key bias (base 2) under HAS_KEY_BIAS, else unused."""
     needs_select = j >= n_full
     if WINDOW_LEFT:
         needs_select = needs_select | (j < lo_full)
@@ -157,19 +161,38 @@ def _softmax_step(s, m_i, l_i, qk_scale, row_ids, j, n_full, lo_full, S, causal_
         if WINDOW_LEFT:
             visible = visible & (cols >= gl.expand_dims(row_ids, 1) + window_lower)
         s = gl.where(visible, s, float("-inf"))
-    # Max on the unscaled scores, scaled once: exact for qk_scale > 0 (x -> fl(c·x) is monotonic),
-    # and exp2's argument below is then a single FFMA per score.
-    tile_max = gl.max(s, 1) * qk_scale
+    if HAS_KEY_BIAS:
+        # Scaled scores plus the key bias, one FFMA per score. The one-pass backward forms its
+        # scores in the same order (kernels/hopper_bwd.py), so its P rounds as this one does.
+        s = s * qk_scale + gl.expand_dims(bias, 0)
+        tile_max = gl.max(s, 1)
+    else:
+        # Max on the unscaled scores, scaled once: exact for qk_scale > 0 (x -> fl(c·x) is
+        # monotonic), and exp2's argument below is then a single FFMA per score.
+        tile_max = gl.max(s, 1) * qk_scale
     if EXACT_DELTA:
         tile_max = gl.ceil(tile_max)  # -inf stays -inf
     m_new = gl.maximum(m_i, tile_max)
     m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_ref)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_ref, 1))
+    if HAS_KEY_BIAS:
+        p = gl.exp2(s - gl.expand_dims(m_ref, 1))
+    else:
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_ref, 1))
     l_i = l_i * alpha + gl.sum(p, 1)
     if EXACT_DELTA:
         p = p.to(dtype)
     return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _key_bias_tile(bias_row, key_offsets, j, S, BLOCK_N: gl.constexpr, HAS_KEY_BIAS: gl.constexpr):
+    """Key tile j's bias (base 2, fp32) under HAS_KEY_BIAS, -inf past S; else 0 (not read)."""
+    if HAS_KEY_BIAS:
+        cols = j * BLOCK_N + key_offsets
+        return gl.load(bias_row + cols, mask=cols < S, other=float("-inf"))
+    else:
+        return 0.0
 
 
 @gluon.jit
@@ -217,11 +240,11 @@ def _pass_turn(turn, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPO
 @gluon.jit
 def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
                          q_ready, k_ready, v_ready, k_empty, v_empty,
-                         LSE, ROW_CONSTS, L, S, H, causal_offset, window_lower, qk_scale,
+                         LSE, ROW_CONSTS, KEY_BIAS, L, S, H, causal_offset, window_lower, qk_scale,
                          turn, CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                          NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-                         PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr):
+                         PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr):
     """One warpgroup: BLOCK_M query rows against every key tile the loader brings."""
     ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
     dtype: gl.constexpr = o_desc.dtype
@@ -237,6 +260,8 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
     start_m, b, h = _block_coords(L, H, ROWS, IS_CAUSAL)
     row0 = start_m + CONSUMER * BLOCK_M
     row_ids = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
+    bias_row = KEY_BIAS + (b * H + h).to(gl.int64) * S  # read only under HAS_KEY_BIAS
+    key_offsets = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     # Every consumer walks the CTA's tiles (the loader's): each ring slot then gets one release
     # from every consumer, and under PINGPONG every consumer takes the same number of turns.
     # Under causal masking the last tiles can lie wholly above this warpgroup's diagonal (and
@@ -276,10 +301,12 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
     k_tile = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
     s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
+    bias = _key_bias_tile(bias_row, key_offsets, lo, S, BLOCK_N, HAS_KEY_BIAS)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(0), count=1)
-    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, row_ids, lo, n_full, lo_full, S, causal_offset,
-                                       window_lower, s_layout, BLOCK_N, IS_CAUSAL, WINDOW_LEFT, dtype, EXACT_DELTA)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, bias, row_ids, lo, n_full, lo_full, S, causal_offset,
+                                       window_lower, s_layout, BLOCK_N, IS_CAUSAL, WINDOW_LEFT, dtype, EXACT_DELTA,
+                                       HAS_KEY_BIAS)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
 
     # t counts the ring's tiles, as the loader does; the key tile is lo + t.
@@ -297,12 +324,14 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
         v_tile = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
         acc_tok, l_tok = _pv_issue(p_op, v_tile, acc, ones_t, l_acc, EXACT_DELTA)
         _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
+        # The bias load's latency hides under the MMAs just issued.
+        bias = _key_bias_tile(bias_row, key_offsets, lo + t, S, BLOCK_N, HAS_KEY_BIAS)
         # wgmma groups retire in issue order: with P·V's groups outstanding, S_t is done.
         s = warpgroup_mma_wait(num_outstanding=PV_GROUPS, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, row_ids, lo + t, n_full, lo_full, S,
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, bias, row_ids, lo + t, n_full, lo_full, S,
                                            causal_offset, window_lower, s_layout, BLOCK_N, IS_CAUSAL, WINDOW_LEFT,
-                                           dtype, EXACT_DELTA)
+                                           dtype, EXACT_DELTA, HAS_KEY_BIAS)
         acc, l_acc, p_op = _pv_wait(acc_tok, l_tok, p_op, EXACT_DELTA)
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -360,16 +389,17 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
 
 
 @gluon.jit
-def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS,
+def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KEY_BIAS,
                      L, S, H, GROUP, causal_offset, window_lower, qk_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
                      WINDOW_LEFT: gl.constexpr, PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                     HAS_KEY_BIAS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(L, BLOCK_M * NUM_CONSUMERS), B * H). Q/K/V/O descriptors are 4-D over
     (B, H, L or S, E) with boxes (1, 1, rows, E), so TMA clips and zero-fills per head. Under
     EXACT_DELTA ``r_desc`` describes O's residual (as O) and ROW_CONSTS is (2, B, H, L) fp32
-    (pivot, g); otherwise neither is touched."""
+    (pivot, g); otherwise neither is touched. Under HAS_KEY_BIAS, KEY_BIAS is (B, H, S) fp32,
+    contiguous (glossary); otherwise it is not read."""
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "two or three consumer warpgroups")
     dtype: gl.constexpr = q_desc.dtype
     qk_scale = qk_scale.to(gl.float32)
@@ -404,13 +434,13 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS,
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
-                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset,
+                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H, causal_offset,
                                     window_lower, qk_scale, turn, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                    NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA)),
+                                    NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS)),
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
-                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset,
+                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H, causal_offset,
                                     window_lower, qk_scale, turn, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                    NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA)),
+                                    NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS)),
             (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                   q_ready, k_ready, v_ready, k_empty, v_empty,
                                   L, S, H, GROUP, causal_offset, window_lower,
@@ -419,17 +449,17 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS,
     else:
         gl.warp_specialize([
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
-                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset,
+                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H, causal_offset,
                                     window_lower, qk_scale, turn, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                    NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA)),
+                                    NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS)),
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
-                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset,
+                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H, causal_offset,
                                     window_lower, qk_scale, turn, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                    NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA)),
+                                    NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS)),
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
-                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, L, S, H, causal_offset,
+                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H, causal_offset,
                                     window_lower, qk_scale, turn, 2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                    NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA)),
+                                    NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS)),
             (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                   q_ready, k_ready, v_ready, k_empty, v_empty,
                                   L, S, H, GROUP, causal_offset, window_lower,

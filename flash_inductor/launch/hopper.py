@@ -13,7 +13,9 @@ traced graph holds (no data pointers, and under dynamic shapes no strides):
 in the input dtype and lse (B, Hq, L) fp32 in natural log (-inf for a row that sees no key), so
 either backward (the Triton kernels, or ``launch/hopper_bwd.py`` under `fast`) takes them.
 
-What it covers now: sm_90, bf16/fp16, E = Ev in {64, 128}, no mask, no dropout, causal or not
+What it covers now: sm_90, bf16/fp16, E = Ev in {64, 128}, no mask or a key mask (one that is the
+same for every query row, (…, 1, S) or broadcast along the queries, as padding masks are: the
+kernel adds one bias per key, see ``key_bias``), no dropout, causal or not
 (any ``causal_offset``), sliding windows (the band of ``launch/band.py``: the kernel starts each
 block's key loop at the window's left edge), grouped-query attention, the schedules whose forward
 rounds P to the input dtype (`fast`, `stable`), and any strides TMA can address (last dim contiguous, the others
@@ -43,6 +45,13 @@ HEADS_NOT_GROUPED = "query heads are not a multiple of key/value heads"
 LENGTHS_DIFFER = "batch or key length mismatch"
 LAYOUT_REASONS = (NOT_4D, HEADS_NOT_GROUPED, LENGTHS_DIFFER)
 BLOCK_SPARSE = "a block-sparse layout (block_mask; its key loop visits every tile)"
+MASK_VARIES = ("an attention mask that varies along the queries (the Hopper kernels take a key mask, one "
+               "that is the same for every query row: shape (..., 1, S) or broadcast along L)")
+MASK_NEEDS_GRAD = "an attention mask that requires grad (its gradient comes from the Triton backward)"
+# The base-2 kernels' floor for additive mask values, as the Triton kernels' (kernels/common.py):
+# finfo(float32).min · log2 e would overflow to -inf, and a row masked entirely at the floor keeps
+# uniform weights, as it has under SDPA.
+MASK_FLOOR = -1e38
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -74,7 +83,7 @@ class HopperForwardConfig:
         return min(240, spare // self.num_consumers // 8 * 8)
 
 
-def default_config(head_dim: int, is_causal: bool) -> HopperForwardConfig:
+def default_config(head_dim: int, is_causal: bool, key_mask: bool = False) -> HopperForwardConfig:
     """The measured best on the H200 (benchmarks/results/hopper_fwd_nvidia-h200_20261202.json).
 
     E=128: two consumers (64 rows each) with ping-pong. It beat the same kernel without ping-pong
@@ -85,8 +94,13 @@ def default_config(head_dim: int, is_causal: bool) -> HopperForwardConfig:
     E=64: three consumers (192 rows per CTA, 160 registers each, as FA3 does for this head dim)
     with ping-pong, 3 stages (123 KiB): 1.03-1.12x cuDNN at every length for full attention and
     for causal from 8k; at causal 2k-4k it and the two-consumer kernel are both 0.89-0.96x.
+    A key mask's bias holds 32 more fp32 registers per consumer thread (a tile's 128 keys in the
+    accumulator's column layout): at E 64 three consumers' 160 registers then spill 0.5-0.7 KiB
+    (compiled for sm_90a, tools/hopper_fwd_compile.py --key-bias), two consumers' 240 none.
     """
     del is_causal  # the same tiles measured best for both
+    if head_dim == 64 and key_mask:
+        return HopperForwardConfig(num_stages=3, num_consumers=2, pingpong=True)
     if head_dim == 128:
         return HopperForwardConfig(num_stages=2, num_consumers=2, pingpong=True)
     return HopperForwardConfig(num_stages=3, num_consumers=3, pingpong=True)
@@ -148,8 +162,9 @@ def hopper_forward_unsupported_reason(query, key, value, attn_mask=None, dropout
     head_dim = query.shape[-1]
     if head_dim not in HEAD_DIMS or key.shape[-1] != head_dim or value.shape[-1] != head_dim:
         return f"head dims q/k/v {query.shape[-1]}/{key.shape[-1]}/{value.shape[-1]} (64 or 128, all equal)"
-    if attn_mask is not None:
-        return "an attention mask (not implemented on this path yet)"
+    reason = key_mask_unsupported_reason(attn_mask)
+    if reason is not None:
+        return reason
     if dropout_p > 0.0:
         return "dropout (not implemented on this path yet)"
     del window  # any band (launch/band.py): the kernel skips the tiles outside it
@@ -162,6 +177,42 @@ def hopper_forward_unsupported_reason(query, key, value, attn_mask=None, dropout
     if query.shape[0] != key.shape[0] or key.shape[2] != value.shape[2]:
         return LENGTHS_DIFFER
     return None
+
+
+def _is_one_row(mask) -> bool:
+    """The mask's query dim has one row, or is broadcast (stride 0): it is the same for every query.
+    Symbolic sizes and strides (dynamic shapes) that are not known to be so count as not."""
+    try:
+        return bool(mask.shape[-2] == 1 or mask.stride(-2) == 0)
+    except Exception:  # noqa: BLE001 -- a stride a traced graph does not pin down
+        return False
+
+
+def key_mask_unsupported_reason(attn_mask) -> str | None:
+    """None when ``attn_mask`` is absent or a key mask the Hopper kernels take (see ``key_bias``);
+    else why not. Safe on fake tensors with static shapes."""
+    if attn_mask is None:
+        return None
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        return f"an attention mask of dtype {attn_mask.dtype}"
+    if attn_mask.dim() < 2 or not _is_one_row(attn_mask):
+        return MASK_VARIES
+    if attn_mask.requires_grad:
+        return MASK_NEEDS_GRAD
+    return None
+
+
+def key_bias(attn_mask: torch.Tensor, batch: int, heads: int, seq_k: int) -> torch.Tensor:
+    """A key mask (``key_mask_unsupported_reason`` None) as the kernels' per-key bias: (B, H, S)
+    fp32, contiguous, in base 2. Bool: 0 where True, -inf where False. Additive: the value times
+    log2 e, -inf kept, finite values clamped at ``MASK_FLOOR`` first (as the Triton kernels do)."""
+    row = attn_mask.expand(batch, heads, attn_mask.shape[-2], seq_k)[:, :, 0, :]
+    if row.dtype == torch.bool:
+        bias = torch.where(row, 0.0, float("-inf"))
+    else:
+        row = row.to(torch.float32)
+        bias = torch.where(row.isneginf(), row, row.clamp(min=MASK_FLOOR)) * LOG2E
+    return bias.to(torch.float32).contiguous()
 
 
 def tma_unsupported_reason(query, key, value) -> str | None:
@@ -196,12 +247,13 @@ def tma_descriptor(t: torch.Tensor, rows: int, cols: int | None = None):
 
 def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                              scale: float | None = None, is_causal: bool = False, causal_offset: int = 0,
-                             window: tuple[int, int] | None = None,
+                             window: tuple[int, int] | None = None, attn_mask: torch.Tensor | None = None,
                              config: HopperForwardConfig | None = None, exact_delta: bool = False) -> tuple:
     """Attention forward on the Gluon Hopper kernel. ``query`` (B, Hq, L, E), ``key``/``value``
     (B, Hkv, S, E) with Hq a multiple of Hkv. Key j is visible to query i iff
     ``j <= i + causal_offset`` when ``is_causal`` (0: top-left, SDPA's convention), and inside
-    ``window`` (FlashAttention's (left, right), or None) if one is given.
+    ``window`` (FlashAttention's (left, right), or None) if one is given, and allowed by
+    ``attn_mask``, a key mask (``key_mask_unsupported_reason``) broadcastable to (B, Hq, 1, S).
 
     Returns (out (B, Hq, L, E) in the input dtype, lse (B, Hq, L) fp32, natural log). With
     ``exact_delta`` (the `stable` schedule's one-pass backward, docs/hopper_backward.md) also
@@ -218,7 +270,7 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     # WINDOW_LEFT and window_lower (as the Triton forward does).
     band = resolve_band(is_causal, causal_offset, window, seq_q, seq_k)
     is_causal, causal_offset = causal_side(band)
-    cfg = config or default_config(head_dim, is_causal)
+    cfg = config or default_config(head_dim, is_causal, key_mask=attn_mask is not None)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
     if exact_delta:
@@ -226,16 +278,17 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
         row_consts = torch.empty((2, batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
     else:
         resid, row_consts = out, lse  # not touched
+    bias = key_bias(attn_mask, batch, heads_q, seq_k) if attn_mask is not None else lse  # lse: not read
     o_desc = tma_descriptor(out, cfg.block_m)
     rows = cfg.block_m * cfg.num_consumers
     grid = (cdiv(seq_q, rows), batch * heads_q)
     _attn_fwd_hopper[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, cfg.block_n), tma_descriptor(value, cfg.block_n),
-        o_desc, tma_descriptor(resid, cfg.block_m) if exact_delta else o_desc, lse, row_consts,
+        o_desc, tma_descriptor(resid, cfg.block_m) if exact_delta else o_desc, lse, row_consts, bias,
         seq_q, seq_k, heads_q, heads_q // heads_kv, causal_offset, band_lower(band), scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal, WINDOW_LEFT=band.lower is not None,
-        PINGPONG=cfg.pingpong, EXACT_DELTA=exact_delta,
+        PINGPONG=cfg.pingpong, EXACT_DELTA=exact_delta, HAS_KEY_BIAS=attn_mask is not None,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         # The entry cap fills the register file; setmaxnreg then moves the loader's registers to
         # the consumers (2 consumers: 168 -> 240/240/24; 3: 128 -> 160/160/160/24).

@@ -5,7 +5,8 @@ The op (``ops/attention.py``) chooses it at launch time, as it chooses the Hoppe
 (``launch/hopper.py``), wherever ``hopper_backward_unsupported_reason`` says None; the reason
 otherwise goes to the ``flash_inductor`` logger at INFO, once per reason.
 
-What it covers: sm_90, bf16/fp16, E = Ev = 128, or 64 under causal masking, no mask, no dropout,
+What it covers: sm_90, bf16/fp16, E = Ev = 128, or 64 under causal masking, no mask or a key mask
+(``launch.hopper.key_bias``; an additive one under `stable` only), no dropout,
 no block-sparse layout, causal or not (any ``causal_offset``), sliding windows (the band of
 ``launch/band.py``: each key block's query sweep ends at the window's left edge), grouped-query
 attention, the `fast` schedule (Δ = rowsum(dO∘O) - dLSE, dS cast straight to the input dtype), and
@@ -32,7 +33,7 @@ from ..schedules import get_schedule
 from ..tuning.buckets import length_hint
 from .band import band_lower, causal_side, resolve_band
 from .common import LOG2E, cdiv
-from .hopper import NOT_HOPPER, hopper_forward_unsupported_reason, tma_descriptor, tma_unsupported_reason
+from .hopper import NOT_HOPPER, hopper_forward_unsupported_reason, key_bias, tma_descriptor, tma_unsupported_reason
 
 log = logging.getLogger("flash_inductor")
 # Measured on the H200 (docs/hopper_backward.md): at E 64 without causal masking the Triton `fast`
@@ -50,6 +51,11 @@ ONE_PASS_OFF = ("schedule 'stable' with launch.hopper_bwd.ONE_PASS_STABLE off (i
                 "forward's residual; docs/hopper_backward.md)")
 # dQ is summed across key blocks by TMA reduce-adds, whose order varies from run to run; the
 # Triton backward sums each dq row in one program, in a fixed order.
+# `fast`'s backward recomputes P from the LSE in natural log; a row masked entirely at the additive
+# floor has an LSE near -1e38, whose round trip to base 2 is off by far more than one (the Triton
+# backward recomputes such rows' reference). `stable`'s pivot is kept in base 2, exactly.
+ADDITIVE_KEY_MASK_FAST = ("an additive key mask under schedule 'fast' (rows masked entirely at the floor need the "
+                          "Triton backward's row reference)")
 DETERMINISTIC = ("torch.use_deterministic_algorithms(True) (the Hopper backward adds dQ across key blocks "
                  "in an order that varies run to run)")
 
@@ -111,6 +117,8 @@ def _backward_support_reason(query, key, value, attn_mask=None, dropout_p: float
     sched = get_schedule(schedule)
     if sched.ds_in_fp32:
         return f"schedule {sched.name!r} (dS in fp32 for the matrix unit)"
+    if attn_mask is not None and attn_mask.is_floating_point() and not sched.exact_delta:
+        return ADDITIVE_KEY_MASK_FAST
     # The E 64 exception is `fast`'s: `stable`'s one-pass backward (ops/one_pass.py) is faster than
     # the Triton `stable` backward at E 64 too (docs/hopper_backward.md).
     if not sched.exact_delta and query.shape[-1] == 64 and not is_causal:
@@ -154,7 +162,8 @@ def log_triton_backward(reason: str) -> None:
 def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None = None, *,
                               scale: float | None = None, is_causal: bool = False, causal_offset: int = 0,
-                              window: tuple[int, int] | None = None, config: HopperBackwardConfig | None = None,
+                              window: tuple[int, int] | None = None, attn_mask: torch.Tensor | None = None,
+                              config: HopperBackwardConfig | None = None,
                               delta: torch.Tensor | None = None,
                               exact_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
                               mean_key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -164,7 +173,8 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     ``query``/``out``/``grad_out`` (B, Hq, L, E), ``key``/``value`` (B, Hkv, S, E) with Hq a
     multiple of Hkv; ``lse`` (B, Hq, L) fp32 in natural log as the forward returns it (-inf for a
     row that sees no key: its gradients are 0); ``grad_lse`` the LSE output's gradient, or None;
-    ``window`` FlashAttention's (left, right), or None, on top of ``is_causal``.
+    ``window`` FlashAttention's (left, right), or None, on top of ``is_causal``; ``attn_mask`` a
+    key mask, as the forward took it.
     ``delta`` (B, Hq, L) fp32 replaces the preprocess's Δ (experiments). ``exact_delta``: the
     (residual, row constants) the forward returned under ``exact_delta=True``; the backward is
     then `stable`'s, with the exact Δ. ``mean_key`` (B, Hkv, E) fp32: ``key`` is the centred
@@ -203,15 +213,16 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     # arguments, its lower side as WINDOW_LEFT and window_lower.
     band = resolve_band(is_causal, causal_offset, window, seq_q, seq_k)
     band_is_causal, band_upper = causal_side(band)
+    bias = key_bias(attn_mask, batch, heads_q, seq_k) if attn_mask is not None else lse  # lse: not read
     grid = (cdiv(seq_k, cfg.block_n), batch * heads_kv)
     _attn_bwd_hopper[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, 64), tma_descriptor(value, 64),
         tma_descriptor(grad_out, cfg.block_m), tma_descriptor(dk, 64), tma_descriptor(dv, 64),
-        tma_descriptor(dq_accum, cfg.block_m, dq_cols), lse, delta, dq_accum, ds_up,
+        tma_descriptor(dq_accum, cfg.block_m, dq_cols), lse, delta, dq_accum, ds_up, bias,
         seq_q, seq_k, heads_kv, heads_q // heads_kv, band_upper, band_lower(band), scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         IS_CAUSAL=band_is_causal, WINDOW_LEFT=band.lower is not None, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma,
-        EXACT_DELTA=exact_delta is not None, CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
+        EXACT_DELTA=exact_delta is not None, HAS_KEY_BIAS=attn_mask is not None, CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
     if mean_key is not None and grad_lse is not None:

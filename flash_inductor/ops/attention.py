@@ -103,10 +103,11 @@ def _reference_layout(block_map: Optional[Tensor], block_q: int, block_k: int) -
 
 
 def _forward_on_hopper(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, causal_offset: int,
-                       scale: float, schedule: str, window_left: int = -1,
-                       window_right: int = -1) -> tuple[Tensor, Tensor]:
+                       scale: float, schedule: str, window_left: int = -1, window_right: int = -1, *,
+                       attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     return hopper.hopper_attention_forward(query, key, value, scale=scale, is_causal=is_causal,
-                                           causal_offset=causal_offset, window=(window_left, window_right))
+                                           causal_offset=causal_offset, window=(window_left, window_right),
+                                           attn_mask=attn_mask)
 
 
 def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
@@ -126,18 +127,26 @@ def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal
                                                        window=window, block_sparse=block_map is not None)
               or hopper.tma_unsupported_reason(query, key, value))
     if reason is None:
-        return hopper_call(query, key, value, is_causal, causal_offset, scale, schedule, *window_pair(window))
+        return hopper_call(query, key, value, is_causal, causal_offset, scale, schedule, *window_pair(window),
+                           **_key_mask_argument(attn_mask))
     hopper.log_triton_forward(reason)
     return launch.attention_forward(query, key, value, attn_mask, rng_seed, dropout_p, scale, schedule,
                                     visibility=visibility)
 
 
+def _key_mask_argument(attn_mask: Optional[Tensor]) -> dict:
+    """The Hopper call's key mask as a keyword, left out when there is none (so a stand-in
+    ``hopper_call`` without masks keeps its signature)."""
+    return {} if attn_mask is None else {"attn_mask": attn_mask}
+
+
 def _backward_on_hopper(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
                         grad_lse: Optional[Tensor], is_causal: bool, causal_offset: int, scale: float,
-                        schedule: str, window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor, Tensor]:
+                        schedule: str, window_left: int = -1, window_right: int = -1, *,
+                        attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
                                                 is_causal=is_causal, causal_offset=causal_offset,
-                                                window=(window_left, window_right))
+                                                window=(window_left, window_right), attn_mask=attn_mask)
 
 
 def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p, is_causal,
@@ -151,10 +160,11 @@ def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse,
                                                             is_causal=is_causal, window=window,
                                                             block_sparse=block_map is not None)
               or hopper_bwd.backward_tma_unsupported_reason(grad_out, query, key, value)
+              or (hopper.MASK_NEEDS_GRAD if compute_mask_grad else None)
               or (hopper_bwd.NO_RESIDUAL if get_schedule(schedule).exact_delta else None))
     if reason is None:
         dq, dk, dv = hopper_call(grad_out, query, key, value, out, lse, grad_lse, is_causal, causal_offset, scale,
-                                 schedule, *window_pair(window))
+                                 schedule, *window_pair(window), **_key_mask_argument(attn_mask))
         return dq, dk, dv, query.new_empty(0)
     hopper_bwd.log_triton_backward(reason)
     visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=window, block_map=block_map,
@@ -388,7 +398,8 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
     if needs_autograd and block_map is None and one_pass_applies(query, key, value, attn_mask, dropout_p, scale,
                                                                  schedule, window=(window_left, window_right)):
         return attention_one_pass(query, key, value, is_causal, causal_offset, scale, window_left, window_right,
-                                  fast_path=eager_fast_path_applies(query, key, value), needs_autograd=True)
+                                  fast_path=eager_fast_path_applies(query, key, value, attn_mask),
+                                  needs_autograd=True, attn_mask=attn_mask)
     if eager_fast_path_applies(query, key, value, attn_mask, rng_seed, block_map):
         if not _needs_autograd(query, key, value, attn_mask):
             # Inference: the launch alone. autograd.Function.apply would record nothing here and

@@ -12,9 +12,13 @@ tensors from the forward to the backward than ``attention_forward`` returns, so 
 own pair of ops:
 
 * ``flash_inductor::attention_forward_one_pass(q, k, v, is_causal, causal_offset, scale,
-  window_left=-1, window_right=-1) -> (out, lse, residual, row_constants)``
+  window_left=-1, window_right=-1, attn_mask=None) -> (out, lse, residual, row_constants)``
 * ``flash_inductor::attention_backward_one_pass(dout, q, k, v, out, lse, dlse?, residual,
-  row_constants, is_causal, causal_offset, scale, window_left=-1, window_right=-1) -> (dq, dk, dv)``
+  row_constants, is_causal, causal_offset, scale, window_left=-1, window_right=-1, attn_mask=None)
+  -> (dq, dk, dv)``
+
+``attn_mask`` is a key mask (``launch.hopper.key_mask_unsupported_reason``: one row for every
+query, as padding masks are), bool or additive, which neither needs nor gets a gradient.
 
 ``attention_forward_eager`` (ops/attention.py) routes a call here when :func:`one_pass_applies`
 says so, from static properties alone (safe on fake tensors), so a traced graph holds these ops
@@ -75,7 +79,7 @@ def _addressable(*tensors: Tensor) -> list[Tensor]:
             for t in tensors]
 
 
-def _forward(query, key, value, is_causal, causal_offset, scale, window_left, window_right):
+def _forward(query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask=None):
     batch, heads, seq_q, head_dim = query.shape
     if seq_q == 0 or key.shape[2] == 0 or batch * heads == 0:
         out = query.new_zeros(query.shape)
@@ -86,17 +90,21 @@ def _forward(query, key, value, is_causal, causal_offset, scale, window_left, wi
     k_hat, k_tilde = centred_keys(key)
     out, lse, resid, row_consts = hopper.hopper_attention_forward(
         query, k_tilde, value, scale=scale, is_causal=is_causal, causal_offset=causal_offset,
-        window=(window_left, window_right), exact_delta=True)
+        window=(window_left, window_right), exact_delta=True, **_mask_keyword(attn_mask))
     hopper_bwd.add_row_dot(query, k_hat, lse, scale)  # LSE over K = LSE over K̃ + scale·q·k̂
     return out, lse, resid, row_consts
 
 
+def _mask_keyword(attn_mask: Optional[Tensor]) -> dict:
+    return {} if attn_mask is None else {"attn_mask": attn_mask}
+
+
 def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, is_causal, causal_offset, scale,
-              window_left, window_right):
+              window_left, window_right, attn_mask=None):
     if torch.are_deterministic_algorithms_enabled() or query.shape[2] == 0 or key.shape[2] == 0:
         # The Triton `stable` backward re-derives the exact Δ from out and lse in a fixed order.
         visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=(window_left, window_right))
-        dq, dk, dv, _ = launch.attention_backward(grad_out, query, key, value, None, out, lse, grad_lse, None, 0.0,
+        dq, dk, dv, _ = launch.attention_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, None, 0.0,
                                                   scale, "stable", False, visibility=visibility)
         return dq, dk, dv
     grad_out, query, value = _addressable(grad_out, query, value)
@@ -104,23 +112,24 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts
     return hopper_bwd.hopper_attention_backward(grad_out, query, k_tilde, value, out, lse, grad_lse, scale=scale,
                                                 is_causal=is_causal, causal_offset=causal_offset,
                                                 window=(window_left, window_right), exact_delta=(resid, row_consts),
-                                                mean_key=k_hat)
+                                                mean_key=k_hat, **_mask_keyword(attn_mask))
 
 
 @torch.library.custom_op("flash_inductor::attention_forward_one_pass", mutates_args=())
 def attention_forward_one_pass(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, causal_offset: int,
-                               scale: float, window_left: int = -1,
-                               window_right: int = -1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _forward(query, key, value, is_causal, causal_offset, scale, window_left, window_right)
+                               scale: float, window_left: int = -1, window_right: int = -1,
+                               attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _forward(query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask)
 
 
 @torch.library.custom_op("flash_inductor::attention_backward_one_pass", mutates_args=())
 def attention_backward_one_pass(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
                                 lse: Tensor, grad_lse: Optional[Tensor], resid: Tensor, row_consts: Tensor,
                                 is_causal: bool, causal_offset: int, scale: float, window_left: int = -1,
-                                window_right: int = -1) -> tuple[Tensor, Tensor, Tensor]:
+                                window_right: int = -1,
+                                attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, is_causal,
-                           causal_offset, scale, window_left, window_right)
+                           causal_offset, scale, window_left, window_right, attn_mask)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
@@ -137,12 +146,15 @@ def _backward_fake(grad_out, query, key, value, *_rest):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
+_OPTIONAL_DEFAULTS = (-1, -1, None)  # window_left, window_right, attn_mask: a caller may leave them out
+
+
 def _setup_context(ctx, inputs, output):
-    query, key, value, *options = inputs
+    query, key, value, is_causal, causal_offset, scale, *optional = inputs
+    window_left, window_right, attn_mask = (*optional, *_OPTIONAL_DEFAULTS[len(optional):])
     out, lse, resid, row_consts = output
-    ctx.save_for_backward(query, key, value, out, lse, resid, row_consts)
-    # window_left/right have defaults a caller may leave out.
-    ctx.options = tuple(options) + (-1, -1)[len(options) - 3:]
+    ctx.save_for_backward(query, key, value, out, lse, resid, row_consts, attn_mask)
+    ctx.options = (is_causal, causal_offset, scale, window_left, window_right)
     ctx.input_count = len(inputs)
     ctx.set_materialize_grads(False)  # as ops/attention.py: an unused lse gets no zeros launched
 
@@ -150,10 +162,11 @@ def _setup_context(ctx, inputs, output):
 def _run_backward(ctx, grad_out, grad_lse, backward_call):
     if grad_out is None and grad_lse is None:
         return (None,) * ctx.input_count
-    query, key, value, out, lse, resid, row_consts = ctx.saved_tensors
+    query, key, value, out, lse, resid, row_consts, attn_mask = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = backward_call(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, *ctx.options)
+    dq, dk, dv = backward_call(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, *ctx.options,
+                               attn_mask)
     return (dq, dk, dv) + (None,) * (ctx.input_count - 3)
 
 
@@ -176,9 +189,10 @@ class _EagerOnePass(torch.autograd.Function):
     """The ops' launches and autograd without the dispatcher (ops/attention.py's eager fast path)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, is_causal, causal_offset, scale, window_left, window_right):
-        output = _forward(query, key, value, is_causal, causal_offset, scale, window_left, window_right)
-        _setup_context(ctx, (query, key, value, is_causal, causal_offset, scale, window_left, window_right), output)
+    def forward(ctx, query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask):
+        args = (query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask)
+        output = _forward(*args)
+        _setup_context(ctx, args, output)
         ctx.mark_non_differentiable(output[2], output[3])
         return output
 
@@ -190,10 +204,11 @@ class _EagerOnePass(torch.autograd.Function):
 
 
 def attention_one_pass(query, key, value, is_causal: bool, causal_offset: int, scale: float, window_left: int,
-                       window_right: int, *, fast_path: bool, needs_autograd: bool) -> tuple[Tensor, Tensor]:
+                       window_right: int, *, fast_path: bool, needs_autograd: bool,
+                       attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out, lse) of the one-pass path: the launches directly where ``fast_path`` (a plain eager
-    call), else the registered op."""
-    args = (query, key, value, is_causal, causal_offset, scale, window_left, window_right)
+    call), else the registered op. ``attn_mask``: a key mask (module docstring), or None."""
+    args = (query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask)
     if fast_path:
         if not needs_autograd:
             return _forward(*args)[:2]

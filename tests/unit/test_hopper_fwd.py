@@ -176,7 +176,8 @@ def test_the_op_runs_its_forward_on_hopper_and_trains(monkeypatch, compiled):
 def test_strides_tma_cannot_address_fall_back_to_triton(monkeypatch):
     """A query whose base is not 16-byte aligned passes the static check (fake tensors know no
     pointers) but not TMA's: the plain op's Hopper branch then runs the Triton forward (`fast`),
-    and the one-pass ops (`stable`) run the Hopper kernel on an aligned copy; both correctly."""
+    and the one-pass ops (`stable`, in training: a key that requires grad) run the Hopper kernel
+    on an aligned copy; both correctly."""
     from flash_inductor import flash_attention
 
     calls = _count_hopper_launches(monkeypatch)
@@ -187,7 +188,7 @@ def test_strides_tma_cannot_address_fall_back_to_triton(monkeypatch):
     out = flash_attention(q, k, v, schedule="fast")
     assert calls == []
     assert (out.double() - ref).abs().max().item() < 1e-2
-    out = flash_attention(q, k, v)
+    out = flash_attention(q, k.requires_grad_(), v)
     assert calls == [False]
     assert (out.double() - ref).abs().max().item() < 1e-2
 

@@ -46,6 +46,9 @@ def test_stable_unmasked_calls_take_the_one_pass_path(monkeypatch):
                                        "stable", window=(64, 0)) is None
     assert "no exact" in one_pass_unsupported_reason(q, k, k, None, 0.0, 0.1, "fast")
     assert one_pass_unsupported_reason(q, k, k, t(2, 8, 256, 256, dtype=torch.bool), 0.0, 0.1, "stable")
+    # A key mask (the same for every query row, a padding mask) is taken, bool or additive.
+    assert one_pass_unsupported_reason(q, k, k, t(2, 1, 1, 256, dtype=torch.bool), 0.0, 0.1, "stable") is None
+    assert one_pass_unsupported_reason(q, k, k, t(2, 1, 1, 256), 0.0, 0.1, "stable") is None
     assert one_pass_unsupported_reason(q, k, k, None, 0.1, 0.1, "stable")
     assert "empty" in one_pass_unsupported_reason(t(2, 8, 0, 128), k, k, None, 0.0, 0.1, "stable")
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
@@ -164,11 +167,11 @@ def test_cpu_calls_never_take_it():
 
 # ------------------------------------------------------------------------------ on the GPU
 
-def _grads(q, k, v, do, dlse, is_causal, causal_offset):
+def _grads(q, k, v, do, dlse, is_causal, causal_offset, attn_mask=None):
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     scale = q.shape[-1] ** -0.5
     out, lse, resid, rows = torch.ops.flash_inductor.attention_forward_one_pass(*leaves, is_causal, causal_offset,
-                                                                                  scale)
+                                                                                  scale, -1, -1, attn_mask)
     assert resid.shape == out.shape and rows.shape == (2, *lse.shape)
     outputs, grads = [out], [do]
     if dlse is not None:
@@ -215,6 +218,89 @@ def test_one_pass_matches_fp64(dtype, head_dim, case):
     if dead.any():  # rows that see no key: out, dq exactly 0, lse -inf
         assert torch.equal(lse[dead], ref["lse"][dead].float())
         assert (dq[dead] == 0).all() and (out[dead] == 0).all()
+
+
+def _padding_mask(batch, seq_k, kind, dtype, device="cuda"):
+    """(B, 1, 1, S): batch element b keeps its first S - 37·b keys; the last element keeps none
+    (its rows: 0 under a bool mask, uniform weights under finfo.min, as SDPA gives)."""
+    keep = torch.arange(seq_k, device=device)[None, :] < (seq_k - 37 * torch.arange(batch, device=device))[:, None]
+    keep[-1] = False
+    keep = keep[:, None, None, :]
+    return keep if kind == "bool" else torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("case", ["full", "causal_gqa_dlse", "ragged"])
+def test_one_pass_with_a_key_mask_matches_fp64(dtype, head_dim, kind, case):
+    """A padding mask on the Gluon kernels (their per-key bias), through the one-pass ops."""
+    b, hq, hkv, seq_q, seq_k, causal, with_dlse = {
+        "full": (3, 4, 4, 512, 512, False, False),
+        "causal_gqa_dlse": (3, 8, 2, 384, 384, True, True),
+        "ragged": (3, 3, 1, 333, 517, False, True),
+    }[case]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(b, hq, seq_q, head_dim, device="cuda", generator=gen).to(dtype)
+    k, v = (torch.randn(b, hkv, seq_k, head_dim, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    do = torch.randn(b, hq, seq_q, head_dim, device="cuda", generator=gen).to(dtype)
+    dlse = torch.randn(b, hq, seq_q, device="cuda", generator=gen) if with_dlse else None
+    mask = _padding_mask(b, seq_k, kind, dtype)
+    if kind == "bool":  # the reference's rows with no key give lse -inf: no dLSE can reach them
+        dlse = None if dlse is None else dlse.masked_fill(~mask[:, :, 0, :1], 0.0)
+    offset = 0 if causal else None
+    out, lse, (dq, dk, dv) = _grads(q, k, v, do, dlse, causal, 0, mask.expand(b, hq, seq_q, seq_k))
+    group = hq // hkv
+    k_full, v_full = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    ref = ref_forward_backward(q, k_full, v_full, mask, causal_offset=offset, grad_out=do, grad_lse=dlse)
+    base = sdpa_baseline(q, k_full, v_full, mask, causal_offset=offset, grad_out=do, grad_lse=dlse)
+    terms = ref["terms"]
+    assert_close_to_ref("out", out, ref["out"], base["out"], terms=terms.get("out"))
+    # Rows whose keys are all at finfo.min: the kernels clamp additive mask values at -1e38
+    # (launch.hopper.MASK_FLOOR), so their LSE is the clamp's; their weights are uniform either way.
+    live = ref["lse"] > -1e30
+    assert_close_to_ref("lse", lse[live], ref["lse"][live], lse_baseline(q, k_full, mask, causal_offset=offset)[live])
+    assert_close_to_ref("dq", dq, ref["dq"], base["dq"], terms=terms.get("dq"))
+    sum_heads = lambda t: t.unflatten(1, (hkv, group)).sum(2)  # noqa: E731
+    assert_close_to_ref("dk", dk, sum_heads(ref["dk"]), sum_heads(base["dk"]), terms=terms.get("dk"))
+    assert_close_to_ref("dv", dv, sum_heads(ref["dv"]), sum_heads(base["dv"]), terms=terms.get("dv"))
+    if kind == "bool":  # the last batch element sees no key
+        assert (out[-1] == 0).all() and (dq[-1] == 0).all() and bool(lse[-1].isneginf().all())
+
+
+@needs_hopper
+@pytest.mark.parametrize("schedule", ["stable", "fast"])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_flash_attention_runs_key_masks_on_the_hopper_kernels(monkeypatch, schedule, kind):
+    """Through the API, a (B, 1, 1, S) mask reaches the Gluon forward (and, except `fast` with an
+    additive mask, the Gluon backward) with its gradients as fp64's; a dense mask does not."""
+    from flash_inductor.launch import hopper, hopper_bwd
+
+    forwards, backwards = [], []
+    real_fwd, real_bwd = hopper.hopper_attention_forward, hopper_bwd.hopper_attention_backward
+    monkeypatch.setattr(hopper, "hopper_attention_forward",
+                        lambda *a, **kw: forwards.append(kw.get("attn_mask")) or real_fwd(*a, **kw))
+    monkeypatch.setattr(hopper_bwd, "hopper_attention_backward",
+                        lambda *a, **kw: backwards.append(kw.get("attn_mask")) or real_bwd(*a, **kw))
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    b, h, seq, e = 2, 4, 640, 128
+    q, k, v, do = (torch.randn(b, h, seq, e, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(4))
+    mask = _padding_mask(b, seq, kind, torch.bfloat16)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flash_inductor.flash_attention(*leaves, attn_mask=mask, schedule=schedule)
+    out.backward(do)
+    assert len(forwards) == 1 and forwards[0] is not None
+    gluon_backward = not (schedule == "fast" and kind == "additive")
+    assert len(backwards) == int(gluon_backward) and all(m is not None for m in backwards)
+    ref = ref_forward_backward(q, k, v, mask, grad_out=do)
+    base = sdpa_baseline(q, k, v, mask, grad_out=do)
+    for name, got in (("out", out), ("dq", leaves[0].grad), ("dk", leaves[1].grad), ("dv", leaves[2].grad)):
+        assert_close_to_ref(name, got, ref[name], base[name], terms=ref["terms"].get(name))
+    forwards.clear()
+    dense = mask.expand(b, 1, seq, seq).contiguous()
+    flash_inductor.flash_attention(q, k, v, attn_mask=dense, schedule=schedule)
+    assert forwards == []
 
 
 @needs_hopper

@@ -31,6 +31,18 @@ def _visible(seq_q, seq_k, is_causal, causal_offset, window):
     return vis
 
 
+def _with_key_mask(visible, attn_mask):
+    """The band's visibility combined with the launchers' key mask (bool, or additive in float64):
+    its first query row, as ``launch.hopper.key_bias`` reads it (the mask may arrive materialised,
+    as opcheck's clones do; it was a key mask where the path was chosen)."""
+    if attn_mask is None:
+        return visible
+    attn_mask = attn_mask[..., :1, :]
+    if attn_mask.dtype == torch.bool:
+        return visible & attn_mask
+    return attn_mask.double().masked_fill(~visible, float("-inf"))
+
+
 class EmulatedGluon:
     """The launchers' contract in float64. The forward's row constants are the pivot (here the
     LSE over K̃ in base 2; +inf for a row that sees no key) and 1; the backward checks that it gets
@@ -39,29 +51,32 @@ class EmulatedGluon:
     def __init__(self):
         self.forwards, self.backwards = [], []
 
-    def forward(self, query, key, value, *, scale, is_causal, causal_offset, window, exact_delta, config=None):
+    def forward(self, query, key, value, *, scale, is_causal, causal_offset, window, exact_delta, config=None,
+                attn_mask=None):
         assert exact_delta and config is None
         for t in (query, key, value):
             assert t.data_ptr() % 16 == 0 and t.stride(-1) == 1, "the launcher got a tensor TMA cannot address"
-        self.forwards.append(dict(key=key, window=window, is_causal=is_causal, causal_offset=causal_offset))
-        vis = _visible(query.shape[2], key.shape[2], is_causal, causal_offset, window)
-        out, lse = attention_ref(query, key, value, vis, scale=scale)
+        self.forwards.append(dict(key=key, window=window, is_causal=is_causal, causal_offset=causal_offset,
+                                  attn_mask=attn_mask))
+        mask = _with_key_mask(_visible(query.shape[2], key.shape[2], is_causal, causal_offset, window), attn_mask)
+        out, lse = attention_ref(query, key, value, mask, scale=scale)
         out16 = out.to(query.dtype)
         pivot = torch.where(lse.isneginf(), float("inf"), lse / torch.log(torch.tensor(2.0, dtype=lse.dtype)))
         row_consts = torch.stack([pivot, torch.ones_like(pivot)]).float()
         return out16, lse.float(), (out - out16.double()).to(query.dtype), row_consts
 
     def backward(self, grad_out, query, key, value, out, lse, grad_lse=None, *, scale, is_causal, causal_offset,
-                 window, exact_delta, mean_key, config=None, delta=None):
+                 window, exact_delta, mean_key, config=None, delta=None, attn_mask=None):
         resid, row_consts = exact_delta
         assert resid.shape == out.shape and row_consts.shape == (2, *lse.shape) and delta is None
-        self.backwards.append(dict(key=key, mean_key=mean_key))
+        self.backwards.append(dict(key=key, mean_key=mean_key, attn_mask=attn_mask))
         # In closed form: a backward runs below autograd, where torch.autograd cannot record.
-        vis = _visible(query.shape[2], key.shape[2], is_causal, causal_offset, window)
+        mask = _with_key_mask(_visible(query.shape[2], key.shape[2], is_causal, causal_offset, window), attn_mask)
         group = query.shape[1] // key.shape[1]
         q, k, v, do = (t.double() for t in (query, key, value, grad_out))
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~vis, float("-inf"))
+        scores = q @ k.transpose(-1, -2) * scale
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
         p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key: 0
         row_term = (do * (p @ v)).sum(-1)
         if grad_lse is not None:
@@ -159,6 +174,11 @@ def test_the_ops_pass_opcheck(emulated):
     out, lse, resid, row_consts = ops.attention_forward_one_pass(q, k, v, True, 16, 0.25)
     torch.library.opcheck(ops.attention_backward_one_pass.default,
                           (do, q, k, v, out, lse, dlse, resid, row_consts, True, 16, 0.25, -1, -1))
+    key_mask = (torch.arange(40, device=DEVICE) < 33).reshape(1, 1, 1, 40).expand(1, 4, 24, 40)
+    torch.library.opcheck(ops.attention_forward_one_pass.default, (*leaves, False, 0, 0.25, -1, -1, key_mask))
+    out, lse, resid, row_consts = ops.attention_forward_one_pass(q, k, v, False, 0, 0.25, -1, -1, key_mask)
+    torch.library.opcheck(ops.attention_backward_one_pass.default,
+                          (do, q, k, v, out, lse, dlse, resid, row_consts, False, 0, 0.25, -1, -1, key_mask))
 
 
 def test_empty_sequences_give_zeros_without_a_launch(emulated):
@@ -227,3 +247,58 @@ def _plain(args):
         out, lse = _kernel_forward(q, k, v, None, None, 0.0, is_causal, causal_offset, scale, "stable",
                                    (left, right), None, 0, 0)
     return out.requires_grad_(), lse
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("path", ["op", "eager"])
+def test_a_key_mask_reaches_both_launchers_and_the_gradients_match_fp64(emulated, monkeypatch, kind, path):
+    """A padding mask (B, 1, 1, S), broadcast along the queries as the API passes it: the forward
+    and the backward launchers get it, and out, LSE and the gradients are fp64's. The second batch
+    element hides all its keys: its rows give 0 (bool) or uniform weights (additive finfo.min).
+    On a CPU the API's routing is decided by the mask alone (the device checks would refuse)."""
+    import flash_inductor
+    from flash_inductor.launch import hopper
+    from flash_inductor.ops import attention as ops_attention
+
+    monkeypatch.setattr(ops_attention, "one_pass_applies",
+                        lambda q, k, v, attn_mask, *args, **kwargs: hopper.key_mask_unsupported_reason(attn_mask) is None)
+
+    q, k, v, do, _ = _inputs(2, 4, 2, 24, 40, 16, shared=20.0)
+    keep = torch.ones(2, 1, 1, 40, dtype=torch.bool, device=DEVICE)
+    keep[0, ..., 30:] = False
+    keep[1] = False
+    mask = keep if kind == "bool" else torch.where(keep, 0.0, torch.finfo(DTYPE).min).to(DTYPE)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    if path == "op":
+        out = torch.ops.flash_inductor.attention_forward_one_pass(
+            *leaves, False, 0, 0.25, -1, -1, mask.expand(2, 4, 24, 40))[0]
+    else:
+        out = flash_inductor.flash_attention(*leaves, attn_mask=mask, scale=0.25, enable_gqa=True)
+    out.backward(do)
+    assert len(emulated.forwards) == len(emulated.backwards) == 1
+    for call in (emulated.forwards[0], emulated.backwards[0]):
+        assert call["attn_mask"] is not None and call["attn_mask"].stride(-2) == 0
+    ref = ref_forward_backward(q, k, v, mask, scale=0.25, grad_out=do)
+    torch.testing.assert_close(out.double(), ref["out"], rtol=1e-5, atol=1e-5)
+    if kind == "bool":
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+    for name, leaf in zip(("dq", "dk", "dv"), leaves):
+        torch.testing.assert_close(leaf.grad.double(), ref[name], rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_a_mask_that_varies_along_the_queries_keeps_the_triton_kernels():
+    from flash_inductor.launch import hopper
+
+    q = torch.empty(1, 2, 8, 64)
+    dense = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+    assert hopper.key_mask_unsupported_reason(dense) == hopper.MASK_VARIES
+    assert hopper.key_mask_unsupported_reason(dense[..., :1, :]) is None
+    assert hopper.key_mask_unsupported_reason(dense[..., :1, :].expand(1, 2, 8, 8)) is None
+    grad_mask = torch.zeros(1, 1, 1, 8, requires_grad=True)
+    assert hopper.key_mask_unsupported_reason(grad_mask) == hopper.MASK_NEEDS_GRAD
+    assert hopper.key_mask_unsupported_reason(torch.ones(1, 1, 1, 8, dtype=torch.int32)) is not None
+    bias = hopper.key_bias(torch.tensor([True, False]).reshape(1, 1, 1, 2), 1, 2, 2)
+    assert bias.shape == (1, 2, 2) and bias.is_contiguous() and bias[0, 0, 0] == 0 and bias[0, 1, 1] == float("-inf")
+    floor = hopper.key_bias(torch.tensor([torch.finfo(torch.float32).min, -2.0]).reshape(1, 1, 1, 2), 1, 1, 2)
+    assert bool(floor.isfinite().all()) and floor[0, 0, 1].item() == pytest.approx(-2.0 * 1.4426950408889634)
+    del q
