@@ -75,6 +75,30 @@ def run(args) -> list[dict]:
     return rows
 
 
+def e64_consumers(args) -> list[dict]:
+    """The E 64 key-mask forward with two consumers (its default: three spill with the bias) and
+    three (the unmasked default), both schedules' forwards, launched directly."""
+    from flash_inductor.launch import hopper
+
+    rows = []
+    device = torch.device("cuda")
+    for seq in args.seqs:
+        batch, heads = max(1, TOKENS // seq), 2048 // 64
+        q, k, v, _ = common.make_inputs(batch, heads, seq, 64, torch.bfloat16, device)
+        q, k, v = (t.detach() for t in (q, k, v))
+        mask = padding_mask(batch, seq, device)
+        for consumers in (2, 3):
+            cfg = hopper.HopperForwardConfig(num_stages=3, num_consumers=consumers, pingpong=True)
+            for exact_delta in (False, True):
+                step = (lambda c, x: lambda: hopper.hopper_attention_forward(
+                    q, k, v, attn_mask=mask, config=c, exact_delta=x))(cfg, exact_delta)
+                common.heat(step, args.heat_ms)
+                row = dict(seq=seq, consumers=consumers, exact_delta=exact_delta, fwd_ms=common.bench_ms(step, 25, 100))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
 def ratios(rows: list[dict]) -> list[dict]:
     """Per cell and mode: ours with the key mask over each other provider (above 1: ours faster)."""
     out = []
@@ -105,7 +129,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     env = common.environment(common.module_command("benchmarks.experiments.key_mask_probe", argv))
     rows = run(args)
-    payload = dict(header=env, results=rows, ratios=ratios(rows))
+    payload = dict(header=env, results=rows, ratios=ratios(rows), e64_consumers=e64_consumers(args))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "key_mask_probe.json")
     with open(path, "w") as f:

@@ -121,7 +121,8 @@ def _backward_support_reason(query, key, value, attn_mask=None, dropout_p: float
         return ADDITIVE_KEY_MASK_FAST
     # The E 64 exception is `fast`'s: `stable`'s one-pass backward (ops/one_pass.py) is faster than
     # the Triton `stable` backward at E 64 too (docs/hopper_backward.md).
-    if not sched.exact_delta and query.shape[-1] == 64 and not is_causal:
+    # With a key mask the Triton backward loads a mask tile per tile pair and loses that edge.
+    if not sched.exact_delta and query.shape[-1] == 64 and not is_causal and attn_mask is None:
         return E64_NON_CAUSAL
     if torch.are_deterministic_algorithms_enabled():
         return DETERMINISTIC

@@ -15,8 +15,10 @@ it from index arithmetic, never as data:
 read (a padding lookup, anything data-dependent), each kept as written. It only follows what it
 can prove: integer ``arange`` indices with constant (or symbolic size) offsets, comparisons,
 ``abs``, AND, NOT (of one half-plane), OR under NOT (De Morgan), ``tril``/``triu`` of ones,
-casts, broadcasts and top-left slices. Anything else is a residual term, so reading a mask never
-changes what it hides: visible = band AND residual, exactly.
+casts, broadcasts and top-left slices. A comparison on one index alone that every position
+meets (HF's bidirectional ``q_idx >= 0``, on ``arange(L) + q_offset``) hides nothing and reads
+as no term at all. Anything else is a residual term, so reading a mask never changes what it
+hides: visible = band AND residual, exactly.
 """
 
 from __future__ import annotations
@@ -411,7 +413,8 @@ def _comparison(node: fx.Node) -> Optional[tuple[str, Any, Any]]:
 
 def _half_planes(name: str, lhs: Any, rhs: Any, node: fx.Node, one_query: bool) -> Optional[Conjunction]:
     """``lhs <op> rhs`` on integer index tensors as bounds on d = j - i (j: the column, dim -1;
-    i: the row, dim -2), or None when it is not such a comparison."""
+    i: the row, dim -2), as no bound at all when it holds everywhere (:func:`_always_true`), or
+    None when it is neither."""
     a, b = _affine(lhs), _affine(rhs)
     if a is None or b is None:
         return None
@@ -433,7 +436,9 @@ def _half_planes(name: str, lhs: Any, rhs: Any, node: fx.Node, one_query: bool) 
         return None
     sign = _band_sign(diff, one_query)
     if sign is None:
-        return None
+        # HF's bidirectional mask, ``q_idx >= 0``: a bound on one index (or none) that every
+        # position meets hides nothing.
+        return Conjunction() if _always_true(name, diff, result) else None
     # s·d + c <op> 0  ->  d <op'> -s·c
     k = -sign * diff.const
     if sign < 0:
@@ -442,6 +447,32 @@ def _half_planes(name: str, lhs: Any, rhs: Any, node: fx.Node, one_query: bool) 
     if name not in bounds:
         return None
     return _bounds(*bounds[name])
+
+
+_RELATIONS = {"lt": sympy.Lt, "le": sympy.Le, "gt": sympy.Gt, "ge": sympy.Ge, "eq": sympy.Eq, "ne": sympy.Ne}
+
+
+def _always_true(name: str, diff: Affine, result: torch.Tensor) -> bool:
+    """``diff <op> 0`` provably holds at every position of ``result``, ``diff`` varying along one
+    dim at most (the row index, or the key index, ...).
+
+    Along that dim the positions run over 0..n-1 (n: ``result``'s size there), and a linear form
+    takes its extremes at the two ends: proving the comparison at both proves it everywhere
+    (``ne`` only for a constant, whose one root could lie between the ends). Symbolic sizes and
+    offsets are proved from what sympy knows of them (sizes are positive integers), never
+    assumed."""
+    coefs = dict(diff.coefs)
+    if diff.abs_of or len(coefs) > 1 or (coefs and name == "ne"):
+        return False
+    ends = [diff.const]
+    for dim, coef in coefs.items():
+        ends.append(coef * (_sym(result.shape[dim]) - 1) + diff.const)
+    return all(_proven(name, end) for end in ends)
+
+
+def _proven(name: str, value: Any) -> bool:
+    """``value <op> 0`` is true for every value of the size symbols in ``value``."""
+    return _RELATIONS[name](sympy.sympify(value), 0) is sympy.true
 
 
 def _band_sign(form: Affine, one_query: bool) -> Optional[int]:
