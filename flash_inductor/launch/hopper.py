@@ -83,7 +83,8 @@ class HopperForwardConfig:
         return min(240, spare // self.num_consumers // 8 * 8)
 
 
-def default_config(head_dim: int, is_causal: bool, key_mask: bool = False) -> HopperForwardConfig:
+def default_config(head_dim: int, is_causal: bool, key_mask: bool = False,
+                   exact_delta: bool = False) -> HopperForwardConfig:
     """The measured best on the H200 (benchmarks/results/hopper_fwd_nvidia-h200_20261202.json).
 
     E=128: two consumers (64 rows each) with ping-pong. It beat the same kernel without ping-pong
@@ -96,10 +97,12 @@ def default_config(head_dim: int, is_causal: bool, key_mask: bool = False) -> Ho
     for causal from 8k; at causal 2k-4k it and the two-consumer kernel are both 0.89-0.96x.
     A key mask's bias holds 32 more fp32 registers per consumer thread (a tile's 128 keys in the
     accumulator's column layout): at E 64 three consumers' 160 registers then spill 0.5-0.7 KiB
-    (compiled for sm_90a, tools/hopper_fwd_compile.py --key-bias), two consumers' 240 none.
+    (compiled for sm_90a, tools/hopper_fwd_compile.py --key-bias), two consumers' 240 none. With
+    the exact Δ's extra state two consumers are 13-15 % faster there; without it three are 4-6 %
+    faster despite the spills (bf16 2k/8k, benchmarks/experiments/key_mask_probe.py).
     """
     del is_causal  # the same tiles measured best for both
-    if head_dim == 64 and key_mask:
+    if head_dim == 64 and key_mask and exact_delta:
         return HopperForwardConfig(num_stages=3, num_consumers=2, pingpong=True)
     if head_dim == 128:
         return HopperForwardConfig(num_stages=2, num_consumers=2, pingpong=True)
@@ -270,7 +273,7 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     # WINDOW_LEFT and window_lower (as the Triton forward does).
     band = resolve_band(is_causal, causal_offset, window, seq_q, seq_k)
     is_causal, causal_offset = causal_side(band)
-    cfg = config or default_config(head_dim, is_causal, key_mask=attn_mask is not None)
+    cfg = config or default_config(head_dim, is_causal, key_mask=attn_mask is not None, exact_delta=exact_delta)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
     if exact_delta:
