@@ -114,7 +114,7 @@ def _combine(a: Affine, b: Affine, sign: int, ev: torch.Tensor) -> Optional[Affi
     return _normalised(coefs, ev, a.const + sign * b.const)
 
 
-def _dim_map(index: tuple, ndim: int) -> Optional[dict[int, tuple[int, Any]]]:
+def dim_map(index: tuple, ndim: int) -> Optional[dict[int, tuple[int, Any]]]:
     """For ``x[index]`` with basic indexing (None, full or offset slices, Ellipsis): for each
     input dim (from the right) its output dim (from the right) and the slice start; None when
     the index does something else (an integer, a tensor, a step)."""
@@ -200,7 +200,7 @@ def _moved(node: fx.Node, ev: torch.Tensor) -> Optional[Affine]:
         return inner
     if is_function(node, operator.getitem):
         index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-        mapping = _dim_map(index, before.dim())
+        mapping = dim_map(index, before.dim())
         if mapping is None:
             return None
         coefs, const = {}, inner.const
@@ -298,7 +298,7 @@ def position_preserving_view(node: fx.Node) -> bool:
         return True
     if is_function(node, operator.getitem):
         index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-        mapping = _dim_map(index, before.dim())
+        mapping = dim_map(index, before.dim())
         return mapping is not None and all(mapping.get(d) == (d, 0) for d in (-2, -1))
     if is_method(node, "view", "reshape", "unsqueeze"):
         return before.dim() <= after.dim() and all(

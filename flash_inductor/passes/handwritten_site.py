@@ -28,6 +28,7 @@ from .fx_match import (
     Keep, Scale, check_dtypes, describe, group_dims, is_mask_fill, known_equal, mutates, tensor_value,
     call_ancestors,
 )
+from .key_mask import describe_key_mask, handwritten_key_mask
 from .site import AttentionSite
 from .window import causal_or_window, handwritten_window
 
@@ -155,6 +156,7 @@ class Plan:
     replaced: dict
     anchors: list  # the product and the softmax, for the report's module path
     window: Any = None  # the op's sliding window (``band.Window``) read from band masks, or None
+    key_mask: bool = False  # every query row of the masks is the same: the op gets one (key_mask.py)
 
 
 # ------------------------------------------------------------------------------------------
@@ -336,6 +338,8 @@ def assemble(match: Match, context: Context) -> AttentionSite:
     if row_fixup and match.dropout_p > 0:
         raise Keep(f"a finite fill ({finite[0].value:g}) with dropout: rows it hides entirely are "
                    "dropped in eager")
+    # BERT / RoBERTa "eager": HF's padding mask, built (B, 1, L, S), is the same for every query.
+    key_mask = window is None and not is_causal and handwritten_key_mask(masks)
     extra = [a for s in match.steps for a in s.extra if isinstance(a, fx.Node)] + banded
     if is_causal and not banded:
         extra += [f.mask for f in fills]
@@ -358,7 +362,7 @@ def assemble(match: Match, context: Context) -> AttentionSite:
         out_perm=match.out_perm, row_fixup=row_fixup,
         consumed=sorted(consumed, key=lambda n: context.order.get(n, -1)),
         resolve=context.resolve, replaced=context.replaced, anchors=[product.node, match.softmax],
-        window=window,
+        window=window, key_mask=key_mask,
     )
     return make_site(plan)
 
@@ -478,7 +482,7 @@ def make_site(plan: Plan) -> AttentionSite:
         value=plan.value.node, attn_mask=None, dropout_p=plan.dropout_p, is_causal=plan.is_causal,
         scale=plan.scale, enable_gqa=plan.enable_gqa, consumed=plan.consumed, prologue=prologue,
         epilogue=epilogue, mask_description=_describe_masks(plan), anchors=plan.anchors,
-        on_rewritten=on_rewritten, window=plan.window,
+        on_rewritten=on_rewritten, window=plan.window, key_mask=plan.key_mask,
     )
 
 
@@ -488,4 +492,6 @@ def _describe_masks(plan: Plan) -> Optional[str]:
     if not kinds:
         return None
     fixup = " (rows it hides entirely: mean of v, as eager)" if plan.row_fixup else ""
+    if plan.key_mask:
+        return describe_key_mask(" + ".join(kinds), [m.shape for m in plan.masks]) + fixup
     return " + ".join(kinds) + " mask" + fixup

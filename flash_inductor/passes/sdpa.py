@@ -5,7 +5,7 @@ flash path, torch.nn.MultiheadAttention with need_weights=False in recent torch,
 In a dynamo graph the call is a single node, so every argument maps one to one. HF's GQA models
 repeat K/V heads before the call whenever they pass a mask (``repeat_kv``, see ``gqa.py``); that
 repeat is folded into ``enable_gqa=True``. A sliding-window mask becomes the op's ``window``
-(``window.py``).
+(``window.py``); a mask that is the same for every query, the op's key mask (``key_mask.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from .gqa import peel_repeats
 from .fx_match import known_equal, mutates
+from .key_mask import sdpa_key_mask
 from .site import AttentionSite, KeptSite, example_value, guarded
 from .window import sdpa_window
 
@@ -88,8 +89,11 @@ def _written_between(sources, repeats: list, call: fx.Node) -> bool:
 
 def _match(node: fx.Node) -> Union[AttentionSite, KeptSite]:
     found = _pattern_sdpa_1(node)
-    # Mistral / Qwen2 / Gemma / Phi-3 with sliding_window: the band mask becomes the op's window.
-    return sdpa_window(_pattern_sdpa_2(found)) if isinstance(found, AttentionSite) else found
+    if not isinstance(found, AttentionSite):
+        return found
+    # Mistral / Qwen2 / Gemma / Phi-3 with sliding_window: the band mask becomes the op's window;
+    # BERT and HF's other encoders: the padding mask, the same for every query, one row of it.
+    return sdpa_key_mask(sdpa_window(_pattern_sdpa_2(found)))
 
 
 def find_sites(graph: fx.Graph) -> Iterator[Union[AttentionSite, KeptSite]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import re
 from typing import Any, Callable, Iterable, Optional
 
@@ -77,6 +78,9 @@ class AttentionSite:
     on_rewritten: Optional[Callable[[fx.Node], None]] = None
     # The op's sliding window (left, right) read from a band mask (``band.Window``), or None.
     window: Optional[tuple[int, int]] = None
+    # Every query row of the op's mask is the same (``key_mask.py``): the op gets the first row
+    # alone, ``mask[..., 0:1, :]``, which its Hopper kernels take as a per-key bias.
+    key_mask: bool = False
 
 
 @dataclasses.dataclass
@@ -150,6 +154,8 @@ def _forward_kernel(site: AttentionSite, schedule: Optional[str]) -> Optional[st
         return None
     mask = example_value(site.attn_mask) if site.attn_mask is not None else None
     try:
+        if mask is not None and site.key_mask:
+            mask = mask[_FIRST_QUERY_ROW]  # as rewrite_site cuts it
         if query.dim() == 4 and key.dim() == 4 and \
                 decode.decode_unsupported_reason(query, key, mask, site.dropout_p or 0.0, schedule) is None:
             return "forward on the split-KV decode kernels"
@@ -225,6 +231,15 @@ def module_path(nodes: Iterable[Any]) -> tuple[Optional[str], Optional[type]]:
     return relative_module_path(str(path)), cls if isinstance(cls, type) else None
 
 
+# ``mask[..., 0:1, :]``: a slice keeps the mask's dtype and values exactly, and Inductor computes
+# only the row it selects.
+_FIRST_QUERY_ROW = (Ellipsis, slice(0, 1), slice(None))
+
+
+def first_query_row(graph: fx.Graph, mask: fx.Node) -> fx.Node:
+    return graph.call_function(operator.getitem, (mask, _FIRST_QUERY_ROW))
+
+
 def rewrite_site(graph: fx.Graph, site: AttentionSite, schedule: Optional[str],
                  monitor_site: Optional[str] = None) -> fx.Node:
     """Replace ``site.output`` with a call of :func:`rewritten_attention`; erase dead pattern nodes.
@@ -240,6 +255,8 @@ def rewrite_site(graph: fx.Graph, site: AttentionSite, schedule: Optional[str],
             q, k, v, mask = site.query, site.key, site.value, site.attn_mask
             if site.prologue is not None:
                 q, k, v, mask = site.prologue(graph, q, k, v, mask)
+            if site.key_mask and mask is not None:
+                mask = first_query_row(graph, mask)
             kwargs = dict(
                 attn_mask=mask, dropout_p=float(site.dropout_p), is_causal=bool(site.is_causal),
                 scale=None if site.scale is None else float(site.scale), enable_gqa=bool(site.enable_gqa),

@@ -253,6 +253,13 @@ class SlidingWindowPadded(nn.Module):  # HF masking_utils under compile: band AN
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+class PaddingMask(nn.Module):  # HF masking_utils under compile (BERT "sdpa"): q_idx >= 0 AND padding, then SDPA
+    def forward(self, q, k, v, keep):
+        i = torch.arange(q.size(-2), device=q.device)[None, None, :, None]
+        mask = (i >= 0) & keep[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 # ------------------------------------------------------------------------------------------
 # The goldens
 # ------------------------------------------------------------------------------------------
@@ -404,6 +411,23 @@ return (v0,)""")
 v0 = keep[:, None, None, :]
 v1 = flash_inductor.passes.site.rewritten_attention(q, k, v, attn_mask=v0, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, schedule=None, window=(1, 0))
 return (v1,)""")
+
+    def test_sdpa_key_mask(self):
+        # Not a pattern of its own: an SDPA site whose mask is the same for every query gives the
+        # op its first row.
+        q, k, v = _qkv()
+        keep = torch.ones(B, L, dtype=torch.bool)
+        code = _rewritten(PaddingMask(), q=q, k=k, v=v, keep=keep)
+        self.assertEqual(_patterns(), [("sdpa", True)])
+        self.assertExpectedInline(code, """\
+v0 = torch.arange(3, device=cpu)
+v1 = v0[None, None, :, None]
+v2 = operator.ge(v1, 0)
+v3 = keep[:, None, None, :]
+v4 = operator.and_(v2, v3)
+v5 = v4[Ellipsis, 0:1, :]
+v6 = flash_inductor.passes.site.rewritten_attention(q, k, v, attn_mask=v5, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, schedule=None)
+return (v6,)""")
 
 
 def test_every_family_has_a_golden():
