@@ -46,6 +46,7 @@ TOKENS = 16384
 HIDDEN = 2048
 CONFIGS = {"gluon": HopperBackwardConfig(dq_split=True, dq_tma=True),
            "gluon-atomic": HopperBackwardConfig(dq_split=True, dq_tma=False),
+           "gluon-rowglobal": HopperBackwardConfig(row_stats_tma=False),
            "gluon-nosplit": HopperBackwardConfig(dq_split=False, dq_tma=True),
            "gluon-s3": HopperBackwardConfig(dq_split=True, dq_tma=True, num_stages=3),
            "gluon-nosplit-s3": HopperBackwardConfig(dq_split=False, dq_tma=True, num_stages=3)}

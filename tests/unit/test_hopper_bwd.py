@@ -62,7 +62,7 @@ def _sdpa_grads(q, k, v, do, scale, visible, live_from):
     return torch.autograd.grad(out, (q, k, v), do[:, :, live_from:])
 
 
-def _check(q, k, v, do, is_causal, causal_offset=0, dq_split=True, dq_tma=True, window=None):
+def _check(q, k, v, do, is_causal, causal_offset=0, dq_split=True, dq_tma=True, window=None, row_stats_tma=True):
     from flash_inductor.launch.hopper import hopper_attention_forward
     from flash_inductor.launch.hopper_bwd import (
         HopperBackwardConfig,
@@ -76,7 +76,8 @@ def _check(q, k, v, do, is_causal, causal_offset=0, dq_split=True, dq_tma=True, 
                                         window=window)
     dq, dk, dv = hopper_attention_backward(do, q, k, v, out, lse, scale=scale, is_causal=is_causal,
                                            causal_offset=causal_offset, window=window,
-                                           config=HopperBackwardConfig(dq_split=dq_split, dq_tma=dq_tma))
+                                           config=HopperBackwardConfig(dq_split=dq_split, dq_tma=dq_tma,
+                                                                       row_stats_tma=row_stats_tma))
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert dq.dtype == dk.dtype == dv.dtype == q.dtype
     visible = _visible(q.shape[2], k.shape[2], is_causal, causal_offset, window)
@@ -137,11 +138,13 @@ def test_sliding_windows_without_causal_masking(window):
 @needs_hopper
 @pytest.mark.parametrize("dq_split", (True, False))
 @pytest.mark.parametrize("dq_tma", (True, False))
+@pytest.mark.parametrize("row_stats_tma", (True, False))
 @pytest.mark.parametrize("head_dim", (64, 128))
-def test_gqa_strided_views_and_dq_schemes(head_dim, dq_split, dq_tma):
-    # dQ tiles past L (333 rows in 64-row tiles) are clipped by the TMA reduce, masked for the atomics.
+def test_gqa_strided_views_and_dq_schemes(head_dim, dq_split, dq_tma, row_stats_tma):
+    # dQ tiles past L (333 rows in 64-row tiles) are clipped by the TMA reduce, masked for the atomics;
+    # the last tile's LSE and Δ rows past L are the next head's (TMA of the flat planes), replaced.
     _check(*_inputs(torch.bfloat16, head_dim, 2, 8, 2, 333, 513, transposed=True), True, dq_split=dq_split,
-           dq_tma=dq_tma)
+           dq_tma=dq_tma, row_stats_tma=row_stats_tma)
 
 
 @needs_hopper
