@@ -143,6 +143,8 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=None, help="HF Llama sdpa vs ours")
+    p.add_argument("--debug", action=argparse.BooleanOptionalAction, default=True,
+                   help="the debug tools' overheads (--no-debug: the HF Llama comparison alone)")
     p.add_argument("--hf-hidden", type=int, default=2048)
     p.add_argument("--hf-layers", type=int, default=8)
     p.add_argument("--hf-seq", type=int, default=4096)
@@ -157,8 +159,9 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     payload = dict(device=name, torch=torch.__version__, date=datetime.datetime.now().astimezone().isoformat(
         timespec="seconds"), config={k: v for k, v in vars(args).items()})
-    payload["debug"] = debug_tools(args)
-    print(json.dumps(payload["debug"], indent=1))
+    if args.debug:
+        payload["debug"] = debug_tools(args)
+        print(json.dumps(payload["debug"], indent=1))
     if args.hf:
         payload["hf_llama"] = hf_llama(args)
         print(json.dumps(payload["hf_llama"], indent=1))

@@ -66,11 +66,11 @@ def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int = 64, s
     signature = {
         "q_desc": q_sig, "k_desc": kv_sig, "v_desc": kv_sig, "do_desc": q_sig, "dk_desc": kv_sig, "dv_desc": kv_sig,
         "dq_desc": dq_sig,
-        # LSE and Δ as 1-D planes, box BLOCK_M, unswizzled (launch.hopper_bwd.row_stats_descriptor).
-        "lse_desc": f"tensordesc<fp32[{block_m}],{gl.NVMMASharedLayout(0, 32, rank=1)!r}>",
-        "delta_desc": f"tensordesc<fp32[{block_m}],{gl.NVMMASharedLayout(0, 32, rank=1)!r}>",
+        # LSE and Δ as (B·Hq, L) planes, box (1, BLOCK_M), unswizzled (launch.hopper_bwd.row_stats_descriptor).
+        "lse_desc": f"tensordesc<fp32[1, {block_m}],{gl.NVMMASharedLayout(0, 32, rank=2)!r}>",
+        "delta_desc": f"tensordesc<fp32[1, {block_m}],{gl.NVMMASharedLayout(0, 32, rank=2)!r}>",
         "LSE": "*fp32", "DELTA": "*fp32", "DQ_ACCUM": "*fp32", "DS_UP": "*fp32", "KEY_BIAS": "*fp32",
-        "L": "i32", "S": "i32", "H_KV": "i32", "GROUP": "i32", "causal_offset": "i32", "window_lower": "i32",
+        "L": "i32", "S": "i32", "H_KV": "i32", "GROUP": "i32", "stride_stats": "i32", "causal_offset": "i32", "window_lower": "i32",
         "qk_scale": "fp32",
         "sm_scale": "fp32",
     }

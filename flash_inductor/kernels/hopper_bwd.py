@@ -46,10 +46,12 @@ Constexpr switches:
               False: one relaxed scalar atomic add per element (``DQ_ACCUM``'s pointer).
 
   ROW_STATS_TMA the loader brings each tile's LSE and Δ rows into shared memory with the tile's Q
-              and dO (one 1-D TMA box of BLOCK_M fp32 each, ``lse_desc``/``delta_desc`` over the
-              flat (B·Hq·L) planes, on the Q and dO ready barriers), as FA3 does; the consumers read
+              and dO (one (1, BLOCK_M) TMA box of fp32 each, ``lse_desc``/``delta_desc`` over the
+              (B·Hq, L) planes, on the Q and dO ready barriers), as FA3 does; the consumers read
               them from shared memory after the barrier. False: the consumers load them from global
               memory at the top of each tile (L2 latency on the path to the first exp2).
+              The planes' rows are ``stride_stats`` apart, a multiple of 4 (16 bytes, as TMA
+              needs): the launcher pads them where L is not.
   HAS_KEY_BIAS a key mask as one base-2 bias per key (``launch.hopper.key_bias``): KEY_BIAS is
               (B, Hq, S) fp32, added to the scaled scores in the forward's order,
               Pᵀ = exp2((st·qk_scale + bias) - lse2), so the one-pass P rounds as the forward's.
@@ -180,14 +182,14 @@ def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_
         h = h_kv * GROUP + t // n_m
         m = (first + t % n_m) * BLOCK_M
         if ROW_STATS_TMA:
-            # Rows past L read the next head's rows (or TMA's zeros): the consumers replace them.
-            row0 = (b * H_KV * GROUP + h) * L + m
+            # Rows past L come back as TMA's zeros; the consumers replace them anyway.
+            bh = b * H_KV * GROUP + h
             mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [b, h, m, 0], q_ready.index(slot), q_smem.index(slot))
-            tma.async_copy_global_to_shared(lse_desc, [row0], q_ready.index(slot), lse_smem.index(slot))
+            tma.async_copy_global_to_shared(lse_desc, [bh, m], q_ready.index(slot), lse_smem.index(slot))
             mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(do_desc, [b, h, m, 0], do_ready.index(slot), do_smem.index(slot))
-            tma.async_copy_global_to_shared(delta_desc, [row0], do_ready.index(slot), delta_smem.index(slot))
+            tma.async_copy_global_to_shared(delta_desc, [bh, m], do_ready.index(slot), delta_smem.index(slot))
         else:
             mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [b, h, m, 0], q_ready.index(slot), q_smem.index(slot))
@@ -198,7 +200,7 @@ def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_
 @gluon.jit
 def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                          lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                         LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, L, S, H_KV, GROUP, causal_offset,
+                         LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, L, S, H_KV, GROUP, stride_stats, causal_offset,
                          window_lower, qk_scale, sm_scale,
                          CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
@@ -263,12 +265,13 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
         h = h_kv * GROUP + t // n_m
         m = (first + t % n_m) * BLOCK_M
         row_base = (b * H_Q + h).to(gl.int64) * L
+        stats_base = (b * H_Q + h).to(gl.int64) * stride_stats
         q_ids = m + gl.arange(0, BLOCK_M, layout=col_layout)
         q_in = q_ids < L
         if not ROW_STATS_TMA:
             # Row statistics go out before the GEMMs wait on them (L2-resident vectors).
-            lse_raw = gl.load(LSE + row_base + q_ids, mask=q_in, other=0.0)
-            delta_raw = gl.load(DELTA + row_base + q_ids, mask=q_in, other=0.0)
+            lse_raw = gl.load(LSE + stats_base + q_ids, mask=q_in, other=0.0)
+            delta_raw = gl.load(DELTA + stats_base + q_ids, mask=q_in, other=0.0)
         if HAS_KEY_BIAS:
             # This query head's bias over the consumer's keys (-inf past S), a vector per tile.
             key_bias = gl.load(KEY_BIAS + (b * H_Q + h).to(gl.int64) * S + key_ids, mask=key_ids < S,
@@ -279,11 +282,11 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
         mbarrier.wait(q_ready.index(slot), phase)
         st_tok = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if ROW_STATS_TMA:
-            lse_raw = lse_smem.index(slot).load(col_layout)  # landed with Q, read while Sᵀ runs
+            lse_raw = lse_smem.index(slot).reshape([BLOCK_M]).load(col_layout)  # landed with Q, read while Sᵀ runs
         mbarrier.wait(do_ready.index(slot), phase)
         dpt_tok = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if ROW_STATS_TMA:
-            delta_raw = delta_smem.index(slot).load(col_layout)
+            delta_raw = delta_smem.index(slot).reshape([BLOCK_M]).load(col_layout)
         lse2, delta = _row_stats(lse_raw, delta_raw, q_in, EXACT_DELTA=EXACT_DELTA)
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
         # Masking binds where some key of this consumer lies past S (the zero keys TMA filled in
@@ -368,8 +371,8 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
 @gluon.jit
 def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
                      LSE, DELTA, DQ_ACCUM,
-                     DS_UP, KEY_BIAS, L, S, H_KV, GROUP, causal_offset, window_lower, qk_scale, sm_scale,
-                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     DS_UP, KEY_BIAS, L, S, H_KV, GROUP, stride_stats, causal_offset, window_lower, qk_scale,
+                     sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                      DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, EXACT_DELTA: gl.constexpr,
                      HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -377,11 +380,12 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     """Grid (cdiv(S, BLOCK_N), B * H_KV). Descriptors are 4-D over (B, H, L or S, E): Q and dO
     boxes (1, 1, BLOCK_M, E); K, V, dK, dV boxes (1, 1, 64, E). DQ_ACCUM is (B, Hq, L, E) fp32
     zeros, contiguous, and ``dq_desc`` describes it with box (1, 1, BLOCK_M, E or E / 2 under
-    DQ_SPLIT) (used only under DQ_TMA); LSE (natural log) and DELTA are (B, Hq, L) fp32, contiguous.
+    DQ_SPLIT) (used only under DQ_TMA); LSE (natural log) and DELTA are (B·Hq, L) fp32 planes whose rows
+    are ``stride_stats`` apart.
     Under EXACT_DELTA, LSE is the forward's pivot plane and DS_UP one fp32 power of two (glossary);
     otherwise DS_UP is not read. Under HAS_KEY_BIAS, KEY_BIAS is (B, Hq, S) fp32, contiguous.
-    ``lse_desc``/``delta_desc`` are 1-D descriptors over LSE and DELTA flattened (B·Hq·L), box
-    BLOCK_M, read only under ROW_STATS_TMA (which then does not read the LSE/DELTA pointers)."""
+    ``lse_desc``/``delta_desc`` are 2-D descriptors over those planes, box (1, BLOCK_M), read only
+    under ROW_STATS_TMA (which then does not read the LSE/DELTA pointers)."""
     gl.static_assert(BLOCK_N == NUM_CONSUMERS * KEYS_PER_CONSUMER, "BLOCK_N is 64 keys per consumer")
     dtype: gl.constexpr = q_desc.dtype
     qk_scale = qk_scale.to(gl.float32)
@@ -429,13 +433,13 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     gl.warp_specialize([
         (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                                 lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                                LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, L, S, H_KV, GROUP, causal_offset,
-                                window_lower, qk_scale, sm_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
+                                LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, L, S, H_KV, GROUP, stride_stats,
+                                causal_offset, window_lower, qk_scale, sm_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
                                 WINDOW_LEFT, DQ_SPLIT, DQ_TMA, EXACT_DELTA, HAS_KEY_BIAS, ROW_STATS_TMA)),
         (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                                 lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                                LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, L, S, H_KV, GROUP, causal_offset,
-                                window_lower, qk_scale, sm_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
+                                LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, L, S, H_KV, GROUP, stride_stats,
+                                causal_offset, window_lower, qk_scale, sm_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
                                 WINDOW_LEFT, DQ_SPLIT, DQ_TMA, EXACT_DELTA, HAS_KEY_BIAS, ROW_STATS_TMA)),
         (_hopper_bwd_loader, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
                               do_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty,

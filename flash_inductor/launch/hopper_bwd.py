@@ -218,14 +218,15 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     band = resolve_band(is_causal, causal_offset, window, seq_q, seq_k)
     band_is_causal, band_upper = causal_side(band)
     bias = key_bias(attn_mask, batch, heads_q, seq_k) if attn_mask is not None else lse  # lse: not read
-    lse, delta = _flat_aligned(lse), _flat_aligned(delta)
+    lse_plane, delta_plane = row_stats_planes((lse, delta), batch * heads_q, seq_q)
     grid = (cdiv(seq_k, cfg.block_n), batch * heads_kv)
     _attn_bwd_hopper[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, 64), tma_descriptor(value, 64),
         tma_descriptor(grad_out, cfg.block_m), tma_descriptor(dk, 64), tma_descriptor(dv, 64),
-        tma_descriptor(dq_accum, cfg.block_m, dq_cols), row_stats_descriptor(lse, cfg.block_m),
-        row_stats_descriptor(delta, cfg.block_m), lse, delta, dq_accum, ds_up, bias,
-        seq_q, seq_k, heads_kv, heads_q // heads_kv, band_upper, band_lower(band), scale * LOG2E, scale,
+        tma_descriptor(dq_accum, cfg.block_m, dq_cols), row_stats_descriptor(lse_plane, cfg.block_m),
+        row_stats_descriptor(delta_plane, cfg.block_m), lse_plane, delta_plane, dq_accum, ds_up, bias,
+        seq_q, seq_k, heads_kv, heads_q // heads_kv, lse_plane.stride(0), band_upper, band_lower(band),
+        scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         IS_CAUSAL=band_is_causal, WINDOW_LEFT=band.lower is not None, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma,
         EXACT_DELTA=exact_delta is not None, HAS_KEY_BIAS=attn_mask is not None, ROW_STATS_TMA=cfg.row_stats_tma,
@@ -234,27 +235,38 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     )
     if mean_key is not None and grad_lse is not None:
         # A row with no key has LSE -inf whatever q·k̂ is: its dq stays 0.
-        weight = torch.where(lse.view(batch, heads_q, seq_q) == float("inf"), 0.0, scale * grad_lse.to(torch.float32))
+        weight = torch.where(lse == float("inf"), 0.0, scale * grad_lse.to(torch.float32))
         return _finish_dq_with_mean_key(dq_accum, mean_key, weight, query.dtype), dk, dv
     # The kernel already added scale·dS·K: only the cast is left.
     return dq_accum.to(query.dtype), dk, dv
 
 
-def _flat_aligned(plane: torch.Tensor) -> torch.Tensor:
-    """A (B, Hq, L) fp32 plane flattened, starting on the 16 bytes a TMA descriptor needs (a copy
-    only where the plane is a view at an odd offset)."""
-    flat = plane.contiguous().view(-1)
-    return flat if flat.data_ptr() % 16 == 0 else flat.clone()
+def row_stats_planes(planes, rows: int, seq_q: int) -> list[torch.Tensor]:
+    """(B, Hq, L) fp32 row-statistic planes (LSE, Δ) as (B·Hq, L) matrices with one row stride, a
+    multiple of 4 elements, and rows that start on 16 bytes, as TMA descriptors need: views where
+    L is a multiple of 4 and the planes are aligned, else copies into padded rows (a box that
+    starts at an unaligned innermost coordinate faults: the H200 raised illegal-instruction
+    errors at L = 97 or 333 before the padding)."""
+    flats = [plane.contiguous().view(rows, seq_q) for plane in planes]
+    if seq_q % 4 == 0 and all(flat.data_ptr() % 16 == 0 for flat in flats):
+        return flats
+    padded = []
+    for flat in flats:
+        wide = torch.empty((rows, cdiv(seq_q, 4) * 4), dtype=torch.float32, device=flat.device)
+        wide[:, :seq_q].copy_(flat)
+        padded.append(wide[:, :seq_q])
+    return padded
 
 
-def row_stats_descriptor(flat: torch.Tensor, block_m: int):
-    """A 1-D TMA descriptor over a flattened (B·Hq·L) fp32 row-statistic plane (LSE or Δ), box
-    ``block_m``, unswizzled: the loader brings a tile's rows with its Q or dO
-    (kernels/hopper_bwd.py, ROW_STATS_TMA)."""
+def row_stats_descriptor(plane: torch.Tensor, block_m: int):
+    """A 2-D TMA descriptor over a plane of ``row_stats_planes``, box (1, ``block_m``), unswizzled: the
+    loader brings a tile's rows with its Q or dO (kernels/hopper_bwd.py, ROW_STATS_TMA). Columns
+    past L read as zeros."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    return TensorDescriptor(flat, [flat.numel()], [1], [block_m], gl.NVMMASharedLayout(0, 32, rank=1))
+    return TensorDescriptor(plane, list(plane.shape), list(plane.stride()), [1, block_m],
+                            gl.NVMMASharedLayout(0, 32, rank=2))
 
 
 def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
