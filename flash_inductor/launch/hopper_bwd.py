@@ -5,7 +5,7 @@ The op (``ops/attention.py``) chooses it at launch time, as it chooses the Hoppe
 (``launch/hopper.py``), wherever ``hopper_backward_unsupported_reason`` says None; the reason
 otherwise goes to the ``flash_inductor`` logger at INFO, once per reason.
 
-What it covers: sm_90, bf16/fp16, E = Ev = 128, or 64 under causal masking, no mask or a key mask
+What it covers: sm_90, bf16/fp16, E = Ev = 64 or 128, no mask or a key mask
 (``launch.hopper.key_bias``; an additive one under `stable` only), no dropout,
 no block-sparse layout, causal or not (any ``causal_offset``), sliding windows (the band of
 ``launch/band.py``: each key block's query sweep ends at the window's left edge), grouped-query
@@ -36,10 +36,6 @@ from .common import LOG2E, cdiv
 from .hopper import NOT_HOPPER, hopper_forward_unsupported_reason, key_bias, tma_descriptor, tma_unsupported_reason
 
 log = logging.getLogger("flash_inductor")
-# Measured on the H200 (docs/hopper_backward.md): at E 64 without causal masking the Triton `fast`
-# backward is 1-6 % faster than this kernel (its 64-key tile pairs do too little MMA work per
-# barrier round trip), so it keeps those calls.
-E64_NON_CAUSAL = "head dim 64 without causal masking (the Triton backward measures faster there)"
 # `stable` runs this kernel only from the one-pass forward, whose residual it needs (ops/one_pass.py).
 NO_RESIDUAL = "the exact Δ needs the one-pass forward's residual (ops/one_pass.py)"
 # Whether `stable` calls take the one-pass exact-Δ path (ops/one_pass.py). Measured on the H200
@@ -122,11 +118,6 @@ def _backward_support_reason(query, key, value, attn_mask=None, dropout_p: float
         return f"schedule {sched.name!r} (dS in fp32 for the matrix unit)"
     if attn_mask is not None and attn_mask.is_floating_point() and not sched.exact_delta:
         return ADDITIVE_KEY_MASK_FAST
-    # The E 64 exception is `fast`'s: `stable`'s one-pass backward (ops/one_pass.py) is faster than
-    # the Triton `stable` backward at E 64 too (docs/hopper_backward.md).
-    # With a key mask the Triton backward loads a mask tile per tile pair and loses that edge.
-    if not sched.exact_delta and query.shape[-1] == 64 and not is_causal and attn_mask is None:
-        return E64_NON_CAUSAL
     if torch.are_deterministic_algorithms_enabled():
         return DETERMINISTIC
     return None
