@@ -24,6 +24,7 @@ Writes ``debug_overhead_<device>_<date>.json`` to ``--out`` (default $OUT or /tm
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -121,7 +122,9 @@ def hf_llama(args) -> dict:
     steps = {}
     for impl in impls:
         torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM._from_config(config, attn_implementation=impl,
+        # A config of its own: HF records the implementation on the config object, and the models
+        # read it at every forward, so a shared config would run the last one built in both.
+        model = transformers.LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation=impl,
                                                            torch_dtype=torch.bfloat16).to(device).train()
 
         def step(model=model):
@@ -129,6 +132,9 @@ def hf_llama(args) -> dict:
             model(input_ids=tokens, labels=tokens).loss.backward()
 
         steps[impl] = step
+    for impl, step in steps.items():
+        if step.__defaults__[0].config._attn_implementation != impl:
+            raise RuntimeError(f"the {impl!r} model runs {step.__defaults__[0].config._attn_implementation!r}")
     results = {}
     for impl in impls:
         results[f"{impl}_first_s"], _ = _median_step(steps[impl], 1, device)
