@@ -253,11 +253,16 @@ def row_stats_descriptor(plane: torch.Tensor, block_m: int):
     """A 2-D TMA descriptor over a plane of ``row_stats_planes``, box (1, ``block_m``), unswizzled: the
     loader brings a tile's rows with its Q or dO (kernels/hopper_bwd.py, ROW_STATS_TMA). Columns
     past L read as zeros."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    return TensorDescriptor(plane, list(plane.shape), list(plane.stride()), [1, block_m],
-                            gl.NVMMASharedLayout(0, 32, rank=2))
+    return TensorDescriptor(plane, list(plane.shape), list(plane.stride()), [1, block_m], _unswizzled_fp32_layout())
+
+
+@functools.lru_cache(maxsize=None)
+def _unswizzled_fp32_layout():
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout(0, 32, rank=2)
 
 
 def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):

@@ -180,6 +180,39 @@ def test_declines_off_hopper_without_touching_a_gpu():
     assert not hopper_backward_supported(q, q, q, q, None, 0.0, None, "fast")
 
 
+@pytest.mark.parametrize("seq_q", [1, 97, 256, 333])
+def test_row_statistics_planes_start_rows_on_16_bytes(seq_q):
+    """Runs anywhere: the LSE and Δ planes the loader's TMA reads are (B·Hq, L) matrices with one
+    row stride, a multiple of 4 fp32 (a box starting at an unaligned element faulted on the
+    H200), holding the plane's values; aligned planes are passed as views, not copied."""
+    from flash_inductor.launch.hopper_bwd import row_stats_descriptor, row_stats_planes
+
+    lse, delta = torch.randn(2, 3, seq_q), torch.randn(2, 3, seq_q)
+    planes = row_stats_planes((lse, delta), 6, seq_q)
+    assert planes[0].stride() == planes[1].stride()
+    assert planes[0].stride(0) % 4 == 0 and planes[0].stride(1) == 1
+    for plane, source in zip(planes, (lse, delta)):
+        assert plane.shape == (6, seq_q) and plane.data_ptr() % 16 == 0
+        assert torch.equal(plane, source.view(6, seq_q))
+        assert (plane.data_ptr() == source.data_ptr()) == (seq_q % 4 == 0)
+    desc = row_stats_descriptor(planes[0], 64)
+    assert desc.shape == [6, seq_q] and desc.strides == [planes[0].stride(0), 1] and desc.block_shape == [1, 64]
+
+
+def test_descriptors_use_the_default_layout_of_their_box():
+    """Runs anywhere: the memoised layout is Gluon's default for the descriptor's box."""
+    from triton.experimental.gluon import language as gl
+
+    from flash_inductor.launch.hopper import tma_descriptor
+
+    for dtype, gl_dtype in ((torch.bfloat16, gl.bfloat16), (torch.float32, gl.float32)):
+        t = torch.zeros(2, 4, 128, 64, dtype=dtype)
+        for rows, cols in ((64, None), (128, 32)):
+            desc = tma_descriptor(t, rows, cols)
+            box = [1, 1, rows, cols or 64]
+            assert desc.block_shape == box
+            assert desc.layout == gl.NVMMASharedLayout.get_default_for(box, gl_dtype)
+
 def test_register_plan_fills_the_register_file():
     """Two consumer warpgroups and the loader's: the entry cap and the setmaxnreg split stay
     within 64K registers."""
