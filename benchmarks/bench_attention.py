@@ -67,7 +67,7 @@ def parse_args(argv=None):
     p.add_argument("--head-dims", type=_csv_list(int), default=[64, 128])
     p.add_argument("--seqs", type=_csv_list(int), default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
-    p.add_argument("--modes", type=_csv_list(str), default=list(MODES), help="comma list of fwd,bwd,fwd_bwd")
+    p.add_argument("--modes", type=_csv_list(str), default=list(MODES), help="comma list of infer,fwd,bwd,fwd_bwd (infer: under torch.no_grad())")
     p.add_argument("--providers", type=_csv_list(str), default=list(ALL_PROVIDERS),
                    help="comma list of " + ",".join(ALL_PROVIDERS))
     p.add_argument("--tokens", type=int, default=16384, help="batch * seq (default 16384)")
@@ -141,7 +141,7 @@ def run_case(case, provider, args, device="cuda", telemetry=None):
         attn = make_attention(provider, causal, seq, seq, device)
         first_call = time.monotonic()
         out = call_recorded(lambda: attn(q, k, v))  # compiles, and surfaces unsupported shapes
-        if mode == "fwd":
+        if mode in ("fwd", "infer"):
             ref = F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), is_causal=causal)
             rec["max_abs_diff"] = (out.detach().float() - ref.float()).abs().max().item()
         del out

@@ -27,7 +27,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
                  "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
-MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
+MODE_FLOP_FACTOR = {"infer": 1.0, "fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 
 
 # ----------------------------------------------------------------------------- FLOPs, timing
@@ -211,6 +211,8 @@ def make_step(attn, mode, q, k, v, dout):
     """The callable that do_bench times for a mode (backward-only keeps one graph alive)."""
     if mode == "fwd":
         return lambda: attn(q, k, v)
+    if mode == "infer":
+        return torch.no_grad()(lambda: attn(q, k, v))
     if mode == "fwd_bwd":
         return lambda: torch.autograd.grad(attn(q, k, v), (q, k, v), dout)
     out = attn(q, k, v)
