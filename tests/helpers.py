@@ -14,6 +14,7 @@ and exactly (out 0, lse -inf, zero gradients).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import warnings
 from typing import Any, Optional
@@ -528,6 +529,8 @@ def _hopper_skip_reason():
 
 
 needs_hopper = pytest.mark.skipif(_hopper_skip_reason() is not None, reason=str(_hopper_skip_reason()))
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                        reason="transformers is not installed (pip install -e '.[test]')")
 
 
 def spy_on(monkeypatch, module, name: str) -> list:

@@ -44,15 +44,13 @@ import torch
 
 import flash_inductor
 from flash_inductor.passes.report import REPORTS
-from helpers import DEVICE, FLOOR_ULPS, randn
+from helpers import DEVICE, FLOOR_ULPS, needs_transformers, randn
 from model_zoo import (
     CASES, OVERFLOW_CONFIG, compile_backend, full_inductor_everywhere, inductor_codegen_skipped, make_qk_overflow,
     output_tensor,
 )
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
-needs_transformers = pytest.mark.skipif(
-    not HAS_TRANSFORMERS, reason="transformers is not installed (pip install -e '.[test]' brings it)")
 
 RTOL = 1e-4
 # The one model compiled with full Inductor code generation on CPU as well (see the docstring).

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import operator
 
 import pytest
@@ -30,20 +29,17 @@ from flash_inductor.passes import band, handwritten, sdpa
 from flash_inductor.passes import site as site_module
 from flash_inductor.passes.report import REPORTS
 from flash_inductor.passes.site import AttentionSite
-from helpers import DEVICE, assert_close_to_ref
+from helpers import DEVICE, assert_close_to_ref, needs_transformers, randn
 from model_zoo import compile_backend, token_inputs
 
 B, H, L, S, E = 2, 2, 9, 11, 8
 
 pytestmark = pytest.mark.usefixtures("fresh_compiler")
 
-needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                        reason="transformers is not installed (pip install -e '.[test]')")
 
 
 def _randn(*shape, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).to(DEVICE)
+    return randn(shape, dtype, DEVICE, seed)
 
 
 def _qkv(dtype=torch.float32):

@@ -20,7 +20,6 @@ tests/models does; the acceptance test's inference compiles with ``flash_inducto
 from __future__ import annotations
 
 import copy
-import importlib.util
 
 import pytest
 import torch
@@ -31,20 +30,17 @@ import flash_inductor
 from flash_inductor.passes import handwritten, sdpa
 from flash_inductor.passes.report import REPORTS
 from flash_inductor.passes.site import AttentionSite
-from helpers import DEVICE, assert_close_to_ref, assert_shadow_check_passes
+from helpers import DEVICE, assert_close_to_ref, assert_shadow_check_passes, needs_transformers, randn
 from model_zoo import HEADS, HIDDEN, KV_HEADS, SEQ, VOCAB, compile_backend, token_inputs
 
 B, H, L, E, W = 2, 2, 9, 8, 3
 
 pytestmark = pytest.mark.usefixtures("fresh_compiler")
 
-needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                        reason="transformers is not installed (pip install -e '.[test]')")
 
 
 def _randn(*shape, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).to(DEVICE)
+    return randn(shape, dtype, DEVICE, seed)
 
 
 def _qkv(seq_q=L, seq_k=L, dtype=torch.float32):
