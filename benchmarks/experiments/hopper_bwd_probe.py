@@ -47,6 +47,7 @@ HIDDEN = 2048
 CONFIGS = {"gluon": HopperBackwardConfig(dq_split=True, dq_tma=True),
            "gluon-atomic": HopperBackwardConfig(dq_split=True, dq_tma=False),
            "gluon-rowglobal": HopperBackwardConfig(row_stats_tma=False),
+           "gluon-kbmajor": HopperBackwardConfig(key_block_major=True),
            "gluon-nosplit": HopperBackwardConfig(dq_split=False, dq_tma=True),
            "gluon-s3": HopperBackwardConfig(dq_split=True, dq_tma=True, num_stages=3),
            "gluon-nosplit-s3": HopperBackwardConfig(dq_split=False, dq_tma=True, num_stages=3)}
@@ -159,12 +160,14 @@ def run_case(case, config):
 
 # ----------------------------------------------------------------------------- speed
 
-def cell_inputs(dname, e, seq, batch=None, heads=None):
+def cell_inputs(dname, e, seq, batch=None, heads=None, group=1):
+    """Q and dO (batch, heads, seq, e); K and V with heads // group heads (GQA)."""
     batch = batch or max(1, TOKENS // seq)
     heads = heads or HIDDEN // e
     gen = torch.Generator(device="cuda").manual_seed(seq + e)
-    q, k, v, do = (torch.randn(batch, heads, seq, e, device="cuda", dtype=DTYPES[dname], generator=gen)
-                   for _ in range(4))
+    q, do = (torch.randn(batch, heads, seq, e, device="cuda", dtype=DTYPES[dname], generator=gen) for _ in range(2))
+    k, v = (torch.randn(batch, heads // group, seq, e, device="cuda", dtype=DTYPES[dname], generator=gen)
+            for _ in range(2))
     return q, k, v, do
 
 
@@ -188,7 +191,13 @@ def backward_steps(q, k, v, do, causal, providers):
         elif name == "cudnn":
             qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                try:
+                    o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal,
+                                                       enable_gqa=k.shape[1] != q.shape[1])
+                except RuntimeError:  # no GQA in this cuDNN path: K/V repeated, as HF's repeat_kv does
+                    group = q.shape[1] // k.shape[1]
+                    kg, vg = (t.detach().repeat_interleave(group, 1).requires_grad_() for t in (k, v))
+                    o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
             steps[name] = (lambda o, qg, kg, vg: lambda: torch.autograd.grad(o, (qg, kg, vg), do,
                                                                             retain_graph=True))(o, qg, kg, vg)
     return steps
@@ -215,10 +224,11 @@ def speed(args, deadline):
         if time.monotonic() > deadline:
             skipped.append(dict(dtype=dname, head_dim=e, causal=causal, seq=seq))
             continue
-        q, k, v, do = cell_inputs(dname, e, seq)
+        q, k, v, do = cell_inputs(dname, e, seq, args.batch, args.heads, args.gqa)
         batch, heads = q.shape[:2]
         flops = 2.5 * 4 * batch * heads * seq * seq * e * (0.5 if causal else 1.0)
-        cell = dict(dtype=dname, head_dim=e, causal=causal, seq=seq, batch=batch, heads=heads, tflops={}, ms={})
+        cell = dict(dtype=dname, head_dim=e, causal=causal, seq=seq, batch=batch, heads=heads, kv_heads=k.shape[1],
+                    tflops={}, ms={})
         try:
             steps = backward_steps(q, k, v, do, causal, args.providers)
         except Exception as exc:
@@ -298,6 +308,9 @@ def main(argv=None):
     p.add_argument("--head-dims", nargs="*", type=int, default=[128, 64])
     p.add_argument("--causal", nargs="*", type=int, default=[0, 1])
     p.add_argument("--seqs", nargs="*", type=int, default=[4096, 16384])
+    p.add_argument("--batch", type=int, default=None, help="batch (default: 16k tokens / seq)")
+    p.add_argument("--heads", type=int, default=None, help="query heads (default: 2048 / E)")
+    p.add_argument("--gqa", type=int, default=1, help="query heads per K/V head (HF Llama: 4)")
     p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS), help="checked configs")
     p.add_argument("--providers", nargs="*", default=["gluon", "gluon-atomic", "triton-fast", "triton-stable", "cudnn"])
     p.add_argument("--heat", type=float, default=0.2, help="seconds of heating before each timing")

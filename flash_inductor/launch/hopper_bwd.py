@@ -64,13 +64,17 @@ class HopperBackwardConfig:
     its own 64-key partial dQ. ``dq_tma``: dQ partials reach the fp32 accumulator through shared
     memory and one TMA reduce-add per tile rather than one scalar atomic add per element.
     ``row_stats_tma``: the loader brings each tile's LSE and Δ rows into shared memory with Q and
-    dO, rather than the consumers loading them from global memory at the top of each tile."""
+    dO, rather than the consumers loading them from global memory at the top of each tile.
+    ``key_block_major``: the grid runs every head's first key block first (longest first across
+    the grid under causal masking); off until timed on the H200 (HF Llama's GQA backward,
+    docs/hopper_backward.md, lead 4)."""
 
     block_m: int = 64
     num_stages: int = 2
     dq_split: bool = True
     dq_tma: bool = True
     row_stats_tma: bool = True
+    key_block_major: bool = False
     consumer_regs: int = 240
     loader_regs: int = 24
 
@@ -211,6 +215,8 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     bias = key_bias(attn_mask, batch, heads_q, seq_k) if attn_mask is not None else lse  # lse: not read
     lse_plane, delta_plane = row_stats_planes((lse, delta), batch * heads_q, seq_q)
     grid = (cdiv(seq_k, cfg.block_n), batch * heads_kv)
+    if cfg.key_block_major:
+        grid = grid[::-1]
     _attn_bwd_hopper[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, 64), tma_descriptor(value, 64),
         tma_descriptor(grad_out, cfg.block_m), tma_descriptor(dk, 64), tma_descriptor(dv, 64),
@@ -221,7 +227,7 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         IS_CAUSAL=band_is_causal, WINDOW_LEFT=band.lower is not None, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma,
         EXACT_DELTA=exact_delta is not None, HAS_KEY_BIAS=attn_mask is not None, ROW_STATS_TMA=cfg.row_stats_tma,
-        CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
+        KEY_BLOCK_MAJOR=cfg.key_block_major, CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
     if mean_key is not None and grad_lse is not None:

@@ -62,7 +62,8 @@ def _sdpa_grads(q, k, v, do, scale, visible, live_from):
     return torch.autograd.grad(out, (q, k, v), do[:, :, live_from:])
 
 
-def _check(q, k, v, do, is_causal, causal_offset=0, dq_split=True, dq_tma=True, window=None, row_stats_tma=True):
+def _check(q, k, v, do, is_causal, causal_offset=0, dq_split=True, dq_tma=True, window=None, row_stats_tma=True,
+           key_block_major=False):
     from flash_inductor.launch.hopper import hopper_attention_forward
     from flash_inductor.launch.hopper_bwd import (
         HopperBackwardConfig,
@@ -77,7 +78,8 @@ def _check(q, k, v, do, is_causal, causal_offset=0, dq_split=True, dq_tma=True, 
     dq, dk, dv = hopper_attention_backward(do, q, k, v, out, lse, scale=scale, is_causal=is_causal,
                                            causal_offset=causal_offset, window=window,
                                            config=HopperBackwardConfig(dq_split=dq_split, dq_tma=dq_tma,
-                                                                       row_stats_tma=row_stats_tma))
+                                                                       row_stats_tma=row_stats_tma,
+                                                                       key_block_major=key_block_major))
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert dq.dtype == dk.dtype == dv.dtype == q.dtype
     visible = _visible(q.shape[2], k.shape[2], is_causal, causal_offset, window)
@@ -144,6 +146,15 @@ def test_gqa_strided_views_and_dq_schemes(head_dim, dq_split, dq_tma, row_stats_
     # the last tile's LSE and Δ rows past L are the next head's (TMA of the flat planes), replaced.
     _check(*_inputs(torch.bfloat16, head_dim, 2, 8, 2, 333, 513, transposed=True), True, dq_split=dq_split,
            dq_tma=dq_tma, row_stats_tma=row_stats_tma)
+
+
+@needs_hopper
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("is_causal", (False, True))
+def test_key_block_major_grid(head_dim, is_causal):
+    # The grid's axes swapped (every head's first key block first): GQA 4:1, L != S, a partial
+    # last key block and query tile.
+    _check(*_inputs(torch.bfloat16, head_dim, 2, 8, 2, 333, 513), is_causal, key_block_major=True)
 
 
 @needs_hopper
