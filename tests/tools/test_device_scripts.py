@@ -20,9 +20,10 @@ def test_device_script_parses(script):
     assert result.returncode == 0, result.stderr
 
 
-def test_sparse_decode_script_passes_flags_the_benchmarks_take():
-    text = (ROOT / "tools" / "gpu_sparse_decode.sh").read_text().replace("\\\n", " ")  # join continued lines
-    calls = re.findall(r"python3 -m (benchmarks\.\w+)([^\n]*)", text)
+@pytest.mark.parametrize("script", ["gpu_sparse_decode.sh", "gpu_hopper_ab.sh"])
+def test_device_script_passes_flags_the_benchmarks_take(script):
+    text = (ROOT / "tools" / script).read_text().replace("\\\n", " ")  # join continued lines
+    calls = re.findall(r"python3 -m (benchmarks[.\w]+)([^\n]*)", text)
     assert len(calls) >= 4
     for module, rest in calls:
         helptext = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True,

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The Hopper kernels' pending GPU checks in one bounded call (docs/hopper_backward.md, docs/decode.md):
+# their GPU tests, the backward's grid-order A/B on HF Llama's GQA shapes, the inference-forward grid
+# (bench_attention's mode infer) and HF Llama trained eagerly against "sdpa". Each step is stopped
+# with SIGINT at its budget, so what finished is still written.
+#
+#   bash tools/gpu_hopper_ab.sh                    # about 9 minutes on an H200
+#   STEPS="tests ab" bash tools/gpu_hopper_ab.sh
+#
+# STEPS (default: tests ab infer eager), WORKERS (pytest-xdist, 14). Results in $OUT
+# (default /tmp/flash_inductor_out): gpu_tests_hopper.xml, hopper_bwd.json, bench_*_infer.*,
+# debug_overhead_*.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source tools/device_env.sh
+for step in ${STEPS:-tests ab infer eager}; do
+  echo "=== $step"
+  case $step in
+    tests)
+      timeout -s INT -k 20 220 python3 -m pytest tests/unit/test_hopper_bwd.py tests/unit/test_one_pass.py \
+        tests/unit/test_hopper_fwd.py tests/unit/test_decode.py -q -n "${WORKERS:-14}" --dist worksteal \
+        -p no:cacheprovider --junitxml "$OUT/gpu_tests_hopper.xml" 2>&1 | tail -15 ;;
+    ab)
+      # HF Llama E 128 (B 2, 16 query heads over 4, 4k) and E 64 (B 4, 16 over 4, 2k), causal.
+      timeout -s INT -k 10 60 python3 -m benchmarks.experiments.hopper_bwd_probe --skip-check --precompile 0 \
+        --providers gluon gluon-kbmajor cudnn --dtypes bf16 --head-dims 128 --causal 1 --seqs 4096 \
+        --batch 2 --heads 16 --gqa 4 --budget 40 --out "$OUT" 2>&1 | tail -6
+      mv "$OUT/hopper_bwd.json" "$OUT/hopper_bwd_gqa_e128.json" 2>/dev/null
+      timeout -s INT -k 10 60 python3 -m benchmarks.experiments.hopper_bwd_probe --skip-check --precompile 0 \
+        --providers gluon gluon-kbmajor cudnn --dtypes bf16 --head-dims 64 --causal 1 --seqs 2048 \
+        --batch 4 --heads 16 --gqa 4 --budget 40 --out "$OUT" 2>&1 | tail -6 ;;
+    infer)
+      timeout -s INT -k 10 170 python3 -m benchmarks.bench_attention --dtypes bf16,fp16 --head-dims 64,128 \
+        --causal both --seqs 4096,16384 --modes infer --providers ours,cudnn,flash,flex --rep 30 --warmup 10 \
+        --heat-ms 300 --precompile 14 --time-budget 150 --tag infer --out "$OUT" 2>&1 | tail -25 ;;
+    eager)
+      timeout -s INT -k 10 150 python3 -m benchmarks.debug_overhead --no-debug --steps 10 --hf-heat 3 \
+        --hf-profile 24 --out "$OUT" 2>&1 | grep -v '^ *"\(name\|calls\|ms\)"' | tail -12 ;;
+    *) echo "unknown step $step (tests, ab, infer, eager)" >&2; exit 2 ;;
+  esac
+done
+ls "$OUT"
