@@ -41,7 +41,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def exact1p(q, k, v, is_causal=False, causal_offset=0, scale=None):
     """(out, lse) of the one-pass ops, the path `stable` takes on the H200."""
     scale = scale if scale is not None else q.shape[-1] ** -0.5
-    out, lse, _, _ = torch.ops.flash_inductor.attention_forward_one_pass(q, k, v, is_causal, causal_offset, scale)
+    out, lse, *_ = torch.ops.flash_inductor.attention_forward_one_pass(q, k, v, is_causal, causal_offset, scale)
     return out, lse
 
 
@@ -252,7 +252,7 @@ def run_breakdown(args, record):
         q, k, v, dout = (torch.randn((b, h, L, e), device="cuda", dtype=DTYPES[dname]) for _ in range(4))
         scale = e ** -0.5
         fast_out, fast_lse = ops.attention_forward(q, k, v, None, None, 0.0, causal, 0, scale, "fast")
-        out, lse, resid, row_consts = ops.attention_forward_one_pass(q, k, v, causal, 0, scale)
+        out, lse, resid, row_consts, k_tilde, k_hat = ops.attention_forward_one_pass(q, k, v, causal, 0, scale)
         parts = {
             "fwd_fast": lambda: ops.attention_forward(q, k, v, None, None, 0.0, causal, 0, scale, "fast"),
             "fwd_one_pass": lambda: ops.attention_forward_one_pass(q, k, v, causal, 0, scale),
@@ -260,8 +260,8 @@ def run_breakdown(args, record):
             "centre_triton": lambda: one_pass.centred_keys(k),
             "bwd_fast": lambda: ops.attention_backward(dout, q, k, v, None, fast_out, fast_lse, None, None, 0.0,
                                                        causal, 0, scale, "fast", False),
-            "bwd_one_pass": lambda: ops.attention_backward_one_pass(dout, q, k, v, out, lse, None, resid, row_consts,
-                                                                    causal, 0, scale),
+            "bwd_one_pass": lambda: ops.attention_backward_one_pass(dout, q, k_tilde, k_hat, v, out, lse, None, resid,
+                                                                    row_consts, causal, 0, scale),
         }
         cell = dict(dtype=dname, head_dim=e, causal=causal, seq=L)
         for name, fn in parts.items():

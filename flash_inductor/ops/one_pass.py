@@ -7,15 +7,20 @@ P·V in a way the backward can repeat bit for bit, and stores O's rounding resid
 Δ = dO'·(O + residual) is exact for that P; the one-pass kernel then does five GEMMs per tile
 pair, as `fast` does. dS's own rounding for dS·K would still meet whatever the keys share
 (near-tied keys); both kernels therefore see centred keys K̃ = K − k̂ (:func:`centred_keys`),
-exactly, so the softmax is unchanged and only the LSE gets scale·q·k̂ back. That needs two more
+exactly, so the softmax is unchanged and only the LSE gets scale·q·k̂ back. That needs more
 tensors from the forward to the backward than ``attention_forward`` returns, so the path has its
 own pair of ops:
 
 * ``flash_inductor::attention_forward_one_pass(q, k, v, is_causal, causal_offset, scale,
-  window_left=-1, window_right=-1, attn_mask=None) -> (out, lse, residual, row_constants)``
-* ``flash_inductor::attention_backward_one_pass(dout, q, k, v, out, lse, dlse?, residual,
-  row_constants, is_causal, causal_offset, scale, window_left=-1, window_right=-1, attn_mask=None)
-  -> (dq, dk, dv)``
+  window_left=-1, window_right=-1, attn_mask=None) -> (out, lse, residual, row_constants,
+  k_tilde, k_hat)``
+* ``flash_inductor::attention_backward_one_pass(dout, q, k_tilde, k_hat, v, out, lse, dlse?,
+  residual, row_constants, is_causal, causal_offset, scale, window_left=-1, window_right=-1,
+  attn_mask=None) -> (dq, dk, dv)``
+
+The backward takes the forward's K̃ and k̂ rather than K, so the keys are centred once per step (two
+launches and a pass over K fewer), and autograd keeps K̃ in K's place: K = K̃ + k̂ exactly (k̂ is
+subtracted in K's dtype without rounding), which is how the deterministic fallback gets K back.
 
 ``attn_mask`` is a key mask (``launch.hopper.key_mask_unsupported_reason``: one row for every
 query, as padding masks are), bool or additive, which neither needs nor gets a gradient.
@@ -85,30 +90,37 @@ def _forward(query, key, value, is_causal, causal_offset, scale, window_left, wi
         out = query.new_zeros(query.shape)
         lse = query.new_full((batch, heads, seq_q), float("-inf"), dtype=torch.float32)
         row_consts = torch.stack([torch.full_like(lse, float("inf")), torch.zeros_like(lse)])
-        return out, lse, torch.zeros_like(out), row_consts
+        k_hat = key.new_zeros((key.shape[0], key.shape[1], key.shape[3]), dtype=torch.float32)
+        return out, lse, torch.zeros_like(out), row_consts, key.clone(memory_format=torch.contiguous_format), k_hat
     query, value = _addressable(query, value)
     k_hat, k_tilde = centred_keys(key)
     out, lse, resid, row_consts = hopper.hopper_attention_forward(
         query, k_tilde, value, scale=scale, is_causal=is_causal, causal_offset=causal_offset,
         window=(window_left, window_right), exact_delta=True, **_mask_keyword(attn_mask))
     hopper_bwd.add_row_dot(query, k_hat, lse, scale)  # LSE over K = LSE over K̃ + scale·q·k̂
-    return out, lse, resid, row_consts
+    return out, lse, resid, row_consts, k_tilde, k_hat
 
 
 def _mask_keyword(attn_mask: Optional[Tensor]) -> dict:
     return {} if attn_mask is None else {"attn_mask": attn_mask}
 
 
-def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, is_causal, causal_offset, scale,
-              window_left, window_right, attn_mask=None):
-    if torch.are_deterministic_algorithms_enabled() or query.shape[2] == 0 or key.shape[2] == 0:
-        # The Triton `stable` backward re-derives the exact Δ from out and lse in a fixed order.
+def original_keys(k_tilde: Tensor, k_hat: Tensor) -> Tensor:
+    """K from the forward's K̃ and k̂: exact, since K̃ = K − k̂ was (k̂ in K's dtype)."""
+    return k_tilde + k_hat.to(k_tilde.dtype).unsqueeze(2)
+
+
+def _backward(grad_out, query, k_tilde, k_hat, value, out, lse, grad_lse, resid, row_consts, is_causal, causal_offset,
+              scale, window_left, window_right, attn_mask=None):
+    if torch.are_deterministic_algorithms_enabled() or query.shape[2] == 0 or k_tilde.shape[2] == 0:
+        # The Triton `stable` backward re-derives the exact Δ from out and lse in a fixed order, over K.
         visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=(window_left, window_right))
-        dq, dk, dv, _ = launch.attention_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, None, 0.0,
-                                                  scale, "stable", False, visibility=visibility)
+        dq, dk, dv, _ = launch.attention_backward(grad_out, query, original_keys(k_tilde, k_hat), value, attn_mask,
+                                                  out, lse, grad_lse, None, 0.0, scale, "stable", False,
+                                                  visibility=visibility)
         return dq, dk, dv
     grad_out, query, value = _addressable(grad_out, query, value)
-    k_hat, k_tilde = centred_keys(key)  # dK over K̃ is dK over K: k̂ is a constant shift
+    # dK over K̃ is dK over K: k̂ is a constant shift.
     return hopper_bwd.hopper_attention_backward(grad_out, query, k_tilde, value, out, lse, grad_lse, scale=scale,
                                                 is_causal=is_causal, causal_offset=causal_offset,
                                                 window=(window_left, window_right), exact_delta=(resid, row_consts),
@@ -118,17 +130,18 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts
 @torch.library.custom_op("flash_inductor::attention_forward_one_pass", mutates_args=())
 def attention_forward_one_pass(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, causal_offset: int,
                                scale: float, window_left: int = -1, window_right: int = -1,
-                               attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                               attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                            Tensor]:
     return _forward(query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask)
 
 
 @torch.library.custom_op("flash_inductor::attention_backward_one_pass", mutates_args=())
-def attention_backward_one_pass(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
-                                lse: Tensor, grad_lse: Optional[Tensor], resid: Tensor, row_consts: Tensor,
-                                is_causal: bool, causal_offset: int, scale: float, window_left: int = -1,
-                                window_right: int = -1,
+def attention_backward_one_pass(grad_out: Tensor, query: Tensor, k_tilde: Tensor, k_hat: Tensor, value: Tensor,
+                                out: Tensor, lse: Tensor, grad_lse: Optional[Tensor], resid: Tensor,
+                                row_consts: Tensor, is_causal: bool, causal_offset: int, scale: float,
+                                window_left: int = -1, window_right: int = -1,
                                 attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, is_causal,
+    dq, dk, dv = _backward(grad_out, query, k_tilde, k_hat, value, out, lse, grad_lse, resid, row_consts, is_causal,
                            causal_offset, scale, window_left, window_right, attn_mask)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
@@ -138,12 +151,14 @@ def _forward_fake(query, key, value, *_options):
     batch, heads, seq_q, _ = query.shape
     out = query.new_empty((batch, heads, seq_q, value.shape[-1]))
     lse = query.new_empty((batch, heads, seq_q), dtype=torch.float32)
-    return out, lse, torch.empty_like(out), query.new_empty((2, batch, heads, seq_q), dtype=torch.float32)
+    k_hat = key.new_empty((key.shape[0], key.shape[1], key.shape[3]), dtype=torch.float32)
+    return (out, lse, torch.empty_like(out), query.new_empty((2, batch, heads, seq_q), dtype=torch.float32),
+            key.new_empty(key.shape), k_hat)
 
 
 @attention_backward_one_pass.register_fake
-def _backward_fake(grad_out, query, key, value, *_rest):
-    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+def _backward_fake(grad_out, query, k_tilde, k_hat, value, *_rest):
+    return query.new_empty(query.shape), k_tilde.new_empty(k_tilde.shape), value.new_empty(value.shape)
 
 
 _OPTIONAL_DEFAULTS = (-1, -1, None)  # window_left, window_right, attn_mask: a caller may leave them out
@@ -152,8 +167,9 @@ _OPTIONAL_DEFAULTS = (-1, -1, None)  # window_left, window_right, attn_mask: a c
 def _setup_context(ctx, inputs, output):
     query, key, value, is_causal, causal_offset, scale, *optional = inputs
     window_left, window_right, attn_mask = (*optional, *_OPTIONAL_DEFAULTS[len(optional):])
-    out, lse, resid, row_consts = output
-    ctx.save_for_backward(query, key, value, out, lse, resid, row_consts, attn_mask)
+    out, lse, resid, row_consts, k_tilde, k_hat = output
+    # K̃ and k̂ in K's place: the backward centres nothing again (module docstring).
+    ctx.save_for_backward(query, k_tilde, k_hat, value, out, lse, resid, row_consts, attn_mask)
     ctx.options = (is_causal, causal_offset, scale, window_left, window_right)
     ctx.input_count = len(inputs)
     ctx.set_materialize_grads(False)  # as ops/attention.py: an unused lse gets no zeros launched
@@ -162,15 +178,15 @@ def _setup_context(ctx, inputs, output):
 def _run_backward(ctx, grad_out, grad_lse, backward_call):
     if grad_out is None and grad_lse is None:
         return (None,) * ctx.input_count
-    query, key, value, out, lse, resid, row_consts, attn_mask = ctx.saved_tensors
+    query, k_tilde, k_hat, value, out, lse, resid, row_consts, attn_mask = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = backward_call(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, *ctx.options,
-                               attn_mask)
+    dq, dk, dv = backward_call(grad_out, query, k_tilde, k_hat, value, out, lse, grad_lse, resid, row_consts,
+                               *ctx.options, attn_mask)
     return (dq, dk, dv) + (None,) * (ctx.input_count - 3)
 
 
-def _autograd_backward(ctx, grad_out, grad_lse, _grad_resid, _grad_row_consts):
+def _autograd_backward(ctx, grad_out, grad_lse, *_grad_backward_only):
     return _run_backward(ctx, grad_out, grad_lse, attention_backward_one_pass)
 
 
@@ -193,13 +209,13 @@ class _EagerOnePass(torch.autograd.Function):
         args = (query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask)
         output = _forward(*args)
         _setup_context(ctx, args, output)
-        ctx.mark_non_differentiable(output[2], output[3])
+        ctx.mark_non_differentiable(*output[2:])
         return output
 
     @staticmethod
-    def backward(ctx, grad_out, grad_lse, _grad_resid, _grad_row_consts):
+    def backward(ctx, grad_out, grad_lse, *_grad_backward_only):
         if torch.is_grad_enabled():
-            return _autograd_backward(ctx, grad_out, grad_lse, None, None)
+            return _autograd_backward(ctx, grad_out, grad_lse)
         return _run_backward(ctx, grad_out, grad_lse, _backward)
 
 

@@ -170,9 +170,10 @@ def test_cpu_calls_never_take_it():
 def _grads(q, k, v, do, dlse, is_causal, causal_offset, attn_mask=None):
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     scale = q.shape[-1] ** -0.5
-    out, lse, resid, rows = torch.ops.flash_inductor.attention_forward_one_pass(*leaves, is_causal, causal_offset,
-                                                                                  scale, -1, -1, attn_mask)
+    out, lse, resid, rows, k_tilde, k_hat = torch.ops.flash_inductor.attention_forward_one_pass(
+        *leaves, is_causal, causal_offset, scale, -1, -1, attn_mask)
     assert resid.shape == out.shape and rows.shape == (2, *lse.shape)
+    assert k_tilde.shape == k.shape and k_hat.shape == (k.shape[0], k.shape[1], k.shape[3])
     outputs, grads = [out], [do]
     if dlse is not None:
         outputs.append(lse)

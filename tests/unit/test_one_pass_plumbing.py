@@ -96,9 +96,19 @@ class EmulatedGluon:
 def emulated(monkeypatch):
     from flash_inductor.launch import hopper, hopper_bwd
 
+    from flash_inductor.ops import one_pass
+
     gluon = EmulatedGluon()
     monkeypatch.setattr(hopper, "hopper_attention_forward", gluon.forward)
     monkeypatch.setattr(hopper_bwd, "hopper_attention_backward", gluon.backward)
+    centre = one_pass.centred_keys
+    gluon.centrings = 0
+
+    def counted_centring(key):
+        gluon.centrings += 1
+        return centre(key)
+
+    monkeypatch.setattr(one_pass, "centred_keys", counted_centring)
     return gluon
 
 
@@ -137,7 +147,8 @@ def test_gradients_through_the_wrapping_match_fp64(emulated, case, path):
     assert len(emulated.forwards) == len(emulated.backwards) == 1
     k_tilde, k_hat = emulated.forwards[0]["key"], emulated.backwards[0]["mean_key"]
     assert (k_hat != 0).float().mean() > 0.5, "near-tied keys should be centred"
-    assert torch.equal(emulated.backwards[0]["key"], k_tilde)  # the backward recomputes the same K̃
+    assert torch.equal(emulated.backwards[0]["key"], k_tilde)  # the forward's K̃ ...
+    assert emulated.centrings == 1  # ... not centred again
     assert torch.equal(k_tilde.double() + k_hat.double()[:, :, None], k.double())
     vis = _visible(seq_q, seq_k, causal, offset, window)
     ref = ref_forward_backward(q, k, v, vis, scale=scale, grad_out=do, grad_lse=dlse)
@@ -171,14 +182,16 @@ def test_the_ops_pass_opcheck(emulated):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ops = torch.ops.flash_inductor
     torch.library.opcheck(ops.attention_forward_one_pass.default, (*leaves, True, 16, 0.25, -1, -1))
-    out, lse, resid, row_consts = ops.attention_forward_one_pass(q, k, v, True, 16, 0.25)
+    out, lse, resid, row_consts, k_tilde, k_hat = ops.attention_forward_one_pass(q, k, v, True, 16, 0.25)
     torch.library.opcheck(ops.attention_backward_one_pass.default,
-                          (do, q, k, v, out, lse, dlse, resid, row_consts, True, 16, 0.25, -1, -1))
+                          (do, q, k_tilde, k_hat, v, out, lse, dlse, resid, row_consts, True, 16, 0.25, -1, -1))
     key_mask = (torch.arange(40, device=DEVICE) < 33).reshape(1, 1, 1, 40).expand(1, 4, 24, 40)
     torch.library.opcheck(ops.attention_forward_one_pass.default, (*leaves, False, 0, 0.25, -1, -1, key_mask))
-    out, lse, resid, row_consts = ops.attention_forward_one_pass(q, k, v, False, 0, 0.25, -1, -1, key_mask)
+    out, lse, resid, row_consts, k_tilde, k_hat = ops.attention_forward_one_pass(q, k, v, False, 0, 0.25, -1, -1,
+                                                                                  key_mask)
     torch.library.opcheck(ops.attention_backward_one_pass.default,
-                          (do, q, k, v, out, lse, dlse, resid, row_consts, False, 0, 0.25, -1, -1, key_mask))
+                          (do, q, k_tilde, k_hat, v, out, lse, dlse, resid, row_consts, False, 0, 0.25, -1, -1,
+                           key_mask))
 
 
 def test_empty_sequences_give_zeros_without_a_launch(emulated):
