@@ -96,20 +96,20 @@ def test_target_report_counts_met_missed_and_unmeasured_cells(plots):
         _rec("ours", 500.0), _rec("flash", 340.0), _rec("flex", 480.0), _rec("cudnn", 600.0),
         _rec("ours", 300.0, mode="fwd_bwd"), _rec("flash", 310.0, mode="fwd_bwd"),
         _rec("flex", 400.0, mode="fwd_bwd"), _rec("cudnn", None, mode="fwd_bwd", status="unsupported"),
-        # outside the cuDNN target's scope (seq < 4k) and outside every target (fp32)
+        # outside the cuDNN target's scope (seq < 2k) and outside every target (fp32)
         _rec("ours", 200.0, seq=1024), _rec("cudnn", 400.0, seq=1024), _rec("flash", 100.0, seq=1024),
         _rec("ours", 1.0, dtype="fp32"), _rec("flash", 500.0, dtype="fp32"),
     ]
     rows, lines = plots.target_report(records)
     by = {(r["anchor"], r["mode"], r["seq"]): r for r in rows}
     assert by[("flash", "fwd", 4096)]["met"] and by[("flex", "fwd", 4096)]["met"]
-    assert not by[("cudnn", "fwd", 4096)]["met"]  # 500 / 600 < 0.9
+    assert not by[("cudnn", "fwd", 4096)]["met"]  # 500 / 600 < 1.0
     assert by[("cudnn", "fwd", 4096)]["ratio"] == pytest.approx(500 / 600)
     assert not by[("flash", "fwd_bwd", 4096)]["met"] and not by[("flex", "fwd_bwd", 4096)]["met"]
     assert ("cudnn", "fwd", 1024) not in by and ("cudnn", "fwd_bwd", 4096) not in by
     assert all(r["dtype"] != "fp32" for r in rows)
     text = "\n".join(lines)
-    assert "ours/cudnn fwd >= 0.9: 0/1 cells met" in text
+    assert "ours/cudnn fwd >= 1.0: 0/1 cells met" in text
     assert "ours/cudnn fwd_bwd: no cell measured for both" in text
     assert "ours/flash fwd >= 1.0: 2/2 cells met" in text
 
