@@ -388,8 +388,9 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                      DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, EXACT_DELTA: gl.constexpr,
                      HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr, KEY_BLOCK_MAJOR: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-    """Grid (cdiv(S, BLOCK_N), B * H_KV), or (B * H_KV, cdiv(S, BLOCK_N)) under KEY_BLOCK_MAJOR. Descriptors are 4-D over (B, H, L or S, E): Q and dO
-    boxes (1, 1, BLOCK_M, E); K, V, dK, dV boxes (1, 1, 64, E). DQ_ACCUM is (B, Hq, L, E) fp32
+    """Grid (cdiv(S, BLOCK_N), B * H_KV), or (B * H_KV, cdiv(S, BLOCK_N)) under KEY_BLOCK_MAJOR.
+    Descriptors are 4-D over (B, H, L or S, E): Q and dO boxes (1, 1, BLOCK_M, E); K, V, dK, dV
+    boxes (1, 1, 64, E). DQ_ACCUM is (B, Hq, L, E) fp32
     zeros, contiguous, and ``dq_desc`` describes it with box (1, 1, BLOCK_M, E or E / 2 under
     DQ_SPLIT) (used only under DQ_TMA); LSE (natural log) and DELTA are (B·Hq, L) fp32 planes whose rows
     are ``stride_stats`` apart.
