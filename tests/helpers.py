@@ -590,3 +590,18 @@ def assert_shadow_check_passes(seq: int, **attention_kwargs) -> None:
     report = check.report()
     assert report.sites == ["<model>"] and report.first_failure is None, str(report)
     assert {c.result for c in report.checks if c.compared} == {"out", "dq", "dk", "dv"}
+
+
+def found_attention_sites(module, *inputs, dynamic=False) -> list:
+    """The sites the rewrite's finders (SDPA and hand-written) return on the module's dynamo graph,
+    nothing rewritten."""
+    from flash_inductor.passes import handwritten, sdpa
+
+    found = []
+
+    def backend(gm, example_inputs):
+        found.extend([*sdpa.find_sites(gm.graph), *handwritten.find_sites(gm.graph)])
+        return gm.forward
+
+    torch.compile(module, backend=backend, dynamic=dynamic, fullgraph=True)(*inputs)
+    return found

@@ -25,11 +25,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import flash_inductor
-from flash_inductor.passes import band, handwritten, sdpa
+from flash_inductor.passes import band
 from flash_inductor.passes import site as site_module
 from flash_inductor.passes.report import REPORTS
 from flash_inductor.passes.site import AttentionSite
-from helpers import DEVICE, assert_close_to_ref, needs_transformers, randn
+from helpers import DEVICE, assert_close_to_ref, found_attention_sites, needs_transformers, randn
 from model_zoo import compile_backend, token_inputs
 
 B, H, L, S, E = 2, 2, 9, 11, 8
@@ -197,13 +197,7 @@ KINDS = {"sdpa": "bool", "sdpa_additive": "float", "fill": "bool", "additive": "
 
 
 def _one_site(module, *inputs, dynamic=False) -> AttentionSite:
-    found = []
-
-    def backend(gm, example_inputs):
-        found.extend([*sdpa.find_sites(gm.graph), *handwritten.find_sites(gm.graph)])
-        return gm.forward
-
-    torch.compile(module, backend=backend, dynamic=dynamic, fullgraph=True)(*inputs)
+    found = found_attention_sites(module, *inputs, dynamic=dynamic)
     assert len(found) == 1 and isinstance(found[0], AttentionSite), found
     return found[0]
 

@@ -27,10 +27,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import flash_inductor
-from flash_inductor.passes import handwritten, sdpa
 from flash_inductor.passes.report import REPORTS
 from flash_inductor.passes.site import AttentionSite
-from helpers import DEVICE, assert_close_to_ref, assert_shadow_check_passes, needs_transformers, randn
+from helpers import (DEVICE, assert_close_to_ref, assert_shadow_check_passes, found_attention_sites,
+                     needs_transformers, randn)
 from model_zoo import HEADS, HIDDEN, KV_HEADS, SEQ, VOCAB, compile_backend, token_inputs
 
 B, H, L, E, W = 2, 2, 9, 8, 3
@@ -162,16 +162,7 @@ MODES = {"sdpa": Sdpa, "fill": Fill, "additive": Additive}
 # ------------------------------------------------------------------------------------------
 
 
-def _found_sites(module, *inputs, dynamic=False) -> list:
-    """The sites the pass's finders return on the module's dynamo graph (nothing rewritten)."""
-    found = []
-
-    def backend(gm, example_inputs):
-        found.extend([*sdpa.find_sites(gm.graph), *handwritten.find_sites(gm.graph)])
-        return gm.forward
-
-    torch.compile(module, backend=backend, dynamic=dynamic, fullgraph=True)(*inputs)
-    return found
+_found_sites = found_attention_sites
 
 
 def _one_site(module, *inputs, dynamic=False) -> AttentionSite:
