@@ -24,11 +24,11 @@ for step in ${STEPS:-tests ab infer eager}; do
     ab)
       # HF Llama E 128 (B 2, 16 query heads over 4, 4k) and E 64 (B 4, 16 over 4, 2k), causal.
       timeout -s INT -k 10 60 python3 -m benchmarks.experiments.hopper_bwd_probe --skip-check --precompile 0 \
-        --providers gluon gluon-kbmajor cudnn --dtypes bf16 --head-dims 128 --causal 1 --seqs 4096 \
+        --providers gluon gluon-headmajor cudnn --dtypes bf16 --head-dims 128 --causal 1 --seqs 4096 \
         --batch 2 --heads 16 --gqa 4 --budget 40 --out "$OUT" 2>&1 | tail -6
       mv "$OUT/hopper_bwd.json" "$OUT/hopper_bwd_gqa_e128.json" 2>/dev/null
       timeout -s INT -k 10 60 python3 -m benchmarks.experiments.hopper_bwd_probe --skip-check --precompile 0 \
-        --providers gluon gluon-kbmajor cudnn --dtypes bf16 --head-dims 64 --causal 1 --seqs 2048 \
+        --providers gluon gluon-headmajor cudnn --dtypes bf16 --head-dims 64 --causal 1 --seqs 2048 \
         --batch 4 --heads 16 --gqa 4 --budget 40 --out "$OUT" 2>&1 | tail -6 ;;
     infer)
       timeout -s INT -k 10 170 python3 -m benchmarks.bench_attention --dtypes bf16,fp16 --head-dims 64,128 \

@@ -47,6 +47,7 @@ HIDDEN = 2048
 CONFIGS = {"gluon": HopperBackwardConfig(dq_split=True, dq_tma=True),
            "gluon-atomic": HopperBackwardConfig(dq_split=True, dq_tma=False),
            "gluon-rowglobal": HopperBackwardConfig(row_stats_tma=False),
+           "gluon-headmajor": HopperBackwardConfig(key_block_major=False),
            "gluon-kbmajor": HopperBackwardConfig(key_block_major=True),
            "gluon-nosplit": HopperBackwardConfig(dq_split=False, dq_tma=True),
            "gluon-s3": HopperBackwardConfig(dq_split=True, dq_tma=True, num_stages=3),

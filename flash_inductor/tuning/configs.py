@@ -234,6 +234,11 @@ def decode_program_slots(device: torch.device, interpreted: bool) -> int:
     return DECODE_PROGRAMS_PER_SM * _cuda_sm_count(index)
 
 
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of CUDA ``device`` (cached per device)."""
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_sm_count(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)

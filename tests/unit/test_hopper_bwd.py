@@ -63,7 +63,7 @@ def _sdpa_grads(q, k, v, do, scale, visible, live_from):
 
 
 def _check(q, k, v, do, is_causal, causal_offset=0, dq_split=True, dq_tma=True, window=None, row_stats_tma=True,
-           key_block_major=False):
+           key_block_major=None):
     from flash_inductor.launch.hopper import hopper_attention_forward
     from flash_inductor.launch.hopper_bwd import (
         HopperBackwardConfig,
@@ -151,10 +151,11 @@ def test_gqa_strided_views_and_dq_schemes(head_dim, dq_split, dq_tma, row_stats_
 @needs_hopper
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("is_causal", (False, True))
-def test_key_block_major_grid(head_dim, is_causal):
-    # The grid's axes swapped (every head's first key block first): GQA 4:1, L != S, a partial
-    # last key block and query tile.
-    _check(*_inputs(torch.bfloat16, head_dim, 2, 8, 2, 333, 513), is_causal, key_block_major=True)
+@pytest.mark.parametrize("key_block_major", (False, True))
+def test_both_grid_orders(head_dim, is_causal, key_block_major):
+    # Each grid order forced, whatever the default picks for the shape: GQA 4:1, L != S, a
+    # partial last key block and query tile.
+    _check(*_inputs(torch.bfloat16, head_dim, 2, 8, 2, 333, 513), is_causal, key_block_major=key_block_major)
 
 
 @needs_hopper
@@ -234,6 +235,24 @@ def test_register_plan_fills_the_register_file():
         assert cfg.consumer_regs * 128 * 2 + cfg.loader_regs * 128 <= 65536
         assert cfg.maxnreg % 8 == 0 and cfg.consumer_regs % 8 == 0
         assert cfg.block_n == 128
+
+
+def test_grid_order_follows_the_measured_winner():
+    """The shapes timed on the H200 (132 SMs) get the order that won there: key-block-major for
+    causal grids of 256-1024 CTAs (HF Llama's GQA backward), head-major for bench_attention's
+    grid (2048 CTAs and more) and for every grid without causal masking."""
+    from flash_inductor.launch.hopper_bwd import key_block_major_for
+    from flash_inductor.launch.common import cdiv
+
+    def ctas(batch, heads_kv, seq):
+        return cdiv(seq, 128) * batch * heads_kv
+
+    assert key_block_major_for(ctas(2, 4, 4096), 132, pure_causal=True)      # Llama E 128, 1.34x
+    assert key_block_major_for(ctas(4, 4, 2048), 132, pure_causal=True)      # Llama E 64, 1.46x
+    assert key_block_major_for(ctas(8, 4, 4096), 132, pure_causal=True)      # 1.03x
+    assert not key_block_major_for(ctas(4, 16, 4096), 132, pure_causal=True)  # grid E 128: 0.93x
+    assert not key_block_major_for(ctas(1, 32, 16384), 132, pure_causal=True)  # grid E 64: 0.97x
+    assert not key_block_major_for(ctas(2, 4, 4096), 132, pure_causal=False)  # 0.98x
 
 
 # ----------------------------------------------------------------------------- the op's choice
