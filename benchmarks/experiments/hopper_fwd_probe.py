@@ -150,13 +150,14 @@ def providers(configs, causal, baselines=("ours-triton", "cudnn", "fa2")):
         c = cfg[0] if cfg else None
         out[name] = (lambda c: lambda q, k, v: hopper_attention_forward(q, k, v, is_causal=causal, config=c))(c)
     if "ours-triton" in baselines:
-        out["ours-triton"] = lambda q, k, v: flash_inductor.flash_attention(q, k, v, is_causal=causal)
+        out["ours-triton"] = lambda q, k, v: flash_inductor.flash_attention(q, k, v, is_causal=causal,
+                                                                            enable_gqa=q.shape[1] != k.shape[1])
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
         if name not in baselines:
             continue
         def sdpa(q, k, v, backend=backend):
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
         out[name] = sdpa
     return out
 
@@ -178,12 +179,14 @@ def speed(args, configs, deadline):
         if time.monotonic() > deadline:
             skipped.append(dict(dtype=dname, head_dim=e, causal=causal, seq=seq))
             continue
-        batch, heads = max(1, TOKENS // seq), HIDDEN // e
+        batch = args.batch or max(1, TOKENS // seq)
+        heads = args.heads or HIDDEN // e
         gen = torch.Generator(device="cuda").manual_seed(seq + e)
-        q, k, v = (torch.randn(batch, heads, seq, e, device="cuda", dtype=DTYPES[dname], generator=gen)
-                   for _ in range(3))
+        q, k, v = (torch.randn(batch, heads // (args.gqa if i else 1), seq, e, device="cuda", dtype=DTYPES[dname],
+                               generator=gen) for i in range(3))
         flops = 4 * batch * heads * seq * seq * e * (0.5 if causal else 1.0)
-        cell = dict(dtype=dname, head_dim=e, causal=causal, seq=seq, batch=batch, heads=heads, tflops={}, ms={})
+        cell = dict(dtype=dname, head_dim=e, causal=causal, seq=seq, batch=batch, heads=heads,
+                    kv_heads=heads // args.gqa, tflops={}, ms={})
         with torch.no_grad():
             for name, fn in providers({n: c for n, c in configs.items() if c is None or e in c[1]}, causal,
                                       args.baselines).items():
@@ -213,14 +216,14 @@ def speed(args, configs, deadline):
 
 def parse_config(text):
     """'128x2' -> BLOCK_N 128, 2 stages; 'w3' appended: 3 consumer warpgroups; 'p': ping-pong;
-    an optional ':64' limits it to that head dim. E.g. '128x3w3p:64'."""
+    'r': the row-block-major grid; an optional ':64' limits it to that head dim. E.g. '128x3w3p:64'."""
     spec, _, dims = text.partition(":")
-    m = re.fullmatch(r"(\d+)x(\d+)(?:w(\d))?(p?)", spec)
+    m = re.fullmatch(r"(\d+)x(\d+)(?:w(\d))?(p?)(r?)", spec)
     if m is None:
         raise ValueError(f"--configs {text!r}: expected BLOCK_NxSTAGES[wCONSUMERS][p][:E,...]")
     heads = tuple(int(d) for d in dims.split(",")) if dims else (64, 128)
     cfg = HopperForwardConfig(block_n=int(m[1]), num_stages=int(m[2]), num_consumers=int(m[3] or 2),
-                              pingpong=bool(m[4]))
+                              pingpong=bool(m[4]), row_block_major=bool(m[5]))
     return cfg, heads
 
 
@@ -231,6 +234,9 @@ def main(argv=None):
     p.add_argument("--head-dims", nargs="*", type=int, default=[64, 128])
     p.add_argument("--causal", nargs="*", type=int, default=[0, 1])
     p.add_argument("--seqs", nargs="*", type=int, default=[2048, 4096, 8192, 16384, 32768])
+    p.add_argument("--batch", type=int, default=None, help="batch (default: 16k tokens / seq)")
+    p.add_argument("--heads", type=int, default=None, help="query heads (default: 2048 / E)")
+    p.add_argument("--gqa", type=int, default=1, help="query heads per K/V head (HF Llama: 4)")
     p.add_argument("--configs", nargs="*", default=[],
                    help="extra Gluon configs BLOCK_NxSTAGES[:E,...] timed beside the default")
     p.add_argument("--baselines", nargs="*", default=["ours-triton", "cudnn", "fa2"],

@@ -40,7 +40,7 @@ def _reference(q, k, v, scale, is_causal, causal_offset, window=None):
     return p @ v, lse, visible
 
 
-def _check(q, k, v, is_causal, causal_offset=0, window=None):
+def _check(q, k, v, is_causal, causal_offset=0, window=None, config=None):
     import torch.nn.functional as F
 
     from flash_inductor.launch.hopper import hopper_attention_forward, hopper_forward_supported
@@ -48,7 +48,7 @@ def _check(q, k, v, is_causal, causal_offset=0, window=None):
     scale = q.shape[-1] ** -0.5
     assert hopper_forward_supported(q, k, v, None, 0.0, scale)
     out, lse = hopper_attention_forward(q, k, v, scale=scale, is_causal=is_causal, causal_offset=causal_offset,
-                                        window=window)
+                                        window=window, config=config)
     ref, lse_ref, visible = _reference(q, k, v, scale, is_causal, causal_offset, window)
     group = q.shape[1] // k.shape[1]
     base = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
@@ -94,6 +94,20 @@ def test_sliding_windows_match_fp64(dtype, head_dim, is_causal, window, seq_q, s
 @pytest.mark.parametrize("head_dim", (64, 128))
 def test_gqa_and_strided_views(dtype, head_dim):
     _check(*_inputs(dtype, head_dim, 2, 8, 2, 333, 513, transposed=True), True)
+
+
+@needs_hopper
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("is_causal", (False, True))
+def test_row_block_major_grid(head_dim, is_causal):
+    # The grid transposed (every head's first query block first): GQA 4:1, L != S, a partial
+    # last query block, rows that see no key under causal masking.
+    from dataclasses import replace
+
+    from flash_inductor.launch.hopper import default_config
+
+    config = replace(default_config(head_dim, is_causal), row_block_major=True)
+    _check(*_inputs(torch.bfloat16, head_dim, 2, 8, 2, 700, 513), is_causal, config=config)
 
 
 @needs_hopper
