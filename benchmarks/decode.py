@@ -9,10 +9,7 @@
 every key (``--mask cache`` adds a (B, 1, 1, S) bool mask of per-sequence cache lengths, as a
 static cache passes it). Contenders, all in one run and each heated before it is timed:
 
-* ``ours``: ``flash_inductor.flash_attention(..., enable_gqa=True)`` (the split-KV decode kernels,
-  which merge the splits in a second launch);
-* ``ours-one-launch`` (not in the default list): the same call merging in the split launch
-  (``launch.decode.merge_in_last_split(True)``), the A/B of the one-launch merge;
+* ``ours``: ``flash_inductor.flash_attention(..., enable_gqa=True)`` (the split-KV decode kernels);
 * ``flash``, ``cudnn``, ``efficient``: SDPA with that backend forced (``sdpa_kernel``), with
   ``enable_gqa=True`` where the backend takes it; a backend that refuses it gets K/V expanded to
   Hq heads before timing (the record says ``expanded_kv``), and a cell whose expanded K/V would not
@@ -25,8 +22,7 @@ replayed, as an inference server runs a decode step, so that host time (tens of 
 Python, more than a 1k-key decode takes) does not decide the comparison; the calls rotate over
 enough copies of the inputs to exceed the L2 cache. ``--timing eager`` uses ``do_bench``.
 Prints each cell's time and the ratios best-SDPA / ours and Flex / ours (> 1: ours faster), and
-ours / one-launch where ``ours-one-launch`` ran (> 1: the one-launch merge faster), and writes JSON
-and a PNG under ``--out``.
+writes JSON and a PNG under ``--out``.
 
 ``--part generate``: a small Llama (GQA) generating greedily with a static cache, its forward
 compiled by plain ``torch.compile`` and by ``flash_inductor.backend`` (``--compile-mode``, default
@@ -49,9 +45,7 @@ import torch.nn.functional as F
 from benchmarks import common
 
 SDPA_CONTENDERS = ("flash", "cudnn", "efficient")
-DEFAULT_CONTENDERS = ("ours", *SDPA_CONTENDERS, "flex")
-# ours-one-launch: ours with the splits merged in the split launch, for the fused merge's A/B.
-CONTENDERS = ("ours", "ours-one-launch", *SDPA_CONTENDERS, "flex")
+CONTENDERS = ("ours", *SDPA_CONTENDERS, "flex")
 L2_BYTES = 50 * 2**20  # the H200's L2; inputs rotate over copies totalling at least twice this
 
 
@@ -86,18 +80,10 @@ def _flex_call(q, k, v, lengths, device):
 
 def make_contender(name, q, k, v, mask, lengths):
     """(call(q, k, v), expanded_kv): the attention one contender runs on these inputs."""
-    if name in ("ours", "ours-one-launch"):
+    if name == "ours":
         import flash_inductor
-        from flash_inductor.launch.decode import merge_in_last_split
 
-        def ours(q, k, v):
-            return flash_inductor.flash_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-
-        def one_launch(q, k, v):
-            with merge_in_last_split(True):  # read when the op launches, so also while a graph is captured
-                return ours(q, k, v)
-
-        return (ours if name == "ours" else one_launch), False
+        return (lambda q, k, v: flash_inductor.flash_attention(q, k, v, attn_mask=mask, enable_gqa=True)), False
     if name == "flex":
         return _flex_call(q, k, v, lengths, q.device), False
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -228,16 +214,14 @@ def run_cell(batch, seq_k, seq_q, args):
 
 
 def summarise(records):
-    """One row per cell: each contender's ms (``ours_one_launch_ms`` for ``ours-one-launch``), best
-    SDPA / ours and Flex / ours (> 1: ours faster), and ours / one-launch (> 1: the one-launch merge
-    faster)."""
+    """One row per cell: each contender's ms, best SDPA / ours and Flex / ours (> 1: ours faster)."""
     cells = {}
     for r in records:
         cells.setdefault((r["batch"], r["seq_k"], r["seq_q"]), {})[r["contender"]] = r
     rows = []
     for (batch, seq_k, seq_q), by in sorted(cells.items()):
         ms = {name: r.get("ms") for name, r in by.items() if r.get("status") == "ok"}
-        row = dict(batch=batch, seq_k=seq_k, seq_q=seq_q, **{f"{n.replace('-', '_')}_ms": t for n, t in ms.items()})
+        row = dict(batch=batch, seq_k=seq_k, seq_q=seq_q, **{f"{n}_ms": t for n, t in ms.items()})
         sdpa = {n: t for n, t in ms.items() if n in SDPA_CONTENDERS}
         if sdpa:
             row["best_sdpa"] = min(sdpa, key=sdpa.get)
@@ -245,8 +229,6 @@ def summarise(records):
             row["vs_best_sdpa"] = sdpa[row["best_sdpa"]] / ms["ours"]
         if ms.get("ours") and ms.get("flex"):
             row["vs_flex"] = ms["flex"] / ms["ours"]
-        if ms.get("ours") and ms.get("ours-one-launch"):
-            row["one_launch_gain"] = ms["ours"] / ms["ours-one-launch"]
         rows.append(row)
     return rows
 
@@ -255,15 +237,12 @@ def format_table(rows):
     def fmt(value, spec=".4f"):
         return "-" if value is None else format(value, spec)
 
-    two = any("ours_one_launch_ms" in r for r in rows)  # its columns only where it ran
-    lines = ["| B | S | L | ours ms | flash ms | cudnn ms | efficient ms | flex ms | best SDPA / ours | flex / ours |"
-             + (" one-launch ms | ours / one-launch |" if two else ""),
-             "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if two else "")]
+    lines = ["| B | S | L | ours ms | flash ms | cudnn ms | efficient ms | flex ms | best SDPA / ours | flex / ours |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['batch']} | {r['seq_k']} | {r['seq_q']} | {fmt(r.get('ours_ms'))} | "
                      f"{fmt(r.get('flash_ms'))} | {fmt(r.get('cudnn_ms'))} | {fmt(r.get('efficient_ms'))} | "
-                     f"{fmt(r.get('flex_ms'))} | {fmt(r.get('vs_best_sdpa'), '.2f')} | {fmt(r.get('vs_flex'), '.2f')} |"
-                     + (f" {fmt(r.get('ours_one_launch_ms'))} | {fmt(r.get('one_launch_gain'), '.2f')} |" if two else ""))
+                     f"{fmt(r.get('flex_ms'))} | {fmt(r.get('vs_best_sdpa'), '.2f')} | {fmt(r.get('vs_flex'), '.2f')} |")
     return "\n".join(lines)
 
 
@@ -275,18 +254,12 @@ def plot(rows, path, title):
     except ImportError:
         return None
     seq_qs = sorted({r["seq_q"] for r in rows})
-    # Every bar a ratio with ours; ours / one-launch only where that contender ran.
-    ratios = [("vs_best_sdpa", "best SDPA / ours"), ("vs_flex", "Flex / ours")]
-    if any("one_launch_gain" in r for r in rows):
-        ratios.append(("one_launch_gain", "ours / one-launch"))
-    width = 0.8 / len(ratios)
     fig, axes = plt.subplots(1, len(seq_qs), figsize=(6 * len(seq_qs), 4.5), sharey=True, squeeze=False)
     for ax, seq_q in zip(axes[0], seq_qs):
         cells = [r for r in rows if r["seq_q"] == seq_q]
         x = range(len(cells))
-        for n, (key, label) in enumerate(ratios):
-            ax.bar([i + (n - (len(ratios) - 1) / 2) * width for i in x], [r.get(key) or 0 for r in cells],
-                   width=width, label=label)
+        ax.bar([i - 0.2 for i in x], [r.get("vs_best_sdpa") or 0 for r in cells], width=0.4, label="best SDPA / ours")
+        ax.bar([i + 0.2 for i in x], [r.get("vs_flex") or 0 for r in cells], width=0.4, label="Flex / ours")
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(list(x), [f"B{r['batch']}\nS{r['seq_k'] // 1024}k" for r in cells], fontsize=7)
         ax.set_title(f"L = {seq_q}", fontsize=9)
@@ -385,8 +358,7 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", choices=tuple(common.DTYPES), default="bf16")
     p.add_argument("--mask", choices=("none", "cache"), default="none")
-    p.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
-                   help=f"comma list of {', '.join(CONTENDERS)} (ours-one-launch: the A/B of the one-launch merge)")
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--timing", choices=("graph", "eager"), default="graph")
     p.add_argument("--max-copies", type=int, default=64, help="graph timing: input copies rotated over")

@@ -37,7 +37,7 @@ def signature(fn, dtype, constexprs):
             sig[name] = "*i1" if constexprs.get("MASK_IS_BOOL") else f"*{dtype}"
         elif name == "SEED":
             sig[name] = "*i64"
-        elif name in ("SHIFT_FLAG", "COUNTS", "IDX", "TICKETS"):
+        elif name in ("SHIFT_FLAG", "COUNTS", "IDX"):
             sig[name] = "*i32"
         elif name == "BLOCK_MAP":
             sig[name] = "*i1"
@@ -113,17 +113,15 @@ def main() -> int:
             jobs.append((_attn_bwd_dq, dict(**common, **flags, **accurate, **even_n, EXACT_DELTA=exact, HAS_DLSE=True,
                                             WRITE_DMASK=False, BLOCK_M=64, BLOCK_N=32)))
         if not dropout:
-            # The split-KV decode kernels (launch/decode.py): 16 packed rows (L = 1 at GROUP 8) merging
-            # in the split launch (opt-in), and 64 (the heuristic's cap) writing the output
-            # itself; the two-launch split and merge once per dtype.
+            # The split-KV decode kernels (launch/decode.py): 16 packed rows (L = 1 at GROUP 8) with a
+            # merge to follow, and 64 (the heuristic's cap) writing the output itself; the merge once
+            # per dtype.
             decode = {k: v for k, v in flags.items() if k != "HAS_DROPOUT"}
-            for block_m, single, block_splits in ((16, False, 64), (64, True, 1)):
+            for block_m, single in ((16, False), (64, True)):
                 jobs.append((_attn_decode_split, dict(**common, **decode, P_IN_FP32=False, SINGLE_SPLIT=single,
-                                                      MERGE_IN_LAST_SPLIT=not single, BLOCK_SPLITS=block_splits,
                                                       BLOCK_M=block_m, BLOCK_N=64), dict(num_stages=3)))
             if mask == "none" and not causal and not window:
                 jobs.append((_attn_decode_split, dict(**common, **decode, P_IN_FP32=True, SINGLE_SPLIT=False,
-                                                      MERGE_IN_LAST_SPLIT=False, BLOCK_SPLITS=1,
                                                       BLOCK_M=16, BLOCK_N=32)))
                 jobs.append((_attn_decode_merge, dict(HEAD_DIM_V=64, BLOCK_EV=128, BLOCK_SPLITS=64)))
         if mask != "float" and not dropout:

@@ -7,7 +7,8 @@
 #   bash tools/gpu_hopper_ab.sh                    # about 9 minutes on an H200
 #   STEPS="tests ab" bash tools/gpu_hopper_ab.sh
 #
-# STEPS (default: tests ab infer eager; also decode: the one-launch merge's A/B, docs/decode.md),
+# STEPS (default: tests ab infer eager; also decode: the split-KV decode against cuDNN and Flex at
+# 1 and 4 query rows, docs/decode.md),
 # WORKERS (pytest-xdist, 14). Results in $OUT
 # (default /tmp/flash_inductor_out): gpu_tests_hopper.xml, hopper_bwd.json, bench_*_infer.*,
 # debug_overhead_*.json.
@@ -38,7 +39,7 @@ for step in ${STEPS:-tests ab infer eager}; do
       timeout -s INT -k 10 150 python3 -m benchmarks.debug_overhead --no-debug --steps 10 --hf-heat 3 \
         --hf-profile 24 --out "$OUT" 2>&1 | grep -v '^ *"\(name\|calls\|ms\)"' | tail -12 ;;
     decode)
-      timeout -s INT -k 10 100 python3 -m benchmarks.decode --query-rows 1,4 --contenders ours,ours-one-launch,cudnn \
+      timeout -s INT -k 10 100 python3 -m benchmarks.decode --query-rows 1,4 --contenders ours,cudnn,flex \
         --time-budget 80 --out "$OUT" 2>&1 | tail -30 ;;
     *) echo "unknown step $step (tests, ab, infer, eager, decode)" >&2; exit 2 ;;
   esac

@@ -14,24 +14,17 @@ Here a program instead takes one (batch, KV head), one block of packed query row
     the GPU at any batch size (``tuning/configs.decode_split_count``).
 
 Each split writes its partial output already normalised, O_s = Σ_j P_ij v_j / l_s, and its LSE
-in base 2, lse2_s = m_s + log2 l_s, in fp32. ``merge_split_row`` combines a row's splits exactly:
+in base 2, lse2_s = m_s + log2 l_s, in fp32. ``_attn_decode_merge`` combines them exactly:
 
     lse2 = log2 Σ_s 2^lse2_s,   O = Σ_s 2^(lse2_s - lse2) · O_s
 
 which is the softmax over the union of the splits' keys (the weights are each split's share of
-the total sum). It runs in one of two places. With MERGE_IN_LAST_SPLIT (the default launch) the
-split kernel merges in its own launch: each program, after storing its partials, draws a ticket
-from its tile's counter (TICKETS, one int32 per (b, h_kv, row block)) with an acq_rel atomic add,
-and the program that draws NUM_SPLITS - 1, the tile's last to finish, merges the tile's rows and
-sets the counter back to 0 for the next launch. Without it ``_attn_decode_merge`` does the same in
-a second launch, one program per (b, h, i) row.
-
-Numerics as ``attn_fwd.py``: fp32 scores, max, sum, LSE and accumulator; the scale folded with
-log2(e); bool masks place -inf and float masks are added in base 2 with the ``MASK_FLOOR`` clamp
-(``common.add_attn_mask``); P rounded to the input dtype for P·V unless P_IN_FP32. A split whose
-keys are all invisible to a row stores O_s = 0 and lse2_s = -inf for it; the merge shifts by max_s
-lse2_s read as 0 when it is -inf, so it never forms -inf - (-inf), and a row with no visible key in
-any split gets output 0 and LSE -inf.
+the total sum). Numerics as ``attn_fwd.py``: fp32 scores, max, sum, LSE and accumulator; the
+scale folded with log2(e); bool masks place -inf and float masks are added in base 2 with the
+``MASK_FLOOR`` clamp (``common.add_attn_mask``); P rounded to the input dtype for P·V unless
+P_IN_FP32. A split whose keys are all invisible to a row stores O_s = 0 and lse2_s = -inf for
+it; the merge shifts by max_s lse2_s read as 0 when it is -inf, so it never forms -inf - (-inf),
+and a row with no visible key in any split gets output 0 and LSE -inf.
 
 Symbols (r a packed row, j a key)
 
@@ -46,18 +39,14 @@ Symbols (r a packed row, j a key)
     lse2_s            m_i + log2 l_i  the split's LSE in base 2 (fp32, LSE_PART; -inf if l_s = 0)
     lse2, LSE         lse2, lse       the merged LSE in base 2; stored in natural log (times ln 2)
     w_s               w               2^(lse2_s - lse2_max), a split's weight in the merge
-    ticket            ticket          how many of the tile's splits had stored their partials before
-                                      this one: NUM_SPLITS - 1 makes this program the tile's merger
 
 Indices and sizes: b (batch), h_kv (KV head), h = h_kv · GROUP + r // L (query head), i = r % L
-(query row), ROWS = GROUP · L (packed rows per KV head), split (this program's split; keys key_start
-+ [split · split_keys, (split + 1) · split_keys), where key_start is the first key block any row
-sees), causal_offset (key j is visible from row i when j <= i + causal_offset: the band's upper
-side, ``launch/band.py``), window_lower (under WINDOW_LEFT, key j is visible from row i only when j
->= i + window_lower: a sliding window's left bound). O_PART is (B, Hq, L, NUM_SPLITS, Ev) and
-LSE_PART (B, Hq, L, NUM_SPLITS), both contiguous fp32; TICKETS is int32 with at least B · H_KV · row
-blocks entries, all 0 between launches (``launch/decode.split_tickets``: one buffer per device,
-reused by every call); tile = (b · H_KV + h_kv) · row blocks + row block indexes it. Pointers are
+(query row), ROWS = GROUP · L (packed rows per KV head), split (this program's split; keys
+key_start + [split · split_keys, (split + 1) · split_keys), where key_start is the first key
+block any row sees), causal_offset (key j is visible from row i when j <= i + causal_offset: the
+band's upper side, ``launch/band.py``), window_lower (under WINDOW_LEFT, key j is visible from
+row i only when j >= i + window_lower: a sliding window's left bound). O_PART is (B, Hq, L,
+NUM_SPLITS, Ev) and LSE_PART (B, Hq, L, NUM_SPLITS), both contiguous fp32; pointers are
 UPPER_CASE, strides ``stride_<tensor><dim>``.
 
 Constexpr switches
@@ -71,11 +60,8 @@ Constexpr switches
     FP32_DOT                input_precision of the dots ("ieee" for fp32 operands)
     P_IN_FP32               P meets V in fp32 rather than rounded to the input dtype
     SINGLE_SPLIT            one split (NUM_SPLITS = 1): the split kernel writes OUT and LSE itself,
-                            and no merge runs (O_PART, LSE_PART, TICKETS unused)
-    MERGE_IN_LAST_SPLIT     several splits, merged in this launch by each tile's last program to
-                            finish (the ticket above); off: a second launch of
-                            ``_attn_decode_merge`` merges (TICKETS unused)
-    BLOCK_SPLITS            NUM_SPLITS padded to a power of two (the merge's tile of splits)
+                            and no merge runs (O_PART, LSE_PART unused)
+    BLOCK_SPLITS            (merge) NUM_SPLITS padded to a power of two
 
 Dropout is not implemented here: a call with dropout takes ``attn_fwd.py`` (``launch/decode.py``).
 The signatures are flat, one scalar per stride (see ``attn_fwd.py``).
@@ -89,7 +75,7 @@ from .common import LN2, accumulate_pv, add_attn_mask, online_softmax_start
 
 @triton.jit
 def _attn_decode_split(
-    Q, K, V, MASK, O_PART, LSE_PART, OUT, LSE, TICKETS,
+    Q, K, V, MASK, O_PART, LSE_PART, OUT, LSE,
     stride_qb, stride_qh, stride_qm, stride_qe,
     stride_kb, stride_kh, stride_kn, stride_ke,
     stride_vb, stride_vh, stride_vn, stride_ve,
@@ -100,7 +86,6 @@ def _attn_decode_split(
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
     P_IN_FP32: tl.constexpr, FP32_DOT: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-    MERGE_IN_LAST_SPLIT: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); fix fp32 first.
@@ -178,63 +163,6 @@ def _attn_decode_split(
         tl.store(O_PART + part_row[:, None] * HEAD_DIM_V + offs_ev[None, :], out,
                  mask=row_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V))
         tl.store(LSE_PART + part_row, lse2, mask=row_ok)
-        if MERGE_IN_LAST_SPLIT:
-            # Every thread's partial stores must precede the ticket that publishes them: the CTA
-            # barrier orders them before the atomic, whose release (one thread, gpu scope, cumulative
-            # over what the barrier made it observe) makes them visible to the other SMs.
-            tl.debug_barrier()
-            tile = tl.program_id(1) * tl.num_programs(2) + tl.program_id(2)
-            ticket = tl.atomic_add(TICKETS + tile, 1, sem="acq_rel", scope="gpu")
-            if ticket == NUM_SPLITS - 1:
-                # The tile's last program: every other split has stored and released its partials,
-                # and this atomic's acquire saw them; the barrier carries that to the CTA's other
-                # threads, and ``merge_split_row`` reads through L2 (.cg), past L1, which is not
-                # coherent with the other SMs' stores. No other program touches the counter in this
-                # launch any more, so a plain store resets it for the next one.
-                tl.debug_barrier()
-                tl.store(TICKETS + tile, 0)
-                # The tile's packed rows are consecutive (b, h, i) rows: (b · Hq + h_kv · GROUP) · L + r.
-                first = (b * H_KV + h_kv) * GROUP * L + tl.program_id(2) * BLOCK_M
-                for r in range(0, tl.minimum(BLOCK_M, GROUP * L - tl.program_id(2) * BLOCK_M)):
-                    merge_split_row(O_PART, LSE_PART, OUT, LSE, first + r, stride_ob, stride_oh, stride_om,
-                                    stride_oe, H_KV * GROUP, L, NUM_SPLITS, HEAD_DIM_V=HEAD_DIM_V,
-                                    BLOCK_EV=BLOCK_EV, BLOCK_SPLITS=BLOCK_SPLITS)
-
-
-@triton.jit
-def merge_split_row(
-    O_PART, LSE_PART, OUT, LSE, row,
-    stride_ob, stride_oh, stride_om, stride_oe,
-    H_Q, L, NUM_SPLITS,
-    HEAD_DIM_V: tl.constexpr, BLOCK_EV: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-):
-    """Merge the splits of one (b, h, i) row, row = (b · H_Q + h) · L + i: its OUT and LSE (natural
-    log) from the splits' outputs weighed by their share of the sum. The partials are read with
-    .cg (L2, not L1): in the fused launch other SMs wrote them moments ago."""
-    b = row // (H_Q * L)
-    h = (row // L) % H_Q
-    i = row % L
-    offs_s = tl.arange(0, BLOCK_SPLITS)
-    offs_ev = tl.arange(0, BLOCK_EV)
-    split_ok = offs_s < NUM_SPLITS
-
-    lse2_s = tl.load(LSE_PART + row * NUM_SPLITS + offs_s, mask=split_ok, other=float("-inf"),
-                     cache_modifier=".cg")
-    lse2_max = tl.max(lse2_s, 0)
-    # Every split empty: shift by 0 so the weights are exp2(-inf) = 0, never exp2(-inf - -inf).
-    shift = tl.where(lse2_max == float("-inf"), 0.0, lse2_max)
-    w = tl.math.exp2(lse2_s - shift)
-    total = tl.sum(w, 0)
-    empty = total == 0.0
-    total_safe = tl.where(empty, 1.0, total)
-    o_s = tl.load(O_PART + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM_V + offs_ev[None, :],
-                  mask=split_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0, cache_modifier=".cg")
-    out = tl.sum(o_s * (w / total_safe)[:, None], 0)
-    lse = tl.where(empty, float("-inf"), (shift + tl.math.log2(total_safe)) * LN2)
-
-    tl.store(OUT + b * stride_ob + h * stride_oh + i * stride_om + offs_ev * stride_oe,
-             out.to(OUT.dtype.element_ty), mask=offs_ev < HEAD_DIM_V)
-    tl.store(LSE + row, lse)
 
 
 @triton.jit
@@ -244,7 +172,28 @@ def _attn_decode_merge(
     H_Q, L, NUM_SPLITS,
     HEAD_DIM_V: tl.constexpr, BLOCK_EV: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
 ):
-    """The two-launch merge: one program per (b, h, i) row."""
-    merge_split_row(O_PART, LSE_PART, OUT, LSE, tl.program_id(0).to(tl.int64), stride_ob, stride_oh, stride_om,
-                    stride_oe, H_Q, L, NUM_SPLITS, HEAD_DIM_V=HEAD_DIM_V, BLOCK_EV=BLOCK_EV,
-                    BLOCK_SPLITS=BLOCK_SPLITS)
+    """One program per (b, h, i) row: the splits' outputs weighed by their share of the sum."""
+    row = tl.program_id(0).to(tl.int64)  # (b · H_Q + h) · L + i
+    b = row // (H_Q * L)
+    h = (row // L) % H_Q
+    i = row % L
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    offs_ev = tl.arange(0, BLOCK_EV)
+    split_ok = offs_s < NUM_SPLITS
+
+    lse2_s = tl.load(LSE_PART + row * NUM_SPLITS + offs_s, mask=split_ok, other=float("-inf"))
+    lse2_max = tl.max(lse2_s, 0)
+    # Every split empty: shift by 0 so the weights are exp2(-inf) = 0, never exp2(-inf - -inf).
+    shift = tl.where(lse2_max == float("-inf"), 0.0, lse2_max)
+    w = tl.math.exp2(lse2_s - shift)
+    total = tl.sum(w, 0)
+    empty = total == 0.0
+    total_safe = tl.where(empty, 1.0, total)
+    o_s = tl.load(O_PART + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM_V + offs_ev[None, :],
+                  mask=split_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0)
+    out = tl.sum(o_s * (w / total_safe)[:, None], 0)
+    lse = tl.where(empty, float("-inf"), (shift + tl.math.log2(total_safe)) * LN2)
+
+    tl.store(OUT + b * stride_ob + h * stride_oh + i * stride_om + offs_ev * stride_oe,
+             out.to(OUT.dtype.element_ty), mask=offs_ev < HEAD_DIM_V)
+    tl.store(LSE + row, lse)

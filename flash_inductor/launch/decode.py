@@ -2,12 +2,8 @@
 
 A forward with at most ``DECODE_MAX_QUERY_ROWS`` query rows and at least ``DECODE_MIN_KEYS`` keys
 (a generation step against a KV cache) runs one program per (batch, KV head, block of packed
-rows, key split) and a merge of the splits by their LSE: by default in a second launch; opted in
-(``merge_in_last_split``, off until timed on the H200), in the same launch, where each tile's
-last split to finish merges it (``MERGE_IN_LAST_SPLIT``), counting finished splits in a
-per-device buffer of int32 tickets (``split_tickets``) that the kernel leaves at 0.
-``decode_forward_or_none`` is what the op calls: the decode result, or None (with the reason
-logged) for the normal forward to run.
+rows, key split) and a merge of the splits by their LSE. ``decode_forward_or_none`` is what the
+op calls: the decode result, or None (with the reason logged) for the normal forward to run.
 A sliding window (``window=``, ``launch/band.py``) narrows the keys the splits share to the band's
 (a Mistral-style decode step reads its window, not the cache). Everything it leaves out goes to the
 normal forward: dropout, the `fp8` schedule, longer query blocks, short key sequences, empty problems.
@@ -19,8 +15,6 @@ from them unchanged.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
 from typing import Optional
 
@@ -40,7 +34,7 @@ log = logging.getLogger("flash_inductor")
 # Up to 16 query rows (speculative decoding's draft tokens, a short prefill chunk) count as decode.
 DECODE_MAX_QUERY_ROWS = 16
 # Below this many keys one query tile's program per head finishes quickly anyway and the normal
-# forward wins: it writes no partials to merge. The benchmark (benchmarks/decode.py) measures it.
+# forward's single launch wins over two launches; the benchmark (benchmarks/decode.py) measures it.
 DECODE_MIN_KEYS = 512
 
 # Reasons that say only that a call is not a decode step: every training forward has one of them,
@@ -48,49 +42,6 @@ DECODE_MIN_KEYS = 512
 NOT_DECODE_SHAPE = "more query rows than a decode step"
 TOO_FEW_KEYS = "too few keys for a split-KV decode"
 QUIET_REASONS = (NOT_DECODE_SHAPE, TOO_FEW_KEYS)
-
-
-# Where ``decode_attention_forward(merge_in_last_split=None)`` merges: False, in a second launch, until
-# the one-launch merge is timed on the H200 (docs/decode.md; its ordering is checked only by the
-# interpreter, which runs programs one after another).
-# A context variable, not a module flag, so that a caller (the benchmark's ``ours-one-launch``)
-# chooses for its own calls only (``merge_in_last_split``).
-_MERGE_IN_LAST_SPLIT = contextvars.ContextVar("flash_inductor_decode_merge_in_last_split", default=False)
-
-# The fused merge's ticket counters, one int32 per (batch, KV head, row block), per device: every
-# kernel leaves them at 0, so a call needs no memset launch. One buffer per device assumes the
-# decode calls on a device run one at a time, in stream order, as the op runs them (on the current
-# stream, each finishing before the next starts); two streams running decode calls concurrently
-# would share the counters and race. The op is an opaque custom op: under torch.compile its fake
-# kernel allocates the outputs and this launcher runs only on real tensors, at run time. A grown
-# device keeps its smaller buffers (the list's last is the current one): a CUDA graph captured
-# earlier still points at them, and its replays must not write into freed memory.
-_TICKETS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-@contextlib.contextmanager
-def merge_in_last_split(enabled: bool):
-    """Within the block, decode calls that leave ``merge_in_last_split`` None merge in the split
-    launch (True) or in a second one (False): how the benchmark times both through the public API."""
-    token = _MERGE_IN_LAST_SPLIT.set(enabled)
-    try:
-        yield
-    finally:
-        _MERGE_IN_LAST_SPLIT.reset(token)
-
-
-def split_tickets(device: torch.device, entries: int) -> Optional[torch.Tensor]:
-    """The device's ticket counters, at least ``entries`` of them, all 0: the cached buffer, grown
-    (to a power of two) when a call needs more. None during CUDA graph capture when it would have to
-    grow: a buffer allocated in the capture would belong to the graph's memory pool (the caller
-    then merges in a second launch; a graph's warm-up calls, made before capture, allocate it)."""
-    buffers = _TICKETS.setdefault(device, [])
-    if buffers and buffers[-1].numel() >= entries:
-        return buffers[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    buffers.append(torch.zeros(1 << max(8, (entries - 1).bit_length()), dtype=torch.int32, device=device))
-    return buffers[-1]
 
 
 def decode_unsupported_reason(query: torch.Tensor, key: torch.Tensor, attn_mask: Optional[torch.Tensor],
@@ -153,15 +104,11 @@ def decode_attention_forward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
     scale: float, schedule: str, *, visibility: Visibility = NO_MASKING,
     config: Optional[KernelConfig] = None, num_splits: Optional[int] = None,
-    merge_in_last_split: Optional[bool] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the split and merge kernels. ``visibility``: the causal side and the sliding window
     (``launch.visibility``; the decode kernels take no block-sparse layout). ``config`` and
     ``num_splits`` force the launch config and the split count (the autotuner, tests); None looks
-    them up. ``merge_in_last_split``: with several splits, merge them in the split launch (each
-    tile's last program, one launch) or, False, in a second launch (``_attn_decode_merge``, kept for
-    the A/B and the tests); None takes the default, False unless ``merge_in_last_split(True)`` is
-    active. One split writes the result itself either way."""
+    them up."""
     from ..kernels.attn_decode import _attn_decode_merge, _attn_decode_split
 
     if visibility.block_map is not None:
@@ -195,39 +142,29 @@ def decode_attention_forward(
 
     head_dim_v = meta["HEAD_DIM_V"]
     single = num_splits == 1
-    # The unused pointers get ``query``, as an absent mask does: passing ``out`` twice would alias
-    # two arguments of one kernel, which Inductor's analysis of a user kernel's mutated arguments
-    # need not expect.
-    tickets = query
     if single:  # the split kernel writes the result itself; nothing to merge
+        # The unused partial pointers get ``query``, as an absent mask does: passing ``out`` twice
+        # would alias two arguments of one kernel, which Inductor's analysis of a user kernel's
+        # mutated arguments need not expect.
         o_part = lse_part = query
-        fused = False
     else:
         o_part = torch.empty((batch, heads_q, seq_q, num_splits, head_dim_v), dtype=torch.float32,
                              device=query.device)
         lse_part = torch.empty((batch, heads_q, seq_q, num_splits), dtype=torch.float32, device=query.device)
-        fused = _MERGE_IN_LAST_SPLIT.get() if merge_in_last_split is None else merge_in_last_split
-        if fused:
-            counters = split_tickets(query.device, length_hint(batch * heads_kv * row_blocks))
-            fused = counters is not None  # None: a graph capture that would have to allocate them
-            tickets = counters if fused else query
-    block_splits = 1 << (num_splits - 1).bit_length()
     common.launcher(_attn_decode_split)[(num_splits, batch * heads_kv, row_blocks)](
-        query, key, value, mask_arg, o_part, lse_part, out, lse, tickets,
+        query, key, value, mask_arg, o_part, lse_part, out, lse,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(),
         heads_kv, group, seq_q, seq_k, num_splits, key_start, split_keys, causal_offset, band_lower(band),
         scale * LOG2E,
         WINDOW_LEFT=band.lower is not None, P_IN_FP32=switches["P_IN_FP32"], SINGLE_SPLIT=single,
-        # BLOCK_SPLITS only where the split kernel merges: elsewhere it would compile a copy per split count.
-        MERGE_IN_LAST_SPLIT=fused, BLOCK_SPLITS=block_splits if fused else 1,
         BLOCK_M=block_m, BLOCK_N=config.block_n,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **meta,
     )
-    if not single and not fused:
+    if not single:
         common.launcher(_attn_decode_merge)[(batch * heads_q * seq_q,)](
             o_part, lse_part, out, lse, *out.stride(), heads_q, seq_q, num_splits,
-            HEAD_DIM_V=head_dim_v, BLOCK_EV=meta["BLOCK_EV"], BLOCK_SPLITS=block_splits,
+            HEAD_DIM_V=head_dim_v, BLOCK_EV=meta["BLOCK_EV"], BLOCK_SPLITS=1 << (num_splits - 1).bit_length(),
             num_warps=4 if meta["BLOCK_EV"] >= 128 else 2,
         )
     return out, lse

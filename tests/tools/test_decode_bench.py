@@ -62,25 +62,6 @@ def test_generate_part_runs_both_contenders(tmp_path):
     assert len(list(tmp_path.glob("decode_generate_*.json"))) == 1
 
 
-def test_one_launch_contender_beside_ours(tmp_path):
-    """``ours-one-launch`` runs beside ``ours`` (not by default); the table and plot add ours over
-    it (> 1: the one-launch merge faster)."""
-    assert "ours-one-launch" not in decode.parse_args([]).contenders
-    records = decode.main(tiny("--contenders", "ours,ours-one-launch,flash", "--out", str(tmp_path),
-                               batches=2, seqs=600, query_rows=3))
-    assert [r["contender"] for r in records] == ["ours", "ours-one-launch", "flash"]
-    assert all(r["max_abs_diff_vs_first"] < 1e-4 for r in records if r["status"] == "ok")
-    (row,) = decode.summarise(records)
-    assert row["one_launch_gain"] == pytest.approx(row["ours_ms"] / row["ours_one_launch_ms"])
-    assert "ours / one-launch" in decode.format_table([row])
-    assert len(list(tmp_path.glob("decode_*.png"))) == 1
-    records = [dict(batch=1, seq_k=8192, seq_q=1, contender=c, status="ok", ms=ms)
-               for c, ms in (("ours", 1.25), ("ours-one-launch", 1.0), ("cudnn", 1.5))]
-    (row,) = decode.summarise(records)
-    assert row["one_launch_gain"] == pytest.approx(1.25) and row["vs_best_sdpa"] == pytest.approx(1.2)
-    assert "one-launch" not in decode.format_table(decode.summarise(records[::2]))
-
-
 def test_unknown_contender_names_the_flag():
     with pytest.raises(SystemExit):
         decode.parse_args(["--contenders", "ours,fa3"])

@@ -1,6 +1,5 @@
 """The split-KV decode forward (kernels/attn_decode.py, launch/decode.py) against the float64
-reference, its merge in the split launch against the two-launch merge, its dispatch from the op,
-a backward through it, and its tuning lookup.
+reference, its dispatch from the op, a backward through it, and its tuning lookup.
 
 Under the interpreter the key sequences are short (a few hundred keys) and the split count is
 forced, so each case spans several splits, ragged split ends, and splits that some rows see
@@ -112,24 +111,16 @@ def with_window(mask, case: DecodeCase, dtype, device):
     return mask.masked_fill(~inside, float("-inf")).to(dtype)
 
 
-def run_decode(case: DecodeCase, dtype, device, seed=3, **launch_kwargs):
-    """(q, k, v, mask, out, lse): the case's inputs (the same for the same seed) and the decode call's result."""
+def check_decode(case: DecodeCase, dtype, device, **launch_kwargs):
     head_dim_v = case.head_dim_v or case.head_dim
     q, k, v = make_qkv(case.batch, case.heads_q, case.heads_kv, case.seq_q, case.seq_k, case.head_dim,
-                       head_dim_v, dtype, device, seed=seed)
+                       head_dim_v, dtype, device, seed=3)
     mask = decode_mask(case.mask, case, dtype, device)
-    out, lse = decode.decode_attention_forward(q, k, v, mask, case.head_dim ** -0.5, "stable",
-                                               visibility=launch_visibility(causal_offset_of(case),
-                                                                            window=case.window),
-                                               num_splits=case.splits, **launch_kwargs)
-    return q, k, v, mask, out, lse
-
-
-def check_decode(case: DecodeCase, dtype, device, seed=3, **launch_kwargs):
-    head_dim_v = case.head_dim_v or case.head_dim
-    q, k, v, mask, out, lse = run_decode(case, dtype, device, seed, **launch_kwargs)
     offset = causal_offset_of(case)
     scale = case.head_dim ** -0.5
+    out, lse = decode.decode_attention_forward(q, k, v, mask, scale, "stable",
+                                               visibility=launch_visibility(offset, window=case.window),
+                                               num_splits=case.splits, **launch_kwargs)
     mask = with_window(mask, case, dtype, device)
     assert out.shape == (case.batch, case.heads_q, case.seq_q, head_dim_v) and out.dtype == dtype
     assert lse.shape == out.shape[:-1] and lse.dtype == torch.float32
@@ -164,156 +155,11 @@ CASES = {
 @pytest.mark.parametrize("case", [pytest.param(c, id=n) for n, c in CASES.items()])
 def test_decode_matches_reference(case, kernel_dtype, device, monkeypatch):
     launched = []
-    spy_on_launches(monkeypatch, lambda name, kwargs: launched.append((name, kwargs.get("MERGE_IN_LAST_SPLIT"))))
+    spy_on_launches(monkeypatch, lambda name, kwargs: launched.append(name))
     check_decode(case, kernel_dtype, device)
-    # One split writes the result itself; several are merged by a second launch (the default until
-    # the one-launch merge is timed on the H200), which touches no ticket counter.
-    merge = [("_attn_decode_merge", None)] if case.splits > 1 else []
-    assert launched == [("_attn_decode_split", False)] + merge
-    assert_tickets_reset(device)
-
-
-# ------------------------------------------------------------------------------------------
-# The merge in the split launch (MERGE_IN_LAST_SPLIT) against the two-launch merge
-# ------------------------------------------------------------------------------------------
-
-
-def assert_tickets_reset(device):
-    """Every ticket counter back at 0: the next call's last program must draw NUM_SPLITS - 1."""
-    tickets = decode.split_tickets(torch.device(device), 0)
-    assert tickets.dtype == torch.int32 and not tickets.any(), tickets.nonzero().flatten().tolist()
-
-
-def reverse_program_order(monkeypatch):
-    """Make the interpreter, which runs the grid in order (split 0 of every tile first), run the
-    splits last to first, so that split 0 draws the last ticket and merges."""
-    from triton.runtime import interpreter
-
-    builder = interpreter.interpreter_builder
-    real = builder.set_grid_idx
-    monkeypatch.setattr(builder, "set_grid_idx", lambda x, y, z: real(builder.grid_dim[0] - 1 - x, y, z))
-
-
-def assert_same_merge(fused: torch.Tensor, two: torch.Tensor):
-    """Fused and two-launch results: bitwise equal under the interpreter (the same merge_split_row on
-    the same partials); on a GPU the two launches' layouts may order the sums differently, so within
-    one rounding of the result's dtype (the fp32 merge's difference can flip a 16-bit rounding)."""
-    if not ON_CUDA:
-        assert torch.equal(fused, two)
-        return
-    assert torch.equal(fused.isneginf(), two.isneginf())
-    finite = two.isfinite()
-    ulp = torch.finfo(two.dtype).eps * two[finite].abs().float().clamp_min(1.0)
-    assert ((fused[finite].float() - two[finite].float()).abs() <= ulp).all()
-
-
-# (case, config): splits that some rows see nothing of (causal limits, windows, short caches), dead
-# rows, and GQA packing over several row blocks (a 16-row cap over 64 packed rows).
-FUSED_CASES = {
-    "L1-gqa8-2splits": (DecodeCase(splits=2), None),
-    "L1-gqa8-cache_bool-7splits": (DecodeCase(mask="cache_bool", splits=7), None),
-    "L4-gqa4-dead_rows-3splits": (DecodeCase(heads_q=8, heads_kv=2, seq_q=4, mask="dead_rows", splits=3), None),
-    "L4-gqa8-window_top_left_empty-7splits": (DecodeCase(seq_q=4, window=(10, -1), causal="top_left", splits=7),
-                                              None),
-    "L16-gqa4-row_blocks-bottom_right-7splits": (DecodeCase(heads_q=8, heads_kv=2, seq_q=16, causal="bottom_right",
-                                                            splits=7), KernelConfig(16, 32, 1, 1)),
-    "L16-gqa8-cache_causal-3splits": (DecodeCase(seq_q=16, causal="cache", splits=3), KernelConfig(32, 16, 1, 1)),
-}
-
-
-@pytest.mark.parametrize("order", ["grid_order", pytest.param("reversed", marks=pytest.mark.skipif(
-    ON_CUDA, reason="the interpreter's program order; a GPU's is its own"))])
-@pytest.mark.parametrize("case, config", [pytest.param(*c, id=n) for n, c in FUSED_CASES.items()])
-def test_merge_in_last_split(case, config, order, kernel_dtype, device, monkeypatch):
-    """The fused merge meets the tolerance rule against fp64, equals the two-launch merge, runs one
-    launch, and leaves every counter at 0; with the programs reversed, split 0 merges."""
-    launched = []
-    spy_on_launches(monkeypatch, lambda name, kwargs: launched.append((name, kwargs.get("MERGE_IN_LAST_SPLIT"))))
-    if order == "reversed":
-        reverse_program_order(monkeypatch)
-    with decode.merge_in_last_split(True):
-        out, lse, _ = check_decode(case, kernel_dtype, device, config=config)
-    assert launched == [("_attn_decode_split", True)]
-    assert_tickets_reset(device)
-    *_, out_two, lse_two = run_decode(case, kernel_dtype, device, config=config, merge_in_last_split=False)
-    assert launched[1:] == [("_attn_decode_split", False), ("_attn_decode_merge", None)]
-    assert_same_merge(out, out_two)
-    assert_same_merge(lse, lse_two)
-
-
-def test_repeated_fused_calls(device, monkeypatch):
-    """Calls back to back with other inputs, split counts and tile counts, each its own result: a
-    counter left anywhere but 0 would shift the next call's tickets and leave its tiles unmerged."""
-    calls = [(DecodeCase(seq_q=4, causal="bottom_right", splits=7), None),
-             (DecodeCase(seq_q=4, causal="bottom_right", splits=2), None),
-             (DecodeCase(heads_q=8, heads_kv=2, seq_q=16, mask="cache_bool", splits=3), KernelConfig(16, 32, 1, 1)),
-             (DecodeCase(seq_q=4, causal="bottom_right", splits=7), None)]
-    launched = []
-    spy_on_launches(monkeypatch, lambda name, kwargs: launched.append(kwargs.get("MERGE_IN_LAST_SPLIT")))
-    for seed, (case, config) in enumerate(calls):
-        with decode.merge_in_last_split(True):
-            check_decode(case, torch.float32, device, seed=seed, config=config)
-        assert_tickets_reset(device)
-    assert launched == [True] * len(calls)
-
-
-def test_merge_default_and_scope(device, monkeypatch):
-    """merge_in_last_split=None follows the context (two launches unless ``merge_in_last_split(True)``,
-    until the fused merge is timed on the H200); one split never merges nor touches a counter."""
-    launched = []
-    spy_on_launches(monkeypatch, lambda name, kwargs: launched.append((name, kwargs.get("MERGE_IN_LAST_SPLIT"))))
-    case = DecodeCase(batch=1, seq_k=64, splits=2)
-    with decode.merge_in_last_split(True):
-        run_decode(case, torch.float32, device)
-        run_decode(case, torch.float32, device, merge_in_last_split=False)
-    run_decode(case, torch.float32, device)
-    run_decode(dataclasses.replace(case, splits=1), torch.float32, device)
-    assert launched == [("_attn_decode_split", True), ("_attn_decode_split", False), ("_attn_decode_merge", None),
-                        ("_attn_decode_split", False), ("_attn_decode_merge", None), ("_attn_decode_split", False)]
-
-
-def test_split_tickets_grow_and_stay_zero(monkeypatch):
-    """The cached counters: one buffer per device, returned while large enough, replaced by a larger
-    zeroed one (a power of two) when a call needs more entries; the smaller one is kept alive (a
-    captured graph may still point at it)."""
-    monkeypatch.setattr(decode, "_TICKETS", {})
-    cpu = torch.device("cpu")
-    small = decode.split_tickets(cpu, 3)
-    assert small.numel() == 256 and decode.split_tickets(cpu, 256) is small
-    large = decode.split_tickets(cpu, 257)
-    assert large.numel() == 512 and not large.any() and decode.split_tickets(cpu, 10) is large
-    kept = decode._TICKETS[cpu]
-    assert len(kept) == 2 and kept[0] is small and kept[1] is large
-
-
-@pytest.mark.skipif(not ON_CUDA, reason="CUDA graph capture")
-def test_fused_merge_under_graph_capture(device, monkeypatch):
-    """A capture that would have to allocate the counters merges in two launches instead; once they
-    exist, the captured launch is the fused one, and its replays leave them at 0."""
-    case = DecodeCase(seq_q=4, causal="bottom_right", splits=5)
-    expected = run_decode(case, torch.float32, device, merge_in_last_split=False)[-2:]
-    launched = []
-    spy_on_launches(monkeypatch, lambda name, kwargs: launched.append((name, kwargs.get("MERGE_IN_LAST_SPLIT"))))
-    for cached in (False, True):
-        monkeypatch.setattr(decode, "_TICKETS", {})
-        launched.clear()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            # Compiles the variant the capture will launch, outside it (and, fused, allocates the counters).
-            run_decode(case, torch.float32, device, merge_in_last_split=cached)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                *_, out, lse = run_decode(case, torch.float32, device, merge_in_last_split=True)
-        torch.cuda.current_stream().wait_stream(stream)
-        for _ in range(3):
-            graph.replay()
-            torch.cuda.synchronize()
-            assert_same_merge(out, expected[0])
-            assert_same_merge(lse, expected[1])
-        assert [fused for name, fused in launched if name == "_attn_decode_split"] == [cached, cached]
-        if cached:
-            assert_tickets_reset(device)
+    # One split writes the result itself; several are merged.
+    expected = ["_attn_decode_split"] + (["_attn_decode_merge"] if case.splits > 1 else [])
+    assert launched == expected
 
 
 def test_fully_masked_splits_and_rows(device):
