@@ -47,8 +47,7 @@ def _kernels_package():
 def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int = 64, stages: int = 2,
                    dq_split: bool = False, dq_tma: bool = True, consumer_regs: int = 240, loader_regs: int = 24,
                    maxnreg: int = 168, window: bool = False, exact_delta: bool = False,
-                   key_bias: bool = False, row_stats_tma: bool = True,
-                   key_block_major: bool = False):
+                   key_bias: bool = False, row_stats_tma: bool = True):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -73,11 +72,11 @@ def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int = 64, s
         "LSE": "*fp32", "DELTA": "*fp32", "DQ_ACCUM": "*fp32", "DS_UP": "*fp32", "KEY_BIAS": "*fp32",
         "L": "i32", "S": "i32", "H_KV": "i32", "GROUP": "i32", "stride_stats": "i32", "causal_offset": "i32", "window_lower": "i32",
         "qk_scale": "fp32",
-        "sm_scale": "fp32",
+        "sm_scale": "fp32", "swizzle_heads": "i32",
     }
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=128, NUM_STAGES=stages, IS_CAUSAL=causal,
                       WINDOW_LEFT=window, DQ_SPLIT=dq_split, DQ_TMA=dq_tma, EXACT_DELTA=exact_delta, HAS_KEY_BIAS=key_bias,
-                      ROW_STATS_TMA=row_stats_tma, KEY_BLOCK_MAJOR=key_block_major,
+                      ROW_STATS_TMA=row_stats_tma,
                       CONSUMER_REGS=consumer_regs,
                       LOADER_REGS=loader_regs)
     if not window:
@@ -112,15 +111,13 @@ def main() -> int:
     ap.add_argument("--exact-delta", action="store_true", help="`stable`'s one-pass exact Δ (EXACT_DELTA)")
     ap.add_argument("--key-bias", action="store_true", help="a key mask's per-key bias (HAS_KEY_BIAS)")
     ap.add_argument("--row-stats-tma", type=int, default=1, help="1: LSE/Δ rows through the loader's TMA (default)")
-    ap.add_argument("--key-block-major", action="store_true", help="grid (B·H_KV, key blocks): KEY_BLOCK_MAJOR")
     ap.add_argument("--dump", default=None, help="folder for the ttgir/ptx/sass of each config")
     args = ap.parse_args()
     for e in args.head_dim:
         for split, dq_tma in ((s, t) for s in args.dq_split for t in args.dq_tma):
             k = compile_config(e, args.dtype, args.causal, args.block_m, args.stages, bool(split), bool(dq_tma),
                                window=args.window, exact_delta=args.exact_delta, key_bias=args.key_bias,
-                               row_stats_tma=bool(args.row_stats_tma),
-                               key_block_major=args.key_block_major)
+                               row_stats_tma=bool(args.row_stats_tma))
             print(f"E={e} {args.dtype} causal={args.causal} window={args.window} exact_delta={args.exact_delta} "
                   f"key_bias={args.key_bias} row_stats_tma={bool(args.row_stats_tma)} BM={args.block_m} "
                   f"stages={args.stages} "

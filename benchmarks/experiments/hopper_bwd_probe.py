@@ -47,8 +47,9 @@ HIDDEN = 2048
 CONFIGS = {"gluon": HopperBackwardConfig(dq_split=True, dq_tma=True),
            "gluon-atomic": HopperBackwardConfig(dq_split=True, dq_tma=False),
            "gluon-rowglobal": HopperBackwardConfig(row_stats_tma=False),
-           "gluon-headmajor": HopperBackwardConfig(key_block_major=False),
-           "gluon-kbmajor": HopperBackwardConfig(key_block_major=True),
+           "gluon-headmajor": HopperBackwardConfig(swizzle_heads=1),
+           "gluon-kbmajor": HopperBackwardConfig(swizzle_heads=1 << 30),
+           **{f"gluon-swz{n}": HopperBackwardConfig(swizzle_heads=n) for n in (2, 4, 8, 16)},
            "gluon-nosplit": HopperBackwardConfig(dq_split=False, dq_tma=True),
            "gluon-s3": HopperBackwardConfig(dq_split=True, dq_tma=True, num_stages=3),
            "gluon-nosplit-s3": HopperBackwardConfig(dq_split=False, dq_tma=True, num_stages=3)}

@@ -216,14 +216,15 @@ def speed(args, configs, deadline):
 
 def parse_config(text):
     """'128x2' -> BLOCK_N 128, 2 stages; 'w3' appended: 3 consumer warpgroups; 'p': ping-pong;
-    'r': the row-block-major grid; an optional ':64' limits it to that head dim. E.g. '128x3w3p:64'."""
+    'gN': the grid walks N heads at a time, block by block (swizzle_heads; 'g0': all heads); an optional
+    ':64' limits it to that head dim. E.g. '128x3w3p:64', '128x2pg8:128'."""
     spec, _, dims = text.partition(":")
-    m = re.fullmatch(r"(\d+)x(\d+)(?:w(\d))?(p?)(r?)", spec)
+    m = re.fullmatch(r"(\d+)x(\d+)(?:w(\d))?(p?)(?:g(\d+))?", spec)
     if m is None:
         raise ValueError(f"--configs {text!r}: expected BLOCK_NxSTAGES[wCONSUMERS][p][:E,...]")
     heads = tuple(int(d) for d in dims.split(",")) if dims else (64, 128)
     cfg = HopperForwardConfig(block_n=int(m[1]), num_stages=int(m[2]), num_consumers=int(m[3] or 2),
-                              pingpong=bool(m[4]), row_block_major=bool(m[5]))
+                              pingpong=bool(m[4]), swizzle_heads=int(m[5] or 1) or 1 << 30)
     return cfg, heads
 
 

@@ -52,9 +52,10 @@ Constexpr switches:
               memory at the top of each tile (L2 latency on the path to the first exp2).
               The planes' rows are ``stride_stats`` apart, a multiple of 4 (16 bytes, as TMA
               needs): the launcher pads them where L is not.
-  KEY_BLOCK_MAJOR the grid is (B·H_KV, key blocks) rather than (key blocks, B·H_KV), so CTAs
-              start longest first across every head (``_cta_coords``): under causal masking with
-              GQA, few long CTAs per head otherwise start late and set the tail.
+  swizzle_heads the grid order (``_cta_coords``): CTAs walk the (batch, KV head)s in groups of
+              this many, key block by key block within a group, so under causal masking each
+              group's longest CTAs start first while the CTAs in flight share few heads' Q and dO
+              in L2. 1: each head's key blocks together; B·H_KV: every head's first key block first.
   HAS_KEY_BIAS a key mask as one base-2 bias per key (``launch.hopper.key_bias``): KEY_BIAS is
               (B, Hq, S) fp32, added to the scaled scores in the forward's order,
               Pᵀ = exp2((st·qk_scale + bias) - lse2), so the one-pass P rounds as the forward's.
@@ -152,30 +153,31 @@ def _rows4d(kv_smem, c, desc):
 
 
 @gluon.jit
-def _cta_coords(H_KV, BLOCK_N: gl.constexpr, KEY_BLOCK_MAJOR: gl.constexpr):
-    """(first key, batch, KV head). Under causal masking the first key blocks see the most query
-    tiles; CTAs start in grid order, x fastest, so with KEY_BLOCK_MAJOR (grid (B·H_KV, key
-    blocks)) every (batch, KV head)'s first key block starts before any second one: longest first
-    across the whole grid, not only within one head (grid (key blocks, B·H_KV))."""
-    if KEY_BLOCK_MAJOR:
-        bh = gl.program_id(0)
-        pid_n = gl.program_id(1)
-    else:
-        pid_n = gl.program_id(0)
-        bh = gl.program_id(1)
+def _cta_coords(H_KV, swizzle_heads, BLOCK_N: gl.constexpr):
+    """(first key, batch, KV head) of this CTA. CTAs start in grid order, x fastest; the grid is
+    (key blocks, B·H_KV) and its linear index is read as groups of ``swizzle_heads`` (batch, KV
+    head)s, key block major within a group (the last group may be smaller). Under causal masking
+    the first key blocks see the most query tiles, so each group's longest CTAs start first."""
+    blocks = gl.num_programs(0)
+    lin = gl.program_id(1) * blocks + gl.program_id(0)
+    group = lin // (swizzle_heads * blocks)
+    first_bh = group * swizzle_heads
+    heads_here = gl.minimum(swizzle_heads, gl.num_programs(1) - first_bh)
+    within = lin - group * swizzle_heads * blocks
+    pid_n = within // heads_here
+    bh = first_bh + within % heads_here
     return pid_n * BLOCK_N, bh // H_KV, bh % H_KV
 
 
 @gluon.jit
 def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem, do_smem,
                        lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty,
-                       L, H_KV, GROUP, causal_offset, window_lower,
+                       L, H_KV, GROUP, causal_offset, window_lower, swizzle_heads,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                       IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, ROW_STATS_TMA: gl.constexpr,
-                       KEY_BLOCK_MAJOR: gl.constexpr):
+                       IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, ROW_STATS_TMA: gl.constexpr):
     """One warp: each consumer's K and V once, then Q and dO tiles (with their LSE and Δ rows
     under ROW_STATS_TMA) into the ring."""
-    n0, b, h_kv = _cta_coords(H_KV, BLOCK_N, KEY_BLOCK_MAJOR)
+    n0, b, h_kv = _cta_coords(H_KV, swizzle_heads, BLOCK_N)
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.expect(kv_ready.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, h_kv, n0 + c * KEYS_PER_CONSUMER, 0], kv_ready.index(c),
@@ -211,12 +213,11 @@ def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_
 def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                          lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
                          LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, L, S, H_KV, GROUP, stride_stats, causal_offset,
-                         window_lower, qk_scale, sm_scale,
+                         window_lower, qk_scale, sm_scale, swizzle_heads,
                          CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                          WINDOW_LEFT: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr,
-                         EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr,
-                         KEY_BLOCK_MAJOR: gl.constexpr):
+                         EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr):
     dtype: gl.constexpr = dk_desc.dtype
     KC: gl.constexpr = KEYS_PER_CONSUMER
     # Sᵀ and dPᵀ: (64 keys) x (BLOCK_M query rows); dK, dV: (64 keys) x E.
@@ -236,7 +237,7 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)   # one value per query row
     key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)   # one value per key
 
-    n0, b, h_kv = _cta_coords(H_KV, BLOCK_N, KEY_BLOCK_MAJOR)
+    n0, b, h_kv = _cta_coords(H_KV, swizzle_heads, BLOCK_N)
     k0 = n0 + CONSUMER * KC
     key_ids = k0 + gl.arange(0, KC, layout=key_layout)
     first, n_m = _q_tiles(n0, L, causal_offset, window_lower, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
@@ -383,12 +384,12 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
 def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
                      LSE, DELTA, DQ_ACCUM,
                      DS_UP, KEY_BIAS, L, S, H_KV, GROUP, stride_stats, causal_offset, window_lower, qk_scale,
-                     sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     sm_scale, swizzle_heads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                      DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, EXACT_DELTA: gl.constexpr,
-                     HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr, KEY_BLOCK_MAJOR: gl.constexpr,
+                     HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-    """Grid (cdiv(S, BLOCK_N), B * H_KV), or (B * H_KV, cdiv(S, BLOCK_N)) under KEY_BLOCK_MAJOR.
+    """Grid (cdiv(S, BLOCK_N), B * H_KV), walked in the order ``swizzle_heads`` sets.
     Descriptors are 4-D over (B, H, L or S, E): Q and dO boxes (1, 1, BLOCK_M, E); K, V, dK, dV
     boxes (1, 1, 64, E). DQ_ACCUM is (B, Hq, L, E) fp32
     zeros, contiguous, and ``dq_desc`` describes it with box (1, 1, BLOCK_M, E or E / 2 under
@@ -446,17 +447,17 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
         (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                                 lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
                                 LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, L, S, H_KV, GROUP, stride_stats,
-                                causal_offset, window_lower, qk_scale, sm_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, DQ_SPLIT, DQ_TMA, EXACT_DELTA, HAS_KEY_BIAS,
-                                ROW_STATS_TMA, KEY_BLOCK_MAJOR)),
+                                causal_offset, window_lower, qk_scale, sm_scale, swizzle_heads, 0, HEAD_DIM, BLOCK_M,
+                                BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, DQ_SPLIT, DQ_TMA, EXACT_DELTA,
+                                HAS_KEY_BIAS, ROW_STATS_TMA)),
         (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                                 lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
                                 LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, L, S, H_KV, GROUP, stride_stats,
-                                causal_offset, window_lower, qk_scale, sm_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, DQ_SPLIT, DQ_TMA, EXACT_DELTA, HAS_KEY_BIAS,
-                                ROW_STATS_TMA, KEY_BLOCK_MAJOR)),
+                                causal_offset, window_lower, qk_scale, sm_scale, swizzle_heads, 1, HEAD_DIM, BLOCK_M,
+                                BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, DQ_SPLIT, DQ_TMA, EXACT_DELTA,
+                                HAS_KEY_BIAS, ROW_STATS_TMA)),
         (_hopper_bwd_loader, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
                               do_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty,
-                              L, H_KV, GROUP, causal_offset, window_lower, BLOCK_M, BLOCK_N, NUM_STAGES,
-                              IS_CAUSAL, WINDOW_LEFT, ROW_STATS_TMA, KEY_BLOCK_MAJOR)),
+                              L, H_KV, GROUP, causal_offset, window_lower, swizzle_heads, BLOCK_M, BLOCK_N,
+                              NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, ROW_STATS_TMA)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -52,9 +52,9 @@ Constexpr switches:
   PINGPONG      the consumers take turns issuing their MMAs (a token passed round-robin through
                 mbarriers, FA3's warp scheduler barrier), so one warpgroup's softmax runs while
                 the next one's GEMMs own the tensor cores, rather than all contending at once.
-  ROW_BLOCK_MAJOR the grid is (B·H, query blocks) rather than (query blocks, B·H): CTAs start
-                block by block across every head, so under causal masking every head's longest
-                block starts before any head's second (``_block_coords``).
+  swizzle_heads the grid order (``_block_coords``): CTAs walk the (batch, head)s in groups of
+                this many, query block by query block within a group (longest first under causal
+                masking). 1: each head's blocks together; B·H: every head's longest block first.
 
 Schedule (per consumer, FA3's intra-warpgroup overlap): the Q·Kᵀ of tile j is issued before
 the P·V of tile j-1, so the softmax of tile j runs while the tensor cores finish P·V of j-1;
@@ -107,10 +107,10 @@ def _hopper_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                        L, S, H, GROUP, causal_offset, window_lower,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                        NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-                       ROW_BLOCK_MAJOR: gl.constexpr):
+                       swizzle_heads):
     """One warp: Q once per consumer, then K/V tiles into the ring as slots free up."""
     ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
-    start_m, b, h = _block_coords(L, H, ROWS, IS_CAUSAL, ROW_BLOCK_MAJOR)
+    start_m, b, h = _block_coords(H, swizzle_heads, ROWS, IS_CAUSAL)
     h_kv = h // GROUP  # grouped-query attention: K/V heads are indexed, never repeated
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
@@ -133,18 +133,19 @@ def _hopper_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
 
 
 @gluon.jit
-def _block_coords(L, H, ROWS: gl.constexpr, IS_CAUSAL: gl.constexpr, ROW_BLOCK_MAJOR: gl.constexpr):
-    """(first query row, batch, head) of this CTA. Causal blocks run in reverse row order so the
-    longest (bottom) blocks start first and the short ones fill the tail of the grid; with
-    ROW_BLOCK_MAJOR that holds across heads, not only within each head."""
-    if ROW_BLOCK_MAJOR:
-        bh = gl.program_id(0)
-        pid_m = gl.program_id(1)
-        blocks = gl.num_programs(1)
-    else:
-        pid_m = gl.program_id(0)
-        bh = gl.program_id(1)
-        blocks = gl.num_programs(0)
+def _block_coords(H, swizzle_heads, ROWS: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """(first query row, batch, head) of this CTA. CTAs start in grid order, x fastest; the grid is
+    (query blocks, B·H) and its linear index is read as groups of ``swizzle_heads`` (batch, head)s,
+    query block major within a group (the last group may be smaller). Causal blocks run in reverse
+    row order, so each group's longest (bottom) blocks start first and short ones fill the tail."""
+    blocks = gl.num_programs(0)
+    lin = gl.program_id(1) * blocks + gl.program_id(0)
+    group = lin // (swizzle_heads * blocks)
+    first_bh = group * swizzle_heads
+    heads_here = gl.minimum(swizzle_heads, gl.num_programs(1) - first_bh)
+    within = lin - group * swizzle_heads * blocks
+    pid_m = within // heads_here
+    bh = first_bh + within % heads_here
     if IS_CAUSAL:
         pid_m = blocks - 1 - pid_m
     return pid_m * ROWS, bh // H, bh % H
@@ -256,7 +257,7 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                          NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                          PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr,
-                         ROW_BLOCK_MAJOR: gl.constexpr):
+                         swizzle_heads):
     """One warpgroup: BLOCK_M query rows against every key tile the loader brings."""
     ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
     dtype: gl.constexpr = o_desc.dtype
@@ -269,7 +270,7 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    start_m, b, h = _block_coords(L, H, ROWS, IS_CAUSAL, ROW_BLOCK_MAJOR)
+    start_m, b, h = _block_coords(H, swizzle_heads, ROWS, IS_CAUSAL)
     row0 = start_m + CONSUMER * BLOCK_M
     row_ids = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
     bias_row = KEY_BIAS + (b * H + h).to(gl.int64) * S  # read only under HAS_KEY_BIAS
@@ -402,17 +403,16 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
 
 @gluon.jit
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KEY_BIAS,
-                     L, S, H, GROUP, causal_offset, window_lower, qk_scale,
+                     L, S, H, GROUP, causal_offset, window_lower, qk_scale, swizzle_heads,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
                      WINDOW_LEFT: gl.constexpr, PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr,
-                     HAS_KEY_BIAS: gl.constexpr, ROW_BLOCK_MAJOR: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     LOADER_REGS: gl.constexpr):
-    """Grid (cdiv(L, BLOCK_M * NUM_CONSUMERS), B * H), or its transpose under ROW_BLOCK_MAJOR. Q/K/V/O descriptors are 4-D over
-    (B, H, L or S, E) with boxes (1, 1, rows, E), so TMA clips and zero-fills per head. Under
-    EXACT_DELTA ``r_desc`` describes O's residual (as O) and ROW_CONSTS is (2, B, H, L) fp32
-    (pivot, g); otherwise neither is touched. Under HAS_KEY_BIAS, KEY_BIAS is (B, H, S) fp32,
-    contiguous (glossary); otherwise it is not read."""
+                     HAS_KEY_BIAS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    """Grid (cdiv(L, BLOCK_M * NUM_CONSUMERS), B * H), walked in the order ``swizzle_heads`` sets.
+    Q/K/V/O descriptors are 4-D over (B, H, L or S, E) with boxes (1, 1, rows, E), so TMA clips
+    and zero-fills per head. Under EXACT_DELTA ``r_desc`` describes O's residual (as O) and
+    ROW_CONSTS is (2, B, H, L) fp32 (pivot, g); otherwise neither is touched. Under HAS_KEY_BIAS,
+    KEY_BIAS is (B, H, S) fp32, contiguous (glossary); otherwise it is not read."""
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "two or three consumer warpgroups")
     dtype: gl.constexpr = q_desc.dtype
     qk_scale = qk_scale.to(gl.float32)
@@ -450,17 +450,17 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KE
                                     v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H, causal_offset,
                                     window_lower, qk_scale, turn, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
                                     NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS,
-                                    ROW_BLOCK_MAJOR)),
+                                    swizzle_heads)),
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
                                     v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H, causal_offset,
                                     window_lower, qk_scale, turn, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
                                     NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS,
-                                    ROW_BLOCK_MAJOR)),
+                                    swizzle_heads)),
             (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                   q_ready, k_ready, v_ready, k_empty, v_empty,
                                   L, S, H, GROUP, causal_offset, window_lower,
                                   BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT,
-                                  ROW_BLOCK_MAJOR)),
+                                  swizzle_heads)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
@@ -468,20 +468,20 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KE
                                     v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H, causal_offset,
                                     window_lower, qk_scale, turn, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
                                     NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS,
-                                    ROW_BLOCK_MAJOR)),
+                                    swizzle_heads)),
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
                                     v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H, causal_offset,
                                     window_lower, qk_scale, turn, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
                                     NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS,
-                                    ROW_BLOCK_MAJOR)),
+                                    swizzle_heads)),
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
                                     v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H, causal_offset,
                                     window_lower, qk_scale, turn, 2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
                                     NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS,
-                                    ROW_BLOCK_MAJOR)),
+                                    swizzle_heads)),
             (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                   q_ready, k_ready, v_ready, k_empty, v_empty,
                                   L, S, H, GROUP, causal_offset, window_lower,
                                   BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT,
-                                  ROW_BLOCK_MAJOR)),
+                                  swizzle_heads)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])

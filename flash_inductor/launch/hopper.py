@@ -61,9 +61,10 @@ DTYPES = (torch.bfloat16, torch.float16)
 class HopperForwardConfig:
     """Tile config. The CTA owns ``num_consumers * block_m`` query rows (one warpgroup each) and
     streams ``block_n``-key K/V tiles through a ``num_stages``-deep shared-memory ring.
-    ``row_block_major``: the grid starts every head's first (under causal masking, longest)
-    query block before any head's second, rather than running each head's blocks together (the
-    backward's ``key_block_major`` in the other direction); off until timed on the H200."""
+    ``swizzle_heads``: the grid's order. CTAs walk the (batch, head)s in groups of this many,
+    query block by query block within a group (``kernels/hopper_fwd.py``, ``_block_coords``): 1,
+    the default until timed on the H200, runs each head's blocks together (longest first under
+    causal masking); B·H runs every head's longest block first (the backward's ``swizzle_heads``)."""
 
     block_m: int = 64
     block_n: int = 128
@@ -71,7 +72,7 @@ class HopperForwardConfig:
     num_consumers: int = 2
     pingpong: bool = False
     loader_regs: int = 24
-    row_block_major: bool = False
+    swizzle_heads: int = 1
 
     @property
     def maxnreg(self) -> int:
@@ -296,16 +297,14 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     o_desc = tma_descriptor(out, cfg.block_m)
     rows = cfg.block_m * cfg.num_consumers
     grid = (cdiv(seq_q, rows), batch * heads_q)
-    if cfg.row_block_major:
-        grid = grid[::-1]
     _attn_fwd_hopper[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, cfg.block_n), tma_descriptor(value, cfg.block_n),
         o_desc, tma_descriptor(resid, cfg.block_m) if exact_delta else o_desc, lse, row_consts, bias,
         seq_q, seq_k, heads_q, heads_q // heads_kv, causal_offset, band_lower(band), scale * LOG2E,
+        max(1, min(cfg.swizzle_heads, batch * heads_q)),
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal, WINDOW_LEFT=band.lower is not None,
         PINGPONG=cfg.pingpong, EXACT_DELTA=exact_delta, HAS_KEY_BIAS=attn_mask is not None,
-        ROW_BLOCK_MAJOR=cfg.row_block_major,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         # The entry cap fills the register file; setmaxnreg then moves the loader's registers to
         # the consumers (2 consumers: 168 -> 240/240/24; 3: 128 -> 160/160/160/24).

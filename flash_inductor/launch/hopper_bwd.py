@@ -66,17 +66,17 @@ class HopperBackwardConfig:
     memory and one TMA reduce-add per tile rather than one scalar atomic add per element.
     ``row_stats_tma``: the loader brings each tile's LSE and Δ rows into shared memory with Q and
     dO, rather than the consumers loading them from global memory at the top of each tile.
-    ``key_block_major``: the grid's order. True runs every head's first key block first (longest
-    first across the grid under causal masking); False runs each head's key blocks together, so
-    the CTAs in flight share their heads' Q and dO in L2; None (the default) picks per call,
-    ``key_block_major_for`` (docs/hopper_backward.md, grid order)."""
+    ``swizzle_heads``: the grid's order. The CTAs walk the (batch, KV head)s in groups of this
+    many, key block by key block within a group (``kernels/hopper_bwd.py``, ``_cta_coords``): 1
+    runs each head's key blocks together, B·H_KV every head's first key block first. None (the
+    default) picks per call, ``swizzle_heads_for`` (docs/hopper_backward.md, "Grid order")."""
 
     block_m: int = 64
     num_stages: int = 2
     dq_split: bool = True
     dq_tma: bool = True
     row_stats_tma: bool = True
-    key_block_major: bool | None = None
+    swizzle_heads: int | None = None
     consumer_regs: int = 240
     loader_regs: int = 24
 
@@ -88,19 +88,22 @@ class HopperBackwardConfig:
         return 65536 // (128 * 3) // 8 * 8
 
 
-# Up to this many waves of CTAs, a causal backward runs key-block-major (``key_block_major_for``).
+# Up to this many waves of CTAs, a causal backward runs every head's first key block first.
 KEY_BLOCK_MAJOR_MAX_WAVES = 8
 
 
-def key_block_major_for(ctas: int, sms: int, pure_causal: bool) -> bool:
-    """The grid order the H200 measured faster (bf16, E 64/128, docs/hopper_backward.md). Under
-    causal masking a key block's work falls with its index, so with few waves of CTAs the order
-    that starts every head's longest CTA first wins: 1.03-1.46x at 256-1024 CTAs (HF Llama's GQA
-    shapes, where a CTA walks its group's four query heads, gain the most). From 2048 CTAs the
-    head-major order wins by 2-10 %: the CTAs in flight then share their heads' Q and dO in L2,
-    and the tail is a small part of the run. Without causal masking (or with a window's lower
-    side) every key block does about the same work and head-major is 2-13 % faster."""
-    return pure_causal and ctas <= KEY_BLOCK_MAJOR_MAX_WAVES * sms
+def swizzle_heads_for(heads: int, key_blocks: int, sms: int, pure_causal: bool) -> int:
+    """The grid order the H200 measured faster (bf16, E 64/128, docs/hopper_backward.md), as a
+    group size over ``heads`` (B·H_KV) grid rows of ``key_blocks`` CTAs. Under causal masking a
+    key block's work falls with its index, so with few waves of CTAs the order that starts every
+    head's longest CTA first wins: 1.03-1.46x at 256-1024 CTAs (HF Llama's GQA shapes, where a
+    CTA walks its group's four query heads, gain the most). From 2048 CTAs one head at a time
+    won by 2-10 %: the CTAs in flight then share their heads' Q and dO in L2, and the tail is a
+    small part of the run. Without causal masking (or with a window's lower side) every key
+    block does about the same work and one head at a time is 2-13 % faster."""
+    if pure_causal and heads * key_blocks <= KEY_BLOCK_MAJOR_MAX_WAVES * sms:
+        return heads
+    return 1
 
 
 def default_config(head_dim: int, is_causal: bool) -> HopperBackwardConfig:
@@ -232,22 +235,21 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     bias = key_bias(attn_mask, batch, heads_q, seq_k) if attn_mask is not None else lse  # lse: not read
     lse_plane, delta_plane = row_stats_planes((lse, delta), batch * heads_q, seq_q)
     grid = (cdiv(seq_k, cfg.block_n), batch * heads_kv)
-    kb_major = cfg.key_block_major
-    if kb_major is None:
-        kb_major = key_block_major_for(grid[0] * grid[1], sm_count(query.device), band_is_causal and band.lower is None)
-    if kb_major:
-        grid = grid[::-1]
+    swizzle = cfg.swizzle_heads
+    if swizzle is None:
+        swizzle = swizzle_heads_for(grid[1], grid[0], sm_count(query.device), band_is_causal and band.lower is None)
+    swizzle = max(1, min(swizzle, grid[1]))
     _attn_bwd_hopper[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, 64), tma_descriptor(value, 64),
         tma_descriptor(grad_out, cfg.block_m), tma_descriptor(dk, 64), tma_descriptor(dv, 64),
         tma_descriptor(dq_accum, cfg.block_m, dq_cols), row_stats_descriptor(lse_plane, cfg.block_m),
         row_stats_descriptor(delta_plane, cfg.block_m), lse_plane, delta_plane, dq_accum, ds_up, bias,
         seq_q, seq_k, heads_kv, heads_q // heads_kv, lse_plane.stride(0), band_upper, band_lower(band),
-        scale * LOG2E, scale,
+        scale * LOG2E, scale, swizzle,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         IS_CAUSAL=band_is_causal, WINDOW_LEFT=band.lower is not None, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma,
         EXACT_DELTA=exact_delta is not None, HAS_KEY_BIAS=attn_mask is not None, ROW_STATS_TMA=cfg.row_stats_tma,
-        KEY_BLOCK_MAJOR=kb_major, CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
+        CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
     if mean_key is not None and grad_lse is not None:

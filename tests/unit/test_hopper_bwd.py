@@ -63,7 +63,7 @@ def _sdpa_grads(q, k, v, do, scale, visible, live_from):
 
 
 def _check(q, k, v, do, is_causal, causal_offset=0, dq_split=True, dq_tma=True, window=None, row_stats_tma=True,
-           key_block_major=None):
+           swizzle_heads=None):
     from flash_inductor.launch.hopper import hopper_attention_forward
     from flash_inductor.launch.hopper_bwd import (
         HopperBackwardConfig,
@@ -79,7 +79,7 @@ def _check(q, k, v, do, is_causal, causal_offset=0, dq_split=True, dq_tma=True, 
                                            causal_offset=causal_offset, window=window,
                                            config=HopperBackwardConfig(dq_split=dq_split, dq_tma=dq_tma,
                                                                        row_stats_tma=row_stats_tma,
-                                                                       key_block_major=key_block_major))
+                                                                       swizzle_heads=swizzle_heads))
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert dq.dtype == dk.dtype == dv.dtype == q.dtype
     visible = _visible(q.shape[2], k.shape[2], is_causal, causal_offset, window)
@@ -151,11 +151,12 @@ def test_gqa_strided_views_and_dq_schemes(head_dim, dq_split, dq_tma, row_stats_
 @needs_hopper
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("is_causal", (False, True))
-@pytest.mark.parametrize("key_block_major", (False, True))
-def test_both_grid_orders(head_dim, is_causal, key_block_major):
-    # Each grid order forced, whatever the default picks for the shape: GQA 4:1, L != S, a
-    # partial last key block and query tile.
-    _check(*_inputs(torch.bfloat16, head_dim, 2, 8, 2, 333, 513), is_causal, key_block_major=key_block_major)
+@pytest.mark.parametrize("swizzle_heads", (1, 3, 4))
+def test_grid_orders(head_dim, is_causal, swizzle_heads):
+    # Each grid order forced, whatever the default picks for the shape, over B·H_KV = 6 grid rows:
+    # one head at a time, groups of 3 heads, and groups of 4 and 2 (a short last group). GQA 4:1,
+    # L != S, a partial last key block and query tile.
+    _check(*_inputs(torch.bfloat16, head_dim, 3, 8, 2, 333, 513), is_causal, swizzle_heads=swizzle_heads)
 
 
 @needs_hopper
@@ -238,21 +239,20 @@ def test_register_plan_fills_the_register_file():
 
 
 def test_grid_order_follows_the_measured_winner():
-    """The shapes timed on the H200 (132 SMs) get the order that won there: key-block-major for
-    causal grids of 256-1024 CTAs (HF Llama's GQA backward), head-major for bench_attention's
-    grid (2048 CTAs and more) and for every grid without causal masking."""
-    from flash_inductor.launch.hopper_bwd import key_block_major_for
-    from flash_inductor.launch.common import cdiv
+    """The shapes timed on the H200 (132 SMs) get the order that won there: every head's first
+    key block first for causal grids of 256-1024 CTAs (HF Llama's GQA backward), one head at a
+    time for bench_attention's grid (2048 CTAs and more) and for every grid without causal masking."""
+    from flash_inductor.launch.hopper_bwd import swizzle_heads_for
 
-    def ctas(batch, heads_kv, seq):
-        return cdiv(seq, 128) * batch * heads_kv
+    def order(batch, heads_kv, seq, causal=True):
+        return swizzle_heads_for(batch * heads_kv, -(-seq // 128), 132, pure_causal=causal)
 
-    assert key_block_major_for(ctas(2, 4, 4096), 132, pure_causal=True)      # Llama E 128, 1.34x
-    assert key_block_major_for(ctas(4, 4, 2048), 132, pure_causal=True)      # Llama E 64, 1.46x
-    assert key_block_major_for(ctas(8, 4, 4096), 132, pure_causal=True)      # 1.03x
-    assert not key_block_major_for(ctas(4, 16, 4096), 132, pure_causal=True)  # grid E 128: 0.93x
-    assert not key_block_major_for(ctas(1, 32, 16384), 132, pure_causal=True)  # grid E 64: 0.97x
-    assert not key_block_major_for(ctas(2, 4, 4096), 132, pure_causal=False)  # 0.98x
+    assert order(2, 4, 4096) == 8     # Llama E 128, 1.34x
+    assert order(4, 4, 2048) == 16    # Llama E 64, 1.46x
+    assert order(8, 4, 4096) == 32    # 1.03x
+    assert order(4, 16, 4096) == 1    # grid E 128: 0.93x
+    assert order(1, 32, 16384) == 1   # grid E 64: 0.97x
+    assert order(2, 4, 4096, causal=False) == 1  # 0.98x
 
 
 # ----------------------------------------------------------------------------- the op's choice

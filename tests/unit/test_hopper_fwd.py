@@ -99,14 +99,16 @@ def test_gqa_and_strided_views(dtype, head_dim):
 @needs_hopper
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("is_causal", (False, True))
-def test_row_block_major_grid(head_dim, is_causal):
-    # The grid transposed (every head's first query block first): GQA 4:1, L != S, a partial
-    # last query block, rows that see no key under causal masking.
+@pytest.mark.parametrize("swizzle_heads", (3, 1 << 30))
+def test_grid_orders(head_dim, is_causal, swizzle_heads):
+    # The grid walked 3 heads at a time (B·H = 16: five groups of 3 and one of 1) or every head's
+    # first block first: GQA 4:1, L != S, a partial last query block, rows that see no key under
+    # causal masking.
     from dataclasses import replace
 
     from flash_inductor.launch.hopper import default_config
 
-    config = replace(default_config(head_dim, is_causal), row_block_major=True)
+    config = replace(default_config(head_dim, is_causal), swizzle_heads=swizzle_heads)
     _check(*_inputs(torch.bfloat16, head_dim, 2, 8, 2, 700, 513), is_causal, config=config)
 
 
