@@ -11,12 +11,21 @@ where the second reuses the first's worker pool and its identical kernels). Per 
   one forward (and, for ``train``, one backward), i.e. the compile of every attention kernel the
   model needs.
 
-Each record keeps dynamo's phase times (``torch._dynamo.utils.compile_times``) and every Triton
-compile the process itself ran (name, seconds; Inductor's worker processes compile the rest).
+Each record keeps dynamo's phase times (``torch._dynamo.utils.compile_times``), every Triton
+compile the process itself ran (name, seconds; Inductor's worker processes compile the rest, and
+so does our compile-ahead worker, whose kernels the process then finds in the cache), and what the
+backend logged about compiling ahead (``compile_ahead``).
+
+Contenders: ``compile`` (plain torch.compile), ``flash_inductor`` (our backend), and
+``flash_inductor_no_compile_ahead`` (ours with ``make_backend(compile_ahead=False)``: our kernels
+compile at the first run, in the process, as before compile-ahead). A contender named twice runs
+twice, each time from empty caches, which interleaves an A/B:
 
     python -m benchmarks.cold_start                                # llama-e64, 2k, train
     python -m benchmarks.cold_start --models llama-e64,llama-e128 --tasks train,infer
     python -m benchmarks.cold_start --profile 40                   # + the 40 costliest calls (cProfile)
+    python -m benchmarks.cold_start --parts cold \
+        --contenders flash_inductor,flash_inductor_no_compile_ahead,flash_inductor,flash_inductor_no_compile_ahead
 """
 
 from __future__ import annotations
@@ -35,6 +44,19 @@ import torch
 from benchmarks import common, e2e_models
 
 PARTS = ("cold", "warm", "attention")
+# Our backend without its background compile of our kernels: against "flash_inductor", the A/B of
+# compile-ahead (flash_inductor/passes/compile_ahead.py).
+NO_COMPILE_AHEAD = "flash_inductor_no_compile_ahead"
+CONTENDERS = (*e2e_models.CONTENDERS, NO_COMPILE_AHEAD)
+
+
+def compile_contender(contender: str, model, schedule: str | None = None):
+    """``e2e_models.compile_with`` for its contenders, and our backend with compile-ahead off."""
+    if contender == NO_COMPILE_AHEAD:
+        import flash_inductor
+
+        return torch.compile(model, backend=flash_inductor.make_backend(schedule=schedule, compile_ahead=False))
+    return e2e_models.compile_with(contender, model, schedule=schedule)
 
 
 # ----------------------------------------------------------------------------- child process
@@ -114,6 +136,25 @@ def _cache_bypass_log() -> list:
     return reasons
 
 
+def _compile_ahead_log() -> list:
+    """Collect what our backend logs about compiling ahead (how many kernel variants, the worker's
+    pid), so a record says whether a worker ran."""
+    import logging
+
+    messages: list = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if "ahead" in message:
+                messages.append(message[:300])
+
+    logger = logging.getLogger("flash_inductor")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(_Collect())
+    return messages
+
+
 def _attention_shapes(spec: e2e_models.ModelSpec, seq: int, batch: int, device, dtype):
     kv_heads = spec.kv_heads or spec.heads
     gen = torch.Generator(device=device).manual_seed(0)
@@ -127,6 +168,7 @@ def run_child(args) -> dict:
     """One measurement in this (fresh) process; the caches are the environment's."""
     events = _triton_compile_log()
     bypass_log = _cache_bypass_log()
+    compile_ahead_log = _compile_ahead_log()
     spec = (e2e_models.TINY_MODELS if args.tiny else e2e_models.MODELS)[args.model]
     dtype = common.DTYPES[args.dtype]
     batch = e2e_models.batch_for(spec, args.seq, args.tokens)
@@ -150,7 +192,7 @@ def run_child(args) -> dict:
         model = e2e_models.build_model(spec, args.seq, args.attn, args.device, dtype)
         model.train(args.task == "train")
         inputs = e2e_models.make_batch(spec, args.seq, batch, args.device, dtype)
-        compiled = e2e_models.compile_with(args.contender, model, schedule=args.schedule)
+        compiled = compile_contender(args.contender, model, schedule=args.schedule)
         step = e2e_models.make_task(model, compiled, inputs, args.task)
         record["build_s"] = time.perf_counter() - start
         start = time.perf_counter()
@@ -161,6 +203,7 @@ def run_child(args) -> dict:
     record["dynamo_phases"] = _dynamo_phases()
     record["cache_counters"] = _cache_counters()
     record["cache_bypass_reasons"] = sorted(set(bypass_log))
+    record["compile_ahead"] = compile_ahead_log
     record["in_process_compiles"] = [e for e in events if not e["cache_hit"]]
     record["in_process_compile_s"] = round(sum(e["s"] or 0.0 for e in record["in_process_compiles"]), 2)
     return record
@@ -221,6 +264,9 @@ def _profile_top(path: str, count: int) -> list:
 def measure(args) -> list[dict]:
     records = []
     contenders = [c for c in args.contenders.split(",")]
+    unknown = sorted(set(contenders) - set(CONTENDERS))
+    if unknown:
+        raise SystemExit(f"--contenders: unknown {unknown}; choose from {', '.join(CONTENDERS)}")
     cells = [(m, t) for m in args.models.split(",") for t in args.tasks.split(",")]
     jobs = [(m, t, c, p) for m, t in cells for c in contenders for p in args.parts.split(",")
             if not (p == "attention" and c != "flash_inductor")]
@@ -229,13 +275,14 @@ def measure(args) -> list[dict]:
         key = (model, task, contender)
         if part != "warm" or key not in caches:  # warm reuses the cold run's caches
             caches[key] = tempfile.mkdtemp(prefix="cold_start_")
+            scratch.append(caches[key])  # a contender named twice gets a second directory
         if part == "attention":
             scratch.append(tempfile.mkdtemp(prefix="cold_start_"))
         record = _child(args, contender, part, scratch[-1] if part == "attention" else caches[key], model, task)
         quiet = ("profile", "in_process_compiles", "dynamo_phases")
         print(json.dumps({k: v for k, v in record.items() if k not in quiet}))
         records.append(record)
-    for cache_dir in set(caches.values()) | set(scratch):  # compiled kernels: hundreds of MB each
+    for cache_dir in set(scratch):  # compiled kernels: hundreds of MB each
         shutil.rmtree(cache_dir, ignore_errors=True)
     return records
 
@@ -256,7 +303,8 @@ def parse_args(argv=None):
     p.add_argument("--seqs", default="2048", help="one sequence length")
     p.add_argument("--tasks", default="train", help="comma list of train, infer")
     p.add_argument("--attn", default="sdpa", choices=e2e_models.ATTN_IMPLEMENTATIONS)
-    p.add_argument("--contenders", default=",".join(e2e_models.CONTENDERS))
+    p.add_argument("--contenders", default=",".join(e2e_models.CONTENDERS),
+                   help=f"comma list of {', '.join(CONTENDERS)} (one named twice runs twice)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--tokens", type=int, default=e2e_models.TOKENS, help="batch x seq")

@@ -113,7 +113,7 @@ def _parameter_anchors(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
 
 
 def make_backend(*, schedule: Optional[str] = None, devices: Sequence[str] = ("cuda", "cpu"),
-                 report: bool = False, monitor: bool = False) -> FlashInductorBackend:
+                 report: bool = False, monitor: bool = False, compile_ahead: bool = True) -> FlashInductorBackend:
     """A configured backend.
 
     Args:
@@ -126,9 +126,22 @@ def make_backend(*, schedule: Optional[str] = None, devices: Sequence[str] = ("c
             site (named by its module path); calls record into the session active when they run,
             and into nothing outside one. Off by default: the graph is then exactly as without
             monitoring, even when compiled inside a session.
+        compile_ahead: while Inductor compiles the rest of the graph, compile our attention
+            kernels in one background process per compile (``python -m
+            flash_inductor.ops.compile_ahead_worker``), which runs each rewritten site's op once,
+            forward and (where trained) backward, on random tensors of the site's shapes, so that
+            Triton's on-disk cache holds them when the graph first runs instead of the first step
+            compiling them one after the other. CUDA only, never under ``TRITON_INTERPRET``, only
+            from each node's first rank (``LOCAL_RANK``), and only calls whose replay fits a
+            quarter of the free device memory (4 GiB at most). The worker exits when it is done,
+            when this process exits, or after 10 minutes; it cannot change any result, and a
+            kernel it has not compiled in time compiles at the first run as before. The INFO log
+            says how many attention variants it got, its pid and its log file. Nothing starts when
+            the compiled graph comes from the caches (the pass does not run; the kernels are cached
+            then too). Off: no process at all.
     """
     return FlashInductorBackend(RewriteOptions(schedule=schedule, devices=tuple(devices), report=report,
-                                               monitor=monitor))
+                                               monitor=monitor, compile_ahead=compile_ahead))
 
 
 backend = make_backend()

@@ -23,6 +23,7 @@ from ..tuning import cache as tuning_cache
 from ..monitoring.naming import graph_site_name
 from ..schedules import get_schedule
 from . import handwritten, mha, sdpa
+from .compile_ahead import CompileAhead
 from .guard import keep_reason, log_rewrite_failure
 from .report import RewriteReport, SiteRecord, count_pass_run, publish
 from .site import AttentionSite, KeptSite, describe_rewrite, example_value, module_path, rewrite_site
@@ -44,12 +45,15 @@ class RewriteOptions:
         report: log the per-site table at INFO level, not only the one-line summary (the report
             is always kept in ``REPORTS``).
         monitor: insert ``flash_inductor.monitoring``'s recording ops at every rewritten site.
+        compile_ahead: compile the rewritten sites' kernels in a background process while
+            Inductor compiles the rest of the graph (``passes/compile_ahead.py``; CUDA only).
     """
 
     schedule: Optional[str] = None
     devices: tuple[str, ...] = ("cuda", "cpu")
     report: bool = False
     monitor: bool = False
+    compile_ahead: bool = True
 
     def __post_init__(self):
         get_schedule(self.schedule)  # fail early on a bad name
@@ -75,8 +79,11 @@ def _versions() -> str:
 class FlashAttentionPass(CustomGraphPass):
     """Rewrites attention sites in a pre-grad FX graph; see the pattern families for what matches."""
 
-    def __init__(self, options: RewriteOptions = RewriteOptions()):
+    def __init__(self, options: RewriteOptions = RewriteOptions(), compile_ahead: Optional[CompileAhead] = None):
         self.options = options
+        # Starts the background compile of the rewritten sites' kernels (when the option is on);
+        # a test may give its own, with the CUDA gate open and the process start recorded.
+        self.compile_ahead = compile_ahead if compile_ahead is not None else CompileAhead()
         self._source_uuid: Optional[str] = None
         self._pickled_uuid: Optional[str] = None  # set on an unpickled pass: a snapshot of the key
 
@@ -89,6 +96,8 @@ class FlashAttentionPass(CustomGraphPass):
         for find_sites in _FAMILIES:
             for found in _found_sites(find_sites, graph):
                 self._handle(graph, found, report, replaced)
+        if self.options.compile_ahead and report.rewritten:
+            self.compile_ahead(graph)
         publish(report)
 
     def _handle(self, graph: fx.Graph, found, report: RewriteReport, replaced: dict) -> None:
@@ -144,6 +153,7 @@ class FlashAttentionPass(CustomGraphPass):
 
     def __setstate__(self, state):
         self.options = state["options"]
+        self.compile_ahead = CompileAhead()
         self._source_uuid = None
         self._pickled_uuid = state["uuid"]
 

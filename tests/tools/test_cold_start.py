@@ -30,3 +30,19 @@ def test_a_failed_process_is_one_table_line():
     line = cold_start.table([dict(model="m", task="train", contender="compile", part="cold",
                                   error="RuntimeError: boom", process_wall_s=1.0)]).splitlines()[-1]
     assert "RuntimeError: boom" in line and line.startswith("| m | train | compile | cold |")
+
+
+def test_the_no_compile_ahead_contender_is_our_backend_with_compile_ahead_off(monkeypatch):
+    backends = []
+    monkeypatch.setattr(torch, "compile", lambda model, backend=None, **_: backends.append(backend) or model)
+    model = torch.nn.Linear(2, 2)
+    for contender in ("flash_inductor", cold_start.NO_COMPILE_AHEAD, "compile"):
+        assert cold_start.compile_contender(contender, model) is model
+    ours, off, plain = backends
+    assert ours.options.compile_ahead is True and off.options.compile_ahead is False and plain is None
+    assert off.options.schedule is None and cold_start.NO_COMPILE_AHEAD in cold_start.CONTENDERS
+
+
+def test_an_unknown_contender_is_refused_before_any_process_starts():
+    with pytest.raises(SystemExit, match="unknown \\['nope'\\]"):
+        cold_start.main(["--tiny", "--device", "cpu", "--contenders", "flash_inductor,nope", "--no-write"])
