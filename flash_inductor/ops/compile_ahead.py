@@ -231,12 +231,13 @@ def start_worker(specs: Sequence[OpCallSpec]) -> StartedWorker:
     """Start the worker on ``specs`` in the background and return at once.
 
     The specs and the worker's log go to a fresh temporary directory (``worker.log`` holds its
-    stderr; the worker deletes the directory when every call ran, and leaves it when one failed). The worker is this interpreter
-    with this process's environment, so it shares Triton's cache directory (``TRITON_CACHE_DIR``
-    or ``~/.triton/cache``), our tuning tables and ``CUDA_VISIBLE_DEVICES``; the package's own
-    root goes first on its ``PYTHONPATH`` so that it imports the very flash_inductor that recorded
-    the specs. A session of its own keeps a Ctrl-C in the terminal from reaching it (it stops by
-    itself: when this process exits, or after ``compile_ahead_worker.TIME_LIMIT_S``).
+    stderr; the worker deletes the directory when every call ran, and leaves it when one failed).
+    The worker is this interpreter with this process's environment, so it shares Triton's cache
+    directory (``TRITON_CACHE_DIR`` or ``~/.triton/cache``), our tuning tables and
+    ``CUDA_VISIBLE_DEVICES``; the package's own root goes first on its ``PYTHONPATH`` so that it
+    imports the very flash_inductor that recorded the specs. A session of its own keeps a Ctrl-C
+    in the terminal from reaching it (it stops by itself: when this process exits, or after
+    ``compile_ahead_worker.TIME_LIMIT_S``).
     """
     directory = pathlib.Path(tempfile.mkdtemp(prefix="flash_inductor_compile_ahead_"))
     spec_path = directory / SPEC_FILE
