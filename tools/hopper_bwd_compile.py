@@ -30,20 +30,6 @@ def _load(name, *parts):
 _fwd_tool = _load("hopper_fwd_compile", "tools", "hopper_fwd_compile.py")
 
 
-def _kernels_package():
-    """``flash_inductor.kernels`` without running ``flash_inductor/__init__.py`` (which imports
-    torch, absent from a compile-only Triton environment), so that the kernel's relative imports
-    of its sibling modules resolve."""
-    import types
-
-    for name, folder in (("flash_inductor", ("flash_inductor",)), ("flash_inductor.kernels", ("flash_inductor", "kernels"))):
-        if name not in sys.modules:
-            package = types.ModuleType(name)
-            package.__path__ = [os.path.join(_ROOT, *folder)]
-            sys.modules[name] = package
-    return importlib.import_module("flash_inductor.kernels.hopper_bwd")
-
-
 def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int = 64, stages: int = 2,
                    dq_split: bool = False, dq_tma: bool = True, consumer_regs: int = 240, loader_regs: int = 24,
                    maxnreg: int = 168, window: bool = False, exact_delta: bool = False,
@@ -53,7 +39,7 @@ def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int = 64, s
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    kernel = _kernels_package()._attn_bwd_hopper
+    kernel = _fwd_tool.kernel_module("hopper_bwd")._attn_bwd_hopper
     gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
 
     def sig(rows, cols=head_dim, name=dtype, gl_type=gl_dtype):

@@ -21,17 +21,21 @@ import sys
 import tempfile
 
 
-def _kernel_module():
-    """kernels/hopper_fwd.py loaded by path: the package's __init__ imports torch, which a
-    compile-only environment need not have."""
-    import importlib.util
+def kernel_module(name: str = "hopper_fwd"):
+    """``flash_inductor.kernels.<name>`` without running ``flash_inductor/__init__.py`` (which
+    imports torch, absent from a compile-only Triton environment): empty package modules stand in
+    for the two packages, so the kernel's relative imports of its sibling modules resolve."""
+    import importlib
+    import types
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "flash_inductor", "kernels", "hopper_fwd.py")
-    spec = importlib.util.spec_from_file_location("hopper_fwd", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for package_name, folder in (("flash_inductor", ("flash_inductor",)),
+                                 ("flash_inductor.kernels", ("flash_inductor", "kernels"))):
+        if package_name not in sys.modules:
+            package = types.ModuleType(package_name)
+            package.__path__ = [os.path.join(root, *folder)]
+            sys.modules[package_name] = package
+    return importlib.import_module(f"flash_inductor.kernels.{name}")
 
 
 def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int, block_n: int, stages: int,
@@ -44,7 +48,7 @@ def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int, block_
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    _attn_fwd_hopper = _kernel_module()._attn_fwd_hopper
+    _attn_fwd_hopper = kernel_module()._attn_fwd_hopper
 
     gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
     q_box = [1, 1, block_m, head_dim]

@@ -89,6 +89,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .gluon_tma import async_reduce_add_shared_to_global
+from .grid_order import swizzled_cta
 
 LOG2E = gl.constexpr(1.4426950408889634)
 KEYS_PER_CONSUMER = gl.constexpr(64)
@@ -154,18 +155,10 @@ def _rows4d(kv_smem, c, desc):
 
 @gluon.jit
 def _cta_coords(H_KV, swizzle_heads, BLOCK_N: gl.constexpr):
-    """(first key, batch, KV head) of this CTA. CTAs start in grid order, x fastest; the grid is
-    (key blocks, B·H_KV) and its linear index is read as groups of ``swizzle_heads`` (batch, KV
-    head)s, key block major within a group (the last group may be smaller). Under causal masking
-    the first key blocks see the most query tiles, so each group's longest CTAs start first."""
-    blocks = gl.num_programs(0)
-    lin = gl.program_id(1) * blocks + gl.program_id(0)
-    group = lin // (swizzle_heads * blocks)
-    first_bh = group * swizzle_heads
-    heads_here = gl.minimum(swizzle_heads, gl.num_programs(1) - first_bh)
-    within = lin - group * swizzle_heads * blocks
-    pid_n = within // heads_here
-    bh = first_bh + within % heads_here
+    """(first key, batch, KV head) of this CTA: the grid is (key blocks, B·H_KV), walked in the
+    order ``swizzle_heads`` sets (``grid_order.py``). Under causal masking the first key blocks
+    see the most query tiles, so each group's longest CTAs start first."""
+    pid_n, bh, _blocks = swizzled_cta(swizzle_heads)
     return pid_n * BLOCK_N, bh // H_KV, bh % H_KV
 
 

@@ -73,6 +73,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .grid_order import swizzled_cta
+
 LN2 = gl.constexpr(0.6931471805599453)
 
 
@@ -134,18 +136,10 @@ def _hopper_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
 
 @gluon.jit
 def _block_coords(H, swizzle_heads, ROWS: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """(first query row, batch, head) of this CTA. CTAs start in grid order, x fastest; the grid is
-    (query blocks, B·H) and its linear index is read as groups of ``swizzle_heads`` (batch, head)s,
-    query block major within a group (the last group may be smaller). Causal blocks run in reverse
-    row order, so each group's longest (bottom) blocks start first and short ones fill the tail."""
-    blocks = gl.num_programs(0)
-    lin = gl.program_id(1) * blocks + gl.program_id(0)
-    group = lin // (swizzle_heads * blocks)
-    first_bh = group * swizzle_heads
-    heads_here = gl.minimum(swizzle_heads, gl.num_programs(1) - first_bh)
-    within = lin - group * swizzle_heads * blocks
-    pid_m = within // heads_here
-    bh = first_bh + within % heads_here
+    """(first query row, batch, head) of this CTA: the grid is (query blocks, B·H), walked in the
+    order ``swizzle_heads`` sets (``grid_order.py``). Causal blocks run in reverse row order, so
+    each group's longest (bottom) blocks start first and short ones fill the tail."""
+    pid_m, bh, blocks = swizzled_cta(swizzle_heads)
     if IS_CAUSAL:
         pid_m = blocks - 1 - pid_m
     return pid_m * ROWS, bh // H, bh % H
