@@ -8,7 +8,9 @@
 #   STEPS="tests ab" bash tools/gpu_hopper_ab.sh
 #
 # STEPS (default: tests ab infer eager; also decode: the split-KV decode against cuDNN and Flex at
-# 1 and 4 query rows, docs/decode.md),
+# 1 and 4 query rows, docs/decode.md; dsup: fp16's ds_up in one launch, DS_UP_ONE_LAUNCH off
+# against on at E 128 causal 4k; cold: Llama E 64's cold first step with compile-ahead on, off,
+# on, each from empty caches, about 3 minutes),
 # WORKERS (pytest-xdist, 14). Results in $OUT
 # (default /tmp/flash_inductor_out): gpu_tests_hopper.xml, hopper_bwd.json, bench_*_infer.*,
 # debug_overhead_*.json.
@@ -41,7 +43,15 @@ for step in ${STEPS:-tests ab infer eager}; do
     decode)
       timeout -s INT -k 10 100 python3 -m benchmarks.decode --query-rows 1,4 --contenders ours,cudnn,flex \
         --time-budget 80 --out "$OUT" 2>&1 | tail -30 ;;
-    *) echo "unknown step $step (tests, ab, infer, eager, decode)" >&2; exit 2 ;;
+    dsup)
+      timeout -s INT -k 10 90 python3 -m benchmarks.experiments.switch_ab --switch launch.hopper_bwd.DS_UP_ONE_LAUNCH \
+        --dtype fp16 --head-dim 128 --seq 4096 --causal --out "$OUT" 2>&1 | tail -3 ;;
+    cold)
+      for contender in flash_inductor flash_inductor_no_compile_ahead flash_inductor; do
+        timeout -s INT -k 10 100 python3 -m benchmarks.cold_start --models llama-e64 --tasks train --parts cold \
+          --contenders "$contender" --child-timeout 90 --tag "cold-$contender-$(date +%s)" --out "$OUT" 2>&1 | tail -3
+      done ;;
+    *) echo "unknown step $step (tests, ab, infer, eager, decode, dsup, cold)" >&2; exit 2 ;;
   esac
 done
 ls "$OUT"

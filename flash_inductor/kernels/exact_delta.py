@@ -87,6 +87,34 @@ def _exact_delta_preprocess(DO, O, RESID, NORM, DLSE, DO_SCALED, DELTA, V, DS_ST
 
 
 @triton.jit
+def _ds_up_from_stats(DS_STATS, DS_UP, n, LIMIT: tl.constexpr, MIN_BOUND: tl.constexpr,
+                      MAX_BOUND: tl.constexpr, MAX_EXPONENT: tl.constexpr, BLOCK: tl.constexpr):
+    """DS_UP[0] = ds_up from the preprocess's partial maxima, in one program (grid (1,)): DS_STATS
+    is (3, n) fp32, row-major (glossary, stats). The bound B = 4·√max‖dO'‖²·√max‖v‖² + 2·max|g dLSE|
+    (NaN read as +inf) is clamped to [MIN_BOUND, MAX_BOUND], and ds_up = 2^e with
+    e = floor(log2(LIMIT / B)) clamped to ±MAX_EXPONENT: the largest power of two with
+    B·ds_up <= LIMIT. Every step is exact or correctly rounded (sqrt_rn, div_rn), and e is read from
+    the quotient's exponent bits rather than a log2, so ds_up is an exact power of two."""
+    offs = tl.arange(0, BLOCK)
+    m_do = tl.zeros([BLOCK], dtype=tl.float32)
+    m_v = tl.zeros([BLOCK], dtype=tl.float32)
+    m_dlse = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        cols = start + offs
+        live = cols < n
+        m_do = tl.maximum(m_do, tl.load(DS_STATS + cols, mask=live, other=0.0))
+        m_v = tl.maximum(m_v, tl.load(DS_STATS + n + cols, mask=live, other=0.0))
+        m_dlse = tl.maximum(m_dlse, tl.load(DS_STATS + 2 * n + cols, mask=live, other=0.0))
+    bound = 4.0 * tl.sqrt_rn(tl.max(m_do, axis=0)) * tl.sqrt_rn(tl.max(m_v, axis=0)) + 2.0 * tl.max(m_dlse, axis=0)
+    bound = tl.where(bound == bound, bound, float("inf"))  # inf·0 (an infinite row beside a zero one)
+    bound = tl.minimum(tl.maximum(bound, MIN_BOUND), MAX_BOUND)
+    quotient = tl.div_rn(tl.full([], LIMIT, tl.float32), bound)  # a normal number for these bounds
+    exponent = ((quotient.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = tl.minimum(tl.maximum(exponent, -MAX_EXPONENT), MAX_EXPONENT)
+    tl.store(DS_UP, ((exponent + 127) << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def _finish_dq_with_mean_key(DQ_ACC, WEIGHT, MEAN_KEY, DQ, H, GROUP, L,
                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
     """dq = dq_acc + weight_i·k̂ in dq's dtype. Grid (cdiv(L, BLOCK_M), B * H). DQ_ACC (B, H, L, E)

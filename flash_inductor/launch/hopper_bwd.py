@@ -44,6 +44,11 @@ NO_RESIDUAL = "the exact Δ needs the one-pass forward's residual (ops/one_pass.
 # Triton `stable` backward it replaces; the stability requirement holds on the cases `fast`'s Δ
 # fails (tests/unit/test_one_pass.py). Off, `stable` keeps the Triton backward (the A/B's other side).
 ONE_PASS_STABLE = True
+# fp16's ds_up (``_exact_delta_inputs``) from the preprocess's partial maxima in one Triton launch
+# (``kernels/exact_delta._ds_up_from_stats``) rather than about 13 one-element torch ops: host time
+# in the fp16 4k causal cells, where forward+backward launches 30 kernels against bf16's 14. Off
+# until timed on the H200 (the interpreter tests hold both spellings to the same power of two).
+DS_UP_ONE_LAUNCH = False
 ONE_PASS_OFF = ("schedule 'stable' with launch.hopper_bwd.ONE_PASS_STABLE off (its exact Δ needs the one-pass "
                 "forward's residual; docs/hopper_backward.md)")
 # dQ is summed across key blocks by TMA reduce-adds, whose order varies from run to run; the
@@ -296,7 +301,7 @@ def _unswizzled_fp32_layout():
 def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
     """(dO', pivots, Δ', ds_up) for the exact-Δ backward (kernels/exact_delta.py)."""
     from ..kernels.ds_scaling import DS_RESCALE_ABOVE
-    from ..kernels.exact_delta import _exact_delta_preprocess
+    from ..kernels.exact_delta import _ds_up_from_stats, _exact_delta_preprocess
 
     batch, heads_q, seq_q, head_dim = grad_out.shape
     heads_kv, seq_k = value.shape[1], value.shape[2]
@@ -321,7 +326,11 @@ def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
         HEAD_DIM=head_dim, BLOCK_M=block_m, HAS_DLSE=grad_lse is not None, COLLECT_STATS=collect_stats,
         num_warps=4,
     )
-    if collect_stats:
+    if collect_stats and DS_UP_ONE_LAUNCH:
+        ds_up = torch.empty(1, dtype=torch.float32, device=grad_out.device)
+        _ds_up_from_stats[(1,)](stats, ds_up, stats.shape[1], LIMIT=DS_RESCALE_ABOVE.value, MIN_BOUND=2.0**-26,
+                                MAX_BOUND=2.0**100, MAX_EXPONENT=40, BLOCK=1024)
+    elif collect_stats:
         # |dS| <= P̃ (|dO'·v| + |Δ'|) with P̃ <= 2 and |Δ'| <= ‖dO'‖ max‖v‖ + |g dLSE|, kept at the
         # Triton plain loop's limit (a 4x margin to fp16's 65504) by the power of two ds_up, which
         # may be below 1 here: a few one-element ops on the device, no synchronisation.

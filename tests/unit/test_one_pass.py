@@ -97,15 +97,18 @@ def test_centred_keys_are_exact_and_centre_only_what_they_can(spelling):
             torch.testing.assert_close(k_tilde[b, h, :, e], broken[b, h, :, e], rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("one_launch", [False, True], ids=["torch_ops", "one_launch"])
 @pytest.mark.parametrize("with_dlse", [False, True], ids=["no_dlse", "dlse"])
-def test_the_backward_preprocess_matches_its_definition(with_dlse):
+def test_the_backward_preprocess_matches_its_definition(with_dlse, one_launch, monkeypatch):
     """The one-pass backward's Triton preprocess (kernels/exact_delta.py; the interpreter on a CPU)
     against its glossary, fp16 with GQA and L < S: dO' = round(g·dO) bit for bit, Δ' = dO'·(O + r)
     − g·dLSE, and ds_up the power of two that keeps the bound on |dS| under DS_RESCALE_ABOVE, from
     every program's partial maxima (V's rows past L included); a NaN in V gives the smallest."""
     from flash_inductor.kernels.ds_scaling import DS_RESCALE_ABOVE
+    from flash_inductor.launch import hopper_bwd
     from flash_inductor.launch.hopper_bwd import _exact_delta_inputs
 
+    monkeypatch.setattr(hopper_bwd, "DS_UP_ONE_LAUNCH", one_launch)
     gen = torch.Generator().manual_seed(3)
     b, hq, hkv, seq_q, seq_k, e = 2, 4, 2, 70, 150, 32
     dtype = torch.float16
@@ -132,6 +135,48 @@ def test_the_backward_preprocess_matches_its_definition(with_dlse):
     assert ds_up.shape == (1,) and ds_up.item() == want_up.item()
     value[0, 0, 3, 5] = float("nan")
     assert _exact_delta_inputs(do, value, out, dlse, resid, row_consts)[3].item() == 2.0 ** -40
+
+
+def test_ds_up_in_one_launch_matches_the_torch_ops():
+    """fp16's ds_up from the preprocess's partial maxima: the one-program Triton reduction
+    (``_ds_up_from_stats``, the interpreter on a CPU) against the torch ops it replaces, over bounds
+    from 2^-40 to 2^110, with zeros, +inf, and partial maxima spread over more columns than one
+    block: the same exact power of two, the largest with bound·ds_up <= DS_RESCALE_ABOVE inside
+    the clamps."""
+    from flash_inductor.kernels.ds_scaling import DS_RESCALE_ABOVE
+    from flash_inductor.kernels.exact_delta import _ds_up_from_stats
+
+    limit = DS_RESCALE_ABOVE.value
+    gen = torch.Generator().manual_seed(5)
+
+    def torch_ops(stats):  # launch.hopper_bwd._exact_delta_inputs' spelling
+        s = stats.amax(dim=1)
+        bound = 4.0 * s[0].sqrt() * s[1].sqrt() + 2.0 * s[2]
+        bound = torch.nan_to_num(bound, nan=float("inf")).clamp(2.0**-26, 2.0**100)
+        return torch.exp2(torch.floor(torch.log2(limit / bound))).clamp(2.0**-40, 2.0**40), bound
+
+    cases = []
+    for exp in range(-40, 111, 3):
+        stats = torch.rand(3, 2500, generator=gen) * 2.0**exp
+        stats[:, :2000] *= 0.25  # every maximum sits past the first 1024-column block
+        cases.append(stats)
+    zeros = torch.zeros(3, 7)
+    with_inf = torch.rand(3, 300, generator=gen)
+    with_inf[1, 123] = float("inf")
+    inf_times_zero = torch.zeros(3, 5)
+    inf_times_zero[0, 2] = float("inf")  # an infinite dO row beside an all-zero V: inf·0
+    cases += [zeros, with_inf, inf_times_zero]
+    for stats in cases:
+        stats = stats.to(DEVICE).contiguous()
+        got = torch.empty(1, dtype=torch.float32, device=DEVICE)
+        _ds_up_from_stats[(1,)](stats, got, stats.shape[1], LIMIT=limit, MIN_BOUND=2.0**-26, MAX_BOUND=2.0**100,
+                                MAX_EXPONENT=40, BLOCK=1024)
+        want, bound = torch_ops(stats)
+        assert got.item() == want.item(), (stats.amax(dim=1), got.item(), want.item())
+        up = got.item()
+        assert up == 2.0 ** round(torch.log2(torch.tensor(up, dtype=torch.float64)).item())
+        clamped = up in (2.0**-40, 2.0**40)
+        assert clamped or bound.item() * up <= limit < 2 * bound.item() * up
 
 
 def test_the_lse_shift_and_the_dq_finish_match_their_definitions():
