@@ -300,8 +300,7 @@ def _unswizzled_fp32_layout():
 
 def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
     """(dO', pivots, Δ', ds_up) for the exact-Δ backward (kernels/exact_delta.py)."""
-    from ..kernels.ds_scaling import DS_RESCALE_ABOVE
-    from ..kernels.exact_delta import _ds_up_from_stats, _exact_delta_preprocess
+    from ..kernels.exact_delta import _exact_delta_preprocess
 
     batch, heads_q, seq_q, head_dim = grad_out.shape
     heads_kv, seq_k = value.shape[1], value.shape[2]
@@ -326,21 +325,43 @@ def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
         HEAD_DIM=head_dim, BLOCK_M=block_m, HAS_DLSE=grad_lse is not None, COLLECT_STATS=collect_stats,
         num_warps=4,
     )
-    if collect_stats and DS_UP_ONE_LAUNCH:
-        ds_up = torch.empty(1, dtype=torch.float32, device=grad_out.device)
-        _ds_up_from_stats[(1,)](stats, ds_up, stats.shape[1], LIMIT=DS_RESCALE_ABOVE.value, MIN_BOUND=2.0**-26,
-                                MAX_BOUND=2.0**100, MAX_EXPONENT=40, BLOCK=1024)
-    elif collect_stats:
-        # |dS| <= P̃ (|dO'·v| + |Δ'|) with P̃ <= 2 and |Δ'| <= ‖dO'‖ max‖v‖ + |g dLSE|, kept at the
-        # Triton plain loop's limit (a 4x margin to fp16's 65504) by the power of two ds_up, which
-        # may be below 1 here: a few one-element ops on the device, no synchronisation.
-        stats = stats.amax(dim=1)
-        bound = 4.0 * stats[0].sqrt() * stats[1].sqrt() + 2.0 * stats[2]
-        bound = torch.nan_to_num(bound, nan=float("inf")).clamp(2.0**-26, 2.0**100)
-        ds_up = torch.exp2(torch.floor(torch.log2(DS_RESCALE_ABOVE.value / bound))).clamp(2.0**-40, 2.0**40).reshape(1)
+    if collect_stats:
+        ds_up = ds_up_in_one_launch(stats) if DS_UP_ONE_LAUNCH else ds_up_from_stats(stats)
     else:
         ds_up = torch.ones(1, dtype=torch.float32, device=grad_out.device)
     return do_scaled, pivot, delta, ds_up
+
+
+# The one-pass backward's clamps: the bound on |dS| within [DS_UP_MIN_BOUND, 2^100], so ds_up, a
+# power of two that may be below 1 here, stays within 2^±40.
+_DS_BOUND_MAX = 2.0**100
+_DS_UP_MAX_EXPONENT = 40
+
+
+def ds_up_from_stats(stats: torch.Tensor) -> torch.Tensor:
+    """fp16's ds_up (1,) from the preprocess's (3, programs) partial maxima, as one-element torch
+    ops on the device (no synchronisation). |dS| <= P̃ (|dO'·v| + |Δ'|) with P̃ <= 2 and
+    |Δ'| <= ‖dO'‖ max‖v‖ + |g dLSE|, kept at the Triton plain loop's limit (a 4x margin to fp16's
+    65504) by the largest power of two ds_up with bound·ds_up <= DS_RESCALE_ABOVE."""
+    from ..kernels.ds_scaling import DS_RESCALE_ABOVE, DS_UP_MIN_BOUND
+
+    stats = stats.amax(dim=1)
+    bound = 4.0 * stats[0].sqrt() * stats[1].sqrt() + 2.0 * stats[2]
+    bound = torch.nan_to_num(bound, nan=float("inf")).clamp(DS_UP_MIN_BOUND.value, _DS_BOUND_MAX)
+    limit = 2.0**_DS_UP_MAX_EXPONENT
+    return torch.exp2(torch.floor(torch.log2(DS_RESCALE_ABOVE.value / bound))).clamp(1 / limit, limit).reshape(1)
+
+
+def ds_up_in_one_launch(stats: torch.Tensor) -> torch.Tensor:
+    """``ds_up_from_stats`` as one Triton launch (``kernels/exact_delta._ds_up_from_stats``)."""
+    from ..kernels.ds_scaling import DS_RESCALE_ABOVE, DS_UP_MIN_BOUND
+    from ..kernels.exact_delta import _ds_up_from_stats
+
+    ds_up = torch.empty(1, dtype=torch.float32, device=stats.device)
+    _ds_up_from_stats[(1,)](stats, ds_up, stats.shape[1], LIMIT=DS_RESCALE_ABOVE.value,
+                            MIN_BOUND=DS_UP_MIN_BOUND.value, MAX_BOUND=_DS_BOUND_MAX,
+                            MAX_EXPONENT=_DS_UP_MAX_EXPONENT, BLOCK=1024)
+    return ds_up
 
 
 def centre_keys(key: torch.Tensor, max_chunks: int = 16, min_chunk: int = 512):

@@ -144,16 +144,10 @@ def test_ds_up_in_one_launch_matches_the_torch_ops():
     block: the same exact power of two, the largest with bound·ds_up <= DS_RESCALE_ABOVE inside
     the clamps."""
     from flash_inductor.kernels.ds_scaling import DS_RESCALE_ABOVE
-    from flash_inductor.kernels.exact_delta import _ds_up_from_stats
+    from flash_inductor.launch.hopper_bwd import ds_up_from_stats, ds_up_in_one_launch
 
     limit = DS_RESCALE_ABOVE.value
     gen = torch.Generator().manual_seed(5)
-
-    def torch_ops(stats):  # launch.hopper_bwd._exact_delta_inputs' spelling
-        s = stats.amax(dim=1)
-        bound = 4.0 * s[0].sqrt() * s[1].sqrt() + 2.0 * s[2]
-        bound = torch.nan_to_num(bound, nan=float("inf")).clamp(2.0**-26, 2.0**100)
-        return torch.exp2(torch.floor(torch.log2(limit / bound))).clamp(2.0**-40, 2.0**40), bound
 
     cases = []
     for exp in range(-40, 111, 3):
@@ -168,11 +162,10 @@ def test_ds_up_in_one_launch_matches_the_torch_ops():
     cases += [zeros, with_inf, inf_times_zero]
     for stats in cases:
         stats = stats.to(DEVICE).contiguous()
-        got = torch.empty(1, dtype=torch.float32, device=DEVICE)
-        _ds_up_from_stats[(1,)](stats, got, stats.shape[1], LIMIT=limit, MIN_BOUND=2.0**-26, MAX_BOUND=2.0**100,
-                                MAX_EXPONENT=40, BLOCK=1024)
-        want, bound = torch_ops(stats)
+        got, want = ds_up_in_one_launch(stats), ds_up_from_stats(stats)
         assert got.item() == want.item(), (stats.amax(dim=1), got.item(), want.item())
+        s = stats.amax(dim=1)
+        bound = (4.0 * s[0].sqrt() * s[1].sqrt() + 2.0 * s[2]).nan_to_num(nan=float("inf")).clamp(2.0**-26, 2.0**100)
         up = got.item()
         assert up == 2.0 ** round(torch.log2(torch.tensor(up, dtype=torch.float64)).item())
         clamped = up in (2.0**-40, 2.0**40)
