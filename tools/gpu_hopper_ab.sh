@@ -10,7 +10,8 @@
 # STEPS (default: tests ab infer eager; also decode: the split-KV decode against cuDNN and Flex at
 # 1 and 4 query rows, docs/decode.md; dsup: fp16's ds_up in one launch, DS_UP_ONE_LAUNCH off
 # against on at E 128 causal 4k; cold: Llama E 64's cold first step with compile-ahead on, off,
-# on, each from empty caches, about 3 minutes),
+# on, each from empty caches, about 3 minutes; host: one eager call's host time and cProfile, bf16
+# and fp16 at E 128 causal 4k),
 # WORKERS (pytest-xdist, 14). Results in $OUT
 # (default /tmp/flash_inductor_out): gpu_tests_hopper.xml, hopper_bwd.json, bench_*_infer.*,
 # debug_overhead_*.json.
@@ -46,12 +47,18 @@ for step in ${STEPS:-tests ab infer eager}; do
     dsup)
       timeout -s INT -k 10 90 python3 -m benchmarks.experiments.switch_ab --switch launch.hopper_bwd.DS_UP_ONE_LAUNCH \
         --dtype fp16 --head-dim 128 --seq 4096 --causal --out "$OUT" 2>&1 | tail -3 ;;
+    host)
+      # Host time of one eager call and its cProfile, at the grid's 4k causal E 128 cell (B 4, H 16).
+      for dtype in bf16 fp16; do
+        timeout -s INT -k 10 80 python3 -m benchmarks.experiments.host_overhead --dtype $dtype --batch 4 --heads 16 \
+          --seq 4096 --head-dim 128 --causal yes --out "$OUT/host_$dtype" 2>&1 | tail -10
+      done ;;
     cold)
       for contender in flash_inductor flash_inductor_no_compile_ahead flash_inductor; do
         timeout -s INT -k 10 100 python3 -m benchmarks.cold_start --models llama-e64 --tasks train --parts cold \
           --contenders "$contender" --child-timeout 90 --tag "cold-$contender-$(date +%s)" --out "$OUT" 2>&1 | tail -3
       done ;;
-    *) echo "unknown step $step (tests, ab, infer, eager, decode, dsup, cold)" >&2; exit 2 ;;
+    *) echo "unknown step $step (tests, ab, infer, eager, decode, dsup, host, cold)" >&2; exit 2 ;;
   esac
 done
 ls "$OUT"

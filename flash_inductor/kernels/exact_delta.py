@@ -1,6 +1,5 @@
 """The Triton steps around the one-pass exact-Δ path (``hopper_fwd.py``/``hopper_bwd.py`` under
-EXACT_DELTA): the LSE's shift back from the centred keys after the forward, the backward's
-preprocess, and the dq finish.
+EXACT_DELTA): the keys' centring before the forward, the backward's preprocess, and the dq finish.
 
 Glossary (per query row i of one (batch, query head); docs/hopper_backward.md derives it):
   g_i     the forward's row normaliser (ROW_CONSTS' second plane): the backward's P is
@@ -18,7 +17,8 @@ Glossary (per query row i of one (batch, query head); docs/hopper_backward.md de
           on three shared addresses took 0.41 ms at fp16 E 128 4k against 0.11 for bf16).
           A NaN counts as +inf so that a non-finite input never looks small.
   k̂       the centring of the keys (ops/one_pass.py): the forward's LSE gets scale·q_i·k̂ back
-          (``_add_row_dot``), and dq the gradient of that term, scale·dLSE_i·k̂ (the dq finish).
+          (by the Gluon forward itself, ``hopper_fwd.py``'s row_shift), and dq the gradient of that term,
+          scale·dLSE_i·k̂ (the dq finish).
           ``_key_moments`` and ``_centre_keys`` find k̂ and write K̃ = K − k̂ in two passes over K
           (the torch spelling, six kernels, took 4x as long on the H200: 0.37-0.47 ms at 16k
           tokens against 0.08-0.11).
@@ -136,26 +136,6 @@ def _finish_dq_with_mean_key(DQ_ACC, WEIGHT, MEAN_KEY, DQ, H, GROUP, L,
 
 
 @triton.jit
-def _add_row_dot(Q, MEAN_KEY, LSE, scale, stride_qb, stride_qh, stride_qm, H, GROUP, L,
-                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """LSE_i += scale·(q_i·k̂) in fp32 (rows at -inf stay there). Grid (cdiv(L, BLOCK_M), B * H);
-    Q (B, H, L, E) with a unit last stride, MEAN_KEY (B, H_KV, E) fp32 contiguous, LSE flat
-    (B·H·L) fp32."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + h * stride_qh + rows[:, None] * stride_qm + cols[None, :],
-                mask=(rows < L)[:, None], other=0.0).to(tl.float32)
-    k_hat = tl.load(MEAN_KEY + (b * (H // GROUP) + h // GROUP).to(tl.int64) * HEAD_DIM + cols)
-    row_ids = bh.to(tl.int64) * L + rows
-    lse = tl.load(LSE + row_ids, mask=rows < L, other=0.0)
-    tl.store(LSE + row_ids, lse + scale * tl.sum(q * k_hat[None, :], axis=1), mask=rows < L)
-
-
-@triton.jit
 def _key_moments(K, PARTIAL, stride_kb, stride_kh, stride_kn, H_KV, S, CHUNK,
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
     """Per dimension, the sum, min and max of one chunk's keys. Grid (chunks, B * H_KV); K
@@ -166,22 +146,26 @@ def _key_moments(K, PARTIAL, stride_kb, stride_kh, stride_kn, H_KV, S, CHUNK,
     bh = tl.program_id(1)
     cols = tl.arange(0, HEAD_DIM)
     base = K + (bh // H_KV).to(tl.int64) * stride_kb + (bh % H_KV) * stride_kh
-    total = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    low = tl.full([HEAD_DIM], float("inf"), dtype=tl.float32)
-    high = tl.full([HEAD_DIM], float("-inf"), dtype=tl.float32)
+    # Elementwise accumulators, reduced over the rows once after the loop: a reduction per
+    # iteration crosses warps through shared memory with a barrier each time, which kept the
+    # loads from overlapping (65 us for 64 MiB of keys on the H200, against 33 us for
+    # _centre_keys' read and write of the same keys).
+    total = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    low = tl.full([BLOCK_N, HEAD_DIM], float("inf"), dtype=tl.float32)
+    high = tl.full([BLOCK_N, HEAD_DIM], float("-inf"), dtype=tl.float32)
     for start in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, S), BLOCK_N):
         rows = start + tl.arange(0, BLOCK_N)
         in_rows = (rows < S)[:, None]
         k = tl.load(base + rows[:, None].to(tl.int64) * stride_kn + cols[None, :], mask=in_rows,
                     other=0.0).to(tl.float32)
-        total += tl.sum(k, axis=0)
-        low = tl.minimum(low, tl.min(tl.where(in_rows, k, float("inf")), axis=0))
-        high = tl.maximum(high, tl.max(tl.where(in_rows, k, float("-inf")), axis=0))
+        total += k
+        low = tl.minimum(low, tl.where(in_rows, k, float("inf")))
+        high = tl.maximum(high, tl.where(in_rows, k, float("-inf")))
     plane = tl.num_programs(1) * tl.num_programs(0) * HEAD_DIM
     at = PARTIAL + (bh * tl.num_programs(0) + chunk).to(tl.int64) * HEAD_DIM + cols
-    tl.store(at, total)
-    tl.store(at + plane, low)
-    tl.store(at + 2 * plane, high)
+    tl.store(at, tl.sum(total, axis=0))
+    tl.store(at + plane, tl.min(low, axis=0))
+    tl.store(at + 2 * plane, tl.max(high, axis=0))
 
 
 @triton.jit

@@ -46,9 +46,11 @@ NO_RESIDUAL = "the exact Δ needs the one-pass forward's residual (ops/one_pass.
 ONE_PASS_STABLE = True
 # fp16's ds_up (``_exact_delta_inputs``) from the preprocess's partial maxima in one Triton launch
 # (``kernels/exact_delta._ds_up_from_stats``) rather than about 13 one-element torch ops: host time
-# in the fp16 4k causal cells, where forward+backward launches 30 kernels against bf16's 14. Off
-# until timed on the H200 (the interpreter tests hold both spellings to the same power of two).
-DS_UP_ONE_LAUNCH = False
+# in the fp16 4k causal cells, where forward+backward launches 30 kernels against bf16's 14. On the
+# H200 (fp16, E 128, causal 4k, benchmarks/experiments/switch_ab.py, 2026-12-04): 2.49 ms a
+# forward+backward step against 2.54 with the torch ops (1.02x), dK and dV bitwise the same; the
+# interpreter tests hold both spellings to the same power of two.
+DS_UP_ONE_LAUNCH = True
 ONE_PASS_OFF = ("schedule 'stable' with launch.hopper_bwd.ONE_PASS_STABLE off (its exact Δ needs the one-pass "
                 "forward's residual; docs/hopper_backward.md)")
 # dQ is summed across key blocks by TMA reduce-adds, whose order varies from run to run; the
@@ -380,23 +382,11 @@ def centre_keys(key: torch.Tensor, max_chunks: int = 16, min_chunk: int = 512):
     k_tilde = torch.empty((batch, heads_kv, seq_k, head_dim), dtype=key.dtype, device=key.device)
     grid = (chunks, batch * heads_kv)
     args = (*key.stride()[:3], heads_kv, seq_k, chunk)
-    _key_moments[grid](key, partial, *args, HEAD_DIM=head_dim, BLOCK_N=block_n, num_warps=4)
+    # The moments keep three (rows, E) fp32 accumulators live, so they take half the rows (a
+    # divisor of the chunk) over twice the warps: 16 values a thread per accumulator.
+    _key_moments[grid](key, partial, *args, HEAD_DIM=head_dim, BLOCK_N=max(1, block_n // 2), num_warps=8)
     _centre_keys[grid](key, partial, k_tilde, k_hat, *args, HEAD_DIM=head_dim, BLOCK_N=block_n, num_warps=4)
     return k_hat, k_tilde
-
-
-def add_row_dot(query, mean_key, lse, scale: float) -> None:
-    """lse += scale·(q·k̂) in place, fp32 (kernels/exact_delta.py): the one-pass forward's LSE over
-    the centred keys K̃ = K − k̂ back to the LSE over K."""
-    from ..kernels.exact_delta import _add_row_dot
-
-    batch, heads_q, seq_q, head_dim = query.shape
-    heads_kv = mean_key.shape[1]
-    block_m = 64
-    _add_row_dot[(cdiv(seq_q, block_m), batch * heads_q)](
-        query, mean_key.contiguous(), lse, scale, *query.stride()[:3], heads_q, heads_q // heads_kv, seq_q,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, num_warps=4,
-    )
 
 
 def _finish_dq_with_mean_key(dq_accum, mean_key, weight, dtype):

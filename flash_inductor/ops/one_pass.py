@@ -96,8 +96,7 @@ def _forward(query, key, value, is_causal, causal_offset, scale, window_left, wi
     k_hat, k_tilde = centred_keys(key)
     out, lse, resid, row_consts = hopper.hopper_attention_forward(
         query, k_tilde, value, scale=scale, is_causal=is_causal, causal_offset=causal_offset,
-        window=(window_left, window_right), exact_delta=True, **_mask_keyword(attn_mask))
-    hopper_bwd.add_row_dot(query, k_hat, lse, scale)  # LSE over K = LSE over K̃ + scale·q·k̂
+        window=(window_left, window_right), exact_delta=True, mean_key=k_hat, **_mask_keyword(attn_mask))
     return out, lse, resid, row_consts, k_tilde, k_hat
 
 

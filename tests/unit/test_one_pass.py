@@ -172,22 +172,16 @@ def test_ds_up_in_one_launch_matches_the_torch_ops():
         assert clamped or bound.item() * up <= limit < 2 * bound.item() * up
 
 
-def test_the_lse_shift_and_the_dq_finish_match_their_definitions():
-    """The one-pass path's other Triton steps (the interpreter on a CPU), GQA, odd lengths: the
-    forward's LSE gets scale·q·k̂ back (a row at -inf stays there), and dq = dq_accum + w·k̂."""
-    from flash_inductor.launch.hopper_bwd import _finish_dq_with_mean_key, add_row_dot
+def test_the_dq_finish_matches_its_definition():
+    """The one-pass path's dq finish (the interpreter on a CPU), GQA, odd lengths:
+    dq = dq_accum + w·k̂. (The forward's LSE shift, scale·q·k̂, is the Gluon forward's own:
+    test_one_pass_matches_fp64's shared_key_offset case.)"""
+    from flash_inductor.launch.hopper_bwd import _finish_dq_with_mean_key
 
     gen = torch.Generator().manual_seed(4)
-    b, hq, hkv, seq_q, e, scale = 2, 6, 3, 97, 64, 0.125
-    q = torch.randn(b, hq, seq_q, e, generator=gen).to(torch.float16).to(DEVICE)
+    b, hq, hkv, seq_q, e = 2, 6, 3, 97, 64
     k_hat = (torch.randn(b, hkv, e, generator=gen) * 10).to(DEVICE)
-    lse = torch.randn(b, hq, seq_q, generator=gen).to(DEVICE)
-    lse[0, 1, :7] = float("-inf")
     k_rep = k_hat.repeat_interleave(hq // hkv, 1)  # (B, Hq, E)
-    want = lse.double() + scale * (q.double() * k_rep[:, :, None].double()).sum(-1)
-    add_row_dot(q, k_hat, lse, scale)
-    torch.testing.assert_close(lse.double(), want, rtol=1e-6, atol=1e-5)
-    assert torch.all(lse[0, 1, :7] == float("-inf"))
     dq_accum = torch.randn(b, hq, seq_q, e, generator=gen).to(DEVICE)
     weight = torch.randn(b, hq, seq_q, generator=gen).to(DEVICE)
     dq = _finish_dq_with_mean_key(dq_accum, k_hat, weight, torch.float16)
@@ -223,8 +217,11 @@ def _grads(q, k, v, do, dlse, is_causal, causal_offset, attn_mask=None):
 @needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("case", ["full", "causal", "lower_right", "gqa_dlse", "ragged", "rows_see_nothing"])
+@pytest.mark.parametrize("case", ["full", "causal", "lower_right", "gqa_dlse", "ragged", "rows_see_nothing",
+                                  "shared_key_offset"])
 def test_one_pass_matches_fp64(dtype, head_dim, case):
+    """Random keys centre nothing (k̂ = 0); "shared_key_offset" gives every key the same positive
+    offset per dimension, so k̂ is nonzero and the forward's LSE shift and dq's k̂ term are live."""
     # (B, Hq, Hkv, L, S, is_causal, causal_offset, with dLSE)
     b, hq, hkv, seq_q, seq_k, causal, offset, with_dlse = {
         "full": (2, 4, 4, 512, 512, False, 0, False),
@@ -233,14 +230,21 @@ def test_one_pass_matches_fp64(dtype, head_dim, case):
         "gqa_dlse": (2, 8, 2, 384, 384, True, 0, True),
         "ragged": (1, 3, 1, 333, 517, False, 0, True),
         "rows_see_nothing": (1, 2, 2, 600, 200, True, -300, True),
+        "shared_key_offset": (2, 8, 2, 384, 384, True, -100, True),
     }[case]
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(b, hq, seq_q, head_dim, device="cuda", generator=gen).to(dtype)
     k, v = (torch.randn(b, hkv, seq_k, head_dim, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    if case == "shared_key_offset":
+        offset_per_dim = 2.0 + torch.rand(b, hkv, 1, head_dim, device="cuda", generator=gen)
+        k = (offset_per_dim + 0.25 * k.float()).to(dtype)
     do = torch.randn(b, hq, seq_q, head_dim, device="cuda", generator=gen).to(dtype)
     dlse = torch.randn(b, hq, seq_q, device="cuda", generator=gen) if with_dlse else None
     offset_arg = offset if causal else None
     out, lse, (dq, dk, dv) = _grads(q, k, v, do, dlse, causal, offset)
+    if case == "shared_key_offset":
+        from flash_inductor.ops.one_pass import centred_keys
+        assert bool((centred_keys(k)[0] != 0).float().mean() > 0.9)  # k̂ is live
     group = hq // hkv
     k_full, v_full = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     ref = ref_forward_backward(q, k_full, v_full, causal_offset=offset_arg, grad_out=do, grad_lse=dlse)

@@ -45,14 +45,15 @@ def _with_key_mask(visible, attn_mask):
 
 class EmulatedGluon:
     """The launchers' contract in float64. The forward's row constants are the pivot (here the
-    LSE over K̃ in base 2; +inf for a row that sees no key) and 1; the backward checks that it gets
-    them with the residual, and adds scale·dLSE·k̂ to dq for ``mean_key`` as the real one does."""
+    LSE over K̃ in base 2; +inf for a row that sees no key) and 1, and its LSE gets scale·q·k̂ for
+    ``mean_key``; the backward checks that it gets them with the residual, and adds scale·dLSE·k̂
+    to dq for ``mean_key`` as the real one does."""
 
     def __init__(self):
         self.forwards, self.backwards = [], []
 
     def forward(self, query, key, value, *, scale, is_causal, causal_offset, window, exact_delta, config=None,
-                attn_mask=None):
+                attn_mask=None, mean_key=None):
         assert exact_delta and config is None
         for t in (query, key, value):
             assert t.data_ptr() % 16 == 0 and t.stride(-1) == 1, "the launcher got a tensor TMA cannot address"
@@ -63,6 +64,9 @@ class EmulatedGluon:
         out16 = out.to(query.dtype)
         pivot = torch.where(lse.isneginf(), float("inf"), lse / torch.log(torch.tensor(2.0, dtype=lse.dtype)))
         row_consts = torch.stack([pivot, torch.ones_like(pivot)]).float()
+        if mean_key is not None:  # the LSE over K: the pivots stay over K̃
+            k_hat = mean_key.double().repeat_interleave(query.shape[1] // key.shape[1], 1)
+            lse = lse + scale * (query.double() * k_hat[:, :, None]).sum(-1)
         return out16, lse.float(), (out - out16.double()).to(query.dtype), row_consts
 
     def backward(self, grad_out, query, key, value, out, lse, grad_lse=None, *, scale, is_causal, causal_offset,

@@ -1,0 +1,102 @@
+"""EXPERIMENT: every kernel of one attention step, ours against cuDNN, at the grid's cells.
+
+    python -m benchmarks.experiments.step_kernels --dtypes bf16,fp16 --head-dims 64,128 --seq 4096 --causal \
+        --out $OUT
+
+bench_attention's ``--kernel-time`` gives a step's summed kernel time; this lists the kernels
+behind it (torch.profiler, per call, after heating), so a gap to cuDNN can be put on the launch
+that makes it: the inference forward (``infer``, under no_grad), the training forward (``fwd``:
+inputs that require grad, which takes `stable`'s one-pass forward with its residual and centred
+keys) and a whole training step (``fwd_bwd``). Shapes as bench_attention's: ``--tokens`` /
+seq sequences, 2048 / E heads. Writes ``step_kernels.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flash_inductor
+from benchmarks.kernel_time import kernel_times_us
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+MODES = ("infer", "fwd", "fwd_bwd")
+
+
+def _attention(provider: str, causal: bool):
+    if provider == "ours":
+        return lambda q, k, v: flash_inductor.flash_attention(q, k, v, is_causal=causal)
+
+    def cudnn(q, k, v):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return cudnn
+
+
+def _step(attn, mode: str, q, k, v, dout):
+    if mode == "infer":
+        def run():
+            with torch.no_grad():
+                return attn(q, k, v)
+    elif mode == "fwd":
+        def run():
+            return attn(q, k, v)
+    else:
+        def run():
+            return torch.autograd.grad(attn(q, k, v), (q, k, v), dout)
+    return run
+
+
+def _heat(run, seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(10):
+            run()
+        torch.cuda.synchronize()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtypes", default="bf16,fp16")
+    p.add_argument("--head-dims", default="64,128")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--providers", default="ours,cudnn")
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--heat", type=float, default=0.3, help="seconds each step runs before it is profiled")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args(argv)
+    records = []
+    for dtype_name in args.dtypes.split(","):
+        for head_dim in (int(e) for e in args.head_dims.split(",")):
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            shape = (max(1, args.tokens // args.seq), 2048 // head_dim, args.seq, head_dim)
+            q, k, v = (torch.randn(shape, generator=gen, device="cuda", dtype=DTYPES[dtype_name]).requires_grad_()
+                       for _ in range(3))
+            dout = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPES[dtype_name])
+            for mode in args.modes.split(","):
+                for provider in args.providers.split(","):
+                    run = _step(_attention(provider, args.causal), mode, q, k, v, dout)
+                    _heat(run, args.heat)
+                    kernels = kernel_times_us(run, args.calls, "cuda")
+                    total = sum(kernels.values())
+                    records.append(dict(dtype=dtype_name, head_dim=head_dim, shape=list(shape), causal=args.causal,
+                                        mode=mode, provider=provider, total_us=total, kernels=kernels))
+                    print(f"{dtype_name} E{head_dim} {mode:8s} {provider:6s} total {total:8.1f} us", flush=True)
+                    for name, us in kernels.items():
+                        print(f"      {us:8.1f} us  {name[:90]}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "step_kernels.json"), "w") as f:
+        json.dump(dict(args=vars(args), torch=torch.__version__, records=records), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
