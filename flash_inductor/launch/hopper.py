@@ -88,12 +88,6 @@ class HopperForwardConfig:
         return min(240, spare // self.num_consumers // 8 * 8)
 
 
-# E 64 under the exact Δ without a key mask: two consumers (240 registers, no spills when
-# compiled for sm_90a) rather than three (160 registers: 400-430 bytes of spills without causal
-# masking, 140-160 with; tools/hopper_fwd_compile.py --exact-delta --mean-key). To be timed.
-E64_EXACT_DELTA_TWO_CONSUMERS = False
-
-
 def default_config(head_dim: int, is_causal: bool, key_mask: bool = False,
                    exact_delta: bool = False) -> HopperForwardConfig:
     """The measured best on the H200 (benchmarks/results/hopper_fwd_nvidia-h200_20261202.json).
@@ -111,9 +105,13 @@ def default_config(head_dim: int, is_causal: bool, key_mask: bool = False,
     (compiled for sm_90a, tools/hopper_fwd_compile.py --key-bias), two consumers' 240 none. With
     the exact Δ's extra state two consumers are 13-15 % faster there; without it three are 4-6 %
     faster despite the spills (bf16 2k/8k, benchmarks/experiments/key_mask_probe.py).
+    Without a key mask the exact Δ's three consumers spill too (140-430 bytes), yet they beat two
+    consumers (1.01x at causal 4k, 1.05x at 16k, a training step) and 64-key tiles in a 4-deep
+    ring, which spill nothing (1.02-1.03x training, 1.11-1.18x inference; bf16, 2026-12-04,
+    benchmarks/experiments/switch_ab.py, ``hopper_fwd_…_20261202.json`` key ``e64_configs_20261204``).
     """
     del is_causal  # the same tiles measured best for both
-    if head_dim == 64 and exact_delta and (key_mask or E64_EXACT_DELTA_TWO_CONSUMERS):
+    if head_dim == 64 and key_mask and exact_delta:
         return HopperForwardConfig(num_stages=3, num_consumers=2, pingpong=True)
     if head_dim == 128:
         return HopperForwardConfig(num_stages=2, num_consumers=2, pingpong=True)
