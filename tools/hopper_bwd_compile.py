@@ -33,7 +33,7 @@ _fwd_tool = _load("hopper_fwd_compile", "tools", "hopper_fwd_compile.py")
 def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int = 64, stages: int = 2,
                    dq_split: bool = False, dq_tma: bool = True, consumer_regs: int = 240, loader_regs: int = 24,
                    maxnreg: int = 168, window: bool = False, exact_delta: bool = False,
-                   key_bias: bool = False, row_stats_tma: bool = True):
+                   key_bias: bool = False, row_stats_tma: bool = True, group_split: int = 1):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -56,15 +56,19 @@ def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int = 64, s
         "lse_desc": f"tensordesc<fp32[1, {block_m}],{gl.NVMMASharedLayout(0, 32, rank=2)!r}>",
         "delta_desc": f"tensordesc<fp32[1, {block_m}],{gl.NVMMASharedLayout(0, 32, rank=2)!r}>",
         "LSE": "*fp32", "DELTA": "*fp32", "DQ_ACCUM": "*fp32", "DS_UP": "*fp32", "KEY_BIAS": "*fp32",
-        "L": "i32", "S": "i32", "H_KV": "i32", "GROUP": "i32", "stride_stats": "i32", "causal_offset": "i32", "window_lower": "i32",
+        "DKDV_PART": "*fp32",
+        "L": "i32", "S": "i32", "H_KV": "i32", "GROUP": "i32", "group_split": "i32", "stride_stats": "i32", "causal_offset": "i32", "window_lower": "i32",
         "qk_scale": "fp32",
         "sm_scale": "fp32", "swizzle_heads": "i32",
     }
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=128, NUM_STAGES=stages, IS_CAUSAL=causal,
                       WINDOW_LEFT=window, DQ_SPLIT=dq_split, DQ_TMA=dq_tma, EXACT_DELTA=exact_delta, HAS_KEY_BIAS=key_bias,
-                      ROW_STATS_TMA=row_stats_tma,
+                      ROW_STATS_TMA=row_stats_tma, DKDV_PARTIALS=group_split > 1,
                       CONSUMER_REGS=consumer_regs,
                       LOADER_REGS=loader_regs)
+    if group_split == 1:
+        # An unsplit launch passes group_split = 1, which Triton compiles in as a constant.
+        constexprs["group_split"] = 1
     if not window:
         # A launch without a window passes window_lower = 1, which Triton compiles in as a constant.
         constexprs["window_lower"] = 1
@@ -97,21 +101,23 @@ def main() -> int:
     ap.add_argument("--exact-delta", action="store_true", help="`stable`'s one-pass exact Δ (EXACT_DELTA)")
     ap.add_argument("--key-bias", action="store_true", help="a key mask's per-key bias (HAS_KEY_BIAS)")
     ap.add_argument("--row-stats-tma", type=int, default=1, help="1: LSE/Δ rows through the loader's TMA (default)")
+    ap.add_argument("--group-split", type=int, default=1,
+                    help="a GQA group's query heads over this many CTAs (above 1: fp32 dK/dV partials, DKDV_PARTIALS)")
     ap.add_argument("--dump", default=None, help="folder for the ttgir/ptx/sass of each config")
     args = ap.parse_args()
     for e in args.head_dim:
         for split, dq_tma in ((s, t) for s in args.dq_split for t in args.dq_tma):
             k = compile_config(e, args.dtype, args.causal, args.block_m, args.stages, bool(split), bool(dq_tma),
                                window=args.window, exact_delta=args.exact_delta, key_bias=args.key_bias,
-                               row_stats_tma=bool(args.row_stats_tma))
+                               row_stats_tma=bool(args.row_stats_tma), group_split=args.group_split)
             print(f"E={e} {args.dtype} causal={args.causal} window={args.window} exact_delta={args.exact_delta} "
                   f"key_bias={args.key_bias} row_stats_tma={bool(args.row_stats_tma)} BM={args.block_m} "
-                  f"stages={args.stages} "
+                  f"stages={args.stages} group_split={args.group_split} "
                   f"dq_split={bool(split)} dq_tma={bool(dq_tma)}: {report(k)}", flush=True)
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
                 band = ("c" if args.causal else "n") + ("w" if args.window else "")
-                tag = f"e{e}_{args.dtype}_{band}_bm{args.block_m}_s{args.stages}_split{split}_tma{dq_tma}"
+                tag = f"e{e}_{args.dtype}_{band}_bm{args.block_m}_s{args.stages}_split{split}_tma{dq_tma}_g{args.group_split}"
                 for ext in ("ttgir", "ptx"):
                     with open(os.path.join(args.dump, f"{tag}.{ext}"), "w") as f:
                         f.write(k.asm[ext])

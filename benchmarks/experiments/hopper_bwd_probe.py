@@ -50,6 +50,8 @@ CONFIGS = {"gluon": HopperBackwardConfig(dq_split=True, dq_tma=True),
            "gluon-headmajor": HopperBackwardConfig(swizzle_heads=1),
            "gluon-kbmajor": HopperBackwardConfig(swizzle_heads=1 << 30),
            **{f"gluon-swz{n}": HopperBackwardConfig(swizzle_heads=n) for n in (2, 4, 8, 16)},
+           "gluon-whole-group": HopperBackwardConfig(group_split=1),
+           **{f"gluon-group{n}": HopperBackwardConfig(group_split=n) for n in (2, 4)},
            "gluon-nosplit": HopperBackwardConfig(dq_split=False, dq_tma=True),
            "gluon-s3": HopperBackwardConfig(dq_split=True, dq_tma=True, num_stages=3),
            "gluon-nosplit-s3": HopperBackwardConfig(dq_split=False, dq_tma=True, num_stages=3)}

@@ -52,13 +52,22 @@ Constexpr switches:
               memory at the top of each tile (L2 latency on the path to the first exp2).
               The planes' rows are ``stride_stats`` apart, a multiple of 4 (16 bytes, as TMA
               needs): the launcher pads them where L is not.
-  swizzle_heads the grid order (``_cta_coords``): CTAs walk the (batch, KV head)s in groups of
-              this many, key block by key block within a group, so under causal masking each
-              group's longest CTAs start first while the CTAs in flight share few heads' Q and dO
-              in L2. 1: each head's key blocks together; B·H_KV: every head's first key block first.
+  swizzle_heads the grid order (``_cta_coords``): CTAs walk the grid's rows (batch, KV head, group
+              part) in groups of this many, key block by key block within a group, so under
+              causal masking each group's longest CTAs start first while the CTAs in flight share
+              few heads' Q and dO in L2. 1: each row's key blocks together; all rows: every row's
+              first key block first.
+  group_split the GQA group's query heads are split over this many CTAs per (key block, batch,
+              KV head), each walking GROUP / group_split of them (a divisor): a grid with few KV
+              heads then still fills the GPU. With more than one part each CTA's dK and dV are
+              partial sums: under DKDV_PARTIALS they go, scaled, as fp32 to DKDV_PART
+              (2, group_split, B, H_KV, S, E), which the launcher sums in a fixed order (so dK and
+              dV stay deterministic) and casts.
   HAS_KEY_BIAS a key mask as one base-2 bias per key (``launch.hopper.key_bias``): KEY_BIAS is
               (B, Hq, S) fp32, added to the scaled scores in the forward's order,
               Pᵀ = exp2((st·qk_scale + bias) - lse2), so the one-pass P rounds as the forward's.
+  DKDV_PARTIALS dK and dV as fp32 partial sums into DKDV_PART (group_split above) instead of TMA
+              stores of the finished tiles.
   EXACT_DELTA the `stable` schedule's exact Δ in one pass (docs/hopper_backward.md), from a
               forward run with its own EXACT_DELTA:
                 lse2   is the forward's integer pivot c (base 2, +inf for a row with no key),
@@ -154,23 +163,34 @@ def _rows4d(kv_smem, c, desc):
 
 
 @gluon.jit
-def _cta_coords(H_KV, swizzle_heads, BLOCK_N: gl.constexpr):
-    """(first key, batch, KV head) of this CTA: the grid is (key blocks, B·H_KV), walked in the
-    order ``swizzle_heads`` sets (``grid_order.py``). Under causal masking the first key blocks
-    see the most query tiles, so each group's longest CTAs start first."""
-    pid_n, bh, _blocks = swizzled_cta(swizzle_heads)
-    return pid_n * BLOCK_N, bh // H_KV, bh % H_KV
+def _cta_coords(H_KV, GROUP, group_split, swizzle_heads, BLOCK_N: gl.constexpr, DKDV_PARTIALS: gl.constexpr):
+    """(first key, batch, KV head, part, query heads per part) of this CTA: the grid is
+    (key blocks, B·H_KV·group_split), walked in the order ``swizzle_heads`` sets
+    (``grid_order.py``); a row is (batch, KV head, part of the group's query heads). Under causal
+    masking the first key blocks see the most query tiles, so each group's longest CTAs start
+    first. Unsplit (not DKDV_PARTIALS) the row is (batch, KV head), spelled without the part's
+    arithmetic so that the kernel compiles as it did before the split existed."""
+    pid_n, row, _blocks = swizzled_cta(swizzle_heads)
+    if DKDV_PARTIALS:
+        part = row % group_split
+        bh = row // group_split
+        h_kv = bh % H_KV
+        heads = GROUP // group_split
+        return pid_n * BLOCK_N, bh // H_KV, h_kv, part, heads
+    else:
+        return pid_n * BLOCK_N, row // H_KV, row % H_KV, 0, GROUP
 
 
 @gluon.jit
 def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem, do_smem,
                        lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty,
-                       L, H_KV, GROUP, causal_offset, window_lower, swizzle_heads,
+                       L, H_KV, GROUP, group_split, causal_offset, window_lower, swizzle_heads,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                       IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, ROW_STATS_TMA: gl.constexpr):
+                       IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, ROW_STATS_TMA: gl.constexpr,
+                       DKDV_PARTIALS: gl.constexpr):
     """One warp: each consumer's K and V once, then Q and dO tiles (with their LSE and Δ rows
     under ROW_STATS_TMA) into the ring."""
-    n0, b, h_kv = _cta_coords(H_KV, swizzle_heads, BLOCK_N)
+    n0, b, h_kv, part, heads = _cta_coords(H_KV, GROUP, group_split, swizzle_heads, BLOCK_N, DKDV_PARTIALS)
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.expect(kv_ready.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, h_kv, n0 + c * KEYS_PER_CONSUMER, 0], kv_ready.index(c),
@@ -179,12 +199,12 @@ def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_
                                         _rows4d(v_smem, c, v_desc))
     first, n_m = _q_tiles(n0, L, causal_offset, window_lower, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                           IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT)
-    for t in range(GROUP * n_m):
+    for t in range(heads * n_m):
         slot = t % NUM_STAGES
         # A fresh mbarrier counts as having completed the phase before phase 0: the first pass
         # over the ring waits on parity 1 and goes straight through.
         mbarrier.wait(q_empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
-        h = h_kv * GROUP + t // n_m
+        h = h_kv * GROUP + part * heads + t // n_m
         m = (first + t % n_m) * BLOCK_M
         if ROW_STATS_TMA:
             # Rows past L come back as TMA's zeros; the consumers replace them anyway.
@@ -205,12 +225,13 @@ def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_
 @gluon.jit
 def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                          lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                         LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, L, S, H_KV, GROUP, stride_stats, causal_offset,
-                         window_lower, qk_scale, sm_scale, swizzle_heads,
+                         LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, DKDV_PART, L, S, H_KV, GROUP, group_split,
+                         stride_stats, causal_offset, window_lower, qk_scale, sm_scale, swizzle_heads,
                          CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                          WINDOW_LEFT: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr,
-                         EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr):
+                         EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr,
+                         DKDV_PARTIALS: gl.constexpr):
     dtype: gl.constexpr = dk_desc.dtype
     KC: gl.constexpr = KEYS_PER_CONSUMER
     # Sᵀ and dPᵀ: (64 keys) x (BLOCK_M query rows); dK, dV: (64 keys) x E.
@@ -230,7 +251,7 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)   # one value per query row
     key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)   # one value per key
 
-    n0, b, h_kv = _cta_coords(H_KV, swizzle_heads, BLOCK_N)
+    n0, b, h_kv, part, heads = _cta_coords(H_KV, GROUP, group_split, swizzle_heads, BLOCK_N, DKDV_PARTIALS)
     k0 = n0 + CONSUMER * KC
     key_ids = k0 + gl.arange(0, KC, layout=key_layout)
     first, n_m = _q_tiles(n0, L, causal_offset, window_lower, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
@@ -264,10 +285,10 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
         grad_scale = sm_scale
     mbarrier.wait(kv_ready.index(CONSUMER), 0)
 
-    for t in range(GROUP * n_m):
+    for t in range(heads * n_m):
         slot = t % NUM_STAGES
         phase = (t // NUM_STAGES) & 1
-        h = h_kv * GROUP + t // n_m
+        h = h_kv * GROUP + part * heads + t // n_m
         m = (first + t % n_m) * BLOCK_M
         row_base = (b * H_Q + h).to(gl.int64) * L
         stats_base = (b * H_Q + h).to(gl.int64) * stride_stats
@@ -360,29 +381,47 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
             dq_ptrs = (DQ_ACCUM + (row_base + gl.expand_dims(dq_rows, 1)) * HEAD_DIM + gl.expand_dims(dq_cols, 0))
             gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(dq_rows < L, 1), sem="relaxed")
 
-    # Epilogue: dK (times the softmax scale) and dV through this consumer's K/V tiles (their
-    # last wgmma has retired) and TMA stores, which clip keys >= S. Under DQ_SPLIT the other
-    # consumer may still read this K half, so dK goes through the V tile after dV has left.
-    v_tile.store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dv_desc, [b, h_kv, k0, 0], _rows4d(v_smem, CONSUMER, dv_desc))
-    tma.store_wait(pendings=0)
-    v_tile.store((dk * grad_scale).to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [b, h_kv, k0, 0], _rows4d(v_smem, CONSUMER, dk_desc))
-    tma.store_wait(pendings=0)
+    if DKDV_PARTIALS:
+        # This part's sums, fp32, straight from the accumulators: the launcher adds the parts.
+        _store_partial(DKDV_PART, dv, 0, part, group_split, b, h_kv, k0, H_KV, S, kv_layout, KC, HEAD_DIM)
+        _store_partial(DKDV_PART, dk * grad_scale, 1, part, group_split, b, h_kv, k0, H_KV, S, kv_layout, KC,
+                       HEAD_DIM)
+    else:
+        # dK (times the softmax scale) and dV through this consumer's K/V tiles (their last wgmma
+        # has retired) and TMA stores, which clip keys >= S. Under DQ_SPLIT the other consumer
+        # may still read this K half, so dK goes through the V tile after dV has left.
+        v_tile.store(dv.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dv_desc, [b, h_kv, k0, 0], _rows4d(v_smem, CONSUMER, dv_desc))
+        tma.store_wait(pendings=0)
+        v_tile.store((dk * grad_scale).to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [b, h_kv, k0, 0], _rows4d(v_smem, CONSUMER, dk_desc))
+        tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _store_partial(DKDV_PART, acc, which, part, group_split, b, h_kv, k0, H_KV, S, acc_layout: gl.constexpr,
+                   KC: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Rows [k0, k0 + KC) of plane ``which`` (0: dV, 1: dK) of this part in DKDV_PART
+    (2, group_split, B, H_KV, S, E) fp32; keys >= S are not written."""
+    rows = k0 + gl.arange(0, KC, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    head = ((which * group_split + part) * (gl.num_programs(1) // group_split) + b * H_KV + h_kv).to(gl.int64)
+    ptrs = DKDV_PART + (head * S + gl.expand_dims(rows, 1)) * HEAD_DIM + gl.expand_dims(cols, 0)
+    gl.store(ptrs, acc, mask=gl.expand_dims(rows < S, 1))
 
 
 @gluon.jit
 def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
                      LSE, DELTA, DQ_ACCUM,
-                     DS_UP, KEY_BIAS, L, S, H_KV, GROUP, stride_stats, causal_offset, window_lower, qk_scale,
-                     sm_scale, swizzle_heads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     DS_UP, KEY_BIAS, DKDV_PART, L, S, H_KV, GROUP, group_split, stride_stats, causal_offset,
+                     window_lower, qk_scale, sm_scale, swizzle_heads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                      DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, EXACT_DELTA: gl.constexpr,
-                     HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr,
+                     HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr, DKDV_PARTIALS: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-    """Grid (cdiv(S, BLOCK_N), B * H_KV), walked in the order ``swizzle_heads`` sets.
+    """Grid (cdiv(S, BLOCK_N), B * H_KV * group_split), walked in the order ``swizzle_heads`` sets.
     Descriptors are 4-D over (B, H, L or S, E): Q and dO boxes (1, 1, BLOCK_M, E); K, V, dK, dV
     boxes (1, 1, 64, E). DQ_ACCUM is (B, Hq, L, E) fp32
     zeros, contiguous, and ``dq_desc`` describes it with box (1, 1, BLOCK_M, E or E / 2 under
@@ -391,7 +430,9 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     Under EXACT_DELTA, LSE is the forward's pivot plane and DS_UP one fp32 power of two (glossary);
     otherwise DS_UP is not read. Under HAS_KEY_BIAS, KEY_BIAS is (B, Hq, S) fp32, contiguous.
     ``lse_desc``/``delta_desc`` are 2-D descriptors over those planes, box (1, BLOCK_M), read only
-    under ROW_STATS_TMA (which then does not read the LSE/DELTA pointers)."""
+    under ROW_STATS_TMA (which then does not read the LSE/DELTA pointers). Under DKDV_PARTIALS,
+    DKDV_PART is (2, group_split, B, H_KV, S, E) fp32 and the dK/dV descriptors are not used;
+    otherwise group_split is 1 and DKDV_PART is not touched."""
     gl.static_assert(BLOCK_N == NUM_CONSUMERS * KEYS_PER_CONSUMER, "BLOCK_N is 64 keys per consumer")
     dtype: gl.constexpr = q_desc.dtype
     qk_scale = qk_scale.to(gl.float32)
@@ -439,18 +480,18 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     gl.warp_specialize([
         (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                                 lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                                LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, L, S, H_KV, GROUP, stride_stats,
-                                causal_offset, window_lower, qk_scale, sm_scale, swizzle_heads, 0, HEAD_DIM, BLOCK_M,
-                                BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, DQ_SPLIT, DQ_TMA, EXACT_DELTA,
-                                HAS_KEY_BIAS, ROW_STATS_TMA)),
+                                LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, DKDV_PART, L, S, H_KV, GROUP, group_split,
+                                stride_stats, causal_offset, window_lower, qk_scale, sm_scale, swizzle_heads, 0,
+                                HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, DQ_SPLIT, DQ_TMA,
+                                EXACT_DELTA, HAS_KEY_BIAS, ROW_STATS_TMA, DKDV_PARTIALS)),
         (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
                                 lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                                LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, L, S, H_KV, GROUP, stride_stats,
-                                causal_offset, window_lower, qk_scale, sm_scale, swizzle_heads, 1, HEAD_DIM, BLOCK_M,
-                                BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, DQ_SPLIT, DQ_TMA, EXACT_DELTA,
-                                HAS_KEY_BIAS, ROW_STATS_TMA)),
+                                LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, DKDV_PART, L, S, H_KV, GROUP, group_split,
+                                stride_stats, causal_offset, window_lower, qk_scale, sm_scale, swizzle_heads, 1,
+                                HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, DQ_SPLIT, DQ_TMA,
+                                EXACT_DELTA, HAS_KEY_BIAS, ROW_STATS_TMA, DKDV_PARTIALS)),
         (_hopper_bwd_loader, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
                               do_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty,
-                              L, H_KV, GROUP, causal_offset, window_lower, swizzle_heads, BLOCK_M, BLOCK_N,
-                              NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, ROW_STATS_TMA)),
+                              L, H_KV, GROUP, group_split, causal_offset, window_lower, swizzle_heads, BLOCK_M,
+                              BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, ROW_STATS_TMA, DKDV_PARTIALS)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -63,7 +63,7 @@ def _sdpa_grads(q, k, v, do, scale, visible, live_from):
 
 
 def _check(q, k, v, do, is_causal, causal_offset=0, dq_split=True, dq_tma=True, window=None, row_stats_tma=True,
-           swizzle_heads=None):
+           swizzle_heads=None, group_split=None):
     from flash_inductor.launch.hopper import hopper_attention_forward
     from flash_inductor.launch.hopper_bwd import (
         HopperBackwardConfig,
@@ -79,7 +79,8 @@ def _check(q, k, v, do, is_causal, causal_offset=0, dq_split=True, dq_tma=True, 
                                            causal_offset=causal_offset, window=window,
                                            config=HopperBackwardConfig(dq_split=dq_split, dq_tma=dq_tma,
                                                                        row_stats_tma=row_stats_tma,
-                                                                       swizzle_heads=swizzle_heads))
+                                                                       swizzle_heads=swizzle_heads,
+                                                                       group_split=group_split))
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert dq.dtype == dk.dtype == dv.dtype == q.dtype
     visible = _visible(q.shape[2], k.shape[2], is_causal, causal_offset, window)
@@ -157,6 +158,58 @@ def test_grid_orders(head_dim, is_causal, swizzle_heads):
     # one head at a time, groups of 3 heads, and groups of 4 and 2 (a short last group). GQA 4:1,
     # L != S, a partial last key block and query tile.
     _check(*_inputs(torch.bfloat16, head_dim, 3, 8, 2, 333, 513), is_causal, swizzle_heads=swizzle_heads)
+
+
+@needs_hopper
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("is_causal", (False, True))
+@pytest.mark.parametrize("group_split", (1, 2, 4))
+def test_gqa_group_splits(head_dim, is_causal, group_split):
+    # A GQA group of 4 query heads walked by 1, 2 or 4 CTAs per key block (these small grids
+    # would otherwise always split the whole group); split, dK and dV are fp32 partial sums
+    # added afterwards. A partial last key block and query tile, L != S.
+    _check(*_inputs(torch.bfloat16, head_dim, 2, 8, 2, 333, 513), is_causal, group_split=group_split)
+
+
+@needs_hopper
+def test_a_group_split_must_divide_the_group():
+    from flash_inductor.launch.hopper import hopper_attention_forward
+    from flash_inductor.launch.hopper_bwd import HopperBackwardConfig, hopper_attention_backward
+
+    q, k, v, do = _inputs(torch.bfloat16, 64, 1, 6, 2, 128, 128)
+    out, lse = hopper_attention_forward(q, k, v, is_causal=True)
+    with pytest.raises(ValueError, match="group_split=2 does not divide the GQA group"):
+        hopper_attention_backward(do, q, k, v, out, lse, is_causal=True, config=HopperBackwardConfig(group_split=2))
+
+
+def test_the_parts_are_summed_in_order():
+    """The split backward's dK and dV: its (2, parts, ...) fp32 partial sums added in part order
+    and cast (kernels/partial_sums.py, the interpreter on a CPU), a length that is no multiple of
+    the block."""
+    from helpers import DEVICE
+
+    from flash_inductor.launch.hopper_bwd import _sum_parts_into
+
+    gen = torch.Generator().manual_seed(7)
+    parts = torch.randn(2, 3, 1, 2, 333, 64, generator=gen).to(DEVICE)
+    dv, dk = (torch.empty(1, 2, 333, 64, dtype=torch.float16, device=DEVICE) for _ in range(2))
+    _sum_parts_into(parts, dv, dk)
+    for plane, got in ((0, dv), (1, dk)):
+        want = (parts[plane, 0] + parts[plane, 1] + parts[plane, 2]).to(torch.float16)
+        assert torch.equal(got, want)
+
+
+def test_group_split_fills_two_waves():
+    """A GQA grid under two waves of CTAs shares each group's query heads among CTAs until it
+    has two (or the group is spent); a grid that already has them, or no GQA, stays whole."""
+    from flash_inductor.launch.hopper_bwd import group_split_for
+
+    assert group_split_for(4, 32 * 4, 132) == 4    # HF Llama E 128, B 1, 4k: 128 CTAs
+    assert group_split_for(4, 32 * 8, 132) == 2    # B 2: 256 CTAs
+    assert group_split_for(4, 32 * 16, 132) == 1   # B 4
+    assert group_split_for(1, 8, 132) == 1         # no GQA
+    assert group_split_for(6, 40, 132) == 6        # not even the whole group reaches two waves
+    assert group_split_for(6, 100, 132) == 3       # 2 does not reach them, 3 (a divisor) does
 
 
 @needs_hopper
