@@ -199,17 +199,17 @@ def test_the_parts_are_summed_in_order():
         assert torch.equal(got, want)
 
 
-def test_group_split_fills_two_waves():
-    """A GQA grid under two waves of CTAs shares each group's query heads among CTAs until it
-    has two (or the group is spent); a grid that already has them, or no GQA, stays whole."""
+def test_group_split_fills_one_wave():
+    """A GQA grid under one wave of CTAs shares each group's query heads among CTAs until it
+    fills one (or the group is spent); a grid that already does, or no GQA, stays whole."""
     from flash_inductor.launch.hopper_bwd import group_split_for
 
-    assert group_split_for(4, 32 * 4, 132) == 4    # HF Llama E 128, B 1, 4k: 128 CTAs
-    assert group_split_for(4, 32 * 8, 132) == 2    # B 2: 256 CTAs
-    assert group_split_for(4, 32 * 16, 132) == 1   # B 4
+    assert group_split_for(4, 32 * 4, 132) == 2    # HF Llama E 128, B 1, 4k: 128 CTAs, 1.3-1.7x
+    assert group_split_for(4, 32 * 8, 132) == 1    # B 2: 256 CTAs, splitting gained nothing
+    assert group_split_for(4, 16 * 16, 132) == 1   # E 64, B 4, 2k: splitting lost
     assert group_split_for(1, 8, 132) == 1         # no GQA
-    assert group_split_for(6, 40, 132) == 6        # not even the whole group reaches two waves
-    assert group_split_for(6, 100, 132) == 3       # 2 does not reach them, 3 (a divisor) does
+    assert group_split_for(6, 20, 132) == 6        # not even the whole group fills a wave
+    assert group_split_for(6, 60, 132) == 3        # 2 does not fill it, 3 (a divisor) does
 
 
 @needs_hopper
