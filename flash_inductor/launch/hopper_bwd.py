@@ -18,7 +18,8 @@ Steps: the Triton preprocess writes Δ (B, Hq, L) fp32; the Gluon kernel runs on
 (128-key block, batch, KV head), writes dK and dV directly (the GQA group's query heads are
 summed in registers) and adds scale·dS·K into a zeroed fp32 (B, Hq, L, E) buffer, one TMA
 reduce-add per tile (atomics where the Triton build lacks the reduce copy); that buffer is then
-cast to dq.
+cast to dq. A GQA grid under one wave of CTAs shares each group's query heads among several CTAs
+per key block (``group_split_for``), whose fp32 dK/dV partial sums one more launch adds in order.
 """
 
 from __future__ import annotations
