@@ -152,23 +152,15 @@ def test_gqa_strided_views_and_dq_schemes(head_dim, dq_split, dq_tma, row_stats_
 @needs_hopper
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("is_causal", (False, True))
-@pytest.mark.parametrize("swizzle_heads", (1, 3, 4))
-def test_grid_orders(head_dim, is_causal, swizzle_heads):
-    # Each grid order forced, whatever the default picks for the shape, over B·H_KV = 6 grid rows:
-    # one head at a time, groups of 3 heads, and groups of 4 and 2 (a short last group). GQA 4:1,
-    # L != S, a partial last key block and query tile.
-    _check(*_inputs(torch.bfloat16, head_dim, 3, 8, 2, 333, 513), is_causal, swizzle_heads=swizzle_heads)
-
-
-@needs_hopper
-@pytest.mark.parametrize("head_dim", (64, 128))
-@pytest.mark.parametrize("is_causal", (False, True))
-@pytest.mark.parametrize("group_split", (1, 2, 4))
-def test_gqa_group_splits(head_dim, is_causal, group_split):
-    # A GQA group of 4 query heads walked by 1, 2 or 4 CTAs per key block (these small grids
-    # would otherwise always split the whole group); split, dK and dV are fp32 partial sums
-    # added afterwards. A partial last key block and query tile, L != S.
-    _check(*_inputs(torch.bfloat16, head_dim, 2, 8, 2, 333, 513), is_causal, group_split=group_split)
+@pytest.mark.parametrize("swizzle_heads, group_split", [(1, 1), (3, 1), (4, 1), (None, 2), (5, 2), (None, 4)])
+def test_grid_orders_and_group_splits(head_dim, is_causal, swizzle_heads, group_split):
+    # Grid orders and GQA group splits forced, whatever the defaults pick for the shape (so small a
+    # grid would always split the whole group). B·H_KV = 6 (batch, KV head)s of a 4-head group,
+    # walked by 1, 2 or 4 CTAs per key block, so 6, 12 or 24 grid rows: one row at a time, groups
+    # of 3, of 4 and 2 (a short last group), of 5, 5 and 2. Split, dK and dV are fp32 partial sums
+    # added afterwards. GQA 4:1, L != S, a partial last key block and query tile.
+    _check(*_inputs(torch.bfloat16, head_dim, 3, 8, 2, 333, 513), is_causal, swizzle_heads=swizzle_heads,
+           group_split=group_split)
 
 
 @needs_hopper
