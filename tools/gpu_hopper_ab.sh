@@ -11,7 +11,8 @@
 # 1 and 4 query rows, docs/decode.md; dsup: fp16's ds_up in one launch, DS_UP_ONE_LAUNCH off
 # against on at E 128 causal 4k; cold: Llama E 64's cold first step with compile-ahead on, off,
 # on, each from empty caches, about 3 minutes; host: one eager call's host time and cProfile, bf16
-# and fp16 at E 128 causal 4k),
+# and fp16 at E 128 causal 4k; llama_b1: HF Llama E 64/128 trained at B 1, 4k, against plain
+# torch.compile),
 # WORKERS (pytest-xdist, 14). Results in $OUT
 # (default /tmp/flash_inductor_out): gpu_tests_hopper.xml, hopper_bwd.json, bench_*_infer.*,
 # debug_overhead_*.json.
@@ -53,12 +54,16 @@ for step in ${STEPS:-tests ab infer eager}; do
         timeout -s INT -k 10 80 python3 -m benchmarks.experiments.host_overhead --dtype $dtype --batch 4 --heads 16 \
           --seq 4096 --head-dim 128 --causal yes --out "$OUT/host_$dtype" 2>&1 | tail -10
       done ;;
+    llama_b1)
+      # HF Llama trained at B 1, 4k (the GQA group split's one-wave grids) against plain torch.compile.
+      timeout -s INT -k 10 200 python3 -m benchmarks.e2e_models --models llama-e64,llama-e128 --seqs 4096 \
+        --tokens 4096 --tasks train --attn sdpa --precompile 8 --time-budget 170 --out "$OUT" 2>&1 | tail -12 ;;
     cold)
       for contender in flash_inductor flash_inductor_no_compile_ahead flash_inductor; do
         timeout -s INT -k 10 100 python3 -m benchmarks.cold_start --models llama-e64 --tasks train --parts cold \
           --contenders "$contender" --child-timeout 90 --tag "cold-$contender-$(date +%s)" --out "$OUT" 2>&1 | tail -3
       done ;;
-    *) echo "unknown step $step (tests, ab, infer, eager, decode, dsup, host, cold)" >&2; exit 2 ;;
+    *) echo "unknown step $step (tests, ab, infer, eager, decode, dsup, host, llama_b1, cold)" >&2; exit 2 ;;
   esac
 done
 ls "$OUT"
