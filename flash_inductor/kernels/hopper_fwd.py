@@ -210,7 +210,7 @@ def _key_bias_tile(bias_row, key_offsets, j, S, BLOCK_N: gl.constexpr, HAS_KEY_B
 def _row_shift(q_tile, MEAN_KEY, bh_kv, qk_scale, row_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
                HAS_MEAN_KEY: gl.constexpr):
     """qk_scale·(q_i·k̂) per row of the Q tile in fp32 under HAS_MEAN_KEY (glossary: row_shift),
-    else 0. Rows past L are TMA's zeros."""
+    else 0 (not added). Rows past L are TMA's zeros."""
     if HAS_MEAN_KEY:
         q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         q = q_tile.load(q_layout).to(gl.float32)
@@ -393,7 +393,10 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
     out32 = acc * gl.expand_dims(inv_l, 1)
     out = out32.to(dtype)
     log2_l = gl.log2(l_safe)
-    lse = gl.where(empty_row, float("-inf"), (m_i + log2_l + row_shift) * LN2)
+    lse2 = m_i + log2_l
+    if HAS_MEAN_KEY:
+        lse2 = lse2 + row_shift
+    lse = gl.where(empty_row, float("-inf"), lse2 * LN2)
     row_off = (b * H + h).to(gl.int64) * L + row_ids
     gl.store(LSE + row_off, lse, mask=row_ids < L)
     if EXACT_DELTA:
