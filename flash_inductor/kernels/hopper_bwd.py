@@ -383,6 +383,9 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
 
     if DKDV_PARTIALS:
         # This part's sums, fp32, straight from the accumulators: the launcher adds the parts.
+        # The last dQ reduce-add still reads this consumer's shared tile: let it finish before the
+        # CTA exits (the TMA-store branch below waits the same way).
+        tma.store_wait(pendings=0)
         _store_partial(DKDV_PART, dv, 0, part, group_split, b, h_kv, k0, H_KV, S, kv_layout, KC, HEAD_DIM)
         _store_partial(DKDV_PART, dk * grad_scale, 1, part, group_split, b, h_kv, k0, H_KV, S, kv_layout, KC,
                        HEAD_DIM)
