@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_inductor
+from benchmarks.common import heat
 from benchmarks.kernel_time import kernel_times_us
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -53,14 +53,6 @@ def _step(attn, mode: str, q, k, v, dout):
     return run
 
 
-def _heat(run, seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        for _ in range(10):
-            run()
-        torch.cuda.synchronize()
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtypes", default="bf16,fp16")
@@ -85,7 +77,7 @@ def main(argv=None):
             for mode in args.modes.split(","):
                 for provider in args.providers.split(","):
                     run = _step(_attention(provider, args.causal), mode, q, k, v, dout)
-                    _heat(run, args.heat)
+                    heat(run, args.heat * 1e3)
                     kernels = kernel_times_us(run, args.calls, "cuda")
                     total = sum(kernels.values())
                     records.append(dict(dtype=dtype_name, head_dim=head_dim, shape=list(shape), causal=args.causal,

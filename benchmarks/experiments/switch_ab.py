@@ -23,6 +23,7 @@ import time
 import torch
 
 import flash_inductor
+from benchmarks.common import heat
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -81,9 +82,7 @@ def main(argv=None):
         first, rest = (0, 1) if args.mode == "fwd_bwd" else (None, 0)
         same_dkdv = all(torch.equal(a, b) for a, b in zip(grads[False][rest:], grads[True][rest:]))
         dq_diff = 0.0 if first is None else (grads[False][0].float() - grads[True][0].float()).abs().max().item()
-        end = time.monotonic() + args.heat
-        while time.monotonic() < end:
-            step()
+        heat(step, args.heat * 1e3)
         for _ in range(args.rounds):
             for setting in (False, True):
                 setattr(owner, attr, setting)

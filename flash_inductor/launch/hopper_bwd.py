@@ -267,14 +267,15 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     lse_plane, delta_plane = row_stats_planes((lse, delta), batch * heads_q, seq_q)
     group = heads_q // heads_kv
     key_blocks = cdiv(seq_k, cfg.block_n)
-    parts = cfg.group_split or group_split_for(group, key_blocks * batch * heads_kv, sm_count(query.device))
+    sms = sm_count(query.device)
+    parts = cfg.group_split or group_split_for(group, key_blocks * batch * heads_kv, sms)
     if group % parts:
         raise ValueError(f"HopperBackwardConfig.group_split={parts} does not divide the GQA group ({group} query "
                          f"heads per KV head); use a divisor of {group}")
     grid = (key_blocks, batch * heads_kv * parts)
     swizzle = cfg.swizzle_heads
     if swizzle is None:
-        swizzle = swizzle_heads_for(grid[1], grid[0], sm_count(query.device), band_is_causal and band.lower is None)
+        swizzle = swizzle_heads_for(grid[1], grid[0], sms, band_is_causal and band.lower is None)
     swizzle = max(1, min(swizzle, grid[1]))
     # Split, each part's dK and dV go to fp32 planes that ``_sum_parts`` adds below.
     dkdv_part = (torch.empty((2, parts, *key.shape), dtype=torch.float32, device=query.device)
