@@ -316,6 +316,12 @@ def _broadcast_qkv(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool) 
 
 
 def _broadcast_lead(shapes: dict) -> tuple:
+    first, *rest = shapes.values()
+    # Equal concrete shapes, the common case, skip torch.broadcast_shapes: its Python
+    # implementation costs more host time than the rest of the argument checks together
+    # (~15 µs of ~37 on a 2-core CPU). Symbolic sizes take the general path, guards and all.
+    if all(type(d) is int for shape in shapes.values() for d in shape) and all(shape == first for shape in rest):
+        return tuple(first)
     try:
         return tuple(torch.broadcast_shapes(*shapes.values()))
     except RuntimeError:

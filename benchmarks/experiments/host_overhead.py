@@ -20,7 +20,10 @@ launches our kernels), flash = SDPA's flash backend. Ways, per provider:
 * ``fwd``: inference (no tensor requires grad);
 * ``fwd_grad``: forward on tensors that require grad (what a training step's forward pays);
 * ``fwd_bwd``: forward and ``backward`` (one training step's attention).
-Writes ``host_overhead.json`` and ``host_overhead_profile.txt`` to ``--out``.
+Writes ``host_overhead.json`` and ``host_overhead_profile.txt`` to ``--out``. ``--breakdown`` times
+instead, the same way, the pieces of ours' `stable` training step one by one (a backward alone,
+its launcher, the forward's launcher, the centring, one TMA descriptor, one allocation), into
+``host_breakdown.json``.
 It measures the ``flash_inductor`` of the tree it is run from: for an A/B, run it from the root
 of each tree in turn.
 """
@@ -103,6 +106,247 @@ def host_us_per_call(fn, way, tensors, causal, calls, device):
     return None if caught_up else elapsed / calls * 1e6
 
 
+def _host_us(fn, calls, device):
+    """Host microseconds per call of ``fn`` with the GPU kept busy (None: the GPU caught up)."""
+    _sync(device)
+    _keep_gpu_busy(device, 100)
+    slept = torch.cuda.Event()
+    slept.record()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    caught_up = slept.query()
+    _sync(device)
+    return None if caught_up else elapsed / calls * 1e6
+
+
+def _backward_alone_us(forward, dout, calls, device, inputs=(), how="backward"):
+    """Host time of a backward alone: the ``forward()``s run first, untimed. ``how``: "backward"
+    (``out.backward``, gradients accumulated into ``.grad``), "backward-fresh" (``.grad`` set to
+    None first, as do_bench's grad_to_none does) or "grad" (``torch.autograd.grad``)."""
+    outs = [forward() for _ in range(calls)]
+    _sync(device)
+    _keep_gpu_busy(device, 100)
+    slept = torch.cuda.Event()
+    slept.record()
+    start = time.perf_counter()
+    for out in outs:
+        if how == "grad":
+            torch.autograd.grad(out, inputs, dout)
+            continue
+        if how == "backward-fresh":
+            for t in inputs:
+                t.grad = None
+        out.backward(dout)
+    elapsed = time.perf_counter() - start
+    caught_up = slept.query()
+    _sync(device)
+    return None if caught_up else elapsed / calls * 1e6
+
+
+class _SameShapeFunction(torch.autograd.Function):
+    """An autograd node shaped like the one-pass op's (9 saved tensors, 6 outputs, 3 gradients)
+    that launches nothing: the autograd engine's own cost."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        outputs = tuple(torch.empty_like(q) for _ in range(6))
+        ctx.save_for_backward(q, k, v, *outputs)
+        ctx.mark_non_differentiable(*outputs[2:])
+        ctx.set_materialize_grads(False)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, grad_out, *_rest):
+        q, k, v, *_ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _autograd_pieces(q, k, v, dout, causal, calls, device):
+    """Backward alone, several ways, ours and an empty node of the same shape and FA2's."""
+    import torch.nn.functional as F
+
+    def ours():
+        return flash_attention(q, k, v, is_causal=causal)
+
+    def flash():
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def empty_node():
+        return _SameShapeFunction.apply(q, k, v)[0]
+    return {f"backward alone: {name}, {how}": (forward, how)
+            for name, forward in (("ours", ours), ("FA2", flash), ("empty node", empty_node))
+            for how in ("backward", "backward-fresh", "grad")}
+
+
+def _captured_launch(kernel, call):
+    """(grid, args, kwargs) of ``kernel``'s launch inside ``call()``."""
+    captured = {}
+    original = kernel.run
+
+    def capture(*args, grid, warmup, **kwargs):
+        captured.update(grid=grid, args=args, kwargs=kwargs)
+        return original(*args, grid=grid, warmup=warmup, **kwargs)
+    kernel.run = capture
+    try:
+        call()
+    finally:
+        del kernel.run  # the class's method again
+    return captured["grid"], captured["args"], captured["kwargs"]
+
+
+def _launch_pieces(q, k, v, causal, scale, out, lse, resid, row_consts, k_tilde, k_hat, dout):
+    """The launch alone (its arguments and descriptors built once) of the backward's Gluon kernel
+    and of the preprocess, and the api's layers above the one-pass forward."""
+    from flash_inductor.kernels.exact_delta import _exact_delta_preprocess
+    from flash_inductor.kernels.hopper_bwd import _attn_bwd_hopper
+    from flash_inductor.launch import hopper_bwd
+    from flash_inductor.ops.attention import attention_forward_eager
+    from flash_inductor.ops.one_pass import _EagerOnePass
+
+    def backward():
+        hopper_bwd.hopper_attention_backward(dout, q.detach(), k_tilde, v.detach(), out, lse, None, scale=scale,
+                                             is_causal=causal, exact_delta=(resid, row_consts), mean_key=k_hat)
+    pieces = {}
+    for name, kernel in (("Gluon backward", _attn_bwd_hopper), ("exact-delta preprocess", _exact_delta_preprocess)):
+        grid, args, kwargs = _captured_launch(kernel, backward)
+        pieces[f"{name}: launch alone (JITFunction.run)"] = (
+            lambda kernel=kernel, grid=grid, args=args, kwargs=kwargs: kernel[grid](*args, **kwargs))
+    pieces["_EagerOnePass.apply"] = lambda: _EagerOnePass.apply(q, k, v, causal, 0, scale, -1, -1, None)
+    pieces["attention_forward_eager"] = lambda: attention_forward_eager(q, k, v, None, None, 0.0, causal, 0, scale,
+                                                                        "stable")
+    return pieces
+
+
+def _on_a_thread(fn):
+    """``fn()`` run on a new thread, its result returned."""
+    import threading
+
+    result = []
+    thread = threading.Thread(target=lambda: result.append(fn()))
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def _inside_the_node_us(q, k, v, dout, causal, calls, args):
+    """Of a backward alone (``torch.autograd.grad``), the share spent inside the one-pass node's
+    backward (on the engine's device thread) and the rest (the engine)."""
+    from flash_inductor.ops import one_pass
+
+    spent = []
+    original = one_pass._EagerOnePass.backward
+
+    def timed(ctx, *grads):
+        start = time.perf_counter()
+        try:
+            return original(ctx, *grads)
+        finally:
+            spent.append(time.perf_counter() - start)
+    one_pass._EagerOnePass.backward = staticmethod(timed)
+    try:
+        totals, insides = [], []
+        for _ in range(args.rounds):
+            spent.clear()
+            total = _backward_alone_us(lambda: flash_attention(q, k, v, is_causal=causal), dout, calls, args.device,
+                                       (q, k, v), "grad")
+            if total is not None and len(spent) == calls:
+                totals.append(total)
+                insides.append(sum(spent) / calls * 1e6)
+    finally:
+        one_pass._EagerOnePass.backward = staticmethod(original)
+    record = {"backward alone: ours, grad (timed node)": statistics.median(totals) if totals else None,
+              "inside the node's backward": statistics.median(insides) if insides else None}
+    for name, us in record.items():
+        print(f"{us or float('nan'):9.1f} us  {name}", flush=True)
+    return record
+
+
+def breakdown(args, q, k, v, dout, causal):
+    """Host time of the pieces of a `stable` training step on the Hopper kernels (median of rounds)."""
+    from flash_inductor.launch import hopper, hopper_bwd
+    from flash_inductor.ops.one_pass import _backward, _forward
+
+    scale = q.shape[-1] ** -0.5
+    out, lse, resid, row_consts, k_tilde, k_hat = _forward(q.detach(), k.detach(), v.detach(), causal, 0, scale, -1, -1)
+    calls = max(4, args.calls // 4)
+    pieces = {
+        "fwd_grad (flash_attention, inputs require grad)": lambda: flash_attention(q, k, v, is_causal=causal),
+        "one-pass _forward (centring + hopper forward)": lambda: _forward(q.detach(), k.detach(), v.detach(), causal, 0,
+                                                                           scale, -1, -1),
+        "centre_keys": lambda: hopper_bwd.centre_keys(k.detach()),
+        "hopper_attention_forward (exact delta)": lambda: hopper.hopper_attention_forward(
+            q.detach(), k_tilde, v.detach(), scale=scale, is_causal=causal, exact_delta=True, mean_key=k_hat),
+        "hopper_attention_backward (exact delta)": lambda: hopper_bwd.hopper_attention_backward(
+            dout, q.detach(), k_tilde, v.detach(), out, lse, None, scale=scale, is_causal=causal,
+            exact_delta=(resid, row_consts), mean_key=k_hat),
+        "_exact_delta_inputs": lambda: hopper_bwd._exact_delta_inputs(dout, v.detach(), out, None, resid, row_consts,
+                                                                       dq_accum=torch.empty_like(out, dtype=torch.float32)),
+        "tma_descriptor": lambda: hopper.tma_descriptor(q.detach(), 64),
+        "torch.empty": lambda: torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        "torch.zeros fp32": lambda: torch.zeros(q.shape, dtype=torch.float32, device=q.device),
+        "lse.to(float32).contiguous()": lambda: lse.to(torch.float32).contiguous(),
+    }
+    pieces["one-pass _backward (main thread)"] = lambda: _backward(
+        dout, q.detach(), k_tilde, k_hat, v.detach(), out, lse, None, resid, row_consts, causal, 0, scale, -1, -1)
+    pieces.update(_launch_pieces(q, k, v, causal, scale, out, lse, resid, row_consts, k_tilde, k_hat, dout))
+    record = {}
+    for name, fn in pieces.items():
+        try:
+            fn()
+        except TypeError as exc:  # an older tree's signature (an A/B from two trees)
+            print(f"      --    {name}: {exc}")
+            continue
+        samples = [_host_us(fn, calls, args.device) for _ in range(args.rounds)]
+        valid = [s for s in samples if s is not None]
+        record[name] = statistics.median(valid) if valid else None
+        print(f"{record[name] or float('nan'):9.1f} us  {name}", flush=True)
+    for name, (forward, how) in _autograd_pieces(q, k, v, dout, causal, calls, args.device).items():
+        for threads in (True, False):
+            # Off, the engine runs every node on the calling thread (set_multithreading_enabled).
+            with torch.autograd.set_multithreading_enabled(threads):
+                samples = [_backward_alone_us(forward, dout, calls, args.device, (q, k, v), how)
+                           for _ in range(args.rounds)]
+            valid = [s for s in samples if s is not None]
+            label = name if threads else f"{name}, engine threads off"
+            record[label] = statistics.median(valid) if valid else None
+            print(f"{record[label] or float('nan'):9.1f} us  {label}", flush=True)
+    import gc
+
+    ours_grad = _autograd_pieces(q, k, v, dout, causal, calls, args.device)["backward alone: ours, grad"][0]
+    gc.disable()  # is Python's cyclic collector part of it?
+    try:
+        samples = [_backward_alone_us(ours_grad, dout, calls, args.device, (q, k, v), "grad")
+                   for _ in range(args.rounds)]
+    finally:
+        gc.enable()
+    valid = [s for s in samples if s is not None]
+    record["backward alone: ours, grad, gc off"] = statistics.median(valid) if valid else None
+    print(f"{record['backward alone: ours, grad, gc off'] or float('nan'):9.1f} us  backward alone: ours, grad, gc off")
+    # The autograd engine runs a CUDA node's backward on its device thread, not the caller's.
+    on_thread = pieces["one-pass _backward (main thread)"]
+    samples = [_on_a_thread(lambda: _host_us(on_thread, calls, args.device)) for _ in range(args.rounds)]
+    valid = [s for s in samples if s is not None]
+    record["one-pass _backward (another thread)"] = statistics.median(valid) if valid else None
+    print(f"{record['one-pass _backward (another thread)'] or float('nan'):9.1f} us  one-pass _backward (another thread)")
+    record.update(_inside_the_node_us(q, k, v, dout, causal, calls, args))
+    outs = [flash_attention(q, k, v, is_causal=causal) for _ in range(calls)]
+    _sync(args.device)
+    _keep_gpu_busy(args.device, 100)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for out in outs:
+        torch.autograd.grad(out, (q, k, v), dout)
+    profiler.disable()
+    _sync(args.device)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    record["backward_profile"] = text.getvalue()
+    return record
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -115,6 +359,7 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=40,
                    help="calls per timed loop; a training step's loop runs a third as many (the launch queue is finite)")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--breakdown", action="store_true", help="time the pieces of ours' training step instead")
     p.add_argument("--quick", action="store_true", help="B=1, H=2, L=64, E=32, fp32 off CUDA (a CPU smoke run)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
@@ -130,6 +375,11 @@ def main(argv=None):
 
     plain = [randn(False) for _ in range(3)] + [None]
     grads = [randn(True) for _ in range(3)] + [randn(False)]
+    if args.breakdown:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "host_breakdown.json"), "w") as f:
+            json.dump({"args": vars(args), "us_per_call": breakdown(args, *grads, causal)}, f, indent=1)
+        return
     record = {"args": vars(args), "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "us_per_call": {}}
     for name, fn in _providers(args.device).items():

@@ -8,7 +8,10 @@ behind it (torch.profiler, per call, after heating), so a gap to cuDNN can be pu
 that makes it: the inference forward (``infer``, under no_grad), the training forward (``fwd``:
 inputs that require grad, which takes `stable`'s one-pass forward with its residual and centred
 keys) and a whole training step (``fwd_bwd``). Shapes as bench_attention's: ``--tokens`` /
-seq sequences, 2048 / E heads. Writes ``step_kernels.json`` to ``--out``.
+seq sequences, 2048 / E heads. ``--window W`` times a causal sliding window ``(W - 1, 0)``
+instead, against FlexAttention with the same window as a ``BlockMask`` (``--providers ours,flex``).
+Each record also has the step's GPU busy share run back to back (``benchmarks/kernel_time.gpu_busy``):
+well under 1 means the GPU waited for the host. Writes ``step_kernels.json`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -22,14 +25,16 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_inductor
-from benchmarks.common import heat
-from benchmarks.kernel_time import kernel_times_us
+from benchmarks.common import compiled_flex, heat
+from benchmarks.kernel_time import gpu_busy, kernel_times_us
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MODES = ("infer", "fwd", "fwd_bwd")
 
 
-def _attention(provider: str, causal: bool):
+def _attention(provider: str, causal: bool, window: int | None, seq: int):
+    if window is not None:
+        return _window_attention(provider, window, seq)
     if provider == "ours":
         return lambda q, k, v: flash_inductor.flash_attention(q, k, v, is_causal=causal)
 
@@ -37,6 +42,22 @@ def _attention(provider: str, causal: bool):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     return cudnn
+
+
+def _window_attention(provider: str, window: int, seq: int):
+    """A causal sliding window of ``window`` keys, ``(window - 1, 0)``: ours or Flex."""
+    if provider == "ours":
+        return lambda q, k, v: flash_inductor.flash_attention(q, k, v, window=(window - 1, 0))
+    if provider != "flex":
+        raise SystemExit(f"--window takes the providers ours and flex, not {provider!r}")
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from benchmarks.sparse_attention import window_mask_mod
+
+    block_mask = create_block_mask(window_mask_mod(window - 1, 0, seq, seq), B=None, H=None, Q_LEN=seq, KV_LEN=seq,
+                                   device="cuda")
+    flex = compiled_flex()
+    return lambda q, k, v: flex(q, k, v, block_mask=block_mask)
 
 
 def _step(attn, mode: str, q, k, v, dout):
@@ -60,6 +81,7 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--window", type=int, default=None, help="a causal sliding window of W keys (providers ours,flex)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--providers", default="ours,cudnn")
     p.add_argument("--calls", type=int, default=20)
@@ -76,13 +98,16 @@ def main(argv=None):
             dout = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPES[dtype_name])
             for mode in args.modes.split(","):
                 for provider in args.providers.split(","):
-                    run = _step(_attention(provider, args.causal), mode, q, k, v, dout)
+                    run = _step(_attention(provider, args.causal, args.window, args.seq), mode, q, k, v, dout)
                     heat(run, args.heat * 1e3)
                     kernels = kernel_times_us(run, args.calls, "cuda")
                     total = sum(kernels.values())
+                    busy = gpu_busy(run, args.calls, "cuda").get("gpu_busy")
                     records.append(dict(dtype=dtype_name, head_dim=head_dim, shape=list(shape), causal=args.causal,
-                                        mode=mode, provider=provider, total_us=total, kernels=kernels))
-                    print(f"{dtype_name} E{head_dim} {mode:8s} {provider:6s} total {total:8.1f} us", flush=True)
+                                        window=args.window, mode=mode, provider=provider, total_us=total,
+                                        gpu_busy=busy, kernels=kernels))
+                    print(f"{dtype_name} E{head_dim} {mode:8s} {provider:6s} total {total:8.1f} us  "
+                          f"GPU busy {busy if busy is not None else float('nan'):.2f}", flush=True)
                     for name, us in kernels.items():
                         print(f"      {us:8.1f} us  {name[:90]}")
     os.makedirs(args.out, exist_ok=True)

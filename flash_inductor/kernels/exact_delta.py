@@ -37,7 +37,7 @@ from .ds_scaling import _max_as_stat
 
 
 @triton.jit
-def _exact_delta_preprocess(DO, O, RESID, NORM, DLSE, DO_SCALED, DELTA, V, DS_STATS,
+def _exact_delta_preprocess(DO, O, RESID, NORM, DLSE, DO_SCALED, DELTA, V, DS_STATS, DQ_ACC,
                             stride_dob, stride_doh, stride_dom,
                             stride_ob, stride_oh, stride_om,
                             stride_vb, stride_vh, stride_vn,
@@ -47,7 +47,9 @@ def _exact_delta_preprocess(DO, O, RESID, NORM, DLSE, DO_SCALED, DELTA, V, DS_ST
     """Grid (cdiv(max(L, S) if COLLECT_STATS else L, BLOCK_M), B * H); rows past L load nothing and
     store nothing. DO and O (and RESID, as O)
     are (B, H, L, E) with a unit last stride, V (B, H_KV, S, E) likewise; NORM, DLSE and DELTA are
-    flat (B·H·L) fp32 rows; DO_SCALED is (B, H, L, E) contiguous."""
+    flat (B·H·L) fp32 rows; DO_SCALED is (B, H, L, E) contiguous, and so is DQ_ACC, fp32, which
+    gets zeros (the Gluon backward adds dQ into it: one pass over rows this program streams
+    anyway rather than a fill launch of its own)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -74,6 +76,8 @@ def _exact_delta_preprocess(DO, O, RESID, NORM, DLSE, DO_SCALED, DELTA, V, DS_ST
     g = tl.load(NORM + row_ids, mask=in_rows, other=0.0)
     do_scaled = (do.to(tl.float32) * g[:, None]).to(do.dtype)
     tl.store(DO_SCALED + row_ids[:, None] * HEAD_DIM + cols[None, :], do_scaled, mask=mask)
+    tl.store(DQ_ACC + row_ids[:, None] * HEAD_DIM + cols[None, :], tl.zeros([BLOCK_M, HEAD_DIM], tl.float32),
+             mask=mask)
     do_f = do_scaled.to(tl.float32)
     delta = tl.sum(do_f * (o + r), axis=1)
     if HAS_DLSE:

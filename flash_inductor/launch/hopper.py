@@ -128,7 +128,7 @@ def _gluon_available() -> bool:
     return True
 
 
-def _tma_addressable(t: torch.Tensor) -> bool:
+def tma_addressable(t: torch.Tensor) -> bool:
     """A 4-D tensor a TMA descriptor can describe: last dim contiguous, other strides and the
     base 16-byte aligned."""
     elem = t.element_size()
@@ -232,7 +232,7 @@ def tma_unsupported_reason(query, key, value) -> str | None:
     if min(query.shape[2], key.shape[2]) == 0 or max(query.shape[2], key.shape[2]) >= 2**31:
         return "an empty or over-long sequence"
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if not _tma_addressable(t):
+        if not tma_addressable(t):
             return f"{name} strides {tuple(t.stride())} are not TMA-addressable (need a contiguous last dim and 16-byte strides)"
     return None
 
@@ -247,11 +247,48 @@ def hopper_forward_supported(query, key, value, attn_mask=None, dropout_p: float
 def tma_descriptor(t: torch.Tensor, rows: int, cols: int | None = None):
     """A host TMA descriptor over a 4-D (B, H, N, E) tensor with box (1, 1, rows, cols or E), in the
     default swizzled shared layout for that box (boxes wider than the swizzle are split into
-    several copies by the compiler)."""
+    several copies by the compiler). ``t`` must be TMA-addressable (``tma_unsupported_reason``)."""
+    box = (1, 1, rows, t.shape[-1] if cols is None else cols)
+    return gluon_descriptor(t, list(box), _default_layout(box, t.dtype))
+
+
+def gluon_descriptor(t: torch.Tensor, box: list, layout):
+    """Gluon's host ``TensorDescriptor`` over all of ``t``, built without its dataclass checks
+    (alignment, positive sizes, block shape), which the launchers make once per call before they
+    get here (``tma_unsupported_reason``, the empty-input returns): a `stable` training step builds
+    about fifteen descriptors, and on the H200's host the checks were half of the 4-14 µs each
+    cost (benchmarks/experiments/host_overhead.py --breakdown). Where this Triton's descriptor has
+    other required fields, the checked constructor runs."""
+    fields = _descriptor_defaults()
+    if fields is None:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), box, layout)
+    cls, defaults = fields
+    desc = object.__new__(cls)
+    desc.__dict__.update(defaults, base=t, shape=list(t.shape), strides=list(t.stride()), block_shape=box,
+                         layout=layout)
+    return desc
+
+
+_DESCRIPTOR_FIELDS = {"base", "shape", "strides", "block_shape", "layout"}
+
+
+@functools.cache
+def _descriptor_defaults():
+    """(TensorDescriptor, its optional fields' defaults) when it is a plain dataclass whose required
+    fields are exactly base, shape, strides, block_shape and layout (Triton 3.6 and 3.7), else None."""
+    import dataclasses
+
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    box = (1, 1, rows, t.shape[-1] if cols is None else cols)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(box), _default_layout(box, t.dtype))
+    if not dataclasses.is_dataclass(TensorDescriptor) or hasattr(TensorDescriptor, "__slots__"):
+        return None
+    fields = dataclasses.fields(TensorDescriptor)
+    required = {f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    if required != _DESCRIPTOR_FIELDS or any(f.default is dataclasses.MISSING for f in fields if f.name not in required):
+        return None
+    return TensorDescriptor, {f.name: f.default for f in fields if f.name not in required}
 
 
 @functools.lru_cache(maxsize=None)

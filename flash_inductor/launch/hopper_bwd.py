@@ -35,7 +35,8 @@ from ..tuning.buckets import length_hint
 from ..tuning.configs import sm_count
 from .band import band_lower, causal_side, resolve_band
 from .common import LOG2E, cdiv
-from .hopper import NOT_HOPPER, hopper_forward_unsupported_reason, key_bias, tma_descriptor, tma_unsupported_reason
+from .hopper import (NOT_HOPPER, gluon_descriptor, hopper_forward_unsupported_reason, key_bias, tma_descriptor,
+                     tma_unsupported_reason)
 
 log = logging.getLogger("flash_inductor")
 # `stable` runs this kernel only from the one-pass forward, whose residual it needs (ops/one_pass.py).
@@ -246,9 +247,13 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     if seq_q == 0 or seq_k == 0 or batch * heads_q == 0:
         return torch.zeros_like(query), dk.zero_(), dv.zero_()
     if exact_delta is not None:
+        # The preprocess zeroes the dQ accumulator as it streams the rows (no fill launch).
+        dq_accum = torch.empty((batch, heads_q, seq_q, head_dim), dtype=torch.float32, device=query.device)
         # The kernel reads the pivots where it reads the LSE otherwise (+inf: a row with no key).
-        grad_out, lse, delta, ds_up = _exact_delta_inputs(grad_out, value, out, grad_lse, *exact_delta)
+        grad_out, lse, delta, ds_up = _exact_delta_inputs(grad_out, value, out, grad_lse, *exact_delta,
+                                                          dq_accum=dq_accum)
     else:
+        dq_accum = torch.zeros((batch, heads_q, seq_q, head_dim), dtype=torch.float32, device=query.device)
         ds_up = lse  # not read
     if delta is None:
         delta = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
@@ -256,7 +261,6 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
             grad_lse = grad_lse.to(torch.float32).contiguous()
         launch_preprocess(out, grad_out, grad_lse, value, delta, delta, head_dim, head_dim, 64, False)
     lse = lse.to(torch.float32).contiguous()
-    dq_accum = torch.zeros((batch, heads_q, seq_q, head_dim), dtype=torch.float32, device=query.device)
     dq_tma = cfg.dq_tma and HAS_TMA_REDUCE
     dq_cols = head_dim // 2 if cfg.dq_split else head_dim
     # The kernel sees the band as the Hopper forward does: its upper side as the causal
@@ -334,9 +338,7 @@ def row_stats_descriptor(plane: torch.Tensor, block_m: int):
     """A 2-D TMA descriptor over a plane of ``row_stats_planes``, box (1, ``block_m``), unswizzled: the
     loader brings a tile's rows with its Q or dO (kernels/hopper_bwd.py, ROW_STATS_TMA). Columns
     past L read as zeros."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    return TensorDescriptor(plane, list(plane.shape), list(plane.stride()), [1, block_m], _unswizzled_fp32_layout())
+    return gluon_descriptor(plane, [1, block_m], _unswizzled_fp32_layout())
 
 
 @functools.lru_cache(maxsize=None)
@@ -346,8 +348,9 @@ def _unswizzled_fp32_layout():
     return gl.NVMMASharedLayout(0, 32, rank=2)
 
 
-def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
-    """(dO', pivots, Δ', ds_up) for the exact-Δ backward (kernels/exact_delta.py)."""
+def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts, *, dq_accum):
+    """(dO', pivots, Δ', ds_up) for the exact-Δ backward (kernels/exact_delta.py); ``dq_accum``
+    (B, Hq, L, E) fp32 contiguous is zeroed on the way."""
     from ..kernels.exact_delta import _exact_delta_preprocess
 
     batch, heads_q, seq_q, head_dim = grad_out.shape
@@ -364,11 +367,12 @@ def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
     block_m = 64
     rows = torch.sym_max(seq_q, seq_k) if collect_stats else seq_q
     grid = (cdiv(rows, block_m), batch * heads_q)
-    # One column of partial maxima per program (no contended atomics), reduced below.
-    stats = torch.zeros((3, grid[0] * grid[1]) if collect_stats else (3, 1), dtype=torch.float32,
-                        device=grad_out.device)
+    # One column of partial maxima per program (no contended atomics), reduced below; bf16 keeps none.
+    stats = (torch.zeros((3, grid[0] * grid[1]), dtype=torch.float32, device=grad_out.device) if collect_stats
+             else delta)  # delta: not touched
     _exact_delta_preprocess[grid](
         grad_out, out, resid, norm, grad_lse if grad_lse is not None else norm, do_scaled, delta, value, stats,
+        dq_accum,
         *grad_out.stride()[:3], *out.stride()[:3], *value.stride()[:3], heads_q, heads_kv, seq_q, seq_k,
         HEAD_DIM=head_dim, BLOCK_M=block_m, HAS_DLSE=grad_lse is not None, COLLECT_STATS=collect_stats,
         num_warps=4,
@@ -376,8 +380,22 @@ def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
     if collect_stats:
         ds_up = ds_up_in_one_launch(stats) if DS_UP_ONE_LAUNCH else ds_up_from_stats(stats)
     else:
-        ds_up = torch.ones(1, dtype=torch.float32, device=grad_out.device)
+        ds_up = _one(grad_out.device)
     return do_scaled, pivot, delta, ds_up
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    """A (1,) fp32 1 on ``device`` that the kernels only read (bf16's ds_up), made once per device
+    rather than one allocation and fill launch a backward. Never kept from inside a CUDA graph
+    capture, whose memory belongs to the graph."""
+    if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.ones(1, dtype=torch.float32, device=device)
+    return _one_on(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_on(device: torch.device) -> torch.Tensor:
+    return torch.ones(1, dtype=torch.float32, device=device)
 
 
 # The one-pass backward's clamps: the bound on |dS| within [DS_UP_MIN_BOUND, 2^100], so ds_up, a

@@ -80,8 +80,7 @@ def centred_keys(key: Tensor) -> tuple[Tensor, Tensor]:
 def _addressable(*tensors: Tensor) -> list[Tensor]:
     """The tensors as they are where TMA can address them, else contiguous copies (a clone: a
     contiguous view at an unaligned offset is its own ``.contiguous()``)."""
-    return [t if hopper.tma_unsupported_reason(t, t, t) is None else t.clone(memory_format=torch.contiguous_format)
-            for t in tensors]
+    return [t if hopper.tma_addressable(t) else t.clone(memory_format=torch.contiguous_format) for t in tensors]
 
 
 def _forward(query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask=None):

@@ -273,3 +273,27 @@ def test_explain_names_the_forward_kernel_on_a_mocked_hopper(monkeypatch):
     assert "forward on Triton: an attention mask" in describe_rewrite(masked, "stable")
     on_cpu = AttentionSite("sdpa", q, node("qc", 2, 8, 64, 128, cuda=False), k, v)
     assert "forward" not in describe_rewrite(on_cpu, "stable")
+
+
+@pytest.mark.parametrize("box", [(1, 1, 64, 128), (1, 1, 128, 64), (1, 64)])
+def test_descriptors_skip_only_the_checks(box):
+    """The launchers' unchecked descriptors hold what Gluon's checked constructor holds, field for
+    field, and the launcher's argument packing reads the same values from both (CPU tensors: no
+    GPU is touched)."""
+    gluon = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    import dataclasses
+
+    from flash_inductor.launch.hopper import _descriptor_defaults, _default_layout, gluon_descriptor
+
+    t = torch.empty((2, 3, 256, 128), dtype=torch.bfloat16)[..., : box[-1]] if len(box) == 4 else \
+        torch.empty((6, 96), dtype=torch.float32)
+    layout = _default_layout(tuple(box), t.dtype)
+    fast = gluon_descriptor(t, list(box), layout)
+    checked = gluon.TensorDescriptor(t, list(t.shape), list(t.stride()), list(box), layout)
+    assert _descriptor_defaults() is not None, "this Triton's TensorDescriptor lost the fast path"
+    assert type(fast) is type(checked)
+    assert fast.base is t and checked.base is t
+    for field in dataclasses.fields(checked):
+        if field.name != "base":
+            assert getattr(fast, field.name) == getattr(checked, field.name), field.name
+    assert fast.strides == list(t.stride()) and fast.shape == list(t.shape)
