@@ -53,6 +53,12 @@ ONE_PASS_STABLE = True
 # forward+backward step against 2.54 with the torch ops (1.02x), dK and dV bitwise the same; the
 # interpreter tests hold both spellings to the same power of two.
 DS_UP_ONE_LAUNCH = True
+# Whether the exact-Δ preprocess zeroes the dQ accumulator as it streams the rows, rather than a
+# fill launch before it. Off: on the H200 (bf16, 4k, benchmarks/experiments/linear_passes.py,
+# 2026-12-04) the fused pass took 203 µs against 130 + 61 for the two at E 128, 32k tokens (104
+# against 70 + 32 at 16k tokens): no bytes are saved, and the extra stores slow the stream they
+# join more than the fill's launch costs. It would save one launch's host time only.
+PREPROCESS_ZEROES_DQ = False
 ONE_PASS_OFF = ("schedule 'stable' with launch.hopper_bwd.ONE_PASS_STABLE off (its exact Δ needs the one-pass "
                 "forward's residual; docs/hopper_backward.md)")
 # dQ is summed across key blocks by TMA reduce-adds, whose order varies from run to run; the
@@ -246,14 +252,14 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     if seq_q == 0 or seq_k == 0 or batch * heads_q == 0:
         return torch.zeros_like(query), dk.zero_(), dv.zero_()
+    zero_in_preprocess = exact_delta is not None and PREPROCESS_ZEROES_DQ
+    dq_accum = (torch.empty if zero_in_preprocess else torch.zeros)(
+        (batch, heads_q, seq_q, head_dim), dtype=torch.float32, device=query.device)
     if exact_delta is not None:
-        # The preprocess zeroes the dQ accumulator as it streams the rows (no fill launch).
-        dq_accum = torch.empty((batch, heads_q, seq_q, head_dim), dtype=torch.float32, device=query.device)
         # The kernel reads the pivots where it reads the LSE otherwise (+inf: a row with no key).
         grad_out, lse, delta, ds_up = _exact_delta_inputs(grad_out, value, out, grad_lse, *exact_delta,
-                                                          dq_accum=dq_accum)
+                                                          dq_accum=dq_accum if zero_in_preprocess else None)
     else:
-        dq_accum = torch.zeros((batch, heads_q, seq_q, head_dim), dtype=torch.float32, device=query.device)
         ds_up = lse  # not read
     if delta is None:
         delta = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
@@ -348,9 +354,9 @@ def _unswizzled_fp32_layout():
     return gl.NVMMASharedLayout(0, 32, rank=2)
 
 
-def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts, *, dq_accum):
+def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts, *, dq_accum=None):
     """(dO', pivots, Δ', ds_up) for the exact-Δ backward (kernels/exact_delta.py); ``dq_accum``
-    (B, Hq, L, E) fp32 contiguous is zeroed on the way."""
+    (B, Hq, L, E) fp32 contiguous, if given, is zeroed on the way."""
     from ..kernels.exact_delta import _exact_delta_preprocess
 
     batch, heads_q, seq_q, head_dim = grad_out.shape
@@ -372,10 +378,10 @@ def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts, *, dq
              else delta)  # delta: not touched
     _exact_delta_preprocess[grid](
         grad_out, out, resid, norm, grad_lse if grad_lse is not None else norm, do_scaled, delta, value, stats,
-        dq_accum,
+        dq_accum if dq_accum is not None else delta,  # delta: not touched
         *grad_out.stride()[:3], *out.stride()[:3], *value.stride()[:3], heads_q, heads_kv, seq_q, seq_k,
         HEAD_DIM=head_dim, BLOCK_M=block_m, HAS_DLSE=grad_lse is not None, COLLECT_STATS=collect_stats,
-        num_warps=4,
+        ZERO_DQ=dq_accum is not None, num_warps=4,
     )
     if collect_stats:
         ds_up = ds_up_in_one_launch(stats) if DS_UP_ONE_LAUNCH else ds_up_from_stats(stats)
@@ -446,8 +452,11 @@ def centre_keys(key: torch.Tensor, max_chunks: int = 16, min_chunk: int = 512):
     k_tilde = torch.empty((batch, heads_kv, seq_k, head_dim), dtype=key.dtype, device=key.device)
     grid = (chunks, batch * heads_kv)
     args = (*key.stride()[:3], heads_kv, seq_k, chunk)
-    # The moments keep three (rows, E) fp32 accumulators live, so they take half the rows (a
-    # divisor of the chunk) over twice the warps: 16 values a thread per accumulator.
+    # The moments keep three (rows, E) fp32 accumulators live, so each of their two loads an
+    # iteration takes half the rows (the pair, a divisor of the chunk), over eight warps. Lead,
+    # timed but not yet through the GPU tests: at E 128 four warps ran faster on the H200 (bf16,
+    # 4k, benchmarks/experiments/linear_passes.py): 40 against 51 µs at 16k tokens, 60 against 76
+    # at 32k.
     _key_moments[grid](key, partial, *args, HEAD_DIM=head_dim, BLOCK_N=max(1, block_n // 2), num_warps=8)
     _centre_keys[grid](key, partial, k_tilde, k_hat, *args, HEAD_DIM=head_dim, BLOCK_N=block_n, num_warps=4)
     return k_hat, k_tilde

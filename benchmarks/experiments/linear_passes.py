@@ -1,0 +1,121 @@
+"""EXPERIMENT: launch configs of the one-pass step's linear passes over K and the rows, timed alone.
+
+    python -m benchmarks.experiments.linear_passes --tokens 32768 --seq 4096 --head-dim 128
+
+The `stable` one-pass step reads K twice (``_key_moments``, then ``_centre_keys`` writing K̃) and
+streams dO, O and the residual once (``_exact_delta_preprocess``, which also zeroes the dQ
+accumulator). They are memory-bound, so their time against the bytes they move says how far each
+is from the H200's bandwidth; this times each under several launch configs (triton.testing.do_bench,
+median) and prints GB/s. Writes ``linear_passes.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.testing import do_bench
+
+from flash_inductor.kernels.exact_delta import _centre_keys, _exact_delta_preprocess, _key_moments
+from flash_inductor.launch.common import cdiv
+
+
+@triton.jit
+def _key_moments_one_load(K, PARTIAL, stride_kb, stride_kh, stride_kn, H_KV, S, CHUNK,
+                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``_key_moments`` as it was before its two loads an iteration: one load, then its sums."""
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1)
+    cols = tl.arange(0, HEAD_DIM)
+    base = K + (bh // H_KV).to(tl.int64) * stride_kb + (bh % H_KV) * stride_kh
+    total = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    low = tl.full([BLOCK_N, HEAD_DIM], float("inf"), dtype=tl.float32)
+    high = tl.full([BLOCK_N, HEAD_DIM], float("-inf"), dtype=tl.float32)
+    for start in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, S), BLOCK_N):
+        rows = start + tl.arange(0, BLOCK_N)
+        in_rows = (rows < S)[:, None]
+        k = tl.load(base + rows[:, None].to(tl.int64) * stride_kn + cols[None, :], mask=in_rows,
+                    other=0.0).to(tl.float32)
+        total += k
+        low = tl.minimum(low, tl.where(in_rows, k, float("inf")))
+        high = tl.maximum(high, tl.where(in_rows, k, float("-inf")))
+    plane = tl.num_programs(1) * tl.num_programs(0) * HEAD_DIM
+    at = PARTIAL + (bh * tl.num_programs(0) + chunk).to(tl.int64) * HEAD_DIM + cols
+    tl.store(at, tl.sum(total, axis=0))
+    tl.store(at + plane, tl.min(low, axis=0))
+    tl.store(at + 2 * plane, tl.max(high, axis=0))
+
+
+def _moments(key, chunks, block_n, warps, kernel=_key_moments):
+    batch, heads, seq, dim = key.shape
+    chunk = cdiv(cdiv(seq, chunks), 2 * block_n) * 2 * block_n
+    chunks = cdiv(seq, chunk)
+    partial = torch.empty((3, batch * heads, chunks, dim), dtype=torch.float32, device=key.device)
+    strides = (*key.stride()[:3], heads, seq, chunk)
+
+    def run():
+        kernel[(chunks, batch * heads)](key, partial, *strides, HEAD_DIM=dim, BLOCK_N=block_n, num_warps=warps)
+    return run, partial, chunk, chunks
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args(argv)
+    dim, seq = args.head_dim, args.seq
+    batch, heads = max(1, args.tokens // seq), 2048 // dim
+    shape = (batch, heads, seq, dim)
+    key = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    records = []
+
+    def timed(name, run, nbytes, **config):
+        ms = do_bench(run, warmup=25, rep=100, return_mode="median")
+        records.append(dict(kernel=name, us=ms * 1e3, gbps=nbytes / ms / 1e6, **config))
+        print(f"{name:12s} {ms * 1e3:8.1f} us {nbytes / ms / 1e6:7.0f} GB/s  {config}", flush=True)
+
+    k_bytes = key.numel() * key.element_size()
+    for chunks in (8, 16):
+        for block_n in (16, 32):
+            for warps in (4, 8):
+                for name, kernel in (("moments", _key_moments), ("moments_1ld", _key_moments_one_load)):
+                    run, *_ = _moments(key, chunks, block_n, warps, kernel)
+                    timed(name, run, k_bytes, chunks=chunks, block_n=block_n, warps=warps)
+    k_tilde, k_hat = torch.empty_like(key), torch.empty((batch, heads, dim), device="cuda")
+    for chunks in (8,):
+        for block_n in (64, 128):
+            for warps in (4,):
+                run, partial, chunk, n = _moments(key, chunks, 32, 8)
+                run()
+                strides = (*key.stride()[:3], heads, seq, chunk)
+                timed("centre", lambda: _centre_keys[(n, batch * heads)](key, partial, k_tilde, k_hat, *strides,
+                                                                            HEAD_DIM=dim, BLOCK_N=block_n,
+                                                                            num_warps=warps),
+                      2 * k_bytes, chunks=chunks, block_n=block_n, warps=warps)
+    do, out, resid = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    norm = torch.rand(shape[:3], device="cuda")
+    do_scaled, delta = torch.empty_like(do), torch.empty(shape[:3], device="cuda")
+    dq_acc = torch.empty(shape, device="cuda", dtype=torch.float32)
+    row_bytes = 4 * k_bytes + dq_acc.numel() * 4
+    for zero_dq in (False, True):
+        for block_m in (64,):
+            grid = (cdiv(seq, block_m), batch * heads)
+            timed("preprocess", lambda: _exact_delta_preprocess[grid](
+                do, out, resid, norm, norm, do_scaled, delta, out, delta, dq_acc, *do.stride()[:3], *out.stride()[:3],
+                *out.stride()[:3], heads, heads, seq, seq, HEAD_DIM=dim, BLOCK_M=block_m, HAS_DLSE=False,
+                COLLECT_STATS=False, ZERO_DQ=zero_dq, num_warps=4),
+                  row_bytes if zero_dq else 4 * k_bytes, block_m=block_m, zero_dq=zero_dq)
+    timed("zero fill", lambda: dq_acc.zero_(), dq_acc.numel() * 4)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "linear_passes.json"), "w") as f:
+        json.dump(dict(args=vars(args), shape=list(shape), records=records), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
