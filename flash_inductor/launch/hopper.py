@@ -255,10 +255,10 @@ def tma_descriptor(t: torch.Tensor, rows: int, cols: int | None = None):
 def gluon_descriptor(t: torch.Tensor, box: list, layout):
     """Gluon's host ``TensorDescriptor`` over all of ``t``, built without its dataclass checks
     (alignment, positive sizes, block shape), which the launchers make once per call before they
-    get here (``tma_unsupported_reason``, the empty-input returns): a `stable` training step builds
-    about fifteen descriptors, and on the H200's host the checks were half of the 4-14 µs each
-    cost (benchmarks/experiments/host_overhead.py --breakdown). Where this Triton's descriptor has
-    other required fields, the checked constructor runs."""
+    get here (``tma_unsupported_reason``, the empty-input returns). A `stable` training step builds
+    about fifteen descriptors, at 4-17 µs each with the checks on the H200's host
+    (benchmarks/experiments/host_overhead.py --breakdown). Where this Triton's descriptor has other
+    required fields, the checked constructor runs."""
     fields = _descriptor_defaults()
     if fields is None:
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
