@@ -6,7 +6,8 @@ The `stable` one-pass step reads K twice (``_key_moments``, then ``_centre_keys`
 streams dO, O and the residual once (``_exact_delta_preprocess``, which also zeroes the dQ
 accumulator). They are memory-bound, so their time against the bytes they move says how far each
 is from the H200's bandwidth; this times each under several launch configs (triton.testing.do_bench,
-median) and prints GB/s. Writes ``linear_passes.json`` to ``--out``.
+median) and prints GB/s. (The run that measured ``_key_moments``' two loads an iteration against
+its one-load loop, ``linear_passes_20261204``, had that loop beside it: git history at 0b912f7.) Writes ``linear_passes.json`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -16,38 +17,10 @@ import json
 import os
 
 import torch
-import triton
-import triton.language as tl
 from triton.testing import do_bench
 
 from flash_inductor.kernels.exact_delta import _centre_keys, _exact_delta_preprocess, _key_moments
 from flash_inductor.launch.common import cdiv
-
-
-@triton.jit
-def _key_moments_one_load(K, PARTIAL, stride_kb, stride_kh, stride_kn, H_KV, S, CHUNK,
-                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``_key_moments`` as it was before its two loads an iteration: one load, then its sums."""
-    chunk = tl.program_id(0)
-    bh = tl.program_id(1)
-    cols = tl.arange(0, HEAD_DIM)
-    base = K + (bh // H_KV).to(tl.int64) * stride_kb + (bh % H_KV) * stride_kh
-    total = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    low = tl.full([BLOCK_N, HEAD_DIM], float("inf"), dtype=tl.float32)
-    high = tl.full([BLOCK_N, HEAD_DIM], float("-inf"), dtype=tl.float32)
-    for start in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, S), BLOCK_N):
-        rows = start + tl.arange(0, BLOCK_N)
-        in_rows = (rows < S)[:, None]
-        k = tl.load(base + rows[:, None].to(tl.int64) * stride_kn + cols[None, :], mask=in_rows,
-                    other=0.0).to(tl.float32)
-        total += k
-        low = tl.minimum(low, tl.where(in_rows, k, float("inf")))
-        high = tl.maximum(high, tl.where(in_rows, k, float("-inf")))
-    plane = tl.num_programs(1) * tl.num_programs(0) * HEAD_DIM
-    at = PARTIAL + (bh * tl.num_programs(0) + chunk).to(tl.int64) * HEAD_DIM + cols
-    tl.store(at, tl.sum(total, axis=0))
-    tl.store(at + plane, tl.min(low, axis=0))
-    tl.store(at + 2 * plane, tl.max(high, axis=0))
 
 
 def _moments(key, chunks, block_n, warps, kernel=_key_moments):
@@ -84,9 +57,8 @@ def main(argv=None):
     for chunks in (8, 16):
         for block_n in (16, 32):
             for warps in (4, 8):
-                for name, kernel in (("moments", _key_moments), ("moments_1ld", _key_moments_one_load)):
-                    run, *_ = _moments(key, chunks, block_n, warps, kernel)
-                    timed(name, run, k_bytes, chunks=chunks, block_n=block_n, warps=warps)
+                run, *_ = _moments(key, chunks, block_n, warps)
+                timed("moments", run, k_bytes, chunks=chunks, block_n=block_n, warps=warps)
     k_tilde, k_hat = torch.empty_like(key), torch.empty((batch, heads, dim), device="cuda")
     for chunks in (8,):
         for block_n in (64, 128):
