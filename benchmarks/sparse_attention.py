@@ -31,8 +31,12 @@ TFLOP/s (4·B·H·E per visible score, x3.5 for forward+backward), the fraction 
 kernels visit (``flash_inductor.launch.band.visited_tiles`` at 128 x 64 tiles) and, for ``ours``,
 the largest difference from ``sdpa-mask``'s output (``ours-fast`` too). The table prints ours' speed-up over each
 contender. Records are appended to ``<stem>.partial.jsonl`` as they land; ``--time-budget`` stops
-starting cells and records the rest as skipped. Writes ``sparse_<part>_<gpu>_<date>.json`` and a
-PNG under ``--out`` (default ``$OUT``, else /tmp/flash_inductor_out).
+starting cells and records the rest as skipped. ``--kernel-time`` also profiles each step run back
+to back (``benchmarks/kernel_time.gpu_busy``): ``kernel_ms``, its kernels' time per call, and
+``gpu_busy``. A cell whose do_bench time is well above its kernel time with the GPU often idle was
+timed on the host path (whose speed varies with the device's host CPU), not the kernels; the run
+prints ours' speed-up by kernel time too. Writes ``sparse_<part>_<gpu>_<date>.json`` and a PNG
+under ``--out`` (default ``$OUT``, else /tmp/flash_inductor_out).
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import block_sparse_attention as block_sparse
+from benchmarks.kernel_time import gpu_busy
 from benchmarks.common import (DTYPES, MODE_FLOP_FACTOR, bench_ms, call_recorded, compiled_flex, dynamo_limits, environment,
                                heat, is_fatal, module_command, no_donated_buffers, output_stem, progress,
                                release_memory, tflops)
@@ -55,6 +60,7 @@ from benchmarks.common import (DTYPES, MODE_FLOP_FACTOR, bench_ms, call_recorded
 MODES = ("fwd", "fwd_bwd")
 HIDDEN = 2048  # heads * head_dim, as in shared/ANCHORS.md
 MIRROR_TILES = (128, 64)  # the tile shape the visited-tile fraction is reported at
+KERNEL_TIME_CALLS = 10  # back-to-back steps profiled per cell with --kernel-time
 
 
 # ----------------------------------------------------------------------------- parts
@@ -211,6 +217,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT") or "/tmp/flash_inductor_out")
     p.add_argument("--tag", default=None)
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--kernel-time", action="store_true",
+                   help="also profile each step: kernel_ms per call and gpu_busy (the GPU's busy share of a loop)")
     args = p.parse_args(argv)
     args.seqs_given = args.seqs is not None
     args.seqs = args.seqs or [4096, 8192, 16384, 32768]
@@ -252,6 +260,8 @@ def run_cell(part, cell, provider, args, device):
         if device == "cuda":
             heat(step, args.heat_ms, synchronize=torch.cuda.synchronize)
             record["ms"] = bench_ms(step, args.warmup, args.rep)
+            if args.kernel_time:
+                record.update(gpu_busy(step, KERNEL_TIME_CALLS, device))
         else:
             start = time.perf_counter()
             for _ in range(max(1, args.rep)):
@@ -303,9 +313,10 @@ def _key(record):
     return (record.get("style"), record["mode"], record["seq"], record.get("window"))
 
 
-def speedups(records, ours="ours"):
-    """{cell key: {contender: t_contender / t_ours}} for the cells where both ran."""
-    ok = {(_key(r), r["provider"]): r["ms"] for r in records if r["status"] == "ok"}
+def speedups(records, ours="ours", field="ms"):
+    """{cell key: {contender: t_contender / t_ours}} for the cells where both ran (``field``: "ms",
+    do_bench's time, or "kernel_ms", the kernels' time of ``--kernel-time``)."""
+    ok = {(_key(r), r["provider"]): r[field] for r in records if r["status"] == "ok" and r.get(field)}
     result = {}
     for (key, provider), ms in ok.items():
         if provider != ours and (key, ours) in ok:
@@ -392,8 +403,12 @@ def main(argv=None):
         os.remove(partial)
     records = run_all(args, partial_path=partial)
     print(format_table(records, args.providers))
+    by_kernels = speedups(records, field="kernel_ms")
+    for key, ratios in sorted(by_kernels.items(), key=str):
+        print(f"by kernel time {' '.join(map(str, key))}: " + ", ".join(f"ours/{p} {r:.2f}x" for p, r in ratios.items()))
     payload = dict(header=env, part=args.part, providers=args.providers, records=records,
-                   speedups={" ".join(map(str, k)): v for k, v in speedups(records).items()})
+                   speedups={" ".join(map(str, k)): v for k, v in speedups(records).items()},
+                   speedups_by_kernel_time={" ".join(map(str, k)): v for k, v in by_kernels.items()})
     with open(stem + ".json", "w") as f:
         json.dump(payload, f, indent=1)
     files = [stem + ".json"]

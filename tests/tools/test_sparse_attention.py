@@ -79,3 +79,17 @@ def test_plot(sparse, tmp_path):
                                                                               ("sdpa-mask", 4.0))]
     path = sparse.plot(records, str(tmp_path / "p.png"), "title")
     assert path and (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_speedups_by_kernel_time(sparse):
+    """``--kernel-time``'s ratio: the contender's kernel time over ours, per cell, from the records
+    that have it (CPU runs profile nothing, so their records have none and give no ratio)."""
+    cell = dict(style="causal", mode="fwd_bwd", seq=4096, window=256)
+    records = [dict(cell, provider="ours", status="ok", ms=2.5, kernel_ms=1.40),
+               dict(cell, provider="flex", status="ok", ms=1.4, kernel_ms=1.47),
+               dict(cell, provider="sdpa-mask", status="ok", ms=12.0)]
+    key = ("causal", "fwd_bwd", 4096, 256)
+    by_kernels = sparse.speedups(records, field="kernel_ms")
+    assert set(by_kernels[key]) == {"flex"} and by_kernels[key]["flex"] == pytest.approx(1.05)
+    assert sparse.speedups(records)[key] == {"flex": pytest.approx(0.56), "sdpa-mask": pytest.approx(4.8)}
+    assert sparse.parse_args(["--kernel-time"]).kernel_time and not sparse.parse_args([]).kernel_time
