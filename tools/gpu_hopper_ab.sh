@@ -12,7 +12,9 @@
 # against on at E 128 causal 4k; cold: Llama E 64's cold first step with compile-ahead on, off,
 # on, each from empty caches, about 3 minutes; host: one eager call's host time and cProfile, bf16
 # and fp16 at E 128 causal 4k; llama_b1: HF Llama E 64/128 trained at B 1, 4k, against plain
-# torch.compile),
+# torch.compile; moments: the GPU tests of the one-pass path with MOMENTS_FOUR_WARPS_E128 on, then
+# its off/on A/B on a training step; window: the narrow-window cells, ours against Flex, with kernel
+# time),
 # WORKERS (pytest-xdist, 14). Results in $OUT
 # (default /tmp/flash_inductor_out): gpu_tests_hopper.xml, hopper_bwd.json, bench_*_infer.*,
 # debug_overhead_*.json.
@@ -63,7 +65,17 @@ for step in ${STEPS:-tests ab infer eager}; do
         timeout -s INT -k 10 100 python3 -m benchmarks.cold_start --models llama-e64 --tasks train --parts cold \
           --contenders "$contender" --child-timeout 90 --tag "cold-$contender-$(date +%s)" --out "$OUT" 2>&1 | tail -3
       done ;;
-    *) echo "unknown step $step (tests, ab, infer, eager, decode, dsup, host, llama_b1, cold)" >&2; exit 2 ;;
+    moments)
+      FLASH_INDUCTOR_SWITCHES=launch.hopper_bwd.MOMENTS_FOUR_WARPS_E128=1 timeout -s INT -k 20 200 python3 -m pytest \
+        -p tools.pytest_switch tests/unit/test_one_pass.py -q -n "${WORKERS:-14}" -p no:cacheprovider 2>&1 | tail -3
+      timeout -s INT -k 10 90 python3 -m benchmarks.experiments.switch_ab \
+        --switch launch.hopper_bwd.MOMENTS_FOUR_WARPS_E128 --dtype bf16 --head-dim 128 --seq 4096 --causal \
+        --out "$OUT" 2>&1 | tail -3 ;;
+    window)
+      timeout -s INT -k 10 240 python3 -m benchmarks.sparse_attention --part window --providers ours,flex \
+        --seqs 4096,16384,32768 --windows 256 --kernel-time --time-budget 220 --out "$OUT" 2>&1 | tail -14 ;;
+    *) echo "unknown step $step (tests, ab, infer, eager, decode, dsup, host, llama_b1, cold, moments, window)" >&2
+       exit 2 ;;
   esac
 done
 ls "$OUT"

@@ -59,6 +59,10 @@ DS_UP_ONE_LAUNCH = True
 # against 70 + 32 at 16k tokens): no bytes are saved, and the extra stores slow the stream they
 # join more than the fill's launch costs. It would save one launch's host time only.
 PREPROCESS_ZEROES_DQ = False
+# Whether `_key_moments` runs over four warps rather than eight at E 128. Timed alone on the H200
+# (bf16, 4k, benchmarks/experiments/linear_passes.py, 2026-12-04): 40 against 51 µs at 16k tokens,
+# 60 against 76 at 32k. Off until the GPU tests have run with it on (tools/pytest_switch.py).
+MOMENTS_FOUR_WARPS_E128 = False
 ONE_PASS_OFF = ("schedule 'stable' with launch.hopper_bwd.ONE_PASS_STABLE off (its exact Δ needs the one-pass "
                 "forward's residual; docs/hopper_backward.md)")
 # dQ is summed across key blocks by TMA reduce-adds, whose order varies from run to run; the
@@ -453,11 +457,10 @@ def centre_keys(key: torch.Tensor, max_chunks: int = 16, min_chunk: int = 512):
     grid = (chunks, batch * heads_kv)
     args = (*key.stride()[:3], heads_kv, seq_k, chunk)
     # The moments keep three (rows, E) fp32 accumulators live, so each of their two loads an
-    # iteration takes half the rows (the pair, a divisor of the chunk), over eight warps. Lead,
-    # timed but not yet through the GPU tests: at E 128 four warps ran faster on the H200 (bf16,
-    # 4k, benchmarks/experiments/linear_passes.py): 40 against 51 µs at 16k tokens, 60 against 76
-    # at 32k.
-    _key_moments[grid](key, partial, *args, HEAD_DIM=head_dim, BLOCK_N=max(1, block_n // 2), num_warps=8)
+    # iteration takes half the rows (the pair, a divisor of the chunk), over eight warps (four at
+    # E 128 under MOMENTS_FOUR_WARPS_E128).
+    moment_warps = 4 if MOMENTS_FOUR_WARPS_E128 and head_dim >= 128 else 8
+    _key_moments[grid](key, partial, *args, HEAD_DIM=head_dim, BLOCK_N=max(1, block_n // 2), num_warps=moment_warps)
     _centre_keys[grid](key, partial, k_tilde, k_hat, *args, HEAD_DIM=head_dim, BLOCK_N=block_n, num_warps=4)
     return k_hat, k_tilde
 
