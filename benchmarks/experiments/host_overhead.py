@@ -220,17 +220,6 @@ def _launch_pieces(q, k, v, causal, scale, out, lse, resid, row_consts, k_tilde,
     return pieces
 
 
-def _on_a_thread(fn):
-    """``fn()`` run on a new thread, its result returned."""
-    import threading
-
-    result = []
-    thread = threading.Thread(target=lambda: result.append(fn()))
-    thread.start()
-    thread.join()
-    return result[0]
-
-
 def _inside_the_node_us(q, k, v, dout, causal, calls, args):
     """Of a backward alone (``torch.autograd.grad``), the share spent inside the one-pass node's
     backward (on the engine's device thread) and the rest (the engine)."""
@@ -257,11 +246,17 @@ def _inside_the_node_us(q, k, v, dout, causal, calls, args):
                 insides.append(sum(spent) / calls * 1e6)
     finally:
         one_pass._EagerOnePass.backward = staticmethod(original)
-    record = {"backward alone: ours, grad (timed node)": statistics.median(totals) if totals else None,
-              "inside the node's backward": statistics.median(insides) if insides else None}
-    for name, us in record.items():
-        print(f"{us or float('nan'):9.1f} us  {name}", flush=True)
+    record = {}
+    _record(record, "backward alone: ours, grad (timed node)", totals)
+    _record(record, "inside the node's backward", insides)
     return record
+
+
+def _record(record, name, samples):
+    """The median of the valid ``samples`` (None: the GPU caught up) as ``record[name]``, printed."""
+    valid = [sample for sample in samples if sample is not None]
+    record[name] = statistics.median(valid) if valid else None
+    print(f"{record[name] or float('nan'):9.1f} us  {name}", flush=True)
 
 
 def breakdown(args, q, k, v, dout, causal):
@@ -282,8 +277,7 @@ def breakdown(args, q, k, v, dout, causal):
         "hopper_attention_backward (exact delta)": lambda: hopper_bwd.hopper_attention_backward(
             dout, q.detach(), k_tilde, v.detach(), out, lse, None, scale=scale, is_causal=causal,
             exact_delta=(resid, row_consts), mean_key=k_hat),
-        "_exact_delta_inputs": lambda: hopper_bwd._exact_delta_inputs(dout, v.detach(), out, None, resid, row_consts,
-                                                                       dq_accum=torch.empty_like(out, dtype=torch.float32)),
+        "_exact_delta_inputs": lambda: hopper_bwd._exact_delta_inputs(dout, v.detach(), out, None, resid, row_consts),
         "tma_descriptor": lambda: hopper.tma_descriptor(q.detach(), 64),
         "torch.empty": lambda: torch.empty(q.shape, dtype=q.dtype, device=q.device),
         "torch.zeros fp32": lambda: torch.zeros(q.shape, dtype=torch.float32, device=q.device),
@@ -299,38 +293,14 @@ def breakdown(args, q, k, v, dout, causal):
         except TypeError as exc:  # an older tree's signature (an A/B from two trees)
             print(f"      --    {name}: {exc}")
             continue
-        samples = [_host_us(fn, calls, args.device) for _ in range(args.rounds)]
-        valid = [s for s in samples if s is not None]
-        record[name] = statistics.median(valid) if valid else None
-        print(f"{record[name] or float('nan'):9.1f} us  {name}", flush=True)
+        _record(record, name, [_host_us(fn, calls, args.device) for _ in range(args.rounds)])
     for name, (forward, how) in _autograd_pieces(q, k, v, dout, causal, calls, args.device).items():
         for threads in (True, False):
             # Off, the engine runs every node on the calling thread (set_multithreading_enabled).
             with torch.autograd.set_multithreading_enabled(threads):
                 samples = [_backward_alone_us(forward, dout, calls, args.device, (q, k, v), how)
                            for _ in range(args.rounds)]
-            valid = [s for s in samples if s is not None]
-            label = name if threads else f"{name}, engine threads off"
-            record[label] = statistics.median(valid) if valid else None
-            print(f"{record[label] or float('nan'):9.1f} us  {label}", flush=True)
-    import gc
-
-    ours_grad = _autograd_pieces(q, k, v, dout, causal, calls, args.device)["backward alone: ours, grad"][0]
-    gc.disable()  # is Python's cyclic collector part of it?
-    try:
-        samples = [_backward_alone_us(ours_grad, dout, calls, args.device, (q, k, v), "grad")
-                   for _ in range(args.rounds)]
-    finally:
-        gc.enable()
-    valid = [s for s in samples if s is not None]
-    record["backward alone: ours, grad, gc off"] = statistics.median(valid) if valid else None
-    print(f"{record['backward alone: ours, grad, gc off'] or float('nan'):9.1f} us  backward alone: ours, grad, gc off")
-    # The autograd engine runs a CUDA node's backward on its device thread, not the caller's.
-    on_thread = pieces["one-pass _backward (main thread)"]
-    samples = [_on_a_thread(lambda: _host_us(on_thread, calls, args.device)) for _ in range(args.rounds)]
-    valid = [s for s in samples if s is not None]
-    record["one-pass _backward (another thread)"] = statistics.median(valid) if valid else None
-    print(f"{record['one-pass _backward (another thread)'] or float('nan'):9.1f} us  one-pass _backward (another thread)")
+            _record(record, name if threads else f"{name}, engine threads off", samples)
     record.update(_inside_the_node_us(q, k, v, dout, causal, calls, args))
     outs = [flash_attention(q, k, v, is_causal=causal) for _ in range(calls)]
     _sync(args.device)
@@ -376,6 +346,8 @@ def main(argv=None):
     plain = [randn(False) for _ in range(3)] + [None]
     grads = [randn(True) for _ in range(3)] + [randn(False)]
     if args.breakdown:
+        if not args.device.startswith("cuda"):
+            raise SystemExit("host_overhead --breakdown times the Hopper path: it needs a CUDA device")
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "host_breakdown.json"), "w") as f:
             json.dump({"args": vars(args), "us_per_call": breakdown(args, *grads, causal)}, f, indent=1)

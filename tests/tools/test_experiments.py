@@ -192,6 +192,14 @@ def test_host_overhead_probe_times_every_way_and_profiles_ours(tmp_path):
     assert "api.py" in profile
 
 
+def test_host_overhead_breakdown_needs_the_hopper_path(tmp_path):
+    """``--breakdown`` times the Gluon path's pieces: off CUDA it says so instead of failing inside."""
+    from benchmarks.experiments import host_overhead
+
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        host_overhead.main(["--breakdown", "--device", "cpu", "--quick", "--out", str(tmp_path)])
+
+
 def test_fp32_tiles_experiment_runs_every_tile_and_matches_fp64(tmp_path):
     """fp32_tiles.py (docs/performance.md, open leads): every candidate tile computes the same attention and
     gradients as the heuristic's, against a float64 run, through its parallel compile workers."""
