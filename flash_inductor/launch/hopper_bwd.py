@@ -398,7 +398,7 @@ def _one(device: torch.device) -> torch.Tensor:
     """A (1,) fp32 1 on ``device`` that the kernels only read (bf16's ds_up), made once per device
     rather than one allocation and fill launch a backward. Never kept from inside a CUDA graph
     capture, whose memory belongs to the graph."""
-    if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return torch.ones(1, dtype=torch.float32, device=device)
     return _one_on(device)
 
