@@ -139,6 +139,15 @@ def test_the_backward_preprocess_matches_its_definition(with_dlse, one_launch, m
     assert _exact_delta_inputs(do, value, out, dlse, resid, row_consts, dq_accum=dq_accum)[3].item() == 2.0 ** -40
 
 
+def test_bf16_ds_up_is_one_tensor_per_device():
+    """bf16's ds_up (the kernels only read it) is made once per device, a (1,) fp32 1."""
+    from flash_inductor.launch.hopper_bwd import _one
+
+    one = _one(torch.device("cpu"))
+    assert one.shape == (1,) and one.dtype == torch.float32 and one.item() == 1.0
+    assert _one(torch.device("cpu")) is one
+
+
 def test_ds_up_in_one_launch_matches_the_torch_ops():
     """fp16's ds_up from the preprocess's partial maxima: the one-program Triton reduction
     (``_ds_up_from_stats``, the interpreter on a CPU) against the torch ops it replaces, over bounds
