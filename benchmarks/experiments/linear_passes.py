@@ -3,11 +3,12 @@
     python -m benchmarks.experiments.linear_passes --tokens 32768 --seq 4096 --head-dim 128
 
 The `stable` one-pass step reads K twice (``_key_moments``, then ``_centre_keys`` writing K̃) and
-streams dO, O and the residual once (``_exact_delta_preprocess``, which also zeroes the dQ
-accumulator). They are memory-bound, so their time against the bytes they move says how far each
+streams dO, O and the residual once (``_exact_delta_preprocess``), beside the dQ accumulator's
+zero fill. They are memory-bound, so their time against the bytes they move says how far each
 is from the H200's bandwidth; this times each under several launch configs (triton.testing.do_bench,
-median) and prints GB/s. (The run that measured ``_key_moments``' two loads an iteration against
-its one-load loop, ``linear_passes_20261204``, had that loop beside it: git history at 0b912f7.) Writes ``linear_passes.json`` to ``--out``.
+median) and prints GB/s. The run recorded as ``linear_passes_20261204`` also timed
+``_key_moments``' one-load loop and a preprocess that zeroed the dQ accumulator, both since
+removed (git history at 0b912f7). Writes ``linear_passes.json`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -74,15 +75,11 @@ def main(argv=None):
     norm = torch.rand(shape[:3], device="cuda")
     do_scaled, delta = torch.empty_like(do), torch.empty(shape[:3], device="cuda")
     dq_acc = torch.empty(shape, device="cuda", dtype=torch.float32)
-    row_bytes = 4 * k_bytes + dq_acc.numel() * 4
-    for zero_dq in (False, True):
-        for block_m in (64,):
-            grid = (cdiv(seq, block_m), batch * heads)
-            timed("preprocess", lambda: _exact_delta_preprocess[grid](
-                do, out, resid, norm, norm, do_scaled, delta, out, delta, dq_acc, *do.stride()[:3], *out.stride()[:3],
-                *out.stride()[:3], heads, heads, seq, seq, HEAD_DIM=dim, BLOCK_M=block_m, HAS_DLSE=False,
-                COLLECT_STATS=False, ZERO_DQ=zero_dq, num_warps=4),
-                  row_bytes if zero_dq else 4 * k_bytes, block_m=block_m, zero_dq=zero_dq)
+    grid = (cdiv(seq, 64), batch * heads)
+    timed("preprocess", lambda: _exact_delta_preprocess[grid](
+        do, out, resid, norm, norm, do_scaled, delta, out, delta, *do.stride()[:3], *out.stride()[:3],
+        *out.stride()[:3], heads, heads, seq, seq, HEAD_DIM=dim, BLOCK_M=64, HAS_DLSE=False, COLLECT_STATS=False,
+        num_warps=4), 4 * k_bytes, block_m=64)
     timed("zero fill", lambda: dq_acc.zero_(), dq_acc.numel() * 4)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "linear_passes.json"), "w") as f:

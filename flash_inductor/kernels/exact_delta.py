@@ -27,8 +27,7 @@ Glossary (per query row i of one (batch, query head); docs/hopper_backward.md de
           reduced in a fixed order, so k̂ is the same in the forward and the backward.
 
 Constexpr switches: HEAD_DIM (E, a power of two), BLOCK_M (rows per program), HAS_DLSE (the
-LSE output has a gradient), COLLECT_STATS (fp16: the bound's maxima), ZERO_DQ (the preprocess
-zeroes the dQ accumulator).
+LSE output has a gradient), COLLECT_STATS (fp16: the bound's maxima).
 """
 
 import triton
@@ -38,18 +37,17 @@ from .ds_scaling import _max_as_stat
 
 
 @triton.jit
-def _exact_delta_preprocess(DO, O, RESID, NORM, DLSE, DO_SCALED, DELTA, V, DS_STATS, DQ_ACC,
+def _exact_delta_preprocess(DO, O, RESID, NORM, DLSE, DO_SCALED, DELTA, V, DS_STATS,
                             stride_dob, stride_doh, stride_dom,
                             stride_ob, stride_oh, stride_om,
                             stride_vb, stride_vh, stride_vn,
                             H, H_KV, L, S,
                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
-                            COLLECT_STATS: tl.constexpr, ZERO_DQ: tl.constexpr):
+                            COLLECT_STATS: tl.constexpr):
     """Grid (cdiv(max(L, S) if COLLECT_STATS else L, BLOCK_M), B * H); rows past L load nothing and
     store nothing. DO and O (and RESID, as O)
     are (B, H, L, E) with a unit last stride, V (B, H_KV, S, E) likewise; NORM, DLSE and DELTA are
-    flat (B·H·L) fp32 rows; DO_SCALED is (B, H, L, E) contiguous, and so is DQ_ACC, fp32, which
-    gets zeros under ZERO_DQ (the Gluon backward adds dQ into it)."""
+    flat (B·H·L) fp32 rows; DO_SCALED is (B, H, L, E) contiguous."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -76,9 +74,6 @@ def _exact_delta_preprocess(DO, O, RESID, NORM, DLSE, DO_SCALED, DELTA, V, DS_ST
     g = tl.load(NORM + row_ids, mask=in_rows, other=0.0)
     do_scaled = (do.to(tl.float32) * g[:, None]).to(do.dtype)
     tl.store(DO_SCALED + row_ids[:, None] * HEAD_DIM + cols[None, :], do_scaled, mask=mask)
-    if ZERO_DQ:
-        tl.store(DQ_ACC + row_ids[:, None] * HEAD_DIM + cols[None, :], tl.zeros([BLOCK_M, HEAD_DIM], tl.float32),
-                 mask=mask)
     do_f = do_scaled.to(tl.float32)
     delta = tl.sum(do_f * (o + r), axis=1)
     if HAS_DLSE:

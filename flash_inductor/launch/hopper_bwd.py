@@ -53,12 +53,6 @@ ONE_PASS_STABLE = True
 # forward+backward step against 2.54 with the torch ops (1.02x), dK and dV bitwise the same; the
 # interpreter tests hold both spellings to the same power of two.
 DS_UP_ONE_LAUNCH = True
-# Whether the exact-Δ preprocess zeroes the dQ accumulator as it streams the rows, rather than a
-# fill launch before it. Off: on the H200 (bf16, 4k, benchmarks/experiments/linear_passes.py,
-# 2026-12-04) the fused pass took 203 µs against 130 + 61 for the two at E 128, 32k tokens (104
-# against 70 + 32 at 16k tokens): no bytes are saved, and the extra stores slow the stream they
-# join more than the fill's launch costs. It would save one launch's host time only.
-PREPROCESS_ZEROES_DQ = False
 # Whether `_key_moments` runs over four warps rather than eight at E 128. Timed alone on the H200
 # (bf16, 4k, benchmarks/experiments/linear_passes.py, 2026-12-04): 40 against 51 µs at 16k tokens,
 # 60 against 76 at 32k. Off until the GPU tests have run with it on (tools/pytest_switch.py).
@@ -256,13 +250,9 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     if seq_q == 0 or seq_k == 0 or batch * heads_q == 0:
         return torch.zeros_like(query), dk.zero_(), dv.zero_()
-    zero_in_preprocess = exact_delta is not None and PREPROCESS_ZEROES_DQ
-    dq_accum = (torch.empty if zero_in_preprocess else torch.zeros)(
-        (batch, heads_q, seq_q, head_dim), dtype=torch.float32, device=query.device)
     if exact_delta is not None:
         # The kernel reads the pivots where it reads the LSE otherwise (+inf: a row with no key).
-        grad_out, lse, delta, ds_up = _exact_delta_inputs(grad_out, value, out, grad_lse, *exact_delta,
-                                                          dq_accum=dq_accum if zero_in_preprocess else None)
+        grad_out, lse, delta, ds_up = _exact_delta_inputs(grad_out, value, out, grad_lse, *exact_delta)
     else:
         ds_up = lse  # not read
     if delta is None:
@@ -271,6 +261,8 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
             grad_lse = grad_lse.to(torch.float32).contiguous()
         launch_preprocess(out, grad_out, grad_lse, value, delta, delta, head_dim, head_dim, 64, False)
     lse = lse.to(torch.float32).contiguous()
+    # Zeroing this inside the exact-Δ preprocess lost (docs/hopper_backward.md, lead 5).
+    dq_accum = torch.zeros((batch, heads_q, seq_q, head_dim), dtype=torch.float32, device=query.device)
     dq_tma = cfg.dq_tma and HAS_TMA_REDUCE
     dq_cols = head_dim // 2 if cfg.dq_split else head_dim
     # The kernel sees the band as the Hopper forward does: its upper side as the causal
@@ -358,9 +350,8 @@ def _unswizzled_fp32_layout():
     return gl.NVMMASharedLayout(0, 32, rank=2)
 
 
-def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts, *, dq_accum=None):
-    """(dO', pivots, Δ', ds_up) for the exact-Δ backward (kernels/exact_delta.py); ``dq_accum``
-    (B, Hq, L, E) fp32 contiguous, if given, is zeroed on the way."""
+def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
+    """(dO', pivots, Δ', ds_up) for the exact-Δ backward (kernels/exact_delta.py)."""
     from ..kernels.exact_delta import _exact_delta_preprocess
 
     batch, heads_q, seq_q, head_dim = grad_out.shape
@@ -382,10 +373,9 @@ def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts, *, dq
              else delta)  # delta: not touched
     _exact_delta_preprocess[grid](
         grad_out, out, resid, norm, grad_lse if grad_lse is not None else norm, do_scaled, delta, value, stats,
-        dq_accum if dq_accum is not None else delta,  # delta: not touched
         *grad_out.stride()[:3], *out.stride()[:3], *value.stride()[:3], heads_q, heads_kv, seq_q, seq_k,
         HEAD_DIM=head_dim, BLOCK_M=block_m, HAS_DLSE=grad_lse is not None, COLLECT_STATS=collect_stats,
-        ZERO_DQ=dq_accum is not None, num_warps=4,
+        num_warps=4,
     )
     if collect_stats:
         ds_up = ds_up_in_one_launch(stats) if DS_UP_ONE_LAUNCH else ds_up_from_stats(stats)
