@@ -55,8 +55,9 @@ ONE_PASS_STABLE = True
 DS_UP_ONE_LAUNCH = True
 # Whether `_key_moments` runs over four warps rather than eight at E 128. Timed alone on the H200
 # (bf16, 4k, benchmarks/experiments/linear_passes.py, 2026-12-04): 40 against 51 µs at 16k tokens,
-# 60 against 76 at 32k. Off until the GPU tests have run with it on (tools/pytest_switch.py).
-MOMENTS_FOUR_WARPS_E128 = False
+# 60 against 76 at 32k; a whole bf16 causal 4k step (switch_ab) 2.326 ms either way, within its
+# noise. test_one_pass.py passed on the H200 with it on (75 tests, tools/pytest_switch.py).
+MOMENTS_FOUR_WARPS_E128 = True
 ONE_PASS_OFF = ("schedule 'stable' with launch.hopper_bwd.ONE_PASS_STABLE off (its exact Δ needs the one-pass "
                 "forward's residual; docs/hopper_backward.md)")
 # dQ is summed across key blocks by TMA reduce-adds, whose order varies from run to run; the
