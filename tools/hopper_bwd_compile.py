@@ -33,7 +33,8 @@ _fwd_tool = _load("hopper_fwd_compile", "tools", "hopper_fwd_compile.py")
 def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int = 64, stages: int = 2,
                    dq_split: bool = False, dq_tma: bool = True, consumer_regs: int = 240, loader_regs: int = 24,
                    maxnreg: int = 168, window: bool = False, exact_delta: bool = False,
-                   key_bias: bool = False, row_stats_tma: bool = True, group_split: int = 1):
+                   key_bias: bool = False, row_stats_tma: bool = True, group_split: int = 1,
+                   centre_keys: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -56,14 +57,14 @@ def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int = 64, s
         "lse_desc": f"tensordesc<fp32[1, {block_m}],{gl.NVMMASharedLayout(0, 32, rank=2)!r}>",
         "delta_desc": f"tensordesc<fp32[1, {block_m}],{gl.NVMMASharedLayout(0, 32, rank=2)!r}>",
         "LSE": "*fp32", "DELTA": "*fp32", "DQ_ACCUM": "*fp32", "DS_UP": "*fp32", "KEY_BIAS": "*fp32",
-        "DKDV_PART": "*fp32",
+        "MEAN_KEY": "*fp32", "DKDV_PART": "*fp32",
         "L": "i32", "S": "i32", "H_KV": "i32", "GROUP": "i32", "group_split": "i32", "stride_stats": "i32", "causal_offset": "i32", "window_lower": "i32",
         "qk_scale": "fp32",
         "sm_scale": "fp32", "swizzle_heads": "i32",
     }
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=128, NUM_STAGES=stages, IS_CAUSAL=causal,
                       WINDOW_LEFT=window, DQ_SPLIT=dq_split, DQ_TMA=dq_tma, EXACT_DELTA=exact_delta, HAS_KEY_BIAS=key_bias,
-                      ROW_STATS_TMA=row_stats_tma, DKDV_PARTIALS=group_split > 1,
+                      ROW_STATS_TMA=row_stats_tma, DKDV_PARTIALS=group_split > 1, CENTRE_KEYS=centre_keys,
                       CONSUMER_REGS=consumer_regs,
                       LOADER_REGS=loader_regs)
     if group_split == 1:
@@ -99,6 +100,8 @@ def main() -> int:
     ap.add_argument("--dq-split", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--dq-tma", type=int, nargs="*", default=[1], help="1: TMA reduce-add of dQ tiles, 0: atomics")
     ap.add_argument("--exact-delta", action="store_true", help="`stable`'s one-pass exact Δ (EXACT_DELTA)")
+    ap.add_argument("--centre-keys", action="store_true",
+                    help="dQ over K̃ = K − k̂ formed in shared memory (CENTRE_KEYS, the one-pass path's)")
     ap.add_argument("--key-bias", action="store_true", help="a key mask's per-key bias (HAS_KEY_BIAS)")
     ap.add_argument("--row-stats-tma", type=int, default=1, help="1: LSE/Δ rows through the loader's TMA (default)")
     ap.add_argument("--group-split", type=int, default=1,
@@ -109,15 +112,16 @@ def main() -> int:
         for split, dq_tma in ((s, t) for s in args.dq_split for t in args.dq_tma):
             k = compile_config(e, args.dtype, args.causal, args.block_m, args.stages, bool(split), bool(dq_tma),
                                window=args.window, exact_delta=args.exact_delta, key_bias=args.key_bias,
-                               row_stats_tma=bool(args.row_stats_tma), group_split=args.group_split)
+                               row_stats_tma=bool(args.row_stats_tma), group_split=args.group_split,
+                               centre_keys=args.centre_keys)
             print(f"E={e} {args.dtype} causal={args.causal} window={args.window} exact_delta={args.exact_delta} "
-                  f"key_bias={args.key_bias} row_stats_tma={bool(args.row_stats_tma)} BM={args.block_m} "
+                  f"key_bias={args.key_bias} centre_keys={args.centre_keys} row_stats_tma={bool(args.row_stats_tma)} BM={args.block_m} "
                   f"stages={args.stages} group_split={args.group_split} "
                   f"dq_split={bool(split)} dq_tma={bool(dq_tma)}: {report(k)}", flush=True)
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
                 band = ("c" if args.causal else "n") + ("w" if args.window else "")
-                tag = f"e{e}_{args.dtype}_{band}_bm{args.block_m}_s{args.stages}_split{split}_tma{dq_tma}_g{args.group_split}"
+                tag = f"e{e}_{args.dtype}_{band}_bm{args.block_m}_s{args.stages}_split{split}_tma{dq_tma}_g{args.group_split}{'_ck' if args.centre_keys else ''}"
                 for ext in ("ttgir", "ptx"):
                     with open(os.path.join(args.dump, f"{tag}.{ext}"), "w") as f:
                         f.write(k.asm[ext])

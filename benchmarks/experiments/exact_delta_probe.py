@@ -17,9 +17,9 @@ Parts, one process:
   * memory: the peak allocation of one forward+backward above its inputs (bf16, E 128, 16 heads,
     causal, 16k and 32k; as ``bench_attention.py --memory``), with the outputs (out, dq, dk, dv)
     taken off as ``workspace_mib``: the one-pass ops, `stable` on the Triton backward, `fast`, cuDNN.
-  * breakdown: three of those cells part by part: the `fast` and one-pass forwards, the centring
-    of the keys in torch (``centred_keys_reference``) and in Triton (``centred_keys``), and the
-    `fast` and one-pass backwards alone (each from its own forward's outputs).
+  * breakdown: three of those cells part by part: the `fast` and one-pass forwards, the keys' mean
+    k̂ in torch (``key_mean_reference``) and in Triton (``key_mean``), and the `fast` and one-pass
+    backwards alone (each from its own forward's outputs; the one-pass backward finds k̂ itself).
 """
 
 from __future__ import annotations
@@ -252,16 +252,16 @@ def run_breakdown(args, record):
         q, k, v, dout = (torch.randn((b, h, L, e), device="cuda", dtype=DTYPES[dname]) for _ in range(4))
         scale = e ** -0.5
         fast_out, fast_lse = ops.attention_forward(q, k, v, None, None, 0.0, causal, 0, scale, "fast")
-        out, lse, resid, row_consts, k_tilde, k_hat = ops.attention_forward_one_pass(q, k, v, causal, 0, scale)
+        out, lse, resid, row_consts = ops.attention_forward_one_pass(q, k, v, causal, 0, scale)
         parts = {
             "fwd_fast": lambda: ops.attention_forward(q, k, v, None, None, 0.0, causal, 0, scale, "fast"),
             "fwd_one_pass": lambda: ops.attention_forward_one_pass(q, k, v, causal, 0, scale),
-            "centre_torch": lambda: one_pass.centred_keys_reference(k),
-            "centre_triton": lambda: one_pass.centred_keys(k),
+            "key_mean_torch": lambda: one_pass.key_mean_reference(k),
+            "key_mean_triton": lambda: one_pass.key_mean(k),
             "bwd_fast": lambda: ops.attention_backward(dout, q, k, v, None, fast_out, fast_lse, None, None, 0.0,
                                                        causal, 0, scale, "fast", False),
-            "bwd_one_pass": lambda: ops.attention_backward_one_pass(dout, q, k_tilde, k_hat, v, out, lse, None, resid,
-                                                                    row_consts, causal, 0, scale),
+            "bwd_one_pass": lambda: ops.attention_backward_one_pass(dout, q, k, v, out, lse, None, resid, row_consts,
+                                                                    causal, 0, scale),
         }
         cell = dict(dtype=dname, head_dim=e, causal=causal, seq=L)
         for name, fn in parts.items():

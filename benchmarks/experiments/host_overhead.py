@@ -197,7 +197,7 @@ def _captured_launch(kernel, call):
     return captured["grid"], captured["args"], captured["kwargs"]
 
 
-def _launch_pieces(q, k, v, causal, scale, out, lse, resid, row_consts, k_tilde, k_hat, dout):
+def _launch_pieces(q, k, v, causal, scale, out, lse, resid, row_consts, k_hat, dout):
     """The launch alone (its arguments and descriptors built once) of the backward's Gluon kernel
     and of the preprocess, and the api's layers above the one-pass forward."""
     from flash_inductor.kernels.exact_delta import _exact_delta_preprocess
@@ -207,7 +207,7 @@ def _launch_pieces(q, k, v, causal, scale, out, lse, resid, row_consts, k_tilde,
     from flash_inductor.ops.one_pass import _EagerOnePass
 
     def backward():
-        hopper_bwd.hopper_attention_backward(dout, q.detach(), k_tilde, v.detach(), out, lse, None, scale=scale,
+        hopper_bwd.hopper_attention_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, None, scale=scale,
                                              is_causal=causal, exact_delta=(resid, row_consts), mean_key=k_hat)
     pieces = {}
     for name, kernel in (("Gluon backward", _attn_bwd_hopper), ("exact-delta preprocess", _exact_delta_preprocess)):
@@ -265,17 +265,18 @@ def breakdown(args, q, k, v, dout, causal):
     from flash_inductor.ops.one_pass import _backward, _forward
 
     scale = q.shape[-1] ** -0.5
-    out, lse, resid, row_consts, k_tilde, k_hat = _forward(q.detach(), k.detach(), v.detach(), causal, 0, scale, -1, -1)
+    out, lse, resid, row_consts = _forward(q.detach(), k.detach(), v.detach(), causal, 0, scale, -1, -1)
+    k_hat = hopper_bwd.key_mean(k.detach())
     calls = max(4, args.calls // 4)
     pieces = {
         "fwd_grad (flash_attention, inputs require grad)": lambda: flash_attention(q, k, v, is_causal=causal),
-        "one-pass _forward (centring + hopper forward)": lambda: _forward(q.detach(), k.detach(), v.detach(), causal, 0,
+        "one-pass _forward": lambda: _forward(q.detach(), k.detach(), v.detach(), causal, 0,
                                                                            scale, -1, -1),
-        "centre_keys": lambda: hopper_bwd.centre_keys(k.detach()),
+        "key_mean": lambda: hopper_bwd.key_mean(k.detach()),
         "hopper_attention_forward (exact delta)": lambda: hopper.hopper_attention_forward(
-            q.detach(), k_tilde, v.detach(), scale=scale, is_causal=causal, exact_delta=True, mean_key=k_hat),
+            q.detach(), k.detach(), v.detach(), scale=scale, is_causal=causal, exact_delta=True),
         "hopper_attention_backward (exact delta)": lambda: hopper_bwd.hopper_attention_backward(
-            dout, q.detach(), k_tilde, v.detach(), out, lse, None, scale=scale, is_causal=causal,
+            dout, q.detach(), k.detach(), v.detach(), out, lse, None, scale=scale, is_causal=causal,
             exact_delta=(resid, row_consts), mean_key=k_hat),
         "_exact_delta_inputs": lambda: hopper_bwd._exact_delta_inputs(dout, v.detach(), out, None, resid, row_consts),
         "tma_descriptor": lambda: hopper.tma_descriptor(q.detach(), 64),
@@ -284,8 +285,8 @@ def breakdown(args, q, k, v, dout, causal):
         "lse.to(float32).contiguous()": lambda: lse.to(torch.float32).contiguous(),
     }
     pieces["one-pass _backward (main thread)"] = lambda: _backward(
-        dout, q.detach(), k_tilde, k_hat, v.detach(), out, lse, None, resid, row_consts, causal, 0, scale, -1, -1)
-    pieces.update(_launch_pieces(q, k, v, causal, scale, out, lse, resid, row_consts, k_tilde, k_hat, dout))
+        dout, q.detach(), k.detach(), v.detach(), out, lse, None, resid, row_consts, causal, 0, scale, -1, -1)
+    pieces.update(_launch_pieces(q, k, v, causal, scale, out, lse, resid, row_consts, k_hat, dout))
     record = {}
     for name, fn in pieces.items():
         try:

@@ -2,9 +2,10 @@
 
     python -m benchmarks.experiments.linear_passes --tokens 32768 --seq 4096 --head-dim 128
 
-The `stable` one-pass step reads K twice (``_key_moments``, then ``_centre_keys`` writing K̃) and
-streams dO, O and the residual once (``_exact_delta_preprocess``), beside the dQ accumulator's
-zero fill. They are memory-bound, so their time against the bytes they move says how far each
+The `stable` one-pass backward reads K once for its mean (``_key_moments``; the record
+``linear_passes_20261204`` also timed ``_centre_keys``, which wrote K̃ before the Hopper backward
+formed it in shared memory) and streams dO, O and the residual once (``_exact_delta_preprocess``),
+beside the dQ accumulator's zero fill. They are memory-bound, so their time against the bytes they move says how far each
 is from the H200's bandwidth; this times each under several launch configs (triton.testing.do_bench,
 median) and prints GB/s. The run recorded as ``linear_passes_20261204`` also timed
 ``_key_moments``' one-load loop and a preprocess that zeroed the dQ accumulator, both since
@@ -20,7 +21,7 @@ import os
 import torch
 from triton.testing import do_bench
 
-from flash_inductor.kernels.exact_delta import _centre_keys, _exact_delta_preprocess, _key_moments
+from flash_inductor.kernels.exact_delta import _exact_delta_preprocess, _key_moments
 from flash_inductor.launch.common import cdiv
 
 
@@ -60,17 +61,6 @@ def main(argv=None):
             for warps in (4, 8):
                 run, *_ = _moments(key, chunks, block_n, warps)
                 timed("moments", run, k_bytes, chunks=chunks, block_n=block_n, warps=warps)
-    k_tilde, k_hat = torch.empty_like(key), torch.empty((batch, heads, dim), device="cuda")
-    for chunks in (8,):
-        for block_n in (64, 128):
-            for warps in (4,):
-                run, partial, chunk, n = _moments(key, chunks, 32, 8)
-                run()
-                strides = (*key.stride()[:3], heads, seq, chunk)
-                timed("centre", lambda: _centre_keys[(n, batch * heads)](key, partial, k_tilde, k_hat, *strides,
-                                                                            HEAD_DIM=dim, BLOCK_N=block_n,
-                                                                            num_warps=warps),
-                      2 * k_bytes, chunks=chunks, block_n=block_n, warps=warps)
     do, out, resid = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     norm = torch.rand(shape[:3], device="cuda")
     do_scaled, delta = torch.empty_like(do), torch.empty(shape[:3], device="cuda")

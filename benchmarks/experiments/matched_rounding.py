@@ -18,10 +18,12 @@ Here the backward uses the forward's rounded P instead, which it can reproduce e
 dS's own rounding before dS·K meets the keys' shared component (near-tied keys). Two remedies:
   *_ctr       σ̃ᵢ = Σⱼ round16(dSᵢⱼ) and the head's mean key k̂: dq −= σ̃ᵢ·k̂ (exact for any fixed
               k̂, since the exact dS rows sum to 0);
-  *_centred   both passes see K̃ = K − k̂ with k̂ chosen so that the subtraction is exact
-              (ops/one_pass.centred_keys_reference: per dimension, the rounded mean where every key is within
-              a factor of two of it, else 0); the softmax is unchanged, and dS·K̃ meets only the
-              keys' spread. What ops/one_pass.py ships.
+  *_centred   dQ's GEMM takes K̃ = K − k̂ with k̂ chosen so that the subtraction is exact
+              (ops/one_pass.key_mean_reference: per dimension, the rounded mean where every key is
+              within a factor of two of it, else 0); S and P stay over K, and dS·K̃ meets only the
+              keys' spread. What ops/one_pass.py ships (the Hopper backward forms K̃ in shared
+              memory). Its RESULT below was measured when both passes saw K̃ (K̃ in the forward
+              too, as the path first shipped).
 Variants: fa2 (`fast`: fp32 P from the LSE, Δ = dO·O), matched, matched_ctr, matched_centred.
 
 RESULT (CPU, torch 2.13, the suite's requirement, sdpa:math and eager as anchors, seed 0):
@@ -47,7 +49,7 @@ import math
 import torch
 from torch import Tensor
 
-from flash_inductor.ops.one_pass import centred_keys_reference
+from flash_inductor.ops.one_pass import key_mean_reference
 from flash_inductor.stability import cases as suite_cases
 from flash_inductor.stability import runner
 from flash_inductor.stability.anchors import Implementation, implementations
@@ -135,7 +137,10 @@ def _backward(q, k, v, do, o, r, c, g, scale, mask, dtype, variant, perturb):
     ds_r, _ = _round_ds(ds, dtype)
     dv = p_dv.transpose(-1, -2) @ dop
     dk = (ds_r.transpose(-1, -2) @ q.float()) * scale
-    dq = (ds_r @ k.float()) * scale
+    if variant.endswith("centred"):  # the exact dS rows sum to 0: dS·K = dS·K̃
+        dq = (ds_r @ (k.float() - key_mean_reference(k).unsqueeze(2))) * scale
+    else:
+        dq = (ds_r @ k.float()) * scale
     if variant.endswith("ctr"):
         k_hat = k.float().mean(-2, keepdim=True)  # (B, H, 1, E)
         dq = dq - ds_r.sum(-1, keepdim=True) * k_hat * scale
@@ -145,8 +150,6 @@ def _backward(q, k, v, do, o, r, c, g, scale, mask, dtype, variant, perturb):
 class _Emulated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, mask, variant, perturb):
-        if variant.endswith("centred"):
-            _, k = centred_keys_reference(k)  # the forward and the backward both see K̃; softmax ignores q·k̂
         o, r, c, g = _forward(q, k, v, scale, mask, q.dtype)
         ctx.save_for_backward(q, k, v, o, r, c, g)
         ctx.rest = (scale, mask, variant, perturb)
@@ -156,8 +159,6 @@ class _Emulated(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, r, c, g = ctx.saved_tensors
         scale, mask, variant, perturb = ctx.rest
-        if variant.endswith("centred"):
-            _, k = centred_keys_reference(k)
         dq, dk, dv = _backward(q, k, v, do, o, r, c, g, scale, mask, q.dtype, variant, perturb)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 

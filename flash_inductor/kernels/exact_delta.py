@@ -1,5 +1,5 @@
 """The Triton steps around the one-pass exact-Δ path (``hopper_fwd.py``/``hopper_bwd.py`` under
-EXACT_DELTA): the keys' centring before the forward, the backward's preprocess, and the dq finish.
+EXACT_DELTA): the backward's preprocess, the keys' mean for its centred dQ, and the dq finish.
 
 Glossary (per query row i of one (batch, query head); docs/hopper_backward.md derives it):
   g_i     the forward's row normaliser (ROW_CONSTS' second plane): the backward's P is
@@ -16,15 +16,13 @@ Glossary (per query row i of one (batch, query head); docs/hopper_backward.md de
           DS_STATS (3, programs) fp32, which the launcher reduces (one scalar atomic per program
           on three shared addresses took 0.41 ms at fp16 E 128 4k against 0.11 for bf16).
           A NaN counts as +inf so that a non-finite input never looks small.
-  k̂       the centring of the keys (ops/one_pass.py): the forward's LSE gets scale·q_i·k̂ back
-          (by the Gluon forward itself, ``hopper_fwd.py``'s row_shift), and dq the gradient of that term,
-          scale·dLSE_i·k̂ (the dq finish).
-          ``_key_moments`` and ``_centre_keys`` find k̂ and write K̃ = K − k̂ in two passes over K
-          (the torch spelling, six kernels, took 4x as long on the H200: 0.37-0.47 ms at 16k
-          tokens against 0.08-0.11).
+  k̂       the keys' shared part (ops/one_pass.py): the Hopper backward's dQ GEMM takes
+          K̃ = K − k̂ (formed in its shared memory, CENTRE_KEYS). dq = scale·dS·K̃ + scale·(Σ_j dS_ij)·k̂,
+          and a row of dS sums to dLSE_i, so the dq finish adds scale·dLSE_i·k̂. ``_key_moments``
+          (a pass over K) and ``_mean_key_from_moments`` (a program a head) find k̂.
   chunk   a run of CHUNK keys of one (batch, KV head): the unit of ``_key_moments``' partial sums,
           so that a long sequence of few heads still fills the GPU; the chunks' partials are
-          reduced in a fixed order, so k̂ is the same in the forward and the backward.
+          reduced in a fixed order, so k̂ is deterministic.
 
 Constexpr switches: HEAD_DIM (E, a power of two), BLOCK_M (rows per program), HAS_DLSE (the
 LSE output has a gradient), COLLECT_STATS (fp16: the bound's maxima).
@@ -176,19 +174,17 @@ def _key_moments(K, PARTIAL, stride_kb, stride_kh, stride_kn, H_KV, S, CHUNK,
 
 
 @triton.jit
-def _centre_keys(K, PARTIAL, K_TILDE, MEAN_KEY, stride_kb, stride_kh, stride_kn, H_KV, S, CHUNK,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """k̂ from the chunks' partials (every program reduces them in the same order), then
-    K̃ = K − k̂ over this program's chunk. Grid and K as ``_key_moments``; K_TILDE (B, H_KV, S, E)
-    contiguous in K's dtype; MEAN_KEY (B·H_KV, E) fp32, written by each head's first chunk.
+def _mean_key_from_moments(PARTIAL, MEAN_KEY, K, chunks, S, HEAD_DIM: tl.constexpr):
+    """k̂ of one head from its chunks' partials (reduced in chunk order). Grid (B * H_KV,);
+    PARTIAL as ``_key_moments`` writes it; MEAN_KEY (B·H_KV, E) fp32; K only gives the keys'
+    dtype (not read).
 
     k̂_e is the keys' mean rounded to K's dtype where every key's e-th component lies within a
-    factor of two of it, else 0: then k − k̂ is a float of K's dtype (Sterbenz), so K̃ is exact."""
-    chunk = tl.program_id(0)
-    bh = tl.program_id(1)
-    chunks = tl.num_programs(0)
+    factor of two of it, else 0: then k − k̂ is a float of K's dtype (Sterbenz), so the centred
+    keys the Hopper backward forms from it are exact."""
+    bh = tl.program_id(0)
     cols = tl.arange(0, HEAD_DIM)
-    plane = tl.num_programs(1) * chunks * HEAD_DIM
+    plane = tl.num_programs(0) * chunks * HEAD_DIM
     total = tl.zeros([HEAD_DIM], dtype=tl.float32)
     low = tl.full([HEAD_DIM], float("inf"), dtype=tl.float32)
     high = tl.full([HEAD_DIM], float("-inf"), dtype=tl.float32)
@@ -201,13 +197,4 @@ def _centre_keys(K, PARTIAL, K_TILDE, MEAN_KEY, stride_kb, stride_kh, stride_kn,
     within = tl.where(mean > 0, (low >= mean * 0.5) & (high <= mean * 2.0),
                       (high <= mean * 0.5) & (low >= mean * 2.0))
     k_hat = tl.where(within & (mean != 0.0) & (tl.abs(mean) < float("inf")), mean, 0.0)
-    if chunk == 0:
-        tl.store(MEAN_KEY + bh.to(tl.int64) * HEAD_DIM + cols, k_hat)
-    base = K + (bh // H_KV).to(tl.int64) * stride_kb + (bh % H_KV) * stride_kh
-    out = K_TILDE + bh.to(tl.int64) * S * HEAD_DIM
-    for start in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, S), BLOCK_N):
-        rows = start + tl.arange(0, BLOCK_N)
-        in_rows = (rows < S)[:, None]
-        k = tl.load(base + rows[:, None].to(tl.int64) * stride_kn + cols[None, :], mask=in_rows, other=0.0)
-        tl.store(out + rows[:, None].to(tl.int64) * HEAD_DIM + cols[None, :],
-                 (k.to(tl.float32) - k_hat[None, :]).to(K_TILDE.dtype.element_ty), mask=in_rows)
+    tl.store(MEAN_KEY + bh.to(tl.int64) * HEAD_DIM + cols, k_hat)

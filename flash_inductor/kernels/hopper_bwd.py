@@ -79,8 +79,13 @@ Constexpr switches:
                 ds_up  a power of two from the preprocess (1 for bf16; for fp16 it keeps the
                        call's bound on |dS| at 2^14) taken into dS by one FFMA and out of dK
                        and dQ with the softmax scale.
-              The keys are the centred K̃ = K − k̂ of ops/one_pass.py (forward and backward
-              alike), so dS's rounding for dS·K meets only the keys' spread, not their shared part.
+  CENTRE_KEYS dQ's GEMM takes the centred keys K̃ = K − k̂ (k̂: MEAN_KEY, (B·H_KV, E) fp32, per
+              head and dimension a value every key lies within a factor of two of, or 0;
+              ops/one_pass.py), so dS's rounding for dS·K meets only the keys' spread, not their
+              shared part; the launcher adds dLSE·k̂ back to dq. Each consumer writes its 64 rows of
+              K̃ (exact: Sterbenz) into ``kt_smem`` once, from the CTA's K tile; Sᵀ keeps K, so P̃
+              is the forward's bit for bit. Under DQ_SPLIT the first tile's dS handshake also
+              publishes each consumer's K̃ rows to the other.
 
 Precision contract as ``kernels/attn_bwd.py`` under the `fast` schedule: S, P, dP and dS stay
 fp32 until dS meets the matrix unit; P rounded to the input dtype for dV, dS for dK and dQ.
@@ -223,15 +228,15 @@ def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_
 
 
 @gluon.jit
-def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
+def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, kt_smem, v_smem, do_smem, ds_smem, dq_smem,
                          lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                         LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, DKDV_PART, L, S, H_KV, GROUP, group_split,
+                         LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART, L, S, H_KV, GROUP, group_split,
                          stride_stats, causal_offset, window_lower, qk_scale, sm_scale, swizzle_heads,
                          CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                          WINDOW_LEFT: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr,
                          EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr,
-                         DKDV_PARTIALS: gl.constexpr):
+                         DKDV_PARTIALS: gl.constexpr, CENTRE_KEYS: gl.constexpr):
     dtype: gl.constexpr = dk_desc.dtype
     KC: gl.constexpr = KEYS_PER_CONSUMER
     # Sᵀ and dPᵀ: (64 keys) x (BLOCK_M query rows); dK, dV: (64 keys) x E.
@@ -262,9 +267,15 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
     v_2d = v_smem.reshape([BLOCK_N, HEAD_DIM])
     k_tile = k_2d.slice(CONSUMER * KC, KC, dim=0)
     v_tile = v_2d.slice(CONSUMER * KC, KC, dim=0)
+    # dQ's keys: K̃ under CENTRE_KEYS (written below, once K has landed), else K itself.
+    if CENTRE_KEYS:
+        kq_2d = kt_smem.reshape([BLOCK_N, HEAD_DIM])
+    else:
+        kq_2d = k_2d
+    kq_tile = kq_2d.slice(CONSUMER * KC, KC, dim=0)
     if DQ_SPLIT:
-        # All 128 keys of K, columns of this consumer's half of E: the B operand of dS·K.
-        k_all = k_2d.slice(CONSUMER * DQ_COLS, DQ_COLS, dim=1)
+        # All 128 keys, columns of this consumer's half of E: the B operand of dS·K.
+        k_all = kq_2d.slice(CONSUMER * DQ_COLS, DQ_COLS, dim=1)
     dk = gl.zeros([KC, HEAD_DIM], gl.float32, layout=kv_layout)
     dv = gl.zeros([KC, HEAD_DIM], gl.float32, layout=kv_layout)
     s_zero = gl.zeros([KC, BLOCK_M], gl.float32, layout=s_layout)
@@ -284,6 +295,8 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
     else:
         grad_scale = sm_scale
     mbarrier.wait(kv_ready.index(CONSUMER), 0)
+    if CENTRE_KEYS:
+        _write_centred_keys(k_tile, kq_tile, MEAN_KEY, b * H_KV + h_kv, HEAD_DIM)
 
     for t in range(heads * n_m):
         slot = t % NUM_STAGES
@@ -363,7 +376,7 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
             buf = ds_smem.index(CONSUMER)
             buf.store(dst16)
             fence_async_shared()
-            dq_tok = warpgroup_mma(buf.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
+            dq_tok = warpgroup_mma(buf.permute((1, 0)), kq_tile, dq_zero, use_acc=False, is_async=True)
         # pt_op/ds_op stay in deps so their registers are not reused under the running wgmma.
         dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
         mbarrier.arrive(q_empty.index(slot), count=1)
@@ -404,6 +417,22 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_s
 
 
 @gluon.jit
+def _write_centred_keys(k_tile, kt_tile, MEAN_KEY, bh_kv, HEAD_DIM: gl.constexpr):
+    """K̃ = K − k̂ for this consumer's 64 keys, from its K rows into its rows of ``kt_smem``
+    (CENTRE_KEYS), made visible to the wgmmas that read it. Exact in K's dtype: k̂_e is 0 or within
+    a factor of two of every key's e-th component. Once per CTA, 16-byte rows per thread."""
+    COLS_PER_THREAD: gl.constexpr = 8
+    THREADS_PER_ROW: gl.constexpr = HEAD_DIM // COLS_PER_THREAD
+    layout: gl.constexpr = gl.BlockedLayout([1, COLS_PER_THREAD], [32 // THREADS_PER_ROW, THREADS_PER_ROW], [4, 1],
+                                            [1, 0])
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    k_hat = gl.load(MEAN_KEY + bh_kv.to(gl.int64) * HEAD_DIM + dims)
+    k = k_tile.load(layout)
+    kt_tile.store((k.to(gl.float32) - gl.expand_dims(k_hat, 0)).to(k.dtype))
+    fence_async_shared()
+
+
+@gluon.jit
 def _store_partial(DKDV_PART, acc, which, part, group_split, b, h_kv, k0, H_KV, S, acc_layout: gl.constexpr,
                    KC: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Rows [k0, k0 + KC) of plane ``which`` (0: dV, 1: dK) of this part in DKDV_PART
@@ -418,13 +447,13 @@ def _store_partial(DKDV_PART, acc, which, part, group_split, b, h_kv, k0, H_KV, 
 @gluon.jit
 def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
                      LSE, DELTA, DQ_ACCUM,
-                     DS_UP, KEY_BIAS, DKDV_PART, L, S, H_KV, GROUP, group_split, stride_stats, causal_offset,
+                     DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART, L, S, H_KV, GROUP, group_split, stride_stats, causal_offset,
                      window_lower, qk_scale, sm_scale, swizzle_heads, HEAD_DIM: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                      DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, EXACT_DELTA: gl.constexpr,
                      HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr, DKDV_PARTIALS: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                     CENTRE_KEYS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(S, BLOCK_N), B * H_KV * group_split), walked in the order ``swizzle_heads`` sets.
     Descriptors are 4-D over (B, H, L or S, E): Q and dO boxes (1, 1, BLOCK_M, E); K, V, dK, dV
     boxes (1, 1, 64, E). DQ_ACCUM is (B, Hq, L, E) fp32
@@ -436,7 +465,8 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     ``lse_desc``/``delta_desc`` are 2-D descriptors over those planes, box (1, BLOCK_M), read only
     under ROW_STATS_TMA (which then does not read the LSE/DELTA pointers). Under DKDV_PARTIALS,
     DKDV_PART is (2, group_split, B, H_KV, S, E) fp32 and the dK/dV descriptors are not used;
-    otherwise group_split is 1 and DKDV_PART is not touched."""
+    otherwise group_split is 1 and DKDV_PART is not touched. Under CENTRE_KEYS, MEAN_KEY is
+    (B·H_KV, E) fp32, contiguous (k̂); otherwise it is not read."""
     gl.static_assert(BLOCK_N == NUM_CONSUMERS * KEYS_PER_CONSUMER, "BLOCK_N is 64 keys per consumer")
     dtype: gl.constexpr = q_desc.dtype
     qk_scale = qk_scale.to(gl.float32)
@@ -448,6 +478,12 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, HEAD_DIM], dtype)
     k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], kv_layout)
+    if CENTRE_KEYS:
+        # K̃ for dQ beside K for Sᵀ, laid out as K (32 KiB at E 128: the CTA then holds about 225
+        # of its 227 KiB).
+        kt_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], kv_layout)
+    else:
+        kt_smem = k_smem  # unused
     if DQ_SPLIT:
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
@@ -482,18 +518,20 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
         mbarrier.init(q_empty.index(i), count=NUM_CONSUMERS)
 
     gl.warp_specialize([
-        (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
-                                lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                                LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, DKDV_PART, L, S, H_KV, GROUP, group_split,
+        (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, kt_smem, v_smem, do_smem, ds_smem,
+                                dq_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
+                                LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART, L, S, H_KV, GROUP,
+                                group_split,
                                 stride_stats, causal_offset, window_lower, qk_scale, sm_scale, swizzle_heads, 0,
                                 HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, DQ_SPLIT, DQ_TMA,
-                                EXACT_DELTA, HAS_KEY_BIAS, ROW_STATS_TMA, DKDV_PARTIALS)),
-        (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem,
-                                lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
-                                LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, DKDV_PART, L, S, H_KV, GROUP, group_split,
+                                EXACT_DELTA, HAS_KEY_BIAS, ROW_STATS_TMA, DKDV_PARTIALS, CENTRE_KEYS)),
+        (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, kt_smem, v_smem, do_smem, ds_smem,
+                                dq_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
+                                LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART, L, S, H_KV, GROUP,
+                                group_split,
                                 stride_stats, causal_offset, window_lower, qk_scale, sm_scale, swizzle_heads, 1,
                                 HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, DQ_SPLIT, DQ_TMA,
-                                EXACT_DELTA, HAS_KEY_BIAS, ROW_STATS_TMA, DKDV_PARTIALS)),
+                                EXACT_DELTA, HAS_KEY_BIAS, ROW_STATS_TMA, DKDV_PARTIALS, CENTRE_KEYS)),
         (_hopper_bwd_loader, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
                               do_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty,
                               L, H_KV, GROUP, group_split, causal_offset, window_lower, swizzle_heads, BLOCK_M,

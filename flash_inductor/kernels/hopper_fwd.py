@@ -31,12 +31,6 @@ Symbols (per consumer warpgroup, which owns BLOCK_M query rows of one (batch, he
   pivot    the backward's row constants, (B, H, L) planes of ROW_CONSTS: c = m_i + floor(log2 l_rnd)
            (an integer, +inf for a row with no key) and g = exp2(c - m_i) / l_rnd (0 there): the
            backward's P is g · round(exp2(s·qk_scale - c)), whatever the rounding of g.
-  The keys are the centred K̃ = K − k̂ of ops/one_pass.py, so the scores, pivots and residual are
-  over K̃ (the backward's keys too).
-  row_shift qk_scale·(q_i·k̂) in fp32 under HAS_MEAN_KEY (k̂: MEAN_KEY, (B, H_KV, E) fp32), added
-           to the base-2 LSE so that the stored LSE is over K, as the caller returns it. Q is read
-           for it from the Q tile in shared memory while the first Q·Kᵀ runs (a separate pass over
-           Q took 21 µs of a 0.63 ms forward at bf16, E 128, causal 4k).
 
 Constexpr switches:
   HEAD_DIM      E, the head dim of Q, K and V (64 or 128; one TMA box covers it).
@@ -50,7 +44,6 @@ Constexpr switches:
                 if also j >= i + window_lower. The CTA's loop starts at the first key tile its top
                 row can see, so tiles wholly left of the band are never loaded.
   EXACT_DELTA   the integer max, the rounded sum, and the residual and row constants above.
-  HAS_MEAN_KEY  the LSE's row_shift above (the centred keys' mean k̂ in MEAN_KEY).
   HAS_KEY_BIAS  a key mask, one value per key (``launch.hopper.key_bias``): KEY_BIAS is (B, H, S)
                 fp32 in base 2 (0 to attend, -inf to hide, an additive mask times log2 e), added
                 to each tile's scaled scores; a mask that varies along the queries never gets here.
@@ -207,21 +200,6 @@ def _key_bias_tile(bias_row, key_offsets, j, S, BLOCK_N: gl.constexpr, HAS_KEY_B
 
 
 @gluon.jit
-def _row_shift(q_tile, MEAN_KEY, bh_kv, qk_scale, row_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
-               HAS_MEAN_KEY: gl.constexpr):
-    """qk_scale·(q_i·k̂) per row of the Q tile in fp32 under HAS_MEAN_KEY (glossary: row_shift),
-    else 0 (not added). Rows past L are TMA's zeros."""
-    if HAS_MEAN_KEY:
-        q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        q = q_tile.load(q_layout).to(gl.float32)
-        dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
-        k_hat = gl.load(MEAN_KEY + bh_kv.to(gl.int64) * HEAD_DIM + dims)
-        return gl.convert_layout(gl.sum(q * gl.expand_dims(k_hat, 0), 1), row_layout) * qk_scale
-    else:
-        return 0.0
-
-
-@gluon.jit
 def _pv_issue(p_op, v_tile, acc, ones_t, l_acc, EXACT_DELTA: gl.constexpr):
     """Issue P·V into acc and, under EXACT_DELTA, P·1 into l_acc (every column the row sum of
     P as rounded, at no ALU cost per score). Returns the tokens for ``_pv_wait``."""
@@ -266,12 +244,12 @@ def _pass_turn(turn, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPO
 @gluon.jit
 def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
                          q_ready, k_ready, v_ready, k_empty, v_empty,
-                         LSE, ROW_CONSTS, KEY_BIAS, MEAN_KEY, L, S, H, GROUP, causal_offset, window_lower,
+                         LSE, ROW_CONSTS, KEY_BIAS, L, S, H, causal_offset, window_lower,
                          qk_scale, turn, CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                          NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                          PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr,
-                         HAS_MEAN_KEY: gl.constexpr, swizzle_heads):
+                         swizzle_heads):
     """One warpgroup: BLOCK_M query rows against every key tile the loader brings."""
     ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
     dtype: gl.constexpr = o_desc.dtype
@@ -329,9 +307,6 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
     s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
     bias = _key_bias_tile(bias_row, key_offsets, lo, S, BLOCK_N, HAS_KEY_BIAS)
-    # While S_0 runs (the wgmma only reads Q's tile too).
-    row_shift = _row_shift(q_tile, MEAN_KEY, b * (H // GROUP) + h // GROUP, qk_scale, row_layout, HEAD_DIM,
-                           HAS_MEAN_KEY)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(0), count=1)
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, bias, row_ids, lo, n_full, lo_full, S, causal_offset,
@@ -394,8 +369,6 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
     out = out32.to(dtype)
     log2_l = gl.log2(l_safe)
     lse2 = m_i + log2_l
-    if HAS_MEAN_KEY:
-        lse2 = lse2 + row_shift
     lse = gl.where(empty_row, float("-inf"), lse2 * LN2)
     row_off = (b * H + h).to(gl.int64) * L + row_ids
     gl.store(LSE + row_off, lse, mask=row_ids < L)
@@ -422,19 +395,18 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
 
 
 @gluon.jit
-def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KEY_BIAS, MEAN_KEY,
+def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KEY_BIAS,
                      L, S, H, GROUP, causal_offset, window_lower, qk_scale, swizzle_heads,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
                      WINDOW_LEFT: gl.constexpr, PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr,
-                     HAS_KEY_BIAS: gl.constexpr, HAS_MEAN_KEY: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     HAS_KEY_BIAS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      LOADER_REGS: gl.constexpr):
     """Grid (cdiv(L, BLOCK_M * NUM_CONSUMERS), B * H), walked in the order ``swizzle_heads`` sets.
     Q/K/V/O descriptors are 4-D over (B, H, L or S, E) with boxes (1, 1, rows, E), so TMA clips
     and zero-fills per head. Under EXACT_DELTA ``r_desc`` describes O's residual (as O) and
     ROW_CONSTS is (2, B, H, L) fp32 (pivot, g); otherwise neither is touched. Under HAS_KEY_BIAS,
-    KEY_BIAS is (B, H, S) fp32, contiguous (glossary); otherwise it is not read. Under
-    HAS_MEAN_KEY, MEAN_KEY is (B, H_KV, E) fp32, contiguous; otherwise it is not read."""
+    KEY_BIAS is (B, H, S) fp32, contiguous (glossary); otherwise it is not read."""
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "two or three consumer warpgroups")
     dtype: gl.constexpr = q_desc.dtype
     qk_scale = qk_scale.to(gl.float32)
@@ -469,15 +441,15 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KE
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
-                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, MEAN_KEY, L, S, H, GROUP,
+                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H,
                                     causal_offset, window_lower, qk_scale, turn, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
                                     NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                                    HAS_KEY_BIAS, HAS_MEAN_KEY, swizzle_heads)),
+                                    HAS_KEY_BIAS, swizzle_heads)),
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
-                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, MEAN_KEY, L, S, H, GROUP,
+                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H,
                                     causal_offset, window_lower, qk_scale, turn, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
                                     NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                                    HAS_KEY_BIAS, HAS_MEAN_KEY, swizzle_heads)),
+                                    HAS_KEY_BIAS, swizzle_heads)),
             (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                   q_ready, k_ready, v_ready, k_empty, v_empty,
                                   L, S, H, GROUP, causal_offset, window_lower,
@@ -487,20 +459,20 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KE
     else:
         gl.warp_specialize([
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
-                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, MEAN_KEY, L, S, H, GROUP,
+                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H,
                                     causal_offset, window_lower, qk_scale, turn, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
                                     NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                                    HAS_KEY_BIAS, HAS_MEAN_KEY, swizzle_heads)),
+                                    HAS_KEY_BIAS, swizzle_heads)),
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
-                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, MEAN_KEY, L, S, H, GROUP,
+                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H,
                                     causal_offset, window_lower, qk_scale, turn, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
                                     NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                                    HAS_KEY_BIAS, HAS_MEAN_KEY, swizzle_heads)),
+                                    HAS_KEY_BIAS, swizzle_heads)),
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
-                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, MEAN_KEY, L, S, H, GROUP,
+                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H,
                                     causal_offset, window_lower, qk_scale, turn, 2, HEAD_DIM, BLOCK_M, BLOCK_N,
                                     NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                                    HAS_KEY_BIAS, HAS_MEAN_KEY, swizzle_heads)),
+                                    HAS_KEY_BIAS, swizzle_heads)),
             (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                   q_ready, k_ready, v_ready, k_empty, v_empty,
                                   L, S, H, GROUP, causal_offset, window_lower,

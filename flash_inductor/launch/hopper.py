@@ -304,8 +304,7 @@ def _default_layout(box: tuple, dtype: torch.dtype):
 def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                              scale: float | None = None, is_causal: bool = False, causal_offset: int = 0,
                              window: tuple[int, int] | None = None, attn_mask: torch.Tensor | None = None,
-                             config: HopperForwardConfig | None = None, exact_delta: bool = False,
-                             mean_key: torch.Tensor | None = None) -> tuple:
+                             config: HopperForwardConfig | None = None, exact_delta: bool = False) -> tuple:
     """Attention forward on the Gluon Hopper kernel. ``query`` (B, Hq, L, E), ``key``/``value``
     (B, Hkv, S, E) with Hq a multiple of Hkv. Key j is visible to query i iff
     ``j <= i + causal_offset`` when ``is_causal`` (0: top-left, SDPA's convention), and inside
@@ -315,9 +314,7 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     Returns (out (B, Hq, L, E) in the input dtype, lse (B, Hq, L) fp32, natural log). With
     ``exact_delta`` (the `stable` schedule's one-pass backward, docs/hopper_backward.md) also
     O's rounding residual (as out) and the backward's row constants (2, B, Hq, L) fp32 (pivot,
-    normaliser), which ``launch.hopper_bwd`` takes as its ``exact_delta`` pair. ``mean_key``
-    (B, Hkv, E) fp32: ``key`` is the centred K̃ = K − k̂ of ops/one_pass.py, and the LSE gets
-    scale·q·k̂ back so that it is the LSE over K (the rest stays over K̃). Call only where
+    normaliser), which ``launch.hopper_bwd`` takes as its ``exact_delta`` pair. Call only where
     ``hopper_forward_supported`` says so."""
     from ..kernels.hopper_fwd import _attn_fwd_hopper
 
@@ -344,13 +341,11 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     _attn_fwd_hopper[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, cfg.block_n), tma_descriptor(value, cfg.block_n),
         o_desc, tma_descriptor(resid, cfg.block_m) if exact_delta else o_desc, lse, row_consts, bias,
-        mean_key.contiguous() if mean_key is not None else lse,  # lse: not read
         seq_q, seq_k, heads_q, heads_q // heads_kv, causal_offset, band_lower(band), scale * LOG2E,
         max(1, min(cfg.swizzle_heads, batch * heads_q)),
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal, WINDOW_LEFT=band.lower is not None,
         PINGPONG=cfg.pingpong, EXACT_DELTA=exact_delta, HAS_KEY_BIAS=attn_mask is not None,
-        HAS_MEAN_KEY=mean_key is not None,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         # The entry cap fills the register file; setmaxnreg then moves the loader's registers to
         # the consumers (2 consumers: 168 -> 240/240/24; 3: 128 -> 160/160/160/24).

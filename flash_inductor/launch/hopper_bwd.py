@@ -233,8 +233,9 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     key mask, as the forward took it.
     ``delta`` (B, Hq, L) fp32 replaces the preprocess's Δ (experiments). ``exact_delta``: the
     (residual, row constants) the forward returned under ``exact_delta=True``; the backward is
-    then `stable`'s, with the exact Δ. ``mean_key`` (B, Hkv, E) fp32: ``key`` is the centred
-    K̃ = K − k̂ of ops/one_pass.py, whose LSE carries scale·q·k̂, so dq gets scale·dLSE·k̂ back.
+    then `stable`'s, with the exact Δ. ``mean_key`` (B, Hkv, E) fp32, k̂ of ops/one_pass.py
+    (``key_mean``): dQ's GEMM takes the centred keys K̃ = K − k̂, which the kernel forms in shared
+    memory (CENTRE_KEYS), and dq gets scale·dLSE·k̂ back.
     Call only where
     ``hopper_backward_unsupported_reason`` and ``tma_unsupported_reason`` (on query, key, value,
     grad_out) say so."""
@@ -291,13 +292,14 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, 64), tma_descriptor(value, 64),
         tma_descriptor(grad_out, cfg.block_m), tma_descriptor(dk, 64), tma_descriptor(dv, 64),
         tma_descriptor(dq_accum, cfg.block_m, dq_cols), row_stats_descriptor(lse_plane, cfg.block_m),
-        row_stats_descriptor(delta_plane, cfg.block_m), lse_plane, delta_plane, dq_accum, ds_up, bias, dkdv_part,
+        row_stats_descriptor(delta_plane, cfg.block_m), lse_plane, delta_plane, dq_accum, ds_up, bias,
+        mean_key.contiguous() if mean_key is not None else lse, dkdv_part,  # lse: not read
         seq_q, seq_k, heads_kv, group, parts, lse_plane.stride(0), band_upper, band_lower(band),
         scale * LOG2E, scale, swizzle,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         IS_CAUSAL=band_is_causal, WINDOW_LEFT=band.lower is not None, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma,
         EXACT_DELTA=exact_delta is not None, HAS_KEY_BIAS=attn_mask is not None, ROW_STATS_TMA=cfg.row_stats_tma,
-        DKDV_PARTIALS=parts > 1,
+        DKDV_PARTIALS=parts > 1, CENTRE_KEYS=mean_key is not None,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
@@ -431,11 +433,12 @@ def ds_up_in_one_launch(stats: torch.Tensor) -> torch.Tensor:
     return ds_up
 
 
-def centre_keys(key: torch.Tensor, max_chunks: int = 16, min_chunk: int = 512):
-    """(k̂ (B, H_KV, E) fp32, K̃ = K − k̂ contiguous in K's dtype), the Triton spelling of
-    ``ops/one_pass.centred_keys_reference`` (kernels/exact_delta.py): one pass over K for the
-    chunks' sums, minima and maxima, one for K̃. K (B, H_KV, S ≥ 1, E) with a unit last stride."""
-    from ..kernels.exact_delta import _centre_keys, _key_moments
+def key_mean(key: torch.Tensor, max_chunks: int = 16, min_chunk: int = 512) -> torch.Tensor:
+    """k̂ (B, H_KV, E) fp32 of ``ops/one_pass.key_mean_reference``, in two Triton launches
+    (kernels/exact_delta.py): one pass over K for the chunks' sums, minima and maxima, then one
+    small program a head that reduces them. K (B, H_KV, S ≥ 1, E) with a unit last stride.
+    Deterministic: the chunks are fixed by the shape and reduced in order."""
+    from ..kernels.exact_delta import _key_moments, _mean_key_from_moments
 
     batch, heads_kv, seq_k, head_dim = key.shape
     block_n = max(16, 8192 // head_dim)
@@ -444,16 +447,14 @@ def centre_keys(key: torch.Tensor, max_chunks: int = 16, min_chunk: int = 512):
     chunks = cdiv(seq_k, chunk)
     partial = torch.empty((3, batch * heads_kv, chunks, head_dim), dtype=torch.float32, device=key.device)
     k_hat = torch.empty((batch, heads_kv, head_dim), dtype=torch.float32, device=key.device)
-    k_tilde = torch.empty((batch, heads_kv, seq_k, head_dim), dtype=key.dtype, device=key.device)
-    grid = (chunks, batch * heads_kv)
-    args = (*key.stride()[:3], heads_kv, seq_k, chunk)
     # The moments keep three (rows, E) fp32 accumulators live, so each of their two loads an
     # iteration takes half the rows (the pair, a divisor of the chunk), over eight warps (four at
     # E 128 under MOMENTS_FOUR_WARPS_E128).
     moment_warps = 4 if MOMENTS_FOUR_WARPS_E128 and head_dim >= 128 else 8
-    _key_moments[grid](key, partial, *args, HEAD_DIM=head_dim, BLOCK_N=max(1, block_n // 2), num_warps=moment_warps)
-    _centre_keys[grid](key, partial, k_tilde, k_hat, *args, HEAD_DIM=head_dim, BLOCK_N=block_n, num_warps=4)
-    return k_hat, k_tilde
+    _key_moments[(chunks, batch * heads_kv)](key, partial, *key.stride()[:3], heads_kv, seq_k, chunk,
+                                             HEAD_DIM=head_dim, BLOCK_N=max(1, block_n // 2), num_warps=moment_warps)
+    _mean_key_from_moments[(batch * heads_kv,)](partial, k_hat, key, chunks, seq_k, HEAD_DIM=head_dim, num_warps=1)
+    return k_hat
 
 
 def _finish_dq_with_mean_key(dq_accum, mean_key, weight, dtype):

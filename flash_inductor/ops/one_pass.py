@@ -6,21 +6,17 @@ forward makes it cheap instead (docs/hopper_backward.md, "Exact Δ in one pass")
 P·V in a way the backward can repeat bit for bit, and stores O's rounding residual, so that
 Δ = dO'·(O + residual) is exact for that P; the one-pass kernel then does five GEMMs per tile
 pair, as `fast` does. dS's own rounding for dS·K would still meet whatever the keys share
-(near-tied keys); both kernels therefore see centred keys K̃ = K − k̂ (:func:`centred_keys`),
-exactly, so the softmax is unchanged and only the LSE gets scale·q·k̂ back. That needs more
-tensors from the forward to the backward than ``attention_forward`` returns, so the path has its
-own pair of ops:
+(near-tied keys), so the backward's dQ GEMM takes centred keys K̃ = K − k̂ (:func:`key_mean`),
+exact in K's dtype, which the kernel forms in shared memory from its K tile; Sᵀ keeps K, so its P̃
+is the forward's bit for bit, and dq gets scale·dLSE·k̂ back. The forward never sees k̂. The path
+needs more tensors from the forward to the backward than ``attention_forward`` returns, so it has
+its own pair of ops:
 
 * ``flash_inductor::attention_forward_one_pass(q, k, v, is_causal, causal_offset, scale,
-  window_left=-1, window_right=-1, attn_mask=None) -> (out, lse, residual, row_constants,
-  k_tilde, k_hat)``
-* ``flash_inductor::attention_backward_one_pass(dout, q, k_tilde, k_hat, v, out, lse, dlse?,
-  residual, row_constants, is_causal, causal_offset, scale, window_left=-1, window_right=-1,
+  window_left=-1, window_right=-1, attn_mask=None) -> (out, lse, residual, row_constants)``
+* ``flash_inductor::attention_backward_one_pass(dout, q, k, v, out, lse, dlse?, residual,
+  row_constants, is_causal, causal_offset, scale, window_left=-1, window_right=-1,
   attn_mask=None) -> (dq, dk, dv)``
-
-The backward takes the forward's K̃ and k̂ rather than K, so the keys are centred once per step (two
-launches and a pass over K fewer), and autograd keeps K̃ in K's place: K = K̃ + k̂ exactly (k̂ is
-subtracted in K's dtype without rounding), which is how the deterministic fallback gets K back.
 
 ``attn_mask`` is a key mask (``launch.hopper.key_mask_unsupported_reason``: one row for every
 query, as padding masks are), bool or additive, which neither needs nor gets a gradient.
@@ -56,25 +52,23 @@ def one_pass_applies(query, key, value, attn_mask, dropout_p: float, scale: floa
                                                   window=window, block_sparse=block_sparse) is None
 
 
-def centred_keys_reference(key: Tensor) -> tuple[Tensor, Tensor]:
-    """(k̂, K̃ = K − k̂): k̂ (B, Hkv, E) fp32 holds, per head and dimension, the keys' mean rounded
-    to their dtype where every key's component lies within a factor of two of it, else 0. Then
-    K − k̂ is exact in K's dtype (Sterbenz: the difference of two floats within a factor of two
-    of each other is a float), so K̃ + k̂ = K and attention over K̃ is attention over K with each
-    row's scores shifted by q·k̂. The torch spelling of ``launch.hopper_bwd.centre_keys``, which
-    the path runs (its mean may differ in the last bit: another summation order)."""
+def key_mean_reference(key: Tensor) -> Tensor:
+    """k̂ (B, Hkv, E) fp32: per head and dimension, the keys' mean rounded to their dtype where
+    every key's component lies within a factor of two of it, else 0. Then K̃ = K − k̂ is exact in
+    K's dtype (Sterbenz: the difference of two floats within a factor of two of each other is a
+    float), so dS·K = dS·K̃ + rowsum(dS)·k̂ exactly. The torch spelling of
+    ``launch.hopper_bwd.key_mean``, which the path runs (its mean may differ in the last bit:
+    another summation order)."""
     mean = torch.mean(key, dim=2, dtype=torch.float32).to(key.dtype).float()
     low, high = (t.float() for t in torch.aminmax(key, dim=2))
     within = torch.where(mean > 0, (low >= mean / 2) & (high <= mean * 2), (high <= mean / 2) & (low >= mean * 2))
-    k_hat = torch.where(within & (mean != 0) & mean.isfinite(), mean, 0.0)
-    return k_hat, key - k_hat.to(key.dtype).unsqueeze(2)
+    return torch.where(within & (mean != 0) & mean.isfinite(), mean, 0.0)
 
 
-def centred_keys(key: Tensor) -> tuple[Tensor, Tensor]:
-    """(k̂, K̃) as :func:`centred_keys_reference` defines them, in two Triton passes over K where
-    K's last stride is 1 (else on a contiguous copy). Deterministic, so the backward recomputes
-    it and gets the forward's K̃."""
-    return hopper_bwd.centre_keys(key if key.stride(-1) == 1 else key.contiguous())
+def key_mean(key: Tensor) -> Tensor:
+    """k̂ as :func:`key_mean_reference` defines it, in two Triton launches (one pass over K) where
+    K's last stride is 1 (else on a contiguous copy)."""
+    return hopper_bwd.key_mean(key if key.stride(-1) == 1 else key.contiguous())
 
 
 def _addressable(*tensors: Tensor) -> list[Tensor]:
@@ -89,57 +83,45 @@ def _forward(query, key, value, is_causal, causal_offset, scale, window_left, wi
         out = query.new_zeros(query.shape)
         lse = query.new_full((batch, heads, seq_q), float("-inf"), dtype=torch.float32)
         row_consts = torch.stack([torch.full_like(lse, float("inf")), torch.zeros_like(lse)])
-        k_hat = key.new_zeros((key.shape[0], key.shape[1], key.shape[3]), dtype=torch.float32)
-        return out, lse, torch.zeros_like(out), row_consts, key.clone(memory_format=torch.contiguous_format), k_hat
-    query, value = _addressable(query, value)
-    k_hat, k_tilde = centred_keys(key)
-    out, lse, resid, row_consts = hopper.hopper_attention_forward(
-        query, k_tilde, value, scale=scale, is_causal=is_causal, causal_offset=causal_offset,
-        window=(window_left, window_right), exact_delta=True, mean_key=k_hat, **_mask_keyword(attn_mask))
-    return out, lse, resid, row_consts, k_tilde, k_hat
+        return out, lse, torch.zeros_like(out), row_consts
+    query, key, value = _addressable(query, key, value)
+    return hopper.hopper_attention_forward(query, key, value, scale=scale, is_causal=is_causal,
+                                           causal_offset=causal_offset, window=(window_left, window_right),
+                                           exact_delta=True, **_mask_keyword(attn_mask))
 
 
 def _mask_keyword(attn_mask: Optional[Tensor]) -> dict:
     return {} if attn_mask is None else {"attn_mask": attn_mask}
 
 
-def original_keys(k_tilde: Tensor, k_hat: Tensor) -> Tensor:
-    """K from the forward's K̃ and k̂: exact, since K̃ = K − k̂ was (k̂ in K's dtype)."""
-    return k_tilde + k_hat.to(k_tilde.dtype).unsqueeze(2)
-
-
-def _backward(grad_out, query, k_tilde, k_hat, value, out, lse, grad_lse, resid, row_consts, is_causal, causal_offset,
+def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, is_causal, causal_offset,
               scale, window_left, window_right, attn_mask=None):
-    if torch.are_deterministic_algorithms_enabled() or query.shape[2] == 0 or k_tilde.shape[2] == 0:
-        # The Triton `stable` backward re-derives the exact Δ from out and lse in a fixed order, over K.
+    if torch.are_deterministic_algorithms_enabled() or query.shape[2] == 0 or key.shape[2] == 0:
+        # The Triton `stable` backward re-derives the exact Δ from out and lse in a fixed order.
         visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=(window_left, window_right))
-        dq, dk, dv, _ = launch.attention_backward(grad_out, query, original_keys(k_tilde, k_hat), value, attn_mask,
-                                                  out, lse, grad_lse, None, 0.0, scale, "stable", False,
-                                                  visibility=visibility)
+        dq, dk, dv, _ = launch.attention_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, None,
+                                                  0.0, scale, "stable", False, visibility=visibility)
         return dq, dk, dv
-    grad_out, query, value = _addressable(grad_out, query, value)
-    # dK over K̃ is dK over K: k̂ is a constant shift.
-    return hopper_bwd.hopper_attention_backward(grad_out, query, k_tilde, value, out, lse, grad_lse, scale=scale,
+    grad_out, query, key, value = _addressable(grad_out, query, key, value)
+    return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
                                                 is_causal=is_causal, causal_offset=causal_offset,
                                                 window=(window_left, window_right), exact_delta=(resid, row_consts),
-                                                mean_key=k_hat, **_mask_keyword(attn_mask))
+                                                mean_key=key_mean(key), **_mask_keyword(attn_mask))
 
 
 @torch.library.custom_op("flash_inductor::attention_forward_one_pass", mutates_args=())
 def attention_forward_one_pass(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, causal_offset: int,
                                scale: float, window_left: int = -1, window_right: int = -1,
-                               attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                                            Tensor]:
+                               attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _forward(query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask)
 
 
 @torch.library.custom_op("flash_inductor::attention_backward_one_pass", mutates_args=())
-def attention_backward_one_pass(grad_out: Tensor, query: Tensor, k_tilde: Tensor, k_hat: Tensor, value: Tensor,
-                                out: Tensor, lse: Tensor, grad_lse: Optional[Tensor], resid: Tensor,
-                                row_consts: Tensor, is_causal: bool, causal_offset: int, scale: float,
-                                window_left: int = -1, window_right: int = -1,
+def attention_backward_one_pass(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
+                                grad_lse: Optional[Tensor], resid: Tensor, row_consts: Tensor, is_causal: bool,
+                                causal_offset: int, scale: float, window_left: int = -1, window_right: int = -1,
                                 attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = _backward(grad_out, query, k_tilde, k_hat, value, out, lse, grad_lse, resid, row_consts, is_causal,
+    dq, dk, dv = _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, is_causal,
                            causal_offset, scale, window_left, window_right, attn_mask)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
@@ -149,14 +131,12 @@ def _forward_fake(query, key, value, *_options):
     batch, heads, seq_q, _ = query.shape
     out = query.new_empty((batch, heads, seq_q, value.shape[-1]))
     lse = query.new_empty((batch, heads, seq_q), dtype=torch.float32)
-    k_hat = key.new_empty((key.shape[0], key.shape[1], key.shape[3]), dtype=torch.float32)
-    return (out, lse, torch.empty_like(out), query.new_empty((2, batch, heads, seq_q), dtype=torch.float32),
-            key.new_empty(key.shape), k_hat)
+    return out, lse, torch.empty_like(out), query.new_empty((2, batch, heads, seq_q), dtype=torch.float32)
 
 
 @attention_backward_one_pass.register_fake
-def _backward_fake(grad_out, query, k_tilde, k_hat, value, *_rest):
-    return query.new_empty(query.shape), k_tilde.new_empty(k_tilde.shape), value.new_empty(value.shape)
+def _backward_fake(grad_out, query, key, value, *_rest):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
 _OPTIONAL_DEFAULTS = (-1, -1, None)  # window_left, window_right, attn_mask: a caller may leave them out
@@ -165,9 +145,8 @@ _OPTIONAL_DEFAULTS = (-1, -1, None)  # window_left, window_right, attn_mask: a c
 def _setup_context(ctx, inputs, output):
     query, key, value, is_causal, causal_offset, scale, *optional = inputs
     window_left, window_right, attn_mask = (*optional, *_OPTIONAL_DEFAULTS[len(optional):])
-    out, lse, resid, row_consts, k_tilde, k_hat = output
-    # K̃ and k̂ in K's place: the backward centres nothing again (module docstring).
-    ctx.save_for_backward(query, k_tilde, k_hat, value, out, lse, resid, row_consts, attn_mask)
+    out, lse, resid, row_consts = output
+    ctx.save_for_backward(query, key, value, out, lse, resid, row_consts, attn_mask)
     ctx.options = (is_causal, causal_offset, scale, window_left, window_right)
     ctx.input_count = len(inputs)
     ctx.set_materialize_grads(False)  # as ops/attention.py: an unused lse gets no zeros launched
@@ -176,11 +155,11 @@ def _setup_context(ctx, inputs, output):
 def _run_backward(ctx, grad_out, grad_lse, backward_call):
     if grad_out is None and grad_lse is None:
         return (None,) * ctx.input_count
-    query, k_tilde, k_hat, value, out, lse, resid, row_consts, attn_mask = ctx.saved_tensors
+    query, key, value, out, lse, resid, row_consts, attn_mask = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = backward_call(grad_out, query, k_tilde, k_hat, value, out, lse, grad_lse, resid, row_consts,
-                               *ctx.options, attn_mask)
+    dq, dk, dv = backward_call(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, *ctx.options,
+                               attn_mask)
     return (dq, dk, dv) + (None,) * (ctx.input_count - 3)
 
 

@@ -56,19 +56,20 @@ def test_stable_unmasked_calls_take_the_one_pass_path(monkeypatch):
     assert "residual" in NO_RESIDUAL
 
 
-def _centred(keys, spelling):
+def _key_mean(keys, spelling):
     if spelling == "reference":
-        from flash_inductor.ops.one_pass import centred_keys_reference
-        return centred_keys_reference(keys)
-    from flash_inductor.launch.hopper_bwd import centre_keys
-    return centre_keys(keys, min_chunk=64)  # several chunks at these lengths
+        from flash_inductor.ops.one_pass import key_mean_reference
+        return key_mean_reference(keys)
+    from flash_inductor.launch.hopper_bwd import key_mean
+    return key_mean(keys, min_chunk=64)  # several chunks at these lengths
 
 
 @pytest.mark.parametrize("spelling", ["reference", "triton"])
-def test_centred_keys_are_exact_and_centre_only_what_they_can(spelling):
-    """K̃ + k̂ == K bit for bit; near-tied keys (a large shared part) are centred on almost every
-    dimension, keys of both signs on none; the Triton passes (under the interpreter on a CPU) agree with the
-    torch spelling to the last bit of the mean, whose summation order differs."""
+def test_key_mean_centres_exactly_and_only_what_it_can(spelling):
+    """K − k̂ is exact in K's dtype (as the Hopper backward forms K̃ from it); near-tied keys (a
+    large shared part) are centred on almost every dimension, keys of both signs on none; the
+    Triton launches (under the interpreter on a CPU) agree with the torch spelling to the last bit
+    of the mean, whose summation order differs."""
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float16, torch.float32):  # the interpreter's bf16 is unreliable
         shared = torch.randn(2, 2, 1, 64, generator=gen) * 50
@@ -77,24 +78,24 @@ def test_centred_keys_are_exact_and_centre_only_what_they_can(spelling):
         strided = near_tied.transpose(1, 2).contiguous().transpose(1, 2)  # (B, S, H, E) storage
         for keys, centred_share in ((near_tied, 0.9), (plain, 0.0), (strided, 0.9)):
             keys = keys.to(DEVICE)
-            k_hat, k_tilde = _centred(keys, spelling)
-            assert k_tilde.dtype == keys.dtype and k_hat.shape == (2, 2, 64) and k_hat.dtype == torch.float32
-            assert torch.equal(k_tilde.double() + k_hat.double().unsqueeze(2), keys.double())
+            k_hat = _key_mean(keys, spelling)
+            assert k_hat.shape == (2, 2, 64) and k_hat.dtype == torch.float32
+            assert torch.equal(k_hat.to(dtype).float(), k_hat)  # a value of K's dtype
+            k_tilde = keys - k_hat.to(dtype).unsqueeze(2)
+            assert torch.equal(k_tilde.double(), keys.double() - k_hat.double().unsqueeze(2))  # exact
             share = (k_hat != 0).double().mean().item()
             assert share >= centred_share if centred_share else share == 0.0
+            if centred_share:
+                assert k_tilde.abs().max() < 0.05 * keys.abs().max()
             if spelling == "triton":
-                reference = _centred(keys, "reference")[0]
+                reference = _key_mean(keys, "reference")
                 ulp = 4 * torch.finfo(dtype).eps * reference.abs()  # fp32: another order of 300 terms
                 assert torch.all((k_hat - reference).abs() <= ulp)
-        near_tied = near_tied.to(DEVICE)
-        assert _centred(near_tied, spelling)[1].abs().max() < 0.05 * near_tied.abs().max()
-        # A NaN or an infinite key centres nothing in its dimension (and keeps K̃ + k̂ = K).
-        broken = near_tied.clone()
+        # A NaN or an infinite key centres nothing in its dimension.
+        broken = near_tied.to(DEVICE).clone()
         broken[0, 0, 5, 3], broken[1, 1, 7, 4] = float("nan"), float("inf")
-        k_hat, k_tilde = _centred(broken, spelling)
+        k_hat = _key_mean(broken, spelling)
         assert k_hat[0, 0, 3] == 0 and k_hat[1, 1, 4] == 0 and k_hat[0, 0, 5] != 0
-        for b, h, e in ((0, 0, 3), (1, 1, 4)):
-            torch.testing.assert_close(k_tilde[b, h, :, e], broken[b, h, :, e], rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("one_launch", [False, True], ids=["torch_ops", "one_launch"])
@@ -183,8 +184,7 @@ def test_ds_up_in_one_launch_matches_the_torch_ops():
 
 def test_the_dq_finish_matches_its_definition():
     """The one-pass path's dq finish (the interpreter on a CPU), GQA, odd lengths:
-    dq = dq_accum + w·k̂. (The forward's LSE shift, scale·q·k̂, is the Gluon forward's own:
-    test_one_pass_matches_fp64's shared_key_offset case.)"""
+    dq = dq_accum + w·k̂."""
     from flash_inductor.launch.hopper_bwd import _finish_dq_with_mean_key
 
     gen = torch.Generator().manual_seed(4)
@@ -211,10 +211,9 @@ def test_cpu_calls_never_take_it():
 def _grads(q, k, v, do, dlse, is_causal, causal_offset, attn_mask=None):
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     scale = q.shape[-1] ** -0.5
-    out, lse, resid, rows, k_tilde, k_hat = torch.ops.flash_inductor.attention_forward_one_pass(
+    out, lse, resid, rows = torch.ops.flash_inductor.attention_forward_one_pass(
         *leaves, is_causal, causal_offset, scale, -1, -1, attn_mask)
     assert resid.shape == out.shape and rows.shape == (2, *lse.shape)
-    assert k_tilde.shape == k.shape and k_hat.shape == (k.shape[0], k.shape[1], k.shape[3])
     outputs, grads = [out], [do]
     if dlse is not None:
         outputs.append(lse)
@@ -230,7 +229,7 @@ def _grads(q, k, v, do, dlse, is_causal, causal_offset, attn_mask=None):
                                   "shared_key_offset"])
 def test_one_pass_matches_fp64(dtype, head_dim, case):
     """Random keys centre nothing (k̂ = 0); "shared_key_offset" gives every key the same positive
-    offset per dimension, so k̂ is nonzero and the forward's LSE shift and dq's k̂ term are live."""
+    offset per dimension, so k̂ is nonzero and the backward's K̃ for dQ and dq's k̂ term are live."""
     # (B, Hq, Hkv, L, S, is_causal, causal_offset, with dLSE)
     b, hq, hkv, seq_q, seq_k, causal, offset, with_dlse = {
         "full": (2, 4, 4, 512, 512, False, 0, False),
@@ -252,8 +251,8 @@ def test_one_pass_matches_fp64(dtype, head_dim, case):
     offset_arg = offset if causal else None
     out, lse, (dq, dk, dv) = _grads(q, k, v, do, dlse, causal, offset)
     if case == "shared_key_offset":
-        from flash_inductor.ops.one_pass import centred_keys
-        assert bool((centred_keys(k)[0] != 0).float().mean() > 0.9)  # k̂ is live
+        from flash_inductor.ops.one_pass import key_mean
+        assert bool((key_mean(k) != 0).float().mean() > 0.9)  # k̂ is live
     group = hq // hkv
     k_full, v_full = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     ref = ref_forward_backward(q, k_full, v_full, causal_offset=offset_arg, grad_out=do, grad_lse=dlse)
@@ -270,6 +269,42 @@ def test_one_pass_matches_fp64(dtype, head_dim, case):
     if dead.any():  # rows that see no key: out, dq exactly 0, lse -inf
         assert torch.equal(lse[dead], ref["lse"][dead].float())
         assert (dq[dead] == 0).all() and (out[dead] == 0).all()
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dq_split", [True, False], ids=["dq_split", "no_split"])
+def test_the_backward_centres_the_keys_for_dq(dtype, head_dim, dq_split):
+    """Near-tied keys (a shared part 32x their spread): dq from the kernel's K̃ (CENTRE_KEYS, k̂
+    from ``key_mean``) meets the tolerance rule, and dq with the same kernel on K itself (no k̂)
+    is several times further from fp64: dS's rounding then meets the shared part. dK and dV do
+    not depend on the centring: bitwise the same both ways."""
+    from flash_inductor.launch.hopper_bwd import HopperBackwardConfig, hopper_attention_backward
+    from flash_inductor.ops.one_pass import _forward, key_mean
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    b, h, seq = 2, 4, 384
+    q = torch.randn(b, h, seq, head_dim, device="cuda", generator=gen).to(dtype)
+    shared = 8.0 + 4.0 * torch.rand(b, h, 1, head_dim, device="cuda", generator=gen)
+    k = (shared + 0.25 * torch.randn(b, h, seq, head_dim, device="cuda", generator=gen)).to(dtype)
+    v, do = (torch.randn(b, h, seq, head_dim, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    # No dLSE: its dq term, scale·dLSE·k̂, would dwarf the part the centring is for.
+    dlse = None
+    scale = 0.25 * head_dim ** -0.5  # keeps the near-tied scores' softmax spread over many keys
+    out, lse, resid, rows = _forward(q, k, v, True, 0, scale, -1, -1)
+    k_hat = key_mean(k)
+    assert bool((k_hat != 0).all())
+    cfg = HopperBackwardConfig(dq_split=dq_split)
+    common = dict(scale=scale, is_causal=True, exact_delta=(resid, rows), config=cfg)
+    dq, dk, dv = hopper_attention_backward(do, q, k, v, out, lse, dlse, mean_key=k_hat, **common)
+    dq_plain, dk_plain, dv_plain = hopper_attention_backward(do, q, k, v, out, lse, dlse, **common)
+    assert torch.equal(dk, dk_plain) and torch.equal(dv, dv_plain)
+    ref = ref_forward_backward(q, k, v, causal_offset=0, grad_out=do, grad_lse=dlse, scale=scale)
+    base = sdpa_baseline(q, k, v, causal_offset=0, grad_out=do, grad_lse=dlse, scale=scale)
+    assert_close_to_ref("dq", dq, ref["dq"], base["dq"], terms=ref["terms"].get("dq"))
+    err = lambda t: (t.double() - ref["dq"]).norm().item()  # noqa: E731
+    assert err(dq_plain) > 4 * err(dq), (err(dq_plain), err(dq))
 
 
 def _padding_mask(batch, seq_k, kind, dtype, device="cuda"):

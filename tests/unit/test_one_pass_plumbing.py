@@ -1,8 +1,8 @@
 """The one-pass ops' plumbing (ops/one_pass.py) on any machine: the two Gluon launchers
 (``launch.hopper.hopper_attention_forward`` with ``exact_delta``, ``launch.hopper_bwd.
 hopper_attention_backward``) are replaced by float64 emulations of their contract, so that what
-wraps them runs for real: the keys' centring and the LSE shift (Triton, the interpreter on a CPU),
-the ops' autograd, fakes and schemas, the eager fast path, the copies of inputs TMA cannot
+wraps them runs for real: the keys' mean for the backward's centred dQ (Triton, the interpreter on
+a CPU), the ops' autograd, fakes and schemas, the eager fast path, the copies of inputs TMA cannot
 address, the empty-sequence and deterministic-mode fallbacks. The kernels themselves, and the
 exact Δ's rounding, are tested on the GPU (test_one_pass.py) and emulated bit for bit in
 benchmarks/experiments/matched_rounding.py."""
@@ -45,15 +45,16 @@ def _with_key_mask(visible, attn_mask):
 
 class EmulatedGluon:
     """The launchers' contract in float64. The forward's row constants are the pivot (here the
-    LSE over K̃ in base 2; +inf for a row that sees no key) and 1, and its LSE gets scale·q·k̂ for
-    ``mean_key``; the backward checks that it gets them with the residual, and adds scale·dLSE·k̂
-    to dq for ``mean_key`` as the real one does."""
+    LSE in base 2; +inf for a row that sees no key) and 1; the backward checks that it gets them
+    with the residual, and that ``mean_key`` is a k̂ its kernel can centre K by exactly (K − k̂ a
+    value of K's dtype); its gradients are exact, as the real one's centred dQ plus its
+    scale·dLSE·k̂ term are in exact arithmetic."""
 
     def __init__(self):
         self.forwards, self.backwards = [], []
 
     def forward(self, query, key, value, *, scale, is_causal, causal_offset, window, exact_delta, config=None,
-                attn_mask=None, mean_key=None):
+                attn_mask=None):
         assert exact_delta and config is None
         for t in (query, key, value):
             assert t.data_ptr() % 16 == 0 and t.stride(-1) == 1, "the launcher got a tensor TMA cannot address"
@@ -64,9 +65,6 @@ class EmulatedGluon:
         out16 = out.to(query.dtype)
         pivot = torch.where(lse.isneginf(), float("inf"), lse / torch.log(torch.tensor(2.0, dtype=lse.dtype)))
         row_consts = torch.stack([pivot, torch.ones_like(pivot)]).float()
-        if mean_key is not None:  # the LSE over K: the pivots stay over K̃
-            k_hat = mean_key.double().repeat_interleave(query.shape[1] // key.shape[1], 1)
-            lse = lse + scale * (query.double() * k_hat[:, :, None]).sum(-1)
         return out16, lse.float(), (out - out16.double()).to(query.dtype), row_consts
 
     def backward(self, grad_out, query, key, value, out, lse, grad_lse=None, *, scale, is_causal, causal_offset,
@@ -74,6 +72,9 @@ class EmulatedGluon:
         resid, row_consts = exact_delta
         assert resid.shape == out.shape and row_consts.shape == (2, *lse.shape) and delta is None
         self.backwards.append(dict(key=key, mean_key=mean_key, attn_mask=attn_mask))
+        assert mean_key.shape == (key.shape[0], key.shape[1], key.shape[3]) and mean_key.dtype == torch.float32
+        k_tilde = key - mean_key.to(key.dtype)[:, :, None]
+        assert torch.equal(k_tilde.double(), key.double() - mean_key.double()[:, :, None]), "K - k̂ is not exact"
         # In closed form: a backward runs below autograd, where torch.autograd cannot record.
         mask = _with_key_mask(_visible(query.shape[2], key.shape[2], is_causal, causal_offset, window), attn_mask)
         group = query.shape[1] // key.shape[1]
@@ -89,10 +90,6 @@ class EmulatedGluon:
         dq = scale * ds @ k
         dk = (scale * ds.transpose(-1, -2) @ q).unflatten(1, (-1, group)).sum(2)
         dv = (p.transpose(-1, -2) @ do).unflatten(1, (-1, group)).sum(2)
-        if grad_lse is not None:  # the LSE the forward returned carries scale·q·k̂
-            live = ~lse.isneginf()
-            k_hat = mean_key.double().repeat_interleave(group, 1)
-            dq = dq + torch.where(live, scale * grad_lse.double(), 0.0)[..., None] * k_hat[:, :, None, :]
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
 
 
@@ -105,14 +102,14 @@ def emulated(monkeypatch):
     gluon = EmulatedGluon()
     monkeypatch.setattr(hopper, "hopper_attention_forward", gluon.forward)
     monkeypatch.setattr(hopper_bwd, "hopper_attention_backward", gluon.backward)
-    centre = one_pass.centred_keys
-    gluon.centrings = 0
+    key_mean = one_pass.key_mean
+    gluon.key_means = 0
 
-    def counted_centring(key):
-        gluon.centrings += 1
-        return centre(key)
+    def counted_key_mean(key):
+        gluon.key_means += 1
+        return key_mean(key)
 
-    monkeypatch.setattr(one_pass, "centred_keys", counted_centring)
+    monkeypatch.setattr(one_pass, "key_mean", counted_key_mean)
     return gluon
 
 
@@ -137,8 +134,9 @@ CASES = {  # (B, Hq, Hkv, L, S, is_causal, causal_offset, window)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("path", ["op", "eager"])
 def test_gradients_through_the_wrapping_match_fp64(emulated, case, path):
-    """Near-tied keys (a large shared part), so the centring moves them; out, LSE (over K, not K̃)
-    and the gradients with a dLSE, through the registered ops or the eager fast path."""
+    """Near-tied keys (a large shared part), so the backward's k̂ is live; both launchers get K
+    itself, k̂ is found once, in the backward; out, LSE and the gradients with a dLSE, through the
+    registered ops or the eager fast path."""
     from flash_inductor.ops.one_pass import attention_one_pass
 
     b, hq, hkv, seq_q, seq_k, causal, offset, window = CASES[case]
@@ -149,17 +147,16 @@ def test_gradients_through_the_wrapping_match_fp64(emulated, case, path):
                                   needs_autograd=True)
     torch.autograd.backward([out, lse], [do, dlse])
     assert len(emulated.forwards) == len(emulated.backwards) == 1
-    k_tilde, k_hat = emulated.forwards[0]["key"], emulated.backwards[0]["mean_key"]
+    k_hat = emulated.backwards[0]["mean_key"]
     assert (k_hat != 0).float().mean() > 0.5, "near-tied keys should be centred"
-    assert torch.equal(emulated.backwards[0]["key"], k_tilde)  # the forward's K̃ ...
-    assert emulated.centrings == 1  # ... not centred again
-    assert torch.equal(k_tilde.double() + k_hat.double()[:, :, None], k.double())
+    assert torch.equal(emulated.forwards[0]["key"], k) and torch.equal(emulated.backwards[0]["key"], k)
+    assert emulated.key_means == 1
     vis = _visible(seq_q, seq_k, causal, offset, window)
     ref = ref_forward_backward(q, k, v, vis, scale=scale, grad_out=do, grad_lse=dlse)
     live = ~ref["lse"].isneginf()
     torch.testing.assert_close(out.double(), ref["out"], rtol=1e-5, atol=1e-5)
     assert torch.equal(lse.isneginf(), ~live)
-    # The shift back is scale·q·k̂ ~ 100 here: fp32's relative error on it.
+    # The LSE is ~ scale·q·k̂ ~ 100 here: fp32's relative error on it.
     torch.testing.assert_close(lse.double()[live], ref["lse"][live], rtol=1e-6, atol=1e-4)
     for name, leaf in zip(("dq", "dk", "dv"), leaves):
         torch.testing.assert_close(leaf.grad.double(), ref[name], rtol=1e-4, atol=1e-4, msg=name)
@@ -186,16 +183,14 @@ def test_the_ops_pass_opcheck(emulated):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ops = torch.ops.flash_inductor
     torch.library.opcheck(ops.attention_forward_one_pass.default, (*leaves, True, 16, 0.25, -1, -1))
-    out, lse, resid, row_consts, k_tilde, k_hat = ops.attention_forward_one_pass(q, k, v, True, 16, 0.25)
+    out, lse, resid, row_consts = ops.attention_forward_one_pass(q, k, v, True, 16, 0.25)
     torch.library.opcheck(ops.attention_backward_one_pass.default,
-                          (do, q, k_tilde, k_hat, v, out, lse, dlse, resid, row_consts, True, 16, 0.25, -1, -1))
+                          (do, q, k, v, out, lse, dlse, resid, row_consts, True, 16, 0.25, -1, -1))
     key_mask = (torch.arange(40, device=DEVICE) < 33).reshape(1, 1, 1, 40).expand(1, 4, 24, 40)
     torch.library.opcheck(ops.attention_forward_one_pass.default, (*leaves, False, 0, 0.25, -1, -1, key_mask))
-    out, lse, resid, row_consts, k_tilde, k_hat = ops.attention_forward_one_pass(q, k, v, False, 0, 0.25, -1, -1,
-                                                                                  key_mask)
+    out, lse, resid, row_consts = ops.attention_forward_one_pass(q, k, v, False, 0, 0.25, -1, -1, key_mask)
     torch.library.opcheck(ops.attention_backward_one_pass.default,
-                          (do, q, k_tilde, k_hat, v, out, lse, dlse, resid, row_consts, False, 0, 0.25, -1, -1,
-                           key_mask))
+                          (do, q, k, v, out, lse, dlse, resid, row_consts, False, 0, 0.25, -1, -1, key_mask))
 
 
 def test_empty_sequences_give_zeros_without_a_launch(emulated):
@@ -210,7 +205,7 @@ def test_empty_sequences_give_zeros_without_a_launch(emulated):
     assert torch.equal(leaves[0].grad, torch.zeros_like(q))
 
 
-def test_deterministic_mode_runs_the_triton_backward_on_the_original_keys(emulated):
+def test_deterministic_mode_runs_the_triton_backward(emulated):
     """Under deterministic algorithms the backward is the Triton `stable` one (the interpreter on
     a CPU), given K itself and the same out and LSE: gradients as fp64's, no emulated backward."""
     from flash_inductor.ops.one_pass import attention_one_pass
@@ -231,7 +226,7 @@ def test_deterministic_mode_runs_the_triton_backward_on_the_original_keys(emulat
 
 @pytest.mark.parametrize("grad", ["no_grad", "inputs_without_grad", "training"])
 def test_only_a_call_that_may_be_differentiated_takes_the_one_pass_ops(monkeypatch, grad):
-    """The residual and the centred keys serve the backward alone: a call that autograd will not
+    """The residual serves the backward alone: a call that autograd will not
     differentiate runs the plain forward (here the Triton one, in the interpreter on a CPU), with
     the same results."""
     from flash_inductor.ops import attention as ops_attention
