@@ -22,14 +22,16 @@ dS's own rounding before dS·K meets the keys' shared component (near-tied keys)
               (ops/one_pass.key_mean_reference: per dimension, the rounded mean where every key is
               within a factor of two of it, else 0); S and P stay over K, and dS·K̃ meets only the
               keys' spread. What ops/one_pass.py ships (the Hopper backward forms K̃ in shared
-              memory). Its RESULT below was measured when both passes saw K̃ (K̃ in the forward
-              too, as the path first shipped).
+              memory). The first RESULT below is of the earlier spelling, K̃ in both passes.
 Variants: fa2 (`fast`: fp32 P from the LSE, Δ = dO·O), matched, matched_ctr, matched_centred.
 
 RESULT (CPU, torch 2.13, the suite's requirement, sdpa:math and eager as anchors, seed 0):
   * L 2048, E 128 (the suite's full sizes), every case but the long ones: matched_ctr and
     matched_centred PASS (worst err/bound 0.26, qk_x100 fp16 dq); matched alone fails near_tied dq
     (8-10x the bound); fa2 fails near_tied dq (15-17x) and qk_x100 bf16 dq/dk.
+  * With K̃ for dQ alone (what ships since 2026-12-04), L 512, E 64 (`--seq 512 --head-dim 64
+    --variants matched,matched_centred`): matched_centred PASS (worst err/bound 0.25, qk_x100 bf16
+    dq); matched fails near_tied dq (8.6-18x).
   * On the H200 the kernels agree (benchmarks/results/hopper_bwd_nvidia-h200_20261202.json,
     'one_pass_exact'; docs/hopper_backward.md).
 
