@@ -12,6 +12,11 @@ shows.
     python -m benchmarks.e2e_models                                 # every model, seq 1k-8k
     python -m benchmarks.e2e_models --models llama-e64 --seqs 2048 --tasks train
     python -m benchmarks.e2e_models --cold ...                      # fresh Triton/Inductor caches
+    python -m benchmarks.e2e_models --mode reduce-overhead ...      # both contenders on CUDA graphs
+
+``--mode`` is torch.compile's mode for both contenders. A small layer's step can be bound by the
+host's launch time rather than the GPU (docs/performance.md, "Host time at small sequences");
+"reduce-overhead" replays CUDA graphs, so what is left between the contenders is their kernels.
 """
 
 from __future__ import annotations
@@ -145,15 +150,22 @@ def _on_cuda(model) -> bool:
     return next(model.parameters()).device.type == "cuda"
 
 
-def compile_with(contender: str, model, schedule: str | None = None):
+def compile_with(contender: str, model, schedule: str | None = None, mode: str | None = None):
     """``schedule``: the precision schedule our backend gives the rewritten attention (None: the
-    default, `stable`)."""
+    default, `stable`); ``mode``: torch.compile's mode, the same for both contenders (None: the
+    default)."""
     if contender == "compile":
-        return torch.compile(model)
+        return torch.compile(model, mode=mode)
     import flash_inductor
 
     backend = flash_inductor.backend if schedule is None else flash_inductor.make_backend(schedule=schedule)
-    return torch.compile(model, backend=backend)
+    return torch.compile(model, backend=backend, mode=mode)
+
+
+def _compile_fn(schedule: str | None, mode: str | None):
+    """``compile_with`` with the run's schedule and mode bound (only those that are set)."""
+    bound = {key: value for key, value in (("schedule", schedule), ("mode", mode)) if value is not None}
+    return functools.partial(compile_with, **bound) if bound else compile_with
 
 
 def _synchronize(device):
@@ -187,7 +199,8 @@ def run_cell(name: str, spec: ModelSpec, seq: int, attn: str, task: str, args, c
     """Both contenders on one (model, seq, attention implementation, task), one record each."""
     batch = batch_for(spec, seq, args.tokens)
     base = dict(model=name, family=spec.family, head_dim=spec.head_dim, heads=spec.heads, kv_heads=spec.kv_heads,
-                layers=spec.layers, hidden=spec.hidden, seq=seq, batch=batch, attn=attn, task=task, dtype=args.dtype)
+                layers=spec.layers, hidden=spec.hidden, seq=seq, batch=batch, attn=attn, task=task, dtype=args.dtype,
+                mode=getattr(args, "mode", None))
     records = []
     for contender in CONTENDERS:
         record = dict(base, contender=contender)
@@ -213,7 +226,7 @@ def precompile_items(cells, args) -> list[dict]:
     step once, filling the Inductor and Triton caches this run then reads, so that the timed pass
     compiles from warm caches (about 5 s a contender where a cold compile takes 20-30 s)."""
     items = [dict(kind="e2e", model=name, seq=seq, attn=attn, task=task, contender=contender, dtype=args.dtype,
-                  tokens=args.tokens, tiny=args.tiny, schedule=args.schedule)
+                  tokens=args.tokens, tiny=args.tiny, schedule=args.schedule, mode=args.mode)
              for name, _spec, seq, attn, task in cells for contender in CONTENDERS]
     items.sort(key=lambda it: -it["seq"])  # the slowest first, so the workers finish together
     return items
@@ -223,8 +236,7 @@ def compile_item(item, device) -> None:
     """Run one precompile item's first step (``benchmarks.precompile`` worker side)."""
     spec = (TINY_MODELS if item["tiny"] else MODELS)[item["model"]]
     args = argparse.Namespace(device=device, dtype=item["dtype"], tokens=item["tokens"])
-    compile_fn = compile_with if item["schedule"] is None else functools.partial(compile_with,
-                                                                                 schedule=item["schedule"])
+    compile_fn = _compile_fn(item["schedule"], item.get("mode"))
     with common.dynamo_limits():
         step = _built_step(item["model"], spec, item["seq"], item["attn"], item["task"], item["contender"], args,
                            compile_fn)
@@ -304,6 +316,9 @@ def parse_args(argv=None):
     p.add_argument("--time-budget", type=float, default=None, help="seconds; cells past it are skipped")
     p.add_argument("--schedule", default=None,
                    help="precision schedule of our backend's attention (default: the backend's, stable)")
+    p.add_argument("--mode", default=None, choices=("default", "reduce-overhead", "max-autotune",
+                                                    "max-autotune-no-cudagraphs"),
+                   help="torch.compile's mode for both contenders (default: none given)")
     p.add_argument("--cold", action="store_true",
                    help="fresh Triton and Inductor caches, so first_call_s is a cold start")
     p.add_argument("--precompile", type=int, default=0,
@@ -327,8 +342,8 @@ def main(argv=None, compile_fn=compile_with) -> list[dict]:
     args = parse_args(argv)
     if args.cold and args.precompile:
         raise SystemExit("--cold times a start from empty caches and --precompile fills them first: choose one")
-    if args.schedule is not None and compile_fn is compile_with:
-        compile_fn = functools.partial(compile_with, schedule=args.schedule)
+    if compile_fn is compile_with:
+        compile_fn = _compile_fn(args.schedule, args.mode)
     if args.cold:  # read when the caches are first used, so setting them here, before any compile, suffices
         fresh = tempfile.mkdtemp(prefix="e2e_cold_")
         os.environ["TRITON_CACHE_DIR"] = os.path.join(fresh, "triton")

@@ -12,7 +12,8 @@
 # against on at E 128 causal 4k; cold: Llama E 64's cold first step with compile-ahead on, off,
 # on, each from empty caches, about 3 minutes; host: one eager call's host time and cProfile, bf16
 # and fp16 at E 128 causal 4k; llama_b1: HF Llama E 64/128 trained at B 1, 4k, against plain
-# torch.compile; moments: the GPU tests of the one-pass path with MOMENTS_FOUR_WARPS_E128 on, then
+# torch.compile; llama_b1_graphs: the same with both contenders under mode="reduce-overhead"
+# (CUDA graphs: the host's launch time out of the step); moments: the GPU tests of the one-pass path with MOMENTS_FOUR_WARPS_E128 on, then
 # its off/on A/B on a training step; window: the narrow-window cells, ours against Flex, with kernel
 # time),
 # WORKERS (pytest-xdist, 14). Results in $OUT
@@ -60,6 +61,10 @@ for step in ${STEPS:-tests ab infer eager}; do
       # HF Llama trained at B 1, 4k (the GQA group split's one-wave grids) against plain torch.compile.
       timeout -s INT -k 10 200 python3 -m benchmarks.e2e_models --models llama-e64,llama-e128 --seqs 4096 \
         --tokens 4096 --tasks train --attn sdpa --precompile 8 --time-budget 170 --out "$OUT" 2>&1 | tail -12 ;;
+    llama_b1_graphs)
+      timeout -s INT -k 10 240 python3 -m benchmarks.e2e_models --models llama-e64,llama-e128 --seqs 4096 \
+        --tokens 4096 --tasks train --attn sdpa --mode reduce-overhead --precompile 8 --time-budget 210 \
+        --tag graphs --out "$OUT" 2>&1 | tail -12 ;;
     cold)
       for contender in flash_inductor flash_inductor_no_compile_ahead flash_inductor; do
         timeout -s INT -k 10 100 python3 -m benchmarks.cold_start --models llama-e64 --tasks train --parts cold \
@@ -74,7 +79,7 @@ for step in ${STEPS:-tests ab infer eager}; do
     window)
       timeout -s INT -k 10 240 python3 -m benchmarks.sparse_attention --part window --providers ours,flex \
         --seqs 4096,16384,32768 --windows 256 --kernel-time --time-budget 220 --out "$OUT" 2>&1 | tail -14 ;;
-    *) echo "unknown step $step (tests, ab, infer, eager, decode, dsup, host, llama_b1, cold, moments, window)" >&2
+    *) echo "unknown step $step (tests ab infer eager decode dsup host llama_b1 llama_b1_graphs cold moments window)" >&2
        exit 2 ;;
   esac
 done

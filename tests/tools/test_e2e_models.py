@@ -98,3 +98,28 @@ def test_precompile_warms_every_contender_of_every_cell_before_timing(tmp_path, 
 def test_cold_and_precompile_exclude_each_other():
     with pytest.raises(SystemExit, match="choose one"):
         e2e_models.main(["--cold", "--precompile", "2", "--tiny", "--device", "cpu"], compile_fn=_eager)
+
+
+def test_mode_reaches_both_contenders_compiles_and_the_records(monkeypatch):
+    """--mode is torch.compile's mode for both contenders (our backend's and plain Inductor's),
+    in the timed pass and in a precompile worker's item, and each record names it."""
+    seen = []
+
+    def fake_compile(model, *, backend="inductor", mode=None):
+        seen.append((backend == "inductor", mode))
+        return model
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    args = e2e_models.parse_args(["--tiny", "--tokens", "64", "--device", "cpu", "--dtype", "fp32", "--rep-steps", "1",
+                                  "--mode", "reduce-overhead"])
+    compile_fn = e2e_models._compile_fn(args.schedule, args.mode)
+    records = e2e_models.run_cell("gpt2", e2e_models.TINY_MODELS["gpt2"], 32, "sdpa", "infer", args, compile_fn)
+    assert [r["status"] for r in records] == ["ok", "ok"]
+    assert [r["mode"] for r in records] == ["reduce-overhead"] * 2
+    assert seen == [(True, "reduce-overhead"), (False, "reduce-overhead")]
+    item = e2e_models.precompile_items([("gpt2", e2e_models.TINY_MODELS["gpt2"], 32, "sdpa", "infer")], args)[1]
+    seen.clear()
+    e2e_models.compile_item(item, "cpu")
+    assert seen == [(item["contender"] == "compile", "reduce-overhead")]
+    assert e2e_models._compile_fn(None, None) is e2e_models.compile_with
+    with pytest.raises(SystemExit):
+        e2e_models.parse_args(["--mode", "fastest"])
