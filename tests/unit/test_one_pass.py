@@ -7,6 +7,8 @@ everywhere (the interpreter on a CPU); the Gluon kernels on an sm_90 GPU only.""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -453,6 +455,62 @@ def test_flash_attention_routes_stable_through_the_one_pass_ops(monkeypatch):
     assert "flash_inductor.attention_forward_one_pass.default" in targets, targets
     assert "flash_inductor.attention_backward_one_pass.default" in targets, targets
     assert torch.equal(compiled.detach(), eager[0]) and torch.equal(q.grad, eager[1])
+
+
+class _AttentionBlock(torch.nn.Module):
+    """qkv projection -> causal SDPA -> out projection (what the rewrite replaces in a model)."""
+
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        batch, seq, hidden = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, hidden // self.heads).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(y.transpose(1, 2).reshape(batch, seq, hidden))
+
+
+@needs_hopper
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_graphs_replay_the_one_pass_ops(monkeypatch, head_dim):
+    """torch.compile(backend=flash_inductor.backend, mode="reduce-overhead") on a bf16 block: the
+    rewritten attention runs the one-pass ops (the Gluon kernels with the residual, k̂ and K̃)
+    inside Inductor's CUDA graphs, and step after step, on new inputs, out and the gradients stay
+    as close to fp64 as eager bf16 (SDPA) is."""
+    from helpers import randn
+
+    from flash_inductor.launch import hopper_bwd
+
+    calls = []
+    real = hopper_bwd.hopper_attention_backward
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("exact_delta") is not None and kwargs.get("mean_key") is not None)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(hopper_bwd, "hopper_attention_backward", spy)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    hidden, heads = 2 * head_dim, 2
+    block = _AttentionBlock(hidden, heads).cuda()
+    golden = copy.deepcopy(block).double()
+    eager = copy.deepcopy(block).to(torch.bfloat16)
+    ours = copy.deepcopy(block).to(torch.bfloat16)
+    compiled = torch.compile(ours, backend=flash_inductor.backend, mode="reduce-overhead")
+    for step in range(4):  # warm-up, recording, then replays
+        x = randn((2, 384, hidden), torch.float64, "cuda", 20 + step)
+        results = []
+        for module, inputs in ((compiled, x.to(torch.bfloat16)), (eager, x.to(torch.bfloat16)), (golden, x)):
+            out = module(inputs)
+            out.double().square().sum().backward()  # the loss in fp64 for every contender
+            grads = [p.grad.clone() for p in module.parameters()]
+            module.zero_grad(set_to_none=True)
+            results.append([out.detach().clone(), *grads])
+        names = ["out", *(name for name, _ in block.named_parameters())]
+        for name, got, ref16, ref64 in zip(names, *results):
+            assert_close_to_ref(f"step {step} {name}", got, ref64, ref16)
+    assert calls and all(calls), calls
 
 
 @needs_hopper
