@@ -296,8 +296,8 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, kt_smem, v_s
         grad_scale = sm_scale
     if CENTRE_KEYS:
         # The consumer's (64, E) K rows over its 128 threads, 16 bytes of a row per thread. k̂ is
-        # requested before the wait so that its global load's latency hides behind K's TMA
-        # (measured on the H200: formed after the wait, K̃ cost the backward 2-4 %).
+        # requested before the wait so that its global load's latency hides behind K's TMA (on the
+        # H200, bf16 E 64 causal 4k: the backward 1891 µs with the load after the wait, 1870 before).
         centring_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [4, 1], [1, 0])
         k_hat = _load_mean_key(MEAN_KEY, b * H_KV + h_kv, HEAD_DIM, centring_layout)
     mbarrier.wait(kv_ready.index(CONSUMER), 0)

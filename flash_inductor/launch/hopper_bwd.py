@@ -250,7 +250,7 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     cfg = config or default_config(head_dim, is_causal)
     if mean_key is not None and not cfg.dq_split and head_dim > 64:
         raise ValueError("hopper_attention_backward: mean_key (the centred dQ) with HopperBackwardConfig(dq_split=False) "
-                         f"needs more than the H200's 227 KiB of shared memory at head dim {head_dim}; use "
+                         f"needs more than Hopper's 227 KiB of shared memory a CTA at head dim {head_dim}; use "
                          "dq_split=True (the default)")
     dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
