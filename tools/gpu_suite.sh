@@ -23,7 +23,12 @@
 #   WORKERS        pytest-xdist workers per GPU (default 14 with GPUS=1, else max(2, (nproc-2)/GPUS))
 #   SUITE_SECONDS  time limit of each GPU's pytest run (default 420)
 #   SKIP_BENCH=1   skip the quick benchmark; BENCH_SECONDS bounds it (default 150)
+#   SHARD=I/N      one GPU only: run the I-th of N round-robin shards of the tests
+#                  (tools/pytest_shard.py), so that the suite, ~15 minutes on one H200, fits
+#                  device calls of 10: SHARD=1/2, then SHARD=2/2 in the next call. Outputs carry
+#                  the shard in their names (pytest_gpu_shard1of2.log, ...).
 # Example, four GPUs, tests only:  SKIP_BENCH=1 SUITE_SECONDS=500 bash tools/gpu_suite.sh
+# Example, one GPU over two calls:  SHARD=1/2 SKIP_BENCH=1 SUITE_SECONDS=540 bash tools/gpu_suite.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source tools/device_env.sh
@@ -49,18 +54,29 @@ elif [ "$GPUS" -gt "${#DEVICES[@]}" ]; then
   for ((i = 0; i < GPUS; i++)); do DEVICES+=("$i"); done
 fi
 
+if [ -n "${SHARD:-}" ] && [ "$GPUS" -gt 1 ]; then
+  echo "SHARD=$SHARD splits a one-GPU run; with GPUS=$GPUS the files are already split over the GPUs" >&2; exit 2
+fi
+
 if [ "$GPUS" -le 1 ]; then
+SHARD_ARGS=()
+SUFFIX=""
+if [ -n "${SHARD:-}" ]; then
+  SHARD_ARGS=(-p tools.pytest_shard --shard "$SHARD")
+  SUFFIX="_shard${SHARD/\//of}"
+fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 # Bounded so the benchmark still runs inside one 10-minute device call. SIGINT, not SIGTERM, at the
 # limit: pytest then stops as on Ctrl-C, prints its result line and --durations, and writes the junit
 # XML of the tests that finished, so a cut run still says which tests ran (-k 30: killed if it hangs).
-export FLASH_INDUCTOR_FAILURE_LOG="$OUT/failures.log"
+export FLASH_INDUCTOR_FAILURE_LOG="$OUT/failures$SUFFIX.log"
 # Work stealing (pytest-xdist >= 3.2) keeps a few long compile tests from forming the run's tail.
 DIST=$(python3 -c "import xdist; v = tuple(int(p) for p in xdist.__version__.split('.')[:2]); print('worksteal' if v >= (3, 2) else 'load')" 2>/dev/null || echo load)
 # Compilation (Inductor, Triton) is CPU-bound: one worker per core.
 timeout -s INT -k 30 "${SUITE_SECONDS:-420}" python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider -p no:benchmark \
-  -n "${WORKERS:-14}" --dist "$DIST" --timeout 300 --durations=25 --junitxml="$OUT/pytest_gpu.xml" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+  ${SHARD_ARGS[@]+"${SHARD_ARGS[@]}"} -n "${WORKERS:-14}" --dist "$DIST" --timeout 300 --durations=25 \
+  --junitxml="$OUT/pytest_gpu$SUFFIX.xml" 2>&1 | tee "$OUT/pytest_gpu$SUFFIX.log" | tail -40
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout "${BENCH_SECONDS:-150}" python3 -m benchmarks.bench_attention --quick --out "$OUT" 2>&1 | tail -12
 fi
