@@ -494,20 +494,20 @@ def test_cuda_graphs_replay_the_one_pass_ops(monkeypatch, head_dim):
     torch.manual_seed(0)
     hidden, heads = 2 * head_dim, 2
     block = _AttentionBlock(hidden, heads).cuda()
-    golden = copy.deepcopy(block).double()
-    eager = copy.deepcopy(block).to(torch.bfloat16)
-    ours = copy.deepcopy(block).to(torch.bfloat16)
+    eager = block.to(torch.bfloat16)
+    ours = copy.deepcopy(eager)
+    golden = copy.deepcopy(eager).double()  # the same (bf16) weights, in fp64
     compiled = torch.compile(ours, backend=flash_inductor.backend, mode="reduce-overhead")
     for step in range(4):  # warm-up, recording, then replays
-        x = randn((2, 384, hidden), torch.float64, "cuda", 20 + step)
+        x = randn((2, 384, hidden), torch.bfloat16, "cuda", 20 + step)
         results = []
-        for module, inputs in ((compiled, x.to(torch.bfloat16)), (eager, x.to(torch.bfloat16)), (golden, x)):
+        for module, inputs in ((compiled, x), (eager, x), (golden, x.double())):
             out = module(inputs)
             out.double().square().sum().backward()  # the loss in fp64 for every contender
             grads = [p.grad.clone() for p in module.parameters()]
             module.zero_grad(set_to_none=True)
             results.append([out.detach().clone(), *grads])
-        names = ["out", *(name for name, _ in block.named_parameters())]
+        names = ["out", *(name for name, _ in eager.named_parameters())]
         for name, got, ref16, ref64 in zip(names, *results):
             assert_close_to_ref(f"step {step} {name}", got, ref64, ref16)
     assert calls and all(calls), calls
