@@ -554,6 +554,26 @@ class CudaLooking(torch.Tensor):
         return True
 
 
+def assert_training_steps_match_fp64(compiled, eager, golden, make_input, steps: int = 4) -> None:
+    """Train ``steps`` steps of three copies of one module (under ``mode="reduce-overhead"`` the
+    first steps warm up and record CUDA graphs, the rest replay them): ``compiled`` and ``eager``
+    on ``make_input(step)``, ``golden`` (its fp64 copy) on that input in fp64, each with the loss
+    sum(out²) formed in fp64. Each step's out and every parameter's gradient of ``compiled`` must
+    meet the tolerance rule against ``golden``, with ``eager``'s error as the baseline."""
+    names = ["out", *(name for name, _ in eager.named_parameters())]
+    for step in range(steps):
+        x = make_input(step)
+        results = []
+        for module, inputs in ((compiled, x), (eager, x), (golden, x.double())):
+            out = module(inputs)
+            out.double().square().sum().backward()
+            grads = [p.grad.clone() for p in module.parameters()]
+            module.zero_grad(set_to_none=True)
+            results.append([out.detach().clone(), *grads])
+        for name, ours, baseline, ref in zip(names, *results):
+            assert_close_to_ref(f"step {step} {name}", ours, ref, baseline)
+
+
 def mock_hopper(monkeypatch):
     """Make the Hopper support checks see an sm_90 GPU with Gluon, and return a factory of
     ``CudaLooking`` tensors."""

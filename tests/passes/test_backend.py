@@ -27,7 +27,7 @@ from flash_inductor.passes import graph_pass
 from flash_inductor.passes.graph_pass import FlashAttentionPass, RewriteOptions
 from flash_inductor.passes.report import REPORTS
 from flash_inductor.passes.site import rewritten_attention
-from helpers import assert_close_to_ref, randn
+from helpers import assert_training_steps_match_fp64, randn
 
 E, H, L = 16, 2, 11
 
@@ -376,16 +376,6 @@ def test_reduce_overhead_training_on_cuda():
     block = _Block().cuda()
     eager, golden = copy.deepcopy(block), copy.deepcopy(block).double()
     compiled = torch.compile(block, backend=flash_inductor.backend, mode="reduce-overhead")
-    for step in range(4):  # warm-up, recording, then replays
-        x = randn((2, 64, E), torch.float32, "cuda", 10 + step)
-        results = []
-        for module, inputs in ((compiled, x), (eager, x), (golden, x.double())):
-            out = module(inputs)
-            out.square().sum().backward()
-            grads = [p.grad.clone() for p in module.parameters()]
-            module.zero_grad(set_to_none=True)
-            results.append([out.detach().clone(), *grads])
-        names = ["out", *(name for name, _ in block.named_parameters())]
-        for name, ours, ref32, ref64 in zip(names, *results):
-            assert_close_to_ref(f"step {step} {name}", ours, ref64, ref32)
+    assert_training_steps_match_fp64(compiled, eager, golden,
+                                     lambda step: randn((2, 64, E), torch.float32, "cuda", 10 + step))
     assert ("sdpa", True) in _records()

@@ -479,7 +479,7 @@ def test_cuda_graphs_replay_the_one_pass_ops(monkeypatch, head_dim):
     rewritten attention runs the one-pass ops (the Gluon kernels with the residual, k̂ and K̃)
     inside Inductor's CUDA graphs, and step after step, on new inputs, out and the gradients stay
     as close to fp64 as eager bf16 (SDPA) is."""
-    from helpers import randn
+    from helpers import assert_training_steps_match_fp64, randn
 
     from flash_inductor.launch import hopper_bwd
 
@@ -498,18 +498,8 @@ def test_cuda_graphs_replay_the_one_pass_ops(monkeypatch, head_dim):
     ours = copy.deepcopy(eager)
     golden = copy.deepcopy(eager).double()  # the same (bf16) weights, in fp64
     compiled = torch.compile(ours, backend=flash_inductor.backend, mode="reduce-overhead")
-    for step in range(4):  # warm-up, recording, then replays
-        x = randn((2, 384, hidden), torch.bfloat16, "cuda", 20 + step)
-        results = []
-        for module, inputs in ((compiled, x), (eager, x), (golden, x.double())):
-            out = module(inputs)
-            out.double().square().sum().backward()  # the loss in fp64 for every contender
-            grads = [p.grad.clone() for p in module.parameters()]
-            module.zero_grad(set_to_none=True)
-            results.append([out.detach().clone(), *grads])
-        names = ["out", *(name for name, _ in eager.named_parameters())]
-        for name, got, ref16, ref64 in zip(names, *results):
-            assert_close_to_ref(f"step {step} {name}", got, ref64, ref16)
+    assert_training_steps_match_fp64(compiled, eager, golden,
+                                     lambda step: randn((2, 384, hidden), torch.bfloat16, "cuda", 20 + step))
     assert calls and all(calls), calls
 
 
