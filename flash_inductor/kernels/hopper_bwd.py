@@ -76,7 +76,7 @@ Constexpr switches:
                        when Δ = dO'·(O + resid), which the preprocess forms;
                 dO     is dO' = round(g·dO) (g the forward's row normaliser, P = g·P̃), so
                        dV += P̃ᵀ·dO' and dPᵀ = V·dO'ᵀ need no per-score scaling;
-                ds_up  a power of two from the preprocess (1 for bf16; for fp16 it keeps the
+                ds_up  a power of two from the preprocess (1 for bf16, not loaded; for fp16 it keeps the
                        call's bound on |dS| at 2^14) taken into dS by one FFMA and out of dK
                        and dQ with the softmax scale.
   CENTRE_KEYS dQ's GEMM takes the centred keys K̃ = K − k̂ (k̂: MEAN_KEY, (B·H_KV, E) fp32, per
@@ -290,7 +290,12 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, kt_smem, v_s
     if DQ_TMA:
         dq_tile = dq_smem.index(CONSUMER)
     if EXACT_DELTA:
-        ds_up = gl.load(DS_UP)
+        if dtype == gl.float16:
+            ds_up = gl.load(DS_UP)
+        else:
+            # bf16 has fp32's range: dS is never rescaled, so DS_UP is not read (no constant
+            # buffer for the launcher to keep, which a CUDA graph's memory pool would own).
+            ds_up = 1.0
         grad_scale = sm_scale / ds_up  # exact: ds_up is a power of two
     else:
         grad_scale = sm_scale

@@ -387,22 +387,12 @@ def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
     if collect_stats:
         ds_up = ds_up_in_one_launch(stats) if DS_UP_ONE_LAUNCH else ds_up_from_stats(stats)
     else:
-        ds_up = _one(grad_out.device)
+        # bf16: the kernel takes ds_up = 1 without reading it. A constant kept for it would be
+        # allocated on the first call, which under torch.compile's CUDA graphs is a warm-up run
+        # inside the graph's memory pool, and the pool's owner then fails on a live tensor it
+        # does not track ("Detected 1 tensor(s) in the cudagraph pool not tracked as outputs").
+        ds_up = delta  # not read
     return do_scaled, pivot, delta, ds_up
-
-
-def _one(device: torch.device) -> torch.Tensor:
-    """A (1,) fp32 1 on ``device`` that the kernels only read (bf16's ds_up), made once per device
-    rather than one allocation and fill launch a backward. Never kept from inside a CUDA graph
-    capture, whose memory belongs to the graph."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.ones(1, dtype=torch.float32, device=device)
-    return _one_on(device)
-
-
-@functools.lru_cache(maxsize=None)
-def _one_on(device: torch.device) -> torch.Tensor:
-    return torch.ones(1, dtype=torch.float32, device=device)
 
 
 # The one-pass backward's clamps: the bound on |dS| within [DS_UP_MIN_BOUND, 2^100], so ds_up, a
