@@ -31,8 +31,9 @@ from typing import Optional
 import torch
 
 from ..tuning import cache
-from ..tuning.buckets import MASK_KINDS, Bucket
-from ..tuning.configs import KernelConfig, padded_head_dim
+from ..tuning.buckets import GLUON_PASSES, MASK_KINDS, Bucket
+from ..tuning.configs import padded_head_dim
+from ..tuning.kernel_config import role_config_from_dict
 from .measure import do_bench_timer
 from .plan import COPY, SWEEP, Grid, PlannedBucket, make_plan, seq_buckets
 from ..schedules import SCHEDULES
@@ -64,7 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="mask kinds (none,causal,bool,float); untuned kinds use the heuristic")
     p.add_argument("--schedules", type=_csv(str, tuple(SCHEDULES)), default=tuple(SCHEDULES),
                    help="precision schedules (default: all; fp8 only on GPUs with fp8 tensor cores)")
-    p.add_argument("--passes", type=_csv(str, tuple(ROLES)), default=("forward", "backward"))
+    p.add_argument("--passes", type=_csv(str, tuple(ROLES)), default=None,
+                   help="default: forward,backward, and on a Hopper GPU with Gluon the Gluon kernels' "
+                        f"{','.join(GLUON_PASSES)} (bf16/fp16, E 64/128, no mask or causal)")
     p.add_argument("--max-seq", type=int, default=16384,
                    help="tune lengths 1024, 4096, ... up to this; lookups use the nearest tuned length")
     p.add_argument("--seqs", type=_csv(int), default=None, help="explicit length buckets (powers of two)")
@@ -111,7 +114,17 @@ def make_grid(args, device: Optional[torch.device] = None) -> Grid:
         if skipped:
             print(f"autotune: skipping {','.join(skipped)}: this GPU has no fp8 tensor cores")
         schedules = tuple(s for s in schedules if s not in skipped) or ("stable",)
-    return Grid(schedules, tuple(args.dtypes), widths, tuple(args.masks), seqs, tuple(args.passes))
+    passes = args.passes if args.passes is not None else ("forward", "backward") + (
+        GLUON_PASSES if device is not None and gluon_capable(device) else ())
+    return Grid(schedules, tuple(args.dtypes), widths, tuple(args.masks), seqs, tuple(passes))
+
+
+def gluon_capable(device: torch.device) -> bool:
+    """Whether the Gluon Hopper kernels run here: an sm_90 GPU and a Triton with Gluon's Hopper
+    support (they have no interpreter)."""
+    from ..launch.hopper import gluon_available
+
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0) and gluon_available()
 
 
 def fp8_capable(device: torch.device) -> bool:
@@ -180,7 +193,7 @@ class _Progress:
 def _label(configs: Optional[dict]) -> str:
     if not configs:
         return "-"
-    return " + ".join(KernelConfig.from_dict(c).label() for c in configs.values())
+    return " + ".join(role_config_from_dict(role, c).label() for role, c in configs.items())
 
 
 def _winner_label(entry: Optional[dict]) -> str:

@@ -32,7 +32,7 @@ from typing import Callable, Optional, Protocol
 import torch
 import torch.nn.functional as F
 
-from ..tuning.buckets import Bucket
+from ..tuning.buckets import BACKWARD_PASSES, Bucket
 from ..tuning.configs import AttentionConfigs
 from ..schedules import get_schedule
 
@@ -126,7 +126,7 @@ def attention_flops(bucket: Bucket, shape: Shape) -> float:
     flops = 4.0 * shape.batch * shape.heads * shape.seq_q * shape.seq_k * bucket.width
     if bucket.mask == "causal" and bucket.pass_name != "decode":
         flops *= 0.5
-    return flops * (2.5 if bucket.pass_name == "backward" else 1.0)
+    return flops * (2.5 if bucket.pass_name in BACKWARD_PASSES else 1.0)
 
 
 # ------------------------------------------------------------------------------------------
@@ -143,6 +143,13 @@ class KernelRunner(Protocol):
                  schedule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
     def decode(self, p: Problem, configs: AttentionConfigs, schedule: str) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def gluon_forward(self, p: Problem, configs: AttentionConfigs, schedule: str, exact: bool) -> tuple: ...
+
+    def gluon_saved(self, p: Problem, configs: AttentionConfigs, schedule: str) -> tuple: ...
+
+    def gluon_backward(self, p: Problem, saved: tuple, configs: AttentionConfigs,
+                       schedule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 class LaunchRunner:
@@ -169,10 +176,49 @@ class LaunchRunner:
         return decode_attention_forward(p.q, p.k, p.v, p.mask, p.scale, schedule, visibility=p.visibility(),
                                         config=configs.decode)
 
+    # The Gluon Hopper kernels (passes gluon_*): called as the ops call them, with the config forced.
+
+    def gluon_forward(self, p, configs, schedule, exact):
+        """(out, lse, ...) of the Gluon forward; ``exact``: `stable`'s one-pass training forward."""
+        from ..launch import hopper
+
+        config = configs.gluon_forward_exact if exact else configs.gluon_forward
+        return hopper.hopper_attention_forward(p.q, p.k, p.v, scale=p.scale, is_causal=p.is_causal,
+                                               causal_offset=p.causal_offset, config=config, exact_delta=exact,
+                                               schedule=schedule)
+
+    def gluon_saved(self, p, configs, schedule):
+        """What the backward takes from its forward (and, for the exact Δ, k̂): out, lse, then the
+        exact-Δ keywords. Config-independent work, done once per timing problem."""
+        from ..launch import hopper_bwd
+
+        exact = _one_pass(schedule)
+        out, lse, *rest = self.gluon_forward(p, configs, schedule, exact)
+        extra = dict(exact_delta=tuple(rest), mean_key=hopper_bwd.key_mean(p.k)) if exact else {}
+        return out, lse, extra
+
+    def gluon_backward(self, p, saved, configs, schedule):
+        from ..launch import hopper_bwd
+
+        out, lse, extra = saved
+        return hopper_bwd.hopper_attention_backward(p.dout, p.q, p.k, p.v, out, lse, None, scale=p.scale,
+                                                    is_causal=p.is_causal, causal_offset=p.causal_offset,
+                                                    config=configs.gluon_backward, schedule=schedule, **extra)
+
+
+def _one_pass(schedule: str) -> bool:
+    """Whether the schedule's Gluon backward is the one-pass exact Δ (`stable`) rather than `fast`'s."""
+    return get_schedule(schedule).exact_delta
+
 
 def run_pass(runner: KernelRunner, p: Problem, configs: AttentionConfigs, schedule: str, pass_name: str) -> dict:
     if pass_name == "decode":
         return {"out": runner.decode(p, configs, schedule)[0]}
+    if pass_name in ("gluon_forward", "gluon_forward_exact"):
+        return {"out": runner.gluon_forward(p, configs, schedule, pass_name == "gluon_forward_exact")[0]}
+    if pass_name == "gluon_backward":
+        saved = runner.gluon_saved(p, configs, schedule)
+        return {"out": saved[0], **dict(zip(("dq", "dk", "dv"), runner.gluon_backward(p, saved, configs, schedule)))}
     out, lse = runner.forward(p, configs, schedule)
     result = {"out": out}
     if pass_name == "backward":
@@ -199,7 +245,8 @@ def _visible(p: Problem) -> torch.Tensor:
 
 def reference_fp64(p: Problem, pass_name: str) -> dict:
     """Naive materialised attention in float64 (rows with no visible key give 0), by autograd."""
-    q, k, v = (t.detach().double().requires_grad_(pass_name == "backward") for t in (p.q, p.k, p.v))
+    backward = pass_name in BACKWARD_PASSES
+    q, k, v = (t.detach().double().requires_grad_(backward) for t in (p.q, p.k, p.v))
     group = q.shape[1] // k.shape[1]  # grouped-query attention: each K/V head serves `group` query heads
     scores = (q @ k.repeat_interleave(group, dim=1).transpose(-2, -1)) * p.scale
     if p.mask is not None and p.mask.dtype != torch.bool:
@@ -212,7 +259,7 @@ def reference_fp64(p: Problem, pass_name: str) -> dict:
     total = unnorm.sum(-1, keepdim=True)
     out = (unnorm / total.clamp_min(torch.finfo(torch.float64).tiny)) @ v.repeat_interleave(group, dim=1)
     result = {"out": out.detach(), "dead": ~vis.any(-1)}
-    if pass_name == "backward":
+    if backward:
         out.backward(p.dout.double())
         result.update(dq=q.grad, dk=k.grad, dv=v.grad)
     return result
@@ -222,7 +269,8 @@ def sdpa_same_dtype(p: Problem, pass_name: str) -> dict:
     """PyTorch's math backend in the input dtype: the error budget's yardstick."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    q, k, v = (t.detach().clone().requires_grad_(pass_name == "backward") for t in (p.q, p.k, p.v))
+    backward = pass_name in BACKWARD_PASSES
+    q, k, v = (t.detach().clone().requires_grad_(backward) for t in (p.q, p.k, p.v))
     mask = p.mask
     if p.is_causal:
         vis = _visible(p)
@@ -234,7 +282,7 @@ def sdpa_same_dtype(p: Problem, pass_name: str) -> dict:
         gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=p.scale, **gqa)
     result = {"out": out.detach()}
-    if pass_name == "backward":
+    if backward:
         out.backward(p.dout)
         result.update(dq=q.grad, dk=k.grad, dv=v.grad)
     return result
@@ -279,7 +327,7 @@ def check_problems(bucket: Bucket, shape: Shape, device, seed: int = 0) -> list[
     """The random check problem, then the stability probes that apply to this bucket kind."""
     problems = [("check", make_problem(bucket, shape, device, seed)),
                 ("large_logits", make_problem(bucket, shape, device, seed + 1, qk_mult=math.sqrt(LOGIT_GAIN)))]
-    if bucket.pass_name == "backward" and bucket.dtype == "fp16":
+    if bucket.pass_name in BACKWARD_PASSES and bucket.dtype == "fp16":
         problems.append(("large_values", make_problem(bucket, shape, device, seed + 2, v_mult=LARGE_VALUE)))
     if bucket.mask != "none":  # no row can lose every key otherwise
         dead_shape = shape
@@ -311,7 +359,7 @@ class AccuracyCheck:
 
     @property
     def outputs(self) -> tuple[str, ...]:
-        return ("dq", "dk", "dv") if self.pass_name == "backward" else ("out",)  # forward, decode
+        return ("dq", "dk", "dv") if self.pass_name in BACKWARD_PASSES else ("out",)  # forward, decode
 
     def verify(self, runner: KernelRunner, configs: AttentionConfigs, schedule: str) -> Verdict:
         try:

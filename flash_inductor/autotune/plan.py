@@ -15,6 +15,9 @@ race a shortlist:
 * ``copy``: a bucket whose kernels are identical to an earlier one's (the same constexprs, e.g.
   the fast and stable schedules in the forward, or with fp32 inputs) reuses its entry unmeasured.
 
+The Gluon Hopper passes (``gluon_*``, tuning/hopper_configs.py) sweep every bucket: their whole
+space is one list of at most 24 configs.
+
 Order: sweeps first (they seed the rest), then the default schedule before the others, no mask
 and causal before explicit masks, and lengths nearest the representative first, so that a run
 stopped by its time budget has tuned what most users run.
@@ -26,7 +29,8 @@ import dataclasses
 import math
 from typing import Optional
 
-from ..tuning.buckets import MAX_SEQ_BUCKET, MIN_SEQ_BUCKET, Bucket
+from ..tuning import hopper_configs
+from ..tuning.buckets import GLUON_PASSES, MAX_SEQ_BUCKET, MIN_SEQ_BUCKET, Bucket
 from ..schedules import DEFAULT_SCHEDULE, get_schedule
 
 SWEEP, SHORTLIST, COPY = "sweep", "shortlist", "copy"
@@ -46,9 +50,11 @@ class Grid:
     def buckets(self) -> list[Bucket]:
         # A forward-only schedule (fp8) runs `stable`'s backward, which launches look up as `stable`,
         # and the normal fp8 forward for decode shapes (launch/decode.py): no buckets of its own.
-        return [Bucket(s, d, w, m, n, p) for s in self.schedules for d in self.dtypes for w in self.widths
-                for m in self.masks for n in self.seqs for p in self.passes
-                if not (p in ("backward", "decode") and get_schedule(s).fp8_forward)]
+        # The Gluon passes only where those kernels run (hopper_configs.bucket_supported).
+        buckets = [Bucket(s, d, w, m, n, p) for s in self.schedules for d in self.dtypes for w in self.widths
+                   for m in self.masks for n in self.seqs for p in self.passes
+                   if not (p in ("backward", "decode") and get_schedule(s).fp8_forward)]
+        return [b for b in buckets if b.pass_name not in GLUON_PASSES or hopper_configs.bucket_supported(b)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +95,11 @@ def kernel_signature(bucket: Bucket) -> tuple:
     from .measure import torch_dtype
 
     switches = schedule_switches(torch_dtype(bucket.dtype), bucket.schedule)
+    if bucket.pass_name in GLUON_PASSES:
+        # The Gluon forward rounds alike under every schedule it takes; its backward is `fast`'s
+        # or the exact Δ's.
+        exact = bucket.pass_name == "gluon_backward" and switches.get("EXACT_DELTA", False)
+        return (bucket.dtype, bucket.width, bucket.mask, bucket.seq, bucket.pass_name, exact)
     names = {"forward": ("P_IN_FP32", "FP32_DOT", "FP8_FORWARD"), "decode": ("P_IN_FP32", "FP32_DOT")}.get(
         bucket.pass_name, tuple(sorted(switches)))
     return (bucket.dtype, bucket.width, bucket.mask, bucket.seq, bucket.pass_name,
@@ -117,7 +128,9 @@ def make_plan(grid: Grid, exhaustive: bool = False) -> list[PlannedBucket]:
                 grid.widths.index(b.width), abs(math.log2(b.seq) - math.log2(rep)), -b.seq,
                 grid.passes.index(b.pass_name))
 
-    sweeps = sorted({sweep_of(b) for b in buckets}, key=priority)
+    # A Gluon kernel's search space is small enough to sweep in every bucket (hopper_configs).
+    sweeps = sorted({sweep_of(b) for b in buckets if b.pass_name not in GLUON_PASSES}
+                    | {b for b in buckets if b.pass_name in GLUON_PASSES}, key=priority)
     ordered = sweeps + sorted((b for b in buckets if b not in set(sweeps)), key=priority)
     primary: dict[tuple, Bucket] = {}
     plan = []

@@ -36,11 +36,13 @@ from typing import Optional
 import torch
 
 from ..tuning.buckets import Bucket
-from ..tuning.configs import AttentionConfigs, KernelConfig
+from ..tuning.buckets import GLUON_PASSES
+from ..tuning.configs import AttentionConfigs
+from ..tuning.kernel_config import role_config_from_dict
 from .measure import LaunchRunner, Shape, check_problems, make_problem, run_pass
 from .plan import kernel_signature
 
-_ROLE_NAMES = ("forward", "backward_dkdv", "backward_dq", "decode")
+_ROLE_NAMES = ("forward", "backward_dkdv", "backward_dq", "decode") + GLUON_PASSES
 # The lengths tests/tuning/test_table_edges.py checks every shipped pick at, as (L, S).
 LENGTHS_OF_ONE = ((7, 1), (1, 7))
 
@@ -59,7 +61,8 @@ def _encode(configs: AttentionConfigs) -> tuple:
 
 
 def _decode(encoded: tuple) -> AttentionConfigs:
-    return AttentionConfigs(*(None if c is None else KernelConfig.from_dict(c) for c in encoded))
+    return AttentionConfigs(**{role: None if c is None else role_config_from_dict(role, c)
+                               for role, c in zip(_ROLE_NAMES, encoded)})
 
 
 def warm(bucket_key: str, heuristic: tuple, candidate: tuple, check_shape: tuple, timing_shape: tuple,
@@ -77,6 +80,9 @@ def warm(bucket_key: str, heuristic: tuple, candidate: tuple, check_shape: tuple
         if bucket.pass_name == "backward":
             out, lse = runner.forward(timing, _decode(heuristic), bucket.schedule)
             runner.backward(timing, out, lse, configs, bucket.schedule)
+        elif bucket.pass_name == "gluon_backward":
+            saved = runner.gluon_saved(timing, _decode(heuristic), bucket.schedule)
+            runner.gluon_backward(timing, saved, configs, bucket.schedule)
         else:
             run_pass(runner, timing, configs, bucket.schedule, bucket.pass_name)
     except Exception as exc:  # reported by the main process's own run of this candidate

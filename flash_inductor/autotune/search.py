@@ -35,8 +35,10 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ..tuning.buckets import Bucket
+from ..tuning import hopper_configs
+from ..tuning.buckets import GLUON_PASSES, Bucket
 from ..tuning.configs import AttentionConfigs, KernelConfig, cuda_heuristic_configs, heuristic_configs
+from ..tuning.kernel_config import role_config_from_dict
 from .measure import (
     AccuracyCheck,
     KernelRunner,
@@ -53,7 +55,8 @@ from .measure import (
 from .plan import COPY, SHORTLIST, SWEEP, PlannedBucket
 from .precompile import RoundReport
 from ..tuning.footprint import DeviceLimits, TileBytes, tile_bytes_for
-from .search_space import FULL_SPACE, ROLES, SearchSpace, depth_candidates, shape_candidates, space_for
+from .search_space import (FULL_SPACE, ROLES, SearchSpace, depth_candidates, gluon_candidates, shape_candidates,
+                           space_for)
 
 
 @dataclasses.dataclass
@@ -152,7 +155,7 @@ class BucketTask:
     def ranking(self, role: str, limit: int) -> list[KernelConfig]:
         """This role's configs, fastest first (each at its best time with the other roles)."""
         if self.saved_ranking is not None:
-            return [KernelConfig.from_dict(c) for c in self.saved_ranking.get(role, [])][:limit]
+            return [role_config_from_dict(role, c) for c in self.saved_ranking.get(role, [])][:limit]
         best: dict[KernelConfig, float] = {}
         for m in self.ok():
             cfg = getattr(m.configs, role)
@@ -185,10 +188,19 @@ class Tuner:
 
         dtype = torch_dtype(bucket.dtype)
         if self.simulated_capability is not None:
-            return cuda_heuristic_configs(self.simulated_capability, dtype.itemsize, bucket.width, bucket.width,
-                                          bucket.schedule, bucket.mask)
-        probe = torch.empty(0, dtype=dtype, device=self.device)
-        return heuristic_configs(probe, bucket.width, bucket.width, interpreter_enabled(), bucket.schedule, bucket.mask)
+            configs = cuda_heuristic_configs(self.simulated_capability, dtype.itemsize, bucket.width, bucket.width,
+                                             bucket.schedule, bucket.mask)
+        else:
+            probe = torch.empty(0, dtype=dtype, device=self.device)
+            configs = heuristic_configs(probe, bucket.width, bucket.width, interpreter_enabled(), bucket.schedule,
+                                        bucket.mask)
+        if bucket.pass_name not in GLUON_PASSES:
+            return configs
+        # A Gluon bucket's heuristic is the built-in config of its kernel (the backward's timing
+        # forward runs the built-in forward as well).
+        gluon = {role: hopper_configs.default_for_bucket(role, bucket.replace(pass_name=role))
+                 for role in GLUON_PASSES}
+        return dataclasses.replace(configs, **gluon)
 
     def task(self, planned: PlannedBucket, incumbent_entry: Optional[dict] = None) -> BucketTask:
         """``incumbent_entry``: a table entry for this bucket (an older table's) whose configs
@@ -204,6 +216,8 @@ class Tuner:
             return 0
         if planned.kind == SHORTLIST:  # the heuristic, the best, and the runners-up of each role
             return 2 + len(roles) * (self.settings.top_k - 1)
+        if planned.bucket.pass_name in GLUON_PASSES:
+            return len(gluon_candidates(roles[0], planned.bucket, self.limits))
         heuristic, tiles = self.heuristic(planned.bucket), self._tiles(planned.bucket)
         space = space_for(planned.bucket.pass_name, self.settings.space)
         return 1 + sum(len(shape_candidates(r, space, getattr(heuristic, r).num_stages, tiles,
@@ -213,6 +227,12 @@ class Tuner:
         return tile_bytes_for(bucket)
 
     def _sweep(self, task: BucketTask) -> Iterator[list[AttentionConfigs]]:
+        if task.bucket.pass_name in GLUON_PASSES:  # one role, a small space: all of it in one list
+            (role,) = task.roles
+            incumbent = [task.incumbent] if task.incumbent is not None else []
+            yield [task.heuristic] + incumbent + [dataclasses.replace(task.heuristic, **{role: c})
+                                                  for c in gluon_candidates(role, task.bucket, self.limits)]
+            return
         tiles, space = self._tiles(task.bucket), space_for(task.bucket.pass_name, self.settings.space)
         for role in task.roles:
             current = task.best(self.settings.min_gain)
@@ -282,6 +302,8 @@ class Tuner:
             saved = None
             if task.bucket.pass_name == "backward":  # the backward times against the heuristic's forward
                 saved = self.runner.forward(problem, task.heuristic, task.bucket.schedule)
+            elif task.bucket.pass_name == "gluon_backward":
+                saved = self.runner.gluon_saved(problem, task.heuristic, task.bucket.schedule)
             self._timing[task.bucket] = (problem, saved)
         return self._timing[task.bucket]
 
@@ -293,9 +315,16 @@ class Tuner:
         if verdict.ok:
             try:
                 problem, saved = self._timing_problem(task)
-                if task.bucket.pass_name == "decode":
+                pass_name = task.bucket.pass_name
+                if pass_name == "decode":
                     def run():
                         return self.runner.decode(problem, configs, schedule)
+                elif pass_name in ("gluon_forward", "gluon_forward_exact"):
+                    def run():
+                        return self.runner.gluon_forward(problem, configs, schedule, pass_name == "gluon_forward_exact")
+                elif pass_name == "gluon_backward":
+                    def run():
+                        return self.runner.gluon_backward(problem, saved, configs, schedule)
                 elif saved is None:
                     def run():
                         return self.runner.forward(problem, configs, schedule)
@@ -473,7 +502,7 @@ def incumbent_configs(heuristic: AttentionConfigs, roles, entry: Optional[dict])
     if not isinstance(configs, dict) or any(not isinstance(configs.get(role), dict) for role in roles):
         return None
     try:
-        return dataclasses.replace(heuristic, **{role: KernelConfig.from_dict(configs[role]) for role in roles})
+        return dataclasses.replace(heuristic, **{role: role_config_from_dict(role, configs[role]) for role in roles})
     except (KeyError, TypeError, ValueError):
         return None
 

@@ -8,10 +8,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable
 
+from ..tuning import hopper_configs
+from ..tuning.buckets import ROLES, Bucket
 from ..tuning.footprint import DeviceLimits, TileBytes, fits
 from ..tuning.kernel_config import KernelConfig
 
-ROLES = {"forward": ("forward",), "backward": ("backward_dkdv", "backward_dq"), "decode": ("decode",)}
+__all__ = ["ROLES", "SearchSpace", "FULL_SPACE", "QUICK_SPACE", "space_for", "shape_candidates",
+           "depth_candidates", "gluon_candidates"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,3 +67,9 @@ def depth_candidates(role: str, shapes: Iterable[KernelConfig], space: SearchSpa
             if cfg != shape and fits(role, cfg, tiles, limits):
                 found.append(cfg)
     return found
+
+
+def gluon_candidates(role: str, bucket: Bucket, limits: DeviceLimits) -> list:
+    """A Gluon kernel's whole search space (tuning/hopper_configs.py: at most 24 configs, so one
+    round times them all), less what does not fit the chip's shared memory by its estimate."""
+    return hopper_configs.candidates(role, bucket, limits.smem_bytes)

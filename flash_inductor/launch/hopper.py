@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+import warnings
 
 import torch
 
 from ..schedules import get_schedule
+from ..tuning.configs import select_hopper_forward_config
+from ..tuning.hopper_configs import HopperForwardConfig, default_forward_config
 from .band import band_lower, causal_side, resolve_band
 from .common import LOG2E, cdiv
 
@@ -55,67 +57,13 @@ MASK_FLOOR = -1e38
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
+# The built-in configs (the tuning table's entries take precedence per bucket).
+default_config = default_forward_config
 
 
-@dataclass(frozen=True)
-class HopperForwardConfig:
-    """Tile config. The CTA owns ``num_consumers * block_m`` query rows (one warpgroup each) and
-    streams ``block_n``-key K/V tiles through a ``num_stages``-deep shared-memory ring.
-    ``swizzle_heads``: the grid's order. CTAs walk the (batch, head)s in groups of this many,
-    query block by query block within a group (``kernels/hopper_fwd.py``, ``_block_coords``): 1,
-    the default until timed on the H200, runs each head's blocks together (longest first under
-    causal masking); B·H runs every head's longest block first (the backward's ``swizzle_heads``)."""
-
-    block_m: int = 64
-    block_n: int = 128
-    num_stages: int = 2
-    num_consumers: int = 2
-    pingpong: bool = False
-    loader_regs: int = 24
-    swizzle_heads: int = 1
-
-    @property
-    def maxnreg(self) -> int:
-        """Registers per thread at entry: the whole file over 4 * (consumers + 1) warps (the
-        loader's single warp still takes a warpgroup's allocation)."""
-        return 65536 // (128 * (self.num_consumers + 1)) // 8 * 8
-
-    @property
-    def consumer_regs(self) -> int:
-        """What setmaxnreg gives each consumer once the loader drops to ``loader_regs``; the
-        default partition (consumer 0) gets what is left, which is at least as much."""
-        spare = 65536 // 128 - self.loader_regs
-        return min(240, spare // self.num_consumers // 8 * 8)
-
-
-def default_config(head_dim: int, is_causal: bool, key_mask: bool = False,
-                   exact_delta: bool = False) -> HopperForwardConfig:
-    """The measured best on the H200 (benchmarks/results/hopper_fwd_nvidia-h200_20261202.json).
-
-    E=128: two consumers (64 rows each) with ping-pong. It beat the same kernel without ping-pong
-    in 16 of 20 cells of the grid and, unlike it, held steady between runs (bf16 16k: 603 with,
-    563 to 631 without across two runs). Shared memory: Q 2x64x128 plus 2 stages of 128x128 K
-    and V, 164 KiB; a third stage would need 228 KiB, past Hopper's 227. BLOCK_N=64 with 3
-    stages was 9-12 % slower.
-    E=64: three consumers (192 rows per CTA, 160 registers each, as FA3 does for this head dim)
-    with ping-pong, 3 stages (123 KiB): 1.03-1.12x cuDNN at every length for full attention and
-    for causal from 8k; at causal 2k-4k it and the two-consumer kernel are both 0.89-0.96x.
-    A key mask's bias holds 32 more fp32 registers per consumer thread (a tile's 128 keys in the
-    accumulator's column layout): at E 64 three consumers' 160 registers then spill 0.5-0.7 KiB
-    (compiled for sm_90a, tools/hopper_fwd_compile.py --key-bias), two consumers' 240 none. With
-    the exact Δ's extra state two consumers are 13-15 % faster there; without it three are 4-6 %
-    faster despite the spills (bf16 2k/8k, benchmarks/experiments/key_mask_probe.py).
-    Without a key mask the exact Δ's three consumers spill too (140-430 bytes), yet they beat two
-    consumers (1.01x at causal 4k, 1.05x at 16k, a training step) and 64-key tiles in a 4-deep
-    ring, which spill nothing (1.02-1.03x training, 1.11-1.18x inference; bf16, 2026-12-04,
-    benchmarks/experiments/switch_ab.py, ``hopper_fwd_…_20261202.json`` key ``e64_configs_20261204``).
-    """
-    del is_causal  # the same tiles measured best for both
-    if head_dim == 64 and key_mask and exact_delta:
-        return HopperForwardConfig(num_stages=3, num_consumers=2, pingpong=True)
-    if head_dim == 128:
-        return HopperForwardConfig(num_stages=2, num_consumers=2, pingpong=True)
-    return HopperForwardConfig(num_stages=3, num_consumers=3, pingpong=True)
+def gluon_available() -> bool:
+    """Whether this Triton has Gluon's Hopper support (wgmma, host TMA descriptors)."""
+    return _gluon_available()
 
 
 @functools.cache
@@ -304,7 +252,8 @@ def _default_layout(box: tuple, dtype: torch.dtype):
 def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                              scale: float | None = None, is_causal: bool = False, causal_offset: int = 0,
                              window: tuple[int, int] | None = None, attn_mask: torch.Tensor | None = None,
-                             config: HopperForwardConfig | None = None, exact_delta: bool = False) -> tuple:
+                             config: HopperForwardConfig | None = None, exact_delta: bool = False,
+                             schedule: str | None = None) -> tuple:
     """Attention forward on the Gluon Hopper kernel. ``query`` (B, Hq, L, E), ``key``/``value``
     (B, Hkv, S, E) with Hq a multiple of Hkv. Key j is visible to query i iff
     ``j <= i + causal_offset`` when ``is_causal`` (0: top-left, SDPA's convention), and inside
@@ -315,7 +264,39 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     ``exact_delta`` (the `stable` schedule's one-pass backward, docs/hopper_backward.md) also
     O's rounding residual (as out) and the backward's row constants (2, B, Hq, L) fp32 (pivot,
     normaliser), which ``launch.hopper_bwd`` takes as its ``exact_delta`` pair. Call only where
-    ``hopper_forward_supported`` says so."""
+    ``hopper_forward_supported`` says so.
+
+    ``config`` None: the tuning table's entry for the call's bucket (``schedule``'s), else the
+    built-in config. A table's config that fails to launch (a table written for another part, or
+    by hand) warns once and runs the built-in config: a table never fails a call."""
+    if config is None:
+        config, tuned = select_hopper_forward_config(
+            query, key.shape[2], is_causal=is_causal, key_mask=attn_mask is not None,
+            exact_delta=exact_delta, schedule=schedule)
+        if tuned:
+            try:
+                return hopper_attention_forward(query, key, value, scale=scale, is_causal=is_causal,
+                                                causal_offset=causal_offset, window=window, attn_mask=attn_mask,
+                                                config=config, exact_delta=exact_delta)
+            except Exception as error:  # noqa: BLE001 -- the built-in config below raises real errors
+                warn_tuned_config_failed("forward", config, error)
+                config = None
+    return _forward(query, key, value, scale, is_causal, causal_offset, window, attn_mask, config, exact_delta)
+
+
+def warn_tuned_config_failed(kernel: str, config, error: BaseException) -> None:
+    """One warning per (kernel, config): a tuned config did not launch, the built-in one runs."""
+    _warn_tuned_once(kernel, config, f"{type(error).__name__}: {str(error).strip()[:200]}")
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_tuned_once(kernel: str, config, reason: str) -> None:
+    warnings.warn(f"flash_inductor: the tuning table's Hopper {kernel} config {config.label()} failed to launch "
+                  f"({reason}); running the built-in config. Re-run `python -m flash_inductor.autotune` on this "
+                  "GPU to replace the entry.", stacklevel=4)
+
+
+def _forward(query, key, value, scale, is_causal, causal_offset, window, attn_mask, config, exact_delta):
     from ..kernels.hopper_fwd import _attn_fwd_hopper
 
     batch, heads_q, seq_q, head_dim = query.shape

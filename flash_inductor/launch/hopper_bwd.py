@@ -26,19 +26,20 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
-
 import torch
 
 from ..schedules import get_schedule
 from ..tuning.buckets import length_hint
-from ..tuning.configs import sm_count
+from ..tuning.configs import select_hopper_backward_config, sm_count
+from ..tuning.hopper_configs import HopperBackwardConfig, default_backward_config
 from .band import band_lower, causal_side, resolve_band
 from .common import LOG2E, cdiv
 from .hopper import (NOT_HOPPER, gluon_descriptor, hopper_forward_unsupported_reason, key_bias, tma_descriptor,
-                     tma_unsupported_reason)
+                     tma_unsupported_reason, warn_tuned_config_failed)
 
 log = logging.getLogger("flash_inductor")
+# The built-in config (the tuning table's entries take precedence per bucket).
+default_config = default_backward_config
 # `stable` runs this kernel only from the one-pass forward, whose residual it needs (ops/one_pass.py).
 NO_RESIDUAL = "the exact Δ needs the one-pass forward's residual (ops/one_pass.py)"
 # Whether `stable` calls take the one-pass exact-Δ path (ops/one_pass.py). Measured on the H200
@@ -69,41 +70,6 @@ ADDITIVE_KEY_MASK_FAST = ("an additive key mask under schedule 'fast' (rows mask
                           "Triton backward's row reference)")
 DETERMINISTIC = ("torch.use_deterministic_algorithms(True) (the Hopper backward adds dQ across key blocks "
                  "in an order that varies run to run)")
-
-
-@dataclass(frozen=True)
-class HopperBackwardConfig:
-    """``block_m`` query rows per streamed Q/dO tile, a ``num_stages``-deep ring of them; the CTA
-    owns 128 keys (64 per consumer warpgroup). ``dq_split``: the two consumers share dS through
-    shared memory and each computes half of dQ's columns (FA3's split), rather than each adding
-    its own 64-key partial dQ. ``dq_tma``: dQ partials reach the fp32 accumulator through shared
-    memory and one TMA reduce-add per tile rather than one scalar atomic add per element.
-    ``row_stats_tma``: the loader brings each tile's LSE and Δ rows into shared memory with Q and
-    dO, rather than the consumers loading them from global memory at the top of each tile.
-    ``swizzle_heads``: the grid's order. The CTAs walk the (batch, KV head)s in groups of this
-    many, key block by key block within a group (``kernels/hopper_bwd.py``, ``_cta_coords``): 1
-    runs each head's key blocks together, B·H_KV every head's first key block first. None (the
-    default) picks per call, ``swizzle_heads_for`` (docs/hopper_backward.md, "Grid order").
-    ``group_split``: a GQA group's query heads are shared among this many CTAs per key block (a
-    divisor of the group; their dK and dV partial sums are added afterwards in a fixed order).
-    None (the default) picks per call, ``group_split_for``."""
-
-    block_m: int = 64
-    num_stages: int = 2
-    dq_split: bool = True
-    dq_tma: bool = True
-    row_stats_tma: bool = True
-    swizzle_heads: int | None = None
-    group_split: int | None = None
-    consumer_regs: int = 240
-    loader_regs: int = 24
-
-    block_n: int = 128  # two consumers x 64 keys, fixed by the kernel
-
-    @property
-    def maxnreg(self) -> int:
-        # 12 warps (two consumer warpgroups and the loader's, counted as a warpgroup): 168.
-        return 65536 // (128 * 3) // 8 * 8
 
 
 # Up to this many waves of CTAs, a causal backward runs every head's first key block first.
@@ -141,16 +107,6 @@ def group_split_for(group: int, ctas: int, sms: int) -> int:
         if group % parts == 0 and ctas * parts >= GROUP_SPLIT_MIN_WAVES * sms:
             return parts
     return group
-
-
-def default_config(head_dim: int, is_causal: bool) -> HopperBackwardConfig:
-    """The measured best on the H200 for every head dim and mask (docs/hopper_backward.md): 64-row
-    Q/dO tiles in a 2-deep ring, dQ split between the consumers and reduced by TMA. Against it, at
-    bf16 E 64/128, 4k/16k: atomics instead of the TMA reduce 14-21 % slower; no split 4-20 %;
-    a 3-deep ring 0-12 % (it also leaves E 128 without shared memory for anything else); 128-row
-    tiles spill (E 64: 1 KiB a thread)."""
-    del head_dim, is_causal
-    return HopperBackwardConfig()
 
 
 def hopper_backward_unsupported_reason(query, key, value, attn_mask=None, dropout_p: float = 0.0,
@@ -222,7 +178,8 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
                               config: HopperBackwardConfig | None = None,
                               delta: torch.Tensor | None = None,
                               exact_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
-                              mean_key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              mean_key: torch.Tensor | None = None,
+                              schedule: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on the Gluon Hopper kernel: `fast`'s, or with
     ``exact_delta`` `stable`'s.
 
@@ -238,7 +195,29 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     memory (CENTRE_KEYS), and dq gets scale·dLSE·k̂ back.
     Call only where
     ``hopper_backward_unsupported_reason`` and ``tma_unsupported_reason`` (on query, key, value,
-    grad_out) say so."""
+    grad_out) say so.
+
+    ``config`` None: the tuning table's entry for the call's bucket (``schedule``'s; None: `stable`
+    with ``exact_delta``, else `fast`), else the built-in config; a table's config that fails to
+    launch warns once and runs the built-in one, as the forward does."""
+    args = (grad_out, query, key, value, out, lse, grad_lse)
+    options = dict(scale=scale, is_causal=is_causal, causal_offset=causal_offset, window=window,
+                   attn_mask=attn_mask, delta=delta, exact_delta=exact_delta, mean_key=mean_key)
+    if config is None:
+        schedule = schedule or ("stable" if exact_delta is not None else "fast")
+        config, tuned = select_hopper_backward_config(query, key.shape[2], is_causal=is_causal,
+                                                      key_mask=attn_mask is not None, schedule=schedule)
+        if tuned:
+            try:
+                return _backward(*args, config=config, **options)
+            except Exception as error:  # noqa: BLE001 -- the built-in config below raises real errors
+                warn_tuned_config_failed("backward", config, error)
+                config = None
+    return _backward(*args, config=config, **options)
+
+
+def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, is_causal, causal_offset, window, attn_mask,
+              config, delta, exact_delta, mean_key):
     from ..kernels.gluon_tma import HAS_TMA_REDUCE
     from ..kernels.hopper_bwd import _attn_bwd_hopper
     from .backward import launch_preprocess

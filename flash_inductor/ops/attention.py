@@ -107,7 +107,7 @@ def _forward_on_hopper(query: Tensor, key: Tensor, value: Tensor, is_causal: boo
                        attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     return hopper.hopper_attention_forward(query, key, value, scale=scale, is_causal=is_causal,
                                            causal_offset=causal_offset, window=(window_left, window_right),
-                                           attn_mask=attn_mask)
+                                           attn_mask=attn_mask, schedule=schedule)
 
 
 def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
@@ -146,7 +146,8 @@ def _backward_on_hopper(grad_out: Tensor, query: Tensor, key: Tensor, value: Ten
                         attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
                                                 is_causal=is_causal, causal_offset=causal_offset,
-                                                window=(window_left, window_right), attn_mask=attn_mask)
+                                                window=(window_left, window_right), attn_mask=attn_mask,
+                                                schedule=schedule)
 
 
 def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p, is_causal,

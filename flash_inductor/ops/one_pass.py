@@ -87,7 +87,7 @@ def _forward(query, key, value, is_causal, causal_offset, scale, window_left, wi
     query, key, value = _addressable(query, key, value)
     return hopper.hopper_attention_forward(query, key, value, scale=scale, is_causal=is_causal,
                                            causal_offset=causal_offset, window=(window_left, window_right),
-                                           exact_delta=True, **_mask_keyword(attn_mask))
+                                           exact_delta=True, schedule="stable", **_mask_keyword(attn_mask))
 
 
 def _mask_keyword(attn_mask: Optional[Tensor]) -> dict:
@@ -106,7 +106,7 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts
     return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
                                                 is_causal=is_causal, causal_offset=causal_offset,
                                                 window=(window_left, window_right), exact_delta=(resid, row_consts),
-                                                mean_key=key_mean(key), **_mask_keyword(attn_mask))
+                                                mean_key=key_mean(key), schedule="stable", **_mask_keyword(attn_mask))
 
 
 @torch.library.custom_op("flash_inductor::attention_forward_one_pass", mutates_args=())

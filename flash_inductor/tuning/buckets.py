@@ -22,7 +22,14 @@ MASK_KINDS = ("none", "causal", "bool", "float")
 # holds both configs: they run back to back on the same problem, so only their sum matters.
 # "decode" is the split-KV forward for a few query rows against long keys (launch/decode.py); its
 # length bucket is S's, and its entry's config caps the packed rows per program (block_m).
-PASSES = ("forward", "backward", "decode")
+# The Gluon Hopper kernels (tuning/hopper_configs.py) have passes of their own: the plain forward,
+# `stable`'s one-pass training forward (exact Δ), and their backward.
+GLUON_PASSES = ("gluon_forward", "gluon_forward_exact", "gluon_backward")
+PASSES = ("forward", "backward", "decode") + GLUON_PASSES
+# The kernel roles an entry of each pass holds a config for.
+ROLES = {"forward": ("forward",), "backward": ("backward_dkdv", "backward_dq"), "decode": ("decode",),
+         **{name: (name,) for name in GLUON_PASSES}}
+BACKWARD_PASSES = ("backward", "gluon_backward")
 MIN_SEQ_BUCKET = 128
 MAX_SEQ_BUCKET = 65536
 # The bucket of a symbolic length that has no hint (an unbacked size): a mid-size problem.

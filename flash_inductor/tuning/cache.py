@@ -58,7 +58,8 @@ from typing import Iterator, Mapping, Optional
 import torch
 
 from ..schedules import SCHEDULES, get_schedule
-from .buckets import Bucket
+from . import hopper_configs
+from .buckets import ROLES, Bucket
 from .footprint import DEFAULT_OPTIN_SMEM_BYTES, OPTIN_SMEM_BYTES, smem_bytes, tile_bytes_for
 from .kernel_config import KernelConfig
 from .kernel_identity import KERNEL_FAMILIES, family_identities, family_identity
@@ -141,6 +142,8 @@ def kernel_family(bucket: Bucket) -> str:
 
     if get_schedule(bucket.schedule).fp8_forward and bucket.pass_name == "forward":
         return "fp8_forward"
+    if bucket.pass_name == "gluon_forward_exact":  # the same kernel as the plain forward
+        return "gluon_forward"
     return bucket.pass_name
 
 
@@ -176,7 +179,6 @@ def shipped_entry(entry: dict) -> dict:
 # ------------------------------------------------------------------------------------------
 
 
-_ROLES = {"forward": ("forward",), "backward": ("backward_dkdv", "backward_dq"), "decode": ("decode",)}
 _CONFIG_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 # Bounds wider than anything the autotuner searches (tiles 32 to 128, 4 or 8 warps, 1 to 4 stages;
 # the interpreter's 16x16, 1 warp, 1 stage) and within what a launch can take (tl.dot needs 16 rows
@@ -218,11 +220,14 @@ def entry_problem(key: str, entry) -> Optional[str]:
     if not isinstance(entry, dict):
         return "not an object"
     configs = entry.get("configs")
-    roles = _ROLES[bucket.pass_name]
+    roles = ROLES[bucket.pass_name]
     if not isinstance(configs, dict) or set(configs) != set(roles):
         return f"'configs' must hold exactly {roles}"
     for role in roles:
-        problem = _config_problem(configs[role])
+        if hopper_configs.is_gluon_role(role):
+            problem = hopper_configs.config_problem(role, configs[role])
+        else:
+            problem = _config_problem(configs[role])
         if problem is not None:
             return f"{role}: {problem}"
     for field in ("kernel", "triton"):
@@ -238,9 +243,14 @@ def smem_problem(key: str, entry: dict, smem_limit: Optional[int]) -> Optional[s
     if smem_limit is None:
         return None
 
-    tiles = tile_bytes_for(Bucket.parse(key))
+    bucket = Bucket.parse(key)
+    tiles = tile_bytes_for(bucket)
     for role, config in entry["configs"].items():
-        needed = smem_bytes(role, KernelConfig.from_dict(config), tiles)
+        if hopper_configs.is_gluon_role(role):
+            needed = hopper_configs.smem_bytes(role, hopper_configs.config_from_dict(role, config), bucket.width,
+                                               tiles.itemsize)
+        else:
+            needed = smem_bytes(role, KernelConfig.from_dict(config), tiles)
         if needed > smem_limit:
             return f"{role} needs about {needed} bytes of shared memory, this GPU has {smem_limit}"
     return None

@@ -20,6 +20,8 @@ from ..schedules import DEFAULT_SCHEDULE, SCHEDULES
 from . import cache
 from .buckets import bucket_for, length_hint
 from .footprint import OPTIN_SMEM_BYTES, DeviceLimits, TileBytes, fits
+from .hopper_configs import (HopperBackwardConfig, HopperForwardConfig, config_from_dict, default_backward_config,
+                             default_forward_config)
 from .kernel_config import AttentionConfigs, KernelConfig, padded_head_dim
 
 
@@ -181,6 +183,63 @@ def _select(table: Optional[cache.TableView], device: torch.device, dtype: torch
 
 # Bounded: a process that sees many distinct lengths (a dynamic-shape eager loop) evicts old ones.
 _select_memoised = functools.lru_cache(maxsize=4096)(_select)
+
+
+# ------------------------------------------------------------------------------------------
+# The Gluon Hopper kernels (launch/hopper.py, launch/hopper_bwd.py; configs: hopper_configs.py)
+# ------------------------------------------------------------------------------------------
+
+
+def select_hopper_forward_config(query: torch.Tensor, seq_k, *, is_causal: bool, key_mask: bool,
+                                 exact_delta: bool, schedule: Optional[str]) -> tuple[HopperForwardConfig, bool]:
+    """(config, whether the table chose it) for a Gluon forward: the tuned entry of its bucket
+    (pass ``gluon_forward``, or ``gluon_forward_exact`` for `stable`'s one-pass training
+    forward), else ``default_forward_config``. Never fails: a table error gives one warning and
+    the built-in config."""
+    role = "gluon_forward_exact" if exact_delta else "gluon_forward"
+    default = default_forward_config(query.shape[-1], is_causal, key_mask=key_mask, exact_delta=exact_delta)
+    return _select_hopper(role, default, query, seq_k, is_causal, key_mask, schedule)
+
+
+def select_hopper_backward_config(query: torch.Tensor, seq_k, *, is_causal: bool, key_mask: bool,
+                                  schedule: Optional[str]) -> tuple[HopperBackwardConfig, bool]:
+    """As ``select_hopper_forward_config``, for the Gluon backward (pass ``gluon_backward``)."""
+    default = default_backward_config(query.shape[-1], is_causal)
+    return _select_hopper("gluon_backward", default, query, seq_k, is_causal, key_mask, schedule)
+
+
+def _select_hopper(role: str, default, query: torch.Tensor, seq_k, is_causal: bool, key_mask: bool,
+                   schedule: Optional[str]):
+    try:
+        table = cache.active_table(query.device, False)
+        if table is None:
+            return default, False
+        return _lookup_hopper(table, role, default, query.dtype, query.shape[-1], length_hint(query.shape[-2]),
+                              length_hint(seq_k), _hopper_mask_kind(is_causal, key_mask),
+                              schedule or DEFAULT_SCHEDULE)
+    except Exception as error:  # a table must never fail an attention call
+        cache.warn_lookup_failed(error)
+        return default, False
+
+
+def _hopper_mask_kind(is_causal: bool, key_mask: bool) -> str:
+    """A key mask's launch is a bucket kind of its own whatever its causal side (at E 64 its
+    built-in config differs); the autotuner tunes none (hopper_configs.bucket_supported), so it
+    runs the built-in config."""
+    if key_mask:
+        return "bool"
+    return "causal" if is_causal else "none"
+
+
+# Memoised per table view and problem: an eager training step asks twice a layer.
+@functools.lru_cache(maxsize=4096)
+def _lookup_hopper(table: cache.TableView, role: str, default, dtype: torch.dtype, width: int, seq_q: int,
+                   seq_k: int, mask: str, schedule: str):
+    bucket = bucket_for(schedule, dtype, width, mask, seq_q, seq_k, role)
+    entry = table.lookup(bucket) if bucket is not None else None
+    if not entry or role not in entry:
+        return default, False
+    return config_from_dict(role, entry[role], default), True
 
 
 # ------------------------------------------------------------------------------------------

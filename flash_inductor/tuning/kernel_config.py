@@ -33,8 +33,22 @@ class AttentionConfigs:
     # heads of a group x query rows) per program, block_n is the keys per step. None: the
     # launcher looks it up (tuning.configs.select_decode_config).
     decode: Optional[KernelConfig] = None
+    # The Gluon Hopper kernels' configs (tuning/hopper_configs.py), set only where the autotuner
+    # times them; a launch looks them up itself (tuning.configs.select_hopper_forward_config).
+    gluon_forward: Optional[object] = None
+    gluon_forward_exact: Optional[object] = None
+    gluon_backward: Optional[object] = None
 
 
 def padded_head_dim(head_dim: int) -> int:
     """tl.arange needs a power of two and tl.dot needs K >= 16."""
     return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def role_config_from_dict(role: str, data: dict):
+    """A stored config of kernel ``role``: a KernelConfig, or a Gluon kernel's config."""
+    from . import hopper_configs
+
+    if hopper_configs.is_gluon_role(role):
+        return hopper_configs.config_from_dict(role, data)
+    return KernelConfig.from_dict(data)

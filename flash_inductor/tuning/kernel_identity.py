@@ -4,7 +4,7 @@ A table entry stays right for as long as the kernels it was tuned on compile to 
 The identity approximates "compiles the same" from the source alone, cheaply enough to compute
 once per process on the first launch:
 
-* each ``@triton.jit`` kernel a family launches, and every ``@triton.jit`` function it calls,
+* each ``@triton.jit`` (or ``@gluon.jit``) kernel a family launches, and every such function it calls,
   transitively (found the way Triton's ``DependenciesFinder`` in ``triton/runtime/jit.py`` finds
   them: names and ``module.attr`` references resolved in the function's globals);
 * each function as its parsed syntax tree with the docstring dropped (comments never reach the
@@ -55,6 +55,10 @@ KERNEL_FAMILIES: dict[str, tuple[str, ...]] = {
                  "attn_bwd:_attn_bwd_dkdv", "attn_bwd:_attn_bwd_dq"),
     "fp8_forward": ("attn_fwd_fp8:_quantize_fp8", "attn_fwd_fp8:_attn_fwd_fp8"),
     "decode": ("attn_decode:_attn_decode_split", "attn_decode:_attn_decode_merge"),
+    # The Gluon Hopper kernels whose speed their configs decide (tuning/hopper_configs.py); the
+    # Triton passes around the backward (preprocess, key moments, dQ cast) take no tuned config.
+    "gluon_forward": ("hopper_fwd:_attn_fwd_hopper",),
+    "gluon_backward": ("hopper_bwd:_attn_bwd_hopper",),
 }
 _KERNELS_PACKAGE = "flash_inductor.kernels"
 IDENTITY_HEX_DIGITS = 16  # 64 bits: tells kernel versions apart, keeps the shipped table small

@@ -54,8 +54,8 @@ class EmulatedGluon:
         self.forwards, self.backwards = [], []
 
     def forward(self, query, key, value, *, scale, is_causal, causal_offset, window, exact_delta, config=None,
-                attn_mask=None):
-        assert exact_delta and config is None
+                attn_mask=None, schedule=None):
+        assert exact_delta and config is None and schedule == "stable"  # the table's `stable` entries
         for t in (query, key, value):
             assert t.data_ptr() % 16 == 0 and t.stride(-1) == 1, "the launcher got a tensor TMA cannot address"
         self.forwards.append(dict(key=key, window=window, is_causal=is_causal, causal_offset=causal_offset,
@@ -68,7 +68,8 @@ class EmulatedGluon:
         return out16, lse.float(), (out - out16.double()).to(query.dtype), row_consts
 
     def backward(self, grad_out, query, key, value, out, lse, grad_lse=None, *, scale, is_causal, causal_offset,
-                 window, exact_delta, mean_key, config=None, delta=None, attn_mask=None):
+                 window, exact_delta, mean_key, config=None, delta=None, attn_mask=None, schedule=None):
+        assert schedule == "stable"
         resid, row_consts = exact_delta
         assert resid.shape == out.shape and row_consts.shape == (2, *lse.shape) and delta is None
         self.backwards.append(dict(key=key, mean_key=mean_key, attn_mask=attn_mask))
