@@ -27,7 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 from flash_inductor.tuning import cache
 from flash_inductor.tuning.buckets import Bucket
-from flash_inductor.tuning.configs import KernelConfig
+from flash_inductor.tuning.kernel_config import role_config_from_dict
 
 # Schema 2's kernel families: the files each family's hash covered.
 SCHEMA2_FAMILY_FILES = {
@@ -66,7 +66,7 @@ def current_entries(data: dict) -> tuple[dict[str, dict], list[str]]:
 
 
 def _label(configs) -> str:
-    return "-" if not configs else " + ".join(KernelConfig.from_dict(c).label() for c in configs.values())
+    return "-" if not configs else " + ".join(role_config_from_dict(role, c).label() for role, c in configs.items())
 
 
 def _round(value, digits):

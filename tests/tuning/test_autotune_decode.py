@@ -68,7 +68,11 @@ def test_cli_tunes_decode_buckets_into_the_table(tmp_path):
             "--passes", "decode", "--seqs", "1024", "--output", str(out), "--summary", str(tmp_path / "s.json")]
     assert cli.main(argv, settings=settings, device=torch.device(DEVICE)) == 0
     table = cache.read_table(table_file(out))
-    assert table.entries["stable/fp16/e16/bool/s1024/decode"]["configs"] == {"decode": cfg_dict(16, 32)}
+    picked = table.entries["stable/fp16/e16/bool/s1024/decode"]["configs"]["decode"]
+    # The timer prices tiles, not depths: on a GPU the decode space adds 3 and 4 stages (space_for),
+    # which tie with the 1-stage config, so any depth of the fastest tile is a right pick.
+    assert {k: v for k, v in picked.items() if k != "num_stages"} == {
+        k: v for k, v in cfg_dict(16, 32).items() if k != "num_stages"}
 
 
 @pytest.mark.launches_kernels

@@ -18,8 +18,10 @@ import triton
 from flash_inductor import launch
 from flash_inductor.passes.graph_pass import FlashAttentionPass
 from flash_inductor.tuning import cache
-from flash_inductor.tuning.buckets import Bucket
-from flash_inductor.tuning.configs import KernelConfig, cuda_heuristic_configs, select_configs
+from flash_inductor.tuning.buckets import GLUON_PASSES, Bucket
+from flash_inductor.tuning.kernel_config import role_config_from_dict
+from flash_inductor.tuning.configs import (KernelConfig, cuda_heuristic_configs, select_configs,
+                                           select_hopper_backward_config, select_hopper_forward_config)
 from flash_inductor.tuning.kernel_identity import KERNEL_FAMILIES, identity_of
 from helpers import DEVICE, make_qkv, randn, spy_on_launches
 from tuning_helpers import (  # noqa: F401  (isolated_tables: an autouse fixture)
@@ -250,6 +252,10 @@ def test_the_shipped_h200_table_is_used_under_every_supported_torch(torch_versio
         for key, entry in shipped.items():
             bucket = Bucket.parse(key)
             query = query_on(fake_h200, dtypes[bucket.dtype], bucket.seq, bucket.width)
+            if bucket.pass_name in GLUON_PASSES:  # the Gluon kernels' own lookups
+                (role, config), = entry["configs"].items()
+                assert _gluon_lookup(query, bucket) == (role_config_from_dict(role, config), True), key
+                continue
             got = select_configs(query, bucket.width, bucket.width, False, mask_kind=bucket.mask,
                                  schedule=bucket.schedule)
             heuristic = cuda_heuristic_configs((9, 0), 2, bucket.width, bucket.width, bucket.schedule, bucket.mask)
@@ -260,6 +266,15 @@ def test_the_shipped_h200_table_is_used_under_every_supported_torch(torch_versio
     other_version = [r.getMessage() for r in caplog.records if "another Triton version" in r.getMessage()]
     assert len(other_version) == (0 if triton_version == "3.6.0" else 1)
     assert all(r.levelno == logging.INFO for r in caplog.records)
+
+
+def _gluon_lookup(query, bucket: Bucket):
+    causal = bucket.mask == "causal"
+    if bucket.pass_name == "gluon_backward":
+        return select_hopper_backward_config(query, bucket.seq, is_causal=causal, key_mask=False,
+                                             schedule=bucket.schedule)
+    return select_hopper_forward_config(query, bucket.seq, is_causal=causal, key_mask=False,
+                                        exact_delta=bucket.pass_name == "gluon_forward_exact", schedule=bucket.schedule)
 
 
 def test_an_exact_triton_entry_wins_over_another_versions(monkeypatch):
