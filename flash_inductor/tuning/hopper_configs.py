@@ -170,7 +170,8 @@ def default_backward_config(head_dim: int, is_causal: bool) -> HopperBackwardCon
     Q/dO tiles in a 2-deep ring, dQ split between the consumers and reduced by TMA. Against it, at
     bf16 E 64/128, 4k/16k: atomics instead of the TMA reduce 14-21 % slower; no split 4-20 %;
     a 3-deep ring 0-12 % (it also leaves E 128 without shared memory for anything else); 128-row
-    tiles spill (E 64: 1 KiB a thread)."""
+    tiles spill (E 64: 1 KiB a thread). Those runs predate K̃ in shared memory: the H200 table now
+    holds E 64's `stable` backward without the split (docs/hopper_backward.md, "Tuned configs")."""
     del head_dim, is_causal
     return HopperBackwardConfig()
 
