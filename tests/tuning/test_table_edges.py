@@ -29,7 +29,7 @@ from flash_inductor.tuning.buckets import Bucket
 from flash_inductor.tuning.configs import AttentionConfigs, KernelConfig
 from flash_inductor.autotune.measure import sqnr_db
 from flash_inductor.schedules import FP8_SQNR_BUDGET_DB
-from helpers import (ON_CUDA, assert_close_to_ref, assert_dead_rows_exact, launch_visibility, make_mask, make_qkv,
+from helpers import (ON_CUDA, needs_hopper, assert_close_to_ref, assert_dead_rows_exact, launch_visibility, make_mask, make_qkv,
                      ref_forward_backward, sdpa_baseline)
 from unit.test_kernels import Case, check_case  # tests/ is on the path (pyproject), unit/ a namespace
 
@@ -184,3 +184,55 @@ def test_table_decode_pick_at_length_one(pick, lengths, device):
     base = sdpa_baseline(q, k, v, mask, causal_offset=offset, scale=scale)
     assert_close_to_ref("out", out, ref["out"], base["out"])
     assert_dead_rows_exact(q, k, mask, offset, out, lse)
+
+
+def _gluon_picks() -> dict:
+    """The table's distinct Gluon Hopper picks (tuning/hopper_configs.py), by label: (bucket, the
+    configs to run, with the pick in its role and the built-in configs in the others)."""
+    from flash_inductor.tuning import hopper_configs
+    from flash_inductor.tuning.buckets import GLUON_PASSES
+    from flash_inductor.tuning.kernel_config import role_config_from_dict
+
+    table = cache.read_table(_table_path())
+    picks = {}
+    for key, entry in sorted((table.entries if table is not None else {}).items()):
+        bucket = Bucket.parse(key)
+        if bucket.pass_name not in GLUON_PASSES:
+            continue
+        (role, stored), = entry["configs"].items()
+        config = role_config_from_dict(role, stored)
+        built_in = {r: hopper_configs.default_for_bucket(r, bucket.replace(pass_name=r)) for r in GLUON_PASSES}
+        configs = AttentionConfigs(None, None, None, **{**built_in, role: config})
+        # The plain forward's kernel is the same under every schedule: one pick for all of them.
+        schedule = "any" if role == "gluon_forward" else bucket.schedule
+        label = f"{schedule}-{bucket.dtype}-e{bucket.width}-{bucket.mask}-{role}-{config.label()}"
+        picks.setdefault(label, (bucket.replace(seq=128), configs))
+    return picks
+
+
+GLUON_PICKS = _gluon_picks()
+
+
+def test_the_table_has_gluon_picks_to_check():
+    """The H200 table holds Gluon entries (the CPU reads it too), so the test below cannot pass by
+    collecting nothing there."""
+    if ON_CUDA and not _table_path().exists():
+        pytest.skip("no shipped table for this GPU")
+    if not ON_CUDA or cache.device_gpu_key(torch.device("cuda")) == "nvidia-h200_sm90_132sm":
+        assert {bucket.pass_name for bucket, _ in GLUON_PICKS.values()} == {
+            "gluon_forward", "gluon_forward_exact", "gluon_backward"}
+
+
+@needs_hopper
+@pytest.mark.parametrize("lengths", list(EDGE_LENGTHS.values()), ids=list(EDGE_LENGTHS))
+@pytest.mark.parametrize("label", list(GLUON_PICKS))
+def test_table_gluon_pick_at_length_one(label, lengths):
+    """Each Gluon pick at S = 1 and L = 1, through the autotuner's own check: within twice
+    PyTorch's same-dtype error of fp64, finite on large logits (and fp16's large values in the
+    backward), rows that see no key exactly 0."""
+    from flash_inductor.autotune.measure import AccuracyCheck, LaunchRunner, Shape
+
+    bucket, configs = GLUON_PICKS[label]
+    seq_q, seq_k = lengths
+    verdict = AccuracyCheck(bucket, Shape(2, 2, seq_q, seq_k), "cuda").verify(LaunchRunner(), configs, bucket.schedule)
+    assert verdict.ok, verdict.reason
