@@ -50,6 +50,11 @@ Constexpr switches:
   PINGPONG      the consumers take turns issuing their MMAs (a token passed round-robin through
                 mbarriers, FA3's warp scheduler barrier), so one warpgroup's softmax runs while
                 the next one's GEMMs own the tensor cores, rather than all contending at once.
+  SKIP_MASKED_TAIL under causal masking a consumer stops its MMAs and softmax at its own last
+                visible key tile rather than the CTA's (the 192-row E 64 CTA's first consumers
+                otherwise compute one or two wholly masked tiles a block, whose p is exactly 0);
+                it still takes its turns and releases every ring slot, so the loader's and the
+                other consumers' protocol is unchanged. Results are bitwise the same.
   swizzle_heads the grid order (``_block_coords``): CTAs walk the (batch, head)s in groups of
                 this many, query block by query block within a group (longest first under causal
                 masking). 1: each head's blocks together; B·H: every head's longest block first.
@@ -249,7 +254,7 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                          NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                          PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr,
-                         swizzle_heads):
+                         SKIP_MASKED_TAIL: gl.constexpr, swizzle_heads):
     """One warpgroup: BLOCK_M query rows against every key tile the loader brings."""
     ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
     dtype: gl.constexpr = o_desc.dtype
@@ -274,7 +279,13 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
     # which costs their MMAs but no special case. [lo_full, n_full) is this warpgroup's own
     # unmasked range.
     lo, n_tiles, _, _ = _tile_range(start_m, S, causal_offset, window_lower, ROWS, BLOCK_N, IS_CAUSAL, WINDOW_LEFT)
-    _, _, n_full, lo_full = _tile_range(row0, S, causal_offset, window_lower, BLOCK_M, BLOCK_N, IS_CAUSAL, WINDOW_LEFT)
+    own_lo, own_count, n_full, lo_full = _tile_range(row0, S, causal_offset, window_lower, BLOCK_M, BLOCK_N,
+                                                     IS_CAUSAL, WINDOW_LEFT)
+    if SKIP_MASKED_TAIL and IS_CAUSAL:
+        # The ring's tiles past this warpgroup's last visible one are only released (below).
+        n_run = gl.maximum(gl.minimum(n_tiles, own_lo + own_count - lo), 1)
+    else:
+        n_run = n_tiles
 
     q_tile = q_smem.index(CONSUMER).reshape([BLOCK_M, HEAD_DIM])
     mbarrier.wait(q_ready.index(CONSUMER), 0)
@@ -315,7 +326,7 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
     p_op = gl.convert_layout(p.to(dtype), p_layout)
 
     # t counts the ring's tiles, as the loader does; the key tile is lo + t.
-    for t in range(1, n_tiles):
+    for t in range(1, n_run):
         slot = t % NUM_STAGES
         phase = (t // NUM_STAGES) & 1
         prev = (t - 1) % NUM_STAGES
@@ -344,15 +355,28 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
             l_acc = l_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l_layout)), 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-    last = (n_tiles - 1) % NUM_STAGES
-    last_phase = ((n_tiles - 1) // NUM_STAGES) & 1
-    _take_turn(turn, n_tiles, CONSUMER, PINGPONG)
+    last = (n_run - 1) % NUM_STAGES
+    last_phase = ((n_run - 1) // NUM_STAGES) & 1
+    _take_turn(turn, n_run, CONSUMER, PINGPONG)
     mbarrier.wait(v_ready.index(last), last_phase)
     v_tile = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
     acc_tok, l_tok = _pv_issue(p_op, v_tile, acc, ones_t, l_acc, EXACT_DELTA)
     _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
     acc, l_acc, p_op = _pv_wait(acc_tok, l_tok, p_op, EXACT_DELTA)
     mbarrier.arrive(v_empty.index(last), count=1)
+    if SKIP_MASKED_TAIL and IS_CAUSAL:
+        # Wholly masked tiles: their turns are taken and their slots released as if computed. A
+        # slot is released only once its tile has landed, so a release always counts toward the
+        # round the loader filled (an early arrive could complete a later round's phase).
+        for t in range(n_run, n_tiles):
+            slot = t % NUM_STAGES
+            phase = (t // NUM_STAGES) & 1
+            _take_turn(turn, t + 1, CONSUMER, PINGPONG)
+            _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
+            mbarrier.wait(k_ready.index(slot), phase)
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            mbarrier.wait(v_ready.index(slot), phase)
+            mbarrier.arrive(v_empty.index(slot), count=1)
     if EXACT_DELTA:
         # Every column holds the rounded P's row sum; max picks one exactly.
         l_rnd = gl.convert_layout(gl.max(l_acc, 1), row_layout)
@@ -401,7 +425,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KE
                      NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
                      WINDOW_LEFT: gl.constexpr, PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr,
                      HAS_KEY_BIAS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     LOADER_REGS: gl.constexpr):
+                     LOADER_REGS: gl.constexpr, SKIP_MASKED_TAIL: gl.constexpr = False):
     """Grid (cdiv(L, BLOCK_M * NUM_CONSUMERS), B * H), walked in the order ``swizzle_heads`` sets.
     Q/K/V/O descriptors are 4-D over (B, H, L or S, E) with boxes (1, 1, rows, E), so TMA clips
     and zero-fills per head. Under EXACT_DELTA ``r_desc`` describes O's residual (as O) and
@@ -444,12 +468,12 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KE
                                     v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H,
                                     causal_offset, window_lower, qk_scale, turn, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
                                     NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                                    HAS_KEY_BIAS, swizzle_heads)),
+                                    HAS_KEY_BIAS, SKIP_MASKED_TAIL, swizzle_heads)),
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
                                     v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H,
                                     causal_offset, window_lower, qk_scale, turn, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
                                     NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                                    HAS_KEY_BIAS, swizzle_heads)),
+                                    HAS_KEY_BIAS, SKIP_MASKED_TAIL, swizzle_heads)),
             (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                   q_ready, k_ready, v_ready, k_empty, v_empty,
                                   L, S, H, GROUP, causal_offset, window_lower,
@@ -462,17 +486,17 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KE
                                     v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H,
                                     causal_offset, window_lower, qk_scale, turn, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
                                     NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                                    HAS_KEY_BIAS, swizzle_heads)),
+                                    HAS_KEY_BIAS, SKIP_MASKED_TAIL, swizzle_heads)),
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
                                     v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H,
                                     causal_offset, window_lower, qk_scale, turn, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
                                     NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                                    HAS_KEY_BIAS, swizzle_heads)),
+                                    HAS_KEY_BIAS, SKIP_MASKED_TAIL, swizzle_heads)),
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
                                     v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H,
                                     causal_offset, window_lower, qk_scale, turn, 2, HEAD_DIM, BLOCK_M, BLOCK_N,
                                     NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                                    HAS_KEY_BIAS, swizzle_heads)),
+                                    HAS_KEY_BIAS, SKIP_MASKED_TAIL, swizzle_heads)),
             (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                   q_ready, k_ready, v_ready, k_empty, v_empty,
                                   L, S, H, GROUP, causal_offset, window_lower,

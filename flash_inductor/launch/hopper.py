@@ -59,6 +59,13 @@ HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
 # The built-in configs (the tuning table's entries take precedence per bucket).
 default_config = default_forward_config
+# Causal: each consumer stops its MMAs at its own last visible key tile and only releases the
+# CTA's later, wholly masked ones (kernels/hopper_fwd.py, SKIP_MASKED_TAIL; bitwise the same
+# results). At E 64 (192 rows a CTA, 128-key tiles) the first two consumers skip 1.5 tiles a block
+# on average, about 3 % of a causal 4k forward's MMAs. Off until timed and GPU-tested: compiled
+# for sm_90a it adds 8 bytes of spills (tools/hopper_fwd_compile.py --skip-masked-tail), and off,
+# the SASS is what it was before the switch existed.
+SKIP_MASKED_TAIL = False
 
 
 def gluon_available() -> bool:
@@ -327,6 +334,7 @@ def _forward(query, key, value, scale, is_causal, causal_offset, window, attn_ma
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal, WINDOW_LEFT=band.lower is not None,
         PINGPONG=cfg.pingpong, EXACT_DELTA=exact_delta, HAS_KEY_BIAS=attn_mask is not None,
+        SKIP_MASKED_TAIL=SKIP_MASKED_TAIL and is_causal,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         # The entry cap fills the register file; setmaxnreg then moves the loader's registers to
         # the consumers (2 consumers: 168 -> 240/240/24; 3: 128 -> 160/160/160/24).

@@ -120,6 +120,27 @@ def test_rows_that_see_no_key(head_dim):
 
 
 @needs_hopper
+@pytest.mark.parametrize("exact_delta", (False, True))
+@pytest.mark.parametrize("seq_q, seq_k, causal_offset", [(4096, 4096, 0), (700, 513, 0), (333, 1000, 667),
+                                                         (400, 150, -250), (1, 7, 6), (200, 1, 0)])
+def test_skipping_masked_tails_changes_no_bit(monkeypatch, exact_delta, seq_q, seq_k, causal_offset):
+    """SKIP_MASKED_TAIL (a consumer stops its MMAs at its own last visible causal key tile) gives
+    the very bits of the full walk at E 64, whose 192-row CTAs have such tails: out, LSE, and under
+    the exact Δ the residual and row constants. Top-left and bottom-right causal, ragged blocks,
+    rows that see no key, lengths of 1, GQA."""
+    from flash_inductor.launch import hopper
+
+    q, k, v = _inputs(torch.bfloat16, 64, 2, 8, 2, seq_q, seq_k)
+    results = []
+    for skip in (False, True):
+        monkeypatch.setattr(hopper, "SKIP_MASKED_TAIL", skip)
+        results.append(hopper.hopper_attention_forward(q, k, v, is_causal=True, causal_offset=causal_offset,
+                                                       exact_delta=exact_delta))
+    for full, skipped in zip(*results):
+        assert torch.equal(full, skipped)
+
+
+@needs_hopper
 def test_length_one():
     _check(*_inputs(torch.float16, 64, 3, 2, 2, 1, 1), True)
 
