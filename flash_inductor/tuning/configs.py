@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Optional
 
 import torch
@@ -24,6 +25,8 @@ from .hopper_configs import (HopperBackwardConfig, HopperForwardConfig, config_f
                              default_forward_config)
 from .kernel_config import AttentionConfigs, KernelConfig, padded_head_dim
 
+
+_log = logging.getLogger("flash_inductor")
 
 # The Triton interpreter runs tiles through NumPy: small tiles keep CPU tests fast while still
 # exercising multi-block loops, ragged tails and the diagonal split.
@@ -239,7 +242,16 @@ def _lookup_hopper(table: cache.TableView, role: str, default, dtype: torch.dtyp
     entry = table.lookup(bucket) if bucket is not None else None
     if not entry or role not in entry:
         return default, False
-    return config_from_dict(role, entry[role], default), True
+    config = config_from_dict(role, entry[role], default)
+    _log_tuned(role, bucket.replace(seq=0).key(), config.label(), default.label())
+    return config, True
+
+
+@functools.lru_cache(maxsize=256)
+def _log_tuned(role: str, family: str, label: str, built_in: str) -> None:
+    """Say once per bucket family and config, at INFO, that a Gluon launch runs a tuned config."""
+    _log.info("flash_inductor: %s runs the tuning table's %s (built-in: %s) for %s", role, label, built_in,
+              family.replace("/s0/", "/"))
 
 
 # ------------------------------------------------------------------------------------------

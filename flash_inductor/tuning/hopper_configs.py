@@ -223,29 +223,23 @@ def smem_bytes(role: str, config, width: int, itemsize: int) -> int:
 def candidates(role: str, bucket: Bucket, smem_limit: Optional[int]) -> list:
     """Every config of ``role`` in the search space that fits ``smem_limit`` by ``smem_bytes``
     (None: no limit), the built-in config first."""
-    base = _default_for(role, bucket)
+    base = default_for_bucket(role, bucket)
     choices = _CHOICES[role]
     found = []
     for values in itertools.product(*choices.values()):
         config = dataclasses.replace(base, **dict(zip(choices, values)))
-        if role != "gluon_backward" and not config.num_consumers * config.block_m <= 192:
-            continue
         if smem_limit is None or smem_bytes(role, config, bucket.width, 2) <= smem_limit:
             found.append(config)
     return sorted(found, key=lambda config: config != base)
 
 
-def _default_for(role: str, bucket: Bucket):
+def default_for_bucket(role: str, bucket: Bucket):
+    """The built-in config a launch of ``bucket`` runs where the table has none."""
     is_causal = bucket.mask == "causal"
     if role == "gluon_backward":
         return default_backward_config(bucket.width, is_causal)
     return default_forward_config(bucket.width, is_causal, key_mask=bucket.mask in ("bool", "float"),
                                   exact_delta=role == "gluon_forward_exact")
-
-
-def default_for_bucket(role: str, bucket: Bucket):
-    """The built-in config a launch of ``bucket`` runs where the table has none."""
-    return _default_for(role, bucket)
 
 
 def bucket_supported(bucket: Bucket) -> bool:

@@ -10,6 +10,7 @@ kernels themselves on the GPU at every config the launchers use.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 
 import pytest
@@ -69,11 +70,14 @@ def test_the_forward_smem_estimate_matches_the_compiled_kernels():
     found = hopper_configs.candidates("gluon_forward", bucket, H200_SMEM)
     assert found[0] == hopper_configs.default_for_bucket("gluon_forward", bucket)  # the built-in first
     assert deeper not in found and dataclasses.replace(deeper, block_n=64) in found
-    assert all(c.num_consumers * c.block_m <= 192 for c in found)
     assert len(hopper_configs.candidates("gluon_backward", bucket.replace(pass_name="gluon_backward"), None)) == 16
 
 
-def test_lookups_take_the_bucket_entry_and_otherwise_the_built_in_config():
+def test_lookups_take_the_bucket_entry_and_otherwise_the_built_in_config(caplog):
+    from flash_inductor.tuning import configs as tuning_configs
+
+    tuning_configs._log_tuned.cache_clear()
+    caplog.set_level(logging.INFO, logger="flash_inductor")
     query = torch.empty(2, 16, 4096, 64, dtype=torch.bfloat16)
     table = _table(stable__bf16__e64__causal__s4096__gluon_forward={"configs": {"gluon_forward": FWD}},
                    fast__bf16__e64__none__s16384__gluon_backward={"configs": {"gluon_backward": BWD}})
@@ -81,6 +85,9 @@ def test_lookups_take_the_bucket_entry_and_otherwise_the_built_in_config():
         config, tuned = select_hopper_forward_config(query, 4096, is_causal=True, key_mask=False, exact_delta=False,
                                                      schedule="stable")
         assert tuned and config == HopperForwardConfig(**FWD)
+        said = [r.getMessage() for r in caplog.records if "tuning table's" in r.getMessage()]
+        assert said == ["flash_inductor: gluon_forward runs the tuning table's c2/n64/s4 (built-in: c3/n128/s3/pingpong) "
+                        "for stable/bf16/e64/causal/gluon_forward"]
         # Another length of the same family takes the nearest tuned one; another family none.
         assert select_hopper_forward_config(query[:, :, :1000], 1000, is_causal=True, key_mask=False,
                                             exact_delta=False, schedule=None)[1]
