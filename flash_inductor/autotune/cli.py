@@ -116,7 +116,12 @@ def make_grid(args, device: Optional[torch.device] = None) -> Grid:
         schedules = tuple(s for s in schedules if s not in skipped) or ("stable",)
     passes = args.passes if args.passes is not None else ("forward", "backward") + (
         GLUON_PASSES if device is not None and gluon_capable(device) else ())
-    return Grid(schedules, tuple(args.dtypes), widths, tuple(args.masks), seqs, tuple(passes))
+    grid = Grid(schedules, tuple(args.dtypes), widths, tuple(args.masks), seqs, tuple(passes))
+    asked = [p for p in passes if p in GLUON_PASSES]
+    if asked and not any(b.pass_name in GLUON_PASSES for b in grid.buckets()):
+        print(f"autotune: no bucket for {','.join(asked)}: the Gluon kernels are tuned at bf16/fp16, head dims "
+              "64/128, no mask or causal, schedules fast/stable (the exact-Δ forward: stable)")
+    return grid
 
 
 def gluon_capable(device: torch.device) -> bool:

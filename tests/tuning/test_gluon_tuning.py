@@ -213,3 +213,14 @@ def test_the_search_picks_the_fastest_accurate_gluon_config(pass_name):
     # The entry is a table entry every lookup accepts.
     table = cache.TuningTable.from_json(_table(**{bucket.key().replace("/", "__"): entry}).to_json())
     assert not table.dropped and cache.entry_is_current(bucket.key(), table.entries[bucket.key()])
+
+
+def test_the_cli_says_when_the_gluon_passes_asked_for_have_no_bucket(capsys):
+    from flash_inductor.autotune import cli
+
+    grid = cli.make_grid(cli.parse_args(["--passes", "gluon_backward", "--head-dims", "256"]))
+    assert grid.buckets() == []
+    assert "no bucket for gluon_backward" in capsys.readouterr().out
+    grid = cli.make_grid(cli.parse_args(["--passes", "gluon_backward,forward", "--head-dims", "64", "--seqs", "4096"]))
+    assert any(b.pass_name == "gluon_backward" for b in grid.buckets())
+    assert "no bucket" not in capsys.readouterr().out
