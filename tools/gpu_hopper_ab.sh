@@ -15,8 +15,9 @@
 # torch.compile; llama_b1_graphs: the same with both contenders under mode="reduce-overhead"
 # (CUDA graphs: the host's launch time out of the step); moments: the GPU tests of the one-pass path with MOMENTS_FOUR_WARPS_E128 on, then
 # its off/on A/B on a training step; window: the narrow-window cells, ours against Flex, with kernel
-# time; skiptail: the Gluon forward's GPU tests with launch.hopper.SKIP_MASKED_TAIL on, then its
-# off/on A/B on an E 64 causal 4k training step, bf16 and fp16),
+# time; skiptiles: the GPU tests of the Gluon forward, the one-pass path and windows with
+# launch.hopper.SKIP_MASKED_TILES on, then its off/on A/B on an E 64 causal 4k training step, bf16
+# and fp16, and on a w 256 window step at E 128),
 # WORKERS (pytest-xdist, 14). Results in $OUT
 # (default /tmp/flash_inductor_out): gpu_tests_hopper.xml, hopper_bwd.json, bench_*_infer.*,
 # debug_overhead_*.json.
@@ -77,18 +78,26 @@ for step in ${STEPS:-tests ab infer eager}; do
       timeout -s INT -k 10 90 python3 -m benchmarks.experiments.switch_ab \
         --switch launch.hopper_bwd.MOMENTS_FOUR_WARPS_E128 --dtype bf16 --head-dim 128 --seq 4096 --causal \
         --out "$OUT" 2>&1 | tail -3 ;;
-    skiptail)
-      FLASH_INDUCTOR_SWITCHES=launch.hopper.SKIP_MASKED_TAIL=1 timeout -s INT -k 20 220 python3 -m pytest \
-        -p tools.pytest_switch tests/unit/test_hopper_fwd.py tests/unit/test_one_pass.py -q -n "${WORKERS:-14}" \
-        -p no:cacheprovider 2>&1 | tail -3
+    skiptiles)
+      FLASH_INDUCTOR_SWITCHES=launch.hopper.SKIP_MASKED_TILES=1 timeout -s INT -k 20 220 python3 -m pytest \
+        -p tools.pytest_switch tests/unit/test_hopper_fwd.py tests/unit/test_one_pass.py tests/unit/test_window.py \
+        -q -n "${WORKERS:-14}" -p no:cacheprovider 2>&1 | tail -3
       for dtype in bf16 fp16; do
-        timeout -s INT -k 10 90 python3 -m benchmarks.experiments.switch_ab --switch launch.hopper.SKIP_MASKED_TAIL \
-          --dtype $dtype --head-dim 64 --seq 4096 --causal --out "$OUT/skiptail_$dtype" 2>&1 | tail -3
+        timeout -s INT -k 10 90 python3 -m benchmarks.experiments.switch_ab --switch launch.hopper.SKIP_MASKED_TILES \
+          --dtype $dtype --head-dim 64 --seq 4096 --causal --out "$OUT/skiptiles_$dtype" 2>&1 | tail -3
+      done
+      # A w 256 window (bf16, E 128, 32k tokens) with the switch off, then on: kernel time a step.
+      for on in False True; do
+        timeout -s INT -k 10 90 python3 -c "import sys, runpy, flash_inductor.launch.hopper as h
+h.SKIP_MASKED_TILES = $on
+sys.argv = ['step_kernels', '--window', '256', '--seq', '16384', '--dtypes', 'bf16', '--head-dims', '128',
+            '--modes', 'fwd,fwd_bwd', '--providers', 'ours', '--out', '$OUT/skiptiles_w256_$on']
+runpy.run_module('benchmarks.experiments.step_kernels', run_name='__main__')" 2>&1 | tail -4
       done ;;
     window)
       timeout -s INT -k 10 240 python3 -m benchmarks.sparse_attention --part window --providers ours,flex \
         --seqs 4096,16384,32768 --windows 256 --kernel-time --time-budget 220 --out "$OUT" 2>&1 | tail -14 ;;
-    *) echo "unknown step $step (tests ab infer eager decode dsup host llama_b1 llama_b1_graphs cold moments window skiptail)" >&2
+    *) echo "unknown step $step (tests ab infer eager decode dsup host llama_b1 llama_b1_graphs cold moments window skiptiles)" >&2
        exit 2 ;;
   esac
 done

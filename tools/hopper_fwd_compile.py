@@ -40,7 +40,7 @@ def kernel_module(name: str = "hopper_fwd"):
 
 def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int, block_n: int, stages: int,
                    consumers: int = 2, pingpong: bool = False, loader_regs: int = 24, window: bool = False,
-                   exact_delta: bool = False, key_bias: bool = False, skip_masked_tail: bool = False):
+                   exact_delta: bool = False, key_bias: bool = False, skip_masked_tiles: bool = False):
     # Same register plan as launch/hopper.py: the entry cap fills the file for 4*(consumers+1) warps.
     consumer_regs, maxnreg = (240, 168) if consumers == 2 else (160, 128)
     import triton
@@ -64,13 +64,13 @@ def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int, block_
         "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "NUM_STAGES": "constexpr",
         "NUM_CONSUMERS": "constexpr", "IS_CAUSAL": "constexpr", "WINDOW_LEFT": "constexpr", "PINGPONG": "constexpr",
         "EXACT_DELTA": "constexpr", "HAS_KEY_BIAS": "constexpr",
-        "CONSUMER_REGS": "constexpr", "LOADER_REGS": "constexpr", "SKIP_MASKED_TAIL": "constexpr",
+        "CONSUMER_REGS": "constexpr", "LOADER_REGS": "constexpr", "SKIP_MASKED_TILES": "constexpr",
     }
     constexprs = {
         "HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "NUM_STAGES": stages,
         "NUM_CONSUMERS": consumers, "IS_CAUSAL": causal, "WINDOW_LEFT": window, "PINGPONG": pingpong, "EXACT_DELTA": exact_delta,
         "HAS_KEY_BIAS": key_bias, "CONSUMER_REGS": consumer_regs,
-        "LOADER_REGS": loader_regs, "SKIP_MASKED_TAIL": skip_masked_tail,
+        "LOADER_REGS": loader_regs, "SKIP_MASKED_TILES": skip_masked_tiles,
     }
     src = GluonASTSource(fn=_attn_fwd_hopper, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -139,20 +139,20 @@ def main() -> int:
     ap.add_argument("--pingpong", action="store_true")
     ap.add_argument("--exact-delta", action="store_true", help="`stable`'s one-pass exact Δ (EXACT_DELTA)")
     ap.add_argument("--key-bias", action="store_true", help="a key mask's per-key bias (HAS_KEY_BIAS)")
-    ap.add_argument("--skip-masked-tail", action="store_true",
-                    help="a consumer's wholly masked causal tail tiles are only released (SKIP_MASKED_TAIL)")
+    ap.add_argument("--skip-masked-tiles", action="store_true",
+                    help="a consumer's wholly masked causal tail tiles are only released (SKIP_MASKED_TILES)")
     ap.add_argument("--dump", default=None, help="folder for the ttgir/ptx/sass of each config")
     args = ap.parse_args()
     for e in args.head_dim:
         stages = args.stages or (2 if e == 128 else 3)
         k = compile_config(e, args.dtype, args.causal, args.block_m, args.block_n, stages, args.consumers,
                            args.pingpong, window=args.window, exact_delta=args.exact_delta,
-                           key_bias=args.key_bias, skip_masked_tail=args.skip_masked_tail)
+                           key_bias=args.key_bias, skip_masked_tiles=args.skip_masked_tiles)
         r = report(k)
-        print(f"E={e} {args.dtype} causal={args.causal} window={args.window} exact_delta={args.exact_delta} key_bias={args.key_bias} pingpong={args.pingpong} skip_masked_tail={args.skip_masked_tail} BM={args.block_m}x{args.consumers} BN={args.block_n} stages={stages}: {r}")
+        print(f"E={e} {args.dtype} causal={args.causal} window={args.window} exact_delta={args.exact_delta} key_bias={args.key_bias} pingpong={args.pingpong} skip_masked_tiles={args.skip_masked_tiles} BM={args.block_m}x{args.consumers} BN={args.block_n} stages={stages}: {r}")
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
-            tag = f"e{e}_{args.dtype}_{'c' if args.causal else 'n'}{'w' if args.window else ''}_bn{args.block_n}_s{stages}_w{args.consumers}{'_pp' if args.pingpong else ''}{'_skip' if args.skip_masked_tail else ''}"
+            tag = f"e{e}_{args.dtype}_{'c' if args.causal else 'n'}{'w' if args.window else ''}_bn{args.block_n}_s{stages}_w{args.consumers}{'_pp' if args.pingpong else ''}{'_skip' if args.skip_masked_tiles else ''}"
             for ext in ("ttgir", "ptx"):
                 with open(os.path.join(args.dump, f"{tag}.{ext}"), "w") as f:
                     f.write(k.asm[ext])

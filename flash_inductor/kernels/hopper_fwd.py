@@ -50,11 +50,13 @@ Constexpr switches:
   PINGPONG      the consumers take turns issuing their MMAs (a token passed round-robin through
                 mbarriers, FA3's warp scheduler barrier), so one warpgroup's softmax runs while
                 the next one's GEMMs own the tensor cores, rather than all contending at once.
-  SKIP_MASKED_TAIL under causal masking a consumer stops its MMAs and softmax at its own last
-                visible key tile rather than the CTA's (the 192-row E 64 CTA's first consumers
-                otherwise compute one or two wholly masked tiles a block, whose p is exactly 0);
-                it still takes its turns and releases every ring slot, so the loader's and the
-                other consumers' protocol is unchanged. Results are bitwise the same.
+  SKIP_MASKED_TILES a consumer computes only the ring's tiles its own rows can see: under causal
+                masking it stops at its own last visible key tile rather than the CTA's (the
+                192-row E 64 CTA's first consumers otherwise compute one or two wholly masked
+                tiles a block), and under a window's left side it starts at its own first one
+                (the CTA's loop starts at its top row's). Masked tiles' p is exactly 0, so the
+                results are bitwise the same; the skipped tiles' turns are still taken and their
+                ring slots released, so the loader's and the other consumers' protocol is unchanged.
   swizzle_heads the grid order (``_block_coords``): CTAs walk the (batch, head)s in groups of
                 this many, query block by query block within a group (longest first under causal
                 masking). 1: each head's blocks together; B·H: every head's longest block first.
@@ -247,6 +249,23 @@ def _pass_turn(turn, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPO
 
 
 @gluon.jit
+def _release_tile(turn, round, t, k_ready, v_ready, k_empty, v_empty, CONSUMER: gl.constexpr,
+                  NUM_CONSUMERS: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ring tile t, wholly masked for this warpgroup (SKIP_MASKED_TILES): take and pass its turn of
+    ``round`` and release its K and V slots as if computed. A slot is released only once its tile
+    has landed, so the release counts toward the round the loader filled (an early arrive could
+    complete a later round's phase)."""
+    slot = t % NUM_STAGES
+    phase = (t // NUM_STAGES) & 1
+    _take_turn(turn, round, CONSUMER, PINGPONG)
+    _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
+    mbarrier.wait(k_ready.index(slot), phase)
+    mbarrier.arrive(k_empty.index(slot), count=1)
+    mbarrier.wait(v_ready.index(slot), phase)
+    mbarrier.arrive(v_empty.index(slot), count=1)
+
+
+@gluon.jit
 def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
                          q_ready, k_ready, v_ready, k_empty, v_empty,
                          LSE, ROW_CONSTS, KEY_BIAS, L, S, H, causal_offset, window_lower,
@@ -254,7 +273,7 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                          NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                          PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr,
-                         SKIP_MASKED_TAIL: gl.constexpr, swizzle_heads):
+                         SKIP_MASKED_TILES: gl.constexpr, swizzle_heads):
     """One warpgroup: BLOCK_M query rows against every key tile the loader brings."""
     ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
     dtype: gl.constexpr = o_desc.dtype
@@ -281,11 +300,16 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
     lo, n_tiles, _, _ = _tile_range(start_m, S, causal_offset, window_lower, ROWS, BLOCK_N, IS_CAUSAL, WINDOW_LEFT)
     own_lo, own_count, n_full, lo_full = _tile_range(row0, S, causal_offset, window_lower, BLOCK_M, BLOCK_N,
                                                      IS_CAUSAL, WINDOW_LEFT)
-    if SKIP_MASKED_TAIL and IS_CAUSAL:
+    if SKIP_MASKED_TILES and IS_CAUSAL:
         # The ring's tiles past this warpgroup's last visible one are only released (below).
         n_run = gl.maximum(gl.minimum(n_tiles, own_lo + own_count - lo), 1)
     else:
         n_run = n_tiles
+    if SKIP_MASKED_TILES and WINDOW_LEFT:
+        # The ring's tiles wholly left of this warpgroup's band: released, not computed.
+        t0 = gl.minimum(gl.maximum(own_lo - lo, 0), n_run - 1)
+    else:
+        t0 = 0
 
     q_tile = q_smem.index(CONSUMER).reshape([BLOCK_M, HEAD_DIM])
     mbarrier.wait(q_ready.index(CONSUMER), 0)
@@ -311,22 +335,28 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
         ones_t = q_tile  # unused
         PV_GROUPS: gl.constexpr = 1
 
-    # Prologue: S_0 and its softmax; there is no P·V in flight yet.
-    _take_turn(turn, 0, CONSUMER, PINGPONG)
-    mbarrier.wait(k_ready.index(0), 0)
-    k_tile = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
+    if SKIP_MASKED_TILES and WINDOW_LEFT:
+        for t in range(0, t0):
+            _release_tile(turn, t, t, k_ready, v_ready, k_empty, v_empty, CONSUMER, NUM_CONSUMERS, NUM_STAGES,
+                          PINGPONG)
+
+    # Prologue: S_t0 (t0 = 0 but for skipped tiles) and its softmax; no P·V is in flight yet.
+    first = t0 % NUM_STAGES
+    _take_turn(turn, t0, CONSUMER, PINGPONG)
+    mbarrier.wait(k_ready.index(first), (t0 // NUM_STAGES) & 1)
+    k_tile = k_smem.index(first).reshape([BLOCK_N, HEAD_DIM])
     s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
-    bias = _key_bias_tile(bias_row, key_offsets, lo, S, BLOCK_N, HAS_KEY_BIAS)
+    bias = _key_bias_tile(bias_row, key_offsets, lo + t0, S, BLOCK_N, HAS_KEY_BIAS)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-    mbarrier.arrive(k_empty.index(0), count=1)
-    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, bias, row_ids, lo, n_full, lo_full, S, causal_offset,
-                                       window_lower, s_layout, BLOCK_N, IS_CAUSAL, WINDOW_LEFT, dtype, EXACT_DELTA,
-                                       HAS_KEY_BIAS)
+    mbarrier.arrive(k_empty.index(first), count=1)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, bias, row_ids, lo + t0, n_full, lo_full, S,
+                                       causal_offset, window_lower, s_layout, BLOCK_N, IS_CAUSAL, WINDOW_LEFT, dtype,
+                                       EXACT_DELTA, HAS_KEY_BIAS)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
 
     # t counts the ring's tiles, as the loader does; the key tile is lo + t.
-    for t in range(1, n_run):
+    for t in range(t0 + 1, n_run):
         slot = t % NUM_STAGES
         phase = (t // NUM_STAGES) & 1
         prev = (t - 1) % NUM_STAGES
@@ -364,19 +394,12 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
     _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
     acc, l_acc, p_op = _pv_wait(acc_tok, l_tok, p_op, EXACT_DELTA)
     mbarrier.arrive(v_empty.index(last), count=1)
-    if SKIP_MASKED_TAIL and IS_CAUSAL:
-        # Wholly masked tiles: their turns are taken and their slots released as if computed. A
-        # slot is released only once its tile has landed, so a release always counts toward the
-        # round the loader filled (an early arrive could complete a later round's phase).
+    if SKIP_MASKED_TILES and IS_CAUSAL:
+        # Wholly masked tiles: their turns are taken and their slots released as if computed
+        # (the epilogue above took round n_run).
         for t in range(n_run, n_tiles):
-            slot = t % NUM_STAGES
-            phase = (t // NUM_STAGES) & 1
-            _take_turn(turn, t + 1, CONSUMER, PINGPONG)
-            _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
-            mbarrier.wait(k_ready.index(slot), phase)
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            mbarrier.wait(v_ready.index(slot), phase)
-            mbarrier.arrive(v_empty.index(slot), count=1)
+            _release_tile(turn, t + 1, t, k_ready, v_ready, k_empty, v_empty, CONSUMER, NUM_CONSUMERS, NUM_STAGES,
+                          PINGPONG)
     if EXACT_DELTA:
         # Every column holds the rounded P's row sum; max picks one exactly.
         l_rnd = gl.convert_layout(gl.max(l_acc, 1), row_layout)
@@ -425,7 +448,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KE
                      NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
                      WINDOW_LEFT: gl.constexpr, PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr,
                      HAS_KEY_BIAS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     LOADER_REGS: gl.constexpr, SKIP_MASKED_TAIL: gl.constexpr = False):
+                     LOADER_REGS: gl.constexpr, SKIP_MASKED_TILES: gl.constexpr = False):
     """Grid (cdiv(L, BLOCK_M * NUM_CONSUMERS), B * H), walked in the order ``swizzle_heads`` sets.
     Q/K/V/O descriptors are 4-D over (B, H, L or S, E) with boxes (1, 1, rows, E), so TMA clips
     and zero-fills per head. Under EXACT_DELTA ``r_desc`` describes O's residual (as O) and
@@ -468,12 +491,12 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KE
                                     v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H,
                                     causal_offset, window_lower, qk_scale, turn, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
                                     NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                                    HAS_KEY_BIAS, SKIP_MASKED_TAIL, swizzle_heads)),
+                                    HAS_KEY_BIAS, SKIP_MASKED_TILES, swizzle_heads)),
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
                                     v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H,
                                     causal_offset, window_lower, qk_scale, turn, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
                                     NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                                    HAS_KEY_BIAS, SKIP_MASKED_TAIL, swizzle_heads)),
+                                    HAS_KEY_BIAS, SKIP_MASKED_TILES, swizzle_heads)),
             (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                   q_ready, k_ready, v_ready, k_empty, v_empty,
                                   L, S, H, GROUP, causal_offset, window_lower,
@@ -486,17 +509,17 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KE
                                     v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H,
                                     causal_offset, window_lower, qk_scale, turn, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
                                     NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                                    HAS_KEY_BIAS, SKIP_MASKED_TAIL, swizzle_heads)),
+                                    HAS_KEY_BIAS, SKIP_MASKED_TILES, swizzle_heads)),
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
                                     v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H,
                                     causal_offset, window_lower, qk_scale, turn, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
                                     NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                                    HAS_KEY_BIAS, SKIP_MASKED_TAIL, swizzle_heads)),
+                                    HAS_KEY_BIAS, SKIP_MASKED_TILES, swizzle_heads)),
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
                                     v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H,
                                     causal_offset, window_lower, qk_scale, turn, 2, HEAD_DIM, BLOCK_M, BLOCK_N,
                                     NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                                    HAS_KEY_BIAS, SKIP_MASKED_TAIL, swizzle_heads)),
+                                    HAS_KEY_BIAS, SKIP_MASKED_TILES, swizzle_heads)),
             (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                   q_ready, k_ready, v_ready, k_empty, v_empty,
                                   L, S, H, GROUP, causal_offset, window_lower,

@@ -59,13 +59,15 @@ HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
 # The built-in configs (the tuning table's entries take precedence per bucket).
 default_config = default_forward_config
-# Causal: each consumer stops its MMAs at its own last visible key tile and only releases the
-# CTA's later, wholly masked ones (kernels/hopper_fwd.py, SKIP_MASKED_TAIL; bitwise the same
-# results). At E 64 (192 rows a CTA, 128-key tiles) the first two consumers skip 1.5 tiles a block
-# on average, about 3 % of a causal 4k forward's MMAs. Off until timed and GPU-tested: compiled
-# for sm_90a it adds 8 bytes of spills (tools/hopper_fwd_compile.py --skip-masked-tail), and off,
-# the SASS is what it was before the switch existed.
-SKIP_MASKED_TAIL = False
+# Each consumer computes only the key tiles its own rows can see (kernels/hopper_fwd.py,
+# SKIP_MASKED_TILES; bitwise the same results): under causal masking it stops at its own last
+# visible tile (at E 64, 192 rows a CTA over 128-key tiles, the first two consumers skip 1.5 tiles a
+# block on average, about 3 % of a causal 4k forward's MMAs), and under a window's left side it
+# starts at its own first one (w 256 at E 128: the CTA's 3-4 tiles against a consumer's 2.5-3.5).
+# Off until timed and GPU-tested. Compiled for sm_90a: E 128 windows spill nothing either way; E 64
+# spills 4-8 more bytes causal and 330-420 with a window (against 190); off, the SASS is what it
+# was before the switch existed (tools/hopper_fwd_compile.py --skip-masked-tiles).
+SKIP_MASKED_TILES = False
 
 
 def gluon_available() -> bool:
@@ -334,7 +336,7 @@ def _forward(query, key, value, scale, is_causal, causal_offset, window, attn_ma
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal, WINDOW_LEFT=band.lower is not None,
         PINGPONG=cfg.pingpong, EXACT_DELTA=exact_delta, HAS_KEY_BIAS=attn_mask is not None,
-        SKIP_MASKED_TAIL=SKIP_MASKED_TAIL and is_causal,
+        SKIP_MASKED_TILES=SKIP_MASKED_TILES,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         # The entry cap fills the register file; setmaxnreg then moves the loader's registers to
         # the consumers (2 consumers: 168 -> 240/240/24; 3: 128 -> 160/160/160/24).

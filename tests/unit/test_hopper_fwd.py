@@ -120,22 +120,26 @@ def test_rows_that_see_no_key(head_dim):
 
 
 @needs_hopper
+@pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("exact_delta", (False, True))
+@pytest.mark.parametrize("window", (None, (255, 0), (100, 30)), ids=("causal", "w256", "w100_30"))
 @pytest.mark.parametrize("seq_q, seq_k, causal_offset", [(4096, 4096, 0), (700, 513, 0), (333, 1000, 667),
                                                          (400, 150, -250), (1, 7, 6), (200, 1, 0)])
-def test_skipping_masked_tails_changes_no_bit(monkeypatch, exact_delta, seq_q, seq_k, causal_offset):
-    """SKIP_MASKED_TAIL (a consumer stops its MMAs at its own last visible causal key tile) gives
-    the very bits of the full walk at E 64, whose 192-row CTAs have such tails: out, LSE, and under
-    the exact Δ the residual and row constants. Top-left and bottom-right causal, ragged blocks,
-    rows that see no key, lengths of 1, GQA."""
+def test_skipping_masked_tiles_changes_no_bit(monkeypatch, head_dim, exact_delta, window, seq_q, seq_k,
+                                              causal_offset):
+    """SKIP_MASKED_TILES (a consumer computes only the key tiles its own rows see: it stops at its
+    own last causal tile and starts at its own first one inside a window) gives the very bits of
+    the full walk: out, LSE, and under the exact Δ the residual and row constants. Top-left and
+    bottom-right causal, windows narrower than a CTA's rows and one with a right side, ragged
+    blocks, rows that see no key, lengths of 1, GQA."""
     from flash_inductor.launch import hopper
 
-    q, k, v = _inputs(torch.bfloat16, 64, 2, 8, 2, seq_q, seq_k)
+    q, k, v = _inputs(torch.bfloat16, head_dim, 2, 8, 2, seq_q, seq_k)
     results = []
     for skip in (False, True):
-        monkeypatch.setattr(hopper, "SKIP_MASKED_TAIL", skip)
+        monkeypatch.setattr(hopper, "SKIP_MASKED_TILES", skip)
         results.append(hopper.hopper_attention_forward(q, k, v, is_causal=True, causal_offset=causal_offset,
-                                                       exact_delta=exact_delta))
+                                                       window=window, exact_delta=exact_delta))
     for full, skipped in zip(*results):
         assert torch.equal(full, skipped)
 
