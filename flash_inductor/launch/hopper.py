@@ -278,19 +278,28 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     ``config`` None: the tuning table's entry for the call's bucket (``schedule``'s), else the
     built-in config. A table's config that fails to launch (a table written for another part, or
     by hand) warns once and runs the built-in config: a table never fails a call."""
-    if config is None:
-        config, tuned = select_hopper_forward_config(
-            query, key.shape[2], is_causal=is_causal, key_mask=attn_mask is not None,
-            exact_delta=exact_delta, schedule=schedule)
-        if tuned:
-            try:
-                return hopper_attention_forward(query, key, value, scale=scale, is_causal=is_causal,
-                                                causal_offset=causal_offset, window=window, attn_mask=attn_mask,
-                                                config=config, exact_delta=exact_delta)
-            except Exception as error:  # noqa: BLE001 -- the built-in config below raises real errors
-                warn_tuned_config_failed("forward", config, error)
-                config = None
-    return _forward(query, key, value, scale, is_causal, causal_offset, window, attn_mask, config, exact_delta)
+    def launch(cfg):
+        return _forward(query, key, value, scale, is_causal, causal_offset, window, attn_mask, cfg, exact_delta)
+
+    if config is not None:
+        return launch(config)
+    return run_selected("forward", launch, select_hopper_forward_config(
+        query, key.shape[2], is_causal=is_causal, key_mask=attn_mask is not None, exact_delta=exact_delta,
+        schedule=schedule))
+
+
+def run_selected(kernel: str, launch, selected: tuple):
+    """``launch(config)`` with the (config, from the table) a lookup selected. A table's config
+    that fails to launch warns once and the built-in one runs (``launch(None)``): a table never
+    fails a call, and the built-in config raises the call's real errors."""
+    config, tuned = selected
+    if not tuned:
+        return launch(config)
+    try:
+        return launch(config)
+    except Exception as error:  # noqa: BLE001 -- see the docstring
+        warn_tuned_config_failed(kernel, config, error)
+    return launch(None)
 
 
 def warn_tuned_config_failed(kernel: str, config, error: BaseException) -> None:

@@ -35,7 +35,7 @@ from ..tuning.hopper_configs import HopperBackwardConfig, default_backward_confi
 from .band import band_lower, causal_side, resolve_band
 from .common import LOG2E, cdiv
 from .hopper import (NOT_HOPPER, gluon_descriptor, hopper_forward_unsupported_reason, key_bias, tma_descriptor,
-                     tma_unsupported_reason, warn_tuned_config_failed)
+                     tma_unsupported_reason, run_selected)
 
 log = logging.getLogger("flash_inductor")
 # The built-in config (the tuning table's entries take precedence per bucket).
@@ -200,20 +200,14 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     ``config`` None: the tuning table's entry for the call's bucket (``schedule``'s; None: `stable`
     with ``exact_delta``, else `fast`), else the built-in config; a table's config that fails to
     launch warns once and runs the built-in one, as the forward does."""
-    args = (grad_out, query, key, value, out, lse, grad_lse)
-    options = dict(scale=scale, is_causal=is_causal, causal_offset=causal_offset, window=window,
-                   attn_mask=attn_mask, delta=delta, exact_delta=exact_delta, mean_key=mean_key)
-    if config is None:
-        schedule = schedule or ("stable" if exact_delta is not None else "fast")
-        config, tuned = select_hopper_backward_config(query, key.shape[2], is_causal=is_causal,
-                                                      key_mask=attn_mask is not None, schedule=schedule)
-        if tuned:
-            try:
-                return _backward(*args, config=config, **options)
-            except Exception as error:  # noqa: BLE001 -- the built-in config below raises real errors
-                warn_tuned_config_failed("backward", config, error)
-                config = None
-    return _backward(*args, config=config, **options)
+    launch = functools.partial(_backward, grad_out, query, key, value, out, lse, grad_lse, scale=scale,
+                               is_causal=is_causal, causal_offset=causal_offset, window=window, attn_mask=attn_mask,
+                               delta=delta, exact_delta=exact_delta, mean_key=mean_key)
+    if config is not None:
+        return launch(config=config)
+    schedule = schedule or ("stable" if exact_delta is not None else "fast")
+    return run_selected("backward", lambda cfg: launch(config=cfg), select_hopper_backward_config(
+        query, key.shape[2], is_causal=is_causal, key_mask=attn_mask is not None, schedule=schedule))
 
 
 def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, is_causal, causal_offset, window, attn_mask,

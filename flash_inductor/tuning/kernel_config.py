@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from . import hopper_configs
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
@@ -47,8 +49,6 @@ def padded_head_dim(head_dim: int) -> int:
 
 def role_config_from_dict(role: str, data: dict):
     """A stored config of kernel ``role``: a KernelConfig, or a Gluon kernel's config."""
-    from . import hopper_configs
-
     if hopper_configs.is_gluon_role(role):
         return hopper_configs.config_from_dict(role, data)
     return KernelConfig.from_dict(data)

@@ -148,12 +148,11 @@ def test_the_plan_holds_the_gluon_buckets_the_kernels_run():
 
 
 def test_precompile_jobs_carry_gluon_configs():
-    configs = hopper_configs.default_for_bucket
-    bucket = Bucket("stable", "bf16", 64, "causal", 4096, "gluon_backward")
     from flash_inductor.autotune.search import Tuner
 
+    bucket = Bucket("stable", "bf16", 64, "causal", 4096, "gluon_backward")
     heuristic = Tuner("cpu", tiny_settings(lambda run, c: 1.0)).heuristic(bucket)
-    assert heuristic.gluon_backward == configs("gluon_backward", bucket)
+    assert heuristic.gluon_backward == hopper_configs.default_for_bucket("gluon_backward", bucket)
     assert heuristic.gluon_forward_exact.num_consumers == 3  # E 64's built-in
     candidate = dataclasses.replace(heuristic, gluon_backward=dataclasses.replace(HopperBackwardConfig(), **BWD))
     assert _decode(_encode(candidate)) == candidate
