@@ -216,15 +216,15 @@ def speed(args, configs, deadline):
 
 def parse_config(text):
     """'128x2' -> BLOCK_N 128, 2 stages; 'w3' appended: 3 consumer warpgroups; 'p': ping-pong;
-    'gN': the grid walks N heads at a time, block by block (swizzle_heads; 'g0': all heads); an optional
-    ':64' limits it to that head dim. E.g. '128x3w3p:64', '128x2pg8:128'."""
+    'gN': the grid walks N heads at a time, block by block (swizzle_heads; 'g0': all heads); 'P': persistent;
+    an optional ':64' limits it to that head dim. E.g. '128x3w3p:64', '128x2pg8:128', '128x2pP:128'."""
     spec, _, dims = text.partition(":")
-    m = re.fullmatch(r"(\d+)x(\d+)(?:w(\d))?(p?)(?:g(\d+))?", spec)
+    m = re.fullmatch(r"(\d+)x(\d+)(?:w(\d))?(p?)(?:g(\d+))?(P?)", spec)
     if m is None:
-        raise ValueError(f"--configs {text!r}: expected BLOCK_NxSTAGES[wCONSUMERS][p][:E,...]")
+        raise ValueError(f"--configs {text!r}: expected BLOCK_NxSTAGES[wCONSUMERS][p][gN][P][:E,...]")
     heads = tuple(int(d) for d in dims.split(",")) if dims else (64, 128)
     cfg = HopperForwardConfig(block_n=int(m[1]), num_stages=int(m[2]), num_consumers=int(m[3] or 2),
-                              pingpong=bool(m[4]), swizzle_heads=int(m[5] or 1) or 1 << 30)
+                              pingpong=bool(m[4]), swizzle_heads=int(m[5] or 1) or 1 << 30, persistent=bool(m[6]))
     return cfg, heads
 
 

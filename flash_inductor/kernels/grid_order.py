@@ -17,12 +17,20 @@ from triton.experimental.gluon import language as gl
 
 
 @gluon.jit
+def ordered_cell(lin, blocks, rows, swizzle_heads):
+    """(block, row) of linear index ``lin`` in the order ``swizzle_heads`` sets (glossary), over
+    ``rows`` rows of ``blocks`` blocks: a CTA's own cell, or a persistent CTA's next work item."""
+    group = lin // (swizzle_heads * blocks)
+    first_row = group * swizzle_heads
+    rows_here = gl.minimum(swizzle_heads, rows - first_row)
+    within = lin - group * swizzle_heads * blocks
+    return within // rows_here, first_row + within % rows_here
+
+
+@gluon.jit
 def swizzled_cta(swizzle_heads):
     """(block, row, blocks) of this CTA under the order ``swizzle_heads`` sets (glossary)."""
     blocks = gl.num_programs(0)
     lin = gl.program_id(1) * blocks + gl.program_id(0)
-    group = lin // (swizzle_heads * blocks)
-    first_row = group * swizzle_heads
-    rows_here = gl.minimum(swizzle_heads, gl.num_programs(1) - first_row)
-    within = lin - group * swizzle_heads * blocks
-    return within // rows_here, first_row + within % rows_here, blocks
+    block, row = ordered_cell(lin, blocks, gl.num_programs(1), swizzle_heads)
+    return block, row, blocks

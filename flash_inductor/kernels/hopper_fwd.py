@@ -57,6 +57,14 @@ Constexpr switches:
                 (the CTA's loop starts at its top row's). Masked tiles' p is exactly 0, so the
                 results are bitwise the same; the skipped tiles' turns are still taken and their
                 ring slots released, so the loader's and the other consumers' protocol is unchanged.
+  PERSISTENT    one CTA per SM (a 1-D grid), each computing query blocks (work items, indexed as
+                the grid's CTAs would be) one after another: its own index first, then the next
+                unclaimed one from WORK_COUNTER, so the order is kept whichever CTA is free first.
+                The loader hands each item to the consumers through a two-deep ring (item_smem,
+                item_ready/item_empty); a consumer frees its Q tile (q_empty) once the item's last
+                Q·Kᵀ has retired, and stages O in a tile of its own (o_smem), so the next item's Q
+                and K/V tiles load during the epilogue. The K/V ring and the ping-pong rounds count
+                on across items (``_consume_block``'s base and it).
   swizzle_heads the grid order (``_block_coords``): CTAs walk the (batch, head)s in groups of
                 this many, query block by query block within a group (longest first under causal
                 masking). 1: each head's blocks together; B·H: every head's longest block first.
@@ -78,7 +86,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .grid_order import swizzled_cta
+from .grid_order import ordered_cell, swizzled_cta
 
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -110,26 +118,82 @@ def _tile_range(row0, S, causal_offset, window_lower, ROWS: gl.constexpr, BLOCK_
 
 @gluon.jit
 def _hopper_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
-                       q_ready, k_ready, v_ready, k_empty, v_empty,
-                       L, S, H, GROUP, causal_offset, window_lower,
+                       q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, item_smem, item_ready, item_empty,
+                       WORK_COUNTER, BH, L, S, H, GROUP, causal_offset, window_lower,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                        NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-                       swizzle_heads):
-    """One warp: Q once per consumer, then K/V tiles into the ring as slots free up."""
+                       PERSISTENT: gl.constexpr, swizzle_heads):
+    """One warp: Q once per consumer, then K/V tiles into the ring as slots free up; under
+    PERSISTENT, item after item, each handed to the consumers before its loads."""
     ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
-    start_m, b, h = _block_coords(H, swizzle_heads, ROWS, IS_CAUSAL)
+    if PERSISTENT:
+        blocks = gl.cdiv(L, ROWS)
+        num_items = blocks * BH
+        item = gl.program_id(0)
+        it = 0
+        base = 0  # ring tiles loaded for earlier items
+        while item < num_items:
+            # The next item is claimed now, so the atomic's latency hides under this item's loads.
+            next_item = gl.num_programs(0) + gl.atomic_add(WORK_COUNTER, 1)
+            _hand_item(item, it, item_smem, item_ready, item_empty, NUM_CONSUMERS)
+            start_m, b, h = _item_coords(item, blocks, BH, H, swizzle_heads, ROWS, IS_CAUSAL)
+            n_tiles = _load_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                                 k_empty, v_empty, start_m, b, h, it, base, S, GROUP, causal_offset, window_lower,
+                                 BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PERSISTENT)
+            base += n_tiles
+            it += 1
+            item = next_item
+        # The consumers stop at an item past the last.
+        _hand_item(item, it, item_smem, item_ready, item_empty, NUM_CONSUMERS)
+    else:
+        start_m, b, h = _block_coords(H, swizzle_heads, ROWS, IS_CAUSAL)
+        _load_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                   k_empty, v_empty, start_m, b, h, 0, 0, S, GROUP, causal_offset, window_lower,
+                   BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PERSISTENT)
+
+
+@gluon.jit
+def _hand_item(item, it, item_smem, item_ready, item_empty, NUM_CONSUMERS: gl.constexpr):
+    """Publish work item ``item`` (the loader's it-th) in its slot of the two-deep item ring."""
+    slot = it % 2
+    mbarrier.wait(item_empty.index(slot), ((it // 2) & 1) ^ 1)
+    item_smem.index(slot).store(gl.full([1], item, gl.int32, layout=gl.BlockedLayout([1], [32], [1], [0])))
+    mbarrier.arrive(item_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _take_item(it, item_smem, item_ready, item_empty):
+    """The consumers' side of ``_hand_item``: the it-th work item, its slot released."""
+    slot = it % 2
+    mbarrier.wait(item_ready.index(slot), (it // 2) & 1)
+    item = gl.max(item_smem.index(slot).load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+    mbarrier.arrive(item_empty.index(slot), count=1)
+    return item
+
+
+@gluon.jit
+def _load_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+               k_empty, v_empty, start_m, b, h, it, base, S, GROUP, causal_offset, window_lower,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+               NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+               PERSISTENT: gl.constexpr):
+    """The loads of one block (the CTA's it-th; ``base`` ring tiles before it). Returns its tile count."""
+    ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
     h_kv = h // GROUP  # grouped-query attention: K/V heads are indexed, never repeated
     for c in gl.static_range(NUM_CONSUMERS):
+        if PERSISTENT:
+            # Consumer c frees its Q tile once the item's last Q·Kᵀ has retired.
+            mbarrier.wait(q_empty.index(c), (it & 1) ^ 1)
         mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, start_m + c * BLOCK_M, 0], q_ready.index(c), q_smem.index(c))
     lo, n_tiles, _, _ = _tile_range(start_m, S, causal_offset, window_lower, ROWS, BLOCK_N, IS_CAUSAL, WINDOW_LEFT)
-    # t counts the ring's tiles from 0; the key tile it holds is lo + t.
+    # t counts the item's ring tiles from 0; the key tile it holds is lo + t, its ring index base + t.
     for t in range(n_tiles):
-        slot = t % NUM_STAGES
+        slot = (base + t) % NUM_STAGES
         key0 = (lo + t) * BLOCK_N
         # A fresh mbarrier counts as having completed the phase before phase 0, so the first
         # pass over the ring waits on parity 1 and goes straight through.
-        empty_phase = ((t // NUM_STAGES) & 1) ^ 1
+        empty_phase = (((base + t) // NUM_STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(slot), empty_phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, h_kv, key0, 0], k_ready.index(slot), k_smem.index(slot))
@@ -137,6 +201,7 @@ def _hopper_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
         mbarrier.wait(v_empty.index(slot), empty_phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [b, h_kv, key0, 0], v_ready.index(slot), v_smem.index(slot))
+    return n_tiles
 
 
 @gluon.jit
@@ -145,6 +210,15 @@ def _block_coords(H, swizzle_heads, ROWS: gl.constexpr, IS_CAUSAL: gl.constexpr)
     order ``swizzle_heads`` sets (``grid_order.py``). Causal blocks run in reverse row order, so
     each group's longest (bottom) blocks start first and short ones fill the tail."""
     pid_m, bh, blocks = swizzled_cta(swizzle_heads)
+    if IS_CAUSAL:
+        pid_m = blocks - 1 - pid_m
+    return pid_m * ROWS, bh // H, bh % H
+
+
+@gluon.jit
+def _item_coords(item, blocks, BH, H, swizzle_heads, ROWS: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """``_block_coords`` of a persistent CTA's work item: the same order over (blocks, B·H)."""
+    pid_m, bh = ordered_cell(item, blocks, BH, swizzle_heads)
     if IS_CAUSAL:
         pid_m = blocks - 1 - pid_m
     return pid_m * ROWS, bh // H, bh % H
@@ -251,7 +325,7 @@ def _pass_turn(turn, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPO
 @gluon.jit
 def _release_tile(turn, round, t, k_ready, v_ready, k_empty, v_empty, CONSUMER: gl.constexpr,
                   NUM_CONSUMERS: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ring tile t, wholly masked for this warpgroup (SKIP_MASKED_TILES): take and pass its turn of
+    """Ring tile t (counted over the CTA's items), wholly masked for this warpgroup (SKIP_MASKED_TILES): take and pass its turn of
     ``round`` and release its K and V slots as if computed. A slot is released only once its tile
     has landed, so the release counts toward the round the loader filled (an early arrive could
     complete a later round's phase)."""
@@ -266,15 +340,67 @@ def _release_tile(turn, round, t, k_ready, v_ready, k_empty, v_empty, CONSUMER: 
 
 
 @gluon.jit
-def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
-                         q_ready, k_ready, v_ready, k_empty, v_empty,
-                         LSE, ROW_CONSTS, KEY_BIAS, L, S, H, causal_offset, window_lower,
+def _store_ones(ones_smem, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, dtype: gl.constexpr):
+    """This consumer's (8, keys) tile of ones, keys contiguous: the B operand (read transposed, K-major)
+    of the rounded P's row sums under EXACT_DELTA. Written once per CTA."""
+    ones_smem.index(CONSUMER).store(gl.full([8, BLOCK_N], 1.0, dtype,
+                                            layout=gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])))
+    fence_async_shared()
+
+
+@gluon.jit
+def _hopper_fwd_consumer(o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem,
+                         q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, item_smem, item_ready, item_empty,
+                         LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower,
                          qk_scale, turn, CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                          NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                          PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr,
-                         SKIP_MASKED_TILES: gl.constexpr, swizzle_heads):
-    """One warpgroup: BLOCK_M query rows against every key tile the loader brings."""
+                         SKIP_MASKED_TILES: gl.constexpr, PERSISTENT: gl.constexpr, swizzle_heads):
+    """One warpgroup: BLOCK_M query rows of the CTA's block (under PERSISTENT, of each block the
+    loader hands over) against every key tile the loader brings."""
+    ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
+    dtype: gl.constexpr = o_desc.dtype
+    if PERSISTENT:
+        if EXACT_DELTA:
+            _store_ones(ones_smem, CONSUMER, BLOCK_N, dtype)
+        blocks = gl.cdiv(L, ROWS)
+        it = 0
+        base = 0  # ring tiles consumed for earlier items
+        item = _take_item(0, item_smem, item_ready, item_empty)
+        while item < blocks * BH:
+            start_m, b, h = _item_coords(item, blocks, BH, H, swizzle_heads, ROWS, IS_CAUSAL)
+            n_tiles = _consume_block(o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
+                                     k_ready, v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H,
+                                     causal_offset, window_lower, qk_scale, turn, start_m, b, h, it, base,
+                                     CONSUMER, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
+                                     WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS, SKIP_MASKED_TILES,
+                                     PERSISTENT)
+            base += n_tiles
+            it += 1
+            item = _take_item(it, item_smem, item_ready, item_empty)
+    else:
+        start_m, b, h = _block_coords(H, swizzle_heads, ROWS, IS_CAUSAL)
+        _consume_block(o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
+                       k_ready, v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H,
+                       causal_offset, window_lower, qk_scale, turn, start_m, b, h, 0, 0,
+                       CONSUMER, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
+                       WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT)
+    if PERSISTENT:
+        tma.store_wait(pendings=0)  # the last block's stores
+
+
+@gluon.jit
+def _consume_block(o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
+                   k_ready, v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H,
+                   causal_offset, window_lower, qk_scale, turn, start_m, b, h, it, base,
+                   CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                   WINDOW_LEFT: gl.constexpr, PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr,
+                   HAS_KEY_BIAS: gl.constexpr, SKIP_MASKED_TILES: gl.constexpr, PERSISTENT: gl.constexpr):
+    """This warpgroup's rows of the block at (start_m, b, h), the CTA's it-th, whose first ring
+    tile is the CTA's base-th: ring tile t sits at ring index base + t and issues in ping-pong
+    round base + it + t (each block takes its tile count plus one rounds). Returns the tile count."""
     ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
     dtype: gl.constexpr = o_desc.dtype
     # wgmma accumulators: one m64 row block per warpgroup, N = the whole tile in one instruction.
@@ -285,8 +411,8 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
     # P feeds P·V from registers: the QKᵀ accumulator's fragment is already the A-operand's.
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rb = base + it  # the ping-pong round of ring tile t is rb + t
 
-    start_m, b, h = _block_coords(H, swizzle_heads, ROWS, IS_CAUSAL)
     row0 = start_m + CONSUMER * BLOCK_M
     row_ids = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
     bias_row = KEY_BIAS + (b * H + h).to(gl.int64) * S  # read only under HAS_KEY_BIAS
@@ -312,7 +438,7 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
         t0 = 0
 
     q_tile = q_smem.index(CONSUMER).reshape([BLOCK_M, HEAD_DIM])
-    mbarrier.wait(q_ready.index(CONSUMER), 0)
+    mbarrier.wait(q_ready.index(CONSUMER), it & 1)
 
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
@@ -320,14 +446,13 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     if EXACT_DELTA:
         # l_acc: the rounded P's row sums, (BLOCK_M, 8) equal columns, rescaled with acc. The ones
-        # are stored (8, keys), keys contiguous, and read transposed: a K-major B operand.
+        # (stored once per CTA) are read transposed: a K-major B operand.
         l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 8, 16])
         l_acc = gl.zeros([BLOCK_M, 8], gl.float32, layout=l_layout)
-        ones_rows = ones_smem.index(CONSUMER)
-        ones_rows.store(gl.full([8, BLOCK_N], 1.0, dtype, layout=gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])))
-        fence_async_shared()
-        ones_t = ones_rows.permute((1, 0))
+        if not PERSISTENT:
+            _store_ones(ones_smem, CONSUMER, BLOCK_N, dtype)
+        ones_t = ones_smem.index(CONSUMER).permute((1, 0))
         # P·V and P·1 are two groups: S_t's wait leaves both of them outstanding.
         PV_GROUPS: gl.constexpr = 2
     else:
@@ -337,13 +462,13 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
 
     if SKIP_MASKED_TILES and WINDOW_LEFT:
         for t in range(0, t0):
-            _release_tile(turn, t, t, k_ready, v_ready, k_empty, v_empty, CONSUMER, NUM_CONSUMERS, NUM_STAGES,
+            _release_tile(turn, rb + t, base + t, k_ready, v_ready, k_empty, v_empty, CONSUMER, NUM_CONSUMERS, NUM_STAGES,
                           PINGPONG)
 
     # Prologue: S_t0 (t0 = 0 but for skipped tiles) and its softmax; no P·V is in flight yet.
-    first = t0 % NUM_STAGES
-    _take_turn(turn, t0, CONSUMER, PINGPONG)
-    mbarrier.wait(k_ready.index(first), (t0 // NUM_STAGES) & 1)
+    first = (base + t0) % NUM_STAGES
+    _take_turn(turn, rb + t0, CONSUMER, PINGPONG)
+    mbarrier.wait(k_ready.index(first), ((base + t0) // NUM_STAGES) & 1)
     k_tile = k_smem.index(first).reshape([BLOCK_N, HEAD_DIM])
     s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
@@ -355,14 +480,14 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
                                        EXACT_DELTA, HAS_KEY_BIAS)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-    # t counts the ring's tiles, as the loader does; the key tile is lo + t.
+    # t counts the block's ring tiles, as the loader does; the key tile is lo + t.
     for t in range(t0 + 1, n_run):
-        slot = t % NUM_STAGES
-        phase = (t // NUM_STAGES) & 1
-        prev = (t - 1) % NUM_STAGES
-        prev_phase = ((t - 1) // NUM_STAGES) & 1
+        slot = (base + t) % NUM_STAGES
+        phase = ((base + t) // NUM_STAGES) & 1
+        prev = (base + t - 1) % NUM_STAGES
+        prev_phase = ((base + t - 1) // NUM_STAGES) & 1
         # Issue S_t = Q·K_tᵀ first, then P_{t-1}·V_{t-1}: the softmax of S_t below overlaps P·V.
-        _take_turn(turn, t, CONSUMER, PINGPONG)
+        _take_turn(turn, rb + t, CONSUMER, PINGPONG)
         mbarrier.wait(k_ready.index(slot), phase)
         k_tile = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
         s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -385,9 +510,12 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
             l_acc = l_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l_layout)), 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-    last = (n_run - 1) % NUM_STAGES
-    last_phase = ((n_run - 1) // NUM_STAGES) & 1
-    _take_turn(turn, n_run, CONSUMER, PINGPONG)
+    if PERSISTENT:
+        # Every Q·Kᵀ of the block has retired: the loader may bring the next block's Q.
+        mbarrier.arrive(q_empty.index(CONSUMER), count=1)
+    last = (base + n_run - 1) % NUM_STAGES
+    last_phase = ((base + n_run - 1) // NUM_STAGES) & 1
+    _take_turn(turn, rb + n_run, CONSUMER, PINGPONG)
     mbarrier.wait(v_ready.index(last), last_phase)
     v_tile = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
     acc_tok, l_tok = _pv_issue(p_op, v_tile, acc, ones_t, l_acc, EXACT_DELTA)
@@ -398,7 +526,7 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
         # Wholly masked tiles: their turns are taken and their slots released as if computed
         # (the epilogue above took round n_run).
         for t in range(n_run, n_tiles):
-            _release_tile(turn, t + 1, t, k_ready, v_ready, k_empty, v_empty, CONSUMER, NUM_CONSUMERS, NUM_STAGES,
+            _release_tile(turn, rb + t + 1, base + t, k_ready, v_ready, k_empty, v_empty, CONSUMER, NUM_CONSUMERS, NUM_STAGES,
                           PINGPONG)
     if EXACT_DELTA:
         # Every column holds the rounded P's row sum; max picks one exactly.
@@ -425,35 +553,56 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem,
         m_safe = gl.where(empty_row, 0.0, m_i)
         pivot = m_safe + gl.floor(gl.log2(l_rnd_safe))
         norm = gl.exp2(pivot - m_safe) / l_rnd_safe
-        plane = gl.num_programs(1).to(gl.int64) * L
+        if PERSISTENT:
+            plane = BH.to(gl.int64) * L
+        else:
+            plane = gl.num_programs(1).to(gl.int64) * L
         gl.store(ROW_CONSTS + row_off, gl.where(empty_row, float("inf"), pivot), mask=row_ids < L)
         gl.store(ROW_CONSTS + plane + row_off, gl.where(empty_row, 0.0, norm), mask=row_ids < L)
 
-    # Q's tile is free (its last wgmma has retired): stage O there and let TMA clip rows >= L.
-    q_tile.store(out)
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], q_smem.index(CONSUMER))
-    tma.store_wait(pendings=0)
-    if EXACT_DELTA:
-        q_tile.store((out32 - out.to(gl.float32)).to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(r_desc, [b, h, row0, 0], q_smem.index(CONSUMER))
+    if PERSISTENT:
+        # O is staged in its own tile, so the next block's Q can land meanwhile; the previous
+        # block's stores must have read the tile first, and this block's are waited for by the next.
+        stage = o_smem.index(CONSUMER)
         tma.store_wait(pendings=0)
+    else:
+        # Q's tile is free (its last wgmma has retired): stage O there.
+        stage = q_smem.index(CONSUMER)
+    o_tile = stage.reshape([BLOCK_M, HEAD_DIM])
+    # TMA clips rows >= L.
+    o_tile.store(out)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], stage)
+    if not PERSISTENT:
+        tma.store_wait(pendings=0)
+    if EXACT_DELTA:
+        if PERSISTENT:
+            tma.store_wait(pendings=0)
+        o_tile.store((out32 - out.to(gl.float32)).to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(r_desc, [b, h, row0, 0], stage)
+        if not PERSISTENT:
+            tma.store_wait(pendings=0)
+    return n_tiles
 
 
 @gluon.jit
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KEY_BIAS,
-                     L, S, H, GROUP, causal_offset, window_lower, qk_scale, swizzle_heads,
+                     L, S, H, GROUP, causal_offset, window_lower, qk_scale, swizzle_heads, WORK_COUNTER, BH,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
                      WINDOW_LEFT: gl.constexpr, PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr,
                      HAS_KEY_BIAS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     LOADER_REGS: gl.constexpr, SKIP_MASKED_TILES: gl.constexpr = False):
-    """Grid (cdiv(L, BLOCK_M * NUM_CONSUMERS), B * H), walked in the order ``swizzle_heads`` sets.
+                     LOADER_REGS: gl.constexpr, SKIP_MASKED_TILES: gl.constexpr = False,
+                     PERSISTENT: gl.constexpr = False):
+    """Grid (cdiv(L, BLOCK_M * NUM_CONSUMERS), B * H), walked in the order ``swizzle_heads`` sets;
+    under PERSISTENT (at most one CTA per SM, 1-D) each CTA takes the block of its own index, then
+    claims the next ones from WORK_COUNTER (int32, zero at launch) in that order, so the longest
+    blocks start first wherever they land, and a block's loads overlap the previous one's epilogue.
     Q/K/V/O descriptors are 4-D over (B, H, L or S, E) with boxes (1, 1, rows, E), so TMA clips
     and zero-fills per head. Under EXACT_DELTA ``r_desc`` describes O's residual (as O) and
     ROW_CONSTS is (2, B, H, L) fp32 (pivot, g); otherwise neither is touched. Under HAS_KEY_BIAS,
-    KEY_BIAS is (B, H, S) fp32, contiguous (glossary); otherwise it is not read."""
+    KEY_BIAS is (B, H, S) fp32, contiguous (glossary); otherwise it is not read. BH = B·H."""
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "two or three consumer warpgroups")
     dtype: gl.constexpr = q_desc.dtype
     qk_scale = qk_scale.to(gl.float32)
@@ -466,6 +615,24 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KE
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    if PERSISTENT:
+        # O's own staging tiles, Q's release, and a two-deep ring of work items (loader to consumers).
+        o_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
+        q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+        item_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        item_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(NUM_CONSUMERS):
+            mbarrier.init(q_empty.index(c), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(item_ready.index(i), count=1)
+            mbarrier.init(item_empty.index(i), count=NUM_CONSUMERS)
+    else:
+        o_smem = q_smem  # O is staged in Q's tile
+        q_empty = q_ready  # unused
+        item_smem = q_ready  # unused
+        item_ready = q_ready  # unused
+        item_empty = q_ready  # unused
     if EXACT_DELTA:
         # A (8, BLOCK_N) tile of ones per consumer, the B operand of the rounded P's row sums.
         ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], dtype)
@@ -487,42 +654,45 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KE
     # tuple from shared pieces: `+` on tuples fails there); the default partition is consumer 0.
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
-                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H,
-                                    causal_offset, window_lower, qk_scale, turn, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                                    HAS_KEY_BIAS, SKIP_MASKED_TILES, swizzle_heads)),
-            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
-                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H,
-                                    causal_offset, window_lower, qk_scale, turn, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                                    HAS_KEY_BIAS, SKIP_MASKED_TILES, swizzle_heads)),
-            (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
-                                  q_ready, k_ready, v_ready, k_empty, v_empty,
-                                  L, S, H, GROUP, causal_offset, window_lower,
-                                  BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT,
-                                  swizzle_heads)),
+            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
+                                    k_ready, v_ready, k_empty, v_empty, item_smem, item_ready, item_empty,
+                                    LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower, qk_scale,
+                                    turn, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
+                                    WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT,
+                                    swizzle_heads)),
+            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
+                                    k_ready, v_ready, k_empty, v_empty, item_smem, item_ready, item_empty,
+                                    LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower, qk_scale,
+                                    turn, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
+                                    WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT,
+                                    swizzle_heads)),
+            (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                                  v_ready, k_empty, v_empty, item_smem, item_ready, item_empty, WORK_COUNTER, BH,
+                                  L, S, H, GROUP, causal_offset, window_lower, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                  NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PERSISTENT, swizzle_heads)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
-                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H,
-                                    causal_offset, window_lower, qk_scale, turn, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                                    HAS_KEY_BIAS, SKIP_MASKED_TILES, swizzle_heads)),
-            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
-                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H,
-                                    causal_offset, window_lower, qk_scale, turn, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                                    HAS_KEY_BIAS, SKIP_MASKED_TILES, swizzle_heads)),
-            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready,
-                                    v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, L, S, H,
-                                    causal_offset, window_lower, qk_scale, turn, 2, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                                    HAS_KEY_BIAS, SKIP_MASKED_TILES, swizzle_heads)),
-            (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
-                                  q_ready, k_ready, v_ready, k_empty, v_empty,
-                                  L, S, H, GROUP, causal_offset, window_lower,
-                                  BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT,
-                                  swizzle_heads)),
+            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
+                                    k_ready, v_ready, k_empty, v_empty, item_smem, item_ready, item_empty,
+                                    LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower, qk_scale,
+                                    turn, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
+                                    WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT,
+                                    swizzle_heads)),
+            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
+                                    k_ready, v_ready, k_empty, v_empty, item_smem, item_ready, item_empty,
+                                    LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower, qk_scale,
+                                    turn, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
+                                    WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT,
+                                    swizzle_heads)),
+            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
+                                    k_ready, v_ready, k_empty, v_empty, item_smem, item_ready, item_empty,
+                                    LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower, qk_scale,
+                                    turn, 2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
+                                    WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT,
+                                    swizzle_heads)),
+            (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                                  v_ready, k_empty, v_empty, item_smem, item_ready, item_empty, WORK_COUNTER, BH,
+                                  L, S, H, GROUP, causal_offset, window_lower, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                  NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PERSISTENT, swizzle_heads)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])

@@ -68,6 +68,13 @@ default_config = default_forward_config
 # spills 4-8 more bytes causal and 330-420 with a window (against 190); off, the SASS is what it
 # was before the switch existed (tools/hopper_fwd_compile.py --skip-masked-tiles).
 SKIP_MASKED_TILES = False
+# Every launch persistent, whatever its config says (``HopperForwardConfig.persistent``): one CTA
+# per SM, each taking query blocks from a work counter in the grid's order (kernels/hopper_fwd.py,
+# PERSISTENT), so the next block's Q and first K/V tiles load while the previous block's epilogue
+# runs, and under causal masking the longest blocks start first wherever they land. For the GPU
+# tests (tools/pytest_switch.py). Compiled for sm_90a: E 128 spills 16-20 bytes (none without),
+# E 64 with three consumers 384-388 (76 without), E 64 with two consumers none.
+PERSISTENT = False
 
 
 def gluon_available() -> bool:
@@ -288,6 +295,11 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
         schedule=schedule))
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def run_selected(kernel: str, launch, selected: tuple):
     """``launch(config)`` with the (config, from the table) a lookup selected. A table's config
     that fails to launch warns once and the built-in one runs (``launch(None)``): a table never
@@ -337,15 +349,22 @@ def _forward(query, key, value, scale, is_causal, causal_offset, window, attn_ma
     o_desc = tma_descriptor(out, cfg.block_m)
     rows = cfg.block_m * cfg.num_consumers
     grid = (cdiv(seq_q, rows), batch * heads_q)
+    persistent = cfg.persistent or PERSISTENT
+    if persistent:
+        # The CTAs past the first wave claim blocks from the counter, in the grid's order.
+        work_counter = torch.zeros(1, dtype=torch.int32, device=query.device)
+        grid = (min(grid[0] * grid[1], _sm_count(query.device)), )
+    else:
+        work_counter = lse  # not touched
     _attn_fwd_hopper[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, cfg.block_n), tma_descriptor(value, cfg.block_n),
         o_desc, tma_descriptor(resid, cfg.block_m) if exact_delta else o_desc, lse, row_consts, bias,
         seq_q, seq_k, heads_q, heads_q // heads_kv, causal_offset, band_lower(band), scale * LOG2E,
-        max(1, min(cfg.swizzle_heads, batch * heads_q)),
+        max(1, min(cfg.swizzle_heads, batch * heads_q)), work_counter, batch * heads_q,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal, WINDOW_LEFT=band.lower is not None,
         PINGPONG=cfg.pingpong, EXACT_DELTA=exact_delta, HAS_KEY_BIAS=attn_mask is not None,
-        SKIP_MASKED_TILES=SKIP_MASKED_TILES,
+        SKIP_MASKED_TILES=SKIP_MASKED_TILES, PERSISTENT=persistent,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         # The entry cap fills the register file; setmaxnreg then moves the loader's registers to
         # the consumers (2 consumers: 168 -> 240/240/24; 3: 128 -> 160/160/160/24).

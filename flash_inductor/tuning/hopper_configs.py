@@ -38,7 +38,9 @@ class HopperForwardConfig:
     ``swizzle_heads``: the grid's order. CTAs walk the (batch, head)s in groups of this many,
     query block by query block within a group (``kernels/hopper_fwd.py``, ``_block_coords``): 1,
     the default until timed on the H200, runs each head's blocks together (longest first under
-    causal masking); B·H runs every head's longest block first (the backward's ``swizzle_heads``)."""
+    causal masking); B·H runs every head's longest block first (the backward's ``swizzle_heads``).
+    ``persistent``: one CTA per SM takes blocks in that order from a work counter (``PERSISTENT``
+    in the kernel), staging O in tiles of its own so the next block's loads overlap the epilogue."""
 
     block_m: int = 64
     block_n: int = 128
@@ -47,6 +49,7 @@ class HopperForwardConfig:
     pingpong: bool = False
     loader_regs: int = 24
     swizzle_heads: int = 1
+    persistent: bool = False
 
     @property
     def maxnreg(self) -> int:
@@ -67,7 +70,7 @@ class HopperForwardConfig:
 
     def label(self) -> str:
         return (f"c{self.num_consumers}/n{self.block_n}/s{self.num_stages}"
-                f"{'/pingpong' if self.pingpong else ''}")
+                f"{'/pingpong' if self.pingpong else ''}{'/persistent' if self.persistent else ''}")
 
 
 @dataclass(frozen=True)
@@ -217,7 +220,8 @@ def smem_bytes(role: str, config, width: int, itemsize: int) -> int:
         return 0
     q = config.num_consumers * config.block_m * width * itemsize
     kv = 2 * config.num_stages * config.block_n * width * itemsize
-    return q + kv + 4096
+    o = q if config.persistent else 0  # a persistent CTA stages O in tiles of its own
+    return q + kv + o + 4096
 
 
 def candidates(role: str, bucket: Bucket, smem_limit: Optional[int]) -> list:

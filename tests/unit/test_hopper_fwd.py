@@ -145,6 +145,35 @@ def test_skipping_masked_tiles_changes_no_bit(monkeypatch, head_dim, exact_delta
 
 
 @needs_hopper
+@pytest.mark.parametrize("head_dim, consumers, stages", [(64, 3, 3), (64, 2, 4), (128, 2, 2)])
+@pytest.mark.parametrize("exact_delta", (False, True))
+@pytest.mark.parametrize("mask", ("none", "causal", "w100_30", "key_bias"))
+@pytest.mark.parametrize("batch, seq_q, seq_k", [(4, 4096, 4096), (2, 700, 513), (1, 1, 7), (3, 200, 1)])
+def test_persistent_grid_changes_no_bit(head_dim, consumers, stages, exact_delta, mask, batch, seq_q, seq_k):
+    """A persistent launch (one CTA per SM claiming blocks from a work counter, O staged in tiles
+    of its own) computes each block as the one-block-per-CTA grid does: the very bits of out, LSE
+    and, under the exact Δ, the residual and row constants. Many waves of blocks (B 4, 4k: 22 to
+    32 blocks a head, several blocks per CTA with their ring and ping-pong rounds carried over),
+    ragged blocks, lengths of 1, GQA, causal, a window with a right side and a key mask."""
+    from dataclasses import replace
+
+    from flash_inductor.launch.hopper import HopperForwardConfig, hopper_attention_forward
+
+    q, k, v = _inputs(torch.bfloat16, head_dim, batch, 8, 2, seq_q, seq_k)
+    kwargs = dict(is_causal=mask == "causal", window=(100, 30) if mask == "w100_30" else None,
+                  exact_delta=exact_delta)
+    if mask == "key_bias":
+        keep = torch.rand(batch, 1, 1, seq_k, device="cuda") > 0.2
+        keep[..., 0] = True
+        kwargs["attn_mask"] = keep
+    config = HopperForwardConfig(num_stages=stages, num_consumers=consumers, pingpong=True)
+    grid = hopper_attention_forward(q, k, v, config=config, **kwargs)
+    persistent = hopper_attention_forward(q, k, v, config=replace(config, persistent=True), **kwargs)
+    for a, b in zip(grid, persistent):
+        assert torch.equal(a, b)
+
+
+@needs_hopper
 def test_length_one():
     _check(*_inputs(torch.float16, 64, 3, 2, 2, 1, 1), True)
 
