@@ -117,20 +117,24 @@ class HopperBackwardConfig:
 
 # What a table entry stores and the autotuner searches. The forward's block_m is one warpgroup's
 # 64 rows (the wgmma's M); the backward's 128-row tiles spill at E 64 (1 KiB a thread).
-FORWARD_TUNED_FIELDS = ("num_consumers", "block_n", "num_stages", "pingpong")
+FORWARD_TUNED_FIELDS = ("num_consumers", "block_n", "num_stages", "pingpong", "persistent")
 BACKWARD_TUNED_FIELDS = ("num_stages", "dq_split", "dq_tma", "row_stats_tma")
 ROLE_TYPES = {"gluon_forward": HopperForwardConfig, "gluon_forward_exact": HopperForwardConfig,
               "gluon_backward": HopperBackwardConfig}
 # The values the kernels take: more consumers than three leave under 128 registers a thread; key
 # tiles are powers of two (Gluon's layouts) and 64 or 128 keys wide (the wgmma N); deeper rings
 # than four do not fit next to Q at E 128.
-FORWARD_CHOICES = {"num_consumers": (2, 3), "block_n": (64, 128), "num_stages": (2, 3, 4), "pingpong": (True, False)}
+FORWARD_CHOICES = {"num_consumers": (2, 3), "block_n": (64, 128), "num_stages": (2, 3, 4), "pingpong": (True, False),
+                   "persistent": (False, True)}
 BACKWARD_CHOICES = {"num_stages": (2, 3), "dq_split": (True, False), "dq_tma": (True, False),
                     "row_stats_tma": (True, False)}
 _CHOICES = {"gluon_forward": FORWARD_CHOICES, "gluon_forward_exact": FORWARD_CHOICES,
             "gluon_backward": BACKWARD_CHOICES}
 HEAD_DIMS = (64, 128)
 DTYPES = ("bf16", "fp16")
+# Fields added to a role's search space after tables were written: an entry without one was tuned
+# (and measured) with this value, so it reads as that.
+_ADDED_FIELDS = {"gluon_forward": {"persistent": False}, "gluon_forward_exact": {"persistent": False}}
 
 
 # ------------------------------------------------------------------------------------------
@@ -191,6 +195,8 @@ def is_gluon_role(role: str) -> bool:
 def config_problem(role: str, data) -> Optional[str]:
     """Why ``data`` is not a usable stored config of Gluon ``role``, or None."""
     choices = _CHOICES[role]
+    if isinstance(data, dict):
+        data = {**_ADDED_FIELDS.get(role, {}), **data}
     if not isinstance(data, dict) or set(data) != set(choices):
         return f"needs exactly {', '.join(choices)}"
     for name, allowed in choices.items():
@@ -205,7 +211,7 @@ def config_from_dict(role: str, data: dict, base=None):
     problem = config_problem(role, data)
     if problem is not None:
         raise ValueError(f"{role}: {problem}")
-    return dataclasses.replace(base if base is not None else ROLE_TYPES[role](), **data)
+    return dataclasses.replace(base if base is not None else ROLE_TYPES[role](), **{**_ADDED_FIELDS.get(role, {}), **data})
 
 
 def smem_bytes(role: str, config, width: int, itemsize: int) -> int:
