@@ -377,7 +377,8 @@ class AccuracyCheck:
         for name in self.outputs:
             magnitude = self.reference[name].abs().max().item()
             terms = max(self.reference["terms"][name], magnitude)
-            floor = FLOOR_ULPS * torch.finfo(self.dtype).eps * magnitude + ARITH_ULPS * torch.finfo(torch.float32).eps * terms
+            floor = (FLOOR_ULPS * torch.finfo(self.dtype).eps * magnitude
+                     + ARITH_ULPS * torch.finfo(torch.float32).eps * terms)
             self.budgets[name] = 2.0 * max_error(baseline[name], self.reference[name]) + floor
         self.probes = [_Probe(name, p, reference_fp64(p, self.pass_name)) for name, p in probes]
 

@@ -135,25 +135,25 @@ def _hopper_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
         while item < num_items:
             # The next item is claimed now, so the atomic's latency hides under this item's loads.
             next_item = gl.num_programs(0) + gl.atomic_add(WORK_COUNTER, 1)
-            _hand_item(item, it, item_smem, item_ready, item_empty, NUM_CONSUMERS)
+            _hand_item(item, it, item_smem, item_ready, item_empty)
             start_m, b, h = _item_coords(item, blocks, BH, H, swizzle_heads, ROWS, IS_CAUSAL)
-            n_tiles = _load_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+            n_tiles = _load_block(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                                  k_empty, v_empty, start_m, b, h, it, base, S, GROUP, causal_offset, window_lower,
                                  BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PERSISTENT)
             base += n_tiles
             it += 1
             item = next_item
         # The consumers stop at an item past the last.
-        _hand_item(item, it, item_smem, item_ready, item_empty, NUM_CONSUMERS)
+        _hand_item(item, it, item_smem, item_ready, item_empty)
     else:
         start_m, b, h = _block_coords(H, swizzle_heads, ROWS, IS_CAUSAL)
-        _load_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+        _load_block(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                    k_empty, v_empty, start_m, b, h, 0, 0, S, GROUP, causal_offset, window_lower,
                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PERSISTENT)
 
 
 @gluon.jit
-def _hand_item(item, it, item_smem, item_ready, item_empty, NUM_CONSUMERS: gl.constexpr):
+def _hand_item(item, it, item_smem, item_ready, item_empty):
     """Publish work item ``item`` (the loader's it-th) in its slot of the two-deep item ring."""
     slot = it % 2
     mbarrier.wait(item_empty.index(slot), ((it // 2) & 1) ^ 1)
@@ -172,7 +172,7 @@ def _take_item(it, item_smem, item_ready, item_empty):
 
 
 @gluon.jit
-def _load_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+def _load_block(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                k_empty, v_empty, start_m, b, h, it, base, S, GROUP, causal_offset, window_lower,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
@@ -325,10 +325,10 @@ def _pass_turn(turn, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPO
 @gluon.jit
 def _release_tile(turn, round, t, k_ready, v_ready, k_empty, v_empty, CONSUMER: gl.constexpr,
                   NUM_CONSUMERS: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ring tile t (counted over the CTA's items), wholly masked for this warpgroup (SKIP_MASKED_TILES): take and pass its turn of
-    ``round`` and release its K and V slots as if computed. A slot is released only once its tile
-    has landed, so the release counts toward the round the loader filled (an early arrive could
-    complete a later round's phase)."""
+    """Ring tile t (counted over the CTA's blocks), wholly masked for this warpgroup
+    (SKIP_MASKED_TILES): take and pass its turn of ``round`` and release its K and V slots as if
+    computed. A slot is released only once its tile has landed, so the release counts toward the
+    round the loader filled (an early arrive could complete a later round's phase)."""
     slot = t % NUM_STAGES
     phase = (t // NUM_STAGES) & 1
     _take_turn(turn, round, CONSUMER, PINGPONG)
@@ -462,8 +462,8 @@ def _consume_block(o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_
 
     if SKIP_MASKED_TILES and WINDOW_LEFT:
         for t in range(0, t0):
-            _release_tile(turn, rb + t, base + t, k_ready, v_ready, k_empty, v_empty, CONSUMER, NUM_CONSUMERS, NUM_STAGES,
-                          PINGPONG)
+            _release_tile(turn, rb + t, base + t, k_ready, v_ready, k_empty, v_empty, CONSUMER, NUM_CONSUMERS,
+                          NUM_STAGES, PINGPONG)
 
     # Prologue: S_t0 (t0 = 0 but for skipped tiles) and its softmax; no P·V is in flight yet.
     first = (base + t0) % NUM_STAGES
@@ -526,8 +526,8 @@ def _consume_block(o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_
         # Wholly masked tiles: their turns are taken and their slots released as if computed
         # (the epilogue above took round n_run).
         for t in range(n_run, n_tiles):
-            _release_tile(turn, rb + t + 1, base + t, k_ready, v_ready, k_empty, v_empty, CONSUMER, NUM_CONSUMERS, NUM_STAGES,
-                          PINGPONG)
+            _release_tile(turn, rb + t + 1, base + t, k_ready, v_ready, k_empty, v_empty, CONSUMER, NUM_CONSUMERS,
+                          NUM_STAGES, PINGPONG)
     if EXACT_DELTA:
         # Every column holds the rounded P's row sum; max picks one exactly.
         l_rnd = gl.convert_layout(gl.max(l_acc, 1), row_layout)

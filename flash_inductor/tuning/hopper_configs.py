@@ -211,7 +211,8 @@ def config_from_dict(role: str, data: dict, base=None):
     problem = config_problem(role, data)
     if problem is not None:
         raise ValueError(f"{role}: {problem}")
-    return dataclasses.replace(base if base is not None else ROLE_TYPES[role](), **{**_ADDED_FIELDS.get(role, {}), **data})
+    fields = {**_ADDED_FIELDS.get(role, {}), **data}
+    return dataclasses.replace(base if base is not None else ROLE_TYPES[role](), **fields)
 
 
 def smem_bytes(role: str, config, width: int, itemsize: int) -> int:
