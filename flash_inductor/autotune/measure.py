@@ -172,7 +172,6 @@ class LaunchRunner:
         return dq, dk, dv
 
     def decode(self, p, configs, schedule):
-        from .. import launch
         from ..launch.decode import decode_attention_forward
 
         return decode_attention_forward(p.q, p.k, p.v, p.mask, p.scale, schedule, visibility=p.visibility(),
