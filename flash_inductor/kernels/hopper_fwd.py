@@ -86,7 +86,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .grid_order import ordered_cell, swizzled_cta
+from .grid_order import ordered_cell
 
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -209,15 +209,15 @@ def _block_coords(H, swizzle_heads, ROWS: gl.constexpr, IS_CAUSAL: gl.constexpr)
     """(first query row, batch, head) of this CTA: the grid is (query blocks, B·H), walked in the
     order ``swizzle_heads`` sets (``grid_order.py``). Causal blocks run in reverse row order, so
     each group's longest (bottom) blocks start first and short ones fill the tail."""
-    pid_m, bh, blocks = swizzled_cta(swizzle_heads)
-    if IS_CAUSAL:
-        pid_m = blocks - 1 - pid_m
-    return pid_m * ROWS, bh // H, bh % H
+    blocks = gl.num_programs(0)
+    return _item_coords(gl.program_id(1) * blocks + gl.program_id(0), blocks, gl.num_programs(1), H, swizzle_heads,
+                        ROWS, IS_CAUSAL)
 
 
 @gluon.jit
 def _item_coords(item, blocks, BH, H, swizzle_heads, ROWS: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """``_block_coords`` of a persistent CTA's work item: the same order over (blocks, B·H)."""
+    """``_block_coords`` of work item ``item`` (a CTA's linear index in the grid, or a persistent
+    CTA's claimed block): the order ``swizzle_heads`` sets over (blocks, B·H)."""
     pid_m, bh = ordered_cell(item, blocks, BH, swizzle_heads)
     if IS_CAUSAL:
         pid_m = blocks - 1 - pid_m

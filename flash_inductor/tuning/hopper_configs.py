@@ -195,8 +195,7 @@ def is_gluon_role(role: str) -> bool:
 def config_problem(role: str, data) -> Optional[str]:
     """Why ``data`` is not a usable stored config of Gluon ``role``, or None."""
     choices = _CHOICES[role]
-    if isinstance(data, dict):
-        data = {**_ADDED_FIELDS.get(role, {}), **data}
+    data = _with_added_fields(role, data)
     if not isinstance(data, dict) or set(data) != set(choices):
         return f"needs exactly {', '.join(choices)}"
     for name, allowed in choices.items():
@@ -211,8 +210,12 @@ def config_from_dict(role: str, data: dict, base=None):
     problem = config_problem(role, data)
     if problem is not None:
         raise ValueError(f"{role}: {problem}")
-    fields = {**_ADDED_FIELDS.get(role, {}), **data}
-    return dataclasses.replace(base if base is not None else ROLE_TYPES[role](), **fields)
+    return dataclasses.replace(base if base is not None else ROLE_TYPES[role](), **_with_added_fields(role, data))
+
+
+def _with_added_fields(role: str, data):
+    """A stored config with the fields it predates (``_ADDED_FIELDS``) at the values it was tuned under."""
+    return {**_ADDED_FIELDS.get(role, {}), **data} if isinstance(data, dict) else data
 
 
 def smem_bytes(role: str, config, width: int, itemsize: int) -> int:
