@@ -41,7 +41,7 @@ def kernel_module(name: str = "hopper_fwd"):
 def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int, block_n: int, stages: int,
                    consumers: int = 2, pingpong: bool = False, loader_regs: int = 24, window: bool = False,
                    exact_delta: bool = False, key_bias: bool = False, skip_masked_tiles: bool = False,
-                   persistent: bool = False):
+                   persistent: bool = False, block_sparse: bool = False):
     # Same register plan as launch/hopper.py: the entry cap fills the file for 4*(consumers+1) warps.
     consumer_regs, maxnreg = (240, 168) if consumers == 2 else (160, 128)
     import triton
@@ -62,17 +62,19 @@ def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int, block_
         "q_desc": q_sig, "k_desc": kv_sig, "v_desc": kv_sig, "o_desc": q_sig, "r_desc": q_sig, "LSE": "*fp32", "ROW_CONSTS": "*fp32",
         "KEY_BIAS": "*fp32", "L": "i32", "S": "i32", "H": "i32", "GROUP": "i32", "causal_offset": "i32", "window_lower": "i32",
         "qk_scale": "fp32", "swizzle_heads": "i32", "WORK_COUNTER": "*i32", "BH": "i32",
+        "TILE_LISTS": "*i32", "stride_lb": "i32", "stride_lh": "i32", "list_stride": "i32",
         "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "NUM_STAGES": "constexpr",
         "NUM_CONSUMERS": "constexpr", "IS_CAUSAL": "constexpr", "WINDOW_LEFT": "constexpr", "PINGPONG": "constexpr",
         "EXACT_DELTA": "constexpr", "HAS_KEY_BIAS": "constexpr",
         "CONSUMER_REGS": "constexpr", "LOADER_REGS": "constexpr", "SKIP_MASKED_TILES": "constexpr",
-        "PERSISTENT": "constexpr",
+        "PERSISTENT": "constexpr", "HAS_BLOCK_SPARSITY": "constexpr",
     }
     constexprs = {
         "HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "NUM_STAGES": stages,
         "NUM_CONSUMERS": consumers, "IS_CAUSAL": causal, "WINDOW_LEFT": window, "PINGPONG": pingpong, "EXACT_DELTA": exact_delta,
         "HAS_KEY_BIAS": key_bias, "CONSUMER_REGS": consumer_regs,
         "LOADER_REGS": loader_regs, "SKIP_MASKED_TILES": skip_masked_tiles, "PERSISTENT": persistent,
+        "HAS_BLOCK_SPARSITY": block_sparse,
     }
     src = GluonASTSource(fn=_attn_fwd_hopper, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -145,6 +147,8 @@ def main() -> int:
                     help="a consumer's wholly masked causal tail tiles are only released (SKIP_MASKED_TILES)")
     ap.add_argument("--persistent", action="store_true",
                     help="one CTA per SM claiming blocks from a work counter (PERSISTENT)")
+    ap.add_argument("--block-sparse", action="store_true",
+                    help="a block-sparse layout's tile lists (HAS_BLOCK_SPARSITY)")
     ap.add_argument("--dump", default=None, help="folder for the ttgir/ptx/sass of each config")
     args = ap.parse_args()
     for e in args.head_dim:
@@ -152,12 +156,12 @@ def main() -> int:
         k = compile_config(e, args.dtype, args.causal, args.block_m, args.block_n, stages, args.consumers,
                            args.pingpong, window=args.window, exact_delta=args.exact_delta,
                            key_bias=args.key_bias, skip_masked_tiles=args.skip_masked_tiles,
-                           persistent=args.persistent)
+                           persistent=args.persistent, block_sparse=args.block_sparse)
         r = report(k)
-        print(f"E={e} {args.dtype} causal={args.causal} window={args.window} exact_delta={args.exact_delta} key_bias={args.key_bias} pingpong={args.pingpong} skip_masked_tiles={args.skip_masked_tiles} persistent={args.persistent} BM={args.block_m}x{args.consumers} BN={args.block_n} stages={stages}: {r}")
+        print(f"E={e} {args.dtype} causal={args.causal} window={args.window} exact_delta={args.exact_delta} key_bias={args.key_bias} pingpong={args.pingpong} skip_masked_tiles={args.skip_masked_tiles} persistent={args.persistent} block_sparse={args.block_sparse} BM={args.block_m}x{args.consumers} BN={args.block_n} stages={stages}: {r}")
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
-            tag = f"e{e}_{args.dtype}_{'c' if args.causal else 'n'}{'w' if args.window else ''}_bn{args.block_n}_s{stages}_w{args.consumers}{'_pp' if args.pingpong else ''}{'_skip' if args.skip_masked_tiles else ''}{'_persistent' if args.persistent else ''}"
+            tag = f"e{e}_{args.dtype}_{'c' if args.causal else 'n'}{'w' if args.window else ''}_bn{args.block_n}_s{stages}_w{args.consumers}{'_pp' if args.pingpong else ''}{'_skip' if args.skip_masked_tiles else ''}{'_persistent' if args.persistent else ''}{'_bs' if args.block_sparse else ''}"
             for ext in ("ttgir", "ptx"):
                 with open(os.path.join(args.dump, f"{tag}.{ext}"), "w") as f:
                     f.write(k.asm[ext])

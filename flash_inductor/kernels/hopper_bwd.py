@@ -66,6 +66,13 @@ Constexpr switches:
   HAS_KEY_BIAS a key mask as one base-2 bias per key (``launch.hopper.key_bias``): KEY_BIAS is
               (B, Hq, S) fp32, added to the scaled scores in the forward's order,
               Pᵀ = exp2((st·qk_scale + bias) - lse2), so the one-pass P rounds as the forward's.
+  HAS_BLOCK_SPARSITY a block-sparse layout (``launch/block_tiles.py``): a CTA walks, for each query head
+              of its part of the group, the query tiles listed for its key block,
+              TILE_LISTS[b, h, key block] = (count, tile, tile, ...) in ascending order, rather than a
+              contiguous range. The launcher takes only layouts whose blocks hold whole key blocks
+              and query tiles, so a listed pair is computed everywhere and the mask needs only the
+              band and S, by position, as a dense pair does. A key block with nothing listed keeps
+              dK = dV = 0.
   DKDV_PARTIALS dK and dV as fp32 partial sums into DKDV_PART (group_split above) instead of TMA
               stores of the finished tiles.
   EXACT_DELTA the `stable` schedule's exact Δ in one pass (docs/hopper_backward.md), from a
@@ -162,6 +169,39 @@ def _q_tiles(n0, L, causal_offset, window_lower, BLOCK_M: gl.constexpr, BLOCK_N:
 
 
 @gluon.jit
+def _listed_q_tiles(TILE_LISTS, b, h, n0, stride_lb, stride_lh, list_stride, BLOCK_N: gl.constexpr):
+    """(count, list) of the query tiles listed for the key block at n0, query head h (HAS_BLOCK_SPARSITY)."""
+    row = TILE_LISTS + b.to(gl.int64) * stride_lb + h * stride_lh + (n0 // BLOCK_N) * list_stride
+    return gl.load(row), row + 1
+
+
+@gluon.jit
+def _listed_pairs(TILE_LISTS, b, h0, heads, n0, stride_lb, stride_lh, list_stride, BLOCK_N: gl.constexpr):
+    """How many (query head, query tile) pairs are listed for the key block at n0 over query heads
+    h0 .. h0 + heads - 1, and the walk's start (head 0's count and list, ``_next_listed``)."""
+    count0, tiles0 = _listed_q_tiles(TILE_LISTS, b, h0, n0, stride_lb, stride_lh, list_stride, BLOCK_N)
+    total = count0
+    for hh in range(1, heads):
+        count, _ = _listed_q_tiles(TILE_LISTS, b, h0 + hh, n0, stride_lb, stride_lh, list_stride, BLOCK_N)
+        total += count
+    return total, count0, tiles0
+
+
+@gluon.jit
+def _next_listed(TILE_LISTS, b, h0, n0, hh, i, count, tiles, stride_lb, stride_lh, list_stride,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """One step of the walk over the listed pairs: from the i-th listed tile of query head h0 + hh
+    (``count`` of them, in ``tiles``), past heads with none left, to the pair's (h, m) and the
+    walk's next state (hh, i, count, tiles). The caller takes exactly the listed total of steps."""
+    while i >= count:
+        hh += 1
+        i = 0
+        count, tiles = _listed_q_tiles(TILE_LISTS, b, h0 + hh, n0, stride_lb, stride_lh, list_stride, BLOCK_N)
+    m = gl.load(tiles + i) * BLOCK_M
+    return h0 + hh, m, hh, i + 1, count, tiles
+
+
+@gluon.jit
 def _rows4d(kv_smem, c, desc):
     """Consumer c's 64 rows of a (BLOCK_N, E) K/V tile, seen with the descriptor's 4-D box."""
     return kv_smem.slice(c * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER, dim=2)
@@ -190,9 +230,10 @@ def _cta_coords(H_KV, GROUP, group_split, swizzle_heads, BLOCK_N: gl.constexpr, 
 def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem, do_smem,
                        lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty,
                        L, H_KV, GROUP, group_split, causal_offset, window_lower, swizzle_heads,
+                       TILE_LISTS, stride_lb, stride_lh, list_stride,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                        IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, ROW_STATS_TMA: gl.constexpr,
-                       DKDV_PARTIALS: gl.constexpr):
+                       DKDV_PARTIALS: gl.constexpr, HAS_BLOCK_SPARSITY: gl.constexpr):
     """One warp: each consumer's K and V once, then Q and dO tiles (with their LSE and Δ rows
     under ROW_STATS_TMA) into the ring."""
     n0, b, h_kv, part, heads = _cta_coords(H_KV, GROUP, group_split, swizzle_heads, BLOCK_N, DKDV_PARTIALS)
@@ -204,13 +245,25 @@ def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_
                                         _rows4d(v_smem, c, v_desc))
     first, n_m = _q_tiles(n0, L, causal_offset, window_lower, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                           IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT)
-    for t in range(heads * n_m):
+    h0 = h_kv * GROUP + part * heads
+    if HAS_BLOCK_SPARSITY:
+        n_pairs, count, tiles = _listed_pairs(TILE_LISTS, b, h0, heads, n0, stride_lb, stride_lh, list_stride,
+                                              BLOCK_N)
+        hh = 0
+        i = 0
+    else:
+        n_pairs = heads * n_m
+    for t in range(n_pairs):
         slot = t % NUM_STAGES
         # A fresh mbarrier counts as having completed the phase before phase 0: the first pass
         # over the ring waits on parity 1 and goes straight through.
         mbarrier.wait(q_empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
-        h = h_kv * GROUP + part * heads + t // n_m
-        m = (first + t % n_m) * BLOCK_M
+        if HAS_BLOCK_SPARSITY:
+            h, m, hh, i, count, tiles = _next_listed(TILE_LISTS, b, h0, n0, hh, i, count, tiles, stride_lb, stride_lh,
+                                                     list_stride, BLOCK_M, BLOCK_N)
+        else:
+            h = h0 + t // n_m
+            m = (first + t % n_m) * BLOCK_M
         if ROW_STATS_TMA:
             # Rows past L come back as TMA's zeros; the consumers replace them anyway.
             bh = b * H_KV * GROUP + h
@@ -232,11 +285,11 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, kt_smem, v_s
                          lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
                          LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART, L, S, H_KV, GROUP, group_split,
                          stride_stats, causal_offset, window_lower, qk_scale, sm_scale, swizzle_heads,
-                         CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                         TILE_LISTS, stride_lb, stride_lh, list_stride, CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                          WINDOW_LEFT: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr,
                          EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr,
-                         DKDV_PARTIALS: gl.constexpr, CENTRE_KEYS: gl.constexpr):
+                         DKDV_PARTIALS: gl.constexpr, CENTRE_KEYS: gl.constexpr, HAS_BLOCK_SPARSITY: gl.constexpr):
     dtype: gl.constexpr = dk_desc.dtype
     KC: gl.constexpr = KEYS_PER_CONSUMER
     # Sᵀ and dPᵀ: (64 keys) x (BLOCK_M query rows); dK, dV: (64 keys) x E.
@@ -309,11 +362,24 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, kt_smem, v_s
     if CENTRE_KEYS:
         _write_centred_keys(k_tile, kq_tile, k_hat, centring_layout)
 
-    for t in range(heads * n_m):
+    h0 = h_kv * GROUP + part * heads
+    if HAS_BLOCK_SPARSITY:
+        # The loader's walk, step for step.
+        n_pairs, count, tiles = _listed_pairs(TILE_LISTS, b, h0, heads, n0, stride_lb, stride_lh, list_stride,
+                                              BLOCK_N)
+        hh = 0
+        i = 0
+    else:
+        n_pairs = heads * n_m
+    for t in range(n_pairs):
         slot = t % NUM_STAGES
         phase = (t // NUM_STAGES) & 1
-        h = h_kv * GROUP + part * heads + t // n_m
-        m = (first + t % n_m) * BLOCK_M
+        if HAS_BLOCK_SPARSITY:
+            h, m, hh, i, count, tiles = _next_listed(TILE_LISTS, b, h0, n0, hh, i, count, tiles, stride_lb, stride_lh,
+                                                     list_stride, BLOCK_M, BLOCK_N)
+        else:
+            h = h0 + t // n_m
+            m = (first + t % n_m) * BLOCK_M
         row_base = (b * H_Q + h).to(gl.int64) * L
         stats_base = (b * H_Q + h).to(gl.int64) * stride_stats
         q_ids = m + gl.arange(0, BLOCK_M, layout=col_layout)
@@ -460,12 +526,14 @@ def _store_partial(DKDV_PART, acc, which, part, group_split, b, h_kv, k0, H_KV, 
 def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
                      LSE, DELTA, DQ_ACCUM,
                      DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART, L, S, H_KV, GROUP, group_split, stride_stats, causal_offset,
-                     window_lower, qk_scale, sm_scale, swizzle_heads, HEAD_DIM: gl.constexpr,
+                     window_lower, qk_scale, sm_scale, swizzle_heads, TILE_LISTS, stride_lb, stride_lh, list_stride,
+                     HEAD_DIM: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                      DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, EXACT_DELTA: gl.constexpr,
                      HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr, DKDV_PARTIALS: gl.constexpr,
-                     CENTRE_KEYS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                     CENTRE_KEYS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                     HAS_BLOCK_SPARSITY: gl.constexpr = False):
     """Grid (cdiv(S, BLOCK_N), B * H_KV * group_split), walked in the order ``swizzle_heads`` sets.
     Descriptors are 4-D over (B, H, L or S, E): Q and dO boxes (1, 1, BLOCK_M, E); K, V, dK, dV
     boxes (1, 1, 64, E). DQ_ACCUM is (B, Hq, L, E) fp32
@@ -478,7 +546,10 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     under ROW_STATS_TMA (which then does not read the LSE/DELTA pointers). Under DKDV_PARTIALS,
     DKDV_PART is (2, group_split, B, H_KV, S, E) fp32 and the dK/dV descriptors are not used;
     otherwise group_split is 1 and DKDV_PART is not touched. Under CENTRE_KEYS, MEAN_KEY is
-    (B·H_KV, E) fp32, contiguous (k̂); otherwise it is not read."""
+    (B·H_KV, E) fp32, contiguous (k̂); otherwise it is not read. Under HAS_BLOCK_SPARSITY, TILE_LISTS
+    is int32 (B or 1, Hq or 1, key blocks, list_stride), one row a key block: its query tile count,
+    then its query tiles (``launch.block_tiles.gluon_tile_lists``), the first two dims ``stride_lb``
+    and ``stride_lh`` apart (0 where the layout broadcasts); else not read."""
     gl.static_assert(BLOCK_N == NUM_CONSUMERS * KEYS_PER_CONSUMER, "BLOCK_N is 64 keys per consumer")
     dtype: gl.constexpr = q_desc.dtype
     qk_scale = qk_scale.to(gl.float32)
@@ -534,18 +605,23 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                                 dq_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
                                 LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART, L, S, H_KV, GROUP,
                                 group_split,
-                                stride_stats, causal_offset, window_lower, qk_scale, sm_scale, swizzle_heads, 0,
+                                stride_stats, causal_offset, window_lower, qk_scale, sm_scale, swizzle_heads,
+                                TILE_LISTS, stride_lb, stride_lh, list_stride, 0,
                                 HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, DQ_SPLIT, DQ_TMA,
-                                EXACT_DELTA, HAS_KEY_BIAS, ROW_STATS_TMA, DKDV_PARTIALS, CENTRE_KEYS)),
+                                EXACT_DELTA, HAS_KEY_BIAS, ROW_STATS_TMA, DKDV_PARTIALS, CENTRE_KEYS,
+                                HAS_BLOCK_SPARSITY)),
         (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, kt_smem, v_smem, do_smem, ds_smem,
                                 dq_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
                                 LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART, L, S, H_KV, GROUP,
                                 group_split,
-                                stride_stats, causal_offset, window_lower, qk_scale, sm_scale, swizzle_heads, 1,
+                                stride_stats, causal_offset, window_lower, qk_scale, sm_scale, swizzle_heads,
+                                TILE_LISTS, stride_lb, stride_lh, list_stride, 1,
                                 HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, DQ_SPLIT, DQ_TMA,
-                                EXACT_DELTA, HAS_KEY_BIAS, ROW_STATS_TMA, DKDV_PARTIALS, CENTRE_KEYS)),
+                                EXACT_DELTA, HAS_KEY_BIAS, ROW_STATS_TMA, DKDV_PARTIALS, CENTRE_KEYS,
+                                HAS_BLOCK_SPARSITY)),
         (_hopper_bwd_loader, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
                               do_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty,
-                              L, H_KV, GROUP, group_split, causal_offset, window_lower, swizzle_heads, BLOCK_M,
-                              BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, ROW_STATS_TMA, DKDV_PARTIALS)),
+                              L, H_KV, GROUP, group_split, causal_offset, window_lower, swizzle_heads,
+                              TILE_LISTS, stride_lb, stride_lh, list_stride, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
+                              WINDOW_LEFT, ROW_STATS_TMA, DKDV_PARTIALS, HAS_BLOCK_SPARSITY)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -65,6 +65,12 @@ Constexpr switches:
                 Q·Kᵀ has retired, and stages O in a tile of its own (o_smem), so the next item's Q
                 and K/V tiles load during the epilogue. The K/V ring and the ping-pong rounds count
                 on across items (``_consume_block``'s base and it).
+  HAS_BLOCK_SPARSITY a block-sparse layout (``launch/block_tiles.py``): each block walks the key tiles
+                listed for it, TILE_LISTS[b, h, block] = (count, tile, tile, ...) in ascending order,
+                rather than a contiguous range. The launcher takes only layouts whose blocks hold
+                whole CTA blocks and key tiles, so a listed tile is computed everywhere and the
+                select needs only the band and S, by position, as a dense tile does. A block with no
+                listed tile runs one tile with S taken as 0 (all masked: output 0, LSE -inf).
   swizzle_heads the grid order (``_block_coords``): CTAs walk the (batch, head)s in groups of
                 this many, query block by query block within a group (longest first under causal
                 masking). 1: each head's blocks together; B·H: every head's longest block first.
@@ -117,12 +123,32 @@ def _tile_range(row0, S, causal_offset, window_lower, ROWS: gl.constexpr, BLOCK_
 
 
 @gluon.jit
+def _listed_range(TILE_LISTS, b, h, start_m, S, stride_lb, stride_lh, list_stride, ROWS: gl.constexpr):
+    """(tile count, the list of tiles, S as the block sees it) of the block at (start_m, b, h) under
+    HAS_BLOCK_SPARSITY: at least one tile, and S taken as 0 where none is listed, so that the one
+    tile run (the list's first entry, a skipped one) is wholly masked."""
+    row = TILE_LISTS + b.to(gl.int64) * stride_lb + h * stride_lh + (start_m // ROWS) * list_stride
+    count = gl.load(row)
+    return gl.maximum(count, 1), row + 1, gl.where(count > 0, S, 0)
+
+
+@gluon.jit
+def _key_tile(lo, t, tiles, HAS_BLOCK_SPARSITY: gl.constexpr):
+    """The key tile of a block's t-th ring tile: lo + t, or under HAS_BLOCK_SPARSITY the t-th listed."""
+    if HAS_BLOCK_SPARSITY:
+        return gl.load(tiles + t)
+    else:
+        return lo + t
+
+
+@gluon.jit
 def _hopper_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                        q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, item_smem, item_ready, item_empty,
                        WORK_COUNTER, BH, L, S, H, GROUP, causal_offset, window_lower,
+                       TILE_LISTS, stride_lb, stride_lh, list_stride,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                        NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-                       PERSISTENT: gl.constexpr, swizzle_heads):
+                       PERSISTENT: gl.constexpr, HAS_BLOCK_SPARSITY: gl.constexpr, swizzle_heads):
     """One warp: Q once per consumer, then K/V tiles into the ring as slots free up; under
     PERSISTENT, item after item, each handed to the consumers before its loads."""
     ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
@@ -139,7 +165,8 @@ def _hopper_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
             start_m, b, h = _item_coords(item, blocks, BH, H, swizzle_heads, ROWS, IS_CAUSAL)
             n_tiles = _load_block(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                                  k_empty, v_empty, start_m, b, h, it, base, S, GROUP, causal_offset, window_lower,
-                                 BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PERSISTENT)
+                                 TILE_LISTS, stride_lb, stride_lh, list_stride, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                 NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PERSISTENT, HAS_BLOCK_SPARSITY)
             base += n_tiles
             it += 1
             item = next_item
@@ -149,7 +176,8 @@ def _hopper_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
         start_m, b, h = _block_coords(H, swizzle_heads, ROWS, IS_CAUSAL)
         _load_block(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                    k_empty, v_empty, start_m, b, h, 0, 0, S, GROUP, causal_offset, window_lower,
-                   BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PERSISTENT)
+                   TILE_LISTS, stride_lb, stride_lh, list_stride, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                   IS_CAUSAL, WINDOW_LEFT, PERSISTENT, HAS_BLOCK_SPARSITY)
 
 
 @gluon.jit
@@ -174,9 +202,9 @@ def _take_item(it, item_smem, item_ready, item_empty):
 @gluon.jit
 def _load_block(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                k_empty, v_empty, start_m, b, h, it, base, S, GROUP, causal_offset, window_lower,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-               PERSISTENT: gl.constexpr):
+               TILE_LISTS, stride_lb, stride_lh, list_stride, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
+               WINDOW_LEFT: gl.constexpr, PERSISTENT: gl.constexpr, HAS_BLOCK_SPARSITY: gl.constexpr):
     """The loads of one block (the CTA's it-th; ``base`` ring tiles before it). Returns its tile count."""
     ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
     h_kv = h // GROUP  # grouped-query attention: K/V heads are indexed, never repeated
@@ -187,10 +215,15 @@ def _load_block(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
         mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, start_m + c * BLOCK_M, 0], q_ready.index(c), q_smem.index(c))
     lo, n_tiles, _, _ = _tile_range(start_m, S, causal_offset, window_lower, ROWS, BLOCK_N, IS_CAUSAL, WINDOW_LEFT)
-    # t counts the item's ring tiles from 0; the key tile it holds is lo + t, its ring index base + t.
+    if HAS_BLOCK_SPARSITY:
+        n_tiles, tiles, _ = _listed_range(TILE_LISTS, b, h, start_m, S, stride_lb, stride_lh, list_stride, ROWS)
+    else:
+        tiles = TILE_LISTS  # not read
+    # t counts the item's ring tiles from 0; the key tile it holds is lo + t (or the t-th listed),
+    # its ring index base + t.
     for t in range(n_tiles):
         slot = (base + t) % NUM_STAGES
-        key0 = (lo + t) * BLOCK_N
+        key0 = _key_tile(lo, t, tiles, HAS_BLOCK_SPARSITY) * BLOCK_N
         # A fresh mbarrier counts as having completed the phase before phase 0, so the first
         # pass over the ring waits on parity 1 and goes straight through.
         empty_phase = (((base + t) // NUM_STAGES) & 1) ^ 1
@@ -352,11 +385,13 @@ def _store_ones(ones_smem, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, dtype:
 def _hopper_fwd_consumer(o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem,
                          q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, item_smem, item_ready, item_empty,
                          LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower,
+                         TILE_LISTS, stride_lb, stride_lh, list_stride,
                          qk_scale, turn, CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                          NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                          PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr,
-                         SKIP_MASKED_TILES: gl.constexpr, PERSISTENT: gl.constexpr, swizzle_heads):
+                         SKIP_MASKED_TILES: gl.constexpr, PERSISTENT: gl.constexpr,
+                         HAS_BLOCK_SPARSITY: gl.constexpr, swizzle_heads):
     """One warpgroup: BLOCK_M query rows of the CTA's block (under PERSISTENT, of each block the
     loader hands over) against every key tile the loader brings."""
     ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
@@ -372,10 +407,10 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_sm
             start_m, b, h = _item_coords(item, blocks, BH, H, swizzle_heads, ROWS, IS_CAUSAL)
             n_tiles = _consume_block(o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
                                      k_ready, v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H,
-                                     causal_offset, window_lower, qk_scale, turn, start_m, b, h, it, base,
-                                     CONSUMER, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                                     WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS, SKIP_MASKED_TILES,
-                                     PERSISTENT)
+                                     causal_offset, window_lower, TILE_LISTS, stride_lb, stride_lh, list_stride,
+                                     qk_scale, turn, start_m, b, h, it, base, CONSUMER, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                     NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
+                                     HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT, HAS_BLOCK_SPARSITY)
             base += n_tiles
             it += 1
             item = _take_item(it, item_smem, item_ready, item_empty)
@@ -383,9 +418,10 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_sm
         start_m, b, h = _block_coords(H, swizzle_heads, ROWS, IS_CAUSAL)
         _consume_block(o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
                        k_ready, v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H,
-                       causal_offset, window_lower, qk_scale, turn, start_m, b, h, 0, 0,
-                       CONSUMER, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                       WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT)
+                       causal_offset, window_lower, TILE_LISTS, stride_lb, stride_lh, list_stride, qk_scale, turn,
+                       start_m, b, h, 0, 0, CONSUMER, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                       IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT,
+                       HAS_BLOCK_SPARSITY)
     if PERSISTENT:
         tma.store_wait(pendings=0)  # the last block's stores
 
@@ -393,11 +429,12 @@ def _hopper_fwd_consumer(o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_sm
 @gluon.jit
 def _consume_block(o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
                    k_ready, v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H,
-                   causal_offset, window_lower, qk_scale, turn, start_m, b, h, it, base,
-                   CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                   WINDOW_LEFT: gl.constexpr, PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr,
-                   HAS_KEY_BIAS: gl.constexpr, SKIP_MASKED_TILES: gl.constexpr, PERSISTENT: gl.constexpr):
+                   causal_offset, window_lower, TILE_LISTS, stride_lb, stride_lh, list_stride, qk_scale, turn,
+                   start_m, b, h, it, base, CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                   IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, PINGPONG: gl.constexpr,
+                   EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr, SKIP_MASKED_TILES: gl.constexpr,
+                   PERSISTENT: gl.constexpr, HAS_BLOCK_SPARSITY: gl.constexpr):
     """This warpgroup's rows of the block at (start_m, b, h), the CTA's it-th, whose first ring
     tile is the CTA's base-th: ring tile t sits at ring index base + t and issues in ping-pong
     round base + it + t (each block takes its tile count plus one rounds). Returns the tile count."""
@@ -424,6 +461,12 @@ def _consume_block(o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_
     # which costs their MMAs but no special case. [lo_full, n_full) is this warpgroup's own
     # unmasked range.
     lo, n_tiles, _, _ = _tile_range(start_m, S, causal_offset, window_lower, ROWS, BLOCK_N, IS_CAUSAL, WINDOW_LEFT)
+    if HAS_BLOCK_SPARSITY:
+        # The listed tiles, in the loader's order; S as this block sees it (0 where none is listed).
+        gl.static_assert(not SKIP_MASKED_TILES, "SKIP_MASKED_TILES walks contiguous key ranges")
+        n_tiles, tiles, S = _listed_range(TILE_LISTS, b, h, start_m, S, stride_lb, stride_lh, list_stride, ROWS)
+    else:
+        tiles = TILE_LISTS  # not read
     own_lo, own_count, n_full, lo_full = _tile_range(row0, S, causal_offset, window_lower, BLOCK_M, BLOCK_N,
                                                      IS_CAUSAL, WINDOW_LEFT)
     if SKIP_MASKED_TILES and IS_CAUSAL:
@@ -472,15 +515,16 @@ def _consume_block(o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_
     k_tile = k_smem.index(first).reshape([BLOCK_N, HEAD_DIM])
     s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
-    bias = _key_bias_tile(bias_row, key_offsets, lo + t0, S, BLOCK_N, HAS_KEY_BIAS)
+    j = _key_tile(lo, t0, tiles, HAS_BLOCK_SPARSITY)
+    bias = _key_bias_tile(bias_row, key_offsets, j, S, BLOCK_N, HAS_KEY_BIAS)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(first), count=1)
-    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, bias, row_ids, lo + t0, n_full, lo_full, S,
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, bias, row_ids, j, n_full, lo_full, S,
                                        causal_offset, window_lower, s_layout, BLOCK_N, IS_CAUSAL, WINDOW_LEFT, dtype,
                                        EXACT_DELTA, HAS_KEY_BIAS)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-    # t counts the block's ring tiles, as the loader does; the key tile is lo + t.
+    # t counts the block's ring tiles, as the loader does; the key tile is j.
     for t in range(t0 + 1, n_run):
         slot = (base + t) % NUM_STAGES
         phase = ((base + t) // NUM_STAGES) & 1
@@ -496,11 +540,12 @@ def _consume_block(o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_
         acc_tok, l_tok = _pv_issue(p_op, v_tile, acc, ones_t, l_acc, EXACT_DELTA)
         _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
         # The bias load's latency hides under the MMAs just issued.
-        bias = _key_bias_tile(bias_row, key_offsets, lo + t, S, BLOCK_N, HAS_KEY_BIAS)
+        j = _key_tile(lo, t, tiles, HAS_BLOCK_SPARSITY)
+        bias = _key_bias_tile(bias_row, key_offsets, j, S, BLOCK_N, HAS_KEY_BIAS)
         # wgmma groups retire in issue order: with P·V's groups outstanding, S_t is done.
         s = warpgroup_mma_wait(num_outstanding=PV_GROUPS, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, bias, row_ids, lo + t, n_full, lo_full, S,
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, bias, row_ids, j, n_full, lo_full, S,
                                            causal_offset, window_lower, s_layout, BLOCK_N, IS_CAUSAL, WINDOW_LEFT,
                                            dtype, EXACT_DELTA, HAS_KEY_BIAS)
         acc, l_acc, p_op = _pv_wait(acc_tok, l_tok, p_op, EXACT_DELTA)
@@ -589,12 +634,13 @@ def _consume_block(o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_
 @gluon.jit
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KEY_BIAS,
                      L, S, H, GROUP, causal_offset, window_lower, qk_scale, swizzle_heads, WORK_COUNTER, BH,
+                     TILE_LISTS, stride_lb, stride_lh, list_stride,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
                      WINDOW_LEFT: gl.constexpr, PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr,
                      HAS_KEY_BIAS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      LOADER_REGS: gl.constexpr, SKIP_MASKED_TILES: gl.constexpr = False,
-                     PERSISTENT: gl.constexpr = False):
+                     PERSISTENT: gl.constexpr = False, HAS_BLOCK_SPARSITY: gl.constexpr = False):
     """Grid (cdiv(L, BLOCK_M * NUM_CONSUMERS), B * H), walked in the order ``swizzle_heads`` sets;
     under PERSISTENT (at most one CTA per SM, 1-D) each CTA takes the block of its own index, then
     claims the next ones from WORK_COUNTER (int32, zero at launch) in that order, so the longest
@@ -602,7 +648,10 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KE
     Q/K/V/O descriptors are 4-D over (B, H, L or S, E) with boxes (1, 1, rows, E), so TMA clips
     and zero-fills per head. Under EXACT_DELTA ``r_desc`` describes O's residual (as O) and
     ROW_CONSTS is (2, B, H, L) fp32 (pivot, g); otherwise neither is touched. Under HAS_KEY_BIAS,
-    KEY_BIAS is (B, H, S) fp32, contiguous (glossary); otherwise it is not read. BH = B·H."""
+    KEY_BIAS is (B, H, S) fp32, contiguous (glossary); otherwise it is not read. BH = B·H. Under
+    HAS_BLOCK_SPARSITY, TILE_LISTS is int32 (B or 1, H or 1, blocks, list_stride), one row a query
+    block: its tile count, then its key tiles (``launch.block_tiles.gluon_tile_lists``), the first two
+    dims ``stride_lb`` and ``stride_lh`` apart (0 where the layout broadcasts); else not read."""
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "two or three consumer warpgroups")
     dtype: gl.constexpr = q_desc.dtype
     qk_scale = qk_scale.to(gl.float32)
@@ -656,43 +705,50 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KE
         gl.warp_specialize([
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
                                     k_ready, v_ready, k_empty, v_empty, item_smem, item_ready, item_empty,
-                                    LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower, qk_scale,
+                                    LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower,
+                                    TILE_LISTS, stride_lb, stride_lh, list_stride, qk_scale,
                                     turn, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
                                     WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT,
-                                    swizzle_heads)),
+                                    HAS_BLOCK_SPARSITY, swizzle_heads)),
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
                                     k_ready, v_ready, k_empty, v_empty, item_smem, item_ready, item_empty,
-                                    LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower, qk_scale,
+                                    LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower,
+                                    TILE_LISTS, stride_lb, stride_lh, list_stride, qk_scale,
                                     turn, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
                                     WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT,
-                                    swizzle_heads)),
+                                    HAS_BLOCK_SPARSITY, swizzle_heads)),
             (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                   v_ready, k_empty, v_empty, item_smem, item_ready, item_empty, WORK_COUNTER, BH,
-                                  L, S, H, GROUP, causal_offset, window_lower, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                  NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PERSISTENT, swizzle_heads)),
+                                  L, S, H, GROUP, causal_offset, window_lower, TILE_LISTS, stride_lb, stride_lh,
+                                  list_stride, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT,
+                                  PERSISTENT, HAS_BLOCK_SPARSITY, swizzle_heads)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
                                     k_ready, v_ready, k_empty, v_empty, item_smem, item_ready, item_empty,
-                                    LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower, qk_scale,
+                                    LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower,
+                                    TILE_LISTS, stride_lb, stride_lh, list_stride, qk_scale,
                                     turn, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
                                     WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT,
-                                    swizzle_heads)),
+                                    HAS_BLOCK_SPARSITY, swizzle_heads)),
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
                                     k_ready, v_ready, k_empty, v_empty, item_smem, item_ready, item_empty,
-                                    LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower, qk_scale,
+                                    LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower,
+                                    TILE_LISTS, stride_lb, stride_lh, list_stride, qk_scale,
                                     turn, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
                                     WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT,
-                                    swizzle_heads)),
+                                    HAS_BLOCK_SPARSITY, swizzle_heads)),
             (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
                                     k_ready, v_ready, k_empty, v_empty, item_smem, item_ready, item_empty,
-                                    LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower, qk_scale,
+                                    LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower,
+                                    TILE_LISTS, stride_lb, stride_lh, list_stride, qk_scale,
                                     turn, 2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
                                     WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT,
-                                    swizzle_heads)),
+                                    HAS_BLOCK_SPARSITY, swizzle_heads)),
             (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                   v_ready, k_empty, v_empty, item_smem, item_ready, item_empty, WORK_COUNTER, BH,
-                                  L, S, H, GROUP, causal_offset, window_lower, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                  NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PERSISTENT, swizzle_heads)),
+                                  L, S, H, GROUP, causal_offset, window_lower, TILE_LISTS, stride_lb, stride_lh,
+                                  list_stride, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT,
+                                  PERSISTENT, HAS_BLOCK_SPARSITY, swizzle_heads)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])

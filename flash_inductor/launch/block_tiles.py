@@ -199,6 +199,50 @@ def kernel_layout(block_map: Optional[Tensor], block_q: int, block_k: int, batch
     return args, meta
 
 
+# The layout block sizes the Gluon Hopper kernels take: multiples of their query blocks (64 rows a
+# consumer warpgroup, two of them in a forward block) and of their key tiles (128 keys a backward
+# CTA; 64 or 128 in the forward), so that no tile straddles a computed and a skipped layout block
+# and the kernels need no per-element test of the layout.
+GLUON_LAYOUT_MULTIPLE = 128
+
+
+def gluon_layout_fits(block_q: int, block_k: int) -> bool:
+    """Whether the Gluon Hopper kernels take a layout of ``block_q`` x ``block_k`` blocks."""
+    return block_q % GLUON_LAYOUT_MULTIPLE == 0 and block_k % GLUON_LAYOUT_MULTIPLE == 0
+
+
+class GluonTileLists(NamedTuple):
+    """A layout as the Gluon Hopper kernels walk it (HAS_BLOCK_SPARSITY in kernels/hopper_fwd.py and
+    kernels/hopper_bwd.py): ``lists`` int32 (Bm, Hm, outer tiles, 1 + inner tiles), per outer tile
+    the number of inner tiles to compute, then their indices in ascending order (then the skipped
+    ones, never read); ``stride_b``/``stride_h`` its batch and head strides, 0 where the layout
+    broadcasts; ``row`` its last dim."""
+
+    lists: Tensor
+    stride_b: int
+    stride_h: int
+    row: int
+
+
+def gluon_tile_lists(block_map: Tensor, block_q: int, block_k: int, seq_q, seq_k, band_lower, band_upper,
+                     block_m: int, block_n: int, *, columns: bool = False) -> GluonTileLists:
+    """Per query tile of ``block_m`` rows its key tiles of ``block_n`` (under ``columns``, per key tile
+    its query tiles) that hold a visible element, for a layout that ``gluon_layout_fits``: a tile is
+    computed in full or skipped, and the kernels' own band and length checks do the rest."""
+    def lists():
+        classes = tile_classes(block_map, block_q, block_k, seq_q, seq_k, block_m, block_n, band_lower, band_upper)
+        computed = (classes.transpose(-2, -1) if columns else classes) != SKIP
+        counts = computed.sum(-1, dtype=torch.int32, keepdim=True)
+        # Stable: the computed tiles keep ascending order (the kernels then read K/V or Q/dO in order).
+        order = torch.argsort(computed.to(torch.int8), dim=-1, descending=True, stable=True)
+        return torch.cat([counts, order.to(torch.int32)], dim=-1).contiguous()
+
+    key = ("gluon", block_q, block_k, seq_q, seq_k, block_m, block_n, band_lower, band_upper, columns)
+    table = _cached_lists(block_map, key, lists)
+    return GluonTileLists(table, table.stride(0) if table.shape[0] > 1 else 0,
+                          table.stride(1) if table.shape[1] > 1 else 0, table.shape[-1])
+
+
 # Eager calls with one layout (a training loop's, a benchmark's) convert it once per tile shape rather
 # than at every launch: about 15 small torch ops per pass, whose launch time can rival a sparse
 # kernel's. Keyed by the map's base tensor (the API hands the launchers a fresh view of the caller's

@@ -25,6 +25,7 @@ need no copy. Everything else keeps the Triton kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import warnings
@@ -35,6 +36,7 @@ from ..schedules import get_schedule
 from ..tuning.configs import select_hopper_forward_config
 from ..tuning.hopper_configs import HopperForwardConfig, default_forward_config
 from .band import band_lower, causal_side, resolve_band
+from .block_tiles import check_block_layout, gluon_layout_fits, gluon_tile_lists
 from .common import LOG2E, cdiv
 
 log = logging.getLogger("flash_inductor")
@@ -46,7 +48,8 @@ NOT_4D = "inputs are not 4-D (B, H, L, E)"
 HEADS_NOT_GROUPED = "query heads are not a multiple of key/value heads"
 LENGTHS_DIFFER = "batch or key length mismatch"
 LAYOUT_REASONS = (NOT_4D, HEADS_NOT_GROUPED, LENGTHS_DIFFER)
-BLOCK_SPARSE = "a block-sparse layout (block_mask; its key loop visits every tile)"
+BLOCK_SPARSE = ("a block-sparse layout whose blocks are not multiples of 128 x 128 (block_mask; each of the Hopper "
+                "kernels' tiles must lie inside one layout block)")
 MASK_VARIES = ("an attention mask that varies along the queries (the Hopper kernels take a key mask, one "
                "that is the same for every query row: shape (..., 1, S) or broadcast along L)")
 MASK_NEEDS_GRAD = "an attention mask that requires grad (its gradient comes from the Triton backward)"
@@ -118,10 +121,11 @@ def log_triton_forward(reason: str) -> None:
 
 def hopper_forward_unsupported_reason(query, key, value, attn_mask=None, dropout_p: float = 0.0,
                                       scale: float | None = None, schedule: str | None = None, *,
-                                      window=None, block_sparse: bool = False) -> str | None:
+                                      window=None, block_sizes: tuple[int, int] | None = None) -> str | None:
     """None if the Hopper forward takes this call as far as its static properties go, else why
     not (for the logs). Safe on fake tensors: it reads no data pointer and no stride.
-    ``block_sparse``: the call has a block-sparse layout (``flash_inductor.block_sparse``)."""
+    ``block_sizes``: the (block_q, block_k) of the call's block-sparse layout
+    (``flash_inductor.block_sparse``), None without one."""
     if not (query.is_cuda and key.is_cuda and value.is_cuda):
         return "not on a CUDA device"
     if _capability(query.device) != (9, 0):
@@ -144,7 +148,7 @@ def hopper_forward_unsupported_reason(query, key, value, attn_mask=None, dropout
     if dropout_p > 0.0:
         return "dropout (not implemented on this path yet)"
     del window  # any band (launch/band.py): the kernel skips the tiles outside it
-    if block_sparse:
+    if block_sizes is not None and not gluon_layout_fits(*block_sizes):
         return BLOCK_SPARSE
     if scale is not None and not scale > 0:
         return "a non-positive scale (the kernel takes the row max on unscaled scores)"
@@ -269,12 +273,14 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
                              scale: float | None = None, is_causal: bool = False, causal_offset: int = 0,
                              window: tuple[int, int] | None = None, attn_mask: torch.Tensor | None = None,
                              config: HopperForwardConfig | None = None, exact_delta: bool = False,
-                             schedule: str | None = None) -> tuple:
+                             schedule: str | None = None, block_layout: tuple | None = None) -> tuple:
     """Attention forward on the Gluon Hopper kernel. ``query`` (B, Hq, L, E), ``key``/``value``
     (B, Hkv, S, E) with Hq a multiple of Hkv. Key j is visible to query i iff
     ``j <= i + causal_offset`` when ``is_causal`` (0: top-left, SDPA's convention), and inside
     ``window`` (FlashAttention's (left, right), or None) if one is given, and allowed by
-    ``attn_mask``, a key mask (``key_mask_unsupported_reason``) broadcastable to (B, Hq, 1, S).
+    ``attn_mask``, a key mask (``key_mask_unsupported_reason``) broadcastable to (B, Hq, 1, S), and
+    inside a computed block of ``block_layout`` (block_map, block_q, block_k), a block-sparse layout
+    (``flash_inductor.block_sparse``) whose blocks ``gluon_layout_fits``, if one is given.
 
     Returns (out (B, Hq, L, E) in the input dtype, lse (B, Hq, L) fp32, natural log). With
     ``exact_delta`` (the `stable` schedule's one-pass backward, docs/hopper_backward.md) also
@@ -286,7 +292,8 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     built-in config. A table's config that fails to launch (a table written for another part, or
     by hand) warns once and runs the built-in config: a table never fails a call."""
     def launch(cfg):
-        return _forward(query, key, value, scale, is_causal, causal_offset, window, attn_mask, cfg, exact_delta)
+        return _forward(query, key, value, scale, is_causal, causal_offset, window, attn_mask, cfg, exact_delta,
+                        block_layout)
 
     if config is not None:
         return launch(config)
@@ -326,7 +333,8 @@ def _warn_tuned_once(kernel: str, config, reason: str) -> None:
                   "GPU to replace the entry.", stacklevel=4)
 
 
-def _forward(query, key, value, scale, is_causal, causal_offset, window, attn_mask, config, exact_delta):
+def _forward(query, key, value, scale, is_causal, causal_offset, window, attn_mask, config, exact_delta,
+             block_layout=None):
     from ..kernels.hopper_fwd import _attn_fwd_hopper
 
     batch, heads_q, seq_q, head_dim = query.shape
@@ -338,6 +346,8 @@ def _forward(query, key, value, scale, is_causal, causal_offset, window, attn_ma
     band = resolve_band(is_causal, causal_offset, window, seq_q, seq_k)
     is_causal, causal_offset = causal_side(band)
     cfg = config or default_config(head_dim, is_causal, key_mask=attn_mask is not None, exact_delta=exact_delta)
+    if block_layout is not None:
+        cfg, lists = _sparse_launch(cfg, block_layout, query, key, band)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
     if exact_delta:
@@ -356,15 +366,18 @@ def _forward(query, key, value, scale, is_causal, causal_offset, window, attn_ma
         grid = (min(grid[0] * grid[1], _sm_count(query.device)), )
     else:
         work_counter = lse  # not touched
+    if block_layout is None:
+        lists = (lse, 0, 0, 0)  # not read
     _attn_fwd_hopper[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, cfg.block_n), tma_descriptor(value, cfg.block_n),
         o_desc, tma_descriptor(resid, cfg.block_m) if exact_delta else o_desc, lse, row_consts, bias,
         seq_q, seq_k, heads_q, heads_q // heads_kv, causal_offset, band_lower(band), scale * LOG2E,
-        max(1, min(cfg.swizzle_heads, batch * heads_q)), work_counter, batch * heads_q,
+        max(1, min(cfg.swizzle_heads, batch * heads_q)), work_counter, batch * heads_q, *lists,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal, WINDOW_LEFT=band.lower is not None,
         PINGPONG=cfg.pingpong, EXACT_DELTA=exact_delta, HAS_KEY_BIAS=attn_mask is not None,
-        SKIP_MASKED_TILES=SKIP_MASKED_TILES, PERSISTENT=persistent,
+        SKIP_MASKED_TILES=SKIP_MASKED_TILES and block_layout is None, PERSISTENT=persistent,
+        HAS_BLOCK_SPARSITY=block_layout is not None,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         # The entry cap fills the register file; setmaxnreg then moves the loader's registers to
         # the consumers (2 consumers: 168 -> 240/240/24; 3: 128 -> 160/160/160/24).
@@ -373,4 +386,22 @@ def _forward(query, key, value, scale, is_causal, causal_offset, window, attn_ma
     if exact_delta:
         return out, lse, resid, row_consts
     return out, lse
+
+
+def _sparse_launch(cfg: HopperForwardConfig, block_layout: tuple, query, key, band):
+    """(the config, the kernel's tile lists) of a block-sparse launch. The CTA's query block must lie
+    in one layout block: three consumers' 192 rows do not in a 128-row layout, so such a config runs
+    with two (as every E 128 config and the E 64 key-mask one do)."""
+    block_map, block_q, block_k = block_layout
+    check_block_layout(block_map, block_q, block_k, query, key)
+    if not gluon_layout_fits(block_q, block_k):
+        raise ValueError(f"block_map: the Hopper forward takes layout blocks that are multiples of 128 x 128, got "
+                         f"{block_q} x {block_k}; call it only where hopper_forward_unsupported_reason says None")
+    if block_q % (cfg.block_m * cfg.num_consumers):
+        cfg = dataclasses.replace(cfg, num_consumers=2)
+    if block_k % cfg.block_n:
+        cfg = dataclasses.replace(cfg, block_n=64)
+    lists = gluon_tile_lists(block_map, block_q, block_k, query.shape[2], key.shape[2], band.lower, band.upper,
+                             cfg.block_m * cfg.num_consumers, cfg.block_n)
+    return cfg, tuple(lists)
 

@@ -7,7 +7,8 @@ otherwise goes to the ``flash_inductor`` logger at INFO, once per reason.
 
 What it covers: sm_90, bf16/fp16, E = Ev = 64 or 128, no mask or a key mask
 (``launch.hopper.key_bias``; an additive one under `stable` only), no dropout,
-no block-sparse layout, causal or not (any ``causal_offset``), sliding windows (the band of
+block-sparse layouts of 128 x 128 blocks or multiples (each key block's CTA walks its listed query
+tiles), causal or not (any ``causal_offset``), sliding windows (the band of
 ``launch/band.py``: each key block's query sweep ends at the window's left edge), grouped-query
 attention, the `fast` schedule (Δ = rowsum(dO∘O) - dLSE, dS cast straight to the input dtype), and
 `stable`, the default, through the one-pass ops (ops/one_pass.py: the forward's residual makes
@@ -33,6 +34,7 @@ from ..tuning.buckets import length_hint
 from ..tuning.configs import select_hopper_backward_config, sm_count
 from ..tuning.hopper_configs import HopperBackwardConfig, default_backward_config
 from .band import band_lower, causal_side, resolve_band
+from .block_tiles import check_block_layout, gluon_layout_fits, gluon_tile_lists
 from .common import LOG2E, cdiv
 from .hopper import (NOT_HOPPER, gluon_descriptor, hopper_forward_unsupported_reason, key_bias, tma_descriptor,
                      tma_unsupported_reason, run_selected)
@@ -111,7 +113,8 @@ def group_split_for(group: int, ctas: int, sms: int) -> int:
 
 def hopper_backward_unsupported_reason(query, key, value, attn_mask=None, dropout_p: float = 0.0,
                                        scale: float | None = None, schedule: str | None = None, *,
-                                       is_causal: bool = True, window=None, block_sparse: bool = False) -> str | None:
+                                       is_causal: bool = True, window=None,
+                                       block_sizes: tuple[int, int] | None = None) -> str | None:
     """None if the Hopper backward takes this call as far as its static properties go, else why
     not (for the logs). Safe on fake tensors. `stable` calls take it only while
     ``ONE_PASS_STABLE`` routes them to the one-pass ops."""
@@ -119,15 +122,16 @@ def hopper_backward_unsupported_reason(query, key, value, attn_mask=None, dropou
     if sched.exact_delta and not sched.ds_in_fp32 and not ONE_PASS_STABLE:
         return ONE_PASS_OFF
     return _backward_support_reason(query, key, value, attn_mask, dropout_p, scale, schedule, is_causal=is_causal,
-                                    window=window, block_sparse=block_sparse)
+                                    window=window, block_sizes=block_sizes)
 
 
 def _backward_support_reason(query, key, value, attn_mask=None, dropout_p: float = 0.0,
                              scale: float | None = None, schedule: str | None = None, *,
-                             is_causal: bool = True, window=None, block_sparse: bool = False) -> str | None:
+                             is_causal: bool = True, window=None,
+                             block_sizes: tuple[int, int] | None = None) -> str | None:
     """The kernel's own limits, whatever routes `stable`."""
     reason = hopper_forward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
-                                               window=window, block_sparse=block_sparse)
+                                               window=window, block_sizes=block_sizes)
     if reason is not None:
         return reason
     sched = get_schedule(schedule)
@@ -142,7 +146,7 @@ def _backward_support_reason(query, key, value, attn_mask=None, dropout_p: float
 
 def one_pass_unsupported_reason(query, key, value, attn_mask=None, dropout_p: float = 0.0,
                                 scale: float | None = None, schedule: str | None = None, *,
-                                window=None, block_sparse: bool = False) -> str | None:
+                                window=None, block_sizes: tuple[int, int] | None = None) -> str | None:
     """None if a call could run `stable`'s exact Δ on the Hopper kernels in one pass
     (ops/one_pass.py): the schedule forms the exact Δ and both Hopper kernels take the call.
     Static properties only (safe on fake tensors); lengths by their hints. Whether calls are
@@ -150,7 +154,7 @@ def one_pass_unsupported_reason(query, key, value, attn_mask=None, dropout_p: fl
     if not get_schedule(schedule).exact_delta:
         return f"schedule {get_schedule(schedule).name!r} (no exact Δ to form)"
     reason = _backward_support_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
-                                      window=window, block_sparse=block_sparse)
+                                      window=window, block_sizes=block_sizes)
     if reason is not None:
         return reason
     if 0 in (length_hint(query.shape[2]), length_hint(key.shape[2])):
@@ -179,7 +183,8 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
                               delta: torch.Tensor | None = None,
                               exact_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
                               mean_key: torch.Tensor | None = None,
-                              schedule: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              schedule: str | None = None,
+                              block_layout: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on the Gluon Hopper kernel: `fast`'s, or with
     ``exact_delta`` `stable`'s.
 
@@ -187,7 +192,8 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     multiple of Hkv; ``lse`` (B, Hq, L) fp32 in natural log as the forward returns it (-inf for a
     row that sees no key: its gradients are 0); ``grad_lse`` the LSE output's gradient, or None;
     ``window`` FlashAttention's (left, right), or None, on top of ``is_causal``; ``attn_mask`` a
-    key mask, as the forward took it.
+    key mask, as the forward took it; ``block_layout`` (block_map, block_q, block_k) a block-sparse
+    layout whose blocks ``launch.block_tiles.gluon_layout_fits``, or None.
     ``delta`` (B, Hq, L) fp32 replaces the preprocess's Δ (experiments). ``exact_delta``: the
     (residual, row constants) the forward returned under ``exact_delta=True``; the backward is
     then `stable`'s, with the exact Δ. ``mean_key`` (B, Hkv, E) fp32, k̂ of ops/one_pass.py
@@ -202,7 +208,7 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     launch warns once and runs the built-in one, as the forward does."""
     launch = functools.partial(_backward, grad_out, query, key, value, out, lse, grad_lse, scale=scale,
                                is_causal=is_causal, causal_offset=causal_offset, window=window, attn_mask=attn_mask,
-                               delta=delta, exact_delta=exact_delta, mean_key=mean_key)
+                               delta=delta, exact_delta=exact_delta, mean_key=mean_key, block_layout=block_layout)
     if config is not None:
         return launch(config=config)
     schedule = schedule or ("stable" if exact_delta is not None else "fast")
@@ -211,7 +217,7 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
 
 
 def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, is_causal, causal_offset, window, attn_mask,
-              config, delta, exact_delta, mean_key):
+              config, delta, exact_delta, mean_key, block_layout=None):
     from ..kernels.gluon_tma import HAS_TMA_REDUCE
     from ..kernels.hopper_bwd import _attn_bwd_hopper
     from .backward import launch_preprocess
@@ -265,6 +271,7 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, is_caus
     # Split, each part's dK and dV go to fp32 planes that ``_sum_parts`` adds below.
     dkdv_part = (torch.empty((2, parts, *key.shape), dtype=torch.float32, device=query.device)
                  if parts > 1 else lse)  # lse: not read
+    lists = _key_block_lists(block_layout, query, key, band, cfg) if block_layout is not None else (lse, 0, 0, 0)
     _attn_bwd_hopper[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, 64), tma_descriptor(value, 64),
         tma_descriptor(grad_out, cfg.block_m), tma_descriptor(dk, 64), tma_descriptor(dv, 64),
@@ -272,11 +279,11 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, is_caus
         row_stats_descriptor(delta_plane, cfg.block_m), lse_plane, delta_plane, dq_accum, ds_up, bias,
         mean_key.contiguous() if mean_key is not None else lse, dkdv_part,  # lse: not read
         seq_q, seq_k, heads_kv, group, parts, lse_plane.stride(0), band_upper, band_lower(band),
-        scale * LOG2E, scale, swizzle,
+        scale * LOG2E, scale, swizzle, *lists,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         IS_CAUSAL=band_is_causal, WINDOW_LEFT=band.lower is not None, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma,
         EXACT_DELTA=exact_delta is not None, HAS_KEY_BIAS=attn_mask is not None, ROW_STATS_TMA=cfg.row_stats_tma,
-        DKDV_PARTIALS=parts > 1, CENTRE_KEYS=mean_key is not None,
+        DKDV_PARTIALS=parts > 1, CENTRE_KEYS=mean_key is not None, HAS_BLOCK_SPARSITY=block_layout is not None,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
@@ -288,6 +295,17 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, is_caus
         return _finish_dq_with_mean_key(dq_accum, mean_key, weight, query.dtype), dk, dv
     # The kernel already added scale·dS·K: only the cast is left.
     return dq_accum.to(query.dtype), dk, dv
+
+
+def _key_block_lists(block_layout: tuple, query, key, band, cfg: HopperBackwardConfig) -> tuple:
+    """The kernel's per-key-block lists of query tiles (HAS_BLOCK_SPARSITY) for a block-sparse layout."""
+    block_map, block_q, block_k = block_layout
+    check_block_layout(block_map, block_q, block_k, query, key)
+    if not gluon_layout_fits(block_q, block_k):
+        raise ValueError(f"block_map: the Hopper backward takes layout blocks that are multiples of 128 x 128, got "
+                         f"{block_q} x {block_k}; call it only where hopper_backward_unsupported_reason says None")
+    return tuple(gluon_tile_lists(block_map, block_q, block_k, query.shape[2], key.shape[2], band.lower, band.upper,
+                                  cfg.block_m, cfg.block_n, columns=True))
 
 
 def _sum_parts_into(dkdv_part: torch.Tensor, dv: torch.Tensor, dk: torch.Tensor) -> None:

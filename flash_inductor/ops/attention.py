@@ -104,10 +104,10 @@ def _reference_layout(block_map: Optional[Tensor], block_q: int, block_k: int) -
 
 def _forward_on_hopper(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, causal_offset: int,
                        scale: float, schedule: str, window_left: int = -1, window_right: int = -1, *,
-                       attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                       attn_mask: Optional[Tensor] = None, block_layout: Optional[tuple] = None) -> tuple[Tensor, Tensor]:
     return hopper.hopper_attention_forward(query, key, value, scale=scale, is_causal=is_causal,
                                            causal_offset=causal_offset, window=(window_left, window_right),
-                                           attn_mask=attn_mask, schedule=schedule)
+                                           attn_mask=attn_mask, schedule=schedule, block_layout=block_layout)
 
 
 def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
@@ -124,11 +124,12 @@ def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal
         if decoded is not None:
             return decoded
     reason = (hopper.hopper_forward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
-                                                       window=window, block_sparse=block_map is not None)
+                                                       window=window, block_sizes=_block_sizes(block_map, block_q,
+                                                                                               block_k))
               or hopper.tma_unsupported_reason(query, key, value))
     if reason is None:
         return hopper_call(query, key, value, is_causal, causal_offset, scale, schedule, *window_pair(window),
-                           **_key_mask_argument(attn_mask))
+                           **_key_mask_argument(attn_mask), **_layout_argument(block_map, block_q, block_k))
     hopper.log_triton_forward(reason)
     return launch.attention_forward(query, key, value, attn_mask, rng_seed, dropout_p, scale, schedule,
                                     visibility=visibility)
@@ -140,14 +141,25 @@ def _key_mask_argument(attn_mask: Optional[Tensor]) -> dict:
     return {} if attn_mask is None else {"attn_mask": attn_mask}
 
 
+def _layout_argument(block_map: Optional[Tensor], block_q: int, block_k: int) -> dict:
+    """The Hopper call's block-sparse layout as a keyword, left out when there is none."""
+    return {} if block_map is None else {"block_layout": (block_map, block_q, block_k)}
+
+
+def _block_sizes(block_map: Optional[Tensor], block_q: int, block_k: int) -> Optional[tuple[int, int]]:
+    """What the Hopper kernels' choice reads of a layout: its block sizes, None without one."""
+    return None if block_map is None else (block_q, block_k)
+
+
 def _backward_on_hopper(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
                         grad_lse: Optional[Tensor], is_causal: bool, causal_offset: int, scale: float,
                         schedule: str, window_left: int = -1, window_right: int = -1, *,
-                        attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                        attn_mask: Optional[Tensor] = None,
+                        block_layout: Optional[tuple] = None) -> tuple[Tensor, Tensor, Tensor]:
     return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
                                                 is_causal=is_causal, causal_offset=causal_offset,
                                                 window=(window_left, window_right), attn_mask=attn_mask,
-                                                schedule=schedule)
+                                                schedule=schedule, block_layout=block_layout)
 
 
 def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p, is_causal,
@@ -159,13 +171,14 @@ def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse,
     (ops/one_pass.py) carry: a `stable` call that reaches this op runs the Triton backward."""
     reason = (hopper_bwd.hopper_backward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
                                                             is_causal=is_causal, window=window,
-                                                            block_sparse=block_map is not None)
+                                                            block_sizes=_block_sizes(block_map, block_q, block_k))
               or hopper_bwd.backward_tma_unsupported_reason(grad_out, query, key, value)
               or (hopper.MASK_NEEDS_GRAD if compute_mask_grad else None)
               or (hopper_bwd.NO_RESIDUAL if get_schedule(schedule).exact_delta else None))
     if reason is None:
         dq, dk, dv = hopper_call(grad_out, query, key, value, out, lse, grad_lse, is_causal, causal_offset, scale,
-                                 schedule, *window_pair(window), **_key_mask_argument(attn_mask))
+                                 schedule, *window_pair(window), **_key_mask_argument(attn_mask),
+                                 **_layout_argument(block_map, block_q, block_k))
         return dq, dk, dv, query.new_empty(0)
     hopper_bwd.log_triton_backward(reason)
     visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=window, block_map=block_map,
@@ -396,11 +409,13 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
     without one, the residual and the centred keys they save would buy nothing, and the plain
     forward is 12-17 % faster (docs/hopper_backward.md)."""
     needs_autograd = _needs_autograd(query, key, value)
-    if needs_autograd and block_map is None and one_pass_applies(query, key, value, attn_mask, dropout_p, scale,
-                                                                 schedule, window=(window_left, window_right)):
+    if needs_autograd and one_pass_applies(query, key, value, attn_mask, dropout_p, scale, schedule,
+                                           window=(window_left, window_right),
+                                           block_sizes=_block_sizes(block_map, block_q, block_k)):
         return attention_one_pass(query, key, value, is_causal, causal_offset, scale, window_left, window_right,
-                                  fast_path=eager_fast_path_applies(query, key, value, attn_mask),
-                                  needs_autograd=True, attn_mask=attn_mask)
+                                  fast_path=eager_fast_path_applies(query, key, value, attn_mask, block_map),
+                                  needs_autograd=True, attn_mask=attn_mask, block_map=block_map, block_q=block_q,
+                                  block_k=block_k)
     if eager_fast_path_applies(query, key, value, attn_mask, rng_seed, block_map):
         if not _needs_autograd(query, key, value, attn_mask):
             # Inference: the launch alone. autograd.Function.apply would record nothing here and

@@ -13,13 +13,17 @@ needs more tensors from the forward to the backward than ``attention_forward`` r
 its own pair of ops:
 
 * ``flash_inductor::attention_forward_one_pass(q, k, v, is_causal, causal_offset, scale,
-  window_left=-1, window_right=-1, attn_mask=None) -> (out, lse, residual, row_constants)``
+  window_left=-1, window_right=-1, attn_mask=None, block_map=None, block_q=0, block_k=0)
+  -> (out, lse, residual, row_constants)``
 * ``flash_inductor::attention_backward_one_pass(dout, q, k, v, out, lse, dlse?, residual,
   row_constants, is_causal, causal_offset, scale, window_left=-1, window_right=-1,
-  attn_mask=None) -> (dq, dk, dv)``
+  attn_mask=None, block_map=None, block_q=0, block_k=0) -> (dq, dk, dv)``
 
 ``attn_mask`` is a key mask (``launch.hopper.key_mask_unsupported_reason``: one row for every
 query, as padding masks are), bool or additive, which neither needs nor gets a gradient.
+``block_map`` is a block-sparse layout of ``block_q`` x ``block_k`` blocks, as
+``flash_inductor::attention_forward`` takes it, with blocks the Hopper kernels take
+(``launch.block_tiles.gluon_layout_fits``).
 
 ``attention_forward_eager`` (ops/attention.py) routes a call here when :func:`one_pass_applies`
 says so, from static properties alone (safe on fake tensors), so a traced graph holds these ops
@@ -43,13 +47,13 @@ from ..launch.visibility import Visibility
 
 
 def one_pass_applies(query, key, value, attn_mask, dropout_p: float, scale: float, schedule: str,
-                     window=None, block_sparse: bool = False) -> bool:
+                     window=None, block_sizes: tuple[int, int] | None = None) -> bool:
     """Whether a call takes this path: ``launch.hopper_bwd.ONE_PASS_STABLE`` routes `stable` here
     and ``one_pass_unsupported_reason`` finds nothing against the call."""
     if not hopper_bwd.ONE_PASS_STABLE:
         return False
     return hopper_bwd.one_pass_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
-                                                  window=window, block_sparse=block_sparse) is None
+                                                  window=window, block_sizes=block_sizes) is None
 
 
 def key_mean_reference(key: Tensor) -> Tensor:
@@ -77,7 +81,8 @@ def _addressable(*tensors: Tensor) -> list[Tensor]:
     return [t if hopper.tma_addressable(t) else t.clone(memory_format=torch.contiguous_format) for t in tensors]
 
 
-def _forward(query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask=None):
+def _forward(query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask=None,
+             block_map=None, block_q=0, block_k=0):
     batch, heads, seq_q, head_dim = query.shape
     if seq_q == 0 or key.shape[2] == 0 or batch * heads == 0:
         out = query.new_zeros(query.shape)
@@ -87,18 +92,24 @@ def _forward(query, key, value, is_causal, causal_offset, scale, window_left, wi
     query, key, value = _addressable(query, key, value)
     return hopper.hopper_attention_forward(query, key, value, scale=scale, is_causal=is_causal,
                                            causal_offset=causal_offset, window=(window_left, window_right),
-                                           exact_delta=True, schedule="stable", **_mask_keyword(attn_mask))
+                                           exact_delta=True, schedule="stable", **_mask_keyword(attn_mask),
+                                           **_layout_keyword(block_map, block_q, block_k))
 
 
 def _mask_keyword(attn_mask: Optional[Tensor]) -> dict:
     return {} if attn_mask is None else {"attn_mask": attn_mask}
 
 
+def _layout_keyword(block_map: Optional[Tensor], block_q: int, block_k: int) -> dict:
+    return {} if block_map is None else {"block_layout": (block_map, block_q, block_k)}
+
+
 def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, is_causal, causal_offset,
-              scale, window_left, window_right, attn_mask=None):
+              scale, window_left, window_right, attn_mask=None, block_map=None, block_q=0, block_k=0):
     if torch.are_deterministic_algorithms_enabled() or query.shape[2] == 0 or key.shape[2] == 0:
         # The Triton `stable` backward re-derives the exact Δ from out and lse in a fixed order.
-        visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=(window_left, window_right))
+        visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=(window_left, window_right),
+                                block_map=block_map, block_q=block_q, block_k=block_k)
         dq, dk, dv, _ = launch.attention_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, None,
                                                   0.0, scale, "stable", False, visibility=visibility)
         return dq, dk, dv
@@ -106,23 +117,27 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts
     return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
                                                 is_causal=is_causal, causal_offset=causal_offset,
                                                 window=(window_left, window_right), exact_delta=(resid, row_consts),
-                                                mean_key=key_mean(key), schedule="stable", **_mask_keyword(attn_mask))
+                                                mean_key=key_mean(key), schedule="stable", **_mask_keyword(attn_mask),
+                                                **_layout_keyword(block_map, block_q, block_k))
 
 
 @torch.library.custom_op("flash_inductor::attention_forward_one_pass", mutates_args=())
 def attention_forward_one_pass(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, causal_offset: int,
                                scale: float, window_left: int = -1, window_right: int = -1,
-                               attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _forward(query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask)
+                               attn_mask: Optional[Tensor] = None, block_map: Optional[Tensor] = None,
+                               block_q: int = 0, block_k: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _forward(query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask,
+                    block_map, block_q, block_k)
 
 
 @torch.library.custom_op("flash_inductor::attention_backward_one_pass", mutates_args=())
 def attention_backward_one_pass(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
                                 grad_lse: Optional[Tensor], resid: Tensor, row_consts: Tensor, is_causal: bool,
                                 causal_offset: int, scale: float, window_left: int = -1, window_right: int = -1,
-                                attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                                attn_mask: Optional[Tensor] = None, block_map: Optional[Tensor] = None,
+                                block_q: int = 0, block_k: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, is_causal,
-                           causal_offset, scale, window_left, window_right, attn_mask)
+                           causal_offset, scale, window_left, window_right, attn_mask, block_map, block_q, block_k)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
@@ -139,15 +154,18 @@ def _backward_fake(grad_out, query, key, value, *_rest):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
-_OPTIONAL_DEFAULTS = (-1, -1, None)  # window_left, window_right, attn_mask: a caller may leave them out
+# window_left, window_right, attn_mask, block_map, block_q, block_k: a caller may leave them out
+_OPTIONAL_DEFAULTS = (-1, -1, None, None, 0, 0)
 
 
 def _setup_context(ctx, inputs, output):
     query, key, value, is_causal, causal_offset, scale, *optional = inputs
-    window_left, window_right, attn_mask = (*optional, *_OPTIONAL_DEFAULTS[len(optional):])
+    window_left, window_right, attn_mask, block_map, block_q, block_k = (*optional,
+                                                                         *_OPTIONAL_DEFAULTS[len(optional):])
     out, lse, resid, row_consts = output
-    ctx.save_for_backward(query, key, value, out, lse, resid, row_consts, attn_mask)
+    ctx.save_for_backward(query, key, value, out, lse, resid, row_consts, attn_mask, block_map)
     ctx.options = (is_causal, causal_offset, scale, window_left, window_right)
+    ctx.block_sizes = (block_q, block_k)
     ctx.input_count = len(inputs)
     ctx.set_materialize_grads(False)  # as ops/attention.py: an unused lse gets no zeros launched
 
@@ -155,11 +173,11 @@ def _setup_context(ctx, inputs, output):
 def _run_backward(ctx, grad_out, grad_lse, backward_call):
     if grad_out is None and grad_lse is None:
         return (None,) * ctx.input_count
-    query, key, value, out, lse, resid, row_consts, attn_mask = ctx.saved_tensors
+    query, key, value, out, lse, resid, row_consts, attn_mask, block_map = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = backward_call(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, *ctx.options,
-                               attn_mask)
+                               attn_mask, block_map, *ctx.block_sizes)
     return (dq, dk, dv) + (None,) * (ctx.input_count - 3)
 
 
@@ -182,8 +200,10 @@ class _EagerOnePass(torch.autograd.Function):
     """The ops' launches and autograd without the dispatcher (ops/attention.py's eager fast path)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask):
-        args = (query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask)
+    def forward(ctx, query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask,
+                block_map, block_q, block_k):
+        args = (query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask, block_map,
+                block_q, block_k)
         output = _forward(*args)
         _setup_context(ctx, args, output)
         ctx.mark_non_differentiable(*output[2:])
@@ -198,10 +218,13 @@ class _EagerOnePass(torch.autograd.Function):
 
 def attention_one_pass(query, key, value, is_causal: bool, causal_offset: int, scale: float, window_left: int,
                        window_right: int, *, fast_path: bool, needs_autograd: bool,
-                       attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                       attn_mask: Optional[Tensor] = None, block_map: Optional[Tensor] = None, block_q: int = 0,
+                       block_k: int = 0) -> tuple[Tensor, Tensor]:
     """(out, lse) of the one-pass path: the launches directly where ``fast_path`` (a plain eager
-    call), else the registered op. ``attn_mask``: a key mask (module docstring), or None."""
-    args = (query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask)
+    call), else the registered op. ``attn_mask``: a key mask (module docstring), or None;
+    ``block_map``: a block-sparse layout of ``block_q`` x ``block_k`` blocks, or None."""
+    args = (query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask, block_map,
+            block_q, block_k)
     if fast_path:
         if not needs_autograd:
             return _forward(*args)[:2]

@@ -566,14 +566,16 @@ def test_float_mask_at_the_clamp_with_a_layout(device):
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="the Gluon Hopper forward's choice reads the device")
-def test_hopper_forward_declines_a_layout():
+def test_hopper_forward_declines_a_layout_of_small_blocks():
     from flash_inductor.launch import hopper
 
     q, k, v = make_qkv(1, 2, 2, 256, 256, 64, 64, torch.bfloat16, "cuda", seed=13)
-    reason = hopper.hopper_forward_unsupported_reason(q, k, v, block_sparse=True)
+    reason = hopper.hopper_forward_unsupported_reason(q, k, v, block_sizes=(64, 64))
     dense_reason = hopper.hopper_forward_unsupported_reason(q, k, v)
-    # On an sm_90 GPU with Gluon the layout is the reason; elsewhere the machine is.
+    # On an sm_90 GPU with Gluon the layout's blocks are the reason; elsewhere the machine is. The
+    # kernels take blocks of 128 x 128 (tests/unit/test_hopper_block_sparse.py).
     assert reason == (hopper.BLOCK_SPARSE if dense_reason is None else dense_reason)
+    assert hopper.hopper_forward_unsupported_reason(q, k, v, block_sizes=(128, 128)) == dense_reason
 
 
 def test_tile_lists_are_computed_once_per_layout_and_tile_shape(monkeypatch):

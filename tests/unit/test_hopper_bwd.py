@@ -388,7 +388,8 @@ def test_the_static_choice_on_a_mocked_hopper(monkeypatch):
     assert "dropout" in reason(q, kv, kv, None, 0.1, None, "fast")
     assert reason(q, kv, kv, None, 0.0, None, "fast", window=(16, 0)) is None
     assert reason(q64, kv64, kv64, None, 0.0, None, "fast", is_causal=True, window=(16, 16)) is None
-    assert reason(q, kv, kv, None, 0.0, None, "fast", block_sparse=True) == hopper.BLOCK_SPARSE
+    assert reason(q, kv, kv, None, 0.0, None, "fast", block_sizes=(64, 128)) == hopper.BLOCK_SPARSE
+    assert reason(q, kv, kv, None, 0.0, None, "fast", block_sizes=(128, 256)) is None
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     assert reason(q, kv, kv, None, 0.0, None, "fast") == hopper_bwd.DETERMINISTIC
 
