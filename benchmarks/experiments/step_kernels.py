@@ -9,7 +9,11 @@ that makes it: the inference forward (``infer``, under no_grad), the training fo
 inputs that require grad, which takes `stable`'s one-pass forward with its residual and centred
 keys) and a whole training step (``fwd_bwd``). Shapes as bench_attention's: ``--tokens`` /
 seq sequences, 2048 / E heads. ``--window W`` times a causal sliding window ``(W - 1, 0)``
-instead, against FlexAttention with the same window as a ``BlockMask`` (``--providers ours,flex``).
+instead, against FlexAttention with the same window as a ``BlockMask`` (``--providers ours,flex``);
+``--block-sparse P`` a random layout of 128 x 128 blocks with a share P of them skipped, the
+``sparse_attention --part block_sparse`` cell's, against Flex with that layout as full blocks.
+The provider ``ours-persistent`` is ours with every forward launch persistent
+(``launch.hopper.PERSISTENT``, set only while its step runs): an A/B in one process.
 Each record also has the step's GPU busy share run back to back (``benchmarks/kernel_time.gpu_busy``):
 well under 1 means the GPU waited for the host. Writes ``step_kernels.json`` to ``--out``.
 """
@@ -32,7 +36,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MODES = ("infer", "fwd", "fwd_bwd")
 
 
-def _attention(provider: str, causal: bool, window: int | None, seq: int):
+def _attention(provider: str, causal: bool, window: int | None, seq: int, sparsity: float | None = None):
+    if sparsity is not None:
+        return _block_sparse_attention(provider, seq, sparsity)
     if window is not None:
         return _window_attention(provider, window, seq)
     if provider == "ours":
@@ -60,6 +66,29 @@ def _window_attention(provider: str, window: int, seq: int):
     return lambda q, k, v: flex(q, k, v, block_mask=block_mask)
 
 
+def _block_sparse_attention(provider: str, seq: int, sparsity: float):
+    """``benchmarks.block_sparse_attention``'s cell (layout seed 0, blocks of 128): ours or Flex."""
+    from benchmarks import block_sparse_attention
+
+    if provider not in ("ours", "flex"):
+        raise SystemExit(f"--block-sparse takes the providers ours and flex, not {provider!r}")
+    cell = dict(seq=seq, block=128, sparsity=sparsity, layout_seed=0)
+    return block_sparse_attention.attention(provider, cell, "cuda", compiled_flex)
+
+
+def _persistent_forward(attn):
+    """``attn`` with every Hopper forward launch persistent while it runs."""
+    from flash_inductor.launch import hopper
+
+    def run(q, k, v):
+        saved, hopper.PERSISTENT = hopper.PERSISTENT, True
+        try:
+            return attn(q, k, v)
+        finally:
+            hopper.PERSISTENT = saved
+    return run
+
+
 def _step(attn, mode: str, q, k, v, dout):
     if mode == "infer":
         def run():
@@ -82,6 +111,8 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--window", type=int, default=None, help="a causal sliding window of W keys (providers ours,flex)")
+    p.add_argument("--block-sparse", type=float, default=None, metavar="P",
+                   help="a random block-sparse layout with a share P of its blocks skipped (providers ours,flex)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--providers", default="ours,cudnn")
     p.add_argument("--calls", type=int, default=20)
@@ -98,13 +129,17 @@ def main(argv=None):
             dout = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPES[dtype_name])
             for mode in args.modes.split(","):
                 for provider in args.providers.split(","):
-                    run = _step(_attention(provider, args.causal, args.window, args.seq), mode, q, k, v, dout)
+                    attn = _attention(provider.removesuffix("-persistent"), args.causal, args.window, args.seq,
+                                      args.block_sparse)
+                    if provider.endswith("-persistent"):
+                        attn = _persistent_forward(attn)
+                    run = _step(attn, mode, q, k, v, dout)
                     heat(run, args.heat * 1e3)
                     kernels = kernel_times_us(run, args.calls, "cuda")
                     total = sum(kernels.values())
                     busy = gpu_busy(run, args.calls, "cuda").get("gpu_busy")
                     records.append(dict(dtype=dtype_name, head_dim=head_dim, shape=list(shape), causal=args.causal,
-                                        window=args.window, mode=mode, provider=provider, total_us=total,
+                                        window=args.window, block_sparse=args.block_sparse, mode=mode, provider=provider, total_us=total,
                                         gpu_busy=busy, kernels=kernels))
                     print(f"{dtype_name} E{head_dim} {mode:8s} {provider:6s} total {total:8.1f} us  "
                           f"GPU busy {busy if busy is not None else float('nan'):.2f}", flush=True)
