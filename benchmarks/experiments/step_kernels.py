@@ -13,7 +13,9 @@ instead, against FlexAttention with the same window as a ``BlockMask`` (``--prov
 ``--block-sparse P`` a random layout of 128 x 128 blocks with a share P of them skipped, the
 ``sparse_attention --part block_sparse`` cell's, against Flex with that layout as full blocks.
 The provider ``ours-persistent`` is ours with every forward launch persistent
-(``launch.hopper.PERSISTENT``, set only while its step runs): an A/B in one process.
+(``launch.hopper.PERSISTENT``), ``ours-grid`` ours with block-sparse forward launches on the grid
+(``launch.hopper.BLOCK_SPARSE_PERSISTENT`` off), each set only while its step runs: A/Bs in one
+process.
 Each record also has the step's GPU busy share run back to back (``benchmarks/kernel_time.gpu_busy``):
 well under 1 means the GPU waited for the host. Writes ``step_kernels.json`` to ``--out``.
 """
@@ -76,16 +78,21 @@ def _block_sparse_attention(provider: str, seq: int, sparsity: float):
     return block_sparse_attention.attention(provider, cell, "cuda", compiled_flex)
 
 
-def _persistent_forward(attn):
-    """``attn`` with every Hopper forward launch persistent while it runs."""
+# Provider suffixes: the launch.hopper switch each sets while its step runs.
+SWITCHED = {"-persistent": ("PERSISTENT", True), "-grid": ("BLOCK_SPARSE_PERSISTENT", False)}
+
+
+def _switched(attn, switch: str, value: bool):
+    """``attn`` with ``launch.hopper.<switch>`` set to ``value`` while it runs."""
     from flash_inductor.launch import hopper
 
     def run(q, k, v):
-        saved, hopper.PERSISTENT = hopper.PERSISTENT, True
+        saved = getattr(hopper, switch)
+        setattr(hopper, switch, value)
         try:
             return attn(q, k, v)
         finally:
-            hopper.PERSISTENT = saved
+            setattr(hopper, switch, saved)
     return run
 
 
@@ -129,10 +136,11 @@ def main(argv=None):
             dout = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPES[dtype_name])
             for mode in args.modes.split(","):
                 for provider in args.providers.split(","):
-                    attn = _attention(provider.removesuffix("-persistent"), args.causal, args.window, args.seq,
-                                      args.block_sparse)
-                    if provider.endswith("-persistent"):
-                        attn = _persistent_forward(attn)
+                    suffix = next((s for s in SWITCHED if provider.endswith(s)), "")
+                    attn = _attention(provider.removesuffix(suffix) if suffix else provider, args.causal,
+                                      args.window, args.seq, args.block_sparse)
+                    if suffix:
+                        attn = _switched(attn, *SWITCHED[suffix])
                     run = _step(attn, mode, q, k, v, dout)
                     heat(run, args.heat * 1e3)
                     kernels = kernel_times_us(run, args.calls, "cuda")

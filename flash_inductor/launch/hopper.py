@@ -78,6 +78,13 @@ SKIP_MASKED_TILES = False
 # tests (tools/pytest_switch.py). Compiled for sm_90a: E 128 spills 16-20 bytes (none without),
 # E 64 with three consumers 384-388 (76 without), E 64 with two consumers none.
 PERSISTENT = False
+# Block-sparse launches persistent, whatever the dense bucket's config says: a layout leaves each
+# query block a few key tiles (90 % skipped at 4k: 4.4 of 32), so a grid CTA's fixed costs (Q's
+# load, the first K/V tiles, the epilogue) weigh on every block, while a persistent CTA loads the
+# next block during the epilogue and claims blocks in order, whatever their tile counts. On the
+# H200 (bf16, E 128, 4k, B 8, 90 % skipped, benchmarks/experiments/step_kernels.py --block-sparse
+# 0.9, 2026-12-04): the forward kernel 284 against 326 µs inference, 337 against 384 in a step.
+BLOCK_SPARSE_PERSISTENT = True
 
 
 def gluon_available() -> bool:
@@ -391,7 +398,8 @@ def _forward(query, key, value, scale, is_causal, causal_offset, window, attn_ma
 def _sparse_launch(cfg: HopperForwardConfig, block_layout: tuple, query, key, band):
     """(the config, the kernel's tile lists) of a block-sparse launch. The CTA's query block must lie
     in one layout block: three consumers' 192 rows do not in a 128-row layout, so such a config runs
-    with two (as every E 128 config and the E 64 key-mask one do)."""
+    with two (as every E 128 config and the E 64 key-mask one do); persistent under
+    ``BLOCK_SPARSE_PERSISTENT``."""
     block_map, block_q, block_k = block_layout
     check_block_layout(block_map, block_q, block_k, query, key)
     if not gluon_layout_fits(block_q, block_k):
@@ -399,6 +407,8 @@ def _sparse_launch(cfg: HopperForwardConfig, block_layout: tuple, query, key, ba
                          f"{block_q} x {block_k}; call it only where hopper_forward_unsupported_reason says None")
     if block_q % (cfg.block_m * cfg.num_consumers):
         cfg = dataclasses.replace(cfg, num_consumers=2)
+    if BLOCK_SPARSE_PERSISTENT:
+        cfg = dataclasses.replace(cfg, persistent=True)
     if block_k % cfg.block_n:
         cfg = dataclasses.replace(cfg, block_n=64)
     lists = gluon_tile_lists(block_map, block_q, block_k, query.shape[2], key.shape[2], band.lower, band.upper,
