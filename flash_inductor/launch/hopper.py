@@ -17,7 +17,8 @@ What it covers now: sm_90, bf16/fp16, E = Ev in {64, 128}, no mask or a key mask
 same for every query row, (…, 1, S) or broadcast along the queries, as padding masks are: the
 kernel adds one bias per key, see ``key_bias``), no dropout, causal or not
 (any ``causal_offset``), sliding windows (the band of ``launch/band.py``: the kernel starts each
-block's key loop at the window's left edge), grouped-query attention, the schedules whose forward
+block's key loop at the window's left edge), block-sparse layouts of 128 x 128 blocks or multiples
+(each query block walks its listed key tiles, ``_sparse_launch``), grouped-query attention, the schedules whose forward
 rounds P to the input dtype (`fast`, `stable`), and any strides TMA can address (last dim contiguous, the others
 16-byte multiples, a 16-byte-aligned base), so (B, L, H, E) views transposed to (B, H, L, E)
 need no copy. Everything else keeps the Triton kernels.
