@@ -188,6 +188,33 @@ def _listed_pairs(TILE_LISTS, b, h0, heads, n0, stride_lb, stride_lh, list_strid
 
 
 @gluon.jit
+def _walk_start(TILE_LISTS, b, h0, heads, n0, n_m, stride_lb, stride_lh, list_stride, BLOCK_N: gl.constexpr,
+                HAS_BLOCK_SPARSITY: gl.constexpr):
+    """(the number of (query head, query tile) pairs the CTA walks, the walk's state (hh, i, count,
+    tiles)): dense, ``heads`` times its ``n_m`` tiles; under HAS_BLOCK_SPARSITY, the listed ones. The
+    loader and the consumers walk it alike (``_walk_step``), so ring slot t holds the same pair for both."""
+    if HAS_BLOCK_SPARSITY:
+        n_pairs, count, tiles = _listed_pairs(TILE_LISTS, b, h0, heads, n0, stride_lb, stride_lh, list_stride,
+                                              BLOCK_N)
+    else:
+        n_pairs = heads * n_m
+        count = 0  # the dense walk has no state
+        tiles = TILE_LISTS
+    return n_pairs, 0, 0, count, tiles
+
+
+@gluon.jit
+def _walk_step(t, first, n_m, h0, b, n0, hh, i, count, tiles, TILE_LISTS, stride_lb, stride_lh, list_stride,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_BLOCK_SPARSITY: gl.constexpr):
+    """(query head, first query row) of the walk's t-th pair, and the walk's next state."""
+    if HAS_BLOCK_SPARSITY:
+        return _next_listed(TILE_LISTS, b, h0, n0, hh, i, count, tiles, stride_lb, stride_lh, list_stride, BLOCK_M,
+                            BLOCK_N)
+    else:
+        return h0 + t // n_m, (first + t % n_m) * BLOCK_M, hh, i, count, tiles
+
+
+@gluon.jit
 def _next_listed(TILE_LISTS, b, h0, n0, hh, i, count, tiles, stride_lb, stride_lh, list_stride,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """One step of the walk over the listed pairs: from the i-th listed tile of query head h0 + hh
@@ -246,24 +273,15 @@ def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_
     first, n_m = _q_tiles(n0, L, causal_offset, window_lower, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                           IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT)
     h0 = h_kv * GROUP + part * heads
-    if HAS_BLOCK_SPARSITY:
-        n_pairs, count, tiles = _listed_pairs(TILE_LISTS, b, h0, heads, n0, stride_lb, stride_lh, list_stride,
-                                              BLOCK_N)
-        hh = 0
-        i = 0
-    else:
-        n_pairs = heads * n_m
+    n_pairs, hh, i, count, tiles = _walk_start(TILE_LISTS, b, h0, heads, n0, n_m, stride_lb, stride_lh, list_stride,
+                                               BLOCK_N, HAS_BLOCK_SPARSITY)
     for t in range(n_pairs):
         slot = t % NUM_STAGES
         # A fresh mbarrier counts as having completed the phase before phase 0: the first pass
         # over the ring waits on parity 1 and goes straight through.
         mbarrier.wait(q_empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
-        if HAS_BLOCK_SPARSITY:
-            h, m, hh, i, count, tiles = _next_listed(TILE_LISTS, b, h0, n0, hh, i, count, tiles, stride_lb, stride_lh,
-                                                     list_stride, BLOCK_M, BLOCK_N)
-        else:
-            h = h0 + t // n_m
-            m = (first + t % n_m) * BLOCK_M
+        h, m, hh, i, count, tiles = _walk_step(t, first, n_m, h0, b, n0, hh, i, count, tiles, TILE_LISTS, stride_lb,
+                                               stride_lh, list_stride, BLOCK_M, BLOCK_N, HAS_BLOCK_SPARSITY)
         if ROW_STATS_TMA:
             # Rows past L come back as TMA's zeros; the consumers replace them anyway.
             bh = b * H_KV * GROUP + h
@@ -363,23 +381,14 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, kt_smem, v_s
         _write_centred_keys(k_tile, kq_tile, k_hat, centring_layout)
 
     h0 = h_kv * GROUP + part * heads
-    if HAS_BLOCK_SPARSITY:
-        # The loader's walk, step for step.
-        n_pairs, count, tiles = _listed_pairs(TILE_LISTS, b, h0, heads, n0, stride_lb, stride_lh, list_stride,
-                                              BLOCK_N)
-        hh = 0
-        i = 0
-    else:
-        n_pairs = heads * n_m
+    # The loader's walk, step for step.
+    n_pairs, hh, i, count, tiles = _walk_start(TILE_LISTS, b, h0, heads, n0, n_m, stride_lb, stride_lh, list_stride,
+                                               BLOCK_N, HAS_BLOCK_SPARSITY)
     for t in range(n_pairs):
         slot = t % NUM_STAGES
         phase = (t // NUM_STAGES) & 1
-        if HAS_BLOCK_SPARSITY:
-            h, m, hh, i, count, tiles = _next_listed(TILE_LISTS, b, h0, n0, hh, i, count, tiles, stride_lb, stride_lh,
-                                                     list_stride, BLOCK_M, BLOCK_N)
-        else:
-            h = h0 + t // n_m
-            m = (first + t % n_m) * BLOCK_M
+        h, m, hh, i, count, tiles = _walk_step(t, first, n_m, h0, b, n0, hh, i, count, tiles, TILE_LISTS, stride_lb,
+                                               stride_lh, list_stride, BLOCK_M, BLOCK_N, HAS_BLOCK_SPARSITY)
         row_base = (b * H_Q + h).to(gl.int64) * L
         stats_base = (b * H_Q + h).to(gl.int64) * stride_stats
         q_ids = m + gl.arange(0, BLOCK_M, layout=col_layout)

@@ -224,6 +224,19 @@ class GluonTileLists(NamedTuple):
     row: int
 
 
+def checked_gluon_layout(block_layout: tuple, query: Tensor, key: Tensor, kernel: str) -> tuple:
+    """``block_layout`` (block_map, block_q, block_k) once it is checked against the call and found to
+    fit the Gluon Hopper ``kernel`` ("forward" or "backward"), whose launchers callers reach only
+    where the kernels' static choice took the layout."""
+    block_map, block_q, block_k = block_layout
+    check_block_layout(block_map, block_q, block_k, query, key)
+    if not gluon_layout_fits(block_q, block_k):
+        raise ValueError(f"block_map: the Hopper {kernel} takes layout blocks that are multiples of "
+                         f"{GLUON_LAYOUT_MULTIPLE} x {GLUON_LAYOUT_MULTIPLE}, got {block_q} x {block_k}; call it only "
+                         f"where hopper_{kernel}_unsupported_reason says None")
+    return block_layout
+
+
 def gluon_tile_lists(block_map: Tensor, block_q: int, block_k: int, seq_q, seq_k, band_lower, band_upper,
                      block_m: int, block_n: int, *, columns: bool = False) -> GluonTileLists:
     """Per query tile of ``block_m`` rows its key tiles of ``block_n`` (under ``columns``, per key tile

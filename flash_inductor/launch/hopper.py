@@ -37,7 +37,7 @@ from ..schedules import get_schedule
 from ..tuning.configs import select_hopper_forward_config
 from ..tuning.hopper_configs import HopperForwardConfig, default_forward_config
 from .band import band_lower, causal_side, resolve_band
-from .block_tiles import check_block_layout, gluon_layout_fits, gluon_tile_lists
+from .block_tiles import checked_gluon_layout, gluon_layout_fits, gluon_tile_lists
 from .common import LOG2E, cdiv
 
 log = logging.getLogger("flash_inductor")
@@ -401,11 +401,7 @@ def _sparse_launch(cfg: HopperForwardConfig, block_layout: tuple, query, key, ba
     in one layout block: three consumers' 192 rows do not in a 128-row layout, so such a config runs
     with two (as every E 128 config and the E 64 key-mask one do); persistent under
     ``BLOCK_SPARSE_PERSISTENT``."""
-    block_map, block_q, block_k = block_layout
-    check_block_layout(block_map, block_q, block_k, query, key)
-    if not gluon_layout_fits(block_q, block_k):
-        raise ValueError(f"block_map: the Hopper forward takes layout blocks that are multiples of 128 x 128, got "
-                         f"{block_q} x {block_k}; call it only where hopper_forward_unsupported_reason says None")
+    block_map, block_q, block_k = checked_gluon_layout(block_layout, query, key, "forward")
     if block_q % (cfg.block_m * cfg.num_consumers):
         cfg = dataclasses.replace(cfg, num_consumers=2)
     if BLOCK_SPARSE_PERSISTENT:

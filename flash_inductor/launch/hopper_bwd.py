@@ -34,7 +34,7 @@ from ..tuning.buckets import length_hint
 from ..tuning.configs import select_hopper_backward_config, sm_count
 from ..tuning.hopper_configs import HopperBackwardConfig, default_backward_config
 from .band import band_lower, causal_side, resolve_band
-from .block_tiles import check_block_layout, gluon_layout_fits, gluon_tile_lists
+from .block_tiles import checked_gluon_layout, gluon_tile_lists
 from .common import LOG2E, cdiv
 from .hopper import (NOT_HOPPER, gluon_descriptor, hopper_forward_unsupported_reason, key_bias, tma_descriptor,
                      tma_unsupported_reason, run_selected)
@@ -299,11 +299,7 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, is_caus
 
 def _key_block_lists(block_layout: tuple, query, key, band, cfg: HopperBackwardConfig) -> tuple:
     """The kernel's per-key-block lists of query tiles (HAS_BLOCK_SPARSITY) for a block-sparse layout."""
-    block_map, block_q, block_k = block_layout
-    check_block_layout(block_map, block_q, block_k, query, key)
-    if not gluon_layout_fits(block_q, block_k):
-        raise ValueError(f"block_map: the Hopper backward takes layout blocks that are multiples of 128 x 128, got "
-                         f"{block_q} x {block_k}; call it only where hopper_backward_unsupported_reason says None")
+    block_map, block_q, block_k = checked_gluon_layout(block_layout, query, key, "backward")
     return tuple(gluon_tile_lists(block_map, block_q, block_k, query.shape[2], key.shape[2], band.lower, band.upper,
                                   cfg.block_m, cfg.block_n, columns=True))
 

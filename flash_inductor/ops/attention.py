@@ -104,7 +104,8 @@ def _reference_layout(block_map: Optional[Tensor], block_q: int, block_k: int) -
 
 def _forward_on_hopper(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, causal_offset: int,
                        scale: float, schedule: str, window_left: int = -1, window_right: int = -1, *,
-                       attn_mask: Optional[Tensor] = None, block_layout: Optional[tuple] = None) -> tuple[Tensor, Tensor]:
+                       attn_mask: Optional[Tensor] = None,
+                       block_layout: Optional[tuple] = None) -> tuple[Tensor, Tensor]:
     return hopper.hopper_attention_forward(query, key, value, scale=scale, is_causal=is_causal,
                                            causal_offset=causal_offset, window=(window_left, window_right),
                                            attn_mask=attn_mask, schedule=schedule, block_layout=block_layout)

@@ -80,6 +80,18 @@ def test_the_hopper_kernels_take_layouts_of_128_blocks(monkeypatch):
                                                                  block_sizes=(128, 128))
 
 
+def test_the_launchers_refuse_layouts_they_cannot_take():
+    q = k = torch.zeros(1, 2, 256, 64)
+    small = torch.ones(1, 1, 4, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"Hopper forward takes layout blocks that are multiples of 128 x 128, got "
+                                         r"64 x 64; call it only where hopper_forward_unsupported_reason"):
+        block_tiles.checked_gluon_layout((small, 64, 64), q, k, "forward")
+    with pytest.raises(ValueError, match="does not cover|is not"):  # the map must fit the problem
+        block_tiles.checked_gluon_layout((small, 128, 128), q, k, "backward")
+    fits = torch.ones(1, 1, 2, 2, dtype=torch.bool)
+    assert block_tiles.checked_gluon_layout((fits, 128, 128), q, k, "backward")[0] is fits
+
+
 def _brute_force_tiles(block_map, bq, bk, seq_q, seq_k, bm, bn, band):
     """Per (row tile, key tile): whether some element in range is visible (layout and band)."""
     vis = expand_block_map(block_map, bq, bk, 0, seq_q, 0, seq_k) & band.visible(seq_q, seq_k)
