@@ -31,6 +31,16 @@ def _visible(seq_q, seq_k, is_causal, causal_offset, window):
     return vis
 
 
+def _with_layout(visible, block_layout, shape):
+    """The visibility inside a block-sparse layout's computed blocks (B, Hq, L, S), or as it was."""
+    if block_layout is None:
+        return visible
+    from flash_inductor.block_sparse import expand_block_map
+
+    block_map, block_q, block_k = block_layout
+    return visible & expand_block_map(block_map, block_q, block_k, 0, shape[2], 0, shape[3]).expand(shape)
+
+
 def _with_key_mask(visible, attn_mask):
     """The band's visibility combined with the launchers' key mask (bool, or additive in float64):
     its first query row, as ``launch.hopper.key_bias`` reads it (the mask may arrive materialised,
@@ -54,13 +64,15 @@ class EmulatedGluon:
         self.forwards, self.backwards = [], []
 
     def forward(self, query, key, value, *, scale, is_causal, causal_offset, window, exact_delta, config=None,
-                attn_mask=None, schedule=None):
+                attn_mask=None, schedule=None, block_layout=None):
         assert exact_delta and config is None and schedule == "stable"  # the table's `stable` entries
         for t in (query, key, value):
             assert t.data_ptr() % 16 == 0 and t.stride(-1) == 1, "the launcher got a tensor TMA cannot address"
         self.forwards.append(dict(key=key, window=window, is_causal=is_causal, causal_offset=causal_offset,
-                                  attn_mask=attn_mask))
-        mask = _with_key_mask(_visible(query.shape[2], key.shape[2], is_causal, causal_offset, window), attn_mask)
+                                  attn_mask=attn_mask, block_layout=block_layout))
+        shape = (*query.shape[:3], key.shape[2])
+        mask = _with_key_mask(_with_layout(_visible(*shape[2:], is_causal, causal_offset, window), block_layout,
+                                           shape), attn_mask)
         out, lse = attention_ref(query, key, value, mask, scale=scale)
         out16 = out.to(query.dtype)
         pivot = torch.where(lse.isneginf(), float("inf"), lse / torch.log(torch.tensor(2.0, dtype=lse.dtype)))
@@ -68,16 +80,19 @@ class EmulatedGluon:
         return out16, lse.float(), (out - out16.double()).to(query.dtype), row_consts
 
     def backward(self, grad_out, query, key, value, out, lse, grad_lse=None, *, scale, is_causal, causal_offset,
-                 window, exact_delta, mean_key, config=None, delta=None, attn_mask=None, schedule=None):
+                 window, exact_delta, mean_key, config=None, delta=None, attn_mask=None, schedule=None,
+                 block_layout=None):
         assert schedule == "stable"
         resid, row_consts = exact_delta
         assert resid.shape == out.shape and row_consts.shape == (2, *lse.shape) and delta is None
-        self.backwards.append(dict(key=key, mean_key=mean_key, attn_mask=attn_mask))
+        self.backwards.append(dict(key=key, mean_key=mean_key, attn_mask=attn_mask, block_layout=block_layout))
         assert mean_key.shape == (key.shape[0], key.shape[1], key.shape[3]) and mean_key.dtype == torch.float32
         k_tilde = key - mean_key.to(key.dtype)[:, :, None]
         assert torch.equal(k_tilde.double(), key.double() - mean_key.double()[:, :, None]), "K - k̂ is not exact"
         # In closed form: a backward runs below autograd, where torch.autograd cannot record.
-        mask = _with_key_mask(_visible(query.shape[2], key.shape[2], is_causal, causal_offset, window), attn_mask)
+        shape = (*query.shape[:3], key.shape[2])
+        mask = _with_key_mask(_with_layout(_visible(*shape[2:], is_causal, causal_offset, window), block_layout,
+                                           shape), attn_mask)
         group = query.shape[1] // key.shape[1]
         q, k, v, do = (t.double() for t in (query, key, value, grad_out))
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
@@ -297,6 +312,50 @@ def test_a_key_mask_reaches_both_launchers_and_the_gradients_match_fp64(emulated
         assert torch.equal(out[1], torch.zeros_like(out[1]))
     for name, leaf in zip(("dq", "dk", "dv"), leaves):
         torch.testing.assert_close(leaf.grad.double(), ref[name], rtol=1e-4, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("path", ["op", "eager"])
+def test_a_block_layout_reaches_both_launchers_and_the_gradients_match_fp64(emulated, monkeypatch, path):
+    """A block-sparse layout (per-head maps, one query block with nothing computed, causal): both
+    launchers get it, and out and the gradients are fp64's under the layout's element mask; the empty
+    block's rows give 0. On a CPU the API's routing is forced (the device checks would refuse)."""
+    import flash_inductor
+    from flash_inductor import BlockSparseLayout
+    from flash_inductor.block_sparse import expand_block_map
+    from flash_inductor.ops import attention as ops_attention
+
+    monkeypatch.setattr(ops_attention, "one_pass_applies", lambda *args, **kwargs: True)
+    q, k, v, do, _ = _inputs(1, 4, 2, 48, 48, 16, shared=20.0)
+    block_map = torch.rand(1, 4, 3, 3, generator=torch.Generator().manual_seed(2)).to(DEVICE) < 0.6
+    block_map[..., 1, :] = False
+    block_map[..., 0, 0] = True
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    if path == "op":
+        out = torch.ops.flash_inductor.attention_forward_one_pass(*leaves, True, 0, 0.25, -1, -1, None, block_map,
+                                                                  16, 16)[0]
+    else:
+        out = flash_inductor.flash_attention(*leaves, is_causal=True, scale=0.25, enable_gqa=True,
+                                             block_mask=BlockSparseLayout(block_map, 16))
+    out.backward(do)
+    assert len(emulated.forwards) == len(emulated.backwards) == 1
+    for call in (emulated.forwards[0], emulated.backwards[0]):
+        layout_map, block_q, block_k = call["block_layout"]
+        assert (block_q, block_k) == (16, 16) and torch.equal(layout_map, block_map)
+    visible = expand_block_map(block_map, 16, 16, 0, 48, 0, 48) & _visible(48, 48, True, 0, None)
+    ref = ref_forward_backward(q, k, v, visible, scale=0.25, grad_out=do)
+    torch.testing.assert_close(out.double(), ref["out"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[:, :, 16:32], torch.zeros_like(out[:, :, 16:32]))
+    for name, leaf in zip(("dq", "dk", "dv"), leaves):
+        torch.testing.assert_close(leaf.grad.double(), ref[name], rtol=1e-4, atol=1e-4, msg=name)
+    block_map[...] = True  # opcheck with the layout: schemas, fakes and autograd
+    ops = torch.ops.flash_inductor
+    torch.library.opcheck(ops.attention_forward_one_pass.default,
+                          (*leaves, True, 0, 0.25, -1, -1, None, block_map, 16, 16))
+    out, lse, resid, row_consts = ops.attention_forward_one_pass(q, k, v, True, 0, 0.25, -1, -1, None, block_map,
+                                                                 16, 16)
+    torch.library.opcheck(ops.attention_backward_one_pass.default,
+                          (do, q, k, v, out, lse, None, resid, row_consts, True, 0, 0.25, -1, -1, None, block_map,
+                           16, 16))
 
 
 def test_a_mask_that_varies_along_the_queries_keeps_the_triton_kernels():
