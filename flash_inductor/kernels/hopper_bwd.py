@@ -303,8 +303,8 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, kt_smem, v_s
                          lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
                          LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART, L, S, H_KV, GROUP, group_split,
                          stride_stats, causal_offset, window_lower, qk_scale, sm_scale, swizzle_heads,
-                         TILE_LISTS, stride_lb, stride_lh, list_stride, CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                         TILE_LISTS, stride_lb, stride_lh, list_stride, CONSUMER: gl.constexpr,
+                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                          WINDOW_LEFT: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr,
                          EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr,
                          DKDV_PARTIALS: gl.constexpr, CENTRE_KEYS: gl.constexpr, HAS_BLOCK_SPARSITY: gl.constexpr):
