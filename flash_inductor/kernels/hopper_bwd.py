@@ -73,6 +73,12 @@ Constexpr switches:
               and query tiles, so a listed pair is computed everywhere and the mask needs only the
               band and S, by position, as a dense pair does. A key block with nothing listed keeps
               dK = dV = 0.
+  COUNTED_WALK the dense walk over (query head, query tile) pairs carries its two counters from tile
+              to tile instead of dividing the pair index t by the tile count (an integer division,
+              about 25 instructions a thread a tile, at the top of every tile).
+  EVEN_L      L is a multiple of BLOCK_M (the launcher's promise): no tile has rows past L, so the
+              row statistics need no mask (32 selects and 16 compares a thread a tile under
+              EXACT_DELTA).
   DKDV_PARTIALS dK and dV as fp32 partial sums into DKDV_PART (group_split above) instead of TMA
               stores of the finished tiles.
   EXACT_DELTA the `stable` schedule's exact Δ in one pass (docs/hopper_backward.md), from a
@@ -135,16 +141,20 @@ def _rounded(x, dtype: gl.constexpr):
 
 
 @gluon.jit
-def _row_stats(lse_raw, delta_raw, q_in, EXACT_DELTA: gl.constexpr):
+def _row_stats(lse_raw, delta_raw, q_in, EXACT_DELTA: gl.constexpr, EVEN_L: gl.constexpr = False):
     """(lse2, Δ) of a tile's query rows from the stored planes: base 2, +inf for a row that sees no
     key (LSE -inf) and for rows past L, whose P is then exactly 0, and Δ 0 past L. Under
-    EXACT_DELTA the plane already holds the base-2 pivot c (+inf for a row with no key)."""
+    EXACT_DELTA the plane already holds the base-2 pivot c (+inf for a row with no key). Under
+    EVEN_L there are no rows past L."""
     if EXACT_DELTA:
         lse2 = lse_raw
     else:
         lse2 = lse_raw * LOG2E
         lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
-    return gl.where(q_in, lse2, float("inf")), gl.where(q_in, delta_raw, 0.0)
+    if EVEN_L:
+        return lse2, delta_raw
+    else:
+        return gl.where(q_in, lse2, float("inf")), gl.where(q_in, delta_raw, 0.0)
 
 
 @gluon.jit
@@ -189,27 +199,37 @@ def _listed_pairs(TILE_LISTS, b, h0, heads, n0, stride_lb, stride_lh, list_strid
 
 @gluon.jit
 def _walk_start(TILE_LISTS, b, h0, heads, n0, n_m, stride_lb, stride_lh, list_stride, BLOCK_N: gl.constexpr,
-                HAS_BLOCK_SPARSITY: gl.constexpr):
+                HAS_BLOCK_SPARSITY: gl.constexpr, COUNTED_WALK: gl.constexpr = False):
     """(the number of (query head, query tile) pairs the CTA walks, the walk's state (hh, i, count,
     tiles)): dense, ``heads`` times its ``n_m`` tiles; under HAS_BLOCK_SPARSITY, the listed ones. The
-    loader and the consumers walk it alike (``_walk_step``), so ring slot t holds the same pair for both."""
+    loader and the consumers walk it alike (``_walk_step``), so ring slot t holds the same pair for both.
+    The dense walk has state only under COUNTED_WALK: head hh, tile i of ``count`` = n_m."""
     if HAS_BLOCK_SPARSITY:
         n_pairs, count, tiles = _listed_pairs(TILE_LISTS, b, h0, heads, n0, stride_lb, stride_lh, list_stride,
                                               BLOCK_N)
     else:
         n_pairs = heads * n_m
-        count = 0  # the dense walk has no state
+        if COUNTED_WALK:
+            count = n_m
+        else:
+            count = 0  # not read
         tiles = TILE_LISTS
     return n_pairs, 0, 0, count, tiles
 
 
 @gluon.jit
 def _walk_step(t, first, n_m, h0, b, n0, hh, i, count, tiles, TILE_LISTS, stride_lb, stride_lh, list_stride,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_BLOCK_SPARSITY: gl.constexpr):
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_BLOCK_SPARSITY: gl.constexpr,
+               COUNTED_WALK: gl.constexpr = False):
     """(query head, first query row) of the walk's t-th pair, and the walk's next state."""
     if HAS_BLOCK_SPARSITY:
         return _next_listed(TILE_LISTS, b, h0, n0, hh, i, count, tiles, stride_lb, stride_lh, list_stride, BLOCK_M,
                             BLOCK_N)
+    elif COUNTED_WALK:
+        # Pair t is tile i of head hh; the next is tile i + 1, or tile 0 of the next head.
+        wrap = i + 1 == count
+        return (h0 + hh, (first + i) * BLOCK_M, gl.where(wrap, hh + 1, hh), gl.where(wrap, 0, i + 1), count,
+                tiles)
     else:
         return h0 + t // n_m, (first + t % n_m) * BLOCK_M, hh, i, count, tiles
 
@@ -260,7 +280,7 @@ def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_
                        TILE_LISTS, stride_lb, stride_lh, list_stride,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                        IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, ROW_STATS_TMA: gl.constexpr,
-                       DKDV_PARTIALS: gl.constexpr, HAS_BLOCK_SPARSITY: gl.constexpr):
+                       DKDV_PARTIALS: gl.constexpr, HAS_BLOCK_SPARSITY: gl.constexpr, COUNTED_WALK: gl.constexpr):
     """One warp: each consumer's K and V once, then Q and dO tiles (with their LSE and Δ rows
     under ROW_STATS_TMA) into the ring."""
     n0, b, h_kv, part, heads = _cta_coords(H_KV, GROUP, group_split, swizzle_heads, BLOCK_N, DKDV_PARTIALS)
@@ -274,14 +294,15 @@ def _hopper_bwd_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_
                           IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT)
     h0 = h_kv * GROUP + part * heads
     n_pairs, hh, i, count, tiles = _walk_start(TILE_LISTS, b, h0, heads, n0, n_m, stride_lb, stride_lh, list_stride,
-                                               BLOCK_N, HAS_BLOCK_SPARSITY)
+                                               BLOCK_N, HAS_BLOCK_SPARSITY, COUNTED_WALK)
     for t in range(n_pairs):
         slot = t % NUM_STAGES
         # A fresh mbarrier counts as having completed the phase before phase 0: the first pass
         # over the ring waits on parity 1 and goes straight through.
         mbarrier.wait(q_empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
         h, m, hh, i, count, tiles = _walk_step(t, first, n_m, h0, b, n0, hh, i, count, tiles, TILE_LISTS, stride_lb,
-                                               stride_lh, list_stride, BLOCK_M, BLOCK_N, HAS_BLOCK_SPARSITY)
+                                               stride_lh, list_stride, BLOCK_M, BLOCK_N, HAS_BLOCK_SPARSITY,
+                                               COUNTED_WALK)
         if ROW_STATS_TMA:
             # Rows past L come back as TMA's zeros; the consumers replace them anyway.
             bh = b * H_KV * GROUP + h
@@ -307,7 +328,8 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, kt_smem, v_s
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                          WINDOW_LEFT: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr,
                          EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr,
-                         DKDV_PARTIALS: gl.constexpr, CENTRE_KEYS: gl.constexpr, HAS_BLOCK_SPARSITY: gl.constexpr):
+                         DKDV_PARTIALS: gl.constexpr, CENTRE_KEYS: gl.constexpr, HAS_BLOCK_SPARSITY: gl.constexpr,
+                         COUNTED_WALK: gl.constexpr, EVEN_L: gl.constexpr):
     dtype: gl.constexpr = dk_desc.dtype
     KC: gl.constexpr = KEYS_PER_CONSUMER
     # Sᵀ and dPᵀ: (64 keys) x (BLOCK_M query rows); dK, dV: (64 keys) x E.
@@ -383,12 +405,13 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, kt_smem, v_s
     h0 = h_kv * GROUP + part * heads
     # The loader's walk, step for step.
     n_pairs, hh, i, count, tiles = _walk_start(TILE_LISTS, b, h0, heads, n0, n_m, stride_lb, stride_lh, list_stride,
-                                               BLOCK_N, HAS_BLOCK_SPARSITY)
+                                               BLOCK_N, HAS_BLOCK_SPARSITY, COUNTED_WALK)
     for t in range(n_pairs):
         slot = t % NUM_STAGES
         phase = (t // NUM_STAGES) & 1
         h, m, hh, i, count, tiles = _walk_step(t, first, n_m, h0, b, n0, hh, i, count, tiles, TILE_LISTS, stride_lb,
-                                               stride_lh, list_stride, BLOCK_M, BLOCK_N, HAS_BLOCK_SPARSITY)
+                                               stride_lh, list_stride, BLOCK_M, BLOCK_N, HAS_BLOCK_SPARSITY,
+                                               COUNTED_WALK)
         row_base = (b * H_Q + h).to(gl.int64) * L
         stats_base = (b * H_Q + h).to(gl.int64) * stride_stats
         q_ids = m + gl.arange(0, BLOCK_M, layout=col_layout)
@@ -412,7 +435,7 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, kt_smem, v_s
         dpt_tok = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if ROW_STATS_TMA:
             delta_raw = delta_smem.index(slot).reshape([BLOCK_M]).load(col_layout)
-        lse2, delta = _row_stats(lse_raw, delta_raw, q_in, EXACT_DELTA=EXACT_DELTA)
+        lse2, delta = _row_stats(lse_raw, delta_raw, q_in, EXACT_DELTA=EXACT_DELTA, EVEN_L=EVEN_L)
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
         # Masking binds where some key of this consumer lies past S (the zero keys TMA filled in
         # score 0, and exp2(0 - lse2) need not be small) or outside some row's band: above its
@@ -542,7 +565,8 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                      DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, EXACT_DELTA: gl.constexpr,
                      HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr, DKDV_PARTIALS: gl.constexpr,
                      CENTRE_KEYS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                     HAS_BLOCK_SPARSITY: gl.constexpr = False):
+                     HAS_BLOCK_SPARSITY: gl.constexpr = False, COUNTED_WALK: gl.constexpr = False,
+                     EVEN_L: gl.constexpr = False):
     """Grid (cdiv(S, BLOCK_N), B * H_KV * group_split), walked in the order ``swizzle_heads`` sets.
     Descriptors are 4-D over (B, H, L or S, E): Q and dO boxes (1, 1, BLOCK_M, E); K, V, dK, dV
     boxes (1, 1, 64, E). DQ_ACCUM is (B, Hq, L, E) fp32
@@ -618,7 +642,7 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                                 TILE_LISTS, stride_lb, stride_lh, list_stride, 0,
                                 HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, DQ_SPLIT, DQ_TMA,
                                 EXACT_DELTA, HAS_KEY_BIAS, ROW_STATS_TMA, DKDV_PARTIALS, CENTRE_KEYS,
-                                HAS_BLOCK_SPARSITY)),
+                                HAS_BLOCK_SPARSITY, COUNTED_WALK, EVEN_L)),
         (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, kt_smem, v_smem, do_smem, ds_smem,
                                 dq_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
                                 LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART, L, S, H_KV, GROUP,
@@ -627,10 +651,10 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                                 TILE_LISTS, stride_lb, stride_lh, list_stride, 1,
                                 HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, DQ_SPLIT, DQ_TMA,
                                 EXACT_DELTA, HAS_KEY_BIAS, ROW_STATS_TMA, DKDV_PARTIALS, CENTRE_KEYS,
-                                HAS_BLOCK_SPARSITY)),
+                                HAS_BLOCK_SPARSITY, COUNTED_WALK, EVEN_L)),
         (_hopper_bwd_loader, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
                               do_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty,
                               L, H_KV, GROUP, group_split, causal_offset, window_lower, swizzle_heads,
                               TILE_LISTS, stride_lb, stride_lh, list_stride, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
-                              WINDOW_LEFT, ROW_STATS_TMA, DKDV_PARTIALS, HAS_BLOCK_SPARSITY)),
+                              WINDOW_LEFT, ROW_STATS_TMA, DKDV_PARTIALS, HAS_BLOCK_SPARSITY, COUNTED_WALK)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
