@@ -51,7 +51,7 @@ _functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_acti
 from ..launch.block_tiles import check_block_layout
 from ..launch.visibility import Visibility
 from ..schedules import get_schedule
-from .one_pass import attention_one_pass, one_pass_applies
+from .one_pass import attention_one_pass, layout_keyword, mask_keyword, one_pass_applies
 from .reference import reference_backward, reference_forward
 
 # --------------------------------------------------------------------------------------
@@ -130,21 +130,10 @@ def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal
               or hopper.tma_unsupported_reason(query, key, value))
     if reason is None:
         return hopper_call(query, key, value, is_causal, causal_offset, scale, schedule, *window_pair(window),
-                           **_key_mask_argument(attn_mask), **_layout_argument(block_map, block_q, block_k))
+                           **mask_keyword(attn_mask), **layout_keyword(block_map, block_q, block_k))
     hopper.log_triton_forward(reason)
     return launch.attention_forward(query, key, value, attn_mask, rng_seed, dropout_p, scale, schedule,
                                     visibility=visibility)
-
-
-def _key_mask_argument(attn_mask: Optional[Tensor]) -> dict:
-    """The Hopper call's key mask as a keyword, left out when there is none (so a stand-in
-    ``hopper_call`` without masks keeps its signature)."""
-    return {} if attn_mask is None else {"attn_mask": attn_mask}
-
-
-def _layout_argument(block_map: Optional[Tensor], block_q: int, block_k: int) -> dict:
-    """The Hopper call's block-sparse layout as a keyword, left out when there is none."""
-    return {} if block_map is None else {"block_layout": (block_map, block_q, block_k)}
 
 
 def _block_sizes(block_map: Optional[Tensor], block_q: int, block_k: int) -> Optional[tuple[int, int]]:
@@ -178,8 +167,8 @@ def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse,
               or (hopper_bwd.NO_RESIDUAL if get_schedule(schedule).exact_delta else None))
     if reason is None:
         dq, dk, dv = hopper_call(grad_out, query, key, value, out, lse, grad_lse, is_causal, causal_offset, scale,
-                                 schedule, *window_pair(window), **_key_mask_argument(attn_mask),
-                                 **_layout_argument(block_map, block_q, block_k))
+                                 schedule, *window_pair(window), **mask_keyword(attn_mask),
+                                 **layout_keyword(block_map, block_q, block_k))
         return dq, dk, dv, query.new_empty(0)
     hopper_bwd.log_triton_backward(reason)
     visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=window, block_map=block_map,

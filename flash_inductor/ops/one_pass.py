@@ -92,15 +92,18 @@ def _forward(query, key, value, is_causal, causal_offset, scale, window_left, wi
     query, key, value = _addressable(query, key, value)
     return hopper.hopper_attention_forward(query, key, value, scale=scale, is_causal=is_causal,
                                            causal_offset=causal_offset, window=(window_left, window_right),
-                                           exact_delta=True, schedule="stable", **_mask_keyword(attn_mask),
-                                           **_layout_keyword(block_map, block_q, block_k))
+                                           exact_delta=True, schedule="stable", **mask_keyword(attn_mask),
+                                           **layout_keyword(block_map, block_q, block_k))
 
 
-def _mask_keyword(attn_mask: Optional[Tensor]) -> dict:
+def mask_keyword(attn_mask: Optional[Tensor]) -> dict:
+    """A Hopper launcher call's key mask as a keyword, left out when there is none (so a stand-in
+    launcher without masks keeps its signature). ops/attention.py's Hopper calls use it too."""
     return {} if attn_mask is None else {"attn_mask": attn_mask}
 
 
-def _layout_keyword(block_map: Optional[Tensor], block_q: int, block_k: int) -> dict:
+def layout_keyword(block_map: Optional[Tensor], block_q: int, block_k: int) -> dict:
+    """A Hopper launcher call's block-sparse layout as a keyword, left out when there is none."""
     return {} if block_map is None else {"block_layout": (block_map, block_q, block_k)}
 
 
@@ -117,8 +120,8 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts
     return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
                                                 is_causal=is_causal, causal_offset=causal_offset,
                                                 window=(window_left, window_right), exact_delta=(resid, row_consts),
-                                                mean_key=key_mean(key), schedule="stable", **_mask_keyword(attn_mask),
-                                                **_layout_keyword(block_map, block_q, block_k))
+                                                mean_key=key_mean(key), schedule="stable", **mask_keyword(attn_mask),
+                                                **layout_keyword(block_map, block_q, block_k))
 
 
 @torch.library.custom_op("flash_inductor::attention_forward_one_pass", mutates_args=())
