@@ -74,17 +74,6 @@ DETERMINISTIC = ("torch.use_deterministic_algorithms(True) (the Hopper backward 
                  "in an order that varies run to run)")
 
 
-# The tile loop without its per-tile integer division (the (head, tile) walk carries counters,
-# COUNTED_WALK) and, where L is a multiple of the query tile, without the row statistics' masks
-# (EVEN_L): compiled for sm_90a (`stable`, causal, tools/hopper_bwd_compile.py --lean-loop) a
-# consumer's tile loop has 516 instructions against 601 at E 64 (no integer division, 64 selects
-# against 96) and 647 against 793 at E 128, whose spill stores fall from 332 to 264 bytes; both
-# paths' arithmetic is the same. Off
-# until the GPU tests pass with it on and a step is timed (`STEPS=lean bash tools/gpu_hopper_ab.sh`);
-# off, the SASS is what it was before the switch existed.
-LEAN_TILE_LOOP = False
-
-
 # Up to this many waves of CTAs, a causal backward runs every head's first key block first.
 KEY_BLOCK_MAJOR_MAX_WAVES = 8
 
@@ -295,7 +284,7 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, is_caus
         IS_CAUSAL=band_is_causal, WINDOW_LEFT=band.lower is not None, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma,
         EXACT_DELTA=exact_delta is not None, HAS_KEY_BIAS=attn_mask is not None, ROW_STATS_TMA=cfg.row_stats_tma,
         DKDV_PARTIALS=parts > 1, CENTRE_KEYS=mean_key is not None, HAS_BLOCK_SPARSITY=block_layout is not None,
-        COUNTED_WALK=LEAN_TILE_LOOP, EVEN_L=LEAN_TILE_LOOP and seq_q % cfg.block_m == 0,
+        EVEN_L=seq_q % cfg.block_m == 0,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
