@@ -216,7 +216,7 @@ def _walk_start(TILE_LISTS, b, h0, heads, n0, n_m, stride_lb, stride_lh, list_st
 @gluon.jit
 def _walk_step(first, h0, b, n0, hh, i, count, tiles, TILE_LISTS, stride_lb, stride_lh, list_stride,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_BLOCK_SPARSITY: gl.constexpr):
-    """(query head, first query row) of the walk's t-th pair, and the walk's next state."""
+    """(query head, first query row) of the walk's current pair, and the walk's next state."""
     if HAS_BLOCK_SPARSITY:
         return _next_listed(TILE_LISTS, b, h0, n0, hh, i, count, tiles, stride_lb, stride_lh, list_stride, BLOCK_M,
                             BLOCK_N)
