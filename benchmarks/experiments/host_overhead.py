@@ -22,8 +22,9 @@ launches our kernels), flash = SDPA's flash backend. Ways, per provider:
 * ``fwd_bwd``: forward and ``backward`` (one training step's attention).
 Writes ``host_overhead.json`` and ``host_overhead_profile.txt`` to ``--out``. ``--breakdown`` times
 instead, the same way, the pieces of ours' `stable` training step one by one (a backward alone,
-its launcher, the forward's launcher, the centring, one TMA descriptor, one allocation), into
-``host_breakdown.json``.
+its launcher, the forward's launcher, the centring, one TMA descriptor, one allocation, and the
+steps of Triton's launch of the Gluon backward and the preprocess: binder, cache key, launch
+metadata, descriptor encoding, C launcher), into ``host_breakdown.json``.
 It measures the ``flash_inductor`` of the tree it is run from: for an A/B, run it from the root
 of each tree in turn.
 """
@@ -214,9 +215,62 @@ def _launch_pieces(q, k, v, causal, scale, out, lse, resid, row_consts, k_hat, d
         grid, args, kwargs = _captured_launch(kernel, backward)
         pieces[f"{name}: launch alone (JITFunction.run)"] = (
             lambda kernel=kernel, grid=grid, args=args, kwargs=kwargs: kernel[grid](*args, **kwargs))
+        pieces.update({f"{name}: {piece}": fn for piece, fn in _jit_run_pieces(kernel, grid, args, kwargs).items()})
     pieces["_EagerOnePass.apply"] = lambda: _EagerOnePass.apply(q, k, v, causal, 0, scale, -1, -1, None)
     pieces["attention_forward_eager"] = lambda: attention_forward_eager(q, k, v, None, None, 0.0, causal, 0, scale,
                                                                         "stable")
+    return pieces
+
+
+def _jit_run_pieces(kernel, grid, args, kwargs) -> dict:
+    """The steps of one ``JITFunction.run`` of a compiled kernel, each callable alone, as Triton 3.6
+    takes them: the binder (each argument's specialisation), the compiled-kernel cache key, the
+    launch metadata, the host descriptors' encoding (``make_tensordesc_arg``, each TMA descriptor
+    into a CUtensorMap) and the C launcher, which encodes them again and launches. Empty where this
+    Triton's internals differ: they are not an API, and only this experiment reads them."""
+    try:
+        from triton import knobs
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+        from triton.runtime.driver import driver
+        from triton.runtime.jit import compute_cache_key
+
+        device = driver.active.get_current_device()
+        stream = driver.active.get_current_stream(device)
+        kernel_cache, key_cache, _target, _backend, binder = kernel.device_caches[device]
+        kwargs = dict(kwargs, debug=kwargs.get("debug", kernel.debug) or knobs.runtime.debug,
+                      instrumentation_mode=knobs.compilation.instrumentation_mode)
+        bound, specialization, options = binder(*args, **kwargs)
+        key = compute_cache_key(key_cache, specialization, options)
+        compiled = kernel_cache[key]
+        values = list(bound.values())
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        metadata = compiled.launch_metadata(grid, stream, *values)
+        descriptors = [value for value in values if type(value).__name__ == "TensorDescriptor"]
+        descriptor_meta = getattr(compiled.metadata, "tensordesc_meta", None) or [None] * len(descriptors)
+    except Exception as exc:  # another Triton's internals
+        print(f"      --    JITFunction.run's pieces: {type(exc).__name__}: {exc}")
+        return {}
+
+    def encode():
+        for descriptor, meta in zip(descriptors, descriptor_meta):
+            make_tensordesc_arg(descriptor, meta)
+
+    def launch():
+        compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, metadata,
+                     knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *values)
+    pieces = {
+        "binder (JITFunction.run)": lambda: binder(*args, **kwargs),
+        "cache key (JITFunction.run)": lambda: compute_cache_key(key_cache, specialization, options),
+        "launch metadata (JITFunction.run)": lambda: compiled.launch_metadata(grid, stream, *values),
+        f"{len(descriptors)} descriptors encoded (make_tensordesc_arg)": encode,
+        "C launcher with its descriptors (CompiledKernel.run)": launch,
+    }
+    try:
+        for piece in pieces.values():
+            piece()  # each once here, so that a mismatch drops the rows rather than the breakdown
+    except Exception as exc:
+        print(f"      --    JITFunction.run's pieces: {type(exc).__name__}: {exc}")
+        return {}
     return pieces
 
 
