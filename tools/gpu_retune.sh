@@ -13,8 +13,11 @@
 # returned table goes into tuning_resume/ of the working tree. INCUMBENTS (1): the shipped entries of
 # the dropped buckets race in their searches (--incumbents), so a pick moves only for a gain over it
 # measured in the same run (a re-tune without it moved most picks, no faster on average);
-# INCUMBENTS=0 tunes from scratch. Timing (H200): 16 s1024 buckets (162 candidates) in 256 s;
-# 24 backward buckets at mixed lengths in 381 s.
+# INCUMBENTS=0 tunes from scratch. CHAIN=1: start from the table an earlier run of this script
+# left in $OUT/tables (same call), so that several selections re-tuned one after another end in one
+# table (each run's summary keeps its own TAG; the device returns at most 8 files).
+# Timing (H200): 16 s1024 buckets (162 candidates) in 256 s; 24 backward buckets at mixed lengths
+# in 381 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flash_inductor_out}
@@ -32,10 +35,12 @@ TABLE=$OUT/tables/$GPU_KEY.json
 if ls tuning_resume/"$GPU_KEY".json >/dev/null 2>&1; then
   cp tuning_resume/"$GPU_KEY".json "$TABLE"   # a stopped run's table: its dropped buckets are gone already
 else
-  python3 - "$TABLE" "$GPU_KEY" "$SCHED" "$PASSES" "$DIMS" "$SEQS" "$DTYPES" "$MASKS" <<'PY' || exit 2
+  BASE=flash_inductor/tuning/tables/$GPU_KEY.json
+  [ "${CHAIN:-0}" = 1 ] && [ -f "$TABLE" ] && BASE=$TABLE
+  python3 - "$TABLE" "$BASE" "$SCHED" "$PASSES" "$DIMS" "$SEQS" "$DTYPES" "$MASKS" <<'PY' || exit 2
 import json, sys
-path, gpu, scheds, passes, dims, seqs, dtypes, masks = sys.argv[1:]
-table = json.load(open(f"flash_inductor/tuning/tables/{gpu}.json"))
+path, base, scheds, passes, dims, seqs, dtypes, masks = sys.argv[1:]
+table = json.load(open(base))
 def chosen(key):
     schedule, dtype, width, mask, seq, pass_name = key.split("/")
     return (schedule in scheds.split(",") and pass_name in passes.split(",") and width[1:] in dims.split(",")
@@ -44,7 +49,7 @@ dropped = [key for key in table["entries"] if chosen(key)]
 for key in dropped:
     del table["entries"][key]
 json.dump(table, open(path, "w"), indent=1)
-print(f"dropped {len(dropped)} buckets; {len(table['entries'])} kept")
+print(f"dropped {len(dropped)} buckets of {base}; {len(table['entries'])} kept")
 PY
 fi
 nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader | tee "$OUT/gpu.txt"
