@@ -34,7 +34,8 @@ def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int = 64, s
                    dq_split: bool = False, dq_tma: bool = True, consumer_regs: int = 240, loader_regs: int = 24,
                    maxnreg: int = 168, window: bool = False, exact_delta: bool = False,
                    key_bias: bool = False, row_stats_tma: bool = True, group_split: int = 1,
-                   centre_keys: bool = False, block_sparse: bool = False, even_l: bool = True):
+                   centre_keys: bool = False, block_sparse: bool = False, even_l: bool = True,
+                   paired_tiles: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -68,7 +69,7 @@ def compile_config(head_dim: int, dtype: str, causal: bool, block_m: int = 64, s
                       ROW_STATS_TMA=row_stats_tma, DKDV_PARTIALS=group_split > 1, CENTRE_KEYS=centre_keys,
                       CONSUMER_REGS=consumer_regs,
                       LOADER_REGS=loader_regs, HAS_BLOCK_SPARSITY=block_sparse,
-                      EVEN_L=even_l)
+                      EVEN_L=even_l, PAIRED_TILES=paired_tiles)
     if group_split == 1:
         # An unsplit launch passes group_split = 1, which Triton compiles in as a constant.
         constexprs["group_split"] = 1
@@ -112,6 +113,8 @@ def main() -> int:
                     help="a block-sparse layout's tile lists (HAS_BLOCK_SPARSITY)")
     ap.add_argument("--ragged-l", action="store_true",
                     help="L not a multiple of the query tile: the row statistics' masks (EVEN_L off)")
+    ap.add_argument("--paired-tiles", action="store_true",
+                    help="two tiles an iteration, the second's Sᵀ issued under the first's dQ epilogue (PAIRED_TILES)")
     ap.add_argument("--dump", default=None, help="folder for the ttgir/ptx/sass of each config")
     args = ap.parse_args()
     for e in args.head_dim:
@@ -120,7 +123,7 @@ def main() -> int:
                                window=args.window, exact_delta=args.exact_delta, key_bias=args.key_bias,
                                row_stats_tma=bool(args.row_stats_tma), group_split=args.group_split,
                                centre_keys=args.centre_keys, block_sparse=args.block_sparse,
-                               even_l=not args.ragged_l)
+                               even_l=not args.ragged_l, paired_tiles=args.paired_tiles)
             print(f"E={e} {args.dtype} causal={args.causal} window={args.window} exact_delta={args.exact_delta} "
                   f"key_bias={args.key_bias} centre_keys={args.centre_keys} row_stats_tma={bool(args.row_stats_tma)} BM={args.block_m} "
                   f"stages={args.stages} group_split={args.group_split} block_sparse={args.block_sparse} "
@@ -128,7 +131,7 @@ def main() -> int:
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
                 band = ("c" if args.causal else "n") + ("w" if args.window else "")
-                tag = f"e{e}_{args.dtype}_{band}_bm{args.block_m}_s{args.stages}_split{split}_tma{dq_tma}_g{args.group_split}{'_ck' if args.centre_keys else ''}{'_bs' if args.block_sparse else ''}{'_ragged' if args.ragged_l else ''}"
+                tag = f"e{e}_{args.dtype}_{band}_bm{args.block_m}_s{args.stages}_split{split}_tma{dq_tma}_g{args.group_split}{'_ck' if args.centre_keys else ''}{'_bs' if args.block_sparse else ''}{'_ragged' if args.ragged_l else ''}{'_paired' if args.paired_tiles else ''}"
                 for ext in ("ttgir", "ptx"):
                     with open(os.path.join(args.dump, f"{tag}.{ext}"), "w") as f:
                         f.write(k.asm[ext])

@@ -76,6 +76,11 @@ Constexpr switches:
   EVEN_L      L is a multiple of BLOCK_M (the launcher's promise): no tile has rows past L, so the
               row statistics need no mask (32 selects and 16 compares a thread a tile under
               EXACT_DELTA).
+  PAIRED_TILES the consumers walk their tiles two an iteration (``_consumer_tile`` twice), the first
+              call issuing the second tile's Sᵀ before its last wait, so that the tensor cores run it
+              under the first tile's dQ epilogue; an odd walk's last tile goes alone. Only in
+              straight-line code does ptxas keep that overlap asynchronous (a token carried over
+              the loop's back edge serialises every wgmma, tools/wgmma_overlap_probe.py).
   DKDV_PARTIALS dK and dV as fp32 partial sums into DKDV_PART (group_split above) instead of TMA
               stores of the finished tiles.
   EXACT_DELTA the `stable` schedule's exact Δ in one pass (docs/hopper_backward.md), from a
@@ -104,54 +109,13 @@ Under EXACT_DELTA, `stable`'s: the exact Δ, and fp16 dS scaled into range.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from .gluon_tma import async_reduce_add_shared_to_global
 from .grid_order import swizzled_cta
+from .hopper_bwd_tile import _consumer_tile
 
-LOG2E = gl.constexpr(1.4426950408889634)
 KEYS_PER_CONSUMER = gl.constexpr(64)
 NUM_CONSUMERS = gl.constexpr(2)
-
-
-@gluon.jit
-def _rounded(x, dtype: gl.constexpr):
-    """x rounded to ``dtype`` (bf16/fp16) and kept in fp32, by one packed conversion per pair of
-    elements: written as ``x.to(dtype).to(float32)`` the compiler converts each element on its
-    own (F2F, the slow pipe) to reuse the 16-bit values."""
-    if dtype == gl.bfloat16:
-        return gl.inline_asm_elementwise(
-            "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; and.b32 $1, t, 0xffff0000; }",
-            "=r,=r,r,r", [x.to(gl.int32, bitcast=True)], dtype=gl.int32, is_pure=True,
-            pack=2).to(gl.float32, bitcast=True)
-    else:
-        return gl.inline_asm_elementwise(
-            "{ .reg .b32 t; .reg .b16 lo, hi; cvt.rn.f16x2.f32 t, $3, $2; mov.b32 {lo, hi}, t; "
-            "cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
-            "=f,=f,f,f", [x], dtype=gl.float32, is_pure=True, pack=2)
-
-
-@gluon.jit
-def _row_stats(lse_raw, delta_raw, q_in, EXACT_DELTA: gl.constexpr, EVEN_L: gl.constexpr = False):
-    """(lse2, Δ) of a tile's query rows from the stored planes: base 2, +inf for a row that sees no
-    key (LSE -inf) and for rows past L, whose P is then exactly 0, and Δ 0 past L. Under
-    EXACT_DELTA the plane already holds the base-2 pivot c (+inf for a row with no key). Under
-    EVEN_L there are no rows past L."""
-    if EXACT_DELTA:
-        lse2 = lse_raw
-    else:
-        lse2 = lse_raw * LOG2E
-        lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
-    if EVEN_L:
-        return lse2, delta_raw
-    else:
-        return gl.where(q_in, lse2, float("inf")), gl.where(q_in, delta_raw, 0.0)
 
 
 @gluon.jit
@@ -321,7 +285,7 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, kt_smem, v_s
                          WINDOW_LEFT: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr,
                          EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr,
                          DKDV_PARTIALS: gl.constexpr, CENTRE_KEYS: gl.constexpr, HAS_BLOCK_SPARSITY: gl.constexpr,
-                         EVEN_L: gl.constexpr):
+                         EVEN_L: gl.constexpr, PAIRED_TILES: gl.constexpr):
     dtype: gl.constexpr = dk_desc.dtype
     KC: gl.constexpr = KEYS_PER_CONSUMER
     # Sᵀ and dPᵀ: (64 keys) x (BLOCK_M query rows); dK, dV: (64 keys) x E.
@@ -372,8 +336,6 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, kt_smem, v_s
     else:
         dq_col0 = 0
     dq_cols = dq_cols + dq_col0
-    if DQ_TMA:
-        dq_tile = dq_smem.index(CONSUMER)
     if EXACT_DELTA:
         if dtype == gl.float16:
             ds_up = gl.load(DS_UP)
@@ -398,101 +360,45 @@ def _hopper_bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, k_smem, kt_smem, v_s
     # The loader's walk, step for step.
     n_pairs, hh, i, count, tiles = _walk_start(TILE_LISTS, b, h0, heads, n0, n_m, stride_lb, stride_lh, list_stride,
                                                BLOCK_N, HAS_BLOCK_SPARSITY)
-    for t in range(n_pairs):
-        slot = t % NUM_STAGES
-        phase = (t // NUM_STAGES) & 1
+    # Everything one tile needs, the same for every call (_consumer_tile's arguments after the walk's).
+    if not DQ_SPLIT:
+        k_all = kq_tile  # not read
+    if not EXACT_DELTA:
+        ds_up = 1.0  # not read
+    if PAIRED_TILES:
+        for pair in range(n_pairs // 2):
+            t = 2 * pair
+            h, m, hh, i, count, tiles = _walk_step(first, h0, b, n0, hh, i, count, tiles, TILE_LISTS, stride_lb,
+                                                   stride_lh, list_stride, BLOCK_M, BLOCK_N, HAS_BLOCK_SPARSITY)
+            h_b, m_b, hh, i, count, tiles = _walk_step(first, h0, b, n0, hh, i, count, tiles, TILE_LISTS, stride_lb,
+                                                       stride_lh, list_stride, BLOCK_M, BLOCK_N, HAS_BLOCK_SPARSITY)
+            dv, dk, st_b = _consumer_tile(
+                t, h, m, b, H_Q, L, S, k0, stride_stats, causal_offset, window_lower, qk_scale, ds_up, grad_scale,
+                dv, dk, s_zero, t + 1, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, q_ready, do_ready,
+                q_empty, ds_ready, k_tile, v_tile, kq_tile, k_all, s_zero, dq_zero, key_ids, dq_rows0, dq_cols,
+                dq_col0, LSE, DELTA, DQ_ACCUM, KEY_BIAS, dq_desc, CONSUMER, HEAD_DIM, BLOCK_M, NUM_STAGES, IS_CAUSAL,
+                WINDOW_LEFT, DQ_SPLIT, DQ_TMA, EXACT_DELTA, HAS_KEY_BIAS, ROW_STATS_TMA, EVEN_L, KC, DQ_COLS,
+                col_layout, a_layout, dtype, ST_ISSUED=False, ISSUE_NEXT=True)
+            dv, dk, st_b = _consumer_tile(
+                t + 1, h_b, m_b, b, H_Q, L, S, k0, stride_stats, causal_offset, window_lower, qk_scale, ds_up,
+                grad_scale, dv, dk, st_b, t + 1, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, q_ready,
+                do_ready, q_empty, ds_ready, k_tile, v_tile, kq_tile, k_all, s_zero, dq_zero, key_ids, dq_rows0,
+                dq_cols, dq_col0, LSE, DELTA, DQ_ACCUM, KEY_BIAS, dq_desc, CONSUMER, HEAD_DIM, BLOCK_M, NUM_STAGES,
+                IS_CAUSAL, WINDOW_LEFT, DQ_SPLIT, DQ_TMA, EXACT_DELTA, HAS_KEY_BIAS, ROW_STATS_TMA, EVEN_L, KC,
+                DQ_COLS, col_layout, a_layout, dtype, ST_ISSUED=True, ISSUE_NEXT=False)
+        first_single = n_pairs - n_pairs % 2  # an odd walk's last tile, alone
+    else:
+        first_single = 0
+    for t in range(first_single, n_pairs):
         h, m, hh, i, count, tiles = _walk_step(first, h0, b, n0, hh, i, count, tiles, TILE_LISTS, stride_lb,
                                                stride_lh, list_stride, BLOCK_M, BLOCK_N, HAS_BLOCK_SPARSITY)
-        row_base = (b * H_Q + h).to(gl.int64) * L
-        stats_base = (b * H_Q + h).to(gl.int64) * stride_stats
-        q_ids = m + gl.arange(0, BLOCK_M, layout=col_layout)
-        q_in = q_ids < L
-        if not ROW_STATS_TMA:
-            # Row statistics go out before the GEMMs wait on them (L2-resident vectors).
-            lse_raw = gl.load(LSE + stats_base + q_ids, mask=q_in, other=0.0)
-            delta_raw = gl.load(DELTA + stats_base + q_ids, mask=q_in, other=0.0)
-        if HAS_KEY_BIAS:
-            # This query head's bias over the consumer's keys (-inf past S), a vector per tile.
-            key_bias = gl.load(KEY_BIAS + (b * H_Q + h).to(gl.int64) * S + key_ids, mask=key_ids < S,
-                               other=float("-inf"))
-
-        q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-        do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-        mbarrier.wait(q_ready.index(slot), phase)
-        st_tok = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if ROW_STATS_TMA:
-            lse_raw = lse_smem.index(slot).reshape([BLOCK_M]).load(col_layout)  # landed with Q, read while Sᵀ runs
-        mbarrier.wait(do_ready.index(slot), phase)
-        dpt_tok = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if ROW_STATS_TMA:
-            delta_raw = delta_smem.index(slot).reshape([BLOCK_M]).load(col_layout)
-        lse2, delta = _row_stats(lse_raw, delta_raw, q_in, EXACT_DELTA=EXACT_DELTA, EVEN_L=EVEN_L)
-        st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
-        # Masking binds where some key of this consumer lies past S (the zero keys TMA filled in
-        # score 0, and exp2(0 - lse2) need not be small) or outside some row's band: above its
-        # diagonal (IS_CAUSAL) or left of its window (WINDOW_LEFT).
-        if IS_CAUSAL:
-            needs_mask = (m + causal_offset < k0 + KC - 1) | (k0 + KC > S)
-        else:
-            needs_mask = k0 + KC > S
-        if WINDOW_LEFT:
-            needs_mask = needs_mask | (k0 < m + BLOCK_M - 1 + window_lower)
-        if needs_mask:
-            visible = gl.expand_dims(key_ids < S, 1)
-            if IS_CAUSAL:
-                visible = visible & (gl.expand_dims(key_ids, 1) <= gl.expand_dims(q_ids, 0) + causal_offset)
-            if WINDOW_LEFT:
-                visible = visible & (gl.expand_dims(key_ids, 1) >= gl.expand_dims(q_ids, 0) + window_lower)
-            st = gl.where(visible, st, float("-inf"))
-        if HAS_KEY_BIAS:
-            pt = gl.exp2((st * qk_scale + gl.expand_dims(key_bias, 1)) - gl.expand_dims(lse2, 0))
-        else:
-            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-        if EXACT_DELTA:
-            pt = _rounded(pt, dtype)  # P̃, as the forward rounded it; dS takes the same values
-        pt_op = gl.convert_layout(pt.to(dtype), a_layout)
-        # dV += Pᵀ·dO runs while dSᵀ is formed (wgmma groups retire in issue order, so one
-        # outstanding after dPᵀ's wait means dPᵀ is done, dV may not be).
-        dv_tok = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
-        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt_tok, ))
-        if EXACT_DELTA:
-            # One FFMA per score, dP·ds_up - Δ·ds_up; a power of two commutes with the rounding.
-            dst = pt * (dpt * ds_up - gl.expand_dims(delta * ds_up, 0))
-        else:
-            dst = pt * (dpt - gl.expand_dims(delta, 0))
-        dst16 = dst.to(dtype)
-        ds_op = gl.convert_layout(dst16, a_layout)
-        dk_tok = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
-        if DQ_SPLIT:
-            # Double-buffered by tile parity: a consumer reaches tile t + 2's store only after the
-            # other has arrived for tile t + 1, i.e. after its dQ GEMM of tile t retired.
-            buf = ds_smem.index(t % 2)
-            buf.slice(CONSUMER * KC, KC, dim=0).store(dst16)
-            fence_async_shared()
-            mbarrier.arrive(ds_ready.index(t % 2), count=1)
-            mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
-            dq_tok = warpgroup_mma(buf.permute((1, 0)), k_all, dq_zero, use_acc=False, is_async=True)
-        else:
-            buf = ds_smem.index(CONSUMER)
-            buf.store(dst16)
-            fence_async_shared()
-            dq_tok = warpgroup_mma(buf.permute((1, 0)), kq_tile, dq_zero, use_acc=False, is_async=True)
-        # pt_op/ds_op stay in deps so their registers are not reused under the running wgmma.
-        dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
-        mbarrier.arrive(q_empty.index(slot), count=1)
-        # The softmax scale goes on in fp32 here, after the cast of dS, so dS's rounding is FA2's.
-        dq = dq * grad_scale
-        if DQ_TMA:
-            # The reduce issued a tile pair ago must have read the tile before it is rewritten.
-            # Query rows past L are clipped by the descriptor, as a TMA store clips them.
-            tma.store_wait(pendings=0)
-            dq_tile.reshape([BLOCK_M, DQ_COLS]).store(dq)
-            fence_async_shared()
-            async_reduce_add_shared_to_global(dq_desc, [b, h, m, dq_col0], dq_tile)
-        else:
-            dq_rows = m + dq_rows0
-            dq_ptrs = (DQ_ACCUM + (row_base + gl.expand_dims(dq_rows, 1)) * HEAD_DIM + gl.expand_dims(dq_cols, 0))
-            gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(dq_rows < L, 1), sem="relaxed")
+        dv, dk, _ = _consumer_tile(
+            t, h, m, b, H_Q, L, S, k0, stride_stats, causal_offset, window_lower, qk_scale, ds_up, grad_scale,
+            dv, dk, s_zero, t, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, q_ready, do_ready,
+            q_empty, ds_ready, k_tile, v_tile, kq_tile, k_all, s_zero, dq_zero, key_ids, dq_rows0, dq_cols,
+            dq_col0, LSE, DELTA, DQ_ACCUM, KEY_BIAS, dq_desc, CONSUMER, HEAD_DIM, BLOCK_M, NUM_STAGES, IS_CAUSAL,
+            WINDOW_LEFT, DQ_SPLIT, DQ_TMA, EXACT_DELTA, HAS_KEY_BIAS, ROW_STATS_TMA, EVEN_L, KC, DQ_COLS,
+            col_layout, a_layout, dtype, ST_ISSUED=False, ISSUE_NEXT=False)
 
     if DKDV_PARTIALS:
         # This part's sums, fp32, straight from the accumulators: the launcher adds the parts.
@@ -556,7 +462,8 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                      DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, EXACT_DELTA: gl.constexpr,
                      HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr, DKDV_PARTIALS: gl.constexpr,
                      CENTRE_KEYS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                     HAS_BLOCK_SPARSITY: gl.constexpr = False, EVEN_L: gl.constexpr = False):
+                     HAS_BLOCK_SPARSITY: gl.constexpr = False, EVEN_L: gl.constexpr = False,
+                     PAIRED_TILES: gl.constexpr = False):
     """Grid (cdiv(S, BLOCK_N), B * H_KV * group_split), walked in the order ``swizzle_heads`` sets.
     Descriptors are 4-D over (B, H, L or S, E): Q and dO boxes (1, 1, BLOCK_M, E); K, V, dK, dV
     boxes (1, 1, 64, E). DQ_ACCUM is (B, Hq, L, E) fp32
@@ -632,7 +539,7 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                                 TILE_LISTS, stride_lb, stride_lh, list_stride, 0,
                                 HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, DQ_SPLIT, DQ_TMA,
                                 EXACT_DELTA, HAS_KEY_BIAS, ROW_STATS_TMA, DKDV_PARTIALS, CENTRE_KEYS,
-                                HAS_BLOCK_SPARSITY, EVEN_L)),
+                                HAS_BLOCK_SPARSITY, EVEN_L, PAIRED_TILES)),
         (_hopper_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, k_smem, kt_smem, v_smem, do_smem, ds_smem,
                                 dq_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty, ds_ready,
                                 LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART, L, S, H_KV, GROUP,
@@ -641,7 +548,7 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                                 TILE_LISTS, stride_lb, stride_lh, list_stride, 1,
                                 HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, DQ_SPLIT, DQ_TMA,
                                 EXACT_DELTA, HAS_KEY_BIAS, ROW_STATS_TMA, DKDV_PARTIALS, CENTRE_KEYS,
-                                HAS_BLOCK_SPARSITY, EVEN_L)),
+                                HAS_BLOCK_SPARSITY, EVEN_L, PAIRED_TILES)),
         (_hopper_bwd_loader, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
                               do_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_empty,
                               L, H_KV, GROUP, group_split, causal_offset, window_lower, swizzle_heads,

@@ -74,6 +74,16 @@ DETERMINISTIC = ("torch.use_deterministic_algorithms(True) (the Hopper backward 
                  "in an order that varies run to run)")
 
 
+# Two tiles an iteration at E 64, the second tile's Sᵀ issued before the first tile's last wait, so
+# that it runs under the first's dQ epilogue (the kernel's PAIRED_TILES, kernels/hopper_bwd_tile.py).
+# ptxas keeps wgmmas asynchronous across tiles only in straight-line code (tools/wgmma_overlap_probe.py).
+# Compiled for sm_90a (`stable`, causal, E 64, unsplit dQ): 1086 instructions a pair of tiles
+# against 2 x 514, two local loads, no serialisation note; at E 128 the registers run out (C7512),
+# hence E 64 only. Off until the GPU tests pass with it on and a step is timed (`STEPS=paired bash
+# tools/gpu_hopper_ab.sh`); off, the SASS is what it was before the switch existed.
+PAIRED_TILES_E64 = False
+
+
 # Up to this many waves of CTAs, a causal backward runs every head's first key block first.
 KEY_BLOCK_MAJOR_MAX_WAVES = 8
 
@@ -284,7 +294,7 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, is_caus
         IS_CAUSAL=band_is_causal, WINDOW_LEFT=band.lower is not None, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma,
         EXACT_DELTA=exact_delta is not None, HAS_KEY_BIAS=attn_mask is not None, ROW_STATS_TMA=cfg.row_stats_tma,
         DKDV_PARTIALS=parts > 1, CENTRE_KEYS=mean_key is not None, HAS_BLOCK_SPARSITY=block_layout is not None,
-        EVEN_L=seq_q % cfg.block_m == 0,
+        EVEN_L=seq_q % cfg.block_m == 0, PAIRED_TILES=PAIRED_TILES_E64 and head_dim == 64,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
