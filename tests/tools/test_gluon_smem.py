@@ -56,21 +56,25 @@ def _forward_job(head_dim, exact_delta):
                                        exact_delta=exact_delta, key_bias=True))
 
 
-def _backward_job(head_dim, cfg, group_split=1):
+def _backward_job(head_dim, cfg, group_split=1, paired_tiles=False):
     """The one-pass backward (exact Δ, K̃ for dQ) with a window and a key mask."""
     return ("hopper_bwd_compile", dict(head_dim=head_dim, dtype="bf16", causal=True, block_m=cfg.block_m,
                                        stages=cfg.num_stages, dq_split=cfg.dq_split, dq_tma=cfg.dq_tma,
                                        consumer_regs=cfg.consumer_regs, loader_regs=cfg.loader_regs,
                                        maxnreg=cfg.maxnreg, window=True, exact_delta=True, key_bias=True,
-                                       row_stats_tma=cfg.row_stats_tma, group_split=group_split, centre_keys=True))
+                                       row_stats_tma=cfg.row_stats_tma, group_split=group_split, centre_keys=True,
+                                       paired_tiles=paired_tiles))
 
 
 def test_the_gluon_launches_fit_hopper_shared_memory():
     """Every head dim's widest forward (plain and exact-Δ) and one-pass backward (unsplit and
-    with its group split) in the launchers' default configs fit; E 128's backward with dQ
-    unsplit would not, as ``hopper_attention_backward``'s refusal says."""
+    with its group split) in the launchers' default configs fit, E 64's also with its tiles paired
+    (launch.hopper_bwd.PAIRED_TILES_E64: compiled here so that the switch's path keeps compiling
+    while it is off); E 128's backward with dQ unsplit would not, as
+    ``hopper_attention_backward``'s refusal says."""
     fits = [_forward_job(e, exact_delta) for e in (64, 128) for exact_delta in (False, True)]
     fits += [_backward_job(e, hopper_bwd.default_config(e, True), split) for e in (64, 128) for split in (1, 2)]
+    fits.append(_backward_job(64, hopper_bwd.default_config(64, True), paired_tiles=True))
     unsplit = _backward_job(128, dataclasses.replace(hopper_bwd.default_config(128, True), dq_split=False))
     *shared, too_big = _shared_bytes(fits + [unsplit])
     for job, nbytes in zip(fits, shared):
