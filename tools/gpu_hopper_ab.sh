@@ -18,8 +18,7 @@
 # time; skiptiles: the GPU tests of the Gluon forward, the one-pass path and windows with
 # launch.hopper.SKIP_MASKED_TILES on, then its off/on A/B on an E 64 causal 4k training step, bf16
 # and fp16, and on a w 256 window step at E 128; persistent: the persistent forward's bitwise tests,
-# its speed beside the grid's and cuDNN's, and a training step off/on; paired: the backward's GPU
-# tests with launch.hopper_bwd.PAIRED_TILES_E64 on, then its off/on A/B on E 64 steps),
+# its speed beside the grid's and cuDNN's, and a training step off/on),
 # WORKERS (pytest-xdist, 14). Results in $OUT
 # (default /tmp/flash_inductor_out): gpu_tests_hopper.xml, hopper_bwd.json, bench_*_infer.*,
 # debug_overhead_*.json.
@@ -112,22 +111,10 @@ runpy.run_module('benchmarks.experiments.step_kernels', run_name='__main__')" 2>
         timeout -s INT -k 10 60 python3 -m benchmarks.experiments.switch_ab --switch launch.hopper.PERSISTENT \
           --dtype bf16 --head-dim $e --seq 4096 --causal --out "$OUT/persistent_ab$e" 2>&1 | tail -3
       done ;;
-    paired)
-      # The backward's tiles two an iteration at E 64 (launch.hopper_bwd.PAIRED_TILES_E64): the Hopper
-      # backward, one-pass and block-sparse tests with it on, then steps off/on (bf16 and fp16,
-      # causal 4k, and fp16 without a mask).
-      FLASH_INDUCTOR_SWITCHES=launch.hopper_bwd.PAIRED_TILES_E64=1 timeout -s INT -k 20 200 python3 -m pytest \
-        -p tools.pytest_switch tests/unit/test_hopper_bwd.py tests/unit/test_one_pass.py \
-        tests/unit/test_hopper_block_sparse.py -q -n "${WORKERS:-14}" -p no:cacheprovider --timeout 120 2>&1 | tail -4
-      for cell in "bf16 --causal" "fp16 --causal" "fp16"; do
-        read -r dtype causal <<< "$cell"
-        timeout -s INT -k 10 60 python3 -m benchmarks.experiments.switch_ab --switch launch.hopper_bwd.PAIRED_TILES_E64 \
-          --dtype "$dtype" --head-dim 64 --seq 4096 $causal --out "$OUT/paired_${dtype}${causal:+_causal}" 2>&1 | tail -2
-      done ;;
     window)
       timeout -s INT -k 10 240 python3 -m benchmarks.sparse_attention --part window --providers ours,flex \
         --seqs 4096,16384,32768 --windows 256 --kernel-time --time-budget 220 --out "$OUT" 2>&1 | tail -14 ;;
-    *) echo "unknown step $step (tests ab infer eager decode dsup host llama_b1 llama_b1_graphs cold moments window skiptiles persistent paired)" >&2
+    *) echo "unknown step $step (tests ab infer eager decode dsup host llama_b1 llama_b1_graphs cold moments window skiptiles persistent)" >&2
        exit 2 ;;
   esac
 done

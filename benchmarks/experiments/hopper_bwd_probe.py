@@ -54,7 +54,10 @@ CONFIGS = {"gluon": HopperBackwardConfig(dq_split=True, dq_tma=True),
            **{f"gluon-group{n}": HopperBackwardConfig(group_split=n) for n in (2, 4)},
            "gluon-nosplit": HopperBackwardConfig(dq_split=False, dq_tma=True),
            "gluon-s3": HopperBackwardConfig(dq_split=True, dq_tma=True, num_stages=3),
-           "gluon-nosplit-s3": HopperBackwardConfig(dq_split=False, dq_tma=True, num_stages=3)}
+           "gluon-nosplit-s3": HopperBackwardConfig(dq_split=False, dq_tma=True, num_stages=3),
+           # Two tiles an iteration (E 64 only).
+           "gluon-paired": HopperBackwardConfig(paired_tiles=True),
+           "gluon-nosplit-paired": HopperBackwardConfig(dq_split=False, paired_tiles=True)}
 
 
 # ----------------------------------------------------------------------------- correctness

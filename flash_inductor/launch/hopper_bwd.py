@@ -32,7 +32,7 @@ import torch
 from ..schedules import get_schedule
 from ..tuning.buckets import length_hint
 from ..tuning.configs import select_hopper_backward_config, sm_count
-from ..tuning.hopper_configs import HopperBackwardConfig, default_backward_config
+from ..tuning.hopper_configs import HopperBackwardConfig, default_backward_config, width_supported
 from .band import band_lower, causal_side, resolve_band
 from .block_tiles import checked_gluon_layout, gluon_tile_lists
 from .common import LOG2E, cdiv
@@ -72,16 +72,6 @@ ADDITIVE_KEY_MASK_FAST = ("an additive key mask under schedule 'fast' (rows mask
                           "Triton backward's row reference)")
 DETERMINISTIC = ("torch.use_deterministic_algorithms(True) (the Hopper backward adds dQ across key blocks "
                  "in an order that varies run to run)")
-
-
-# Two tiles an iteration at E 64, the second tile's Sᵀ issued before the first tile's last wait, so
-# that it runs under the first's dQ epilogue (the kernel's PAIRED_TILES, kernels/hopper_bwd_tile.py).
-# ptxas keeps wgmmas asynchronous across tiles only in straight-line code (tools/wgmma_overlap_probe.py).
-# Compiled for sm_90a (`stable`, causal, E 64, unsplit dQ): 1086 instructions a pair of tiles
-# against 2 x 514, two local loads, no serialisation note; at E 128 the registers run out (C7512),
-# hence E 64 only. Off until the GPU tests pass with it on and a step is timed (`STEPS=paired bash
-# tools/gpu_hopper_ab.sh`); off, the SASS is what it was before the switch existed.
-PAIRED_TILES_E64 = False
 
 
 # Up to this many waves of CTAs, a causal backward runs every head's first key block first.
@@ -241,6 +231,9 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, is_caus
         raise ValueError("hopper_attention_backward: mean_key (the centred dQ) with HopperBackwardConfig(dq_split=False) "
                          f"needs more than Hopper's 227 KiB of shared memory a CTA at head dim {head_dim}; use "
                          "dq_split=True (the default)")
+    if not width_supported(cfg, head_dim):
+        raise ValueError(f"hopper_attention_backward: HopperBackwardConfig(paired_tiles=True) needs head dim 64 (a pair "
+                         f"of tiles runs out of registers at {head_dim}); use paired_tiles=False")
     dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     if seq_q == 0 or seq_k == 0 or batch * heads_q == 0:
@@ -294,7 +287,7 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, is_caus
         IS_CAUSAL=band_is_causal, WINDOW_LEFT=band.lower is not None, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma,
         EXACT_DELTA=exact_delta is not None, HAS_KEY_BIAS=attn_mask is not None, ROW_STATS_TMA=cfg.row_stats_tma,
         DKDV_PARTIALS=parts > 1, CENTRE_KEYS=mean_key is not None, HAS_BLOCK_SPARSITY=block_layout is not None,
-        EVEN_L=seq_q % cfg.block_m == 0, PAIRED_TILES=PAIRED_TILES_E64 and head_dim == 64,
+        EVEN_L=seq_q % cfg.block_m == 0, PAIRED_TILES=cfg.paired_tiles,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )

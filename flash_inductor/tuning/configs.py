@@ -22,7 +22,7 @@ from . import cache
 from .buckets import bucket_for, length_hint
 from .footprint import OPTIN_SMEM_BYTES, DeviceLimits, TileBytes, fits
 from .hopper_configs import (HopperBackwardConfig, HopperForwardConfig, config_from_dict, default_backward_config,
-                             default_forward_config)
+                             default_forward_config, width_supported)
 from .kernel_config import AttentionConfigs, KernelConfig, padded_head_dim
 
 
@@ -243,6 +243,8 @@ def _lookup_hopper(table: cache.TableView, role: str, default, dtype: torch.dtyp
     if not entry or role not in entry:
         return default, False
     config = config_from_dict(role, entry[role], default)
+    if not width_supported(config, width):  # a hand-edited entry: the built-in config compiles
+        return default, False
     _log_tuned(role, bucket.replace(seq=0).key(), config.label(), default.label())
     return config, True
 

@@ -67,6 +67,24 @@ def test_forward_entries_from_before_the_persistent_field_read_as_not_persistent
     assert hopper_configs.config_problem("gluon_backward", {**BWD, "persistent": False}) is not None
 
 
+def test_backward_entries_from_before_paired_tiles_read_as_unpaired_and_e128_pairs_fall_back():
+    """Backward entries written before ``paired_tiles`` joined the search space were tuned one
+    tile an iteration and read as such. An entry pairing tiles at E 128 (which cannot compile
+    there) is not taken: the built-in config runs."""
+    assert hopper_configs.config_from_dict("gluon_backward", BWD).paired_tiles is False
+    assert "paired_tiles=1" in hopper_configs.config_problem("gluon_backward", {**BWD, "paired_tiles": 1})
+    paired = {**BWD, "paired_tiles": True}
+    table = _table(stable__bf16__e64__causal__s4096__gluon_backward={"configs": {"gluon_backward": paired}},
+                   stable__bf16__e128__causal__s4096__gluon_backward={"configs": {"gluon_backward": paired}})
+    with cache.override_table(table):
+        for width, tuned in ((64, True), (128, False)):
+            query = torch.empty(2, 16, 4096, width, dtype=torch.bfloat16)
+            config, was_tuned = select_hopper_backward_config(query, 4096, is_causal=True, key_mask=False,
+                                                              schedule="stable")
+            assert was_tuned is tuned and config.paired_tiles is tuned
+            assert config.label().endswith("/paired") is tuned
+
+
 def test_the_forward_smem_estimate_matches_the_compiled_kernels():
     """Within 1 KiB of what ptxas reported for sm_90a (docs/hopper_forward.md, Compile): 164 KiB at
     E 128 (2 consumers, 2 stages of 128 keys), 123 KiB at E 64 (3 consumers, 3 stages); and E 128's
@@ -81,7 +99,12 @@ def test_the_forward_smem_estimate_matches_the_compiled_kernels():
     found = hopper_configs.candidates("gluon_forward", bucket, H200_SMEM)
     assert found[0] == hopper_configs.default_for_bucket("gluon_forward", bucket)  # the built-in first
     assert deeper not in found and dataclasses.replace(deeper, block_n=64) in found
-    assert len(hopper_configs.candidates("gluon_backward", bucket.replace(pass_name="gluon_backward"), None)) == 16
+    # The backward: paired tiles only at E 64 (at E 128 a pair runs out of registers).
+    backward = bucket.replace(pass_name="gluon_backward")
+    assert len(hopper_configs.candidates("gluon_backward", backward, None)) == 16
+    assert not any(config.paired_tiles for config in hopper_configs.candidates("gluon_backward", backward, None))
+    at_e64 = hopper_configs.candidates("gluon_backward", backward.replace(width=64), None)
+    assert len(at_e64) == 32 and sum(config.paired_tiles for config in at_e64) == 16
     # Persistent CTAs stage O apart: compiled, 197,120 bytes at E 128 and 148,088 at E 64 (above);
     # the estimate stays above them, by less than 4 KiB.
     for config, width, compiled in ((e128, 128, 197_120), (e64, 64, 148_088)):

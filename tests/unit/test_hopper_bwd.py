@@ -63,7 +63,7 @@ def _sdpa_grads(q, k, v, do, scale, visible, live_from):
 
 
 def _check(q, k, v, do, is_causal, causal_offset=0, dq_split=True, dq_tma=True, window=None, row_stats_tma=True,
-           swizzle_heads=None, group_split=None):
+           swizzle_heads=None, group_split=None, paired_tiles=False, num_stages=2):
     from flash_inductor.launch.hopper import hopper_attention_forward
     from flash_inductor.launch.hopper_bwd import (
         HopperBackwardConfig,
@@ -80,7 +80,9 @@ def _check(q, k, v, do, is_causal, causal_offset=0, dq_split=True, dq_tma=True, 
                                            config=HopperBackwardConfig(dq_split=dq_split, dq_tma=dq_tma,
                                                                        row_stats_tma=row_stats_tma,
                                                                        swizzle_heads=swizzle_heads,
-                                                                       group_split=group_split))
+                                                                       group_split=group_split,
+                                                                       paired_tiles=paired_tiles,
+                                                                       num_stages=num_stages))
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert dq.dtype == dk.dtype == dv.dtype == q.dtype
     visible = _visible(q.shape[2], k.shape[2], is_causal, causal_offset, window)
@@ -147,6 +149,35 @@ def test_gqa_strided_views_and_dq_schemes(head_dim, dq_split, dq_tma, row_stats_
     # the last tile's LSE and Δ rows past L are the next head's (TMA of the flat planes), replaced.
     _check(*_inputs(torch.bfloat16, head_dim, 2, 8, 2, 333, 513, transposed=True), True, dq_split=dq_split,
            dq_tma=dq_tma, row_stats_tma=row_stats_tma)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dq_split, dq_tma, row_stats_tma, num_stages",
+                         [(True, True, True, 2), (False, True, True, 3), (True, False, False, 2), (False, False, True, 2)])
+# An odd and an even count of query tiles a key block (the odd walk's last tile goes alone), L != S
+# both ways, GQA, a partial last tile, a sliding window's short walks, and a group split.
+@pytest.mark.parametrize("is_causal, window, seq_q, seq_k, group_split",
+                         [(False, None, 333, 513, None), (True, None, 300, 700, None), (True, None, 512, 512, 2),
+                          (True, (200, 0), 1025, 1025, None), (False, (64, 64), 700, 300, None)])
+def test_paired_tiles_match_fp64(dtype, dq_split, dq_tma, row_stats_tma, num_stages, is_causal, window, seq_q, seq_k,
+                                 group_split):
+    """E 64's consumers walking their tiles two an iteration (HopperBackwardConfig.paired_tiles)."""
+    offset = seq_k - seq_q if window is not None and is_causal else 0
+    _check(*_inputs(dtype, 64, 2, 4, 2, seq_q, seq_k), is_causal, causal_offset=offset, window=window,
+           dq_split=dq_split, dq_tma=dq_tma, row_stats_tma=row_stats_tma, num_stages=num_stages, paired_tiles=True,
+           group_split=group_split)
+
+
+def test_paired_tiles_need_head_dim_64():
+    """At E 128 a pair of tiles runs out of registers: an explicit config asking for it is refused
+    before anything launches, naming the field and the fix."""
+    from flash_inductor.launch.hopper_bwd import HopperBackwardConfig, hopper_attention_backward
+
+    q, k, v, do = (torch.zeros(1, 2, 128, 128, dtype=torch.bfloat16) for _ in range(4))
+    lse = torch.zeros(1, 2, 128)
+    with pytest.raises(ValueError, match=r"paired_tiles=True\) needs head dim 64.*use paired_tiles=False"):
+        hopper_attention_backward(do, q, k, v, q, lse, is_causal=True, config=HopperBackwardConfig(paired_tiles=True))
 
 
 @needs_hopper
