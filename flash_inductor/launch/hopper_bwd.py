@@ -232,8 +232,8 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, is_caus
                          f"needs more than Hopper's 227 KiB of shared memory a CTA at head dim {head_dim}; use "
                          "dq_split=True (the default)")
     if not width_supported(cfg, head_dim):
-        raise ValueError(f"hopper_attention_backward: HopperBackwardConfig(paired_tiles=True) needs head dim 64 (a pair "
-                         f"of tiles runs out of registers at {head_dim}); use paired_tiles=False")
+        raise ValueError(f"hopper_attention_backward: HopperBackwardConfig(paired_tiles=True) needs head dim 64 "
+                         f"(a pair of tiles runs out of registers at {head_dim}); use paired_tiles=False")
     dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     if seq_q == 0 or seq_k == 0 or batch * heads_q == 0:

@@ -91,8 +91,10 @@ class HopperBackwardConfig:
     None (the default) picks per call, ``group_split_for``. ``paired_tiles``: the consumers walk
     their Q/dO tiles two an iteration, the second tile's Sᵀ issued under the first's dQ epilogue
     (``PAIRED_TILES`` in the kernel); E 64 only, since at E 128 the pair runs out of registers.
-    Measured on the H200 (E 64 4k training steps, 2026-12-04): fp16 without a mask 1.09x, bf16
-    causal 1.02x, fp16 causal 0.97x, hence a tuned field rather than a rule."""
+    On the H200 (2026-12-04) it wins some buckets and loses others: against the former table
+    picks, E 64 4k training steps took it 1.09x faster (fp16, no mask), 1.02x (bf16 causal) and
+    0.97x (fp16 causal); racing every config, the tuner picks it for E 64 causal (docs/
+    hopper_backward.md, "Tuned configs"). Hence a tuned field rather than a rule."""
 
     block_m: int = 64
     num_stages: int = 2

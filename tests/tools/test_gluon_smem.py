@@ -69,8 +69,8 @@ def _backward_job(head_dim, cfg, group_split=1, paired_tiles=False):
 def test_the_gluon_launches_fit_hopper_shared_memory():
     """Every head dim's widest forward (plain and exact-Δ) and one-pass backward (unsplit and
     with its group split) in the launchers' default configs fit, E 64's also with its tiles paired
-    (HopperBackwardConfig.paired_tiles, which the tuning table picks per bucket); E 128's backward with dQ unsplit would not, as
-    ``hopper_attention_backward``'s refusal says."""
+    (HopperBackwardConfig.paired_tiles, which the tuning table picks per bucket); E 128's backward
+    with dQ unsplit would not, as ``hopper_attention_backward``'s refusal says."""
     fits = [_forward_job(e, exact_delta) for e in (64, 128) for exact_delta in (False, True)]
     fits += [_backward_job(e, hopper_bwd.default_config(e, True), split) for e in (64, 128) for split in (1, 2)]
     fits.append(_backward_job(64, hopper_bwd.default_config(64, True), paired_tiles=True))
