@@ -13,13 +13,15 @@ Glossary (per query row i of one (batch, query head); docs/hopper_backward.md de
 
   stats   under fp16, the bound on |dS| the kernel scales dS by (``launch.hopper_bwd``):
           max ‖dO'_i‖², max ‖v_j‖², max |g_i dLSE_i|, each program's into its column of
-          DS_STATS (3, programs) fp32, which the launcher reduces (one scalar atomic per program
+          DS_STATS (3, programs) fp32 (0 where it has none, so the buffer needs no fill), which the
+          launcher reduces (one scalar atomic per program
           on three shared addresses took 0.41 ms at fp16 E 128 4k against 0.11 for bf16).
           A NaN counts as +inf so that a non-finite input never looks small.
   k̂       the keys' shared part (ops/one_pass.py): the Hopper backward's dQ GEMM takes
           K̃ = K − k̂ (formed in its shared memory, CENTRE_KEYS). dq = scale·dS·K̃ + scale·(Σ_j dS_ij)·k̂,
           and a row of dS sums to dLSE_i, so the dq finish adds scale·dLSE_i·k̂. ``_key_moments``
-          (a pass over K) and ``_mean_key_from_moments`` (a program a head) find k̂.
+          (a pass over K) and ``_mean_key_of_head`` (a program a head; in the preprocess's launch on the
+          one-pass path, else ``_mean_key_from_moments``) find k̂.
   chunk   a run of CHUNK keys of one (batch, KV head): the unit of ``_key_moments``' partial sums,
           so that a long sequence of few heads still fills the GPU; the chunks' partials are
           reduced in a fixed order, so k̂ is deterministic.
@@ -35,24 +37,48 @@ from .ds_scaling import _max_as_stat
 
 
 @triton.jit
-def _exact_delta_preprocess(DO, O, RESID, NORM, DLSE, DO_SCALED, DELTA, V, DS_STATS,
+def _exact_delta_preprocess(DO, O, RESID, NORM, DLSE, DO_SCALED, DELTA, V, DS_STATS, PARTIAL, MEAN_KEY,
                             stride_dob, stride_doh, stride_dom,
                             stride_ob, stride_oh, stride_om,
                             stride_vb, stride_vh, stride_vn,
-                            H, H_KV, L, S,
+                            H, H_KV, L, S, ROW_PROGRAMS, CHUNKS,
                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
                             COLLECT_STATS: tl.constexpr):
-    """Grid (cdiv(max(L, S) if COLLECT_STATS else L, BLOCK_M), B * H); rows past L load nothing and
-    store nothing. DO and O (and RESID, as O)
-    are (B, H, L, E) with a unit last stride, V (B, H_KV, S, E) likewise; NORM, DLSE and DELTA are
-    flat (B·H·L) fp32 rows; DO_SCALED is (B, H, L, E) contiguous."""
+    """Grid (ROW_PROGRAMS [+ 1], B * H), ROW_PROGRAMS = cdiv(max(L, S) if COLLECT_STATS else L,
+    BLOCK_M); rows past L load nothing and store nothing. DO and O (and RESID, as O) are
+    (B, H, L, E) with a unit last stride, V (B, H_KV, S, E) likewise; NORM, DLSE and DELTA are
+    flat (B·H·L) fp32 rows; DO_SCALED is (B, H, L, E) contiguous.
+
+    A column of programs past ROW_PROGRAMS, where the launcher adds one, finishes k̂ instead: its
+    first B·H_KV programs reduce ``_key_moments``' PARTIAL (CHUNKS chunks a head) into MEAN_KEY,
+    as ``_mean_key_from_moments`` does. The one-pass backward needs both before its main kernel,
+    and one launch for the two saves a launch's host time (a Triton launch costs tens of µs of
+    Python; this program's work is a few hundred loads)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
+    if pid_m == ROW_PROGRAMS:
+        heads_kv = tl.num_programs(1) // H * H_KV
+        if bh < heads_kv:
+            _mean_key_of_head(PARTIAL, MEAN_KEY, V, bh, heads_kv, CHUNKS, S, HEAD_DIM)  # V: K's dtype
+    else:
+        _preprocess_rows(DO, O, RESID, NORM, DLSE, DO_SCALED, DELTA, V, DS_STATS, pid_m, bh,
+                         stride_dob, stride_doh, stride_dom, stride_ob, stride_oh, stride_om,
+                         stride_vb, stride_vh, stride_vn, H, H_KV, L, S, ROW_PROGRAMS,
+                         HEAD_DIM, BLOCK_M, HAS_DLSE, COLLECT_STATS)
+
+
+@triton.jit
+def _preprocess_rows(DO, O, RESID, NORM, DLSE, DO_SCALED, DELTA, V, DS_STATS, pid_m, bh,
+                     stride_dob, stride_doh, stride_dom, stride_ob, stride_oh, stride_om,
+                     stride_vb, stride_vh, stride_vn, H, H_KV, L, S, ROW_PROGRAMS,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
+                     COLLECT_STATS: tl.constexpr):
+    """``_exact_delta_preprocess``' rows: dO', Δ' and (fp16) the bound's maxima of one program."""
     b = bh // H
     h = bh % H
     cols = tl.arange(0, HEAD_DIM)
     stat = DS_STATS + pid_m * tl.num_programs(1) + bh  # this program's column
-    stat_row = tl.num_programs(0) * tl.num_programs(1)
+    stat_row = ROW_PROGRAMS * tl.num_programs(1)
     if COLLECT_STATS:
         # V's rows: the programs of the first H_KV query heads cover its heads.
         v_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -60,6 +86,8 @@ def _exact_delta_preprocess(DO, O, RESID, NORM, DLSE, DO_SCALED, DELTA, V, DS_ST
             v = tl.load(V + b.to(tl.int64) * stride_vb + h * stride_vh + v_rows[:, None] * stride_vn + cols[None, :],
                         mask=(v_rows < S)[:, None], other=0.0).to(tl.float32)
             tl.store(stat + stat_row, _max_as_stat(tl.sum(v * v, axis=1)))
+        else:
+            tl.store(stat + stat_row, 0.0)  # every column is written: the launcher does not zero them
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     in_rows = rows < L
     mask = in_rows[:, None]
@@ -81,6 +109,8 @@ def _exact_delta_preprocess(DO, O, RESID, NORM, DLSE, DO_SCALED, DELTA, V, DS_ST
             tl.store(stat + 2 * stat_row, _max_as_stat(tl.abs(g_dlse)))
     if COLLECT_STATS:
         tl.store(stat, _max_as_stat(tl.sum(do_f * do_f, axis=1)))
+        if not HAS_DLSE:
+            tl.store(stat + 2 * stat_row, 0.0)
     tl.store(DELTA + row_ids, delta, mask=in_rows)
 
 
@@ -175,16 +205,22 @@ def _key_moments(K, PARTIAL, stride_kb, stride_kh, stride_kn, H_KV, S, CHUNK,
 
 @triton.jit
 def _mean_key_from_moments(PARTIAL, MEAN_KEY, K, chunks, S, HEAD_DIM: tl.constexpr):
-    """k̂ of one head from its chunks' partials (reduced in chunk order). Grid (B * H_KV,);
-    PARTIAL as ``_key_moments`` writes it; MEAN_KEY (B·H_KV, E) fp32; K only gives the keys'
-    dtype (not read).
+    """k̂ of one head from its chunks' partials (``_mean_key_of_head``). Grid (B * H_KV,); PARTIAL
+    as ``_key_moments`` writes it; MEAN_KEY (B·H_KV, E) fp32; K only gives the keys' dtype (not
+    read). The one-pass backward runs this in its preprocess's launch instead."""
+    _mean_key_of_head(PARTIAL, MEAN_KEY, K, tl.program_id(0), tl.num_programs(0), chunks, S, HEAD_DIM)
+
+
+@triton.jit
+def _mean_key_of_head(PARTIAL, MEAN_KEY, K, bh, heads, chunks, S, HEAD_DIM: tl.constexpr):
+    """k̂ of head ``bh`` (of ``heads`` = B·H_KV) from its chunks' partials, reduced in chunk order.
+    K gives the keys' dtype only (any tensor of that dtype: it is not read).
 
     k̂_e is the keys' mean rounded to K's dtype where every key's e-th component lies within a
     factor of two of it, else 0: then k − k̂ is a float of K's dtype (Sterbenz), so the centred
     keys the Hopper backward forms from it are exact."""
-    bh = tl.program_id(0)
     cols = tl.arange(0, HEAD_DIM)
-    plane = tl.num_programs(0) * chunks * HEAD_DIM
+    plane = heads * chunks * HEAD_DIM
     total = tl.zeros([HEAD_DIM], dtype=tl.float32)
     low = tl.full([HEAD_DIM], float("inf"), dtype=tl.float32)
     high = tl.full([HEAD_DIM], float("-inf"), dtype=tl.float32)

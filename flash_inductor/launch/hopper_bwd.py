@@ -25,6 +25,7 @@ per key block (``group_split_for``), whose fp32 dK/dV partial sums one more laun
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import torch
@@ -182,7 +183,7 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
                               config: HopperBackwardConfig | None = None,
                               delta: torch.Tensor | None = None,
                               exact_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
-                              mean_key: torch.Tensor | None = None,
+                              mean_key: torch.Tensor | KeyMoments | None = None,
                               schedule: str | None = None,
                               block_layout: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on the Gluon Hopper kernel: `fast`'s, or with
@@ -198,7 +199,8 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     (residual, row constants) the forward returned under ``exact_delta=True``; the backward is
     then `stable`'s, with the exact Δ. ``mean_key`` (B, Hkv, E) fp32, k̂ of ops/one_pass.py
     (``key_mean``): dQ's GEMM takes the centred keys K̃ = K − k̂, which the kernel forms in shared
-    memory (CENTRE_KEYS), and dq gets scale·dLSE·k̂ back.
+    memory (CENTRE_KEYS), and dq gets scale·dLSE·k̂ back. With ``exact_delta``, ``mean_key`` may be
+    ``key_moments(key)`` instead, which the exact-Δ preprocess's launch finishes.
     Call only where
     ``hopper_backward_unsupported_reason`` and ``tma_unsupported_reason`` (on query, key, value,
     grad_out) say so.
@@ -238,9 +240,15 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, is_caus
     dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     if seq_q == 0 or seq_k == 0 or batch * heads_q == 0:
         return torch.zeros_like(query), dk.zero_(), dv.zero_()
+    moments = mean_key if isinstance(mean_key, KeyMoments) else None
+    if moments is not None:
+        if exact_delta is None:
+            raise ValueError("hopper_attention_backward: mean_key as KeyMoments needs exact_delta (the exact-Δ "
+                             "preprocess finishes k̂); pass key_mean(key) otherwise")
+        mean_key = moments.mean_key
     if exact_delta is not None:
         # The kernel reads the pivots where it reads the LSE otherwise (+inf: a row with no key).
-        grad_out, lse, delta, ds_up = _exact_delta_inputs(grad_out, value, out, grad_lse, *exact_delta)
+        grad_out, lse, delta, ds_up = _exact_delta_inputs(grad_out, value, out, grad_lse, *exact_delta, moments)
     else:
         ds_up = lse  # not read
     if delta is None:
@@ -348,8 +356,9 @@ def _unswizzled_fp32_layout():
     return gl.NVMMASharedLayout(0, 32, rank=2)
 
 
-def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
-    """(dO', pivots, Δ', ds_up) for the exact-Δ backward (kernels/exact_delta.py)."""
+def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts, moments: KeyMoments | None = None):
+    """(dO', pivots, Δ', ds_up) for the exact-Δ backward (kernels/exact_delta.py); with
+    ``moments``, the same launch also fills ``moments.mean_key`` (k̂)."""
     from ..kernels.exact_delta import _exact_delta_preprocess
 
     batch, heads_q, seq_q, head_dim = grad_out.shape
@@ -365,13 +374,19 @@ def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
     collect_stats = grad_out.dtype == torch.float16
     block_m = 64
     rows = torch.sym_max(seq_q, seq_k) if collect_stats else seq_q
-    grid = (cdiv(rows, block_m), batch * heads_q)
-    # One column of partial maxima per program (no contended atomics), reduced below; bf16 keeps none.
-    stats = (torch.zeros((3, grid[0] * grid[1]), dtype=torch.float32, device=grad_out.device) if collect_stats
-             else delta)  # delta: not touched
-    _exact_delta_preprocess[grid](
+    row_programs = cdiv(rows, block_m)
+    # One column of partial maxima per program (no contended atomics), reduced below; bf16 keeps none
+    # (delta stands in, not touched).
+    stats = _ds_stats_buffer(row_programs * batch * heads_q, grad_out.device) if collect_stats else delta
+    # With the moments, one more column of programs finishes k̂ (its first B·H_KV programs).
+    if moments is not None:
+        partial, chunks, k_hat = moments.partial, moments.chunks, moments.mean_key
+    else:
+        partial, chunks, k_hat = delta, 0, delta  # no such column: not touched
+    _exact_delta_preprocess[(row_programs + (moments is not None), batch * heads_q)](
         grad_out, out, resid, norm, grad_lse if grad_lse is not None else norm, do_scaled, delta, value, stats,
-        *grad_out.stride()[:3], *out.stride()[:3], *value.stride()[:3], heads_q, heads_kv, seq_q, seq_k,
+        partial, k_hat, *grad_out.stride()[:3], *out.stride()[:3], *value.stride()[:3], heads_q, heads_kv, seq_q,
+        seq_k, row_programs, chunks,
         HEAD_DIM=head_dim, BLOCK_M=block_m, HAS_DLSE=grad_lse is not None, COLLECT_STATS=collect_stats,
         num_warps=4,
     )
@@ -384,6 +399,12 @@ def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts):
         # does not track ("Detected 1 tensor(s) in the cudagraph pool not tracked as outputs").
         ds_up = delta  # not read
     return do_scaled, pivot, delta, ds_up
+
+
+def _ds_stats_buffer(programs: int, device) -> torch.Tensor:
+    """The preprocess's (3, programs) fp32 partial maxima, uninitialised: every program writes its
+    column (zeros where it has no maximum), so no fill launch runs."""
+    return torch.empty((3, programs), dtype=torch.float32, device=device)
 
 
 # The one-pass backward's clamps: the bound on |dS| within [DS_UP_MIN_BOUND, 2^100], so ds_up, a
@@ -418,12 +439,23 @@ def ds_up_in_one_launch(stats: torch.Tensor) -> torch.Tensor:
     return ds_up
 
 
-def key_mean(key: torch.Tensor, max_chunks: int = 16, min_chunk: int = 512) -> torch.Tensor:
-    """k̂ (B, H_KV, E) fp32 of ``ops/one_pass.key_mean_reference``, in two Triton launches
-    (kernels/exact_delta.py): one pass over K for the chunks' sums, minima and maxima, then one
-    small program a head that reduces them. K (B, H_KV, S ≥ 1, E) with a unit last stride.
+@dataclasses.dataclass(frozen=True)
+class KeyMoments:
+    """k̂'s makings: ``_key_moments``' partial sums, minima and maxima (3, B·H_KV, chunks, E) fp32,
+    and the (B, H_KV, E) fp32 buffer k̂ goes to, which the exact-Δ preprocess's launch fills
+    (kernels/exact_delta.py) on the one-pass path: one launch fewer than ``key_mean``."""
+
+    partial: torch.Tensor
+    chunks: int
+    mean_key: torch.Tensor
+
+
+def key_moments(key: torch.Tensor, max_chunks: int = 16, min_chunk: int = 512) -> KeyMoments:
+    """The pass over K (B, H_KV, S ≥ 1, E, unit last stride) that k̂ needs, in one Triton launch;
+    ``KeyMoments.mean_key`` is filled by whichever launch finishes it (``key_mean``, or the
+    exact-Δ preprocess when ``hopper_attention_backward`` gets the moments as its ``mean_key``).
     Deterministic: the chunks are fixed by the shape and reduced in order."""
-    from ..kernels.exact_delta import _key_moments, _mean_key_from_moments
+    from ..kernels.exact_delta import _key_moments
 
     batch, heads_kv, seq_k, head_dim = key.shape
     block_n = max(16, 8192 // head_dim)
@@ -438,8 +470,19 @@ def key_mean(key: torch.Tensor, max_chunks: int = 16, min_chunk: int = 512) -> t
     moment_warps = 4 if MOMENTS_FOUR_WARPS_E128 and head_dim >= 128 else 8
     _key_moments[(chunks, batch * heads_kv)](key, partial, *key.stride()[:3], heads_kv, seq_k, chunk,
                                              HEAD_DIM=head_dim, BLOCK_N=max(1, block_n // 2), num_warps=moment_warps)
-    _mean_key_from_moments[(batch * heads_kv,)](partial, k_hat, key, chunks, seq_k, HEAD_DIM=head_dim, num_warps=1)
-    return k_hat
+    return KeyMoments(partial, chunks, k_hat)
+
+
+def key_mean(key: torch.Tensor, max_chunks: int = 16, min_chunk: int = 512) -> torch.Tensor:
+    """k̂ (B, H_KV, E) fp32 of ``ops/one_pass.key_mean_reference``, in two Triton launches
+    (kernels/exact_delta.py): ``key_moments``, then one small program a head that reduces them."""
+    from ..kernels.exact_delta import _mean_key_from_moments
+
+    moments = key_moments(key, max_chunks, min_chunk)
+    batch, heads_kv, seq_k, head_dim = key.shape
+    _mean_key_from_moments[(batch * heads_kv,)](moments.partial, moments.mean_key, key, moments.chunks, seq_k,
+                                                HEAD_DIM=head_dim, num_warps=1)
+    return moments.mean_key
 
 
 def _finish_dq_with_mean_key(dq_accum, mean_key, weight, dtype):

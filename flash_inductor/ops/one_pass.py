@@ -75,6 +75,12 @@ def key_mean(key: Tensor) -> Tensor:
     return hopper_bwd.key_mean(key if key.stride(-1) == 1 else key.contiguous())
 
 
+def key_moments(key: Tensor) -> hopper_bwd.KeyMoments:
+    """The pass over K that k̂ needs (``launch.hopper_bwd.key_moments``), as :func:`key_mean` takes
+    it; the backward's exact-Δ preprocess finishes k̂ in its own launch."""
+    return hopper_bwd.key_moments(key if key.stride(-1) == 1 else key.contiguous())
+
+
 def _addressable(*tensors: Tensor) -> list[Tensor]:
     """The tensors as they are where TMA can address them, else contiguous copies (a clone: a
     contiguous view at an unaligned offset is its own ``.contiguous()``)."""
@@ -120,7 +126,7 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts
     return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
                                                 is_causal=is_causal, causal_offset=causal_offset,
                                                 window=(window_left, window_right), exact_delta=(resid, row_consts),
-                                                mean_key=key_mean(key), schedule="stable", **mask_keyword(attn_mask),
+                                                mean_key=key_moments(key), schedule="stable", **mask_keyword(attn_mask),
                                                 **layout_keyword(block_map, block_q, block_k))
 
 

@@ -112,6 +112,10 @@ def test_the_backward_preprocess_matches_its_definition(with_dlse, one_launch, m
     from flash_inductor.launch.hopper_bwd import _exact_delta_inputs
 
     monkeypatch.setattr(hopper_bwd, "DS_UP_ONE_LAUNCH", one_launch)
+    # The partial maxima's buffer is not zeroed: poisoned here, a column no program wrote would give
+    # an infinite bound and the smallest ds_up.
+    monkeypatch.setattr(hopper_bwd, "_ds_stats_buffer",
+                        lambda programs, device: torch.full((3, programs), float("inf"), device=device))
     gen = torch.Generator().manual_seed(3)
     b, hq, hkv, seq_q, seq_k, e = 2, 4, 2, 70, 150, 32
     dtype = torch.float16
@@ -126,6 +130,20 @@ def test_the_backward_preprocess_matches_its_definition(with_dlse, one_launch, m
     do, out, resid, value = (t.to(DEVICE) for t in (do, out, resid, value))
     dlse = dlse.to(DEVICE) if with_dlse else None
     do_scaled, pivots, delta, ds_up = _exact_delta_inputs(do, value, out, dlse, resid, row_consts)
+    # The same launch finishing k̂ from the keys' moments (one more column of programs): k̂ as
+    # key_mean's own launch gives it, bit for bit, and every other output unchanged.
+    # Keys longer than a chunk (three of 256), near-tied so that k̂ is mostly live.
+    long_k = 600
+    shared = 30 * torch.randn(b, hkv, 1, e, generator=gen).sign()
+    keys = (shared + torch.randn(b, hkv, long_k, e, generator=gen)).to(dtype)
+    keys, long_v = keys.to(DEVICE), torch.randn(b, hkv, long_k, e, generator=gen).to(dtype).to(DEVICE)
+    moments = hopper_bwd.key_moments(keys, min_chunk=128)
+    assert moments.chunks == 3
+    with_moments = _exact_delta_inputs(do, long_v, out, dlse, resid, row_consts, moments)
+    k_hat = hopper_bwd.key_mean(keys, min_chunk=128)
+    assert torch.equal(moments.mean_key, k_hat) and (k_hat != 0).float().mean() > 0.9
+    for got, want in zip(with_moments, _exact_delta_inputs(do, long_v, out, dlse, resid, row_consts)):
+        assert torch.equal(got, want)
     g = row_consts[1]
     want_do = (do.float() * g[..., None]).to(dtype)
     assert torch.equal(do_scaled, want_do) and torch.equal(pivots, row_consts[0])
