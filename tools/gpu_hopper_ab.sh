@@ -18,7 +18,12 @@
 # time; skiptiles: the GPU tests of the Gluon forward, the one-pass path and windows with
 # launch.hopper.SKIP_MASKED_TILES on, then its off/on A/B on an E 64 causal 4k training step, bf16
 # and fp16, and on a w 256 window step at E 128; persistent: the persistent forward's bitwise tests,
-# its speed beside the grid's and cuDNN's, and a training step off/on),
+# its speed beside the grid's and cuDNN's, and a training step off/on; tree_ab: a change without a
+# switch against the tree before it, which travels as .ab_base (git-ignored; make it with
+# `rm -rf .ab_base && mkdir .ab_base && git archive <rev> | tar -x -C .ab_base` and carry .ab_base):
+# the one-pass GPU tests on this tree, then the host breakdown (B 1, E 64, causal 4k, bf16 and
+# fp16) and a bf16 causal 4k training step's kernels from each tree in turn (about 8 minutes at
+# most), archived into $OUT/tree_ab.tgz),
 # WORKERS (pytest-xdist, 14). Results in $OUT
 # (default /tmp/flash_inductor_out): gpu_tests_hopper.xml, hopper_bwd.json, bench_*_infer.*,
 # debug_overhead_*.json.
@@ -111,10 +116,27 @@ runpy.run_module('benchmarks.experiments.step_kernels', run_name='__main__')" 2>
         timeout -s INT -k 10 60 python3 -m benchmarks.experiments.switch_ab --switch launch.hopper.PERSISTENT \
           --dtype bf16 --head-dim $e --seq 4096 --causal --out "$OUT/persistent_ab$e" 2>&1 | tail -3
       done ;;
+    tree_ab)
+      [ -d .ab_base/flash_inductor ] || { echo "tree_ab: no .ab_base tree (see the header)" >&2; exit 2; }
+      timeout -s INT -k 20 170 python3 -m pytest tests/unit/test_one_pass.py -q -n "${WORKERS:-14}" \
+        -p no:cacheprovider --timeout 120 2>&1 | tail -3
+      mkdir -p "$OUT/tree_ab"
+      for tree in base new; do
+        root=$PWD; [ $tree = base ] && root=$PWD/.ab_base
+        for dtype in bf16 fp16; do
+          (cd "$root" && PYTHONPATH=$root:/tmp/site timeout -s INT -k 10 60 python3 -m benchmarks.experiments.host_overhead \
+            --breakdown --dtype $dtype --batch 1 --heads 16 --seq 4096 --head-dim 64 --causal yes \
+            --out "$OUT/tree_ab/host_${tree}_$dtype") 2>&1 | tail -2
+        done
+        (cd "$root" && PYTHONPATH=$root:/tmp/site timeout -s INT -k 10 60 python3 -m benchmarks.experiments.step_kernels \
+          --dtypes bf16 --head-dims 64,128 --seq 4096 --causal --modes fwd_bwd --providers ours \
+          --out "$OUT/tree_ab/steps_$tree") 2>&1 | tail -3
+      done
+      tar -czf "$OUT/tree_ab.tgz" -C "$OUT" tree_ab && rm -rf "$OUT/tree_ab" ;;
     window)
       timeout -s INT -k 10 240 python3 -m benchmarks.sparse_attention --part window --providers ours,flex \
         --seqs 4096,16384,32768 --windows 256 --kernel-time --time-budget 220 --out "$OUT" 2>&1 | tail -14 ;;
-    *) echo "unknown step $step (tests ab infer eager decode dsup host llama_b1 llama_b1_graphs cold moments window skiptiles persistent)" >&2
+    *) echo "unknown step $step (tests ab infer eager decode dsup host llama_b1 llama_b1_graphs cold moments window skiptiles persistent tree_ab)" >&2
        exit 2 ;;
   esac
 done
