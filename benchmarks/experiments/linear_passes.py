@@ -67,9 +67,9 @@ def main(argv=None):
     dq_acc = torch.empty(shape, device="cuda", dtype=torch.float32)
     grid = (cdiv(seq, 64), batch * heads)
     timed("preprocess", lambda: _exact_delta_preprocess[grid](
-        do, out, resid, norm, norm, do_scaled, delta, out, delta, *do.stride()[:3], *out.stride()[:3],
-        *out.stride()[:3], heads, heads, seq, seq, HEAD_DIM=dim, BLOCK_M=64, HAS_DLSE=False, COLLECT_STATS=False,
-        num_warps=4), 4 * k_bytes, block_m=64)
+        do, out, resid, norm, norm, do_scaled, delta, out, delta, delta, delta, *do.stride()[:3], *out.stride()[:3],
+        *out.stride()[:3], heads, heads, seq, seq, grid[0], 0, HEAD_DIM=dim, BLOCK_M=64, HAS_DLSE=False,
+        COLLECT_STATS=False, num_warps=4), 4 * k_bytes, block_m=64)
     timed("zero fill", lambda: dq_acc.zero_(), dq_acc.numel() * 4)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "linear_passes.json"), "w") as f:

@@ -475,10 +475,15 @@ def key_moments(key: torch.Tensor, max_chunks: int = 16, min_chunk: int = 512) -
 
 def key_mean(key: torch.Tensor, max_chunks: int = 16, min_chunk: int = 512) -> torch.Tensor:
     """k̂ (B, H_KV, E) fp32 of ``ops/one_pass.key_mean_reference``, in two Triton launches
-    (kernels/exact_delta.py): ``key_moments``, then one small program a head that reduces them."""
+    (kernels/exact_delta.py): ``key_moments``, then ``finish_key_mean``."""
+    return finish_key_mean(key_moments(key, max_chunks, min_chunk), key)
+
+
+def finish_key_mean(moments: KeyMoments, key: torch.Tensor) -> torch.Tensor:
+    """``moments.mean_key`` filled in a launch of its own (one small program a head), as the
+    exact-Δ preprocess's extra column fills it on the one-pass path; ``key`` gives the dtype and S."""
     from ..kernels.exact_delta import _mean_key_from_moments
 
-    moments = key_moments(key, max_chunks, min_chunk)
     batch, heads_kv, seq_k, head_dim = key.shape
     _mean_key_from_moments[(batch * heads_kv,)](moments.partial, moments.mean_key, key, moments.chunks, seq_k,
                                                 HEAD_DIM=head_dim, num_warps=1)

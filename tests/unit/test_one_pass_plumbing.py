@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import flash_inductor  # noqa: F401 -- registers the ops
+from flash_inductor.launch.hopper_bwd import KeyMoments, finish_key_mean
 from helpers import DEVICE, attention_ref, causal_visible, ref_forward_backward
 
 DTYPE = torch.float32  # the emulation is exact; fp32 lets the wrapping's own error show
@@ -85,6 +86,10 @@ class EmulatedGluon:
         assert schedule == "stable"
         resid, row_consts = exact_delta
         assert resid.shape == out.shape and row_consts.shape == (2, *lse.shape) and delta is None
+        # The one-pass path hands over K's moments, which the real launcher's exact-Δ preprocess
+        # finishes into k̂ (kernels/exact_delta.py); here a launch of its own does.
+        assert isinstance(mean_key, KeyMoments)
+        mean_key = finish_key_mean(mean_key, key)
         self.backwards.append(dict(key=key, mean_key=mean_key, attn_mask=attn_mask, block_layout=block_layout))
         assert mean_key.shape == (key.shape[0], key.shape[1], key.shape[3]) and mean_key.dtype == torch.float32
         k_tilde = key - mean_key.to(key.dtype)[:, :, None]
@@ -118,14 +123,14 @@ def emulated(monkeypatch):
     gluon = EmulatedGluon()
     monkeypatch.setattr(hopper, "hopper_attention_forward", gluon.forward)
     monkeypatch.setattr(hopper_bwd, "hopper_attention_backward", gluon.backward)
-    key_mean = one_pass.key_mean
+    key_moments = one_pass.key_moments
     gluon.key_means = 0
 
-    def counted_key_mean(key):
+    def counted_key_moments(key):
         gluon.key_means += 1
-        return key_mean(key)
+        return key_moments(key)
 
-    monkeypatch.setattr(one_pass, "key_mean", counted_key_mean)
+    monkeypatch.setattr(one_pass, "key_moments", counted_key_moments)
     return gluon
 
 
