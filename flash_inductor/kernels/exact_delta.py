@@ -13,9 +13,9 @@ Glossary (per query row i of one (batch, query head); docs/hopper_backward.md de
 
   stats   under fp16, the bound on |dS| the kernel scales dS by (``launch.hopper_bwd``):
           max ‖dO'_i‖², max ‖v_j‖², max |g_i dLSE_i|, each program's into its column of
-          DS_STATS (3, programs) fp32 (0 where it has none, so the buffer needs no fill), which the
-          launcher reduces (one scalar atomic per program
-          on three shared addresses took 0.41 ms at fp16 E 128 4k against 0.11 for bf16).
+          DS_STATS (3, programs) fp32 (0 where it has none, so the buffer needs no fill), which
+          the launcher reduces (one scalar atomic per program on three shared addresses took
+          0.41 ms at fp16 E 128 4k against 0.11 for bf16).
           A NaN counts as +inf so that a non-finite input never looks small.
   k̂       the keys' shared part (ops/one_pass.py): the Hopper backward's dQ GEMM takes
           K̃ = K − k̂ (formed in its shared memory, CENTRE_KEYS). dq = scale·dS·K̃ + scale·(Σ_j dS_ij)·k̂,
@@ -59,12 +59,12 @@ def _exact_delta_preprocess(DO, O, RESID, NORM, DLSE, DO_SCALED, DELTA, V, DS_ST
     if pid_m == ROW_PROGRAMS:
         heads_kv = tl.num_programs(1) // H * H_KV
         if bh < heads_kv:
-            _mean_key_of_head(PARTIAL, MEAN_KEY, V, bh, heads_kv, CHUNKS, S, HEAD_DIM)  # V: K's dtype
+            _mean_key_of_head(PARTIAL, MEAN_KEY, V, bh, heads_kv, CHUNKS, S, HEAD_DIM=HEAD_DIM)  # V: K's dtype
     else:
         _preprocess_rows(DO, O, RESID, NORM, DLSE, DO_SCALED, DELTA, V, DS_STATS, pid_m, bh,
                          stride_dob, stride_doh, stride_dom, stride_ob, stride_oh, stride_om,
                          stride_vb, stride_vh, stride_vn, H, H_KV, L, S, ROW_PROGRAMS,
-                         HEAD_DIM, BLOCK_M, HAS_DLSE, COLLECT_STATS)
+                         HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, HAS_DLSE=HAS_DLSE, COLLECT_STATS=COLLECT_STATS)
 
 
 @triton.jit
@@ -207,8 +207,8 @@ def _key_moments(K, PARTIAL, stride_kb, stride_kh, stride_kn, H_KV, S, CHUNK,
 def _mean_key_from_moments(PARTIAL, MEAN_KEY, K, chunks, S, HEAD_DIM: tl.constexpr):
     """k̂ of one head from its chunks' partials (``_mean_key_of_head``). Grid (B * H_KV,); PARTIAL
     as ``_key_moments`` writes it; MEAN_KEY (B·H_KV, E) fp32; K only gives the keys' dtype (not
-    read). The one-pass backward runs this in its preprocess's launch instead."""
-    _mean_key_of_head(PARTIAL, MEAN_KEY, K, tl.program_id(0), tl.num_programs(0), chunks, S, HEAD_DIM)
+    read). The one-pass backward finishes k̂ in its exact-Δ preprocess's launch instead."""
+    _mean_key_of_head(PARTIAL, MEAN_KEY, K, tl.program_id(0), tl.num_programs(0), chunks, S, HEAD_DIM=HEAD_DIM)
 
 
 @triton.jit
