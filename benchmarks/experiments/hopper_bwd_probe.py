@@ -40,6 +40,7 @@ from flash_inductor.launch.hopper_bwd import (
     hopper_attention_backward,
     hopper_backward_unsupported_reason,
 )
+from flash_inductor.tuning.hopper_configs import width_supported
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENS = 16384
@@ -107,6 +108,8 @@ def check_case(dtype, head_dim, is_causal, batch, heads_q, heads_kv, seq_q, seq_
     do = rand(heads_q, seq_q)
     scale = head_dim ** -0.5
     reason = hopper_backward_unsupported_reason(q, k, v, None, 0.0, scale, "fast")
+    if reason is None and not width_supported(CONFIGS[config], head_dim):
+        reason = f"{config} pairs tiles, which needs head dim 64"
     if reason is not None:
         return dict(ok=False, error=f"unsupported: {reason}")
     out, lse = hopper_attention_forward(q, k, v, scale=scale, is_causal=is_causal, causal_offset=causal_offset)
@@ -188,7 +191,9 @@ def backward_steps(q, k, v, do, causal, providers):
     out, lse = hopper_attention_forward(q, k, v, scale=scale, is_causal=causal)
     steps = {}
     for name in providers:
-        if name in CONFIGS:
+        if name in CONFIGS and not width_supported(CONFIGS[name], q.shape[-1]):
+            print(f"{name}: skipped at head dim {q.shape[-1]} (paired tiles need 64)", flush=True)
+        elif name in CONFIGS:
             steps[name] = (lambda c: lambda: hopper_attention_backward(do, q, k, v, out, lse, scale=scale,
                                                                        is_causal=causal, config=c))(CONFIGS[name])
         elif name.startswith("triton-"):
