@@ -31,7 +31,7 @@ import time
 import torch
 
 ARCH = (9, 0)
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # A length that is not a multiple of any tile, so every masked edge path is compiled.
 SEQ = 300
 
@@ -52,10 +52,12 @@ class HopperStandIn:
 
 
 @contextlib.contextmanager
-def compiling_launches(record: list, compiled_by_name: dict | None = None):
+def compiling_launches(record: list, compiled_by_name: dict | None = None, observe=None):
     """Within the block, every ``launch.common.launcher(kernel)[grid](...)`` compiles the kernel for
     sm_90 and appends (kernel name, shared bytes) to ``record`` instead of launching it (and keeps
-    the compiled kernel in ``compiled_by_name``, when given, for tools/sass_mix.py)."""
+    the compiled kernel in ``compiled_by_name``, when given, for tools/sass_mix.py). ``observe``,
+    when given, is called as observe(kernel name, compiled kernel, compile seconds, grid, keyword
+    arguments) after each (tools/compile_survey.py)."""
     from triton.runtime import driver
 
     from flash_inductor.launch import common
@@ -66,7 +68,10 @@ def compiling_launches(record: list, compiled_by_name: dict | None = None):
 
         def __getitem__(self, grid):
             def compile_only(*args, **kwargs):
+                start = time.perf_counter()
                 compiled = self.kernel.warmup(*args, grid=grid, **kwargs)
+                if observe is not None:
+                    observe(self.kernel.fn.__name__, compiled, time.perf_counter() - start, grid, kwargs)
                 record.append((self.kernel.fn.__name__, compiled.metadata.shared))
                 if compiled_by_name is not None:
                     compiled_by_name[self.kernel.fn.__name__] = compiled
@@ -95,10 +100,12 @@ def check(head_dim: int, mask_kind: str, dtype_name: str, schedule: str, seq: in
     return record
 
 
-def run_launches(head_dim: int, mask_kind: str, dtype_name: str, schedule: str, seq: int = SEQ, configs=None) -> None:
-    """Call the launchers for one forward, one backward and one decode forward of length ``seq``
-    (``configs`` default: Hopper's heuristic ones). Run it where ``launch.common.launcher`` is
-    replaced (``compiling_launches``): the tensors are CPU tensors."""
+def run_launches(head_dim: int, mask_kind: str, dtype_name: str, schedule: str, seq: int = SEQ, configs=None, *,
+                 dropout_p: float = 0.0, decode: bool = True) -> None:
+    """Call the launchers for one forward, one backward and (``decode``) one decode forward of length
+    ``seq`` (``configs`` default: Hopper's heuristic ones), with dropout where ``dropout_p`` > 0 (the
+    decode kernels take none). Run it where ``launch.common.launcher`` is replaced
+    (``compiling_launches``): the tensors are CPU tensors."""
     from flash_inductor import launch
     from flash_inductor.tuning.configs import cuda_heuristic_configs
 
@@ -119,10 +126,13 @@ def run_launches(head_dim: int, mask_kind: str, dtype_name: str, schedule: str, 
     if configs is None:
         configs = cuda_heuristic_configs(ARCH, dtype.itemsize, head_dim, head_dim, schedule, config_kind)
     scale = head_dim ** -0.5
+    # Any int64 seed will do: only the kernels' specialisation matters here.
+    seed = torch.tensor([12345], dtype=torch.int64) if dropout_p > 0 else None
     if hasattr(launch, "Visibility"):
         visibility = launch.Visibility(is_causal=causal, window=window)
-        launch.attention_forward(q, k, v, mask, None, 0.0, scale, schedule, visibility=visibility, configs=configs)
-        launch.attention_backward(dout, q, k, v, mask, out, lse, None, None, 0.0, scale, schedule, False,
+        launch.attention_forward(q, k, v, mask, seed, dropout_p, scale, schedule, visibility=visibility,
+                                 configs=configs)
+        launch.attention_backward(dout, q, k, v, mask, out, lse, None, seed, dropout_p, scale, schedule, False,
                                   visibility=visibility, configs=configs)
     else:
         # tools/carry_table_entries.py --whole-package runs this against older launchers, which
@@ -132,7 +142,7 @@ def run_launches(head_dim: int, mask_kind: str, dtype_name: str, schedule: str, 
         launch.attention_backward(dout, q, k, v, mask, out, lse, None, None, 0.0, causal, 0, scale, schedule,
                                   False, configs=configs, **extra)
     # Older launchers' configs (tools/carry_table_entries.py) have no decode role.
-    if getattr(configs, "decode", None) is not None:
+    if decode and getattr(configs, "decode", None) is not None:
         _decode_launch(head_dim, mask_kind, dtype, schedule, seq, configs.decode, gen, window)
 
 

@@ -1,13 +1,14 @@
-"""fp32 launch tiles on the GPU: today's heuristic against tiles that do not spill (docs/performance.md, Open leads).
+"""fp32 launch tiles on the GPU: the Hopper heuristic's against the alternatives, the tiles it replaced included.
 
     python -m benchmarks.experiments.fp32_tiles --workers 14             # GPU: one device call
     TRITON_INTERPRET=1 python -m benchmarks.experiments.fp32_tiles --quick --device cpu   # smoke run
 
-Compiled for sm_90 on a CPU, the fp32 heuristic configs behave badly: at E 128 the forward, dK/dV and
-dQ tiles keep 32 registers a thread and spill 10-13 KB to the stack, the dK/dV pass takes ~70 s to
-compile, and smaller tiles or more warps do not spill
-(``benchmarks/results/fp32_tiles_sm90_cpu_20261202.json``). This times them on the GPU before
-``cuda_heuristic_configs``'s fp32 branch changes.
+Compiled for sm_90 on a CPU (``python -m tools.compile_survey --dtypes fp32 --loops``), the fp32 tiles
+the heuristic gave Hopper until 2026-12-04 (64x32/w4/s2, 32x64/w4/s1, 64x32/w4/s1, which other GPUs
+keep) spilled: at E 128 the forward, dK/dV and dQ kernels kept 32 registers a thread and 6-19 KB of
+stack, and the dK/dV pass took 30-38 s to compile. ``cuda_heuristic_configs`` now gives Hopper tiles
+whose loops keep no local memory, chosen by their compiled instruction counts
+(``benchmarks/results/compile_survey_cpu_20261204_fp32.json``). This times both on the GPU.
 
 For each head dim and mask (fp32, B x H x L = 2 x 8 x 2048 by default) and each pass, every
 candidate tile replaces that pass's heuristic one (the other passes keep theirs). Per candidate:
@@ -44,12 +45,13 @@ from benchmarks.kernel_time import kernel_times_us
 from flash_inductor import launch
 from flash_inductor.tuning.configs import AttentionConfigs, cuda_heuristic_configs
 
-# Candidates per pass beside the heuristic (block_m x block_n / warps / stages); the CPU compile
-# (fp32_tiles_sm90_cpu_20261202.json) found these without spills, or almost none, at E 128.
+# Candidates per pass beside the heuristic (block_m x block_n / warps / stages): first the tile the
+# heuristic gave Hopper before 2026-12-04 (still other GPUs'), then tiles the CPU compile found
+# without spills, or almost none, at E 64 or 128 (compile_survey_cpu_20261204_fp32.json).
 CANDIDATES = {
-    "forward": ("32x64/w8/s2", "16x32/w4/s2", "32x32/w4/s2", "64x32/w8/s2"),
-    "backward_dkdv": ("16x64/w8/s1", "16x32/w4/s1", "32x32/w4/s1", "32x64/w8/s1"),
-    "backward_dq": ("32x32/w4/s1", "32x64/w8/s1", "16x64/w4/s1", "64x32/w8/s1"),
+    "forward": ("64x32/w4/s2", "32x64/w8/s2", "64x32/w8/s2", "16x64/w4/s2", "32x32/w4/s2"),
+    "backward_dkdv": ("32x64/w4/s1", "16x32/w8/s1", "32x64/w8/s1", "16x64/w8/s1", "16x32/w4/s1"),
+    "backward_dq": ("64x32/w4/s1", "32x32/w8/s1", "64x32/w8/s1", "16x64/w4/s1", "32x32/w4/s1"),
 }
 ROLE_KERNEL = {"forward": "_attn_fwd", "backward_dkdv": "_attn_bwd_dkdv", "backward_dq": "_attn_bwd_dq"}
 SCHEDULE = "stable"

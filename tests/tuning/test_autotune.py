@@ -28,7 +28,7 @@ from flash_inductor.autotune import precompile
 from flash_inductor.autotune.precompile import ParallelPrecompiler, RoundReport, _encode, probe_lengths_of_one, warm
 from flash_inductor.schedules import SCHEDULES, schedules_markdown_table
 from flash_inductor.autotune.search import BucketTask, Measurement, Tuner, incumbent_configs
-from flash_inductor.tuning.footprint import DeviceLimits, TileBytes, fits
+from flash_inductor.tuning.footprint import DeviceLimits, TileBytes, fits, smem_bytes
 from flash_inductor.autotune.search_space import SearchSpace, shape_candidates
 from helpers import DEVICE
 from tuning_helpers import (  # noqa: F401  (isolated_tables: an autouse fixture)
@@ -383,14 +383,21 @@ def test_wide_head_backward_tiles_on_hopper_fit_and_stay_small_elsewhere(schedul
     sched = SCHEDULES[schedule]
     hopper = cuda_heuristic_configs((9, 0), 2, 256, 256, schedule, mask)
     small = KernelConfig(32, 32, 4, 1)
-    # Ampere and fp32 inputs keep the small tiles whatever the schedule.
+    # Ampere keeps the small tiles whatever the schedule, and so do fp32 inputs there; fp32 on Hopper
+    # has tiles of its own (configs._HOPPER_FP32_TILES: small tiles over eight warps, against the
+    # tuner's rule for MMA tiles, since its products run on the CUDA cores), which fit in shared
+    # memory beside the widest mask tile.
+    h200 = DeviceLimits(smem_bytes=232448)
     assert cuda_heuristic_configs((8, 0), 2, 256, 256, schedule, mask).backward_dq == small
-    assert cuda_heuristic_configs((9, 0), 4, 256, 256, schedule, mask).backward_dkdv == KernelConfig(16, 32, 4, 1)
+    assert cuda_heuristic_configs((8, 0), 4, 256, 256, schedule, mask).backward_dkdv == KernelConfig(16, 32, 4, 1)
+    fp32 = cuda_heuristic_configs((9, 0), 4, 256, 256, schedule, mask)
+    fp32_tiles = TileBytes(256, 4, 4, 4, 4, exact_delta=False)
+    assert all(smem_bytes(role, getattr(fp32, role), fp32_tiles) <= h200.smem_bytes
+               for role in ("forward", "backward_dkdv", "backward_dq"))
     if sched.p_in_fp32 or sched.ds_in_fp32:  # tf32x3 operands were not measured with larger tiles
         assert (hopper.backward_dkdv, hopper.backward_dq) == (small, small)
         return
     tiles = TileBytes(256, 2, 2, 2, {"bool": 1, "float": 4}.get(mask, 0), exact_delta=sched.exact_delta)
-    h200 = DeviceLimits(smem_bytes=232448)
     assert hopper.backward_dkdv == KernelConfig(64, 32, 4, 2)
     assert fits("backward_dkdv", hopper.backward_dkdv, tiles, h200)
     wide_dq = KernelConfig(64, 64, 8, 2) if sched.exact_delta else KernelConfig(128, 32, 8, 2)

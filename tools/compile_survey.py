@@ -1,0 +1,243 @@
+"""First-call compile time of the Triton kernels our launchers start on Hopper, with each kernel's
+registers, spills and shared memory, measured on any machine (no GPU).
+
+    python -m tools.compile_survey --dtypes fp32 --head-dims 64,128 --masks none,causal
+    python -m tools.compile_survey --dtypes bf16,fp16 --head-dims 40,80,96,160 --dropout 0,0.1 --workers 2
+    python -m tools.compile_survey ... --dkdv 16x64/w8/s1 --out benchmarks/results   # candidate tiles
+
+A user's first call of a new variant waits for ptxas, which is single-threaded and slow on kernels
+whose working set does not fit the registers: compiled for sm_90, the fp32 tiles the heuristic
+gave at E 128 kept 32 registers a thread and spilled 10-13 KB, and the dK/dV pass took about 70 s
+to compile (docs/performance.md, "Compile time"). As ``tools/smem_check.py`` does, this runs the
+launchers (``launch.attention_forward`` / ``attention_backward``, and the decode launcher) on CPU
+tensors with the configs a Hopper launch would use, and in place of each launch compiles the
+kernel for sm_90 (the real argument specialisation and constexprs). Per distinct kernel it
+reports the compile's wall time, and from the cubin (Triton's bundled ``cuobjdump
+--dump-resource-usage``) the registers and stack bytes a thread (stack > 0 is spilling), plus
+Triton's shared memory. A kernel two cases share is compiled, and counted, once.
+
+The Gluon Hopper kernels (bf16/fp16 at E 64/128) are not launched here: ``tools/hopper_fwd_compile.py``
+and ``tools/hopper_bwd_compile.py`` compile those. Times are this machine's (ptxas of the installed
+Triton, one process a case); compare within a run. Without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+_RESOURCES = re.compile(r"Function\s+(\S+):\s*REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)")
+ROLES = ("forward", "backward_dkdv", "backward_dq", "decode")
+# The launch a kernel's compile belongs to, for --<role> overrides and the report.
+KERNEL_ROLE = {"_attn_fwd": "forward", "_attn_bwd_dkdv": "backward_dkdv", "_attn_bwd_dq": "backward_dq",
+               "_attn_decode_split": "decode"}
+
+
+# Dots a main-loop iteration issues, per role: the forward S = QKᵀ and P·V; the dK/dV pass Sᵀ, dPᵀ,
+# dV += Pᵀ·dO and dK += dSᵀ·Q; the dQ pass S, dP and dQ += dS·K.
+_DOTS_PER_ITERATION = {"forward": 2, "backward_dkdv": 4, "backward_dq": 3}
+
+
+@dataclasses.dataclass
+class Compiled:
+    """One kernel compiled for sm_90: its case, tile, wall time and resources a thread; with --loops,
+    its hottest loop (the one with the most FFMA, or matrix instructions) per thread and iteration:
+    its instructions, FFMA, shared loads, local loads and stores (spills), and ``ideal_ffma``, the
+    FMAs its dots need a thread an iteration (dots x BLOCK_M x BLOCK_N x E / threads) when they run
+    on the CUDA cores (fp32's IEEE products). ``instructions / ideal_ffma`` is then the issue cost
+    a unit of work: the kernels are issue-bound there, so it ranks tiles before any GPU time."""
+
+    case: str
+    kernel: str
+    tile: str
+    seconds: float
+    registers: int
+    stack_bytes: int
+    shared_bytes: int
+    loop: dict | None = None
+
+    def row(self) -> str:
+        spill = f"{self.stack_bytes} B stack" if self.stack_bytes else "no spill"
+        text = (f"{self.case:34s} {self.kernel:24s} {self.tile:13s} {self.seconds:6.1f} s  "
+                f"{self.registers:3d} regs  {spill:14s} {self.shared_bytes / 1024:5.0f} KiB")
+        if self.loop:
+            loop = self.loop
+            per_fma = f", {loop['instructions'] / loop['ideal_ffma']:.2f} instr/FMA" if loop.get("ideal_ffma") else ""
+            text += (f"  loop {loop['instructions']}: FFMA {loop['FFMA']}, LDS {loop['LDS']}, "
+                     f"LDL+STL {loop['LDL'] + loop['STL']}{per_fma}")
+        return text
+
+
+def hot_loop(cubin: bytes, role: str | None, kwargs: dict, num_warps: int) -> dict | None:
+    """The loop of the cubin with the most FFMA (else matrix instructions), counted as in
+    tools/sass_mix.py; None if the kernel has no loop."""
+    from tools.sass_mix import disassemble, loops, opcode_counts
+
+    instructions, bodies = loops(disassemble(cubin))
+    if not bodies:
+        return None
+    counted = [opcode_counts(instructions[a:b + 1]) for a, b in bodies]
+    best = max(range(len(bodies)), key=lambda i: (counted[i]["FFMA"], counted[i]["HGMMA"] + counted[i]["HMMA"]))
+    counts = counted[best]
+    a, b = bodies[best]
+    loop = dict(instructions=b - a + 1, **{op: counts[op] for op in ("FFMA", "LDS", "LDL", "STL", "HGMMA", "HMMA")})
+    if role in _DOTS_PER_ITERATION and "BLOCK_M" in kwargs and "BLOCK_E" in kwargs:
+        work = _DOTS_PER_ITERATION[role] * kwargs["BLOCK_M"] * kwargs["BLOCK_N"] * kwargs["BLOCK_E"]
+        loop["ideal_ffma"] = work // (32 * num_warps)
+    return loop
+
+
+def resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) a thread of the cubin's kernel, from the bundled cuobjdump."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], check=True, capture_output=True,
+                              text=True).stdout
+    match = _RESOURCES.search(text)
+    if match is None:
+        raise RuntimeError(f"cuobjdump printed no resource line:\n{text}")
+    return int(match.group(2)), int(match.group(3))
+
+
+def tile_label(kwargs: dict, compiled) -> str:
+    """BLOCK_M x BLOCK_N / warps / stages, as the tuning table's configs print (64x32/w4/s2)."""
+    options = compiled.metadata
+    return (f"{kwargs.get('BLOCK_M', '?')}x{kwargs.get('BLOCK_N', '?')}/w{options.num_warps}"
+            f"/s{options.num_stages}")
+
+
+def parse_tile(text: str):
+    """A KernelConfig from '64x32/w4/s2'."""
+    from flash_inductor.tuning.kernel_config import KernelConfig
+
+    match = re.fullmatch(r"(\d+)x(\d+)/w(\d+)/s(\d+)", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"a tile is BLOCK_MxBLOCK_N/wWARPS/sSTAGES, e.g. 64x32/w4/s2; got {text!r}")
+    return KernelConfig(*(int(g) for g in match.groups()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    head_dim: int
+    mask_kind: str
+    dtype: str
+    schedule: str
+    dropout_p: float
+    overrides: tuple = ()  # (role, KernelConfig) pairs replacing the heuristic's tiles
+    tiles_of: tuple = (9, 0)  # the capability whose heuristic tiles are compiled (for sm_90 always)
+
+    def label(self) -> str:
+        drop = f" p{self.dropout_p:g}" if self.dropout_p else ""
+        tiles = "" if self.tiles_of == (9, 0) else f" sm{self.tiles_of[0]}{self.tiles_of[1]}-tiles"
+        return f"{self.dtype} E{self.head_dim} {self.mask_kind} {self.schedule}{drop}{tiles}"
+
+
+def survey_case(case: Case, cache_dir: str, decode: bool, seq: int, with_loops: bool = False) -> list[Compiled]:
+    """Compile every kernel one case's launches start; kernels already in ``cache_dir`` (compiled by an
+    earlier case) are left out."""
+    os.environ["TRITON_CACHE_DIR"] = cache_dir
+    from flash_inductor.tuning.configs import cuda_heuristic_configs
+    from tools.smem_check import DTYPES, compiling_launches, run_launches
+
+    dtype = DTYPES[case.dtype]
+    config_kind = {"window": "causal", "window_bool": "bool"}.get(case.mask_kind, case.mask_kind)
+    configs = cuda_heuristic_configs(case.tiles_of, dtype.itemsize, case.head_dim, case.head_dim, case.schedule,
+                                     config_kind)
+    if case.overrides:
+        configs = dataclasses.replace(configs, **dict(case.overrides))
+    rows: list[Compiled] = []
+
+    def observe(name, compiled, seconds, grid, kwargs):
+        # A kernel found in the cache took well under a second and counts in the case that built it.
+        try:  # created atomically: of two workers that compiled one kernel, one reports it
+            os.close(os.open(os.path.join(cache_dir, f".surveyed_{compiled.hash}"), os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
+        registers, stack = resource_usage(compiled.asm["cubin"])
+        loop = (hot_loop(compiled.asm["cubin"], KERNEL_ROLE.get(name), kwargs, compiled.metadata.num_warps)
+                if with_loops else None)
+        rows.append(Compiled(case.label(), name, tile_label(kwargs, compiled), round(seconds, 2), registers, stack,
+                             compiled.metadata.shared, loop))
+
+    with compiling_launches([], observe=observe):
+        run_launches(case.head_dim, case.mask_kind, case.dtype, case.schedule, seq, configs,
+                     dropout_p=case.dropout_p, decode=decode)
+    return rows
+
+
+def main(argv=None) -> int:
+    from tools.smem_check import add_case_arguments, cases
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_case_arguments(p, head_dims="64,128", masks="none,causal", schedules="stable")
+    p.add_argument("--dropout", default="0", help="comma list of dropout probabilities (0: none)")
+    for role in ROLES:
+        p.add_argument(f"--{role.replace('_', '-')}", type=parse_tile, default=None, metavar="TILE",
+                       help=f"replace the heuristic's {role} tile, e.g. 64x32/w4/s2")
+    p.add_argument("--tiles-of", default="9.0",
+                   help="comma list of compute capabilities whose heuristic tiles are compiled (still for sm_90): "
+                        "8.0 gives the tiles other GPUs run, e.g. those Hopper's replaced")
+    p.add_argument("--no-decode", action="store_true", help="leave out the decode launcher's kernels")
+    p.add_argument("--seq", type=int, default=300, help="L = S of the launches (not a multiple of any tile)")
+    p.add_argument("--workers", type=int, default=1, help="cases compiled at once (ptxas is single-threaded)")
+    p.add_argument("--loops", action="store_true", help="count each kernel's hottest loop (Compiled's docstring)")
+    p.add_argument("--out", default=None, help="a folder for compile_survey_cpu_<date>[_<tag>].json")
+    p.add_argument("--tag", default=None)
+    args = p.parse_args(argv)
+    overrides = tuple((role, getattr(args, role)) for role in ROLES if getattr(args, role) is not None)
+    try:
+        dropouts = [float(x) for x in args.dropout.split(",")]
+    except ValueError:
+        p.error(f"--dropout: a comma list of probabilities, got {args.dropout!r}")
+    if any(not 0 <= x < 1 for x in dropouts):
+        p.error(f"--dropout: probabilities in [0, 1), got {args.dropout!r}")
+    try:
+        tiles_of = [tuple(int(part) for part in cap.split(".")) for cap in args.tiles_of.split(",")]
+    except ValueError:
+        tiles_of = []
+    if not tiles_of or any(len(cap) != 2 for cap in tiles_of):
+        p.error(f"--tiles-of: a comma list of capabilities like 9.0,8.0, got {args.tiles_of!r}")
+    todo = [Case(e, mask, dtype, schedule, drop, overrides, cap)
+            for cap in tiles_of
+            for e, mask, dtype, schedule in cases(p, args, "interpreted kernels are not compiled")
+            for drop in dropouts]
+
+    from benchmarks.common import environment, module_command, progress, write_record
+
+    rows: list[Compiled] = []
+    start = time.time()
+    with tempfile.TemporaryDirectory(prefix="compile_survey_") as cache_dir:
+        with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
+            futures = [pool.submit(survey_case, case, cache_dir, not args.no_decode, args.seq, args.loops) for case in todo]
+            for future in progress(concurrent.futures.as_completed(futures), "cases", total=len(futures)):
+                for row in future.result():
+                    rows.append(row)
+                    print(row.row(), flush=True)
+    rows.sort(key=lambda r: -r.seconds)
+    total = sum(r.seconds for r in rows)
+    spilling = [r for r in rows if r.stack_bytes]
+    print(f"{len(rows)} kernels over {len(todo)} cases in {time.time() - start:.0f} s wall: {total:.0f} s of "
+          f"compiles, slowest {rows[0].seconds if rows else 0:.1f} s; {len(spilling)} spill")
+    if args.out:
+        env = environment(module_command("tools.compile_survey", argv))
+        write_record(args.out, "compile_survey", env, dict(
+            what="sm_90 compiles of the Triton kernels our launchers start (tools/compile_survey.py): wall "
+                 "seconds, registers and stack bytes a thread (cuobjdump), shared bytes, slowest first",
+            columns=[f.name for f in dataclasses.fields(Compiled)],
+            rows=[dataclasses.astuple(r) for r in rows]), tag=args.tag, device="cpu")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
