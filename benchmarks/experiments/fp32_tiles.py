@@ -8,7 +8,7 @@ the heuristic gave Hopper until 2026-12-04 (64x32/w4/s2, 32x64/w4/s1, 64x32/w4/s
 keep) spilled: at E 128 the forward, dK/dV and dQ kernels kept 32 registers a thread and 6-19 KB of
 stack, and the dK/dV pass took 30-38 s to compile. ``cuda_heuristic_configs`` now gives Hopper tiles
 whose loops keep no local memory, chosen by their compiled instruction counts
-(``benchmarks/results/compile_survey_cpu_20261204_fp32.json``). This times both on the GPU.
+(``benchmarks/results/compile_survey_cpu_20261204.json``). This times both on the GPU.
 
 For each head dim and mask (fp32, B x H x L = 2 x 8 x 2048 by default) and each pass, every
 candidate tile replaces that pass's heuristic one (the other passes keep theirs). Per candidate:
@@ -47,7 +47,7 @@ from flash_inductor.tuning.configs import AttentionConfigs, cuda_heuristic_confi
 
 # Candidates per pass beside the heuristic (block_m x block_n / warps / stages): first the tile the
 # heuristic gave Hopper before 2026-12-04 (still other GPUs'), then tiles the CPU compile found
-# without spills, or almost none, at E 64 or 128 (compile_survey_cpu_20261204_fp32.json).
+# without spills, or almost none, at E 64 or 128 (compile_survey_cpu_20261204.json).
 CANDIDATES = {
     "forward": ("64x32/w4/s2", "32x64/w8/s2", "64x32/w8/s2", "16x64/w4/s2", "32x32/w4/s2"),
     "backward_dkdv": ("32x64/w4/s1", "16x32/w8/s1", "32x64/w8/s1", "16x64/w8/s1", "16x32/w4/s1"),
