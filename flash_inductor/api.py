@@ -8,6 +8,7 @@ numerics live in the op (``flash_inductor.ops``) and its kernels.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 
 import torch
@@ -88,9 +89,11 @@ def flash_attention(
             from torch's generator, so ``torch.manual_seed`` reproduces forward and backward.
         is_causal: query ``i`` attends to keys ``j <= i`` (top-left aligned, as SDPA; when
             ``L != S`` use ``CausalBias`` for lower-right alignment). Excludes ``attn_mask``.
-        scale: softmax scale; default ``1 / sqrt(E)``.
+        scale: softmax scale, any finite real number (NumPy scalars and one-element tensors too,
+            as SDPA); default ``1 / sqrt(E)``.
         enable_gqa: allow ``Hq`` to be a multiple of ``Hkv`` (grouped-query / multi-query
-            attention). K/V are indexed per group, never repeated in memory.
+            attention). K/V are indexed per group, never repeated in memory. As in SDPA, dim -3
+            holds the heads whatever the rank: 3-D inputs are ``(H, L, E)`` under it.
         window: ``None`` or ``(left, right)``, a sliding window as FlashAttention defines it: query
             ``i`` sees key ``j`` iff ``-left <= j - (i + S - L) <= right`` (the diagonal is the
             bottom-right one); ``-1`` leaves that side unbounded. ``(w - 1, 0)`` is a causal sliding
@@ -127,6 +130,9 @@ def flash_attention(
 
     Returns:
         ``(N, ..., Hq, L, Ev)`` in the input dtype.
+
+    ``torch.func`` transforms apply as to SDPA: ``grad``, ``vjp``, ``jacrev`` and ``vmap`` over them
+    (per-sample gradients); ``jvp`` (forward-mode AD) and double backward raise an error.
 
     A query row with no visible key (all-False mask row, all ``-inf`` row, causal or window row
     with no key, a row whose layout blocks are all skipped) returns 0 with zero gradients. SDPA's
@@ -200,10 +206,12 @@ def attention(
 
     seq_q, head_dim = query.shape[-2], query.shape[-1]
     seq_k = key.shape[-2]
-    is_causal, causal_offset, attn_mask = _resolve_causal(attn_mask, is_causal, seq_q, seq_k)
+    is_causal, causal_offset, attn_mask = _resolve_causal(attn_mask, _check_flag("is_causal", is_causal),
+                                                          seq_q, seq_k)
     scale = _resolve_scale(scale, head_dim)
 
-    query, key, value = _broadcast_qkv(query, key, value, enable_gqa)
+    out_rank = max(query.dim(), key.dim(), value.dim())
+    query, key, value = _broadcast_qkv(query, key, value, _check_flag("enable_gqa", enable_gqa))
     heads_q = query.shape[-3] if query.dim() >= 4 else 1
     batch_shape = query.shape[:-3] if query.dim() >= 4 else query.shape[:-2]
     q4, k4, v4 = (_as_4d(t) for t in (query, key, value))
@@ -229,7 +237,8 @@ def attention(
         out = _monitor_ops.watch_output(out, lse, monitor_site, seq_k)
     elif eager_monitor_site is not None:
         _monitor_eager.record_forward(out, lse, eager_monitor_site, seq_k)
-    return out.reshape(*query.shape[:-1], value.shape[-1])
+    # 3-D inputs under enable_gqa ran as one batch of heads (``_broadcast_qkv``): back to 3-D.
+    return out.reshape(*query.shape[query.dim() - out_rank:-1], value.shape[-1])
 
 
 # --------------------------------------------------------------------------------------
@@ -282,9 +291,13 @@ def _broadcast_qkv(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool) 
     attention: K/V heads that divide the query heads under ``enable_gqa``, and a single K/V head
     (with or without it, as SDPA), stay as they are: the op pairs query head h with K/V head
     h // (Hq // Hkv) and never repeats K/V. Other broadcast dims become stride-0 ``expand``
-    views, whose backward sums each gradient back to its input's shape.
+    views, whose backward sums each gradient back to its input's shape. Under ``enable_gqa``,
+    SDPA reads dim -3 as the heads whatever the rank, so 3-D inputs come back 4-D, one batch of
+    heads.
     """
     rank = max(query.dim(), key.dim(), value.dim())
+    if rank == 3 and enable_gqa:
+        rank = 4
     query, key, value = (t.reshape((1,) * (rank - t.dim()) + tuple(t.shape)) if t.dim() < rank else t
                          for t in (query, key, value))
     if rank < 4:  # (N, L, E) and (L, E): no head dim, only the batch dim broadcasts
@@ -363,6 +376,17 @@ def _resolve_causal(attn_mask, is_causal, seq_q, seq_k):
     return bool(is_causal), 0, attn_mask
 
 
+def _check_flag(name: str, value) -> bool:
+    """``is_causal`` / ``enable_gqa`` as a bool: a bool (NumPy's too) or the ints 0 and 1. Anything
+    else is refused rather than read by its truth, where "False" would switch the flag on."""
+    if isinstance(value, (bool, torch.SymBool)) or (type(value).__module__ == "numpy"
+                                                    and type(value).__name__ in ("bool", "bool_")):
+        return bool(value)
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"flash_attention: {name} must be a bool, got {value!r}.")
+
+
 def _resolve_window(window) -> tuple[int, int]:
     """``window`` as the op's ``(window_left, window_right)``; ``None`` is ``(-1, -1)``."""
     if window is None:
@@ -378,9 +402,9 @@ def _resolve_window(window) -> tuple[int, int]:
             bound = None if isinstance(value, (bool, Tensor)) else operator.index(value)
         except TypeError:
             bound = None
-        if bound is None or bound < -1:
+        if bound is None or not -1 <= bound < 2**63:
             raise ValueError(
-                f"flash_attention: window's {side} bound must be an int >= -1 (-1 = unbounded), got "
+                f"flash_attention: window's {side} bound must be an int from -1 (unbounded) to 2**63 - 1, got "
                 f"{value!r} in window={tuple(window)!r}."
             )
         bounds.append(int(bound))
@@ -388,11 +412,20 @@ def _resolve_window(window) -> tuple[int, int]:
 
 
 def _resolve_scale(scale, head_dim) -> float:
+    """``scale`` as a Python float: any real number SDPA takes (NumPy scalars, a one-element tensor
+    outside tracing), finite."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, Tensor) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"flash_attention: scale must be a finite Python float or None, got {scale!r}.")
-    return float(scale)
+    value = None
+    if isinstance(scale, Tensor):
+        if scale.numel() == 1 and not scale.is_complex() and scale.dtype != torch.bool \
+                and not torch.compiler.is_compiling():
+            value = float(scale)
+    elif isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+        value = float(scale)
+    if value is None or not math.isfinite(value):
+        raise ValueError(f"flash_attention: scale must be a finite real number or None, got {scale!r}.")
+    return value
 
 
 def _as_4d(t: Tensor) -> Tensor:
@@ -403,7 +436,8 @@ def _as_4d(t: Tensor) -> Tensor:
         return t.unsqueeze(1)
     if t.dim() == 4:
         return t
-    return t.reshape(-1, *t.shape[-3:])
+    # The leading dims' product, not -1: reshape cannot infer a dim of an empty tensor.
+    return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])
 
 
 def _broadcast_mask(attn_mask, query, batch_shape, heads_q, seq_q, seq_k):

@@ -40,9 +40,9 @@ KERNEL_ROLE = {"_attn_fwd": "forward", "_attn_bwd_dkdv": "backward_dkdv", "_attn
                "_attn_decode_split": "decode"}
 
 
-# Dots a main-loop iteration issues, per role: the forward S = QKᵀ and P·V; the dK/dV pass Sᵀ, dPᵀ,
-# dV += Pᵀ·dO and dK += dSᵀ·Q; the dQ pass S, dP and dQ += dS·K.
-_DOTS_PER_ITERATION = {"forward": 2, "backward_dkdv": 4, "backward_dq": 3}
+# Dots a main-loop iteration issues, per role: the forward (and the decode split) S = QKᵀ and P·V;
+# the dK/dV pass Sᵀ, dPᵀ, dV += Pᵀ·dO and dK += dSᵀ·Q; the dQ pass S, dP and dQ += dS·K.
+_DOTS_PER_ITERATION = {"forward": 2, "backward_dkdv": 4, "backward_dq": 3, "decode": 2}
 
 
 @dataclasses.dataclass
@@ -219,7 +219,8 @@ def main(argv=None) -> int:
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="compile_survey_") as cache_dir:
         with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
-            futures = [pool.submit(survey_case, case, cache_dir, not args.no_decode, args.seq, args.loops) for case in todo]
+            futures = [pool.submit(survey_case, case, cache_dir, not args.no_decode, args.seq, args.loops)
+                       for case in todo]
             for future in progress(concurrent.futures.as_completed(futures), "cases", total=len(futures)):
                 for row in future.result():
                     rows.append(row)

@@ -51,6 +51,7 @@ _functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_acti
 from ..launch.block_tiles import check_block_layout
 from ..launch.visibility import Visibility
 from ..schedules import get_schedule
+from .functorch import transform_function, under_transform
 from .one_pass import attention_one_pass, layout_keyword, mask_keyword, one_pass_applies
 from .reference import reference_backward, reference_forward
 
@@ -328,6 +329,22 @@ def _refuse_double_backward(ctx, *grads):
 # torch's generic "no autograd formula" error.
 attention_backward.register_autograd(_refuse_double_backward, setup_context=lambda ctx, inputs, output: None)
 
+# torch.func transforms refuse the Functions torch builds for the two registrations above: under a
+# transform the ops go through these (ops/functorch.py), the backward op too, since a transform's
+# backward still records what it calls.
+_TransformAttentionBackward = transform_function("_TransformAttentionBackward", attention_backward,
+                                                 lambda ctx, inputs, output: None, _refuse_double_backward,
+                                                 differentiable_outputs=4)
+
+
+def _backward_under_transform(*args, block_map=None, block_q=0, block_k=0):
+    return _TransformAttentionBackward.apply(*args, block_map, block_q, block_k)
+
+
+_TransformAttention = transform_function(
+    "_TransformAttention", attention_forward, _setup_context,
+    lambda ctx, grad_out, grad_lse: _run_backward(ctx, grad_out, grad_lse, _backward_under_transform))
+
 
 # --------------------------------------------------------------------------------------
 # Eager fast path: the same launches and autograd without the op dispatcher
@@ -417,7 +434,8 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
             query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
             window_left, window_right, block_map, block_q, block_k,
         )
-    return torch.ops.flash_inductor.attention_forward(
-        query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
-        window_left, window_right, block_map, block_q, block_k,
-    )
+    args = (query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
+            window_left, window_right, block_map, block_q, block_k)
+    if under_transform():
+        return _TransformAttention.apply(*args)
+    return torch.ops.flash_inductor.attention_forward(*args)

@@ -44,6 +44,7 @@ from torch import Tensor
 from .. import launch
 from ..launch import hopper, hopper_bwd
 from ..launch.visibility import Visibility
+from .functorch import transform_function, under_transform
 
 
 def one_pass_applies(query, key, value, attn_mask, dropout_p: float, scale: float, schedule: str,
@@ -204,6 +205,15 @@ def _refuse_double_backward(ctx, *grads):
 
 attention_backward_one_pass.register_autograd(_refuse_double_backward, setup_context=lambda ctx, inputs, output: None)
 
+# torch.func transforms refuse the Functions torch builds for the two registrations above
+# (ops/attention.py's twins say more).
+_TransformOnePassBackward = transform_function("_TransformOnePassBackward", attention_backward_one_pass,
+                                               lambda ctx, inputs, output: None, _refuse_double_backward,
+                                               differentiable_outputs=3)
+_TransformOnePass = transform_function(
+    "_TransformOnePass", attention_forward_one_pass, _setup_context,
+    lambda ctx, grad_out, grad_lse, *_: _run_backward(ctx, grad_out, grad_lse, _TransformOnePassBackward.apply))
+
 
 class _EagerOnePass(torch.autograd.Function):
     """The ops' launches and autograd without the dispatcher (ops/attention.py's eager fast path)."""
@@ -238,6 +248,8 @@ def attention_one_pass(query, key, value, is_causal: bool, causal_offset: int, s
         if not needs_autograd:
             return _forward(*args)[:2]
         return _EagerOnePass.apply(*args)[:2]
+    if under_transform():
+        return _TransformOnePass.apply(*args)[:2]
     return torch.ops.flash_inductor.attention_forward_one_pass(*args)[:2]
 
 

@@ -98,7 +98,7 @@ class _GroupedProblem:
 def _describe_problem(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> _GroupedProblem:
     batch, query_heads, query_len, _ = query.shape
     _, kv_heads, key_len, _ = key.shape
-    if kv_heads == 0 or query_heads % kv_heads != 0:
+    if (kv_heads == 0) != (query_heads == 0) or (kv_heads and query_heads % kv_heads != 0):
         raise ValueError(
             f"reference attention: query heads ({query_heads}) must be a multiple of key/value "
             f"heads ({kv_heads}); repeat the key/value heads or fix the head counts"
@@ -113,7 +113,7 @@ def _describe_problem(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         batch=batch,
         query_heads=query_heads,
         kv_heads=kv_heads,
-        group_size=query_heads // kv_heads,
+        group_size=query_heads // kv_heads if kv_heads else 1,  # no heads at all: an empty problem
         query_len=query_len,
         key_len=key_len,
         compute_dtype=compute_dtype,

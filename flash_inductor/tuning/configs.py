@@ -46,8 +46,9 @@ def cuda_heuristic_configs(capability: tuple[int, int], itemsize: int, head_dim:
                            head_dim_v: int, schedule: Optional[str] = None, mask_kind: str = "none") -> AttentionConfigs:
     width = max(padded_head_dim(head_dim), padded_head_dim(head_dim_v))
     wide = itemsize >= 4  # fp32 tiles take twice the shared memory and registers
-    if wide and capability >= (9, 0):
-        fwd, dkdv, dq = _HOPPER_FP32_TILES[max(64, width)]
+    hopper_fp32 = wide and capability >= (9, 0)
+    if hopper_fp32:
+        fwd, dkdv, dq, decode = _HOPPER_FP32_TILES[max(64, width)]
     elif width <= 64 and not wide:
         fwd = KernelConfig(128, 64, 4, 3)
         dkdv = KernelConfig(64, 128, 8, 2)
@@ -73,7 +74,7 @@ def cuda_heuristic_configs(capability: tuple[int, int], itemsize: int, head_dim:
         # tile on top of that (fp32 float masks: 32 KiB a stage at 128x64) took 240 KiB of shared
         # memory at three stages on an H200, past its 227 KiB. Two stages fit.
         fwd = dataclasses.replace(fwd, num_stages=2)
-    return AttentionConfigs(fwd, dkdv, dq, decode=_decode_heuristic(wide, width))
+    return AttentionConfigs(fwd, dkdv, dq, decode=decode if hopper_fp32 else _decode_heuristic(wide, width))
 
 
 def _decode_heuristic(wide: bool, width: int) -> KernelConfig:
@@ -86,17 +87,21 @@ def _decode_heuristic(wide: bool, width: int) -> KernelConfig:
 
 
 # fp32 tiles on Hopper (fp32's IEEE products run on the CUDA cores), by padded width: (forward,
-# dK/dV, dQ). The tiles other GPUs keep compiled for sm_90 to loops that spill: at E 128
+# dK/dV, dQ, decode). The tiles other GPUs keep compiled for sm_90 to loops that spill: at E 128
 # (64x32/w4/s2, 32x64/w4/s1, 64x32/w4/s1) to 32 registers and 6-19 KB of stack a thread, 1.8 local
 # loads and stores per FFMA and ptxas 30-38 s on the dK/dV pass; at E 256 up to 2 local accesses
-# per FFMA (the forward with dropout). These keep every loop free of local memory, or nearly (at
-# most 73 accesses against 1540 FFMA an iteration), at 1.2-2.0 instructions per FMA, and each
-# compiles in under 7 s (tools/compile_survey.py; benchmarks/results/compile_survey_cpu_20261204.json).
-# Not yet timed on a GPU: benchmarks/experiments/fp32_tiles.py does that in one device call.
+# per FFMA (the forward with dropout, the decode split). These keep every loop free of local
+# memory, or nearly (at most 73 accesses against 1540 FFMA an iteration), at 1.2-2.0 instructions
+# per FMA, and each compiles in under 7 s (tools/compile_survey.py;
+# benchmarks/results/compile_survey_cpu_20261204.json). Not yet timed on a GPU:
+# benchmarks/experiments/fp32_tiles.py does that in one device call.
 _HOPPER_FP32_TILES = {
-    64: (KernelConfig(64, 32, 8, 2), KernelConfig(32, 64, 8, 1), KernelConfig(64, 32, 8, 1)),
-    128: (KernelConfig(32, 64, 8, 2), KernelConfig(16, 32, 8, 1), KernelConfig(32, 32, 8, 1)),
-    256: (KernelConfig(16, 32, 8, 2), KernelConfig(16, 32, 8, 1), KernelConfig(16, 32, 8, 1)),
+    64: (KernelConfig(64, 32, 8, 2), KernelConfig(32, 64, 8, 1), KernelConfig(64, 32, 8, 1),
+         KernelConfig(32, 32, 4, 2)),
+    128: (KernelConfig(32, 64, 8, 2), KernelConfig(16, 32, 8, 1), KernelConfig(32, 32, 8, 1),
+          KernelConfig(32, 32, 8, 2)),
+    256: (KernelConfig(16, 32, 8, 2), KernelConfig(16, 32, 8, 1), KernelConfig(16, 32, 8, 1),
+          KernelConfig(16, 32, 8, 2)),
 }
 
 # Backward tiles for 16-bit head widths 129-256 on Hopper, measured on an H200 (bf16, B=4, H=8,

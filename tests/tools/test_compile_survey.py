@@ -5,8 +5,8 @@ reads the cubin: registers, stack, and the hottest loop's instructions. fp32's I
 the CUDA cores, one FFMA per multiply-add, so a loop's local loads and stores (spilled registers)
 against its FFMA say how far it is from issue-bound. The tiles the heuristic gave Hopper until
 2026-12-04 made 1.8 local accesses per FFMA at E 128 (and ptxas took 30-38 s on the dK/dV pass);
-the small form checks one launch, the full form (--tools-full) widths 64/128, every mask kind and
-dropout."""
+the small form checks one launch, the full form (--tools-full) widths 64/128/256, every mask kind
+and dropout, and the decode split at each width and mask."""
 
 from __future__ import annotations
 
@@ -23,17 +23,19 @@ from helpers import small_and_full
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # (head dims, masks, dropout probabilities)
-FORMS = small_and_full(("128", "causal", "0"), ("64,128", "none,causal,bool,float", "0,0.1"))
+FORMS = small_and_full(("128", "causal", "0"), ("64,128,256", "none,causal,bool,float", "0,0.1"))
 # The roles' kernels and the share of local memory accesses against FFMA a loop may keep: the
 # chosen tiles stay under 5 % (the dQ pass at E 128 without dropout), the former ones were at 180 %.
 MAIN_KERNELS = ("_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq")
+DECODE_KERNEL = "_attn_decode_split"  # no dropout: one per width and mask
 LOCAL_PER_FFMA = 0.1
 
 
 def survey(tmp_path, *args) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # interpreted kernels do not compile
-    run = subprocess.run([sys.executable, "-m", "tools.compile_survey", "--no-decode", "--loops", "--workers", "2",
-                          "--out", str(tmp_path), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, "-m", "tools.compile_survey", "--loops", "--workers", "2",
+                          "--out", str(tmp_path), *args],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (path,) = tmp_path.glob("compile_survey_*.json")
     record = json.loads(path.read_text())
@@ -45,10 +47,12 @@ def test_hopper_fp32_tiles_keep_their_loops_out_of_local_memory(form, tmp_path):
     head_dims, masks, dropout = form
     rows = survey(tmp_path, "--dtypes", "fp32", "--head-dims", head_dims, "--masks", masks, "--dropout", dropout)
     main = [r for r in rows if r["kernel"] in MAIN_KERNELS]
-    cases = len(head_dims.split(",")) * len(masks.split(",")) * len(dropout.split(","))
+    decode = [r for r in rows if r["kernel"] == DECODE_KERNEL]
+    widths_and_masks = len(head_dims.split(",")) * len(masks.split(","))
     # Each case compiles its own forward (dropout and masks are constexprs) and its two backward passes.
-    assert len(main) == 3 * cases, [(r["case"], r["kernel"]) for r in rows]
-    for r in main:
+    assert len(main) == 3 * widths_and_masks * len(dropout.split(",")), [(r["case"], r["kernel"]) for r in rows]
+    assert len(decode) == widths_and_masks, [(r["case"], r["kernel"]) for r in rows]
+    for r in main + decode:
         loop = r["loop"]
         assert loop["FFMA"] >= loop["ideal_ffma"], r  # the dots run on the CUDA cores, all of them in this loop
         assert loop["LDL"] + loop["STL"] <= LOCAL_PER_FFMA * loop["FFMA"], r
@@ -57,7 +61,8 @@ def test_hopper_fp32_tiles_keep_their_loops_out_of_local_memory(form, tmp_path):
 
 def test_tile_overrides_are_what_compiles(tmp_path):
     """--backward-dq replaces that pass's tile and nothing else; a malformed tile is a usage error."""
-    rows = survey(tmp_path, "--dtypes", "fp32", "--head-dims", "64", "--masks", "none", "--backward-dq", "16x32/w4/s1")
+    rows = survey(tmp_path, "--dtypes", "fp32", "--head-dims", "64", "--masks", "none", "--no-decode",
+                  "--backward-dq", "16x32/w4/s1")
     tiles = {r["kernel"]: r["tile"] for r in rows}
     assert tiles["_attn_bwd_dq"] == "16x32/w4/s1" and tiles["_attn_bwd_dkdv"] != "16x32/w4/s1", tiles
     bad = subprocess.run([sys.executable, "-m", "tools.compile_survey", "--backward-dq", "16x32"], cwd=ROOT,

@@ -32,6 +32,8 @@ CASES = {
     "gqa_with_kv_batch_1": ((2, 4, 5, 8), (1, 2, 7, 8), (1, 2, 7, 6), True),
     "rank_3_batch_1": ((3, 5, 8), (1, 7, 8), (1, 7, 6), False),
     "rank_5": ((2, 3, 4, 5, 8), (1, 3, 1, 7, 8), (1, 3, 1, 7, 6), False),
+    # Under enable_gqa SDPA reads dim -3 as the heads whatever the rank.
+    "rank_3_gqa": ((4, 5, 8), (2, 7, 8), (2, 7, 6), True),
 }
 # Masks broadcast over the problem: a bool (L, S) one, and a float one with a gradient, per batch
 # but broadcast over the heads ((..., 1, L, S); (L, S) for 3-D problems).
@@ -131,3 +133,26 @@ def test_opcheck_with_broadcast_views():
     args = (q, k, v, None, None, 0.0, False, 0, 0.35, "stable")
     torch.library.opcheck(torch.ops.flash_inductor.attention_forward.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+# Empty problems as SDPA returns them (S = 0: zeros; the rest: empty), with gradients of their inputs'
+# shapes: 5-D inputs are flattened to 4-D, where an empty tensor's leading size cannot be inferred.
+EMPTY = {
+    "rank_5_L0": ((1, 2, 2, 0, 4), (1, 2, 2, 3, 4)),
+    "rank_5_S0": ((1, 2, 2, 3, 4), (1, 2, 2, 0, 4)),
+    "rank_6_batch_0": ((1, 2, 0, 2, 3, 4), (1, 2, 0, 2, 3, 4)),
+    "no_heads": ((2, 0, 3, 4), (2, 0, 3, 4)),
+    "no_batch": ((0, 2, 3, 4), (0, 2, 3, 4)),
+}
+
+
+@pytest.mark.parametrize("name", list(EMPTY))
+def test_empty_problems_match_sdpa(name):
+    q_shape, kv_shape = EMPTY[name]
+    q, k, v = _inputs(q_shape, kv_shape, kv_shape, torch.float64, "cpu")
+    want = F.scaled_dot_product_attention(q, k, v)
+    got = flash_attention(q, k, v)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, t in zip(_grads(got, [q, k, v]), [q, k, v]):
+        assert g.shape == t.shape and not g.any()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch.nn.attention.bias import causal_lower_right
@@ -140,11 +141,37 @@ def test_causal_bias_wrong_lengths():
         flash_attention(q, k, v, attn_mask=causal_lower_right(8, 12))
 
 
-@pytest.mark.parametrize("scale", [float("inf"), float("nan"), "0.5", torch.tensor(0.5)], ids=str)
+@pytest.mark.parametrize("scale", [float("inf"), float("nan"), "0.5", torch.tensor([0.5, 0.5]), torch.tensor(True),
+                                   True, 1j], ids=str)
 def test_bad_scale(scale):
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match=r"scale must be a finite Python float or None"):
+    with pytest.raises(ValueError, match=r"scale must be a finite real number or None"):
         flash_attention(q, k, v, scale=scale)
+
+
+@pytest.mark.parametrize("scale", [np.float32(0.25), np.int64(2), torch.tensor(0.25), torch.tensor([0.25]), 2],
+                         ids=lambda s: f"{type(s).__name__}({s})")
+def test_scale_as_sdpa_takes_it(scale):
+    """SDPA reads any real scalar as its scale (NumPy's, a one-element tensor): so does flash_attention."""
+    q, k, v = _qkv(dtype=torch.float64)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=float(scale))
+    torch.testing.assert_close(flash_attention(q, k, v, scale=scale), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["is_causal", "enable_gqa"])
+@pytest.mark.parametrize("flag", ["False", None, 2, 0.0, torch.tensor(True)], ids=repr)
+def test_flags_must_be_bools(name, flag):
+    """A flag read by its truth would turn "False" on: anything but a bool (or 0 / 1) is refused."""
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=rf"{name} must be a bool"):
+        flash_attention(q, k, v, **{name: flag})
+
+
+@pytest.mark.parametrize("window", [(2**63, 0), (0, -2), (1.5, 0), (0,)], ids=str)
+def test_bad_window(window):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"window"):
+        flash_attention(q, k, v, window=window)
 
 
 @pytest.mark.parametrize("name", ["query", "key", "value"])

@@ -1,0 +1,84 @@
+"""``torch.func`` transforms over ``flash_attention``, as over SDPA (ops/functorch.py).
+
+torch's Function for a ``torch.library`` op's registered autograd has no ``setup_context``, which
+functorch requires: ``torch.func.grad`` over our attention raised where SDPA's works. Under a
+transform the ops now run through Functions of the form functorch takes. Each test holds the
+transform's answer to plain autograd on the same call (same kernels: on CUDA the eager fast path
+against the registered op; fp64 on the CPU reference), and double backward is still refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_inductor import flash_attention
+from helpers import DEVICE, ON_CUDA, randn
+
+# fp64 where the reference path runs; on CUDA fp32 (the Triton kernels) and bf16 (the Hopper
+# one-pass ops on an H200, the Triton kernels elsewhere).
+DTYPES = [torch.float32, torch.bfloat16] if ON_CUDA else [torch.float64]
+
+
+def _qkv(dtype, batch=2, heads=2, seq_q=40, seq_k=56, head_dim=32):
+    return [randn((batch, heads, n, head_dim), dtype, DEVICE, seed) for seed, n in enumerate((seq_q, seq_k, seq_k))]
+
+
+def _close(got, want):
+    # The same kernels on both sides; dq may be summed in another order (the Hopper backward's reduce-adds).
+    torch.testing.assert_close(got, want, rtol=2e-2 if got.dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_grad_matches_autograd(dtype, causal):
+    q, k, v = _qkv(dtype)
+    weights = randn((2, 2, 40, 32), dtype, DEVICE, 7)
+
+    def loss(q, k, v):
+        return (flash_attention(q, k, v, is_causal=causal).float() * weights.float()).sum()
+
+    got = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(loss(*leaves), leaves)
+    for g, w in zip(got, want):
+        _close(g, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_per_sample_gradients_with_vmap(dtype):
+    """vmap(grad(f)): each sample's gradient as its own backward gives it."""
+    q, k, v = _qkv(dtype)
+
+    def loss(q1, k1):
+        return flash_attention(q1[None], k1[None], v[:1], is_causal=True).float().square().sum()
+
+    got = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)))(q, k)
+    for i in range(q.shape[0]):
+        leaves = [q[i].clone().requires_grad_(), k[i].clone().requires_grad_()]
+        for g, w in zip(got, torch.autograd.grad(loss(*leaves), leaves)):
+            _close(g[i], w)
+
+
+def test_grad_of_a_float_mask():
+    dtype = torch.float32 if ON_CUDA else torch.float64
+    q, k, v = _qkv(dtype)
+    mask = randn((40, 56), dtype, DEVICE, 9)
+
+    def loss(mask):
+        return flash_attention(q, k, v, attn_mask=mask).square().sum()
+
+    got = torch.func.grad(loss)(mask)
+    leaf = mask.clone().requires_grad_()
+    (want,) = torch.autograd.grad(loss(leaf), leaf)
+    _close(got, want)
+
+
+def test_double_backward_is_refused_under_transforms():
+    q, k, v = _qkv(torch.float32 if ON_CUDA else torch.float64)
+
+    def inner(q):
+        return torch.func.grad(lambda q: flash_attention(q, k, v).sum())(q).sum()
+
+    with pytest.raises(RuntimeError, match="double backward through attention"):
+        torch.func.grad(inner)(q)
