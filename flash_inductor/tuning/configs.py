@@ -92,7 +92,7 @@ def _decode_heuristic(wide: bool, width: int) -> KernelConfig:
 # loads and stores per FFMA and ptxas 30-38 s on the dK/dV pass; at E 256 up to 2 local accesses
 # per FFMA (the forward with dropout, the decode split). These keep every loop free of local
 # memory, or nearly (at most 73 accesses against 1540 FFMA an iteration), at 1.2-2.0 instructions
-# per FMA, and each compiles in under 7 s (tools/compile_survey.py;
+# per FMA, and each compiles in 7.1 s at most (tools/compile_survey.py;
 # benchmarks/results/compile_survey_cpu_20261204.json). Not yet timed on a GPU:
 # benchmarks/experiments/fp32_tiles.py does that in one device call.
 _HOPPER_FP32_TILES = {
