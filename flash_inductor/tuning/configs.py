@@ -89,7 +89,7 @@ def _decode_heuristic(wide: bool, width: int) -> KernelConfig:
 # fp32 tiles on Hopper (fp32's IEEE products run on the CUDA cores), by padded width: (forward,
 # dK/dV, dQ, decode). The tiles other GPUs keep compiled for sm_90 to loops that spill: at E 128
 # (64x32/w4/s2, 32x64/w4/s1, 64x32/w4/s1) to 32 registers and 6-19 KB of stack a thread, 1.8 local
-# loads and stores per FFMA and ptxas 30-38 s on the dK/dV pass; at E 256 up to 2 local accesses
+# loads and stores per FFMA and ptxas 30-41 s on the dK/dV pass; at E 256 up to 2 local accesses
 # per FFMA (the forward with dropout, the decode split). These keep every loop free of local
 # memory, or nearly (at most 73 accesses against 1540 FFMA an iteration), at 1.2-2.0 instructions
 # per FMA, and each compiles in 7.1 s at most (tools/compile_survey.py;
