@@ -6,7 +6,7 @@
 Compiled for sm_90 on a CPU (``python -m tools.compile_survey --dtypes fp32 --loops``), the fp32 tiles
 the heuristic gave Hopper until 2026-12-04 (64x32/w4/s2, 32x64/w4/s1, 64x32/w4/s1, which other GPUs
 keep) spilled: at E 128 the forward, dK/dV and dQ kernels kept 32 registers a thread and 6-19 KB of
-stack, and the dK/dV pass took 30-38 s to compile. ``cuda_heuristic_configs`` now gives Hopper tiles
+stack, and the dK/dV pass took 30-41 s to compile. ``cuda_heuristic_configs`` now gives Hopper tiles
 whose loops keep no local memory, chosen by their compiled instruction counts
 (``benchmarks/results/compile_survey_cpu_20261204.json``). This times both on the GPU.
 
