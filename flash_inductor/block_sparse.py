@@ -29,6 +29,7 @@ as ``launch/block_tiles.py`` describes; ``docs/sparse_attention.md`` has the who
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Union
 
@@ -207,7 +208,8 @@ def broadcast_per_head(t: Tensor, inner: tuple, query_dim: int, batch_shape, hea
         return expanded[None, None]
     if query_dim == 4:
         return expanded
-    return expanded.reshape(-1, heads_q, *inner)
+    # The batch dims' product, not -1: reshape cannot infer a dim of an empty tensor.
+    return expanded.reshape(math.prod(batch_shape), heads_q, *inner)
 
 
 def resolve_block_mask(block_mask, attn_mask_given: bool, query: Tensor, batch_shape, heads_q: int,

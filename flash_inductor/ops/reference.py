@@ -98,7 +98,7 @@ class _GroupedProblem:
 def _describe_problem(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> _GroupedProblem:
     batch, query_heads, query_len, _ = query.shape
     _, kv_heads, key_len, _ = key.shape
-    if (kv_heads == 0) != (query_heads == 0) or (kv_heads and query_heads % kv_heads != 0):
+    if (kv_heads == 0 and query_heads != 0) or (kv_heads != 0 and query_heads % kv_heads != 0):
         raise ValueError(
             f"reference attention: query heads ({query_heads}) must be a multiple of key/value "
             f"heads ({kv_heads}); repeat the key/value heads or fix the head counts"

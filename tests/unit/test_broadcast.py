@@ -142,16 +142,19 @@ EMPTY = {
     "rank_5_S0": ((1, 2, 2, 3, 4), (1, 2, 2, 0, 4)),
     "rank_6_batch_0": ((1, 2, 0, 2, 3, 4), (1, 2, 0, 2, 3, 4)),
     "no_heads": ((2, 0, 3, 4), (2, 0, 3, 4)),
+    "no_query_heads_one_kv_head": ((2, 0, 3, 4), (2, 1, 3, 4)),
     "no_batch": ((0, 2, 3, 4), (0, 2, 3, 4)),
 }
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "float_mask"])
 @pytest.mark.parametrize("name", list(EMPTY))
-def test_empty_problems_match_sdpa(name):
+def test_empty_problems_match_sdpa(name, masked):
     q_shape, kv_shape = EMPTY[name]
     q, k, v = _inputs(q_shape, kv_shape, kv_shape, torch.float64, "cpu")
-    want = F.scaled_dot_product_attention(q, k, v)
-    got = flash_attention(q, k, v)
+    mask = randn((q_shape[-2], kv_shape[-2]), torch.float64, "cpu", 5) if masked else None
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    got = flash_attention(q, k, v, attn_mask=mask)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for g, t in zip(_grads(got, [q, k, v]), [q, k, v]):
