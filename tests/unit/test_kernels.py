@@ -174,6 +174,28 @@ def test_shapes(case, kernel_dtype, device):
     check_case(case, kernel_dtype, device)
 
 
+# Hopper's fp32 tiles (tuning/configs._HOPPER_FP32_TILES, chosen from their compiled code on a CPU)
+# at each width they serve, with ragged lengths (whole tiles nowhere), causal masking, a float mask
+# with its gradient and dropout: forced here, so that the interpreter runs their block shapes too
+# (on an H200 they are the heuristic's; elsewhere forced as here).
+HOPPER_FP32 = {
+    "E40_Ev24_causal_dropout": Case(1, 2, 1, 45, 70, 40, 24, causal="bottom_right", dropout_p=0.2),
+    "E80_float_mask_grad": Case(1, 2, 2, 37, 50, 80, 80, mask="float", mask_grad=True),
+    "E128_bool_mask_dropout": Case(1, 2, 2, 33, 45, 128, 128, mask="bool", dropout_p=0.3),
+    "E200_Ev136_causal": Case(1, 1, 1, 40, 40, 200, 136, causal="top_left"),
+}
+
+
+@pytest.mark.parametrize("case", _params(HOPPER_FP32))
+def test_hopper_fp32_tiles(case, device):
+    from flash_inductor.tuning.configs import cuda_heuristic_configs
+
+    configs = cuda_heuristic_configs((9, 0), 4, case.head_dim, case.head_dim_v, "stable",
+                                     "float" if case.mask == "float" else "none")
+    assert configs.forward.num_warps == 8  # the Hopper fp32 tiles, not the ones other GPUs run
+    check_case(case, torch.float32, device, configs=configs)
+
+
 # ------------------------------------------------------------------------------------------
 # Features
 # ------------------------------------------------------------------------------------------
