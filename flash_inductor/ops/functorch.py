@@ -22,8 +22,9 @@ except ImportError:  # pragma: no cover
 
 
 def under_transform() -> bool:
-    """Whether a torch.func transform other than functionalisation is tracing this call."""
-    if peek_interpreter_stack is None:
+    """Whether a torch.func transform other than functionalisation is tracing this eager call.
+    Under torch.compile the registered op is what dynamo and AOTAutograd trace, as before."""
+    if peek_interpreter_stack is None or torch.compiler.is_compiling():
         return False
     interpreter = peek_interpreter_stack()
     return interpreter is not None and interpreter.key() != TransformType.Functionalize
