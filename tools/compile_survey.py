@@ -3,12 +3,13 @@ registers, spills and shared memory, measured on any machine (no GPU).
 
     python -m tools.compile_survey --dtypes fp32 --head-dims 64,128 --masks none,causal
     python -m tools.compile_survey --dtypes bf16,fp16 --head-dims 40,80,96,160 --dropout 0,0.1 --workers 2
-    python -m tools.compile_survey ... --dkdv 16x64/w8/s1 --out benchmarks/results   # candidate tiles
+    python -m tools.compile_survey ... --backward-dkdv 16x64/w8/s1 --loops   # a candidate tile
+    python -m tools.compile_survey ... --tiles-of 9.0,8.0 --out benchmarks/results   # against other GPUs' tiles
 
 A user's first call of a new variant waits for ptxas, which is single-threaded and slow on kernels
-whose working set does not fit the registers: compiled for sm_90, the fp32 tiles the heuristic
-gave at E 128 kept 32 registers a thread and spilled 10-13 KB, and the dK/dV pass took about 70 s
-to compile (docs/performance.md, "Compile time"). As ``tools/smem_check.py`` does, this runs the
+whose working set does not fit the registers: compiled for sm_90, the fp32 tiles other GPUs run
+keep 32 registers a thread at E 128 and spill 6-19 KB, and their dK/dV pass takes 30-41 s to
+compile (docs/performance.md, "fp32 tiles"). As ``tools/smem_check.py`` does, this runs the
 launchers (``launch.attention_forward`` / ``attention_backward``, and the decode launcher) on CPU
 tensors with the configs a Hopper launch would use, and in place of each launch compiles the
 kernel for sm_90 (the real argument specialisation and constexprs). Per distinct kernel it
@@ -35,7 +36,7 @@ import time
 
 _RESOURCES = re.compile(r"Function\s+(\S+):\s*REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)")
 ROLES = ("forward", "backward_dkdv", "backward_dq", "decode")
-# The launch a kernel's compile belongs to, for --<role> overrides and the report.
+# The role of each main kernel, for the work its loop does an iteration (``hot_loop``).
 KERNEL_ROLE = {"_attn_fwd": "forward", "_attn_bwd_dkdv": "backward_dkdv", "_attn_bwd_dq": "backward_dq",
                "_attn_decode_split": "decode"}
 
