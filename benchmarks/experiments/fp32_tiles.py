@@ -62,17 +62,23 @@ def heuristic(head_dim: int) -> AttentionConfigs:
     return cuda_heuristic_configs((9, 0), 4, head_dim, head_dim, SCHEDULE, "none")
 
 
+def former(head_dim: int) -> AttentionConfigs:
+    """The tiles Hopper ran for fp32 before 2026-12-04, which other GPUs still get."""
+    return cuda_heuristic_configs((8, 0), 4, head_dim, head_dim, SCHEDULE, "none")
+
+
 def plan(head_dims, causal_flags) -> list[dict]:
-    """One item per (shape, pass, tile), the heuristic's tile first in each pass."""
+    """One item per (shape, pass, tile): the heuristic's tile first in each pass, then the former one
+    (``former``: True), then the other candidates."""
     items = []
     for head_dim in head_dims:
-        base = heuristic(head_dim)
+        base, before = heuristic(head_dim), former(head_dim)
         for causal in causal_flags:
             for role, labels in CANDIDATES.items():
-                default = getattr(base, role).label()
-                for label in dict.fromkeys((default, *labels)):
+                default, replaced = getattr(base, role).label(), getattr(before, role).label()
+                for label in dict.fromkeys((default, replaced, *labels)):
                     items.append(dict(head_dim=head_dim, causal=causal, role=role, config=label,
-                                      heuristic=label == default))
+                                      heuristic=label == default, former=label == replaced))
     return items
 
 
@@ -216,7 +222,7 @@ def summarise(rows) -> list[str]:
         spills = max((k["n_spills"] or 0 for k in r.get("kernels", [])), default=None)
         regs = max((k["n_regs"] or 0 for k in r.get("kernels", [])), default=None)
         lines.append(f"E{r['head_dim']:<3} causal={r['causal']!s:5} {r['role']:13s} {r['config']:12s} "
-                     f"{'*' if r['heuristic'] else ' '} us {r.get('us') or 0:9.1f}  speed vs heuristic {speed}  "
+                     f"{'*' if r['heuristic'] else '^' if r.get('former') else ' '} us {r.get('us') or 0:9.1f}  speed vs heuristic {speed}  "
                      f"compile {r.get('compile_s', 0):6.1f} s  regs {regs} spills {spills}  "
                      f"err {r.get('err', float('nan')):.1e} ({r.get('err_vs_heuristic', float('nan')):.2f}x)")
     return lines
@@ -225,7 +231,7 @@ def summarise(rows) -> list[str]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--head-dims", default="64,128")
+    p.add_argument("--head-dims", default="64,128,256")
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--heads", type=int, default=8)
@@ -258,7 +264,7 @@ def main(argv=None) -> int:
     rows = [time_item(row, cases, args) for row in progress(rows, "time")]
     lines = summarise(rows)
     print("\n".join(lines))
-    print(f"compile phase {compile_wall:.0f} s wall; * = today's heuristic tile")
+    print(f"compile phase {compile_wall:.0f} s wall; * = the heuristic's tile, ^ = the tile it replaced")
     if not args.no_write:
         env = environment(module_command("benchmarks.experiments.fp32_tiles", argv))
         payload = dict(batch=args.batch, heads=args.heads, seq=args.seq, calls=args.calls, workers=args.workers,
