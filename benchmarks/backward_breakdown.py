@@ -49,9 +49,7 @@ SWEEP = {
 
 
 def parse_config(label: str) -> KernelConfig:
-    tiles, warps, stages = label.split("/")
-    block_m, block_n = tiles.split("x")
-    return KernelConfig(int(block_m), int(block_n), int(warps.lstrip("w")), int(stages.lstrip("s")))
+    return KernelConfig.from_label(label)
 
 
 def parse_args(argv=None):

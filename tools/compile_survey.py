@@ -119,13 +119,13 @@ def tile_label(kwargs: dict, compiled) -> str:
 
 
 def parse_tile(text: str):
-    """A KernelConfig from '64x32/w4/s2'."""
+    """``KernelConfig.from_label`` for argparse, whose usage error then carries its message."""
     from flash_inductor.tuning.kernel_config import KernelConfig
 
-    match = re.fullmatch(r"(\d+)x(\d+)/w(\d+)/s(\d+)", text)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"a tile is BLOCK_MxBLOCK_N/wWARPS/sSTAGES, e.g. 64x32/w4/s2; got {text!r}")
-    return KernelConfig(*(int(g) for g in match.groups()))
+    try:
+        return KernelConfig.from_label(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,10 +44,7 @@ def transform_function(name: str, op: Callable, setup_context: Callable, backwar
         if len(output) > differentiable_outputs:
             ctx.mark_non_differentiable(*output[differentiable_outputs:])
 
-    def run_backward(ctx, *grads):
-        return backward(ctx, *grads)
-
     return type(name, (torch.autograd.Function,), dict(
         __doc__=f"{name}: the op under torch.func transforms (ops/functorch.py).",
         generate_vmap_rule=True, forward=staticmethod(forward), setup_context=staticmethod(setup),
-        backward=staticmethod(run_backward)))
+        backward=staticmethod(backward)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Optional
 
 from . import hopper_configs
@@ -24,6 +25,14 @@ class KernelConfig:
 
     def label(self) -> str:
         return f"{self.block_m}x{self.block_n}/w{self.num_warps}/s{self.num_stages}"
+
+    @classmethod
+    def from_label(cls, text: str) -> "KernelConfig":
+        """The config ``label()`` printed as ``text`` ('64x32/w4/s2'); a ValueError names the form otherwise."""
+        match = re.fullmatch(r"(\d+)x(\d+)/w(\d+)/s(\d+)", text.strip())
+        if match is None:
+            raise ValueError(f"a tile is BLOCK_MxBLOCK_N/wWARPS/sSTAGES, e.g. 64x32/w4/s2; got {text!r}")
+        return cls(*(int(group) for group in match.groups()))
 
 
 @dataclasses.dataclass(frozen=True)
