@@ -22,6 +22,8 @@ from .ops import attention as _attention_ops  # registers the ops
 from .launch.band import NO_WINDOW
 from .launch.fp8 import check_fp8_device, check_fp8_window
 from .block_sparse import BlockSparseLayout, broadcast_per_head, resolve_block_mask
+from .ops.sinks import fold_sinks
+from .variant_args import check_fp8_softcap, check_sinks, resolve_softcap
 from .schedules import get_schedule
 
 try:  # CausalBias exists in every supported torch, but keep the import failure local.
@@ -47,6 +49,8 @@ def flash_attention(
     schedule: str | None = None,
     window: tuple[int, int] | None = None,
     block_mask: BlockSparseLayout | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     r"""Scaled dot-product attention, numerically stabilised, with flash-attention memory.
 
@@ -127,6 +131,19 @@ def flash_attention(
             need nothing more; its partial blocks need ``attn_mask`` (the same mask, element by
             element) unless its ``mask_mod`` is ``noop_mask``, since a ``mask_mod`` cannot run in
             the kernels. A row whose blocks are all skipped returns 0.
+        softcap: ``None`` (or 0), or a cap ``c > 0``: logit soft-capping as FlashAttention-2 and
+            Gemma 2 define it, each scaled score ``s = scale * q.k`` becomes ``c * tanh(s / c)``
+            before the mask is added; computed in fp32, with its gradient. The kernels do not take
+            it yet: such a call runs the blocked reference path on the tensors' device (O(L)
+            memory, the stability contract, not the kernels' speed). Not with ``schedule="fp8"``.
+        sinks: ``None``, or attention sinks: a float tensor ``(Hq,)`` of per-query-head logits that
+            join each row's softmax denominator and nothing else (gpt-oss's ``s_aux``, streaming
+            LLMs)::
+
+                weights_ij = exp(s_ij) / (sum_j exp(s_ij) + exp(sinks[h]))
+
+            Differentiable (its gradient is ``-sum_i P_sink,i * dO_i . out_i``). A row with no
+            visible key returns 0 (the sink takes all its weight), with zero gradients for q, k, v.
 
     Returns:
         ``(N, ..., Hq, L, Ev)`` in the input dtype.
@@ -147,7 +164,8 @@ def flash_attention(
     """
     return attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-        schedule=schedule, window=window, block_mask=block_mask, eager_monitor_site=_eager_monitor_site(),
+        schedule=schedule, window=window, block_mask=block_mask, softcap=softcap, sinks=sinks,
+        eager_monitor_site=_eager_monitor_site(),
     )
 
 
@@ -176,6 +194,8 @@ def attention(
     schedule: str | None = None,
     window: tuple[int, int] | None = None,
     block_mask: BlockSparseLayout | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
     monitor_site: str | None = None,
     eager_monitor_site: str | None = None,
 ) -> Tensor:
@@ -197,9 +217,11 @@ def attention(
     precision = get_schedule(schedule)  # validates early, listing the choices
     schedule_name = precision.name
     window_left, window_right = _resolve_window(window)
+    softcap = resolve_softcap(softcap)
     if precision.fp8_forward:
         check_fp8_device(query.device)
         check_fp8_window((window_left, window_right))
+        check_fp8_softcap(softcap)
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"flash_attention: dropout_p must be a float in [0, 1), got {dropout_p!r}.")
     dropout_p = float(dropout_p)
@@ -215,6 +237,7 @@ def attention(
     heads_q = query.shape[-3] if query.dim() >= 4 else 1
     batch_shape = query.shape[:-3] if query.dim() >= 4 else query.shape[:-2]
     q4, k4, v4 = (_as_4d(t) for t in (query, key, value))
+    check_sinks(sinks, query, heads_q)
     mask4 = _broadcast_mask(attn_mask, query, batch_shape, heads_q, seq_q, seq_k)
     layout = resolve_block_mask(block_mask, attn_mask is not None, query, batch_shape, heads_q, seq_q, seq_k)
 
@@ -231,8 +254,12 @@ def attention(
     # tracing and tensor subclasses get the registered op.
     out, lse = _attention_ops.attention_forward_eager(
         q4, k4, v4, mask4, rng_seed, dropout_p, bool(is_causal), causal_offset, scale, schedule_name,
-        window_left, window_right, *layout,
+        window_left, window_right, *layout, softcap,
     )
+    if sinks is not None:
+        # The monitor keeps the keys' LSE: it describes their scores, and a row that sees no key
+        # stays -inf there (fully masked) though the sink holds its weight.
+        out, _ = fold_sinks(out, lse, sinks)
     if monitor_site is not None:
         out = _monitor_ops.watch_output(out, lse, monitor_site, seq_k)
     elif eager_monitor_site is not None:

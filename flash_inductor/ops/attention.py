@@ -11,9 +11,17 @@ neighbours. Opaque calls also pick their kernels from the real strides and lengt
 ``launch`` decides from and the Gluon kernels' TMA descriptors need.
 
 * ``flash_inductor::attention_forward(q, k, v, mask?, seed?, dropout_p, is_causal,
-  causal_offset, scale, schedule, window_left=-1, window_right=-1, block_map?, block_q=0, block_k=0) -> (out, lse)``
+  causal_offset, scale, schedule, window_left=-1, window_right=-1, block_map?, block_q=0, block_k=0,
+  softcap=0.0) -> (out, lse)``
 * ``flash_inductor::attention_backward(dout, q, k, v, mask?, out, lse, dlse?, seed?, ...,
-  compute_mask_grad, window_left=-1, window_right=-1, block_map?, block_q=0, block_k=0) -> (dq, dk, dv, dmask)``
+  compute_mask_grad, window_left=-1, window_right=-1, block_map?, block_q=0, block_k=0, softcap=0.0)
+  -> (dq, dk, dv, dmask)``
+
+``softcap`` > 0 is FlashAttention-2's logit soft-capping (``softcap * tanh(s / softcap)`` on the
+scaled scores, before the mask). The Triton and Gluon kernels do not take it yet: such a call runs
+the blocked reference path on its device (same numerics contract, O(L) memory, not the kernels'
+speed). Attention sinks need no op argument: ``flash_inductor.api`` folds them into the output
+and the LSE (``flash_inductor.sinks``), whose gradient the backward already takes.
 
 ``window_left`` / ``window_right`` are the sliding window of ``flash_attention(window=...)``
 (FlashAttention's definition, -1 an open side). The ops build one ``launch.Visibility`` from the
@@ -65,11 +73,11 @@ def attention_forward_reference(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], rng_seed: Optional[Tensor],
     dropout_p: float, is_causal: bool, causal_offset: int, scale: float,
     window_left: int = -1, window_right: int = -1,
-    block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0,
+    block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     out, lse = reference_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
                                  window=(window_left, window_right),
-                                 block_layout=_reference_layout(block_map, block_q, block_k))
+                                 block_layout=_reference_layout(block_map, block_q, block_k), softcap=softcap)
     return out.contiguous(), lse.contiguous()
 
 
@@ -79,12 +87,12 @@ def attention_backward_reference(
     out: Tensor, lse: Tensor, grad_lse: Optional[Tensor], rng_seed: Optional[Tensor],
     dropout_p: float, is_causal: bool, causal_offset: int, scale: float, compute_mask_grad: bool,
     window_left: int = -1, window_right: int = -1,
-    block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0,
+    block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     grads = reference_backward(
         grad_out, query, key, value, attn_mask, out, lse, rng_seed, dropout_p, is_causal,
         causal_offset, scale, compute_mask_grad, grad_lse=grad_lse, window=(window_left, window_right),
-        block_layout=_reference_layout(block_map, block_q, block_k),
+        block_layout=_reference_layout(block_map, block_q, block_k), softcap=softcap,
     )
     return tuple(g.contiguous() for g in grads)
 
@@ -188,15 +196,21 @@ def attention_forward(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], rng_seed: Optional[Tensor],
     dropout_p: float, is_causal: bool, causal_offset: int, scale: float, schedule: str,
     window_left: int = -1, window_right: int = -1,
-    block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0,
+    block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
-    if launch.kernel_supports(query, key, value):
+    if kernels_take(query, key, value, softcap):
         return _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
                                scale, schedule, (window_left, window_right), block_map, block_q, block_k)
     # The reference computes in fp32/fp64 throughout, Delta included (the `accurate` schedule's
     # stages): the schedule has nothing to select there.
     return attention_forward_reference(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                                       scale, window_left, window_right, block_map, block_q, block_k)
+                                       scale, window_left, window_right, block_map, block_q, block_k, softcap)
+
+
+def kernels_take(query: Tensor, key: Tensor, value: Tensor, softcap: float = 0.0) -> bool:
+    """Whether the CUDA kernels run this call: inputs they take (``launch.kernel_supports``) and no
+    soft cap, which only the reference path computes so far."""
+    return softcap == 0 and launch.kernel_supports(query, key, value)
 
 
 @torch.library.custom_op("flash_inductor::attention_backward", mutates_args=())
@@ -205,15 +219,16 @@ def attention_backward(
     out: Tensor, lse: Tensor, grad_lse: Optional[Tensor], rng_seed: Optional[Tensor],
     dropout_p: float, is_causal: bool, causal_offset: int, scale: float, schedule: str,
     compute_mask_grad: bool, window_left: int = -1, window_right: int = -1,
-    block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0,
+    block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    if launch.kernel_supports(query, key, value):
+    if kernels_take(query, key, value, softcap):
         return _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
                                 is_causal, causal_offset, scale, schedule, compute_mask_grad,
                                 (window_left, window_right), block_map, block_q, block_k)
     return attention_backward_reference(
         grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
         is_causal, causal_offset, scale, compute_mask_grad, window_left, window_right, block_map, block_q, block_k,
+        softcap,
     )
 
 
@@ -266,19 +281,21 @@ attention_backward.register_fake(_backward_fake)
 # --------------------------------------------------------------------------------------
 
 _MASK_INPUT = 3
-# window_left, window_right, block_map, block_q, block_k: the forward op's arguments with defaults.
-_OPTIONAL_DEFAULTS = (-1, -1, None, 0, 0)
+# window_left, window_right, block_map, block_q, block_k, softcap: the forward op's arguments with defaults.
+_OPTIONAL_DEFAULTS = (-1, -1, None, 0, 0, 0.0)
 
 
 def _setup_context(ctx, inputs, output):
     query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule, *optional = inputs
     # The trailing arguments have defaults, which a caller may leave out.
-    window_left, window_right, block_map, block_q, block_k = (*optional, *_OPTIONAL_DEFAULTS[len(optional):])
+    window_left, window_right, block_map, block_q, block_k, softcap = (*optional,
+                                                                       *_OPTIONAL_DEFAULTS[len(optional):])
     out, lse = output
     ctx.save_for_backward(query, key, value, attn_mask, rng_seed, out, lse, block_map)
     ctx.options = (dropout_p, is_causal, causal_offset, scale, schedule)
     ctx.window = (window_left, window_right)
     ctx.layout = (block_q, block_k)
+    ctx.softcap = softcap
     ctx.input_count = len(inputs)
     # An output the caller never used (almost always lse) reaches the backward as None, not as
     # zeros: autograd's default would launch a fill for it, and a zero dLSE still sends the
@@ -305,9 +322,15 @@ def _run_backward(ctx, grad_out, grad_lse, backward_call):
     dq, dk, dv, dmask = backward_call(
         grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed,
         dropout_p, is_causal, causal_offset, scale, schedule, compute_mask_grad, *ctx.window,
-        block_map=block_map, block_q=block_q, block_k=block_k,
+        block_map=block_map, block_q=block_q, block_k=block_k, **_softcap_keyword(ctx.softcap),
     )
     return (dq, dk, dv, (dmask if compute_mask_grad else None)) + (None,) * (n_inputs - 4)
+
+
+def _softcap_keyword(softcap: float) -> dict:
+    """``softcap`` for the backward call where one is set: the eager fast path's launcher never
+    sees a soft cap (``kernels_take``) and takes no such keyword."""
+    return {"softcap": softcap} if softcap else {}
 
 
 def _backward(ctx, grad_out, grad_lse):
@@ -337,8 +360,8 @@ _TransformAttentionBackward = transform_function("_TransformAttentionBackward", 
                                                  differentiable_outputs=4)
 
 
-def _backward_under_transform(*args, block_map=None, block_q=0, block_k=0):
-    return _TransformAttentionBackward.apply(*args, block_map, block_q, block_k)
+def _backward_under_transform(*args, block_map=None, block_q=0, block_k=0, softcap=0.0):
+    return _TransformAttentionBackward.apply(*args, block_map, block_q, block_k, softcap)
 
 
 _TransformAttention = transform_function(
@@ -367,7 +390,7 @@ class _EagerKernelAttention(torch.autograd.Function):
         out, lse = _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
                                    scale, schedule, (window_left, window_right), block_map, block_q, block_k)
         _setup_context(ctx, (query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
-                             schedule, window_left, window_right, block_map, block_q, block_k), (out, lse))
+                             schedule, window_left, window_right, block_map, block_q, block_k, 0.0), (out, lse))
         return out, lse
 
     @staticmethod
@@ -408,7 +431,7 @@ def _needs_autograd(*tensors: Optional[Tensor]) -> bool:
 
 def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
                             schedule, window_left=-1, window_right=-1, block_map=None, block_q=0,
-                            block_k=0) -> tuple[Tensor, Tensor]:
+                            block_k=0, softcap=0.0) -> tuple[Tensor, Tensor]:
     """``torch.ops.flash_inductor.attention_forward`` with the same arguments, without the
     dispatcher where :func:`eager_fast_path_applies`. While ``launch.hopper_bwd.ONE_PASS_STABLE``
     routes them, `stable` calls that the Hopper kernels take go to the one-pass ops instead
@@ -416,14 +439,15 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
     without one, the residual and the centred keys they save would buy nothing, and the plain
     forward is 12-17 % faster (docs/hopper_backward.md)."""
     needs_autograd = _needs_autograd(query, key, value)
-    if needs_autograd and one_pass_applies(query, key, value, attn_mask, dropout_p, scale, schedule,
+    # A soft cap takes the registered op, whose reference path alone computes one (``kernels_take``).
+    if not softcap and needs_autograd and one_pass_applies(query, key, value, attn_mask, dropout_p, scale, schedule,
                                            window=(window_left, window_right),
                                            block_sizes=_block_sizes(block_map, block_q, block_k)):
         return attention_one_pass(query, key, value, is_causal, causal_offset, scale, window_left, window_right,
                                   fast_path=eager_fast_path_applies(query, key, value, attn_mask, block_map),
                                   needs_autograd=True, attn_mask=attn_mask, block_map=block_map, block_q=block_q,
                                   block_k=block_k)
-    if eager_fast_path_applies(query, key, value, attn_mask, rng_seed, block_map):
+    if not softcap and eager_fast_path_applies(query, key, value, attn_mask, rng_seed, block_map):
         if not _needs_autograd(query, key, value, attn_mask):
             # Inference: the launch alone. autograd.Function.apply would record nothing here and
             # cost ~20-35 µs of host time a call (2-core CPU, launches stubbed), which
@@ -435,7 +459,7 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
             window_left, window_right, block_map, block_q, block_k,
         )
     args = (query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
-            window_left, window_right, block_map, block_q, block_k)
+            window_left, window_right, block_map, block_q, block_k, softcap)
     if under_transform():
         return _TransformAttention.apply(*args)
     return torch.ops.flash_inductor.attention_forward(*args)

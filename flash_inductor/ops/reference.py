@@ -21,6 +21,10 @@ as the kernels, written for clarity rather than speed:
   than rowsum(dO * O) from the rounded O: the Delta that the kernels' ``exact_delta``
   correction arrives at (see ``flash_inductor.kernels.attn_bwd``).
 
+* logit soft-capping (``softcap`` > 0, FlashAttention-2's) replaces each scaled score s by
+  ``softcap * tanh(s / softcap)`` before the mask is added; the backward multiplies dS by the
+  slope ``1 - tanh(s / softcap) ** 2`` on its way to dQ and dK (a float mask's gradient is dS itself);
+
 * causal masking and a sliding window both come down to a band of keys per row,
   ``i + lower <= j <= i + upper`` (``flash_inductor.launch.band``); key chunks wholly outside
   every row's band are skipped, as the kernels skip their tiles.
@@ -141,12 +145,16 @@ def _chunk_scores(
     scale: float,
     start: int,
     stop: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Masked scores ``scale * q k^T + mask`` of one key chunk, (B, Hkv, G * L, stop - start).
+    """Masked scores ``scale * q k^T + mask`` of one key chunk, (B, Hkv, G * L, stop - start), the
+    scaled products soft-capped first when ``softcap`` > 0.
 
     Invisible keys are -inf.
     """
     scores = scale * (grouped_query @ key_chunk.to(problem.compute_dtype).transpose(-2, -1))
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     if attn_mask is not None:
         # Slice before reshaping so a broadcast (stride-0) mask is only materialised per chunk.
         mask_chunk = attn_mask[..., start:stop].reshape(scores.shape)
@@ -177,11 +185,13 @@ def _layout_scores(problem: _GroupedProblem, scores: torch.Tensor, block_layout:
     return scores.masked_fill(~in_layout.reshape(scores.shape), float("-inf"))
 
 
-def _visible_score_chunks(problem, grouped_query, key, attn_mask, band, scale, block_layout):
+def _visible_score_chunks(problem, grouped_query, key, attn_mask, band, scale, block_layout, softcap=0.0):
     """(start, stop, scores) of each chunk of keys the band reaches: the scores of keys
-    [start, stop) with the mask, the band and the block layout applied (-inf where invisible)."""
+    [start, stop) with the soft cap, the mask, the band and the block layout applied (-inf where
+    invisible)."""
     for start, stop in _key_chunks(problem.key_len, band, problem.query_len):
-        scores = _chunk_scores(problem, grouped_query, key[..., start:stop, :], attn_mask, band, scale, start, stop)
+        scores = _chunk_scores(problem, grouped_query, key[..., start:stop, :], attn_mask, band, scale, start, stop,
+                               softcap)
         yield start, stop, _layout_scores(problem, scores, block_layout, start, stop)
 
 
@@ -223,6 +233,7 @@ def reference_forward(
     scale: float,
     window: Optional[tuple[int, int]] = None,
     block_layout: Optional[tuple] = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward; returns ``(out, lse)``.
 
@@ -239,6 +250,8 @@ def reference_forward(
         block_layout: None, or ``(block_map, block_q, block_k)``: a (Bm, Hm, ceil(L / block_q),
             ceil(S / block_k)) bool map (Bm in {1, B}, Hm in {1, Hq}); key j is visible to row i
             only where ``block_map[b, h, i // block_q, j // block_k]``.
+        softcap: 0, or the soft cap c > 0: the scaled score s becomes ``c * tanh(s / c)`` before
+            the mask is added.
 
     Returns:
         out: (B, Hq, L, Ev) in the query dtype, ``dropout(softmax(s)) @ V``.
@@ -255,7 +268,8 @@ def reference_forward(
         (*rows_shape, value.shape[-1]), dtype=problem.compute_dtype, device=problem.device
     )
 
-    for start, stop, scores in _visible_score_chunks(problem, grouped_query, key, attn_mask, band, scale, block_layout):
+    for start, stop, scores in _visible_score_chunks(problem, grouped_query, key, attn_mask, band, scale, block_layout,
+                                                     softcap):
         new_max, shift = _running_max(running_max, scores)
         correction = torch.exp(running_max - shift)
         probs = torch.exp(scores - shift[..., None])
@@ -276,11 +290,16 @@ def reference_forward(
     return problem.ungroup(out).to(query.dtype).contiguous(), problem.ungroup(lse).contiguous()
 
 
+def _softcap_slope(scaled_products: torch.Tensor, softcap: float) -> torch.Tensor:
+    """d(c * tanh(s / c)) / ds = 1 - tanh(s / c) ** 2 at the scaled products s."""
+    return 1.0 - torch.tanh(scaled_products / softcap).square()
+
+
 # LSEs below this only come from rows whose every visible key sits at the mask clamp.
 _LSE_SATURATED = -1e37
 
 
-def _row_reference(problem, grouped_query, key, attn_mask, band, scale, grouped_lse, block_layout=None):
+def _row_reference(problem, grouped_query, key, attn_mask, band, scale, grouped_lse, block_layout=None, softcap=0.0):
     """Per row, the (reference, shift) the backward recomputes P with: P = exp((s - reference) - shift).
 
     Normally reference = lse and shift = 0; rows with no visible key get reference = +inf, so P
@@ -295,7 +314,8 @@ def _row_reference(problem, grouped_query, key, attn_mask, band, scale, grouped_
     if saturated.any():
         row_max = torch.full_like(reference, float("-inf"))
         row_sum = torch.zeros_like(reference)
-        for _, _, scores in _visible_score_chunks(problem, grouped_query, key, attn_mask, band, scale, block_layout):
+        for _, _, scores in _visible_score_chunks(problem, grouped_query, key, attn_mask, band, scale, block_layout,
+                                                  softcap):
             new_max, safe_max = _running_max(row_max, scores)
             row_sum = row_sum * torch.exp(row_max - safe_max) + torch.exp(scores - safe_max[..., None]).sum(dim=-1)
             row_max = new_max
@@ -322,6 +342,7 @@ def reference_backward(
     exact_delta: bool = True,
     window: Optional[tuple[int, int]] = None,
     block_layout: Optional[tuple] = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward; returns ``(dq, dk, dv, dmask)``.
 
@@ -337,14 +358,15 @@ def reference_backward(
     (one more pass over the keys) instead of from that ``out``; False gives FlashAttention-2's
     Delta, whose error peaked or near-tied attention amplifies in dq. The attention ops always
     use True: this path keeps P and dS in fp32 under every schedule too.
-    ``block_layout`` is :func:`reference_forward`'s.
+    ``block_layout`` and ``softcap`` are :func:`reference_forward`'s; under a soft cap dS reaches
+    dQ and dK through the cap's slope, ``1 - tanh(s / c) ** 2``.
     """
     problem = _describe_problem(query, key, value)
     band = resolve_band(is_causal, causal_offset, window, problem.query_len, problem.key_len)
     grouped_query = problem.group(query)
     grouped_grad_out = problem.group(grad_out)
     row_reference, row_shift = _row_reference(
-        problem, grouped_query, key, attn_mask, band, scale, problem.group(lse), block_layout
+        problem, grouped_query, key, attn_mask, band, scale, problem.group(lse), block_layout, softcap
     )
 
     def chunk(start, stop):
@@ -352,7 +374,7 @@ def reference_backward(
         key_chunk = key[..., start:stop, :].to(problem.compute_dtype)
         value_chunk = value[..., start:stop, :].to(problem.compute_dtype)
         scores = _layout_scores(problem, _chunk_scores(problem, grouped_query, key_chunk, attn_mask, band, scale, start,
-                                                       stop), block_layout, start, stop)
+                                                       stop, softcap), block_layout, start, stop)
         probs = torch.exp((scores - row_reference) - row_shift)
         grad_probs = grouped_grad_out @ value_chunk.transpose(-2, -1)
         dropout_scale = _dropout_scale(problem, rng_seed, dropout_p, start, stop)
@@ -395,10 +417,13 @@ def reference_backward(
         key_chunk, value_chunk, probs, grad_probs, dropout_scale = chunk(start, stop)
         dropped_probs = probs if dropout_scale is None else probs * dropout_scale
         grad_scores = probs * (grad_probs - delta)
+        # The gradient of the raw products: through the cap's slope (the mask's is dS itself).
+        grad_products = grad_scores if softcap <= 0 else grad_scores * _softcap_slope(
+            scale * (grouped_query @ key_chunk.transpose(-2, -1)), softcap)
 
         grad_value[..., start:stop, :] = dropped_probs.transpose(-2, -1) @ grouped_grad_out
-        grad_key[..., start:stop, :] = scale * (grad_scores.transpose(-2, -1) @ grouped_query)
-        grad_query += scale * (grad_scores @ key_chunk)
+        grad_key[..., start:stop, :] = scale * (grad_products.transpose(-2, -1) @ grouped_query)
+        grad_query += scale * (grad_products @ key_chunk)
         if wants_mask_grad:
             grad_mask[..., start:stop] = problem.ungroup(grad_scores)
 
