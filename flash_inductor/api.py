@@ -24,6 +24,7 @@ from .launch.fp8 import check_fp8_device, check_fp8_window
 from .block_sparse import BlockSparseLayout, broadcast_per_head, resolve_block_mask
 from .ops.sinks import fold_sinks
 from .variant_args import check_fp8_softcap, check_sinks, resolve_softcap
+from .varlen import nested_attention
 from .schedules import get_schedule
 
 try:  # CausalBias exists in every supported torch, but keep the import failure local.
@@ -162,6 +163,11 @@ def flash_attention(
     the output, the LSE and the gradients without copying them; outside one, monitoring costs
     a single check.
     """
+    if isinstance(query, Tensor) and query.is_nested:
+        return nested_attention(query, key, value, attn_mask, dropout_p, _check_flag("is_causal", is_causal),
+                                _resolve_scale(scale, query.shape[-1]), _check_flag("enable_gqa", enable_gqa),
+                                schedule=schedule, window=window, block_mask=block_mask,
+                                softcap=resolve_softcap(softcap), sinks=sinks)
     return attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         schedule=schedule, window=window, block_mask=block_mask, softcap=softcap, sinks=sinks,
