@@ -77,8 +77,7 @@ def flash_attention_varlen(
     """
     _check_packed(query, key, value)
     _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, query)
-    for name, bound, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q), ("max_seqlen_k", max_seqlen_k, cu_seqlens_k)):
-        _check_max_seqlen(name, bound, cu)
+    _check_max_seqlens(max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, query.shape[0], key.shape[0])
     window_left, window_right = _check_window(window_size)
     causal = _check_bool("causal", causal)
     scale = 1.0 / math.sqrt(query.shape[-1]) if softmax_scale is None else float(softmax_scale)
@@ -175,17 +174,22 @@ def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, query) -> None:
                          f"({len(cu_seqlens_k)}) must describe the same number of sequences.")
 
 
-def _check_max_seqlen(name: str, bound, cu: Tensor) -> None:
-    try:
-        bound = operator.index(bound)
-    except TypeError:
-        raise ValueError(f"flash_attention_varlen: {name} must be an int, got {bound!r}.") from None
-    if torch.compiler.is_compiling() or len(cu) < 2:
-        return  # the op checks the bounds themselves when it reads them
-    longest = int((cu[1:] - cu[:-1]).max())
-    if bound < longest:
-        raise ValueError(f"flash_attention_varlen: {name}={bound} is below the longest sequence ({longest}); pass "
-                         "the true maximum, e.g. int(seqlens.max()).")
+def _check_max_seqlens(max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int) -> None:
+    """Ints at least the longest sequence's length. Eagerly the offsets are checked here, before any
+    work (one small host read); under torch.compile the op checks them when it reads them."""
+    for name, bound in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        try:
+            operator.index(bound)
+        except TypeError:
+            raise ValueError(f"flash_attention_varlen: {name} must be an int, got {bound!r}.") from None
+    if torch.compiler.is_compiling():
+        return
+    bounds = _varlen_ops.sequence_bounds(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
+    for name, bound, longest in (("max_seqlen_q", max_seqlen_q, max((q1 - q0 for q0, q1, _, _ in bounds), default=0)),
+                                 ("max_seqlen_k", max_seqlen_k, max((k1 - k0 for _, _, k0, k1 in bounds), default=0))):
+        if bound < longest:
+            raise ValueError(f"flash_attention_varlen: {name}={bound} is below the longest sequence ({longest}); "
+                             "pass the true maximum, e.g. int(seqlens.max()).")
 
 
 def _check_window(window_size) -> tuple[int, int]:
