@@ -16,6 +16,11 @@ Symbols (i a query row, j a key; vectors are per row of a query block)
     s_ij              --                        scale · q_i·k_j (+ the additive mask), natural units
     s2                s2 (dQ), s2_t (dK/dV)     log2(e) · s_ij: scores in base 2; s2_t is (keys, queries)
     scale             sm_scale                  the softmax scale; qk_scale_log2 = scale · log2(e)
+    c                 softcap_log2 = c · log2(e)  the soft cap (SOFTCAP); score_scale = (qk_scale_log2,
+                                                softcap_log2), what ``common.base2_scores`` maps q·k with
+    g_ij              slope, slope_t            1 − tanh²(scale·q_i·k_j / c), dS's factor on its way to
+                                                dQ and dK under SOFTCAP (the mask's gradient is dS)
+    σ'_i, Λ'_i        ds_slope_sum, p_slope_sum Σ_j dS_ij g_ij and Σ_j P_ij g_ij (exact Δ under SOFTCAP)
     lse_i             LSE, lse                  the forward's log-sum-exp, natural log (as stored)
     lse_i · log2(e)   row_ref (ROW_REF)         the LSE in base 2: the row reference P is taken against
     shift_i           row_shift (ROW_SHIFT)     log2 of the row sum, non-zero only for rows at the mask
@@ -79,6 +84,8 @@ Constexpr switches
                             positions in each head's list for its key tile (PARTIAL, then FULL):
                             COUNTS, IDX (``block_sparse.py``); None when dense
     LAYOUT_CHECK            checked tiles also test the layout per element (LAYOUT_BQ, LAYOUT_BK)
+    SOFTCAP                 scores are soft-capped before the mask (``common.base2_scores``); dS meets
+                            Q and K times the slope g (below, "Soft cap")
     inner helpers only:
     RESCALE                 this loop is the rescaling one (per-tile scale of dS, ``_ds_tile``)
     CHECK                   the tile may hold invisible keys: apply the bounds / causal select
@@ -123,6 +130,13 @@ itself, shared component included, which on near-tied keys costs as much as the 
 Δ* itself comes from σ_i, unrounded; the dQ pass stores it in place of Δ, and the dK/dV pass,
 launched after it, reads it.
 
+Soft cap (SOFTCAP). With s_ij = c·tanh(u_ij / c), u_ij = scale·q_i·k_j, the gradient of u is
+dS_ij·g_ij, g_ij = 1 − tanh²: dq_i = scale·Σ_j dS_ij g_ij k_j, dk_j = scale·Σ_i dS_ij g_ij q_i,
+while Δ and everything P and dP make (dV, the mask's dS) are unchanged. Under exact Δ the dQ pass's
+correction then subtracts c_i·Σ_j P_ij g_ij k_j, so K̄ sums P·g; its rounding compensation, which
+replaces σ by σ̃ in the plain case, becomes (σ̃'_i − σ'_i) / Λ'_i with σ̃' the sum of dS·g as the
+dot saw it, σ' = Σ_j dS_ij g_ij and Λ' = Σ_j P_ij g_ij (both 1-for-1 the plain sums when g = 1).
+
 GQA. The dK/dV pass owns one key block of one KV head and walks every query head of its GQA
 group, so grouped K/V gradients are summed in registers, without atomics or repeated K/V.
 
@@ -155,7 +169,7 @@ import triton.language as tl
 from .attn_bwd_tiles import _dkdv_tiles, _dq_tiles
 from .band import key_tile_query_ranges
 from .block_sparse import listed_tiles, query_tile_key_tiles
-from .common import LOG2E, block_offsets, dropout_scales, mask_scores, query_heads
+from .common import LOG2E, base2_scores, block_offsets, dropout_scales, mask_scores, query_heads
 from .ds_scaling import _ds_loop_choice, _max_as_stat
 
 # LSEs below this (natural log) only come from rows whose every visible key sits at the
@@ -218,10 +232,10 @@ def _attn_bwd_row_reference(
     stride_qb, stride_qh, stride_qm, stride_qe,
     stride_kb, stride_kh, stride_kn, stride_ke,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
+    H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2, softcap_log2,
     HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
-    FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr = False,
 ):
     """Per query row, the base-2 (reference, shift) the backward recomputes P with:
     P = exp2((s2 - reference) - shift).
@@ -238,7 +252,7 @@ def _attn_bwd_row_reference(
     """
     # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
     # with them would promote the fp32 accumulators, so fix them at fp32 first.
-    qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
+    score_scale = (tl.cast(qk_scale_log2, tl.float32), tl.cast(softcap_log2, tl.float32))
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -269,7 +283,7 @@ def _attn_bwd_row_reference(
             kv_rows_ok = offs_n < S
             k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_e[:, None] * stride_ke,
                         mask=kv_rows_ok[None, :] & (offs_e[:, None] < HEAD_DIM), other=0.0)
-            s2 = tl.dot(q, k, input_precision=FP32_DOT) * qk_scale_log2
+            s2 = base2_scores(tl.dot(q, k, input_precision=FP32_DOT), score_scale, SOFTCAP=SOFTCAP)
             s2 = mask_scores(s2, mask_base, offs_m[:, None], offs_n[None, :], row_ok[:, None] & kv_rows_ok[None, :],
                              stride_mm, stride_mn, causal_offset, window_lower,
                              HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT)
@@ -289,7 +303,7 @@ def _attn_bwd_row_reference(
 def _dkdv_heads(
     dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
     offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse,
-    H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
+    H_Q, GROUP, L, S, causal_offset, window_lower, score_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
@@ -297,7 +311,7 @@ def _dkdv_heads(
     RESCALE: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
     SHIFT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_BLOCK_SPARSITY: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
-    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
+    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1, SOFTCAP: tl.constexpr = False,
 ):
     """Every query head of the GQA group: of ``ranges`` = (lo, mid, mid_hi, hi), blocks [lo, mid) with
     the visibility select, [mid, mid_hi) without, and under WINDOW_LEFT [mid_hi, hi) with it (the
@@ -325,8 +339,8 @@ def _dkdv_heads(
             dk, dv = _dkdv_tiles(
                 dk, dv, key_block, q_base, do_base, mask_base, bh, row_pointers, DMASK, dropout, ds_up,
                 offs_m_base, offs_e, offs_ev, tiles[part], tiles[part + 1], q_strides, do_strides, mask_strides,
-                listed, L, S, causal_offset, window_lower, qk_scale_log2,
-                CHECK=part != 1,
+                listed, L, S, causal_offset, window_lower, score_scale,
+                CHECK=part != 1, SOFTCAP=SOFTCAP,
                 RESCALE=RESCALE, SHIFT=SHIFT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK,
                 MASK_IS_BOOL=MASK_IS_BOOL, HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
                 P_IN_FP32=P_IN_FP32,
@@ -348,7 +362,7 @@ def _attn_bwd_dkdv(
     stride_dob, stride_doh, stride_dom, stride_doe,
     stride_dkb, stride_dkh, stride_dkn, stride_dke,
     stride_dvb, stride_dvh, stride_dvn, stride_dve,
-    H_Q, H_KV, GROUP, L, S, causal_offset, window_lower, qk_scale_log2, sm_scale, dropout_p,
+    H_Q, H_KV, GROUP, L, S, causal_offset, window_lower, qk_scale_log2, softcap_log2, sm_scale, dropout_p,
     COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len,
     stride_bmb, stride_bmh, stride_bmm, stride_bmn,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -358,11 +372,11 @@ def _attn_bwd_dkdv(
     DS_RESCALE: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BLOCK_SPARSITY: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
-    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
+    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1, SOFTCAP: tl.constexpr = False,
 ):
     # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
     # with them would promote the fp32 accumulators, so fix them at fp32 first.
-    qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
+    score_scale = (tl.cast(qk_scale_log2, tl.float32), tl.cast(softcap_log2, tl.float32))
     sm_scale = tl.cast(sm_scale, tl.float32)
     dropout_p = tl.cast(dropout_p, tl.float32)
     start_n = tl.program_id(0) * BLOCK_N
@@ -407,8 +421,8 @@ def _attn_bwd_dkdv(
         dk, dv = _dkdv_heads(
             dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
             offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse,
-            H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
-            RESCALE=True, SHIFT=True,
+            H_Q, GROUP, L, S, causal_offset, window_lower, score_scale,
+            RESCALE=True, SHIFT=True, SOFTCAP=SOFTCAP,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
             HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
             DS_IN_FP32=DS_IN_FP32,
@@ -420,8 +434,8 @@ def _attn_bwd_dkdv(
         dk, dv = _dkdv_heads(
             dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
             offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse,
-            H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
-            RESCALE=False, SHIFT=True,
+            H_Q, GROUP, L, S, causal_offset, window_lower, score_scale,
+            RESCALE=False, SHIFT=True, SOFTCAP=SOFTCAP,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
             HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
             DS_IN_FP32=DS_IN_FP32,
@@ -433,8 +447,8 @@ def _attn_bwd_dkdv(
         dk, dv = _dkdv_heads(
             dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
             offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse,
-            H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2,
-            RESCALE=False, SHIFT=False,
+            H_Q, GROUP, L, S, causal_offset, window_lower, score_scale,
+            RESCALE=False, SHIFT=False, SOFTCAP=SOFTCAP,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
             HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
             DS_IN_FP32=DS_IN_FP32,
@@ -456,7 +470,7 @@ def _attn_bwd_dkdv(
 def _dq_blocks(
     dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
     offs_n_base, offs_e, offs_ev, ranges, k_strides, v_strides, mask_strides, listed,
-    S, causal_offset, window_lower, qk_scale_log2,
+    S, causal_offset, window_lower, score_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, DS_IN_FP32: tl.constexpr,
@@ -464,7 +478,7 @@ def _dq_blocks(
     RESCALE: tl.constexpr, EXACT_DELTA: tl.constexpr,
     WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_E: tl.constexpr,
     BLOCK_N: tl.constexpr, FROM_LIST: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
-    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
+    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1, SOFTCAP: tl.constexpr = False,
 ):
     """The key tiles of ``ranges`` = (lo, mid, split, hi): [mid, split) without the visibility select,
     [split, hi) and under WINDOW_LEFT [lo, mid) with it, one call per range, unrolled at compile time.
@@ -474,8 +488,8 @@ def _dq_blocks(
         dq, exact_sums = _dq_tiles(
             dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
             offs_n_base, offs_e, offs_ev, ranges[part], ranges[part + 1], k_strides, v_strides, mask_strides, listed,
-            S, causal_offset, window_lower, qk_scale_log2,
-            CHECK=part != 1,
+            S, causal_offset, window_lower, score_scale,
+            CHECK=part != 1, SOFTCAP=SOFTCAP,
             RESCALE=RESCALE, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
             HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
             DS_IN_FP32=DS_IN_FP32, DS_RESCALE=DS_RESCALE, EXACT_DELTA=EXACT_DELTA, WRITE_DMASK=WRITE_DMASK,
@@ -494,7 +508,7 @@ def _attn_bwd_dq(
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_dob, stride_doh, stride_dom, stride_doe,
     stride_dqb, stride_dqh, stride_dqm, stride_dqe,
-    H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2, sm_scale, dropout_p,
+    H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2, softcap_log2, sm_scale, dropout_p,
     COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len,
     stride_bmb, stride_bmh, stride_bmm, stride_bmn,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -505,11 +519,11 @@ def _attn_bwd_dq(
     EXACT_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr, WRITE_DMASK: tl.constexpr, FP32_DOT: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BLOCK_SPARSITY: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
-    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
+    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1, SOFTCAP: tl.constexpr = False,
 ):
     # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
     # with them would promote the fp32 accumulators, so fix them at fp32 first.
-    qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
+    score_scale = (tl.cast(qk_scale_log2, tl.float32), tl.cast(softcap_log2, tl.float32))
     sm_scale = tl.cast(sm_scale, tl.float32)
     dropout_p = tl.cast(dropout_p, tl.float32)
     start_m = tl.program_id(0) * BLOCK_M
@@ -536,8 +550,10 @@ def _attn_bwd_dq(
     ds_sum = tl.zeros([BLOCK_M], dtype=tl.float32)  # σ
     ds_seen_sum = tl.zeros([BLOCK_M], dtype=tl.float32)  # σ̃
     p_sum = tl.zeros([BLOCK_M], dtype=tl.float32)  # Λ
-    p_k = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)  # K̄
-    exact_sums = (ds_sum, ds_seen_sum, p_sum, p_k)
+    p_k = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)  # K̄ (Σ P·g·k under SOFTCAP)
+    ds_slope_sum = tl.zeros([BLOCK_M], dtype=tl.float32)  # σ' (SOFTCAP)
+    p_slope_sum = tl.zeros([BLOCK_M], dtype=tl.float32)  # Λ' (SOFTCAP)
+    exact_sums = (ds_sum, ds_seen_sum, p_sum, p_k, ds_slope_sum, p_slope_sum)
     # Key blocks [mid, split) are whole and visible to every row of this query block; [split, hi)
     # holds the causal diagonal and the ragged last key block, [lo, mid) the window's left edge.
     # Under HAS_BLOCK_SPARSITY the same ranges are positions in this query tile's list of key tiles,
@@ -572,8 +588,8 @@ def _attn_bwd_dq(
         dq, exact_sums = _dq_blocks(
             dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
             offs_n_base, offs_e, offs_ev, ranges, k_strides, v_strides, mask_strides, listed,
-            S, causal_offset, window_lower, qk_scale_log2,
-            RESCALE=True,
+            S, causal_offset, window_lower, score_scale,
+            RESCALE=True, SOFTCAP=SOFTCAP,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
             HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
             DS_IN_FP32=DS_IN_FP32,
@@ -585,8 +601,8 @@ def _attn_bwd_dq(
         dq, exact_sums = _dq_blocks(
             dq, exact_sums, query_block, row_values, k_base, v_base, mask_base, dropout, ds_up, DMASK,
             offs_n_base, offs_e, offs_ev, ranges, k_strides, v_strides, mask_strides, listed,
-            S, causal_offset, window_lower, qk_scale_log2,
-            RESCALE=False,
+            S, causal_offset, window_lower, score_scale,
+            RESCALE=False, SOFTCAP=SOFTCAP,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
             HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
             DS_IN_FP32=DS_IN_FP32,
@@ -594,7 +610,7 @@ def _attn_bwd_dq(
             EVEN_N=EVEN_N, EVEN_E=EVEN_E, BLOCK_N=BLOCK_N,
             FROM_LIST=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
         )
-    ds_sum, ds_seen_sum, p_sum, p_k = exact_sums
+    ds_sum, ds_seen_sum, p_sum, p_k, ds_slope_sum, p_slope_sum = exact_sums
 
     if EXACT_DELTA:
         # The corrections c = σ/Λ − dLSE and c̃ = σ̃/Λ − dLSE of the module docstring; 0 on rows
@@ -605,7 +621,13 @@ def _attn_bwd_dq(
         if HAS_DLSE:
             dlse = tl.load(DLSE + row_ids, mask=q_rows_ok, other=0.0)
         correction = tl.where(has_key, ds_sum * inv_p_sum - dlse, 0.0)
-        seen_correction = tl.where(has_key, ds_seen_sum * inv_p_sum - dlse, 0.0)
+        if SOFTCAP:
+            # c + (σ̃' − σ') / Λ' (module docstring, "Soft cap"); Λ' is 0 only where every g is.
+            slope_ok = has_key & (p_slope_sum > 0.0)
+            seen_correction = correction + tl.where(
+                slope_ok, (ds_seen_sum - ds_slope_sum) / tl.where(slope_ok, p_slope_sum, 1.0), 0.0)
+        else:
+            seen_correction = tl.where(has_key, ds_seen_sum * inv_p_sum - dlse, 0.0)
         if DS_RESCALE:
             # dq holds ds_up times its sum (the plain loop's scale-up), and so must what it loses.
             seen_correction = seen_correction * ds_up

@@ -16,6 +16,7 @@ Symbols (i a query row, j a key; vectors are per row of the program's query bloc
     s2                s2              log2(e) · s_ij, the scores in base 2; under FOLD_SCALE the
                                       unscaled q_i·k_j (+ a bool mask's -inf) until exp2
     scale · log2(e)   qk_scale_log2   the softmax scale in base 2 (the launcher folds log2(e) in)
+    c · log2(e)       softcap_log2    the soft cap in base 2 (SOFTCAP); score_scale is the pair
     m_i               m_i             running row max of s2 (base 2); m_ref is m_i with -inf read as 0
     l_i               l_i             running row sum of exp2(s2 - m_i), before dropout
     α                 alpha           exp2(m_old - m_new), the rescale of l_i and acc per block
@@ -53,6 +54,8 @@ Constexpr switches
                             FROM_LIST in ``_attn_fwd_inner``. Without it the layout arguments are None
     LAYOUT_CHECK            checked tiles also test the layout per element (tiles that straddle
                             layout blocks of LAYOUT_BQ x LAYOUT_BK: ``launch/block_tiles.py``)
+    SOFTCAP                 s_ij = c·tanh(scale·q_i·k_j / c) before the mask (``common.base2_scores``;
+                            never with FOLD_SCALE, whose max is taken on the unscaled products)
 
 The kernel's signature is flat, one scalar per stride, as the launchers pass them.
 Its helper takes tuples, which Triton inlines away: ``*_strides`` (batch, head, row, column) of
@@ -65,7 +68,7 @@ import triton
 import triton.language as tl
 
 from .block_sparse import layout_visible, query_tile_key_tiles
-from .common import (LN2, accumulate_pv, add_attn_mask, block_offsets, dropout_keep, dropout_seed, loop_tile,
+from .common import (LN2, accumulate_pv, add_attn_mask, base2_scores, block_offsets, dropout_keep, dropout_seed, loop_tile,
                      online_softmax_start, query_heads, row_normaliser)
 
 
@@ -73,13 +76,13 @@ from .common import (LN2, accumulate_pv, add_attn_mask, block_offsets, dropout_k
 def _attn_fwd_inner(
     acc, l_i, m_i, query_block, k_base, v_base, mask_base, dropout,
     offs_n_base, offs_e, offs_ev, lo, hi, k_strides, v_strides, mask_strides, listed,
-    L, S, causal_offset, window_lower, qk_scale_log2,
+    L, S, causal_offset, window_lower, score_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, CHECK_BOUNDS: tl.constexpr,
     P_IN_FP32: tl.constexpr, FP32_DOT: tl.constexpr, FOLD_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
     FROM_LIST: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
-    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
+    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1, SOFTCAP: tl.constexpr = False,
 ):
     """Fold key blocks [lo, hi) into the running (acc, l, m); under FROM_LIST the key tiles at
     positions [lo, hi) of ``listed[0]``, a block-sparse layout's list (``block_sparse.tile_lists``).
@@ -90,6 +93,7 @@ def _attn_fwd_inner(
     """
     q, offs_m, rng_rows = query_block
     seed, dropout_p = dropout
+    qk_scale_log2 = score_scale[0]
     _, _, stride_kn, stride_ke = k_strides
     _, _, stride_vn, stride_ve = v_strides
     _, _, stride_mm, stride_mn = mask_strides
@@ -102,7 +106,7 @@ def _attn_fwd_inner(
         # Under FOLD_SCALE the scores stay unscaled until exp2 (see _attn_fwd); else base 2.
         s2 = tl.dot(q, k, input_precision=FP32_DOT)
         if not FOLD_SCALE:
-            s2 = s2 * qk_scale_log2
+            s2 = base2_scores(s2, score_scale, SOFTCAP=SOFTCAP)
         if HAS_MASK:
             in_bounds = (offs_m[:, None] < L) & kv_rows_ok[None, :]
             s2 = add_attn_mask(
@@ -150,7 +154,7 @@ def _attn_fwd(
     stride_vb, stride_vh, stride_vn, stride_ve,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_oe,
-    H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2, dropout_p,
+    H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2, softcap_log2, dropout_p,
     COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len,
     stride_bmb, stride_bmh, stride_bmm, stride_bmn,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -159,7 +163,7 @@ def _attn_fwd(
     IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, P_IN_FP32: tl.constexpr, FP32_DOT: tl.constexpr,
     FOLD_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BLOCK_SPARSITY: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
-    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1,
+    LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1, SOFTCAP: tl.constexpr = False,
 ):
     # FOLD_SCALE (a positive scale, no additive mask): each row's max is taken on the unscaled
     # products and scaled once, which is exact, since x -> fl(c * x) is monotonic for c > 0 and
@@ -170,6 +174,7 @@ def _attn_fwd(
     # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
     # with them would promote the fp32 accumulators, so fix them at fp32 first.
     qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
+    score_scale = (qk_scale_log2, tl.cast(softcap_log2, tl.float32))
     dropout_p = tl.cast(dropout_p, tl.float32)
     start_m = tl.program_id(0) * BLOCK_M
     bh, b, h, h_kv = query_heads(H_Q, GROUP)
@@ -210,8 +215,8 @@ def _attn_fwd(
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, query_block, k_base, v_base, mask_base, dropout,
             offs_n_base, offs_e, offs_ev, ranges[part], ranges[part + 1], k_strides, v_strides, mask_strides, listed,
-            L, S, causal_offset, window_lower, qk_scale_log2,
-            CHECK_BOUNDS=part != 1,
+            L, S, causal_offset, window_lower, score_scale,
+            CHECK_BOUNDS=part != 1, SOFTCAP=SOFTCAP,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
             HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
             FP32_DOT=FP32_DOT, FOLD_SCALE=FOLD_SCALE, BLOCK_N=BLOCK_N,

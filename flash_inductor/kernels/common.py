@@ -40,6 +40,42 @@ MASK_FLOOR = tl.constexpr(-1.0e38)
 
 
 @triton.jit
+def base2_scores(products, score_scale, SOFTCAP: tl.constexpr):
+    """s2 = log2(e)·s from the products q·k; ``score_scale`` = (scale·log2(e), c·log2(e)).
+    s = scale·q·k, or under SOFTCAP its soft cap c·tanh(scale·q·k / c), FlashAttention-2's, which in
+    base 2 is the same map with c·log2(e) for c."""
+    qk_scale_log2, softcap_log2 = score_scale
+    if SOFTCAP:
+        # scale / c as one factor: one rounding per score before tanh, not two.
+        return softcap_log2 * _tanh(products * (qk_scale_log2 / softcap_log2))
+    return products * qk_scale_log2
+
+
+@triton.jit
+def _tanh(y):
+    """tanh in fp32 to a few ulps (Triton has no tanh that every backend and the interpreter share).
+    Past |y| = 1/4, (1 − e) / (1 + e) with e = exp(−2|y|) ≤ 1, which saturates to ±1 without
+    overflow; below, the odd Taylor series to y⁹ (the next term is under fp32's ulp there), where
+    1 − e would cancel: an absolute error of fp32's ulp near 0 would reach the logits times c."""
+    magnitude = tl.abs(y)
+    e = tl.math.exp2(magnitude * (-2.0 * LOG2E))
+    far = (1.0 - e) / (1.0 + e)
+    y2 = y * y
+    near = magnitude * (1.0 + y2 * (-1.0 / 3.0 + y2 * (2.0 / 15.0 + y2 * (-17.0 / 315.0 + y2 * (62.0 / 2835.0)))))
+    t = tl.where(magnitude < 0.25, near, far)
+    return tl.where(y < 0, -t, t)
+
+
+@triton.jit
+def softcap_slope(s2, score_scale):
+    """d(capped score) / d(scaled score) = 1 − tanh² at capped base-2 scores s2 (taken before the
+    mask, so that an invisible key's -inf never meets it): in [0, 1], dS's factor on its way to dQ
+    and dK."""
+    ratio = s2 / score_scale[1]
+    return 1.0 - ratio * ratio
+
+
+@triton.jit
 def add_attn_mask(s2, mask_ptrs, in_bounds, MASK_IS_BOOL: tl.constexpr):
     """Apply a bool (True = attend) or additive float mask tile to base-2 scores, in fp32."""
     if MASK_IS_BOOL:

@@ -12,7 +12,7 @@ from ..schedules import STABLE, get_schedule
 # bounds tests force wide tiles; tests spy on launches).
 from . import common
 from .band import band_lower, causal_side
-from .common import LOG2E, cdiv, common_meta, head_dims, whole_blocks
+from .common import LOG2E, cdiv, common_meta, head_dims, softcap_log2, whole_blocks
 from .block_tiles import check_block_layout, fold_into_mask, kernel_layout
 from .forward import attention_forward
 from .visibility import NO_MASKING, Visibility
@@ -23,7 +23,7 @@ def attention_backward(
     attn_mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
     rng_seed: torch.Tensor | None, dropout_p: float, scale: float, schedule: str, compute_mask_grad: bool, *,
     visibility: Visibility = NO_MASKING, configs: AttentionConfigs | None = None,
-    ds_bound: torch.Tensor | None = None,
+    ds_bound: torch.Tensor | None = None, softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the backward kernels. Returns (dq, dk, dv, dmask); dmask is empty unless asked for.
 
@@ -32,7 +32,8 @@ def attention_backward(
     autotuner's candidates); None looks them up. ``ds_bound`` (a one-element fp32 tensor) replaces
     the bound on |dS| that the preprocess measures, under the schedules that rescale dS (fp16
     `stable`): tests and experiments force either loop with it (a bound past
-    ``ds_scaling.DS_RESCALE_ABOVE``, or inf, takes the rescaling loop). Elsewhere it is ignored."""
+    ``ds_scaling.DS_RESCALE_ABOVE``, or inf, takes the rescaling loop). Elsewhere it is ignored.
+    ``softcap``: the forward's soft cap (0: none)."""
     from ..kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_row_reference
 
     block_map, block_q, block_k = visibility.block_map, visibility.block_q, visibility.block_k
@@ -43,7 +44,7 @@ def attention_backward(
         # (its O and LSE; the fp8 ones would not match the recomputed P) and `stable`'s backward.
         schedule = STABLE.name
         out, lse = attention_forward(query, key, value, attn_mask, rng_seed, dropout_p, scale, schedule,
-                                     visibility=visibility)
+                                     visibility=visibility, softcap=softcap)
     batch, heads_q, seq_q, _ = query.shape
     heads_kv, seq_k = key.shape[1], key.shape[2]
     head_dim, head_dim_v = head_dims(query, value)
@@ -92,7 +93,7 @@ def attention_backward(
     launch_preprocess(out, grad_out, grad_lse, value, delta, ds_stats, head_dim_v, meta["BLOCK_EV"],
                        configs.backward_dq.block_m, collect_ds_stats)
 
-    scale_log2 = scale * LOG2E
+    scale_log2, cap_log2, has_cap = scale * LOG2E, softcap_log2(softcap), softcap > 0
     cfg = configs.backward_dq
     row_ref = torch.empty_like(delta)
     row_shift = torch.empty_like(delta)
@@ -108,8 +109,8 @@ def attention_backward(
     common.launcher(_attn_bwd_row_reference)[(cdiv(seq_q, cfg.block_m), batch * heads_q)](
         query, key, row_mask_arg, lse, row_ref, row_shift, shift_flag,
         *query.stride(), *key.stride(), *row_mask_strides,
-        heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, window_lower, scale_log2,
-        HEAD_DIM=head_dim, BLOCK_E=meta["BLOCK_E"], HAS_MASK=meta["HAS_MASK"], MASK_IS_BOOL=meta["MASK_IS_BOOL"],
+        heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, window_lower, scale_log2, cap_log2,
+        SOFTCAP=has_cap, HEAD_DIM=head_dim, BLOCK_E=meta["BLOCK_E"], HAS_MASK=meta["HAS_MASK"], MASK_IS_BOOL=meta["MASK_IS_BOOL"],
         IS_CAUSAL=is_causal, **meta_window, FP32_DOT=meta["FP32_DOT"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -127,8 +128,8 @@ def attention_backward(
         query, key, value, mask_arg, seed_arg, grad_out, row_ref, row_shift,
         grad_lse if grad_lse is not None else lse, delta, ds_stats, dq, dmask_arg,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(), *dq.stride(),
-        heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, window_lower, scale_log2, scale, dropout_p,
-        *layout_args, **layout_meta,
+        heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, window_lower, scale_log2, cap_log2, scale,
+        dropout_p, *layout_args, **layout_meta, SOFTCAP=has_cap,
         P_IN_FP32=p_in_fp32, DS_IN_FP32=ds_in_fp32, DS_RESCALE=ds_rescale,
         EXACT_DELTA=exact_delta, HAS_DLSE=grad_lse is not None, WRITE_DMASK=compute_mask_grad and not exact_delta,
         EVEN_N=whole_blocks(seq_k, cfg.block_n), EVEN_E=even_e,
@@ -143,8 +144,8 @@ def attention_backward(
         dmask_arg,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(),
         *dk.stride(), *dv.stride(),
-        heads_q, heads_kv, heads_q // heads_kv, seq_q, seq_k, causal_offset, window_lower, scale_log2, scale,
-        dropout_p, *layout_args, **layout_meta,
+        heads_q, heads_kv, heads_q // heads_kv, seq_q, seq_k, causal_offset, window_lower, scale_log2, cap_log2,
+        scale, dropout_p, *layout_args, **layout_meta, SOFTCAP=has_cap,
         P_IN_FP32=p_in_fp32, DS_IN_FP32=ds_in_fp32, DS_RESCALE=ds_rescale,
         WRITE_DMASK=compute_mask_grad and exact_delta,
         EVEN_M=whole_blocks(seq_q, cfg.block_m), EVEN_E=even_e,

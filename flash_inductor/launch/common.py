@@ -66,6 +66,12 @@ def kernel_supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor)
     return fits
 
 
+def softcap_log2(softcap: float) -> float:
+    """The kernels' soft cap in base 2, c·log2(e); 1.0 (never read) without a cap, so that no
+    launch divides by zero even where the compiler keeps the unused argument."""
+    return softcap * LOG2E if softcap > 0 else 1.0
+
+
 def launcher(kernel):
     """The callable a launcher indexes with its grid: the Triton kernel itself. The ops that call
     the launchers are opaque to ``torch.compile``, so every launch is a plain Triton launch, eager

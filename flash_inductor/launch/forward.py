@@ -11,7 +11,7 @@ from ..schedules import get_schedule
 # bounds tests force wide tiles; tests spy on launches).
 from . import common
 from .band import band_lower, causal_side
-from .common import LOG2E, cdiv, common_meta, forward_outputs
+from .common import LOG2E, cdiv, common_meta, forward_outputs, softcap_log2
 from .block_tiles import check_block_layout, fold_into_mask, kernel_layout
 from .fp8 import attention_forward_fp8
 from .visibility import NO_MASKING, Visibility
@@ -31,19 +31,22 @@ def _fold_scale(scale: float, has_mask: bool) -> bool:
 def attention_forward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
     rng_seed: torch.Tensor | None, dropout_p: float, scale: float, schedule: str, *,
-    visibility: Visibility = NO_MASKING, configs: AttentionConfigs | None = None,
+    visibility: Visibility = NO_MASKING, configs: AttentionConfigs | None = None, softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward kernel. Returns (out (B, Hq, L, Ev) in the input dtype, lse (B, Hq, L) fp32).
 
     ``visibility``: the causal side, the sliding window and the block-sparse layout
     (``launch.visibility``). ``configs`` forces the launch configs (the autotuner's candidates);
-    None looks them up."""
+    None looks them up. ``softcap`` > 0 soft-caps the scaled scores before the mask (not with the
+    `fp8` schedule, whose kernel has no cap: refused)."""
     from ..kernels.attn_fwd import _attn_fwd
 
     block_map, block_q, block_k = visibility.block_map, visibility.block_q, visibility.block_k
     if block_map is not None:
         check_block_layout(block_map, block_q, block_k, query, key)
     if get_schedule(schedule).fp8_forward:
+        if softcap:
+            raise ValueError("attention_forward: the fp8 kernel has no soft cap; use a 16-bit schedule with softcap.")
         if block_map is not None:  # the fp8 kernel walks every tile: the layout becomes an element mask
             attn_mask = fold_into_mask(attn_mask, block_map, block_q, block_k, (*query.shape[:3], key.shape[2]))
         return attention_forward_fp8(query, key, value, attn_mask, rng_seed, dropout_p, scale, schedule,
@@ -66,10 +69,10 @@ def attention_forward(
     common.launcher(_attn_fwd)[grid](
         query, key, value, mask_arg, rng_seed if rng_seed is not None else query, out, lse,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(),
-        heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, band_lower(band), scale * LOG2E, dropout_p,
-        *layout_args, **layout_meta,
+        heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, band_lower(band), scale * LOG2E,
+        softcap_log2(softcap), dropout_p, *layout_args, **layout_meta,
         WINDOW_LEFT=band.lower is not None, P_IN_FP32=switches["P_IN_FP32"],
-        FOLD_SCALE=_fold_scale(scale, meta["HAS_MASK"]),
+        FOLD_SCALE=_fold_scale(scale, meta["HAS_MASK"]) and not softcap, SOFTCAP=softcap > 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **meta,

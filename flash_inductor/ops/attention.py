@@ -18,9 +18,8 @@ neighbours. Opaque calls also pick their kernels from the real strides and lengt
   -> (dq, dk, dv, dmask)``
 
 ``softcap`` > 0 is FlashAttention-2's logit soft-capping (``softcap * tanh(s / softcap)`` on the
-scaled scores, before the mask). The Triton and Gluon kernels do not take it yet: such a call runs
-the blocked reference path on its device (same numerics contract, O(L) memory, not the kernels'
-speed). Attention sinks need no op argument: ``flash_inductor.api`` folds them into the output
+scaled scores, before the mask). The Triton kernels take it; the Gluon Hopper and the decode
+kernels do not yet, so a soft-capped CUDA call runs the Triton kernels. Attention sinks need no op argument: ``flash_inductor.api`` folds them into the output
 and the LSE (``flash_inductor.sinks``), whose gradient the backward already takes.
 
 ``window_left`` / ``window_right`` are the sliding window of ``flash_attention(window=...)``
@@ -104,6 +103,10 @@ def _reference_layout(block_map: Optional[Tensor], block_q: int, block_k: int) -
     return block_map, block_q, block_k
 
 
+# Why a soft-capped call runs the Triton kernels (logged as the other reasons are).
+SOFTCAP_ON_TRITON = "soft cap (the Gluon Hopper and decode kernels have none)"
+
+
 # --------------------------------------------------------------------------------------
 # The CUDA paths. The Gluon Hopper kernels are chosen from the shapes, dtypes and options (the
 # check ``explain()`` also makes on a traced graph), then from the strides, which their TMA
@@ -121,13 +124,18 @@ def _forward_on_hopper(query: Tensor, key: Tensor, value: Tensor, is_causal: boo
 
 
 def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
-                    window=NO_WINDOW, block_map=None, block_q=0, block_k=0, *, hopper_call=_forward_on_hopper):
+                    window=NO_WINDOW, block_map=None, block_q=0, block_k=0, *, hopper_call=_forward_on_hopper,
+                    softcap=0.0):
     """The CUDA forward: the split-KV decode kernels for a few query rows against long keys, else
     the Gluon Hopper kernel where it applies, else the Triton kernels. ``hopper_call`` runs the
     Hopper kernel (a test may stand in for it). Block-sparse calls skip the decode kernels, which
-    read every key of the band."""
+    read every key of the band; soft-capped calls run the Triton kernels, the only ones with a cap."""
     visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=window, block_map=block_map,
                             block_q=block_q, block_k=block_k)
+    if softcap:
+        hopper.log_triton_forward(SOFTCAP_ON_TRITON)
+        return launch.attention_forward(query, key, value, attn_mask, rng_seed, dropout_p, scale, schedule,
+                                        visibility=visibility, softcap=softcap)
     if block_map is None:
         decoded = decode.decode_forward_or_none(query, key, value, attn_mask, dropout_p, scale, schedule,
                                                 visibility=visibility)
@@ -163,7 +171,7 @@ def _backward_on_hopper(grad_out: Tensor, query: Tensor, key: Tensor, value: Ten
 
 def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p, is_causal,
                      causal_offset, scale, schedule, compute_mask_grad, window=NO_WINDOW, block_map=None, block_q=0,
-                     block_k=0, *, hopper_call=_backward_on_hopper):
+                     block_k=0, *, hopper_call=_backward_on_hopper, softcap=0.0):
     """The CUDA backward: the Gluon Hopper kernel where it applies (the `fast` schedule;
     ``hopper_call`` as in ``_kernel_forward``), else the Triton kernels. Returns (dq, dk, dv, dmask).
     `stable` on the Hopper kernels needs the forward's residual, which only the one-pass ops
@@ -173,6 +181,7 @@ def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse,
                                                             block_sizes=_block_sizes(block_map, block_q, block_k))
               or hopper_bwd.backward_tma_unsupported_reason(grad_out, query, key, value)
               or (hopper.MASK_NEEDS_GRAD if compute_mask_grad else None)
+              or (SOFTCAP_ON_TRITON if softcap else None)
               or (hopper_bwd.NO_RESIDUAL if get_schedule(schedule).exact_delta else None))
     if reason is None:
         dq, dk, dv = hopper_call(grad_out, query, key, value, out, lse, grad_lse, is_causal, causal_offset, scale,
@@ -183,7 +192,7 @@ def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse,
     visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=window, block_map=block_map,
                             block_q=block_q, block_k=block_k)
     return launch.attention_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
-                                     scale, schedule, compute_mask_grad, visibility=visibility)
+                                     scale, schedule, compute_mask_grad, visibility=visibility, softcap=softcap)
 
 
 # --------------------------------------------------------------------------------------
@@ -198,19 +207,15 @@ def attention_forward(
     window_left: int = -1, window_right: int = -1,
     block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
-    if kernels_take(query, key, value, softcap):
+    if launch.kernel_supports(query, key, value):
         return _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                               scale, schedule, (window_left, window_right), block_map, block_q, block_k)
+                               scale, schedule, (window_left, window_right), block_map, block_q, block_k,
+                               softcap=softcap)
     # The reference computes in fp32/fp64 throughout, Delta included (the `accurate` schedule's
     # stages): the schedule has nothing to select there.
     return attention_forward_reference(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
                                        scale, window_left, window_right, block_map, block_q, block_k, softcap)
 
-
-def kernels_take(query: Tensor, key: Tensor, value: Tensor, softcap: float = 0.0) -> bool:
-    """Whether the CUDA kernels run this call: inputs they take (``launch.kernel_supports``) and no
-    soft cap, which only the reference path computes so far."""
-    return softcap == 0 and launch.kernel_supports(query, key, value)
 
 
 @torch.library.custom_op("flash_inductor::attention_backward", mutates_args=())
@@ -221,10 +226,10 @@ def attention_backward(
     compute_mask_grad: bool, window_left: int = -1, window_right: int = -1,
     block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    if kernels_take(query, key, value, softcap):
+    if launch.kernel_supports(query, key, value):
         return _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
                                 is_causal, causal_offset, scale, schedule, compute_mask_grad,
-                                (window_left, window_right), block_map, block_q, block_k)
+                                (window_left, window_right), block_map, block_q, block_k, softcap=softcap)
     return attention_backward_reference(
         grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
         is_causal, causal_offset, scale, compute_mask_grad, window_left, window_right, block_map, block_q, block_k,
@@ -322,15 +327,9 @@ def _run_backward(ctx, grad_out, grad_lse, backward_call):
     dq, dk, dv, dmask = backward_call(
         grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed,
         dropout_p, is_causal, causal_offset, scale, schedule, compute_mask_grad, *ctx.window,
-        block_map=block_map, block_q=block_q, block_k=block_k, **_softcap_keyword(ctx.softcap),
+        block_map=block_map, block_q=block_q, block_k=block_k, softcap=ctx.softcap,
     )
     return (dq, dk, dv, (dmask if compute_mask_grad else None)) + (None,) * (n_inputs - 4)
-
-
-def _softcap_keyword(softcap: float) -> dict:
-    """``softcap`` for the backward call where one is set: the eager fast path's launcher never
-    sees a soft cap (``kernels_take``) and takes no such keyword."""
-    return {"softcap": softcap} if softcap else {}
 
 
 def _backward(ctx, grad_out, grad_lse):
@@ -386,11 +385,12 @@ class _EagerKernelAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
-                window_left, window_right, block_map, block_q, block_k):
+                window_left, window_right, block_map, block_q, block_k, softcap):
         out, lse = _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                                   scale, schedule, (window_left, window_right), block_map, block_q, block_k)
+                                   scale, schedule, (window_left, window_right), block_map, block_q, block_k,
+                                   softcap=softcap)
         _setup_context(ctx, (query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
-                             schedule, window_left, window_right, block_map, block_q, block_k, 0.0), (out, lse))
+                             schedule, window_left, window_right, block_map, block_q, block_k, softcap), (out, lse))
         return out, lse
 
     @staticmethod
@@ -404,7 +404,7 @@ class _EagerKernelAttention(torch.autograd.Function):
 
 def _launch_backward(*args, **layout):
     """``_kernel_backward`` with the backward op's positional arguments (the window last) and its
-    layout keywords (``block_map``, ``block_q``, ``block_k``)."""
+    keywords (``block_map``, ``block_q``, ``block_k``, ``softcap``)."""
     *args, window_left, window_right = args
     return _kernel_backward(*args, window=(window_left, window_right), **layout)
 
@@ -439,7 +439,7 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
     without one, the residual and the centred keys they save would buy nothing, and the plain
     forward is 12-17 % faster (docs/hopper_backward.md)."""
     needs_autograd = _needs_autograd(query, key, value)
-    # A soft cap takes the registered op, whose reference path alone computes one (``kernels_take``).
+    # The one-pass path is the Hopper kernels', which have no soft cap.
     if not softcap and needs_autograd and one_pass_applies(query, key, value, attn_mask, dropout_p, scale, schedule,
                                            window=(window_left, window_right),
                                            block_sizes=_block_sizes(block_map, block_q, block_k)):
@@ -447,16 +447,17 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
                                   fast_path=eager_fast_path_applies(query, key, value, attn_mask, block_map),
                                   needs_autograd=True, attn_mask=attn_mask, block_map=block_map, block_q=block_q,
                                   block_k=block_k)
-    if not softcap and eager_fast_path_applies(query, key, value, attn_mask, rng_seed, block_map):
+    if eager_fast_path_applies(query, key, value, attn_mask, rng_seed, block_map):
         if not _needs_autograd(query, key, value, attn_mask):
             # Inference: the launch alone. autograd.Function.apply would record nothing here and
             # cost ~20-35 µs of host time a call (2-core CPU, launches stubbed), which
             # a short problem's GPU time may not hide.
             return _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                                   scale, schedule, (window_left, window_right), block_map, block_q, block_k)
+                                   scale, schedule, (window_left, window_right), block_map, block_q, block_k,
+                                   softcap=softcap)
         return _EagerKernelAttention.apply(
             query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
-            window_left, window_right, block_map, block_q, block_k,
+            window_left, window_right, block_map, block_q, block_k, softcap,
         )
     args = (query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
             window_left, window_right, block_map, block_q, block_k, softcap)
