@@ -84,7 +84,7 @@ def forward_record(info: SiteInfo, out, inputs, q1, k1, mask) -> dict:
     with torch.autocast(q1.device.type, enabled=False):
         scale = info.scale if info.scale is not None else 1.0 / math.sqrt(q1.shape[-1])
         raw = q1.float() @ _repeat(q1, k1).float().transpose(-2, -1)
-        s = scores(q1, k1, mask, scale, info.is_causal, info.causal_offset, torch.float32, info.window)
+        s = scores(q1, k1, mask, scale, info.is_causal, info.causal_offset, torch.float32, info.window, info.softcap)
         lse = torch.logsumexp(s, dim=-1)
         visible = s[s.isfinite()]
         monitor = forward_stats(out, lse, k1.shape[-2]).tolist()

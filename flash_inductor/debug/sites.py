@@ -52,6 +52,7 @@ class SiteInfo:
     dropout_p: float
     shadow: bool  # whether float64 and SDPA side computations were inserted
     window: tuple = NO_WINDOW  # flash_attention's (left, right); (-1, -1) for none
+    softcap: float = 0.0  # the soft cap c (0: none)
 
 
 def active_session():
@@ -78,12 +79,14 @@ def _our_op_sites(graph: fx.Graph) -> list[AttentionSite]:
         # The window is the schema's last two arguments (-1, -1 when left at their defaults).
         window = tuple(int(a) for a in node.args[10:12]) if len(node.args) >= 12 else (
             int(node.kwargs.get("window_left", -1)), int(node.kwargs.get("window_right", -1)))
+        softcap = float(node.args[15]) if len(node.args) >= 16 else float(node.kwargs.get("softcap", 0.0))
         q_val, k_val = example_value(q), example_value(k)
         gqa = q_val is not None and k_val is not None and q_val.shape[1] != k_val.shape[1]
         site = AttentionSite("flash_inductor", outs[0], q, k, v, attn_mask=mask, dropout_p=float(dropout_p),
                              is_causal=bool(is_causal), scale=float(scale), enable_gqa=gqa, anchors=[node])
         site.causal_offset = int(causal_offset)  # type: ignore[attr-defined]
         site.window = window  # type: ignore[attr-defined]
+        site.softcap = softcap  # type: ignore[attr-defined]
         found.append(site)
     return found
 
@@ -129,10 +132,12 @@ def visibility(query, key, mask, is_causal: bool, causal_offset: int, window=Non
     return vis
 
 
-def scores(query, key, mask, scale, is_causal, causal_offset, dtype, window=None) -> torch.Tensor:
-    """Scaled, masked scores in ``dtype`` (-inf where hidden)."""
+def scores(query, key, mask, scale, is_causal, causal_offset, dtype, window=None, softcap=0.0) -> torch.Tensor:
+    """Scaled (soft-capped where ``softcap`` > 0), masked scores in ``dtype`` (-inf where hidden)."""
     q, k = query.to(dtype), _expand_kv(query, key).to(dtype)
     s = (q @ k.transpose(-2, -1)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     if mask is not None and mask.dtype != torch.bool:
         s = s + mask.to(dtype)
     vis = visibility(query, key, mask, is_causal, causal_offset, window)
@@ -141,12 +146,12 @@ def scores(query, key, mask, scale, is_causal, causal_offset, dtype, window=None
     return s
 
 
-def _reference64(q, k, v, mask, *, scale, is_causal, causal_offset, window=None, round_to_input=False):
+def _reference64(q, k, v, mask, *, scale, is_causal, causal_offset, window=None, softcap=0.0, round_to_input=False):
     """Float64 attention with the package's semantics (a row with no visible key gives 0); with
     ``round_to_input``, rounded to the inputs' dtype (for an epilogue that multiplies by weights)."""
     with torch.autocast(q.device.type, enabled=False):
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        s = scores(q, k, mask, scale, is_causal, causal_offset, torch.float64, window)
+        s = scores(q, k, mask, scale, is_causal, causal_offset, torch.float64, window, softcap)
         row_max = s.detach().amax(-1, keepdim=True)
         row_max = row_max.masked_fill(~row_max.isfinite(), 0.0)
         unnorm = torch.exp(s - row_max)
@@ -156,10 +161,15 @@ def _reference64(q, k, v, mask, *, scale, is_causal, causal_offset, window=None,
         return out.to(q.dtype) if round_to_input else out
 
 
-def _baseline_same_dtype(q, k, v, mask, *, scale, is_causal, causal_offset, window=None):
-    """PyTorch's own attention in the site's dtype: SDPA (the tolerance rule's baseline)."""
+def _baseline_same_dtype(q, k, v, mask, *, scale, is_causal, causal_offset, window=None, softcap=0.0):
+    """PyTorch's own attention in the site's dtype: SDPA (the tolerance rule's baseline); under a
+    soft cap, which SDPA lacks, the eager formula in that dtype (what a model's own code computes)."""
     with torch.autocast(q.device.type, enabled=False):
         k, v = k.to(q.dtype), v.to(q.dtype)
+        if softcap:
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            s = scores(q, k, mask, scale, is_causal, causal_offset, q.dtype, window, softcap)
+            return torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0) @ _expand_kv(q, v)
         attn_mask = mask
         if attn_mask is not None and attn_mask.dtype != torch.bool:
             attn_mask = attn_mask.to(q.dtype)
@@ -213,7 +223,7 @@ def _instrument_site(graph: fx.Graph, site: AttentionSite, index: int, shadow: b
             q1, k1, v1, m1 = q, k, v, mask
         prologue_nodes = [n for n in graph.nodes if n not in existing and n is not marker]
         kwargs = dict(scale=site.scale, is_causal=site.is_causal, causal_offset=getattr(site, "causal_offset", 0),
-                      window=getattr(site, "window", None))
+                      window=getattr(site, "window", None), softcap=getattr(site, "softcap", 0.0))
         ref = base = leaves64 = leaves_same = None
         if shadow:
             sides = []
@@ -273,7 +283,7 @@ class InstrumentingBackend:
                 name="", pattern=site.pattern, module=record.module, is_causal=bool(site.is_causal),
                 causal_offset=getattr(site, "causal_offset", 0), scale=site.scale, enable_gqa=bool(site.enable_gqa),
                 dropout_p=dropout, shadow=self.shadow and dropout == 0.0,
-                window=tuple(getattr(site, "window", None) or NO_WINDOW))
+                window=tuple(getattr(site, "window", None) or NO_WINDOW), softcap=float(getattr(site, "softcap", 0.0)))
             index = self.session.register_site(info)
             _instrument_site(gm.graph, site, index, info.shadow)
         gm.graph.lint()

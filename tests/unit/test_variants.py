@@ -376,3 +376,39 @@ def test_variants_compile_and_match_eager():
 
 def test_public_api_exports_varlen():
     assert "flash_attention_varlen" in flash_inductor.__all__
+
+
+# ------------------------------------------------------------------------------------------
+# The debug tools and the monitor
+# ------------------------------------------------------------------------------------------
+
+
+def test_shadow_check_knows_the_soft_cap():
+    """debug.shadow's float64 twin and its same-dtype baseline apply the cap: a soft-capped site
+    passes the rule (without the cap in the twin its error would be the cap's whole effect)."""
+    from helpers import assert_shadow_check_passes
+
+    assert_shadow_check_passes(13, is_causal=True, softcap=0.5)
+
+
+def test_shadow_twin_without_the_cap_would_fail():
+    """The check above can fail: the same site judged against an uncapped twin breaks the rule."""
+    from flash_inductor.debug import sites
+
+    q, k, v = (randn((1, 2, 9, 8), torch.float32, "cpu", seed=s, mult=3.0) for s in (1, 2, 3))
+    ours = flash_attention(q, k, v, softcap=0.5)
+    capped = sites._reference64(q, k, v, None, scale=None, is_causal=False, causal_offset=0, softcap=0.5)
+    uncapped = sites._reference64(q, k, v, None, scale=None, is_causal=False, causal_offset=0)
+    assert (ours.double() - capped).abs().max() < 1e-5 < (ours.double() - uncapped).abs().max()
+
+
+def test_monitor_counts_rows_without_keys_under_sinks():
+    """The monitor describes the keys' scores: a row that sees no key counts as fully masked even
+    though its sink holds the row's weight."""
+    q = randn((1, 2, 6, 8), torch.float32, "cpu", seed=1)
+    mask = torch.ones(6, 6, dtype=torch.bool)
+    mask[2] = False
+    with flash_inductor.monitor() as m:
+        flash_attention(q, q, q, attn_mask=mask, sinks=torch.zeros(2))
+    (forward,) = [r for r in m.records() if r["phase"] == "forward"]
+    assert forward["masked_rows"] == 2  # two heads x one dead row
