@@ -1,0 +1,281 @@
+"""Attention variants on the GPU: packed sequences against FlexAttention and SDPA on nested tensors,
+and what sinks and soft-capping cost over the plain causal kernel.
+
+    python -m benchmarks.variants                        # both parts, bf16, E 64 and 128
+    python -m benchmarks.variants --part packed --packs 16384 --time-budget 300
+    python -m benchmarks.variants --part overhead --seqs 4096
+
+Part ``packed``: packs of ``--packs`` tokens (16k and 64k) filled with documents whose lengths are
+drawn (seeded) log-uniformly from 128 to 8k, causal within each document, forward+backward. The
+contenders see the same pack:
+
+* ``ours``: ``flash_attention_varlen`` (cu_seqlens; each document its own problem, no mask);
+* ``flex``: ``torch.compile``d FlexAttention with a document-causal ``mask_mod`` and its
+  ``BlockMask`` (built once per cell, untimed), the usual way to run packed batches with it;
+* ``sdpa-nested``: SDPA on a nested jagged tensor (FlashAttention-2/cuDNN varlen underneath).
+  It has no ``is_causal`` for nested inputs, so it runs the same documents without the causal
+  mask, at twice the causal work: its time is reported, and the ratio against it is left out.
+* ``ours-dense-mask`` (16k only): ours with the pack's dense block-diagonal bool mask, what a
+  padding-free batch costs when its structure is given as a mask.
+
+Part ``overhead``: B·L = 32k tokens, heads·E = 2048, causal, forward and forward+backward, ours
+plain against ours with ``sinks=``, with ``softcap=50``, and with both; the ratio is variant/plain.
+
+Every step runs for ``--heat-ms`` before it is timed (``benchmarks/common.heat``), then
+``do_bench``'s median. The JSON and a plot go to ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+
+from benchmarks.common import (DTYPES, ProviderError, bench_ms, compiled_flex, environment, first_line, heat,
+                               module_command, output_stem, progress, release_memory, write_record)
+
+E_CHOICES = (64, 128)
+
+
+def document_lengths(total: int, seed: int, low: int = 128, high: int = 8192) -> list[int]:
+    """Lengths log-uniform in [low, high] whose sum is ``total`` (the last one takes the rest)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths, left = [], total
+    while left > 0:
+        draw = int(math.exp(math.log(low) + torch.rand((), generator=gen).item() * (math.log(high) - math.log(low))))
+        draw = min(draw, left)
+        if left - draw < low and left - draw > 0:
+            draw = left
+        lengths.append(draw)
+        left -= draw
+    return lengths
+
+
+def _packed_inputs(lengths, heads, head_dim, dtype, device):
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, heads, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    cu = torch.nn.functional.pad(torch.tensor(lengths, device=device).cumsum(0), (1, 0)).to(torch.int32)
+    return q, k, v, torch.randn(total, heads, head_dim, device=device, dtype=dtype), cu
+
+
+def packed_step(provider, lengths, q, k, v, dout, cu):
+    """The timed forward+backward of one contender on one pack."""
+    import flash_inductor
+
+    longest = max(lengths)
+    if provider == "ours":
+        def attend():
+            return flash_inductor.flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=True)
+    elif provider == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
+        doc = torch.repeat_interleave(torch.arange(len(lengths), device=q.device),
+                                      torch.tensor(lengths, device=q.device))
+
+        def document_causal(b, h, q_idx, kv_idx):
+            return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+        total = q.shape[0]
+        block_mask = create_block_mask(document_causal, None, None, total, total, device=q.device)
+        flex = compiled_flex()
+
+        def attend():
+            out = flex(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                       block_mask=block_mask)
+            return out[0].transpose(0, 1)
+    elif provider == "sdpa-nested":
+        offsets = cu.to(torch.int64)
+
+        def attend():
+            nested = [torch.nested.nested_tensor_from_jagged(t, offsets).transpose(1, 2) for t in (q, k, v)]
+            out = torch.nn.functional.scaled_dot_product_attention(*nested)
+            return out.transpose(1, 2).values()
+    elif provider == "ours-dense-mask":
+        doc = torch.repeat_interleave(torch.arange(len(lengths), device=q.device),
+                                      torch.tensor(lengths, device=q.device))
+        mask = (doc[:, None] == doc[None, :]).tril()
+
+        def attend():
+            out = flash_inductor.flash_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                 attn_mask=mask)
+            return out.transpose(0, 1)
+    else:
+        raise ValueError(provider)
+    return lambda: torch.autograd.grad(attend(), (q, k, v), dout)
+
+
+def overhead_step(variant, q, k, v, dout, sinks, mode):
+    import flash_inductor
+
+    extra = dict(sinks=sinks if "sinks" in variant else None, softcap=50.0 if "softcap" in variant else None)
+
+    def attend():
+        return flash_inductor.flash_attention(q, k, v, is_causal=True, **extra)
+    if mode == "fwd":
+        return attend
+    return lambda: torch.autograd.grad(attend(), (q, k, v), dout)
+
+
+def _time(step, args):
+    step()
+    torch.cuda.synchronize()
+    heat(step, args.heat_ms, synchronize=torch.cuda.synchronize)
+    return bench_ms(step, args.warmup, args.rep)
+
+
+def run_packed(args, dtype, records, deadline):
+    cells = [(pack, e) for pack in args.packs for e in args.head_dims]
+    for pack, head_dim in progress(cells, "packed"):
+        lengths = document_lengths(pack, seed=pack)
+        q, k, v, dout, cu = _packed_inputs(lengths, 2048 // head_dim, head_dim, dtype, args.device)
+        providers = ["ours", "flex", "sdpa-nested"] + (["ours-dense-mask"] if pack <= 16384 else [])
+        for provider in providers:
+            cell = dict(part="packed", pack=pack, head_dim=head_dim, documents=len(lengths), provider=provider,
+                        causal=provider != "sdpa-nested", dtype=args.dtype)
+            if time.monotonic() > deadline:
+                records.append(dict(cell, status="skipped", error="--time-budget spent"))
+                continue
+            try:
+                ms = _time(packed_step(provider, lengths, q, k, v, dout, cu), args)
+                records.append(dict(cell, status="ok", ms=ms))
+                print(f"packed {pack} E{head_dim} {provider}: {ms:.3f} ms", flush=True)
+            except Exception as exc:  # one contender's failure is a recorded line, not the end of the run
+                records.append(dict(cell, status="error", error=first_line(exc)))
+                print(f"packed {pack} E{head_dim} {provider}: {first_line(exc)}", file=sys.stderr, flush=True)
+            release_memory()
+
+
+def run_overhead(args, dtype, records, deadline):
+    cells = [(seq, e, mode) for seq in args.seqs for e in args.head_dims for mode in ("fwd", "fwd_bwd")]
+    for seq, head_dim, mode in progress(cells, "overhead"):
+        heads, batch = 2048 // head_dim, max(1, 32768 // seq)
+        q, k, v = (torch.randn(batch, heads, seq, head_dim, device=args.device, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+        dout = torch.randn_like(q)
+        sinks = torch.randn(heads, device=args.device, dtype=torch.float32, requires_grad=True)
+        for variant in ("plain", "sinks", "softcap", "sinks+softcap"):
+            cell = dict(part="overhead", seq=seq, batch=batch, head_dim=head_dim, mode=mode, variant=variant,
+                        dtype=args.dtype)
+            if time.monotonic() > deadline:
+                records.append(dict(cell, status="skipped", error="--time-budget spent"))
+                continue
+            try:
+                ms = _time(overhead_step(variant, q, k, v, dout, sinks, mode), args)
+                records.append(dict(cell, status="ok", ms=ms))
+                print(f"overhead L{seq} E{head_dim} {mode} {variant}: {ms:.3f} ms", flush=True)
+            except Exception as exc:
+                records.append(dict(cell, status="error", error=first_line(exc)))
+                print(f"overhead L{seq} E{head_dim} {mode} {variant}: {first_line(exc)}", file=sys.stderr, flush=True)
+        release_memory()
+
+
+def ratios(records) -> list[str]:
+    """One line per cell: ours against each contender (contender ms / ours ms, > 1 = ours faster),
+    and each variant's time over plain."""
+    ok = [r for r in records if r["status"] == "ok"]
+    lines = []
+    for r in ok:
+        if r["part"] == "packed" and r["provider"] == "ours":
+            for other in ok:
+                if other["part"] == "packed" and other["provider"] not in ("ours",) and \
+                        (other["pack"], other["head_dim"]) == (r["pack"], r["head_dim"]):
+                    note = "" if other["causal"] else " (not causal: no ratio, its work is twice ours)"
+                    ratio = "" if note else f"  ours {other['ms'] / r['ms']:.2f}x"
+                    lines.append(f"packed {r['pack']:>6} E{r['head_dim']:<3} vs {other['provider']:<16}"
+                                 f"{ratio}{note}  ({r['ms']:.2f} vs {other['ms']:.2f} ms)")
+        if r["part"] == "overhead" and r["variant"] != "plain":
+            plain = [o for o in ok if o["part"] == "overhead" and o["variant"] == "plain" and
+                     (o["seq"], o["head_dim"], o["mode"]) == (r["seq"], r["head_dim"], r["mode"])]
+            if plain:
+                lines.append(f"overhead L{r['seq']:<6} E{r['head_dim']:<3} {r['mode']:<7} {r['variant']:<14}"
+                             f" {r['ms'] / plain[0]['ms']:.3f}x plain")
+    return lines
+
+
+def plot(records, path, title=""):
+    """Left: ours' speed-up over each packed contender per (pack, E); right: each variant's time over
+    plain per (L, E, mode)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 4.5))
+    left, right = fig.subplots(1, 2)
+    ok = [r for r in records if r["status"] == "ok"]
+    ours = {(r["pack"], r["head_dim"]): r["ms"] for r in ok if r["part"] == "packed" and r["provider"] == "ours"}
+    for provider, color in (("flex", "tab:blue"), ("ours-dense-mask", "tab:green")):
+        pts = sorted((f"{p // 1024}k E{e}", r["ms"] / ours[(p, e)]) for r in ok
+                     if r["part"] == "packed" and r["provider"] == provider
+                     for p, e in [(r["pack"], r["head_dim"])] if (p, e) in ours)
+        if pts:
+            left.bar([f"{x} {provider}" for x, _ in pts], [y for _, y in pts], color=color, label=provider)
+    left.axhline(1.0, color="gray", linestyle="--")
+    left.set_ylabel("contender ms / ours ms (> 1: ours faster)")
+    left.set_title("packed, causal, fwd+bwd")
+    left.tick_params(axis="x", rotation=45)
+    labels, values = [], []
+    for r in ok:
+        if r["part"] == "overhead" and r["variant"] != "plain":
+            plain = [o["ms"] for o in ok if o["part"] == "overhead" and o["variant"] == "plain"
+                     and (o["seq"], o["head_dim"], o["mode"]) == (r["seq"], r["head_dim"], r["mode"])]
+            if plain:
+                labels.append(f"{r['seq'] // 1024}k E{r['head_dim']} {r['mode']} {r['variant']}")
+                values.append(r["ms"] / plain[0])
+    right.barh(labels, values, color="tab:orange")
+    right.axvline(1.0, color="gray", linestyle="--")
+    right.axvline(1.05, color="red", linestyle=":")
+    right.set_xlabel("variant ms / plain causal ms")
+    right.set_title("sinks and soft-capping, causal")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", choices=("packed", "overhead", "both"), default="both")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    p.add_argument("--head-dims", default="64,128")
+    p.add_argument("--packs", default="16384,65536")
+    p.add_argument("--seqs", default="4096,16384")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--rep", type=int, default=40)
+    p.add_argument("--heat-ms", type=float, default=300.0)
+    p.add_argument("--time-budget", type=float, default=None, help="seconds; later cells are recorded as skipped")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    p.add_argument("--tag", default="variants")
+    args = p.parse_args(argv)
+    try:
+        args.head_dims = [int(x) for x in args.head_dims.split(",")]
+        args.packs = [int(x) for x in args.packs.split(",")]
+        args.seqs = [int(x) for x in args.seqs.split(",")]
+    except ValueError:
+        p.error("--head-dims, --packs and --seqs take comma-separated integers")
+    if any(e not in E_CHOICES for e in args.head_dims) or min(args.packs + args.seqs) < 128:
+        p.error(f"--head-dims takes {E_CHOICES}; --packs and --seqs at least 128")
+    if not args.device.startswith("cuda") or not torch.cuda.is_available():
+        p.error("the variants benchmark times GPU kernels: it needs --device cuda on a machine with a GPU")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"--out {args.out} exists and is not a directory")
+    dtype = DTYPES[args.dtype]
+    deadline = time.monotonic() + (args.time_budget or math.inf)
+    print(f"variants: parts {args.part}, {args.dtype}, E {args.head_dims}; about 2-6 min on an H100", flush=True)
+    records = []
+    if args.part in ("packed", "both"):
+        run_packed(args, dtype, records, deadline)
+    if args.part in ("overhead", "both"):
+        run_overhead(args, dtype, records, deadline)
+    env = environment(module_command("benchmarks.variants", argv))
+    path = write_record(args.out, "variants", env, dict(records=records, ratios=ratios(records)), tag=None)
+    print("\n".join(ratios(records)))
+    try:
+        plot(records, path[:-5] + ".png", f"{env['gpu']}  torch {env['torch']}")
+    except Exception as exc:  # a missing matplotlib costs the plot, not the numbers
+        print(f"no plot ({first_line(exc)})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
