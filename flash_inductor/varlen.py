@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 
 import torch
 from torch import Tensor
@@ -83,13 +84,15 @@ def flash_attention_varlen(
     scale = 1.0 / math.sqrt(query.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if not math.isfinite(scale):
         raise ValueError(f"flash_attention_varlen: softmax_scale must be finite or None, got {softmax_scale!r}.")
-    return packed_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, dropout_p, scale, causal,
+    return packed_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                            dropout_p, scale, causal,
                             causal_lower_right=True, window=(window_left, window_right),
                             softcap=resolve_softcap(softcap, "flash_attention_varlen"), sinks=sinks,
                             schedule=schedule)
 
 
-def packed_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, dropout_p, scale, is_causal, *,
+def packed_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, scale,
+                     is_causal, *,
                      causal_lower_right, window=NO_WINDOW, softcap=0.0, sinks=None, schedule=None,
                      caller="flash_attention_varlen") -> Tensor:
     """The varlen op on checked, packed ``(total, H, E)`` inputs, with the sinks folded in."""
@@ -103,8 +106,8 @@ def packed_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, dropout_p, s
     if dropout_p > 0.0:
         rng_seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=query.device)
     out, lse = torch.ops.flash_inductor.attention_varlen_forward(
-        query, key, value, cu_seqlens_q, cu_seqlens_k, rng_seed, float(dropout_p), is_causal, causal_lower_right,
-        scale, precision.name, window[0], window[1], softcap)
+        query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rng_seed, float(dropout_p),
+        is_causal, causal_lower_right, scale, precision.name, window[0], window[1], softcap)
     if sinks is not None:
         out, _ = fold_sinks(out, lse.transpose(0, 1), sinks)
     return out
@@ -138,9 +141,21 @@ def nested_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, 
         raise ValueError(f"flash_attention: query has {q.shape[1]} heads but key/value have {k.shape[1]}; for "
                          "grouped-query attention pass enable_gqa=True.")
     _check_packed(q, k, v, caller="flash_attention")
-    out = packed_attention(q, k, v, offsets_q, offsets_k, dropout_p, scale, is_causal, causal_lower_right=False,
+    longest_q, longest_k = (_longest(t) for t in packed[:2])
+    out = packed_attention(q, k, v, offsets_q, offsets_k, longest_q, longest_k, dropout_p, scale, is_causal,
+                           causal_lower_right=False,
                            softcap=softcap, sinks=sinks, schedule=schedule, caller="flash_attention")
     return torch.nested.nested_tensor_from_jagged(out, offsets_q).transpose(1, 2)
+
+
+def _longest(nested: Tensor) -> int:
+    """The longest sequence of a (B, j, H, E) jagged tensor: its cached maximum where it has one,
+    else read off its offsets (one small host read)."""
+    cached = getattr(nested, "_maybe_max_seqlen", None)
+    if isinstance(cached, int):
+        return cached
+    offsets = nested.offsets()
+    return int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
 
 
 def _check_packed(query, key, value, caller: str = "flash_attention_varlen") -> None:
@@ -176,7 +191,9 @@ def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, query) -> None:
 
 def _check_max_seqlens(max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int) -> None:
     """Ints at least the longest sequence's length. Eagerly the offsets are checked here, before any
-    work (one small host read); under torch.compile the op checks them when it reads them."""
+    work, with one small host read per pair of offset tensors (a model passes the same ones to
+    every layer: ``_CHECKED``); under torch.compile they are trusted, as FlashAttention trusts
+    them, and the kernels clamp them to the packed tensors."""
     for name, bound in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         try:
             operator.index(bound)
@@ -184,12 +201,32 @@ def _check_max_seqlens(max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, t
             raise ValueError(f"flash_attention_varlen: {name} must be an int, got {bound!r}.") from None
     if torch.compiler.is_compiling():
         return
-    bounds = _varlen_ops.sequence_bounds(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
-    for name, bound, longest in (("max_seqlen_q", max_seqlen_q, max((q1 - q0 for q0, q1, _, _ in bounds), default=0)),
-                                 ("max_seqlen_k", max_seqlen_k, max((k1 - k0 for _, _, k0, k1 in bounds), default=0))):
+    longest_q, longest_k = _checked_lengths(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
+    for name, bound, longest in (("max_seqlen_q", max_seqlen_q, longest_q), ("max_seqlen_k", max_seqlen_k, longest_k)):
         if bound < longest:
             raise ValueError(f"flash_attention_varlen: {name}={bound} is below the longest sequence ({longest}); "
                              "pass the true maximum, e.g. int(seqlens.max()).")
+
+
+# Offsets already checked, by id(cu_seqlens_q): (a weak reference to it, (its version, cu_seqlens_k's
+# id and version, the packed lengths), (longest query, longest key sequence)). Weak, so a model's
+# offsets die with its batch; bounded, so a long run of fresh ones cannot grow it.
+_CHECKED: dict[int, tuple] = {}
+_CHECKED_MAX = 64
+
+
+def _checked_lengths(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int) -> tuple[int, int]:
+    stamp = (cu_seqlens_q._version, id(cu_seqlens_k), cu_seqlens_k._version, total_q, total_k)
+    cached = _CHECKED.get(id(cu_seqlens_q))
+    if cached is not None and cached[0]() is cu_seqlens_q and cached[1] == stamp:
+        return cached[2]
+    bounds = _varlen_ops.sequence_bounds(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
+    longest = (max((q1 - q0 for q0, q1, _, _ in bounds), default=0),
+               max((k1 - k0 for _, _, k0, k1 in bounds), default=0))
+    if len(_CHECKED) >= _CHECKED_MAX:
+        _CHECKED.clear()
+    _CHECKED[id(cu_seqlens_q)] = (weakref.ref(cu_seqlens_q), stamp, longest)
+    return longest
 
 
 def _check_window(window_size) -> tuple[int, int]:

@@ -86,6 +86,10 @@ Constexpr switches
     LAYOUT_CHECK            checked tiles also test the layout per element (LAYOUT_BQ, LAYOUT_BK)
     SOFTCAP                 scores are soft-capped before the mask (``common.base2_scores``); dS meets
                             Q and K times the slope g (below, "Soft cap")
+    VARLEN                  packed sequences, as the forward's (``attn_fwd.py``): the dQ pass's axis 1
+                            runs over (sequence, query head), the dK/dV pass's over (sequence, K/V
+                            head); the row vectors (DELTA, ROW_REF, ...) are the packed (Hq, total_q)
+                            ones, which the preprocess and the row reference fill as one dense call
     inner helpers only:
     RESCALE                 this loop is the rescaling one (per-tile scale of dS, ``_ds_tile``)
     CHECK                   the tile may hold invisible keys: apply the bounds / causal select
@@ -98,7 +102,9 @@ the same as with the values passed one by one):
 
     *_strides       (batch, head, row, column) strides of one tensor
     key_block       (k, v, offs_n, kv_rows_ok): the dK/dV program's keys and values
-    query_block     (q, do, offs_m, q_rows_ok, row_ids): the dQ program's rows
+    query_block     (q, do, offs_m, q_rows_ok, row_ids, rng_rows): the dQ program's rows, their rows of
+                    the flat row vectors and of the dropout counter (the same but under VARLEN)
+    row_bases       (first row of the row vectors, first dropout row) of one query head, dK/dV pass
     row_pointers    (ROW_REF, ROW_SHIFT, DELTA); row_values (row_ref, row_scale, delta)
     exact_sums      (σ, σ̃, Λ, K̄) = (ds_sum, ds_seen_sum, p_sum, p_k)
     listed          (tile list, block map at this batch and head, its two strides); dense, None or
@@ -169,7 +175,7 @@ import triton.language as tl
 from .attn_bwd_tiles import _dkdv_tiles, _dq_tiles
 from .band import key_tile_query_ranges
 from .block_sparse import listed_tiles, query_tile_key_tiles
-from .common import LOG2E, base2_scores, block_offsets, dropout_scales, mask_scores, query_heads
+from .common import LOG2E, base2_scores, block_offsets, dropout_scales, mask_scores, packed_sequence, query_heads
 from .ds_scaling import _ds_loop_choice, _max_as_stat
 
 # LSEs below this (natural log) only come from rows whose every visible key sits at the
@@ -302,7 +308,7 @@ def _attn_bwd_row_reference(
 @triton.jit
 def _dkdv_heads(
     dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-    offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse,
+    offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse, packed_rows,
     H_Q, GROUP, L, S, causal_offset, window_lower, score_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -312,6 +318,7 @@ def _dkdv_heads(
     SHIFT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_BLOCK_SPARSITY: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
     LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1, SOFTCAP: tl.constexpr = False,
+    VARLEN: tl.constexpr = False,
 ):
     """Every query head of the GQA group: of ``ranges`` = (lo, mid, mid_hi, hi), blocks [lo, mid) with
     the visibility select, [mid, mid_hi) without, and under WINDOW_LEFT [mid_hi, hi) with it (the
@@ -324,6 +331,12 @@ def _dkdv_heads(
     for g in range(GROUP):
         h = h_kv * GROUP + g
         bh = b * H_Q + h
+        # (first row of the flat row vectors, first dropout counter row) of this head: a dense
+        # call's, or under VARLEN the packed rows' (packed_rows = (q_start, total_q)) and a
+        # one-sequence call's.
+        row_bases = (bh * L, bh * L)
+        if VARLEN:
+            row_bases = (h * packed_rows[1] + packed_rows[0], h * L)
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
         mask_base = MASK + b * stride_mb + h * stride_mh
@@ -337,7 +350,7 @@ def _dkdv_heads(
         # (LAYOUT_CHECK) is for the checked ranges only.
         for part in tl.static_range(0, 3 if WINDOW_LEFT else 2):
             dk, dv = _dkdv_tiles(
-                dk, dv, key_block, q_base, do_base, mask_base, bh, row_pointers, DMASK, dropout, ds_up,
+                dk, dv, key_block, q_base, do_base, mask_base, row_bases, row_pointers, DMASK, dropout, ds_up,
                 offs_m_base, offs_e, offs_ev, tiles[part], tiles[part + 1], q_strides, do_strides, mask_strides,
                 listed, L, S, causal_offset, window_lower, score_scale,
                 CHECK=part != 1, SOFTCAP=SOFTCAP,
@@ -364,7 +377,7 @@ def _attn_bwd_dkdv(
     stride_dvb, stride_dvh, stride_dvn, stride_dve,
     H_Q, H_KV, GROUP, L, S, causal_offset, window_lower, qk_scale_log2, softcap_log2, sm_scale, dropout_p,
     COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len,
-    stride_bmb, stride_bmh, stride_bmm, stride_bmn,
+    stride_bmb, stride_bmh, stride_bmm, stride_bmn, CU_Q, CU_K, diag_shift,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -373,6 +386,7 @@ def _attn_bwd_dkdv(
     EVEN_M: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BLOCK_SPARSITY: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
     LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1, SOFTCAP: tl.constexpr = False,
+    VARLEN: tl.constexpr = False,
 ):
     # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
     # with them would promote the fp32 accumulators, so fix them at fp32 first.
@@ -383,6 +397,20 @@ def _attn_bwd_dkdv(
     bh_kv = tl.program_id(1)
     b = (bh_kv // H_KV).to(tl.int64)
     h_kv = (bh_kv % H_KV).to(tl.int64)
+    packed_rows = (0, 0)  # (q_start, total_q) under VARLEN
+    if VARLEN:
+        q_start, k_start, L_seq, S_seq, shift = packed_sequence(CU_Q, CU_K, b, diag_shift, L, S)
+        packed_rows = (q_start, L)
+        Q += q_start * stride_qm
+        DO += q_start * stride_dom
+        K += k_start * stride_kn
+        V += k_start * stride_vn
+        DK += k_start * stride_dkn
+        DV += k_start * stride_dvn
+        causal_offset += shift
+        window_lower += shift
+        S = S_seq
+        L = tl.where(start_n < S_seq, L_seq, 0)  # a program past its sequence's keys visits no query
     offs_n, offs_m_base, offs_e, offs_ev = block_offsets(start_n, BLOCK_OWN=BLOCK_N, BLOCK_LOOP=BLOCK_M,
                                                          BLOCK_E=BLOCK_E, BLOCK_EV=BLOCK_EV)
     kv_rows_ok = offs_n < S
@@ -395,6 +423,8 @@ def _attn_bwd_dkdv(
     dv = tl.zeros([BLOCK_N, BLOCK_EV], dtype=tl.float32)
 
     seed, keep_scale = dropout_scales(SEED, dropout_p, HAS_DROPOUT=HAS_DROPOUT)
+    if VARLEN:
+        seed = seed + b  # sequence b's own stream, as its one-sequence call would draw
     # The query tiles that see these keys, and which of them need the visibility select.
     ranges = key_tile_query_ranges(start_n, L, S, causal_offset, window_lower, IS_CAUSAL=IS_CAUSAL,
                                    WINDOW_LEFT=WINDOW_LEFT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
@@ -420,9 +450,9 @@ def _attn_bwd_dkdv(
     if needs_rescale:
         dk, dv = _dkdv_heads(
             dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse,
+            offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse, packed_rows,
             H_Q, GROUP, L, S, causal_offset, window_lower, score_scale,
-            RESCALE=True, SHIFT=True, SOFTCAP=SOFTCAP,
+            RESCALE=True, SHIFT=True, SOFTCAP=SOFTCAP, VARLEN=VARLEN,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
             HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
             DS_IN_FP32=DS_IN_FP32,
@@ -433,9 +463,9 @@ def _attn_bwd_dkdv(
     elif tl.load(SHIFT_FLAG) != 0:
         dk, dv = _dkdv_heads(
             dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse,
+            offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse, packed_rows,
             H_Q, GROUP, L, S, causal_offset, window_lower, score_scale,
-            RESCALE=False, SHIFT=True, SOFTCAP=SOFTCAP,
+            RESCALE=False, SHIFT=True, SOFTCAP=SOFTCAP, VARLEN=VARLEN,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
             HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
             DS_IN_FP32=DS_IN_FP32,
@@ -446,9 +476,9 @@ def _attn_bwd_dkdv(
     else:
         dk, dv = _dkdv_heads(
             dk, dv, key_block, Q, DO, MASK, b, h_kv, row_pointers, DMASK, dropout, ds_up,
-            offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse,
+            offs_m_base, offs_e, offs_ev, ranges, q_strides, do_strides, mask_strides, sparse, packed_rows,
             H_Q, GROUP, L, S, causal_offset, window_lower, score_scale,
-            RESCALE=False, SHIFT=False, SOFTCAP=SOFTCAP,
+            RESCALE=False, SHIFT=False, SOFTCAP=SOFTCAP, VARLEN=VARLEN,
             HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, HAS_MASK=HAS_MASK, MASK_IS_BOOL=MASK_IS_BOOL,
             HAS_DROPOUT=HAS_DROPOUT, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT, P_IN_FP32=P_IN_FP32,
             DS_IN_FP32=DS_IN_FP32,
@@ -510,7 +540,7 @@ def _attn_bwd_dq(
     stride_dqb, stride_dqh, stride_dqm, stride_dqe,
     H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2, softcap_log2, sm_scale, dropout_p,
     COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len,
-    stride_bmb, stride_bmh, stride_bmm, stride_bmn,
+    stride_bmb, stride_bmh, stride_bmm, stride_bmn, CU_Q, CU_K, diag_shift,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -520,6 +550,7 @@ def _attn_bwd_dq(
     EVEN_N: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BLOCK_SPARSITY: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
     LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1, SOFTCAP: tl.constexpr = False,
+    VARLEN: tl.constexpr = False,
 ):
     # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
     # with them would promote the fp32 accumulators, so fix them at fp32 first.
@@ -528,6 +559,19 @@ def _attn_bwd_dq(
     dropout_p = tl.cast(dropout_p, tl.float32)
     start_m = tl.program_id(0) * BLOCK_M
     bh, b, h, h_kv = query_heads(H_Q, GROUP)
+    row_base = bh.to(tl.int64) * L  # this program's first row of the flat row vectors
+    if VARLEN:
+        q_start, k_start, L_seq, S_seq, shift = packed_sequence(CU_Q, CU_K, b, diag_shift, L, S)
+        row_base = h * L + q_start  # the row vectors are (Hq, total_q)
+        Q += q_start * stride_qm
+        DO += q_start * stride_dom
+        DQ += q_start * stride_dqm
+        K += k_start * stride_kn
+        V += k_start * stride_vn
+        causal_offset += shift
+        window_lower += shift
+        L = L_seq
+        S = tl.where(start_m < L_seq, S_seq, 0)  # a program past its sequence's rows visits no key
     offs_m, offs_n_base, offs_e, offs_ev = block_offsets(start_m, BLOCK_OWN=BLOCK_M, BLOCK_LOOP=BLOCK_N,
                                                          BLOCK_E=BLOCK_E, BLOCK_EV=BLOCK_EV)
     q_rows_ok = offs_m < L
@@ -536,7 +580,10 @@ def _attn_bwd_dq(
                 mask=q_rows_ok[:, None] & (offs_e[None, :] < HEAD_DIM), other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_ev[None, :] * stride_doe,
                  mask=q_rows_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V), other=0.0)
-    row_ids = bh.to(tl.int64) * L + offs_m
+    row_ids = row_base + offs_m
+    rng_rows = row_ids  # the dropout counter's rows: a dense call's, or sequence b's own call's
+    if VARLEN:
+        rng_rows = h * L + offs_m
     row_ref = tl.load(ROW_REF + row_ids, mask=q_rows_ok, other=float("inf"))
     row_shift = tl.load(ROW_SHIFT + row_ids, mask=q_rows_ok, other=0.0)
     delta = tl.load(DELTA + row_ids, mask=q_rows_ok, other=0.0)
@@ -544,6 +591,8 @@ def _attn_bwd_dq(
     v_base = V + b * stride_vb + h_kv * stride_vh
     mask_base = MASK + b * stride_mb + h * stride_mh
     seed, keep_scale = dropout_scales(SEED, dropout_p, HAS_DROPOUT=HAS_DROPOUT)
+    if VARLEN:
+        seed = seed + b
 
     dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
     # Exact Δ's sums (unused, and compiled away, without it).
@@ -577,7 +626,7 @@ def _attn_bwd_dq(
     ds_up = 1.0
     if DS_RESCALE:
         needs_rescale, ds_up = _ds_loop_choice(DS_STATS, keep_scale)
-    query_block = (q, do, offs_m, q_rows_ok, row_ids)
+    query_block = (q, do, offs_m, q_rows_ok, row_ids, rng_rows)
     row_values = (row_ref, row_scale, delta)
     dropout = (seed, keep_scale, dropout_p)
     k_strides = (stride_kb, stride_kh, stride_kn, stride_ke)

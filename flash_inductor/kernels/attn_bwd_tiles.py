@@ -20,7 +20,7 @@ from .tile_loads import load_rows, load_tile_pair
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, key_block, q_base, do_base, mask_base, bh, row_pointers, DMASK, dropout, ds_up,
+    dk, dv, key_block, q_base, do_base, mask_base, row_bases, row_pointers, DMASK, dropout, ds_up,
     offs_m_base, offs_e, offs_ev, lo, hi, q_strides, do_strides, mask_strides, listed,
     L, S, causal_offset, window_lower, score_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -44,7 +44,8 @@ def _dkdv_tiles(
         offs_m, q_rows_ok = loop_tile(it, listed, offs_m_base, L, BLOCK=BLOCK_M, FROM_LIST=FROM_LIST)
         q, do = load_tile_pair(q_base, do_base, offs_m, q_rows_ok, offs_e, offs_ev, q_strides, do_strides,
                                HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, EVEN_ROWS=EVEN_M, EVEN_COLS=EVEN_E)
-        row_ids = bh * L + offs_m
+        row_ids = row_bases[0] + offs_m  # the flat row vectors' rows
+        rng_rows = row_bases[1] + offs_m  # the dropout counter's
         row_ref = load_rows(ROW_REF + row_ids, q_rows_ok, float("inf"), EVEN_ROWS=EVEN_M)
         delta = load_rows(DELTA + row_ids, q_rows_ok, 0.0, EVEN_ROWS=EVEN_M)
 
@@ -70,7 +71,7 @@ def _dkdv_tiles(
         dp_t = tl.dot(v, tl.trans(do), input_precision=FP32_DOT)
         p_used_t = p_t
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, row_ids[None, :], offs_n[:, None], S, dropout_p)
+            keep = dropout_keep(seed, rng_rows[None, :], offs_n[:, None], S, dropout_p)
             p_used_t = tl.where(keep, p_t * keep_scale, 0.0)
             dp_t = tl.where(keep, dp_t * keep_scale, 0.0)
         if P_IN_FP32:
@@ -110,7 +111,7 @@ def _dq_tiles(
     units of 1 / ds_up under DS_RESCALE's plain loop, the rest in dS's own, and all of them in units
     of 1 / row_scale: the loop leaves out each row's shift (see _attn_bwd_dq)."""
     ds_sum, ds_seen_sum, p_sum, p_k, ds_slope_sum, p_slope_sum = exact_sums
-    q, do, offs_m, q_rows_ok, row_ids = query_block
+    q, do, offs_m, q_rows_ok, row_ids, rng_rows = query_block
     row_ref, row_scale, delta = row_values
     seed, keep_scale, dropout_p = dropout
     _, _, stride_mm, stride_mn = mask_strides
@@ -133,7 +134,7 @@ def _dq_tiles(
         p = tl.math.exp2(s2 - row_ref[:, None])  # P / row_scale
         dp = tl.dot(do, tl.trans(v), input_precision=FP32_DOT)
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, row_ids[:, None], offs_n[None, :], S, dropout_p)
+            keep = dropout_keep(seed, rng_rows[:, None], offs_n[None, :], S, dropout_p)
             dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = _ds_scores(p, dp, delta[:, None], ds_up, DS_RESCALE=DS_RESCALE, RESCALE=RESCALE)
         if WRITE_DMASK:

@@ -56,6 +56,13 @@ Constexpr switches
                             layout blocks of LAYOUT_BQ x LAYOUT_BK: ``launch/block_tiles.py``)
     SOFTCAP                 s_ij = c·tanh(scale·q_i·k_j / c) before the mask (``common.base2_scores``;
                             never with FOLD_SCALE, whose max is taken on the unscaled products)
+    VARLEN                  packed sequences: axis 1 runs over (sequence b, query head); b's rows
+                            and keys are ``[CU_Q[b], CU_Q[b + 1])`` and ``[CU_K[b], CU_K[b + 1])`` of
+                            tensors launched with zero batch strides, L and S on entry are the packed
+                            lengths (the LSE's (Hq, total_q) row stride), and each program works as if
+                            its sequence were the whole problem: no key of another is visited, and
+                            dropout draws from seed + b as a one-sequence call would
+                            (``common.packed_sequence``; ``ops/varlen.py`` defines the semantics)
 
 The kernel's signature is flat, one scalar per stride, as the launchers pass them.
 Its helper takes tuples, which Triton inlines away: ``*_strides`` (batch, head, row, column) of
@@ -68,8 +75,8 @@ import triton
 import triton.language as tl
 
 from .block_sparse import layout_visible, query_tile_key_tiles
-from .common import (LN2, accumulate_pv, add_attn_mask, base2_scores, block_offsets, dropout_keep, dropout_seed, loop_tile,
-                     online_softmax_start, query_heads, row_normaliser)
+from .common import (LN2, accumulate_pv, add_attn_mask, base2_scores, block_offsets, dropout_keep, dropout_seed,
+                     loop_tile, online_softmax_start, packed_sequence, query_heads, row_normaliser)
 
 
 @triton.jit
@@ -156,7 +163,7 @@ def _attn_fwd(
     stride_ob, stride_oh, stride_om, stride_oe,
     H_Q, GROUP, L, S, causal_offset, window_lower, qk_scale_log2, softcap_log2, dropout_p,
     COUNTS, IDX, BLOCK_MAP, stride_cb, stride_ch, stride_ib, stride_ih, list_len,
-    stride_bmb, stride_bmh, stride_bmm, stride_bmn,
+    stride_bmb, stride_bmh, stride_bmm, stride_bmn, CU_Q, CU_K, diag_shift,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -164,6 +171,7 @@ def _attn_fwd(
     FOLD_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BLOCK_SPARSITY: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
     LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1, SOFTCAP: tl.constexpr = False,
+    VARLEN: tl.constexpr = False,
 ):
     # FOLD_SCALE (a positive scale, no additive mask): each row's max is taken on the unscaled
     # products and scaled once, which is exact, since x -> fl(c * x) is monotonic for c > 0 and
@@ -178,6 +186,20 @@ def _attn_fwd(
     dropout_p = tl.cast(dropout_p, tl.float32)
     start_m = tl.program_id(0) * BLOCK_M
     bh, b, h, h_kv = query_heads(H_Q, GROUP)
+    seed = dropout_seed(SEED, HAS_DROPOUT=HAS_DROPOUT)
+    row_base = bh.to(tl.int64) * L  # this program's first row of the flat LSE rows
+    if VARLEN:
+        q_start, k_start, L_seq, S_seq, shift = packed_sequence(CU_Q, CU_K, b, diag_shift, L, S)
+        row_base = h * L + q_start  # LSE is (Hq, total_q)
+        Q += q_start * stride_qm
+        OUT += q_start * stride_om
+        K += k_start * stride_kn
+        V += k_start * stride_vn
+        causal_offset += shift
+        window_lower += shift
+        L = L_seq
+        S = tl.where(start_m < L_seq, S_seq, 0)  # a program past its sequence's rows visits no key
+        seed = seed + b
     offs_m, offs_n_base, offs_e, offs_ev = block_offsets(start_m, BLOCK_OWN=BLOCK_M, BLOCK_LOOP=BLOCK_N,
                                                          BLOCK_E=BLOCK_E, BLOCK_EV=BLOCK_EV)
     q = tl.load(
@@ -187,8 +209,10 @@ def _attn_fwd(
     k_base = K + b * stride_kb + h_kv * stride_kh
     v_base = V + b * stride_vb + h_kv * stride_vh
     mask_base = MASK + b * stride_mb + h * stride_mh
-    seed = dropout_seed(SEED, HAS_DROPOUT=HAS_DROPOUT)
+    # The dropout counter's rows: those of a dense call, or of sequence b's own one-sequence call.
     rng_rows = bh.to(tl.int64) * L + offs_m
+    if VARLEN:
+        rng_rows = h * L + offs_m
     m_i, l_i, acc = online_softmax_start(BLOCK_M, BLOCK_EV)
 
     # Key blocks [mid, split) are whole and visible to every row of this query block, so they
@@ -233,4 +257,4 @@ def _attn_fwd(
         out.to(OUT.dtype.element_ty),
         mask=row_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V),
     )
-    tl.store(LSE + bh.to(tl.int64) * L + offs_m, lse, mask=row_ok)
+    tl.store(LSE + row_base + offs_m, lse, mask=row_ok)

@@ -15,6 +15,7 @@ from .band import band_lower, causal_side
 from .common import LOG2E, cdiv, common_meta, head_dims, softcap_log2, whole_blocks
 from .block_tiles import check_block_layout, fold_into_mask, kernel_layout
 from .forward import attention_forward
+from .packed import NOT_PACKED, PackedSequences, strides
 from .visibility import NO_MASKING, Visibility
 
 
@@ -23,7 +24,7 @@ def attention_backward(
     attn_mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
     rng_seed: torch.Tensor | None, dropout_p: float, scale: float, schedule: str, compute_mask_grad: bool, *,
     visibility: Visibility = NO_MASKING, configs: AttentionConfigs | None = None,
-    ds_bound: torch.Tensor | None = None, softcap: float = 0.0,
+    ds_bound: torch.Tensor | None = None, softcap: float = 0.0, packed: PackedSequences | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the backward kernels. Returns (dq, dk, dv, dmask); dmask is empty unless asked for.
 
@@ -33,7 +34,7 @@ def attention_backward(
     the bound on |dS| that the preprocess measures, under the schedules that rescale dS (fp16
     `stable`): tests and experiments force either loop with it (a bound past
     ``ds_scaling.DS_RESCALE_ABOVE``, or inf, takes the rescaling loop). Elsewhere it is ignored.
-    ``softcap``: the forward's soft cap (0: none)."""
+    ``softcap``: the forward's soft cap (0: none); ``packed``: the forward's packed sequences."""
     from ..kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_row_reference
 
     block_map, block_q, block_k = visibility.block_map, visibility.block_q, visibility.block_k
@@ -44,13 +45,16 @@ def attention_backward(
         # (its O and LSE; the fp8 ones would not match the recomputed P) and `stable`'s backward.
         schedule = STABLE.name
         out, lse = attention_forward(query, key, value, attn_mask, rng_seed, dropout_p, scale, schedule,
-                                     visibility=visibility, softcap=softcap)
+                                     visibility=visibility, softcap=softcap, packed=packed)
     batch, heads_q, seq_q, _ = query.shape
     heads_kv, seq_k = key.shape[1], key.shape[2]
     head_dim, head_dim_v = head_dims(query, value)
-    dq = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
-    dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+    if packed is None:
+        dq = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+        dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+    else:  # in the packed (total, H, E) layout of the inputs, which the (1, H, total, E) views permute
+        dq, dk, dv = (torch.empty_like(t) for t in (query, key, value))
     if compute_mask_grad:
         # Positions no pass visits (outside the band) have dS = 0.
         dmask = torch.zeros((batch, heads_q, seq_q, seq_k), dtype=torch.float32, device=query.device)
@@ -65,9 +69,15 @@ def attention_backward(
 
     # The kernels see the band: its upper side as the causal arguments, its lower side as
     # WINDOW_LEFT and window_lower (as the forward's).
-    band = visibility.band(seq_q, seq_k)
+    band = visibility.band(seq_q, seq_k) if packed is None else packed.band(visibility)
     is_causal, causal_offset = causal_side(band)
     window_lower = band_lower(band)
+    # Under packing the dQ and dK/dV passes run one program column per (sequence, head); the
+    # preprocess and the row reference see the packed rows as one dense call (no mask: no row is
+    # ever at a mask's clamp, so the row reference never walks keys).
+    packed_args = NOT_PACKED if packed is None else packed.kernel_args()
+    programs_q = batch if packed is None else packed.count
+    rows_q, rows_k = (seq_q, seq_k) if packed is None else (packed.max_seqlen_q, packed.max_seqlen_k)
     meta_window = dict(WINDOW_LEFT=band.lower is not None)
     switches, mask_arg, mask_strides, meta = common_meta(query, key, value, attn_mask, dropout_p, is_causal, schedule)
     configs = common.launch_configs(query, key, value, attn_mask, is_causal, schedule, configs)
@@ -110,8 +120,8 @@ def attention_backward(
         query, key, row_mask_arg, lse, row_ref, row_shift, shift_flag,
         *query.stride(), *key.stride(), *row_mask_strides,
         heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, window_lower, scale_log2, cap_log2,
-        SOFTCAP=has_cap, HEAD_DIM=head_dim, BLOCK_E=meta["BLOCK_E"], HAS_MASK=meta["HAS_MASK"], MASK_IS_BOOL=meta["MASK_IS_BOOL"],
-        IS_CAUSAL=is_causal, **meta_window, FP32_DOT=meta["FP32_DOT"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        SOFTCAP=has_cap, HEAD_DIM=head_dim, BLOCK_E=meta["BLOCK_E"], HAS_MASK=meta["HAS_MASK"],
+        MASK_IS_BOOL=meta["MASK_IS_BOOL"], IS_CAUSAL=is_causal, **meta_window, FP32_DOT=meta["FP32_DOT"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     # The dQ pass runs first: under exact Δ it replaces each row's Δ in `delta` with the corrected
@@ -124,31 +134,32 @@ def attention_backward(
     cfg = configs.backward_dq
     layout_args, layout_meta = kernel_layout(block_map, block_q, block_k, batch, heads_q, seq_q, seq_k, band.lower,
                                              band.upper, cfg.block_m, cfg.block_n)
-    common.launcher(_attn_bwd_dq)[(cdiv(seq_q, cfg.block_m), batch * heads_q)](
+    common.launcher(_attn_bwd_dq)[(cdiv(rows_q, cfg.block_m), programs_q * heads_q)](
         query, key, value, mask_arg, seed_arg, grad_out, row_ref, row_shift,
         grad_lse if grad_lse is not None else lse, delta, ds_stats, dq, dmask_arg,
-        *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(), *dq.stride(),
+        *strides(query, packed), *strides(key, packed), *strides(value, packed), *mask_strides,
+        *strides(grad_out, packed), *strides(dq, packed),
         heads_q, heads_q // heads_kv, seq_q, seq_k, causal_offset, window_lower, scale_log2, cap_log2, scale,
-        dropout_p, *layout_args, **layout_meta, SOFTCAP=has_cap,
+        dropout_p, *layout_args, *packed_args, **layout_meta, SOFTCAP=has_cap, VARLEN=packed is not None,
         P_IN_FP32=p_in_fp32, DS_IN_FP32=ds_in_fp32, DS_RESCALE=ds_rescale,
         EXACT_DELTA=exact_delta, HAS_DLSE=grad_lse is not None, WRITE_DMASK=compute_mask_grad and not exact_delta,
-        EVEN_N=whole_blocks(seq_k, cfg.block_n), EVEN_E=even_e,
+        EVEN_N=packed is None and whole_blocks(seq_k, cfg.block_n), EVEN_E=even_e,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **meta, **meta_window,
     )
     cfg = configs.backward_dkdv
     layout_args, layout_meta = kernel_layout(block_map, block_q, block_k, batch, heads_q, seq_q, seq_k, band.lower,
                                              band.upper, cfg.block_m, cfg.block_n, columns=True)
-    common.launcher(_attn_bwd_dkdv)[(cdiv(seq_k, cfg.block_n), batch * heads_kv)](
+    common.launcher(_attn_bwd_dkdv)[(cdiv(rows_k, cfg.block_n), programs_q * heads_kv)](
         query, key, value, mask_arg, seed_arg, grad_out, row_ref, row_shift, shift_flag, delta, ds_stats, dk, dv,
         dmask_arg,
-        *query.stride(), *key.stride(), *value.stride(), *mask_strides, *grad_out.stride(),
-        *dk.stride(), *dv.stride(),
+        *strides(query, packed), *strides(key, packed), *strides(value, packed), *mask_strides,
+        *strides(grad_out, packed), *strides(dk, packed), *strides(dv, packed),
         heads_q, heads_kv, heads_q // heads_kv, seq_q, seq_k, causal_offset, window_lower, scale_log2, cap_log2,
-        scale, dropout_p, *layout_args, **layout_meta, SOFTCAP=has_cap,
+        scale, dropout_p, *layout_args, *packed_args, **layout_meta, SOFTCAP=has_cap, VARLEN=packed is not None,
         P_IN_FP32=p_in_fp32, DS_IN_FP32=ds_in_fp32, DS_RESCALE=ds_rescale,
         WRITE_DMASK=compute_mask_grad and exact_delta,
-        EVEN_M=whole_blocks(seq_q, cfg.block_m), EVEN_E=even_e,
+        EVEN_M=packed is None and whole_blocks(seq_q, cfg.block_m), EVEN_E=even_e,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **meta, **meta_window,
     )

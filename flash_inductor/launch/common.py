@@ -179,10 +179,15 @@ def launch_configs(query, key, value, attn_mask, is_causal, schedule_name, confi
 LOG2E = 1.4426950408889634
 
 
-def forward_outputs(query: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialised (out (B, Hq, L, Ev) in the input dtype, lse (B, Hq, L) fp32) for a forward."""
+def forward_outputs(query: torch.Tensor, value: torch.Tensor, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (out (B, Hq, L, Ev) in the input dtype, lse (B, Hq, L) fp32) for a forward;
+    ``packed`` (B = 1 views of packed sequences): out laid out as the packed (L, Hq, Ev) tensor."""
     batch, heads_q, seq_q, _ = query.shape
-    out = torch.empty((batch, heads_q, seq_q, value.shape[-1]), dtype=query.dtype, device=query.device)
+    if packed:
+        out = torch.empty((seq_q, heads_q, value.shape[-1]), dtype=query.dtype, device=query.device)
+        out = out.transpose(0, 1).unsqueeze(0)
+    else:
+        out = torch.empty((batch, heads_q, seq_q, value.shape[-1]), dtype=query.dtype, device=query.device)
     lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=query.device)
     return out, lse
 

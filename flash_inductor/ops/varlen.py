@@ -5,16 +5,18 @@ Inputs are packed as FlashAttention's varlen functions take them: query ``(total
 ``(n + 1,)`` int32/int64 with sequence b's rows at ``[cu[b], cu[b + 1])``. Outputs: out
 ``(total_q, Hq, Ev)`` and lse ``(Hq, total_q)`` (FlashAttention's varlen LSE layout), natural log.
 
-Each sequence runs as its own attention problem on a strided view of the packed tensors: the dense
-op (``ops/attention.py``) with batch 1, its kernels or its reference path, so no key of another
-sequence is ever visited and no mask exists. Causal masking is per sequence, aligned at the
-bottom right (``causal_lower_right``, FlashAttention's) or the top left (SDPA's, for nested
-tensors); the window, the soft cap, GQA, dropout and the schedule are the dense op's. Sequence b
-draws its dropout from ``seed + b``, so equal-length sequences get independent masks.
+Each sequence is its own attention problem: no key of another sequence is ever visited and no
+mask exists. On CUDA the Triton kernels run every sequence in one launch per pass (``VARLEN``:
+a program column per (sequence, head), ``launch/packed.py``), reading ``cu_seqlens`` on the
+device; elsewhere (CPU, float64, what the kernels do not take) each sequence runs the dense op's
+reference path on a strided view, its bounds read on the host. Causal masking is per sequence,
+aligned at the bottom right (``causal_lower_right``, FlashAttention's) or the top left (SDPA's, for
+nested tensors); the window, the soft cap, GQA, dropout and the schedule are the dense op's.
+Sequence b draws its dropout from ``seed + b`` with the counters of a one-sequence call, so both
+paths drop the same elements and equal-length sequences get independent masks.
 
-The ops are opaque to ``torch.compile``: the sequence bounds are read on the host inside them
-(one device-to-host copy of ``cu_seqlens`` a call), never in a traced graph. One launch set per
-sequence: a pack of many short sequences is bound by host time (docs/performance.md, varlen).
+The ops are opaque to ``torch.compile``. ``max_seqlen_q`` / ``max_seqlen_k`` size the kernels'
+grid; the Python entry points check them and the offsets (``flash_inductor.varlen``).
 """
 
 from __future__ import annotations
@@ -24,19 +26,24 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-_CU_DTYPES = (torch.int32, torch.int64)
+from .. import launch
+from ..launch.packed import PackedSequences
+from ..launch.visibility import Visibility
+from ..schedules import get_schedule
 
 
 def sequence_bounds(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, total_q: int, total_k: int) -> list[tuple]:
     """``[(q_start, q_stop, k_start, k_stop), ...]`` per sequence, checked: both start at 0, never
-    decrease, and stay within the packed tensors."""
+    decrease, and end at the packed length (every row and key belongs to a sequence, so every
+    output and gradient row is written)."""
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for name, bounds, total in (("cu_seqlens_q", bounds_q, total_q), ("cu_seqlens_k", bounds_k, total_k)):
-        if bounds[0] != 0 or any(b > a for a, b in zip(bounds[1:], bounds[:-1])) or bounds[-1] > total:
+        if bounds[0] != 0 or any(b > a for a, b in zip(bounds[1:], bounds[:-1])) or bounds[-1] != total:
             raise ValueError(
-                f"flash_attention_varlen: {name} must start at 0, never decrease and end at most at the packed "
-                f"length {total}, got {bounds[:8]}{' ...' if len(bounds) > 8 else ''}; build it as "
-                "torch.nn.functional.pad(seqlens.cumsum(0), (1, 0)).int()."
+                f"flash_attention_varlen: {name} must start at 0, never decrease and end at the packed length "
+                f"{total}, got {bounds[:8]}{' ...' if len(bounds) > 8 else ''}; build it as "
+                "torch.nn.functional.pad(seqlens.cumsum(0), (1, 0)).int() (slice the packed tensors to "
+                "cu_seqlens[-1] rows if they are padded)."
             )
     return [(q0, q1, k0, k1) for q0, q1, k0, k1 in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:])]
 
@@ -58,12 +65,40 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _packed_view(packed: Tensor) -> Tensor:
+    """A packed (total, H, E) tensor as the (1, H, total, E) view the launchers take."""
+    return packed.transpose(0, 1).unsqueeze(0)
+
+
+def _on_kernels(query: Tensor, key: Tensor, value: Tensor, schedule: str) -> bool:
+    """Whether the Triton kernels take the whole pack (one launch a pass)."""
+    return not get_schedule(schedule).fp8_forward and launch.kernel_supports(
+        _packed_view(query), _packed_view(key), _packed_view(value))
+
+
+def _packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal_lower_right) -> PackedSequences:
+    return PackedSequences(cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), max_seqlen_q, max_seqlen_k,
+                           lower_right=causal_lower_right)
+
+
+def _visibility(is_causal: bool, window_left: int, window_right: int) -> Visibility:
+    """The rules relative to each sequence's diagonal (``PackedSequences.band`` places them)."""
+    return Visibility(is_causal=is_causal, causal_offset=0, window=(window_left, window_right))
+
+
 @torch.library.custom_op("flash_inductor::attention_varlen_forward", mutates_args=())
 def attention_varlen_forward(
     query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    max_seqlen_q: int, max_seqlen_k: int,
     rng_seed: Optional[Tensor], dropout_p: float, is_causal: bool, causal_lower_right: bool, scale: float,
     schedule: str, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
+    if _on_kernels(query, key, value, schedule):
+        out, lse = launch.attention_forward(
+            _packed_view(query), _packed_view(key), _packed_view(value), None, rng_seed, dropout_p, scale, schedule,
+            visibility=_visibility(is_causal, window_left, window_right), softcap=softcap,
+            packed=_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal_lower_right))
+        return out[0].transpose(0, 1), lse[0]  # (total_q, Hq, Ev) contiguous, (Hq, total_q)
     out = query.new_zeros((query.shape[0], query.shape[1], value.shape[-1]))
     lse = torch.full((query.shape[1], query.shape[0]), float("-inf"), dtype=_lse_dtype(query.dtype),
                      device=query.device)
@@ -84,11 +119,19 @@ def attention_varlen_forward(
 @torch.library.custom_op("flash_inductor::attention_varlen_backward", mutates_args=())
 def attention_varlen_backward(
     grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
-    grad_lse: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, rng_seed: Optional[Tensor],
-    dropout_p: float, is_causal: bool, causal_lower_right: bool, scale: float, schedule: str,
-    window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+    grad_lse: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+    rng_seed: Optional[Tensor], dropout_p: float, is_causal: bool, causal_lower_right: bool, scale: float,
+    schedule: str, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    # Zero-filled: rows of empty sequences, and keys past cu_seqlens_k[-1], get no gradient.
+    if _on_kernels(query, key, value, schedule):
+        dq, dk, dv, _ = launch.attention_backward(
+            _packed_view(grad_out), _packed_view(query), _packed_view(key), _packed_view(value), None,
+            _packed_view(out), lse.unsqueeze(0), None if grad_lse is None else grad_lse.unsqueeze(0), rng_seed,
+            dropout_p, scale, schedule, False, visibility=_visibility(is_causal, window_left, window_right),
+            softcap=softcap,
+            packed=_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal_lower_right))
+        return tuple(g[0].transpose(0, 1) for g in (dq, dk, dv))  # the packed layout, contiguous
+    # Zero-filled: rows of empty sequences get no gradient.
     grad_query, grad_key, grad_value = (torch.zeros_like(t) for t in (query, key, value))
     for index, (q0, q1, k0, k1) in enumerate(sequence_bounds(cu_seqlens_q, cu_seqlens_k, query.shape[0],
                                                              key.shape[0])):
@@ -119,22 +162,23 @@ def _backward_fake(grad_out, query, key, value, *_options):
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, cu_seqlens_q, cu_seqlens_k, rng_seed, *options = inputs
+    query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rng_seed, *options = inputs
     out, lse = output
     ctx.save_for_backward(query, key, value, cu_seqlens_q, cu_seqlens_k, rng_seed, out, lse)
+    ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
     ctx.options = options
     ctx.set_materialize_grads(False)  # an unused LSE reaches the backward as None, no fill
 
 
 def _backward(ctx, grad_out, grad_lse):
     if grad_out is None and grad_lse is None:
-        return (None,) * (6 + len(ctx.options))
+        return (None,) * (8 + len(ctx.options))
     query, key, value, cu_seqlens_q, cu_seqlens_k, rng_seed, out, lse = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     grads = attention_varlen_backward(grad_out, query, key, value, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k,
-                                      rng_seed, *ctx.options)
-    return (*grads,) + (None,) * (3 + len(ctx.options))
+                                      *ctx.max_seqlens, rng_seed, *ctx.options)
+    return (*grads,) + (None,) * (5 + len(ctx.options))
 
 
 attention_varlen_forward.register_autograd(_backward, setup_context=_setup_context)
