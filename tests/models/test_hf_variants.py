@@ -224,3 +224,13 @@ def test_packed_rows_with_padding_keep_the_mask(ops):
                 ref = eager(input_ids=ids[row:row + 1, a:b]).last_hidden_state
                 torch.testing.assert_close(out[row:row + 1, a:b], ref, **OUT_TOL)
     assert ops and all(kind == "dense" for kind, _ in ops)
+
+
+def test_gpt_oss_keeps_the_name():
+    """transformers replaces a "flash" name by a Hub kernel on models that list compatible kernels
+    (gpt-oss on recent releases); ours is kept, and the former name raises before any swap."""
+    config = _text_config(transformers.GptOssConfig, num_local_experts=4, num_experts_per_tok=2)
+    model = transformers.AutoModel.from_config(config, attn_implementation=NAME)
+    assert model.config._attn_implementation == NAME
+    with pytest.raises(ValueError, match=f'attn_implementation="{NAME}"'):
+        transformers.AutoModel.from_config(config, attn_implementation="flash_inductor")
