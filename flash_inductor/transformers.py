@@ -387,6 +387,24 @@ def _documents(query: Tensor, key: Tensor, kwargs: dict) -> Optional[_Documents]
     if (not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or q_len != kv_len or q_len < 2
             or position_ids.shape[-1] != q_len or position_ids.shape[0] not in (1, batch)):
         return None
+    if torch.compiler.is_compiling():
+        # Reading the positions is data-dependent (a graph break per layer). Compiled, packing
+        # comes from cu_seq_lens_q/k or from the mask HF builds out of packed positions (it does
+        # without a cache: pass use_cache=False when training on packed rows).
+        return None
+    # Every layer gets the same position_ids: read them (a device sync) once per forward.
+    last = _LAST_POSITIONS
+    if last and last[0] is position_ids and last[1] == (position_ids._version, batch):
+        return last[2]
+    documents = _documents_from_positions(position_ids, batch, q_len)
+    _LAST_POSITIONS[:] = [position_ids, (position_ids._version, batch), documents]
+    return documents
+
+
+_LAST_POSITIONS: list = []
+
+
+def _documents_from_positions(position_ids: Tensor, batch: int, q_len: int) -> Optional[_Documents]:
     position_ids = position_ids.expand(batch, q_len)
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids.diff(dim=-1) != 1
