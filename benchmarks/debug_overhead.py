@@ -1,4 +1,4 @@
-"""What flash_inductor.debug and attn_implementation="flash_inductor" cost: training-step times.
+"""What flash_inductor.debug and attn_implementation="inductor_stable" cost: training-step times.
 
     python -m benchmarks.debug_overhead                       # GPU: every measurement, a few minutes
     python -m benchmarks.debug_overhead --quick --device cpu  # smoke run
@@ -14,7 +14,7 @@ finite; bf16 autocast on CUDA): the median step (forward + backward) of
 * ``bisect_length``: the whole search on the ramp model of ``overflow_demo.py`` in fp16.
 
 HF (``--hf``, default on CUDA): a Llama-style ``LlamaForCausalLM`` trained eagerly in bf16 with
-``attn_implementation="sdpa"`` and ``"flash_inductor"``, both built side by side, heated, then
+``attn_implementation="sdpa"`` and ``"inductor_stable"``, both built side by side, heated, then
 timed in alternating rounds; the ratio sdpa / ours (>= 1 means ours is at least as fast).
 ``--hf-profile N`` adds each contender's N costliest kernels over one step.
 
@@ -118,7 +118,7 @@ def hf_llama(args) -> dict:
         num_attention_heads=args.hf_hidden // 128, num_key_value_heads=max(1, args.hf_hidden // 512),
         vocab_size=32000, max_position_embeddings=args.hf_seq, attention_dropout=0.0)
     tokens = torch.randint(0, 32000, (args.hf_batch, args.hf_seq), device=device)
-    impls = ("sdpa", "flash_inductor")
+    impls = ("sdpa", flash_inductor.transformers.NAME)
     steps = {}
     for impl in impls:
         torch.manual_seed(0)
@@ -151,7 +151,7 @@ def hf_llama(args) -> dict:
             times[impl].append(time.perf_counter() - start)
     for impl in impls:
         results[f"{impl}_s"] = statistics.median(times[impl])
-    results["sdpa_over_flash_inductor"] = results["sdpa_s"] / results["flash_inductor_s"]
+    results["sdpa_over_flash_inductor"] = results["sdpa_s"] / results[f"{flash_inductor.transformers.NAME}_s"]
     if args.hf_profile and device.startswith("cuda"):
         results["profile"] = {impl: _kernel_table(steps[impl], args.hf_profile) for impl in impls}
     results["config"] = dict(hidden=args.hf_hidden, layers=args.hf_layers, seq=args.hf_seq, batch=args.hf_batch,

@@ -1,4 +1,4 @@
-"""``attn_implementation="flash_inductor"`` (flash_inductor/transformers.py) on HF transformers models
+"""``attn_implementation="inductor_stable"`` (flash_inductor/transformers.py) on HF transformers models
 built from tiny random configs: each family against ``attn_implementation="eager"``, outputs and
 gradients, and what each HF attention feature turns into at the op's boundary.
 
@@ -23,6 +23,7 @@ from helpers import DEVICE
 from model_zoo import CASES, output_tensor
 
 transformers = pytest.importorskip("transformers")
+NAME = "inductor_stable"
 
 # fp32 against eager: rounding only. The CPU path matches eager to a few ulps; the CUDA kernels sum
 # in another order (blocked, online softmax), a few ulps of the larger terms.
@@ -73,7 +74,7 @@ def _pair(family: str, dtype=torch.float32, **overrides):
     overrides = {**_OVERRIDES.get(family, {}), **overrides}
     torch.manual_seed(0)
     eager = case.build("eager", **overrides)
-    ours = case.build("flash_inductor", **overrides)
+    ours = case.build(NAME, **overrides)
     ours.load_state_dict(eager.state_dict())
     return ours.to(DEVICE, dtype).train(), eager.to(DEVICE, dtype).train()
 
@@ -223,37 +224,51 @@ def test_output_attentions_falls_back_to_eager_with_one_warning():
     torch.testing.assert_close(got.last_hidden_state, ref.last_hidden_state)
 
 
-def test_softcapping_is_a_clear_error():
-    config = transformers.Gemma2Config(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=16, vocab_size=64, attn_logit_softcapping=50.0, attn_implementation="flash_inductor",
-        pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    model = transformers.Gemma2Model(config)
-    with pytest.raises(ValueError, match="attn_logit_softcapping"):
-        model(input_ids=torch.randint(3, 64, (1, 8)))  # the first call raises, on any device
-
-
 def test_from_pretrained_and_auto_classes(tmp_path):
     ours, eager = _pair("llama")
     eager.save_pretrained(tmp_path)
-    loaded = transformers.AutoModel.from_pretrained(tmp_path, attn_implementation="flash_inductor").to(DEVICE)
-    assert loaded.config._attn_implementation == "flash_inductor"
-    fresh = transformers.AutoModel.from_config(eager.config, attn_implementation="flash_inductor")
-    assert fresh.config._attn_implementation == "flash_inductor"
+    loaded = transformers.AutoModel.from_pretrained(tmp_path, attn_implementation=NAME).to(DEVICE)
+    assert loaded.config._attn_implementation == NAME
+    fresh = transformers.AutoModel.from_config(eager.config, attn_implementation=NAME)
+    assert fresh.config._attn_implementation == NAME
     inputs = _inputs("llama")
     with torch.no_grad():
         torch.testing.assert_close(output_tensor(loaded.eval()(**inputs)), output_tensor(eager.eval()(**inputs)),
                                    **OUT_TOL)
 
 
-def test_register_is_idempotent_and_leaves_other_names_alone():
+def test_register_is_idempotent_and_refuses_flash_names():
     import flash_inductor.transformers as fit
-    from transformers import modeling_utils
+    from transformers import PreTrainedModel
 
-    assert fit.register() == fit.register() == "flash_inductor"
-    wrapper = modeling_utils.lazy_import_flash_attention
-    assert wrapper._flash_inductor_wrapper and not getattr(wrapper.__wrapped__, "_flash_inductor_wrapper", False)
-    assert "flash_inductor" in transformers.AttentionInterface._global_mapping
+    assert fit.register() == fit.register() == NAME == fit.NAME
+    assert NAME in transformers.AttentionInterface._global_mapping
+    assert "flash_inductor" not in transformers.AttentionInterface._global_mapping
+    guard = PreTrainedModel._check_and_adjust_attn_implementation
+    assert guard._flash_inductor_guard and not getattr(guard.__wrapped__, "_flash_inductor_guard", False)
+    for name in ("flash_inductor", "my_flash", "org/kernel", "x_sdpa"):
+        with pytest.raises(ValueError, match=NAME):
+            fit.register(name)
+
+
+@pytest.mark.parametrize("how", ["from_config", "set_attn_implementation"])
+def test_the_former_name_raises_with_the_new_one(how):
+    """``"flash_inductor"`` contains "flash": transformers would hand it FlashAttention's arguments
+    or swap it for a Hub kernel, so selecting it names the new name instead."""
+    ours, _ = _pair("llama")
+    with pytest.raises(ValueError, match=f'attn_implementation="{NAME}"'):
+        if how == "from_config":
+            transformers.AutoModel.from_config(ours.config, attn_implementation="flash_inductor")
+        else:
+            ours.set_attn_implementation("flash_inductor")
+
+
+def test_no_name_transformers_treats_specially():
+    """Each substring test transformers makes on implementation names misses ours."""
+    from transformers.utils.generic import is_flash_attention_requested
+
+    assert not is_flash_attention_requested(requested_attention_implementation=NAME)
+    assert not any(part in NAME for part in ("flash", "sdpa", "flex_attention", "paged", "|", "/", ":"))
 
 
 def test_import_flash_inductor_does_not_import_transformers():

@@ -127,10 +127,10 @@ def test_errors_name_the_argument(debug):
         debug.shadow(lambda x: x)
 
 
-@pytest.mark.parametrize("impl", ["eager", "flash_inductor"])
+@pytest.mark.parametrize("impl", ["eager", "inductor_stable"])
 def test_shadow_on_hf_llama_in_fp16(impl, debug):
     """HF Llama in fp16 whose q·kᵀ overflows (model_zoo.make_qk_overflow): its eager attention is
-    diagnosed as written; the same weights on attn_implementation="flash_inductor" hold."""
+    diagnosed as written; the same weights on attn_implementation="inductor_stable" hold."""
     pytest.importorskip("transformers")
     import model_zoo
     import flash_inductor.transformers  # noqa: F401  (registers the name)
