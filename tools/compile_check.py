@@ -6,9 +6,11 @@ the monitoring kernels are compiled by their own tests.
 `python -m tools.compile_check` compiles a representative subset (a few minutes);
 `--full` compiles every dtype x mask x dropout x causal x window variant (about eighteen minutes on
 2 cores). Both also compile the block-sparse variants (HAS_BLOCK_SPARSITY, with and without the
-per-element layout test) of the variants without dropout or a float mask.
+per-element layout test) of the variants without dropout or a float mask, and soft-capping
+(SOFTCAP) and packed sequences (VARLEN) of those without dropout or a mask.
 """
 
+import inspect
 import itertools
 import sys
 
@@ -37,11 +39,11 @@ def signature(fn, dtype, constexprs):
             sig[name] = "*i1" if constexprs.get("MASK_IS_BOOL") else f"*{dtype}"
         elif name == "SEED":
             sig[name] = "*i64"
-        elif name in ("SHIFT_FLAG", "COUNTS", "IDX"):
+        elif name in ("SHIFT_FLAG", "COUNTS", "IDX", "CU_Q", "CU_K"):
             sig[name] = "*i32"
         elif name == "BLOCK_MAP":
             sig[name] = "*i1"
-        elif name in ("qk_scale_log2", "sm_scale", "dropout_p"):
+        elif name in ("qk_scale_log2", "softcap_log2", "sm_scale", "dropout_p"):
             # Inductor (torch 2.11) passes Python floats as fp64 scalars; plain launches as fp32.
             sig[name] = "fp64" if constexprs.get("FP32_DOT") == "tf32" else "fp32"
         else:
@@ -57,6 +59,11 @@ _LAYOUT_ARGS = ("COUNTS", "IDX", "BLOCK_MAP", "stride_cb", "stride_ch", "stride_
 def compile_one(fn, dtype, constexprs, num_warps=4, num_stages=2):
     if not constexprs.get("HAS_BLOCK_SPARSITY") and _LAYOUT_ARGS[0] in fn.arg_names:
         constexprs = {**constexprs, **dict.fromkeys(_LAYOUT_ARGS), **DENSE_LAYOUT}
+    if not constexprs.get("VARLEN") and "CU_Q" in fn.arg_names:  # dense: the packing arguments are None
+        constexprs = {**constexprs, "CU_Q": None, "CU_K": None}
+    # Switches left out take their defaults, as a launch that does not pass them does.
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.name not in constexprs
+                     and p.default is not inspect.Parameter.empty}, **constexprs}
     src = ASTSource(fn, signature(fn, dtype, constexprs), constexprs)
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
 
@@ -136,6 +143,23 @@ def main() -> int:
                                                   BLOCK_M=32, BLOCK_N=64)))
                 jobs.append((_attn_bwd_dq, dict(**common, **flags, **stable, **even_n, **sparse, EXACT_DELTA=exact,
                                                 HAS_DLSE=False, WRITE_DMASK=False, BLOCK_M=64, BLOCK_N=32)))
+        if not dropout and mask == "none":
+            # Soft-capping and packed sequences (no mask: varlen takes none), each alone and together,
+            # with causal masking and windows as they come.
+            for extra in (dict(SOFTCAP=True), dict(VARLEN=True), dict(SOFTCAP=True, VARLEN=True)):
+                packed = bool(extra.get("VARLEN"))  # packed launches never drop the row masks
+                jobs.append((_attn_fwd, dict(**common, **flags, **extra, P_IN_FP32=False, FOLD_SCALE=False,
+                                             BLOCK_M=64, BLOCK_N=32)))
+                jobs.append((_attn_bwd_dkdv, dict(**common, **flags, **stable, **extra,
+                                                  **{**even_m, **(dict(EVEN_M=False) if packed else {})},
+                                                  WRITE_DMASK=False, BLOCK_M=32, BLOCK_N=64)))
+                jobs.append((_attn_bwd_dq, dict(**common, **flags, **stable, **extra,
+                                                **{**even_n, **(dict(EVEN_N=False) if packed else {})},
+                                                EXACT_DELTA=exact, HAS_DLSE=False, WRITE_DMASK=False, BLOCK_M=64,
+                                                BLOCK_N=32)))
+            jobs.append((_attn_bwd_row_reference, dict(HEAD_DIM=80, BLOCK_E=128, HAS_MASK=False, MASK_IS_BOOL=False,
+                                                       IS_CAUSAL=causal, WINDOW_LEFT=window, FP32_DOT=flags["FP32_DOT"],
+                                                       SOFTCAP=True, BLOCK_M=64, BLOCK_N=32)))
         for fn, constexprs, *options in jobs:
             try:
                 compile_one(fn, dtype, constexprs, **(options[0] if options else {}))

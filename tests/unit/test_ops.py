@@ -214,7 +214,7 @@ def test_import_does_not_change_global_configs():
 
 
 def test_public_api():
-    assert flash_inductor.__all__ == ["flash_attention", "BlockSparseLayout", "backend", "make_backend", "explain", "last_report", "monitor",
+    assert flash_inductor.__all__ == ["flash_attention", "flash_attention_varlen", "BlockSparseLayout", "backend", "make_backend", "explain", "last_report", "monitor",
                                       "SCHEDULES", "DEFAULT_SCHEDULE", "PrecisionSchedule", "__version__"]
     assert sorted(flash_inductor.SCHEDULES) == ["accurate", "fast", "fp8", "stable"]
     assert flash_inductor.DEFAULT_SCHEDULE == "stable"
