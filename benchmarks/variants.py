@@ -1,7 +1,7 @@
 """Attention variants on the GPU: packed sequences against FlexAttention and SDPA on nested tensors,
 and what sinks and soft-capping cost over the plain causal kernel.
 
-    python -m benchmarks.variants                        # both parts, bf16, E 64 and 128
+    python -m benchmarks.variants                        # every part, bf16, E 64 and 128
     python -m benchmarks.variants --part packed --packs 16384 --time-budget 300
     python -m benchmarks.variants --part overhead --seqs 4096
 
@@ -21,6 +21,9 @@ contenders see the same pack:
 Part ``overhead``: B·L = 32k tokens, heads·E = 2048, causal, forward and forward+backward, ours
 plain against ours with ``sinks=``, with ``softcap=50``, and with both; the ratio is variant/plain.
 
+Part ``hf_step``: an HF Llama training step on a 16k pack, packed ``position_ids`` against the
+pack's dense block-diagonal mask (``run_hf_step``).
+
 Every step runs for ``--heat-ms`` before it is timed (``benchmarks/common.heat``), then
 ``do_bench``'s median. The JSON and a plot go to ``--out``.
 """
@@ -34,8 +37,8 @@ import time
 
 import torch
 
-from benchmarks.common import (DTYPES, ProviderError, bench_ms, compiled_flex, environment, first_line, heat,
-                               module_command, output_stem, progress, release_memory, write_record)
+from benchmarks.common import (DTYPES, bench_ms, compiled_flex, environment, first_line, heat, module_command, progress,
+                               release_memory, write_record)
 
 E_CHOICES = (64, 128)
 
@@ -171,6 +174,47 @@ def run_overhead(args, dtype, records, deadline):
         release_memory()
 
 
+def run_hf_step(args, dtype, records, deadline):
+    """An HF Llama training step (forward+backward, 4 layers, E 128, GQA 4:1) on a packed batch under
+    ``attn_implementation="inductor_stable"``: the sequences given as packed ``position_ids`` (what
+    ``DataCollatorWithFlattening`` gives; varlen underneath) against the same step given the pack's
+    dense block-diagonal 4-D mask (every score computed, the mask read)."""
+    import transformers
+
+    import flash_inductor.transformers  # noqa: F401  (registers inductor_stable)
+
+    config = transformers.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+                                      num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
+                                      max_position_embeddings=max(args.packs), attn_implementation="inductor_stable")
+    model = transformers.LlamaForCausalLM(config).to(args.device, dtype)
+    for pack in progress([p for p in args.packs if p <= 16384], "hf_step"):
+        lengths = document_lengths(pack, seed=pack)
+        ids = torch.randint(0, config.vocab_size, (1, pack), device=args.device)
+        positions = torch.cat([torch.arange(n, device=args.device) for n in lengths])[None]
+        doc = torch.repeat_interleave(torch.arange(len(lengths), device=args.device),
+                                      torch.tensor(lengths, device=args.device))
+        block_diagonal = ((doc[:, None] == doc[None, :]).tril())[None, None]
+        steps = {
+            "packed-position-ids": lambda: model(input_ids=ids, position_ids=positions, labels=ids).loss.backward(),
+            "dense-block-diagonal": lambda: model(input_ids=ids, position_ids=positions, attention_mask=block_diagonal,
+                                                  labels=ids).loss.backward(),
+        }
+        for name, step in steps.items():
+            cell = dict(part="hf_step", pack=pack, documents=len(lengths), provider=name, dtype=args.dtype)
+            if time.monotonic() > deadline:
+                records.append(dict(cell, status="skipped", error="--time-budget spent"))
+                continue
+            try:
+                ms = _time(step, args)
+                records.append(dict(cell, status="ok", ms=ms))
+                print(f"hf_step {pack} {name}: {ms:.2f} ms", flush=True)
+            except Exception as exc:
+                records.append(dict(cell, status="error", error=first_line(exc)))
+                print(f"hf_step {pack} {name}: {first_line(exc)}", file=sys.stderr, flush=True)
+            model.zero_grad(set_to_none=True)
+            release_memory()
+
+
 def ratios(records) -> list[str]:
     """One line per cell: ours against each contender (contender ms / ours ms, > 1 = ours faster),
     and each variant's time over plain."""
@@ -185,6 +229,12 @@ def ratios(records) -> list[str]:
                     ratio = "" if note else f"  ours {other['ms'] / r['ms']:.2f}x"
                     lines.append(f"packed {r['pack']:>6} E{r['head_dim']:<3} vs {other['provider']:<16}"
                                  f"{ratio}{note}  ({r['ms']:.2f} vs {other['ms']:.2f} ms)")
+        if r["part"] == "hf_step" and r["provider"] == "packed-position-ids":
+            dense = [o for o in ok if o["part"] == "hf_step" and o["provider"] == "dense-block-diagonal"
+                     and o["pack"] == r["pack"]]
+            if dense:
+                lines.append(f"hf_step {r['pack']:>6} packed {dense[0]['ms'] / r['ms']:.2f}x the dense block-diagonal "
+                             f"step ({r['ms']:.1f} vs {dense[0]['ms']:.1f} ms)")
         if r["part"] == "overhead" and r["variant"] != "plain":
             plain = [o for o in ok if o["part"] == "overhead" and o["variant"] == "plain" and
                      (o["seq"], o["head_dim"], o["mode"]) == (r["seq"], r["head_dim"], r["mode"])]
@@ -234,7 +284,7 @@ def plot(records, path, title=""):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=("packed", "overhead", "both"), default="both")
+    p.add_argument("--part", choices=("packed", "overhead", "hf_step", "all"), default="all")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--packs", default="16384,65536")
@@ -261,12 +311,11 @@ def main(argv=None):
         p.error(f"--out {args.out} exists and is not a directory")
     dtype = DTYPES[args.dtype]
     deadline = time.monotonic() + (args.time_budget or math.inf)
-    print(f"variants: parts {args.part}, {args.dtype}, E {args.head_dims}; about 2-6 min on an H100", flush=True)
+    print(f"variants: part {args.part}, {args.dtype}, E {args.head_dims}; about 3-6 min on an H100", flush=True)
     records = []
-    if args.part in ("packed", "both"):
-        run_packed(args, dtype, records, deadline)
-    if args.part in ("overhead", "both"):
-        run_overhead(args, dtype, records, deadline)
+    for part, run in (("packed", run_packed), ("overhead", run_overhead), ("hf_step", run_hf_step)):
+        if args.part in (part, "all"):
+            run(args, dtype, records, deadline)
     env = environment(module_command("benchmarks.variants", argv))
     path = write_record(args.out, "variants", env, dict(records=records, ratios=ratios(records)), tag=None)
     print("\n".join(ratios(records)))

@@ -1,0 +1,43 @@
+"""benchmarks/variants.py on CPU: its packs and its argument errors (the timed steps need a GPU)."""
+
+import pytest
+
+from benchmarks import variants
+
+
+@pytest.mark.parametrize("total", [16384, 65536, 1000])
+def test_document_lengths_fill_the_pack_within_bounds(total):
+    lengths = variants.document_lengths(total, seed=total)
+    assert sum(lengths) == total
+    assert all(128 <= n <= 8192 for n in lengths[:-1]) or total < 128
+    assert len(lengths) > 1 or total <= 8192
+    assert variants.document_lengths(total, seed=total) == lengths  # seeded
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--head-dims", "96"], "--head-dims takes"),
+    (["--packs", "abc"], "comma-separated integers"),
+    (["--seqs", "64"], "at least 128"),
+])
+def test_bad_arguments_are_one_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        variants.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_ratios_pair_each_contender_with_ours():
+    records = [
+        dict(part="packed", pack=16384, head_dim=64, provider="ours", causal=True, status="ok", ms=2.0),
+        dict(part="packed", pack=16384, head_dim=64, provider="flex", causal=True, status="ok", ms=3.0),
+        dict(part="packed", pack=16384, head_dim=64, provider="sdpa-nested", causal=False, status="ok", ms=1.0),
+        dict(part="overhead", seq=4096, head_dim=64, mode="fwd", variant="plain", status="ok", ms=1.0),
+        dict(part="overhead", seq=4096, head_dim=64, mode="fwd", variant="sinks", status="ok", ms=1.04),
+        dict(part="hf_step", pack=16384, provider="packed-position-ids", status="ok", ms=10.0),
+        dict(part="hf_step", pack=16384, provider="dense-block-diagonal", status="ok", ms=15.0),
+    ]
+    lines = variants.ratios(records)
+    assert any("flex" in line and "ours 1.50x" in line for line in lines)
+    assert any("sdpa-nested" in line and "no ratio" in line for line in lines)
+    assert any("sinks" in line and "1.040x plain" in line for line in lines)
+    assert any("hf_step" in line and "1.50x" in line for line in lines)
