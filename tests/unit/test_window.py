@@ -353,8 +353,8 @@ def test_reference_path_skips_chunks_outside_the_band(monkeypatch):
     seen = []
     real = reference._chunk_scores
     monkeypatch.setattr(reference, "_chunk_scores",
-                        lambda problem, gq, kc, mask, band, scale, start, stop: seen.append(start) or
-                        real(problem, gq, kc, mask, band, scale, start, stop))
+                        lambda problem, gq, kc, mask, band, scale, start, stop, *rest: seen.append(start) or
+                        real(problem, gq, kc, mask, band, scale, start, stop, *rest))
     q, k, v = make_qkv(1, 1, 1, 64, 1024, 8, 8, torch.float32, "cpu")
     flash_inductor.flash_attention(q, k, v, window=(100, 0))  # rows 0-63 see keys 860-1023 (S - L = 960)
     assert sorted(set(seen)) == [768, 896]
