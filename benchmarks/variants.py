@@ -128,6 +128,21 @@ def _time(step, args):
     return bench_ms(step, args.warmup, args.rep)
 
 
+def _measure(records, cell, make_step, args, deadline, label):
+    """Time one contender into ``records`` (one line either way): skipped past the deadline, and a
+    failure recorded with its first line rather than ending the run."""
+    if time.monotonic() > deadline:
+        records.append(dict(cell, status="skipped", error="--time-budget spent"))
+        return
+    try:
+        ms = _time(make_step(), args)
+        records.append(dict(cell, status="ok", ms=ms))
+        print(f"{label}: {ms:.3f} ms", flush=True)
+    except Exception as exc:
+        records.append(dict(cell, status="error", error=first_line(exc)))
+        print(f"{label}: {first_line(exc)}", file=sys.stderr, flush=True)
+
+
 def run_packed(args, dtype, records, deadline):
     cells = [(pack, e) for pack in args.packs for e in args.head_dims]
     for pack, head_dim in progress(cells, "packed"):
@@ -137,16 +152,8 @@ def run_packed(args, dtype, records, deadline):
         for provider in providers:
             cell = dict(part="packed", pack=pack, head_dim=head_dim, documents=len(lengths), provider=provider,
                         causal=provider != "sdpa-nested", dtype=args.dtype)
-            if time.monotonic() > deadline:
-                records.append(dict(cell, status="skipped", error="--time-budget spent"))
-                continue
-            try:
-                ms = _time(packed_step(provider, lengths, q, k, v, dout, cu), args)
-                records.append(dict(cell, status="ok", ms=ms))
-                print(f"packed {pack} E{head_dim} {provider}: {ms:.3f} ms", flush=True)
-            except Exception as exc:  # one contender's failure is a recorded line, not the end of the run
-                records.append(dict(cell, status="error", error=first_line(exc)))
-                print(f"packed {pack} E{head_dim} {provider}: {first_line(exc)}", file=sys.stderr, flush=True)
+            _measure(records, cell, lambda: packed_step(provider, lengths, q, k, v, dout, cu), args, deadline,
+                     f"packed {pack} E{head_dim} {provider}")
             release_memory()
 
 
@@ -161,16 +168,8 @@ def run_overhead(args, dtype, records, deadline):
         for variant in ("plain", "sinks", "softcap", "sinks+softcap"):
             cell = dict(part="overhead", seq=seq, batch=batch, head_dim=head_dim, mode=mode, variant=variant,
                         dtype=args.dtype)
-            if time.monotonic() > deadline:
-                records.append(dict(cell, status="skipped", error="--time-budget spent"))
-                continue
-            try:
-                ms = _time(overhead_step(variant, q, k, v, dout, sinks, mode), args)
-                records.append(dict(cell, status="ok", ms=ms))
-                print(f"overhead L{seq} E{head_dim} {mode} {variant}: {ms:.3f} ms", flush=True)
-            except Exception as exc:
-                records.append(dict(cell, status="error", error=first_line(exc)))
-                print(f"overhead L{seq} E{head_dim} {mode} {variant}: {first_line(exc)}", file=sys.stderr, flush=True)
+            _measure(records, cell, lambda: overhead_step(variant, q, k, v, dout, sinks, mode), args, deadline,
+                     f"overhead L{seq} E{head_dim} {mode} {variant}")
         release_memory()
 
 
@@ -201,16 +200,7 @@ def run_hf_step(args, dtype, records, deadline):
         }
         for name, step in steps.items():
             cell = dict(part="hf_step", pack=pack, documents=len(lengths), provider=name, dtype=args.dtype)
-            if time.monotonic() > deadline:
-                records.append(dict(cell, status="skipped", error="--time-budget spent"))
-                continue
-            try:
-                ms = _time(step, args)
-                records.append(dict(cell, status="ok", ms=ms))
-                print(f"hf_step {pack} {name}: {ms:.2f} ms", flush=True)
-            except Exception as exc:
-                records.append(dict(cell, status="error", error=first_line(exc)))
-                print(f"hf_step {pack} {name}: {first_line(exc)}", file=sys.stderr, flush=True)
+            _measure(records, cell, lambda: step, args, deadline, f"hf_step {pack} {name}")
             model.zero_grad(set_to_none=True)
             release_memory()
 

@@ -399,7 +399,8 @@ def _attn_bwd_dkdv(
     h_kv = (bh_kv % H_KV).to(tl.int64)
     packed_rows = (0, 0)  # (q_start, total_q) under VARLEN
     if VARLEN:
-        q_start, k_start, L_seq, S_seq, shift = packed_sequence(CU_Q, CU_K, b, diag_shift, L, S)
+        q_start, k_start, L_seq, S_seq, causal_offset, window_lower = packed_sequence(
+            CU_Q, CU_K, b, diag_shift, L, S, causal_offset, window_lower)
         packed_rows = (q_start, L)
         Q += q_start * stride_qm
         DO += q_start * stride_dom
@@ -407,8 +408,6 @@ def _attn_bwd_dkdv(
         V += k_start * stride_vn
         DK += k_start * stride_dkn
         DV += k_start * stride_dvn
-        causal_offset += shift
-        window_lower += shift
         S = S_seq
         L = tl.where(start_n < S_seq, L_seq, 0)  # a program past its sequence's keys visits no query
     offs_n, offs_m_base, offs_e, offs_ev = block_offsets(start_n, BLOCK_OWN=BLOCK_N, BLOCK_LOOP=BLOCK_M,
@@ -561,15 +560,14 @@ def _attn_bwd_dq(
     bh, b, h, h_kv = query_heads(H_Q, GROUP)
     row_base = bh.to(tl.int64) * L  # this program's first row of the flat row vectors
     if VARLEN:
-        q_start, k_start, L_seq, S_seq, shift = packed_sequence(CU_Q, CU_K, b, diag_shift, L, S)
+        q_start, k_start, L_seq, S_seq, causal_offset, window_lower = packed_sequence(
+            CU_Q, CU_K, b, diag_shift, L, S, causal_offset, window_lower)
         row_base = h * L + q_start  # the row vectors are (Hq, total_q)
         Q += q_start * stride_qm
         DO += q_start * stride_dom
         DQ += q_start * stride_dqm
         K += k_start * stride_kn
         V += k_start * stride_vn
-        causal_offset += shift
-        window_lower += shift
         L = L_seq
         S = tl.where(start_m < L_seq, S_seq, 0)  # a program past its sequence's rows visits no key
     offs_m, offs_n_base, offs_e, offs_ev = block_offsets(start_m, BLOCK_OWN=BLOCK_M, BLOCK_LOOP=BLOCK_N,

@@ -189,14 +189,13 @@ def _attn_fwd(
     seed = dropout_seed(SEED, HAS_DROPOUT=HAS_DROPOUT)
     row_base = bh.to(tl.int64) * L  # this program's first row of the flat LSE rows
     if VARLEN:
-        q_start, k_start, L_seq, S_seq, shift = packed_sequence(CU_Q, CU_K, b, diag_shift, L, S)
+        q_start, k_start, L_seq, S_seq, causal_offset, window_lower = packed_sequence(
+            CU_Q, CU_K, b, diag_shift, L, S, causal_offset, window_lower)
         row_base = h * L + q_start  # LSE is (Hq, total_q)
         Q += q_start * stride_qm
         OUT += q_start * stride_om
         K += k_start * stride_kn
         V += k_start * stride_vn
-        causal_offset += shift
-        window_lower += shift
         L = L_seq
         S = tl.where(start_m < L_seq, S_seq, 0)  # a program past its sequence's rows visits no key
         seed = seed + b

@@ -139,20 +139,21 @@ def query_heads(H_Q, GROUP):
 
 
 @triton.jit
-def packed_sequence(CU_Q, CU_K, b, diag_shift, total_q, total_k):
-    """Sequence ``b`` of a packed (VARLEN) launch: (q_start, k_start, L, S, shift). Its rows are
-    ``[CU_Q[b], CU_Q[b + 1])`` of the packed query, its keys ``[CU_K[b], CU_K[b + 1])``; ``shift``
-    moves the band's offsets, given relative to the diagonal j = i, to this sequence's bottom-right
-    diagonal (``diag_shift`` 1, FlashAttention's alignment) or leaves them (0, top-left). Offsets
-    are clamped to the packed lengths, so malformed ones (which the Python entry points refuse
-    eagerly) cannot address outside the tensors."""
+def packed_sequence(CU_Q, CU_K, b, diag_shift, total_q, total_k, causal_offset, window_lower):
+    """Sequence ``b`` of a packed (VARLEN) launch: (q_start, k_start, L, S, causal_offset,
+    window_lower). Its rows are ``[CU_Q[b], CU_Q[b + 1])`` of the packed query, its keys
+    ``[CU_K[b], CU_K[b + 1])``; the band's offsets, given relative to the diagonal j = i, move to
+    this sequence's bottom-right diagonal (``diag_shift`` 1, FlashAttention's alignment) or stay
+    (0, top-left). Offsets are clamped to the packed lengths, so malformed ones (which the Python
+    entry points refuse eagerly) cannot address outside the tensors."""
     q_start = tl.minimum(tl.maximum(tl.load(CU_Q + b), 0), total_q)
     k_start = tl.minimum(tl.maximum(tl.load(CU_K + b), 0), total_k)
     q_stop = tl.minimum(tl.maximum(tl.load(CU_Q + b + 1), q_start), total_q)
     k_stop = tl.minimum(tl.maximum(tl.load(CU_K + b + 1), k_start), total_k)
     seq_q = (q_stop - q_start).to(tl.int32)
     seq_k = (k_stop - k_start).to(tl.int32)
-    return q_start.to(tl.int64), k_start.to(tl.int64), seq_q, seq_k, (seq_k - seq_q) * diag_shift
+    shift = (seq_k - seq_q) * diag_shift
+    return q_start.to(tl.int64), k_start.to(tl.int64), seq_q, seq_k, causal_offset + shift, window_lower + shift
 
 
 @triton.jit
