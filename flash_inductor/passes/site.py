@@ -26,7 +26,7 @@ log = logging.getLogger("flash_inductor")
 
 def rewritten_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-    schedule=None, monitor_site=None, window=None,
+    schedule=None, monitor_site=None, window=None, softcap=None, sinks=None,
 ):
     """The call the pass inserts: flash_attention with SDPA's argument order.
 
@@ -34,9 +34,14 @@ def rewritten_attention(
     pickle; AOTAutograd traces through it into ``flash_inductor::attention_forward``.
     ``monitor_site`` (set only by ``make_backend(monitor=True)``) adds the recording ops of
     ``flash_inductor.monitoring``; whether a session is active while compiling plays no part.
-    ``window`` is the op's ``(left, right)`` sliding window, passed only when a site has one.
+    ``window`` is the op's ``(left, right)`` sliding window, ``softcap`` its logit cap and ``sinks``
+    its per-head sink logits ``(Hq,)``, each passed only when a site has one.
     """
     extra = {} if window is None else {"window": tuple(window)}
+    if softcap is not None:
+        extra["softcap"] = softcap
+    if sinks is not None:
+        extra["sinks"] = sinks
     return attention(
         query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
         scale=scale, enable_gqa=enable_gqa, schedule=schedule, monitor_site=monitor_site, **extra,
@@ -81,6 +86,11 @@ class AttentionSite:
     # Every query row of the op's mask is the same (``key_mask.py``): the op gets the first row
     # alone, ``mask[..., 0:1, :]``, which its Hopper kernels take as a per-key bias.
     key_mask: bool = False
+    # Logit soft-capping ``c * tanh(s / c)`` before the mask (Gemma 2), or None.
+    softcap: Optional[float] = None
+    # A node holding one sink logit per query head, in any shape with Hq elements (gpt-oss's
+    # ``module.sinks``): the call gets it reshaped to ``(Hq,)``. None without sinks.
+    sinks: Optional[fx.Node] = None
 
 
 @dataclasses.dataclass
@@ -125,6 +135,10 @@ def describe_rewrite(site: AttentionSite, schedule: Optional[str] = None) -> str
     parts.append("causal" if site.is_causal else "no mask" if not parts else None)
     if site.enable_gqa:
         parts.append("GQA")
+    if site.softcap is not None:
+        parts.append(f"softcap {site.softcap:g}")
+    if site.sinks is not None:
+        parts.append("sinks")
     if site.dropout_p:
         parts.append(f"dropout {site.dropout_p:g}")
     if site.scale is not None:
@@ -152,6 +166,8 @@ def _forward_kernel(site: AttentionSite, schedule: Optional[str]) -> Optional[st
     query, key, value = (example_value(node) for node in (site.query, site.key, site.value))
     if query is None or key is None or value is None or not query.is_cuda:
         return None
+    if site.softcap is not None:
+        return "on the blocked reference path: the kernels do not take softcap yet"
     mask = example_value(site.attn_mask) if site.attn_mask is not None else None
     try:
         if mask is not None and site.key_mask:
@@ -266,6 +282,10 @@ def rewrite_site(graph: fx.Graph, site: AttentionSite, schedule: Optional[str],
                 kwargs["monitor_site"] = monitor_site
             if has_window(site.window):
                 kwargs["window"] = tuple(site.window)
+            if site.softcap is not None:
+                kwargs["softcap"] = float(site.softcap)
+            if site.sinks is not None:
+                kwargs["sinks"] = graph.call_method("reshape", (site.sinks, -1))
             call = graph.call_function(rewritten_attention, (q, k, v), kwargs)
             replacement = site.epilogue(graph, call) if site.epilogue is not None else call
         check_replacement(inserted(), site.output, replacement)

@@ -13,7 +13,8 @@ float bias included):
 
 Where it is not exact, the site is kept with the reason and the graph computes exactly what
 eager does: a negative or traced scale after a mask, a per-head tensor scale, a bias computed
-from the scores, a finite fill scaled until it no longer hides keys, soft-capping.
+from the scores, a finite fill scaled until it no longer hides keys, a mask inside the soft-cap's
+tanh (soft-capping itself: test_pass_variants.py).
 
 Compiled with the pass and AOTAutograd, the graphs run as traced (model_zoo.pass_then_aot_eager):
 the decisions and the op are the backend's; Inductor's code generation is covered elsewhere.
@@ -202,10 +203,10 @@ class NegatedScores(nn.Module):  # bias - scores: the scores enter with a negati
         return torch.softmax(mask - _scores(q, k) * C, dim=-1) @ v
 
 
-class SoftCapped(nn.Module):  # Gemma 2: cap * tanh(scores / cap)
+class MaskInsideSoftCap(nn.Module):  # Gemma 2's cap * tanh(scores / cap), but the mask added first
     def forward(self, q, k, v, mask):
-        capped = torch.tanh(_scores(q, k) * C / 50.0) * 50.0
-        return torch.softmax(capped + mask, dim=-1) @ v
+        capped = torch.tanh((_scores(q, k) * C + mask) / 50.0) * 50.0
+        return torch.softmax(capped, dim=-1) @ v
 
 
 KEPT = {
@@ -216,7 +217,7 @@ KEPT = {
     "bias_from_the_scores": (BiasFromScores, lambda: _qkv(), "also used by"),
     "finite_fill_scaled_away": (FillScaledAway, lambda: (*_qkv(), _hidden()), "no longer acts as a mask"),
     "negated_scores": (NegatedScores, lambda: (*_qkv(), _padding()), "not a supported step"),
-    "soft_capping": (SoftCapped, lambda: (*_qkv(), _padding()), "soft-capped by tanh"),
+    "mask_inside_soft_cap": (MaskInsideSoftCap, lambda: (*_qkv(), _padding()), "before the tanh"),
 }
 
 
