@@ -151,6 +151,23 @@ def _gemma2(impl: str, **overrides) -> nn.Module:
     return T.Gemma2Model(T.Gemma2Config(**{**config, **overrides}, attn_implementation=impl))
 
 
+def _gpt_oss(impl: str, **overrides) -> nn.Module:
+    import transformers as T
+
+    # Attention sinks (a learned logit per head) in "eager"; sliding-window layers alternate with
+    # global ones. The experts run as plain PyTorch: the grouped-matmul fallback has no backward
+    # through AOTAutograd on CPU.
+    config = dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS,
+                  vocab_size=VOCAB, max_position_embeddings=2 * SEQ, attention_dropout=0.0, sliding_window=8,
+                  num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager", **_TOKEN_IDS)
+    model = T.GptOssModel(T.GptOssConfig(**{**config, **overrides}, attn_implementation=impl))
+    with torch.no_grad():  # HF initialises the sinks near 0 (std 0.02): unit-scale ones matter more
+        for layer in model.layers:
+            layer.self_attn.sinks.normal_()
+    return model
+
+
 def _roberta(impl: str, **overrides) -> nn.Module:
     import transformers as T
 
@@ -383,7 +400,9 @@ CASES = {
     "opt": ModelCase(_opt, token_inputs, _layers("decoder.layers.{}.self_attn"), _ADDITIVE),
     # HF's SDPA path drops the soft-capping (it cannot express it), so only "eager" applies it.
     "gemma2": ModelCase(_gemma2, token_inputs, _layers("layers.{}.self_attn"),
-                        dict(eager=KEPT + "soft-capped by tanh", sdpa="sdpa_repeat_kv")),
+                        dict(eager="handwritten_softcap", sdpa="sdpa_repeat_kv")),
+    "gpt_oss": ModelCase(_gpt_oss, token_inputs, _layers("layers.{}.self_attn"), dict(eager="handwritten_sinks"),
+                         impls=("eager",)),
     # Encoders
     "bert": ModelCase(_bert, token_inputs, _layers("encoder.layer.{}.attention.self"), _ADDITIVE, default=True),
     "roberta": ModelCase(_roberta, token_inputs, _layers("encoder.layer.{}.attention.self"), _ADDITIVE),
