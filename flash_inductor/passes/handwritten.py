@@ -19,7 +19,10 @@ What is folded into the op's arguments:
   * repeat_kv / repeat_interleave / a broadcast K/V head -> ``enable_gqa=True`` with the
     un-repeated K/V;
   * dropout on the probabilities -> ``dropout_p``; fp32 upcasts around the softmax -> nothing
-    (the op computes in fp32 anyway).
+    (the op computes in fp32 anyway);
+  * ``cap * tanh(scores / cap)`` before the masks -> ``softcap=cap`` (``softcap.py``);
+  * a per-head sink column concatenated to the scores and dropped from the probabilities ->
+    ``sinks=`` (``sinks.py``), and a row-max shift of the softmax input -> nothing.
 """
 
 from __future__ import annotations

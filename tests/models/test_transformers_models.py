@@ -4,10 +4,9 @@
 The families (``model_zoo.CASES``) span decoder-only models (GPT-2; Llama, Mistral with a sliding
 window, Qwen2: GQA; Falcon-7B's multi-query layout; Falcon and Bloom with ALiBi; GPT-NeoX and Phi:
 parallel residual, partial rotary, Phi's qk-norm; OPT; Gemma 2's soft-capping; gpt-oss's attention
-sinks), encoders (BERT,
-RoBERTa, DeBERTa-v2's disentangled attention), encoder-decoders with cross-attention (T5, BART),
-vision (ViT; Swin: windows, shift mask, relative position bias) and speech (Whisper, Wav2Vec2).
-Tiny random configs (``model_zoo.py``), nothing downloaded. For every model and implementation:
+sinks), encoders (BERT, RoBERTa, DeBERTa-v2's disentangled attention), encoder-decoders with
+cross-attention (T5, BART), vision (ViT; Swin: windows, shift mask, relative position bias) and
+speech (Whisper, Wav2Vec2). Tiny random configs (``model_zoo.py``), nothing downloaded. For every model and implementation:
 
 * training (``model.train()``, a right-padded batch, so the masks are real): every attention
   site is reported under the expected pattern and module path, rewritten, or kept with a reason
