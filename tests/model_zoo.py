@@ -476,6 +476,41 @@ def pass_then_aot_eager():
     return backend
 
 
+def pass_only(module, *inputs, **compile_kwargs) -> torch.fx.GraphModule:
+    """The dynamo graph of ``module(*inputs)`` after our pass alone; the compiled module runs that
+    graph as is (no AOTAutograd, no Inductor) and is ``gm.meta["compiled"]``: a kept site must
+    compute exactly what eager does."""
+    from flash_inductor.passes.graph_pass import FlashAttentionPass
+
+    captured = {}
+
+    def backend(gm, example_inputs):
+        FlashAttentionPass()(gm.graph)
+        gm.recompile()
+        captured["gm"] = gm
+        return gm.forward
+
+    compiled = torch.compile(module, backend=backend, **compile_kwargs)
+    compiled(*inputs)
+    captured["gm"].meta["compiled"] = compiled
+    return captured["gm"]
+
+
+def assert_kept_as_eager(module, inputs, reason: str) -> None:
+    """The pass keeps the one attention site of ``module(*inputs)`` with ``reason`` in its reason,
+    inserts no op call, and the graph it leaves computes exactly what eager does."""
+    from flash_inductor.passes.report import REPORTS
+    from flash_inductor.passes.site import rewritten_attention
+
+    REPORTS.clear()
+    gm = pass_only(module, *inputs)
+    records = [r for report in REPORTS for r in report.sites]
+    assert [r.status for r in records] == ["kept"], "\n".join(map(str, REPORTS))
+    assert reason in records[0].reason, records[0].reason
+    assert not [n for n in gm.graph.nodes if n.target is rewritten_attention]
+    torch.testing.assert_close(gm.meta["compiled"](*inputs), module(*inputs), rtol=0, atol=0, equal_nan=True)
+
+
 def compile_backend(full: Optional[bool] = None):
     """``flash_inductor.backend`` when full Inductor is wanted (see above), else the pass with
     AOTAutograd run eagerly."""

@@ -21,11 +21,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from flash_inductor.passes.graph_pass import FlashAttentionPass
 from flash_inductor.passes.report import REPORTS
 from flash_inductor.passes.site import rewritten_attention
 from helpers import assert_close_to_ref, randn
-from model_zoo import pass_then_aot_eager
+from model_zoo import assert_kept_as_eager, pass_only, pass_then_aot_eager
 
 B, H, HKV, L, S, E = 2, 4, 2, 7, 9, 8
 CAP = 5.0  # small enough that the cap bends the scores of these random inputs
@@ -152,14 +151,14 @@ def test_rewritten_and_matches_eager(case):
 
 def test_softcap_scale_absorbs_the_split():
     """``c * tanh(a * s)`` is the op's softcap c with scale a * c, however a is split."""
-    gm = _pass_only(Gemma2(), *_inputs())
+    gm = pass_only(Gemma2(), *_inputs())
     (call,) = [n for n in gm.graph.nodes if n.target is rewritten_attention]
     assert call.kwargs["softcap"] == CAP and math.isclose(call.kwargs["scale"], SCALE)
 
 
 def test_sinks_reach_the_op_per_head():
     module = GptOss()
-    gm = _pass_only(module, *_inputs())
+    gm = pass_only(module, *_inputs())
     (call,) = [n for n in gm.graph.nodes if n.target is rewritten_attention]
     assert tuple(call.kwargs["sinks"].meta["example_value"].shape) == (H,)
     assert not [n for n in gm.graph.nodes if n.target is torch.cat]
@@ -261,30 +260,7 @@ KEPT = {
 }
 
 
-def _pass_only(module, *inputs):
-    """The dynamo graph of ``module`` after our pass; ``gm.meta["compiled"]`` runs it as is."""
-    captured = {}
-
-    def backend(gm, example_inputs):
-        FlashAttentionPass()(gm.graph)
-        gm.recompile()
-        captured["gm"] = gm
-        return gm.forward
-
-    compiled = torch.compile(module, backend=backend)
-    compiled(*inputs)
-    captured["gm"].meta["compiled"] = compiled
-    return captured["gm"]
-
-
 @pytest.mark.parametrize("case", list(KEPT))
 def test_near_miss_is_kept_with_its_reason(case):
     factory, reason = KEPT[case]
-    module, inputs = factory(), _inputs()
-    REPORTS.clear()
-    gm = _pass_only(module, *inputs)
-    records = [r for report in REPORTS for r in report.records]
-    assert [r.status for r in records] == ["kept"], "\n".join(map(str, REPORTS))
-    assert reason in records[0].reason, records[0].reason
-    assert not [n for n in gm.graph.nodes if n.target is rewritten_attention]
-    torch.testing.assert_close(gm.meta["compiled"](*inputs), module(*inputs), rtol=0, atol=0)
+    assert_kept_as_eager(factory(), _inputs(), reason)
