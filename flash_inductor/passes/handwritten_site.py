@@ -29,6 +29,7 @@ from .fx_match import (
     call_ancestors,
 )
 from .key_mask import describe_key_mask, handwritten_key_mask
+from .packed import read_packed
 from .site import AttentionSite
 from .window import causal_or_window, handwritten_window
 
@@ -166,6 +167,7 @@ class Plan:
     key_mask: bool = False  # every query row of the masks is the same: the op gets one (key_mask.py)
     softcap: Optional[float] = None
     sinks: Optional[fx.Node] = None
+    sequence_ids: Optional[fx.Node] = None  # packed sequences (packed.py)
 
 
 # ------------------------------------------------------------------------------------------
@@ -328,8 +330,14 @@ def assemble(match: Match, context: Context) -> AttentionSite:
     is_causal = bool(fills) and len(fills) == len(masks) and all(f.causal is not None for f in fills)
     # Mistral / Qwen2 / Gemma / Phi-3 "eager" with sliding_window, Longformer-style local masks:
     # masks that together are a band become the op's window (window.py says when that is exact).
-    read = None if is_causal or not masks else handwritten_window(masks, [f.value for f in fills], *scores[-2:])
+    # HF's packed batches (packed.py): causal AND same-sequence runs on the varlen op.
+    ids = None if is_causal or not masks or len(fine) != 2 or not _packs(q_shape, k_shape, v_shape, fine) \
+        else read_packed(masks, fine[0], *scores[-2:])
+    read = None if is_causal or not masks or ids is not None \
+        else handwritten_window(masks, [f.value for f in fills], *scores[-2:])
     window, banded = None, []
+    if ids is not None:
+        is_causal, banded, fills, masks = True, [t.node for t in masks], [], []
     if read is not None:
         window, residual = read
         if not residual:  # the op's is_causal excludes a mask
@@ -365,7 +373,7 @@ def assemble(match: Match, context: Context) -> AttentionSite:
     for node in extra:
         consumed.update(call_ancestors(node))
     plan = Plan(
-        pattern=_pattern_name(match, is_causal, fills, bool(k_grouped), masks, bool(banded), window),
+        pattern=_pattern_name(match, is_causal, fills, bool(k_grouped), masks, bool(banded), window, ids),
         output=output, query=Operand(product.query, product.query_perm, q_shape, q_groups),
         key=Operand(match.key, product.key_perm, k_shape, q_groups),
         value=Operand(match.value, match.value_perm, v_shape, out_groups),
@@ -375,16 +383,24 @@ def assemble(match: Match, context: Context) -> AttentionSite:
         consumed=sorted(consumed, key=lambda n: context.order.get(n, -1)),
         resolve=context.resolve, replaced=context.replaced, anchors=[product.node, match.softmax],
         window=window, key_mask=key_mask, softcap=match.softcap,
-        sinks=match.sinks,
+        sinks=match.sinks, sequence_ids=ids,
     )
     return make_site(plan)
 
 
+def _packs(q_shape: tuple, k_shape: tuple, v_shape: tuple, fine: tuple) -> bool:
+    """q, k and v each (B, heads, L, E) with the op layout's batch: the varlen call packs their
+    rows without broadcasting."""
+    return all(len(shape) == 4 and known_equal(shape[:1], fine[:1]) for shape in (q_shape, k_shape, v_shape))
+
+
 def _pattern_name(match: Match, is_causal: bool, fills: list, grouped: bool, masks: list, banded: bool,
-                  window: Any) -> str:
+                  window: Any, plan_ids: Any = None) -> str:
     """The counter / report name: the site's most distinctive feature (sinks and soft-capping
     first; GQA before a causal band read from index arithmetic, which is HF's causal mask in
     every GQA decoder)."""
+    if plan_ids is not None:
+        return "handwritten_packed"
     if match.sinks is not None:
         return "handwritten_sinks"
     if match.softcap is not None:
@@ -501,7 +517,7 @@ def make_site(plan: Plan) -> AttentionSite:
         scale=plan.scale, enable_gqa=plan.enable_gqa, consumed=plan.consumed, prologue=prologue,
         epilogue=epilogue, mask_description=_describe_masks(plan), anchors=plan.anchors,
         on_rewritten=on_rewritten, window=plan.window, key_mask=plan.key_mask, softcap=plan.softcap,
-        sinks=plan.sinks,
+        sinks=plan.sinks, sequence_ids=plan.sequence_ids,
     )
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from ..api import attention
+from ..varlen import packed_attention
 from ..launch import decode, hopper, hopper_bwd
 from .guard import check_replacement, checked_insertion, describe_error
 
@@ -46,6 +47,25 @@ def rewritten_attention(
         query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
         scale=scale, enable_gqa=enable_gqa, schedule=schedule, monitor_site=monitor_site, **extra,
     )
+
+
+def packed_sequence_attention(query, key, value, sequence_ids, dropout_p=0.0, is_causal=False, scale=None,
+                              schedule=None, softcap=None, sinks=None):
+    """The call the pass inserts for packed sequences (``packed.py``): (B, H, L, E) attention in
+    which token t of row b sees only the tokens of its run of equal ``sequence_ids[b]`` (B, L),
+    non-decreasing along each row; causal within each run when ``is_causal``. The rows' tokens are
+    packed to (B*L, H, E) and run on the varlen op, one sequence per run (an id the row skips
+    is an empty sequence, so ``cu_seqlens`` has a fixed size B*L + 1: no data-dependent shape)."""
+    batch, heads, seq, dim = query.shape
+    packed = [t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[-1]) for t in (query, key, value)]
+    rows = torch.arange(batch, device=sequence_ids.device)[:, None] * seq
+    ids = (sequence_ids - sequence_ids[:, :1] + rows).reshape(-1)  # in [0, B*L), non-decreasing
+    lengths = torch.zeros(batch * seq, dtype=torch.int64, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
+    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    out = packed_attention(*packed, cu_seqlens, cu_seqlens, dropout_p, dim ** -0.5 if scale is None else scale,
+                           is_causal, causal_lower_right=True, softcap=softcap or 0.0, sinks=sinks,
+                           schedule=schedule)
+    return out.reshape(batch, seq, heads, out.shape[-1]).transpose(1, 2)
 
 
 @dataclasses.dataclass
@@ -91,6 +111,9 @@ class AttentionSite:
     # A node holding one sink logit per query head, in any shape with Hq elements (gpt-oss's
     # ``module.sinks``): the call gets it reshaped to ``(Hq,)``. None without sinks.
     sinks: Optional[fx.Node] = None
+    # Packed sequences (``packed.py``): the (B, L) sequence ids, or None. The call is then
+    # :func:`packed_sequence_attention` (no mask, window or monitoring).
+    sequence_ids: Optional[fx.Node] = None
 
 
 @dataclasses.dataclass
@@ -127,6 +150,8 @@ def describe_rewrite(site: AttentionSite, schedule: Optional[str] = None) -> str
     """The op arguments of a rewritten site, as the report prints them, and on a Hopper GPU which
     forward kernel will run it."""
     parts = [describe_window(site.window)] if has_window(site.window) else []
+    if site.sequence_ids is not None:
+        parts.append("packed sequences on varlen")
     if site.mask_description:
         parts.append(site.mask_description)
     elif site.attn_mask is not None:
@@ -286,7 +311,12 @@ def rewrite_site(graph: fx.Graph, site: AttentionSite, schedule: Optional[str],
                 kwargs["softcap"] = float(site.softcap)
             if site.sinks is not None:
                 kwargs["sinks"] = graph.call_method("reshape", (site.sinks, -1))
-            call = graph.call_function(rewritten_attention, (q, k, v), kwargs)
+            if site.sequence_ids is not None:
+                for name in ("attn_mask", "enable_gqa", "monitor_site"):
+                    kwargs.pop(name, None)
+                call = graph.call_function(packed_sequence_attention, (q, k, v, site.sequence_ids), kwargs)
+            else:
+                call = graph.call_function(rewritten_attention, (q, k, v), kwargs)
             replacement = site.epilogue(graph, call) if site.epilogue is not None else call
         check_replacement(inserted(), site.output, replacement)
     if "example_value" in site.output.meta:

@@ -107,7 +107,7 @@ def _rewrite(module, inputs, **compile_kwargs):
     for fn, dtype in ((torch.compile(module, backend=pass_then_aot_eager(), **compile_kwargs), None),
                       (module, None), (module, torch.float64)):
         REPORTS.clear()
-        leaves = [t.detach().to(dtype or t.dtype).requires_grad_() for t in inputs]
+        leaves = [t.detach().to(dtype or t.dtype).requires_grad_() if t.is_floating_point() else t for t in inputs]
         for p in params:
             p.grad = None
         with torch.no_grad():
@@ -115,7 +115,7 @@ def _rewrite(module, inputs, **compile_kwargs):
                 p.data = p.data.to(dtype or torch.float32)
         out = fn(*leaves)
         out.backward(_randn(out.shape, 9).to(out.dtype))
-        runs.append((out, [t.grad for t in leaves] + [p.grad for p in params],
+        runs.append((out, [t.grad if t.is_floating_point() else None for t in leaves] + [p.grad for p in params],
                      [r for report in REPORTS for r in report.records]))
     (ours, ours_g, records), (eager, eager_g, _), (golden, golden_g, _) = runs
     with torch.no_grad():
@@ -127,7 +127,7 @@ def _rewrite(module, inputs, **compile_kwargs):
     d_out = _randn(golden.shape, 9).double()
     terms = (d_out.abs() * golden.detach().abs()).sum(-1).sum((0, 2)).max().item()
     for i, (a, b, c) in enumerate(zip(ours_g, eager_g, golden_g)):
-        if c is not None:  # an input the module does not read
+        if c is not None:  # an input the module does not read, or an integer one
             assert_close_to_ref(f"grad {i}", a, c, b, terms=terms if i >= len(inputs) else None)
     return records
 
@@ -264,3 +264,57 @@ KEPT = {
 def test_near_miss_is_kept_with_its_reason(case):
     factory, reason = KEPT[case]
     assert_kept_as_eager(factory(), _inputs(), reason)
+
+
+# ------------------------------------------------------------------------------------------
+# Packed sequences: HF's causal AND same-sequence mask on the varlen op
+# ------------------------------------------------------------------------------------------
+
+POSITIONS = torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6, 0, 1]])  # (B, S): documents restart at 0
+
+
+class Packed(nn.Module):
+    """HF Llama "eager" on a padding-free batch: masking_utils' sequence ids from position_ids and
+    its dense mask (kv_idx <= q_idx) & (ids[b, q] == ids[b, kv]), as an additive finfo.min mask."""
+
+    def __init__(self, causal=True, ids_from_cumsum=True):
+        super().__init__()
+        self.causal, self.ids_from_cumsum = causal, ids_from_cumsum
+
+    def forward(self, q, k, v, position_ids):
+        if self.ids_from_cumsum:
+            diff = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+            ids = (diff != 1).cumsum(-1)
+        else:  # ids taken as given: nothing says a document is one contiguous run
+            ids = position_ids
+        b, i, j = torch.arange(q.shape[0])[:, None, None, None], torch.arange(S) + 0, torch.arange(S) + 0
+        i, j = i[None, None, :, None], j[None, None, None, :]
+        keep = ids[b, i] == ids[b, j]
+        if self.causal:
+            keep = (j <= i) & keep
+        mask = torch.where(keep.expand(q.shape[0], 1, S, S), torch.tensor(0.0), torch.finfo(torch.float32).min)
+        k, v = _repeat_kv(k, H // HKV), _repeat_kv(v, H // HKV)
+        w = torch.matmul(q, k.transpose(2, 3)) * SCALE + mask
+        return torch.matmul(F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _packed_inputs():
+    return _randn((B, H, S, E), 1), _randn((B, HKV, S, E), 2), _randn((B, HKV, S, E), 3)
+
+
+def test_packed_sequences_run_on_varlen_and_match_eager():
+    q, k, v = _packed_inputs()
+    records = _rewrite(Packed().train(), (q, k, v, POSITIONS))
+    assert [(r.pattern, r.rewritten) for r in records] == [("handwritten_packed", True)], records
+    assert "packed sequences on varlen, causal" in records[0].detail
+    gm = pass_only(Packed(), q, k, v, POSITIONS)
+    assert not [n for n in gm.graph.nodes if n.target is rewritten_attention]  # the varlen call instead
+
+
+@pytest.mark.parametrize("variant", [dict(causal=False), dict(ids_from_cumsum=False)], ids=["not_causal", "ids_given"])
+def test_packed_mask_it_cannot_prove_stays_dense(variant):
+    """Without the causal band, or with ids that need not be contiguous runs, the mask stays a
+    dense mask, as before: rewritten, matching eager."""
+    q, k, v = _packed_inputs()
+    records = _rewrite(Packed(**variant).train(), (q, k, v, POSITIONS))
+    assert [r.rewritten for r in records] == [True] and records[0].pattern != "handwritten_packed", records
