@@ -18,6 +18,7 @@ the dense path, as before.
 
 from __future__ import annotations
 
+import logging
 import operator
 from typing import Any, Optional
 
@@ -26,8 +27,11 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import band
-from .fx_match import bind, is_function, is_method, known_equal, tensor_value
-from .window import _additive_band, _band_of
+from .fx_match import bind, call_ancestors, is_function, is_method, known_equal, tensor_value
+from .site import AttentionSite, example_value
+from .window import _additive_band, _band_of, _in_graph_order
+
+log = logging.getLogger("flash_inductor")
 
 _CASTS = ("to", "bool", "contiguous")
 
@@ -85,22 +89,53 @@ def _sequence_lookup(node: Any, batch: Any, seq: Any) -> Optional[fx.Node]:
     return ids
 
 
+def _packed_ids(mask: fx.Node, is_bool: bool, attend_if: bool, factor: float, batch: Any, seq_q: Any,
+                seq_k: Any) -> Optional[fx.Node]:
+    """The sequence ids when ``mask`` (a bool condition, visible where it equals ``attend_if``, or
+    an additive mask times ``factor``) is exactly causal AND same-sequence, else None."""
+    if not statically_known_true(seq_q == seq_k):
+        return None
+    if is_bool:
+        found = _band_of(mask, seq_q, seq_k, attend_if)
+    else:
+        found = (_additive_band(mask, seq_q, seq_k, factor) or (None,))[0]
+    if found is None or len(found.residual) != 1 or found.residual[0][1]:
+        return None
+    window = band.to_window(found, seq_q, seq_k)
+    if window is None or window.as_argument() != (-1, 0):
+        return None
+    return _sequence_lookup(found.residual[0][0], batch, seq_q)
+
+
 def read_packed(terms: list, batch: Any, seq_q: Any, seq_k: Any) -> Optional[fx.Node]:
-    """The (B, L) sequence ids when the site's one mask term is causal AND same-sequence (module
-    docstring), else None. Never raises: a mask it cannot read stays as written."""
+    """A hand-written site's sequence ids when its one mask term (``handwritten_site.MaskTerm``)
+    is causal AND same-sequence, else None. Never raises: a mask it cannot read stays as written."""
     try:
-        if len(terms) != 1 or not statically_known_true(seq_q == seq_k):
+        if len(terms) != 1:
             return None
         (term,) = terms
-        if term.is_bool:
-            found = _band_of(term.node, seq_q, seq_k, term.attend_if)
-        else:
-            found = (_additive_band(term.node, seq_q, seq_k, term.factor) or (None,))[0]
-        if found is None or len(found.residual) != 1 or found.residual[0][1]:
-            return None
-        window = band.to_window(found, seq_q, seq_k)
-        if window is None or window.as_argument() != (-1, 0):
-            return None
-        return _sequence_lookup(found.residual[0][0], batch, seq_q)
+        return _packed_ids(term.node, term.is_bool, term.attend_if, term.factor, batch, seq_q, seq_k)
     except Exception:  # noqa: BLE001 -- an unreadable mask stays the mask as written
+        log.debug("flash_inductor: reading a packed-sequence mask failed; it stays as written", exc_info=True)
         return None
+
+
+def sdpa_packed(site: AttentionSite) -> AttentionSite:
+    """An SDPA site (HF "sdpa" on a packed batch) whose bool or additive mask is causal AND
+    same-sequence, on the varlen op; any other site as it was."""
+    query, key, value = (example_value(n) for n in (site.query, site.key, site.value))
+    mask = example_value(site.attn_mask)
+    if mask is None or site.is_causal or site.window is not None or site.prologue is not None \
+            or any(t is None or t.dim() != 4 for t in (query, key, value)) \
+            or not all(known_equal(t.shape[:1], query.shape[:1]) for t in (key, value)):
+        return site
+    try:
+        ids = _packed_ids(site.attn_mask, mask.dtype == torch.bool, True, 1.0, query.shape[0], query.shape[-2],
+                          key.shape[-2])
+    except Exception:  # noqa: BLE001 -- an unreadable mask stays the mask as written
+        log.debug("flash_inductor: reading %s's mask failed; it stays as written", site.output.name, exc_info=True)
+        return site
+    if ids is not None:
+        site.consumed = _in_graph_order([*site.consumed, *call_ancestors(site.attn_mask)])
+        site.attn_mask, site.is_causal, site.sequence_ids = None, True, ids
+    return site

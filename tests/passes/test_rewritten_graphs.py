@@ -243,6 +243,16 @@ class SoftCap(nn.Module):  # HF Gemma 2 eager: / softcap, tanh, * softcap, then 
         return torch.matmul(F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
+class Packed(nn.Module):  # HF Llama eager on a padding-free batch: causal AND same-document mask
+    def forward(self, q, k, v, position_ids):
+        ids = (torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+        b = torch.arange(B)[:, None, None, None]
+        i, j = (torch.arange(L) + 0)[None, None, :, None], (torch.arange(L) + 0)[None, None, None, :]
+        mask = torch.where((j <= i) & (ids[b, i] == ids[b, j]), torch.tensor(0.0), torch.finfo(torch.float32).min)
+        w = torch.matmul(q, k.transpose(2, 3)) * E**-0.5 + mask
+        return torch.matmul(F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 class Sinks(nn.Module):  # HF gpt-oss eager: the sink column concatenated, shifted, softmax, dropped
     def __init__(self):
         super().__init__()
@@ -428,6 +438,19 @@ v0 = self.sinks.reshape(1, -1, 1, 1)
 v1 = v0.reshape(-1)
 v2 = flash_inductor.passes.site.rewritten_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=0.5, enable_gqa=False, schedule=None, sinks=v1)
 return (v2,)""")
+
+    def test_handwritten_packed(self):
+        q, k, v = _qkv()
+        code = _rewritten(Packed(), q=q, k=k, v=v, position_ids=torch.tensor([[0, 1, 0]]))
+        self.assertEqual(_patterns(), [("handwritten_packed", True)])
+        self.assertExpectedInline(code, """\
+v0 = position_ids[:, :1]
+v1 = operator.sub(v0, 1)
+v2 = torch.diff(position_ids, prepend=v1, dim=-1)
+v3 = operator.ne(v2, 1)
+v4 = v3.cumsum(-1)
+v5 = flash_inductor.passes.site.packed_sequence_attention(q, k, v, v4, dropout_p=0.0, is_causal=True, scale=0.5, schedule=None)
+return (v5,)""")
 
     def test_handwritten_window(self):
         q, k, v = _qkv()
