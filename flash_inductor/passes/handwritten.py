@@ -22,7 +22,8 @@ What is folded into the op's arguments:
     (the op computes in fp32 anyway);
   * ``cap * tanh(scores / cap)`` before the masks -> ``softcap=cap`` (``softcap.py``);
   * a per-head sink column concatenated to the scores and dropped from the probabilities ->
-    ``sinks=`` (``sinks.py``), and a row-max shift of the softmax input -> nothing.
+    ``sinks=`` (``sinks.py``), and a row-max shift of the softmax input -> nothing;
+  * HF's packed-batch mask, causal AND the same sequence id -> the varlen op (``packed.py``).
 """
 
 from __future__ import annotations

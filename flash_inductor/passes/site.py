@@ -54,8 +54,8 @@ def packed_sequence_attention(query, key, value, sequence_ids, dropout_p=0.0, is
     """The call the pass inserts for packed sequences (``packed.py``): (B, H, L, E) attention in
     which token t of row b sees only the tokens of its run of equal ``sequence_ids[b]`` (B, L),
     non-decreasing along each row; causal within each run when ``is_causal``. The rows' tokens are
-    packed to (B*L, H, E) and run on the varlen op, one sequence per run (an id the row skips
-    is an empty sequence, so ``cu_seqlens`` has a fixed size B*L + 1: no data-dependent shape)."""
+    packed to (B*L, H, E) and run on the varlen op, one sequence per run (the slots beyond the
+    last run are empty sequences, so ``cu_seqlens`` has a fixed size B*L + 1: no data-dependent shape)."""
     batch, heads, seq, dim = query.shape
     packed = [t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[-1]) for t in (query, key, value)]
     rows = torch.arange(batch, device=sequence_ids.device)[:, None] * seq
