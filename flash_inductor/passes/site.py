@@ -20,6 +20,7 @@ import torch.fx as fx
 from ..api import attention
 from ..varlen import packed_attention
 from ..launch import decode, hopper, hopper_bwd
+from ..ops.attention import SOFTCAP_ON_TRITON
 from .guard import check_replacement, checked_insertion, describe_error
 
 log = logging.getLogger("flash_inductor")
@@ -62,9 +63,10 @@ def packed_sequence_attention(query, key, value, sequence_ids, dropout_p=0.0, is
     ids = (sequence_ids - sequence_ids[:, :1] + rows).reshape(-1)  # in [0, B*L), non-decreasing
     lengths = torch.zeros(batch * seq, dtype=torch.int64, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
     cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
-    out = packed_attention(*packed, cu_seqlens, cu_seqlens, dropout_p, dim ** -0.5 if scale is None else scale,
-                           is_causal, causal_lower_right=True, softcap=softcap or 0.0, sinks=sinks,
-                           schedule=schedule)
+    # max_seqlen L: a bound on every run (it sizes the kernels' grid), no host read of the ids.
+    out = packed_attention(*packed, cu_seqlens, cu_seqlens, seq, seq, dropout_p,
+                           dim ** -0.5 if scale is None else scale, is_causal, causal_lower_right=True,
+                           softcap=softcap or 0.0, sinks=sinks, schedule=schedule)
     return out.reshape(batch, seq, heads, out.shape[-1]).transpose(1, 2)
 
 
@@ -192,7 +194,7 @@ def _forward_kernel(site: AttentionSite, schedule: Optional[str]) -> Optional[st
     if query is None or key is None or value is None or not query.is_cuda:
         return None
     if site.softcap is not None:
-        return "on the blocked reference path: the kernels do not take softcap yet"
+        return f"forward on Triton: {SOFTCAP_ON_TRITON}"
     mask = example_value(site.attn_mask) if site.attn_mask is not None else None
     try:
         if mask is not None and site.key_mask:
