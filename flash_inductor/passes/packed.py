@@ -37,8 +37,9 @@ _CASTS = ("to", "bool", "contiguous")
 
 
 def _peel(node: Any) -> Any:
-    while is_method(node, *_CASTS) and isinstance(node.args[0], fx.Node) and \
-            tensor_value(node) is not None and tensor_value(node).shape == tensor_value(node.args[0]).shape:
+    while is_method(node, *_CASTS) and isinstance(node.args[0], fx.Node) and None not in (
+            tensor_value(node), tensor_value(node.args[0])) and \
+            known_equal(tensor_value(node).shape, tensor_value(node.args[0]).shape):
         node = node.args[0]
     return node
 
