@@ -27,7 +27,8 @@ from .passes.site import relative_module_path
 # options, torch and Triton versions, the tuning tables): a cached graph holds what the call
 # traced into, so any change to those must miss. The entry is one of this backend's config
 # patches, like the pass itself.
-_REWRITE_CALL = "flash_inductor.passes.site.rewritten_attention"
+_REWRITE_CALLS = ("flash_inductor.passes.site.rewritten_attention",
+                  "flash_inductor.passes.site.packed_sequence_attention")
 
 
 class FlashInductorBackend:
@@ -79,7 +80,7 @@ class FlashInductorBackend:
         elif hasattr(inductor_config, "unsafe_marked_cacheable_functions"):
             patches["unsafe_marked_cacheable_functions"] = {
                 **patches.get("unsafe_marked_cacheable_functions", inductor_config.unsafe_marked_cacheable_functions),
-                _REWRITE_CALL: self.graph_pass.uuid(),
+                **{call: self.graph_pass.uuid() for call in _REWRITE_CALLS},
             }
         return patches
 

@@ -151,6 +151,23 @@ def _gemma2(impl: str, **overrides) -> nn.Module:
     return T.Gemma2Model(T.Gemma2Config(**{**config, **overrides}, attn_implementation=impl))
 
 
+def _gpt_oss(impl: str, **overrides) -> nn.Module:
+    import transformers as T
+
+    # Attention sinks (a learned logit per head) in "eager"; sliding-window layers alternate with
+    # global ones. The experts run as plain PyTorch: the grouped-matmul fallback has no backward
+    # through AOTAutograd on CPU.
+    config = dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS,
+                  vocab_size=VOCAB, max_position_embeddings=2 * SEQ, attention_dropout=0.0, sliding_window=8,
+                  num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager", **_TOKEN_IDS)
+    model = T.GptOssModel(T.GptOssConfig(**{**config, **overrides}, attn_implementation=impl))
+    with torch.no_grad():  # HF initialises the sinks near 0 (std 0.02): unit-scale ones matter more
+        for layer in model.layers:
+            layer.self_attn.sinks.normal_()
+    return model
+
+
 def _roberta(impl: str, **overrides) -> nn.Module:
     import transformers as T
 
@@ -383,7 +400,9 @@ CASES = {
     "opt": ModelCase(_opt, token_inputs, _layers("decoder.layers.{}.self_attn"), _ADDITIVE),
     # HF's SDPA path drops the soft-capping (it cannot express it), so only "eager" applies it.
     "gemma2": ModelCase(_gemma2, token_inputs, _layers("layers.{}.self_attn"),
-                        dict(eager=KEPT + "soft-capped by tanh", sdpa="sdpa_repeat_kv")),
+                        dict(eager="handwritten_softcap", sdpa="sdpa_repeat_kv")),
+    "gpt_oss": ModelCase(_gpt_oss, token_inputs, _layers("layers.{}.self_attn"), dict(eager="handwritten_sinks"),
+                         impls=("eager",)),
     # Encoders
     "bert": ModelCase(_bert, token_inputs, _layers("encoder.layer.{}.attention.self"), _ADDITIVE, default=True),
     "roberta": ModelCase(_roberta, token_inputs, _layers("encoder.layer.{}.attention.self"), _ADDITIVE),
@@ -455,6 +474,41 @@ def pass_then_aot_eager():
         return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop)(gm, example_inputs)
 
     return backend
+
+
+def pass_only(module, *inputs, **compile_kwargs) -> torch.fx.GraphModule:
+    """The dynamo graph of ``module(*inputs)`` after our pass alone; the compiled module runs that
+    graph as is (no AOTAutograd, no Inductor) and is ``gm.meta["compiled"]``: a kept site must
+    compute exactly what eager does."""
+    from flash_inductor.passes.graph_pass import FlashAttentionPass
+
+    captured = {}
+
+    def backend(gm, example_inputs):
+        FlashAttentionPass()(gm.graph)
+        gm.recompile()
+        captured["gm"] = gm
+        return gm.forward
+
+    compiled = torch.compile(module, backend=backend, **compile_kwargs)
+    compiled(*inputs)
+    captured["gm"].meta["compiled"] = compiled
+    return captured["gm"]
+
+
+def assert_kept_as_eager(module, inputs, reason: str) -> None:
+    """The pass keeps the one attention site of ``module(*inputs)`` with ``reason`` in its reason,
+    inserts no op call, and the graph it leaves computes exactly what eager does."""
+    from flash_inductor.passes.report import REPORTS
+    from flash_inductor.passes.site import rewritten_attention
+
+    REPORTS.clear()
+    gm = pass_only(module, *inputs)
+    records = [r for report in REPORTS for r in report.sites]
+    assert [r.status for r in records] == ["kept"], "\n".join(map(str, REPORTS))
+    assert reason in records[0].reason, records[0].reason
+    assert not [n for n in gm.graph.nodes if n.target is rewritten_attention]
+    torch.testing.assert_close(gm.meta["compiled"](*inputs), module(*inputs), rtol=0, atol=0, equal_nan=True)
 
 
 def compile_backend(full: Optional[bool] = None):

@@ -279,11 +279,15 @@ class InstrumentingBackend:
                        for r in records]
         for site, record in zip(sites, records):
             dropout = float(site.dropout_p or 0.0)
+            # The float64 shadow models neither sinks nor packed sequences (the pass's sinks and
+            # sequence_ids): such sites are probed, not shadowed, rather than flagged wrongly.
+            unmodelled = getattr(site, "sinks", None) is not None or getattr(site, "sequence_ids", None) is not None
             info = SiteInfo(
                 name="", pattern=site.pattern, module=record.module, is_causal=bool(site.is_causal),
                 causal_offset=getattr(site, "causal_offset", 0), scale=site.scale, enable_gqa=bool(site.enable_gqa),
-                dropout_p=dropout, shadow=self.shadow and dropout == 0.0,
-                window=tuple(getattr(site, "window", None) or NO_WINDOW), softcap=float(getattr(site, "softcap", 0.0)))
+                dropout_p=dropout, shadow=self.shadow and dropout == 0.0 and not unmodelled,
+                window=tuple(getattr(site, "window", None) or NO_WINDOW),
+                softcap=float(getattr(site, "softcap", None) or 0.0))
             index = self.session.register_site(info)
             _instrument_site(gm.graph, site, index, info.shadow)
         gm.graph.lint()

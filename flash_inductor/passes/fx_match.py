@@ -129,9 +129,10 @@ def mutates(user: fx.Node, node: fx.Node) -> bool:
     return user.kwargs.get("out") is node
 
 
-def check_only_user(node: fx.Node, user: fx.Node, what: str) -> None:
-    """The pattern may delete ``node`` only if ``user`` is the only reader of its values."""
-    others = [u for u in value_users(node) if u is not user]
+def check_only_user(node: fx.Node, user: fx.Node, what: str, also: Sequence[fx.Node] = ()) -> None:
+    """The pattern may delete ``node`` only if ``user`` (and the pattern's own nodes ``also``) are
+    the only readers of its values."""
+    others = [u for u in value_users(node) if u is not user and u not in also]
     if not others:
         return
     mutated = [u for u in others if mutates(u, node)]

@@ -19,7 +19,11 @@ What is folded into the op's arguments:
   * repeat_kv / repeat_interleave / a broadcast K/V head -> ``enable_gqa=True`` with the
     un-repeated K/V;
   * dropout on the probabilities -> ``dropout_p``; fp32 upcasts around the softmax -> nothing
-    (the op computes in fp32 anyway).
+    (the op computes in fp32 anyway);
+  * ``cap * tanh(scores / cap)`` before the masks -> ``softcap=cap`` (``softcap.py``);
+  * a per-head sink column concatenated to the scores and dropped from the probabilities ->
+    ``sinks=`` (``sinks.py``), and a row-max shift of the softmax input -> nothing;
+  * HF's packed-batch mask, causal AND the same sequence id -> the varlen op (``packed.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from .fx_match import (
 )
 from .handwritten_site import Context, Match, Product, Step, assemble
 from .site import AttentionSite, KeptSite, guarded
+from .sinks import _pattern_shift_1, _pattern_sinks_1, drops_sink_column, read_sinks
+from .softcap import _pattern_softcap_1, read_softcap
 
 _MATMULS = (torch.matmul, operator.matmul, torch.bmm)
 _EINSUMS = (torch.einsum, torch.functional.einsum)
@@ -349,17 +355,10 @@ def _pattern_cast_1(node: fx.Node, head_dim: Any = None) -> Optional[Step]:
     return Step("cast", node, node.args[0])
 
 
-def _pattern_softcap_1(node: fx.Node, head_dim: Any = None) -> Optional[Step]:
-    # Gemma 2, Grok: cap * tanh(scores / cap), logit soft-capping. Recognised only to say why the
-    # site is kept: the op adds a mask to the scores but applies no function to them.
-    if is_function(node, torch.tanh) or is_method(node, "tanh"):
-        raise Keep(f"the scores are soft-capped by tanh at {node.name}: the op applies no function to the "
-                   "scores, so rewriting would drop the cap and change the probabilities")
-    return None
-
-
-_SCORE_PATTERNS = (_pattern_softcap_1, _pattern_scale_1, _pattern_mask_1, _pattern_mask_2, _pattern_mask_3,
-                   _pattern_mask_4, _pattern_view_1, _pattern_cast_1)
+# Soft-capping (softcap.py) and sinks (sinks.py) are steps too, checked once the walk is done;
+# the row-max shift comes before _pattern_mask_4, which would read it as a subtracted bias.
+_SCORE_PATTERNS = (_pattern_softcap_1, _pattern_sinks_1, _pattern_shift_1, _pattern_scale_1, _pattern_mask_1,
+                   _pattern_mask_2, _pattern_mask_3, _pattern_mask_4, _pattern_view_1, _pattern_cast_1)
 
 
 # ------------------------------------------------------------------------------------------
@@ -460,9 +459,9 @@ def _leads_to_pv(node: fx.Node, depth: int = 6) -> bool:
 
 
 def _walk_scores(start: fx.Node, softmax: fx.Node, head_dim: Any) -> tuple[Product, list[Step]]:
-    steps, node, user = [], start, softmax
+    steps, node, user, readers = [], start, softmax, ()
     while True:
-        check_only_user(node, user, "attention scores")
+        check_only_user(node, user, "attention scores", also=readers)
         for pattern in _QK_PATTERNS:
             if (product := pattern(node)) is not None:
                 return product, steps[::-1]
@@ -471,11 +470,13 @@ def _walk_scores(start: fx.Node, softmax: fx.Node, head_dim: Any) -> tuple[Produ
             raise Keep(f"{describe(node)} at {node.name} between the Q·Kᵀ product and the softmax "
                        "is not a supported step")
         steps.append(step)
-        node, user = step.input, node
+        node, user, readers = step.input, node, step.internal
 
 
-def _walk_probs(softmax: fx.Node) -> tuple[list[fx.Node], float, fx.Node, tuple]:
-    nodes, dropout_p, node = [], 0.0, softmax
+def _walk_probs(softmax: fx.Node, sinks: bool) -> tuple[list[fx.Node], float, fx.Node, tuple]:
+    """The probability steps up to the P·V product; with ``sinks``, casts and then the drop of
+    the sink column come first."""
+    nodes, dropout_p, node, dropped = [], 0.0, softmax, not sinks
     while True:
         users = value_users(node)
         if len(users) != 1:
@@ -483,6 +484,14 @@ def _walk_probs(softmax: fx.Node) -> tuple[list[fx.Node], float, fx.Node, tuple]
             raise Keep(f"the attention probabilities ({node.name}) are also used by "
                        f"{', '.join(others[:3])} (e.g. returned as attention weights)")
         (user,) = users
+        if not dropped and drops_sink_column(user, node):
+            dropped = True
+            nodes.append(user)
+            node = user
+            continue
+        if not dropped and not _pattern_cast_1(user):
+            raise Keep(f"the probabilities go through {describe(user)} at {user.name} before the sink column "
+                       "is dropped from them")
         for pattern in (_pattern_pv_1, _pattern_pv_2):
             if (found := pattern(user, node)) is not None:
                 return nodes, dropout_p, user, found
@@ -531,9 +540,12 @@ def _match_site(softmax: fx.Node, context: Context) -> Union[AttentionSite, Kept
             raise Keep(f"the softmax at {softmax.name} is over dim {dim}, not the last (key) dim")
         head_dim = _product_head_dim(product)
         qk, steps = _walk_scores(scores_input, softmax, head_dim)
-        probs, dropout_p, pv, (value, value_perm, out_perm) = _walk_probs(softmax)
+        step_nodes = [n for s in steps for n in (s.node, *s.internal)]  # before read_* drop steps
+        sinks, softcap = read_sinks(qk, steps), read_softcap(qk, steps)
+        probs, dropout_p, pv, (value, value_perm, out_perm) = _walk_probs(softmax, sinks is not None)
         match = Match(qk, steps, softmax, probs, [n for n in probs if _pattern_view_1(n)], dropout_p, pv,
-                      qk.key, value, value_perm, out_perm, is_einsum=is_function(qk.node, *_EINSUMS))
+                      qk.key, value, value_perm, out_perm, is_einsum=is_function(qk.node, *_EINSUMS),
+                      softcap=softcap, sinks=sinks, step_nodes=step_nodes)
         _peel_gqa(match)
         return assemble(match, context)
     except Keep as keep:

@@ -29,6 +29,7 @@ from .fx_match import (
     call_ancestors,
 )
 from .key_mask import describe_key_mask, handwritten_key_mask
+from .packed import read_packed
 from .site import AttentionSite
 from .window import causal_or_window, handwritten_window
 
@@ -56,7 +57,7 @@ class Product:
 class Step:
     """One node between the product and the softmax."""
 
-    kind: str  # "scale" | "add" | "fill" | "cast" | "view"
+    kind: str  # "scale" | "add" | "fill" | "cast" | "view" | "tanh" | "sinks" | "shift"
     node: fx.Node
     input: fx.Node
     scale: Scale = Scale()
@@ -66,6 +67,10 @@ class Step:
     value: float = 0.0  # fill: the fill value
     causal: Optional[bool] = None  # fill: provably top-left causal (True: from a constant buffer)
     extra: tuple = ()  # constant-building nodes, erased with the pattern once unused
+    sinks: Optional[fx.Node] = None  # sinks: the concatenated sink column
+    # Nodes of the step that read its input besides ``node`` (a shift's row max) or build an
+    # operand (the sink column's expand), erased with the pattern once unused.
+    internal: tuple = ()
 
 
 @dataclasses.dataclass
@@ -86,6 +91,9 @@ class Match:
     is_einsum: bool = False
     repeats: int = 1
     repeat_nodes: list = dataclasses.field(default_factory=list)
+    softcap: Optional[float] = None  # softcap.py: the cap of ``c * tanh(s / c)``
+    sinks: Optional[fx.Node] = None  # sinks.py: one sink logit per head (before the broadcast)
+    step_nodes: list = dataclasses.field(default_factory=list)  # every score step's nodes, sinks' included
 
 
 @dataclasses.dataclass
@@ -157,6 +165,9 @@ class Plan:
     anchors: list  # the product and the softmax, for the report's module path
     window: Any = None  # the op's sliding window (``band.Window``) read from band masks, or None
     key_mask: bool = False  # every query row of the masks is the same: the op gets one (key_mask.py)
+    softcap: Optional[float] = None
+    sinks: Optional[fx.Node] = None
+    sequence_ids: Optional[fx.Node] = None  # packed sequences (packed.py)
 
 
 # ------------------------------------------------------------------------------------------
@@ -314,12 +325,19 @@ def assemble(match: Match, context: Context) -> AttentionSite:
     pattern = [*product.consumed, product.node, *match.repeat_nodes, *(s.node for s in match.steps), match.softmax,
                *match.probs, output]
     _check_not_mutated([product.query, match.key, match.value, *product.consumed, *match.repeat_nodes,
-                        *(t.node for t in masks)], pattern, output, context.order)
+                        *(t.node for t in masks), *([match.sinks] if match.sinks is not None else [])],
+                       pattern, output, context.order)
     is_causal = bool(fills) and len(fills) == len(masks) and all(f.causal is not None for f in fills)
     # Mistral / Qwen2 / Gemma / Phi-3 "eager" with sliding_window, Longformer-style local masks:
     # masks that together are a band become the op's window (window.py says when that is exact).
-    read = None if is_causal or not masks else handwritten_window(masks, [f.value for f in fills], *scores[-2:])
+    # HF's packed batches (packed.py): causal AND same-sequence runs on the varlen op.
+    ids = None if is_causal or not masks or len(fine) != 2 or not _packs(q_shape, k_shape, v_shape, fine) \
+        else read_packed(masks, fine[0], *scores[-2:])
+    read = None if is_causal or not masks or ids is not None \
+        else handwritten_window(masks, [f.value for f in fills], *scores[-2:])
     window, banded = None, []
+    if ids is not None:
+        is_causal, banded, fills, masks = True, [t.node for t in masks], [], []
     if read is not None:
         window, residual = read
         if not residual:  # the op's is_causal excludes a mask
@@ -334,7 +352,9 @@ def assemble(match: Match, context: Context) -> AttentionSite:
         raise Keep(f"a finite fill ({finite[0].value:g}) combined with other masks: eager gives the rows "
                    "they hide together weights from the fill values (uniform over the filled keys), which "
                    "the op's masked-row rule (output 0) would change")
-    row_fixup = bool(finite) and not is_causal
+    # With sinks a row the fills hide entirely gives the sink all its weight in eager too (the
+    # fill is below any sink by far more than exp's range), so the op's 0 is eager's result.
+    row_fixup = bool(finite) and not is_causal and match.sinks is None
     if row_fixup and match.dropout_p > 0:
         raise Keep(f"a finite fill ({finite[0].value:g}) with dropout: rows it hides entirely are "
                    "dropped in eager")
@@ -349,11 +369,11 @@ def assemble(match: Match, context: Context) -> AttentionSite:
     sizes = _dynamic_sizes(fine, [g for m in masks for g in m.groups] + q_groups + out_groups, views)
 
     consumed = {*product.consumed, product.node, *match.repeat_nodes, *(s.node for s in match.steps),
-                match.softmax, *match.probs}
+                *match.step_nodes, match.softmax, *match.probs}
     for node in extra:
         consumed.update(call_ancestors(node))
     plan = Plan(
-        pattern=_pattern_name(match, is_causal, fills, bool(k_grouped), masks, bool(banded), window),
+        pattern=_pattern_name(match, is_causal, fills, bool(k_grouped), masks, bool(banded), window, ids),
         output=output, query=Operand(product.query, product.query_perm, q_shape, q_groups),
         key=Operand(match.key, product.key_perm, k_shape, q_groups),
         value=Operand(match.value, match.value_perm, v_shape, out_groups),
@@ -362,15 +382,29 @@ def assemble(match: Match, context: Context) -> AttentionSite:
         out_perm=match.out_perm, row_fixup=row_fixup,
         consumed=sorted(consumed, key=lambda n: context.order.get(n, -1)),
         resolve=context.resolve, replaced=context.replaced, anchors=[product.node, match.softmax],
-        window=window, key_mask=key_mask,
+        window=window, key_mask=key_mask, softcap=match.softcap,
+        sinks=match.sinks, sequence_ids=ids,
     )
     return make_site(plan)
 
 
+def _packs(q_shape: tuple, k_shape: tuple, v_shape: tuple, fine: tuple) -> bool:
+    """q, k and v each (B, heads, L, E) with the op layout's batch: the varlen call packs their
+    rows without broadcasting."""
+    return all(len(shape) == 4 and known_equal(shape[:1], fine[:1]) for shape in (q_shape, k_shape, v_shape))
+
+
 def _pattern_name(match: Match, is_causal: bool, fills: list, grouped: bool, masks: list, banded: bool,
-                  window: Any) -> str:
-    """The counter / report name: the site's most distinctive feature (GQA before a causal band
-    read from index arithmetic, which is HF's causal mask in every GQA decoder)."""
+                  window: Any, plan_ids: Any = None) -> str:
+    """The counter / report name: the site's most distinctive feature (sinks and soft-capping
+    first; GQA before a causal band read from index arithmetic, which is HF's causal mask in
+    every GQA decoder)."""
+    if plan_ids is not None:
+        return "handwritten_packed"
+    if match.sinks is not None:
+        return "handwritten_sinks"
+    if match.softcap is not None:
+        return "handwritten_softcap"
     if is_causal and not banded:
         return "handwritten_causal_buffer" if any(f.causal for f in fills) else "handwritten_causal_tril"
     if match.product.bias is not None:
@@ -482,7 +516,8 @@ def make_site(plan: Plan) -> AttentionSite:
         value=plan.value.node, attn_mask=None, dropout_p=plan.dropout_p, is_causal=plan.is_causal,
         scale=plan.scale, enable_gqa=plan.enable_gqa, consumed=plan.consumed, prologue=prologue,
         epilogue=epilogue, mask_description=_describe_masks(plan), anchors=plan.anchors,
-        on_rewritten=on_rewritten, window=plan.window, key_mask=plan.key_mask,
+        on_rewritten=on_rewritten, window=plan.window, key_mask=plan.key_mask, softcap=plan.softcap,
+        sinks=plan.sinks, sequence_ids=plan.sequence_ids,
     )
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from .gqa import peel_repeats
 from .fx_match import known_equal, mutates
 from .key_mask import sdpa_key_mask
+from .packed import sdpa_packed
 from .site import AttentionSite, KeptSite, example_value, guarded
 from .window import sdpa_window
 
@@ -92,8 +93,9 @@ def _match(node: fx.Node) -> Union[AttentionSite, KeptSite]:
     if not isinstance(found, AttentionSite):
         return found
     # Mistral / Qwen2 / Gemma / Phi-3 with sliding_window: the band mask becomes the op's window;
-    # BERT and HF's other encoders: the padding mask, the same for every query, one row of it.
-    return sdpa_key_mask(sdpa_window(_pattern_sdpa_2(found)))
+    # BERT and HF's other encoders: the padding mask, the same for every query, one row of it;
+    # HF's packed batches: causal AND same-sequence on the varlen op.
+    return sdpa_key_mask(sdpa_window(sdpa_packed(_pattern_sdpa_2(found))))
 
 
 def find_sites(graph: fx.Graph) -> Iterator[Union[AttentionSite, KeptSite]]:

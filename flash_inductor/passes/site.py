@@ -18,7 +18,9 @@ import torch
 import torch.fx as fx
 
 from ..api import attention
+from ..varlen import packed_attention
 from ..launch import decode, hopper, hopper_bwd
+from ..ops.attention import SOFTCAP_ON_TRITON
 from .guard import check_replacement, checked_insertion, describe_error
 
 log = logging.getLogger("flash_inductor")
@@ -26,7 +28,7 @@ log = logging.getLogger("flash_inductor")
 
 def rewritten_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-    schedule=None, monitor_site=None, window=None,
+    schedule=None, monitor_site=None, window=None, softcap=None, sinks=None,
 ):
     """The call the pass inserts: flash_attention with SDPA's argument order.
 
@@ -34,13 +36,38 @@ def rewritten_attention(
     pickle; AOTAutograd traces through it into ``flash_inductor::attention_forward``.
     ``monitor_site`` (set only by ``make_backend(monitor=True)``) adds the recording ops of
     ``flash_inductor.monitoring``; whether a session is active while compiling plays no part.
-    ``window`` is the op's ``(left, right)`` sliding window, passed only when a site has one.
+    ``window`` is the op's ``(left, right)`` sliding window, ``softcap`` its logit cap and ``sinks``
+    its per-head sink logits ``(Hq,)``, each passed only when a site has one.
     """
     extra = {} if window is None else {"window": tuple(window)}
+    if softcap is not None:
+        extra["softcap"] = softcap
+    if sinks is not None:
+        extra["sinks"] = sinks
     return attention(
         query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
         scale=scale, enable_gqa=enable_gqa, schedule=schedule, monitor_site=monitor_site, **extra,
     )
+
+
+def packed_sequence_attention(query, key, value, sequence_ids, dropout_p=0.0, is_causal=False, scale=None,
+                              schedule=None, softcap=None, sinks=None):
+    """The call the pass inserts for packed sequences (``packed.py``): (B, H, L, E) attention in
+    which token t of row b sees only the tokens of its run of equal ``sequence_ids[b]`` (B, L),
+    non-decreasing along each row; causal within each run when ``is_causal``. The rows' tokens are
+    packed to (B*L, H, E) and run on the varlen op, one sequence per run (the slots beyond the
+    last run are empty sequences, so ``cu_seqlens`` has a fixed size B*L + 1: no data-dependent shape)."""
+    batch, heads, seq, dim = query.shape
+    packed = [t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[-1]) for t in (query, key, value)]
+    rows = torch.arange(batch, device=sequence_ids.device)[:, None] * seq
+    ids = (sequence_ids - sequence_ids[:, :1] + rows).reshape(-1)  # in [0, B*L), non-decreasing
+    lengths = torch.zeros(batch * seq, dtype=torch.int64, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
+    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    # max_seqlen L: a bound on every run (it sizes the kernels' grid), no host read of the ids.
+    out = packed_attention(*packed, cu_seqlens, cu_seqlens, seq, seq, dropout_p,
+                           dim ** -0.5 if scale is None else scale, is_causal, causal_lower_right=True,
+                           softcap=softcap or 0.0, sinks=sinks, schedule=schedule)
+    return out.reshape(batch, seq, heads, out.shape[-1]).transpose(1, 2)
 
 
 @dataclasses.dataclass
@@ -81,6 +108,14 @@ class AttentionSite:
     # Every query row of the op's mask is the same (``key_mask.py``): the op gets the first row
     # alone, ``mask[..., 0:1, :]``, which its Hopper kernels take as a per-key bias.
     key_mask: bool = False
+    # Logit soft-capping ``c * tanh(s / c)`` before the mask (Gemma 2), or None.
+    softcap: Optional[float] = None
+    # A node holding one sink logit per query head, in any shape with Hq elements (gpt-oss's
+    # ``module.sinks``): the call gets it reshaped to ``(Hq,)``. None without sinks.
+    sinks: Optional[fx.Node] = None
+    # Packed sequences (``packed.py``): the (B, L) sequence ids, or None. The call is then
+    # :func:`packed_sequence_attention` (no mask, window or monitoring).
+    sequence_ids: Optional[fx.Node] = None
 
 
 @dataclasses.dataclass
@@ -117,6 +152,8 @@ def describe_rewrite(site: AttentionSite, schedule: Optional[str] = None) -> str
     """The op arguments of a rewritten site, as the report prints them, and on a Hopper GPU which
     forward kernel will run it."""
     parts = [describe_window(site.window)] if has_window(site.window) else []
+    if site.sequence_ids is not None:
+        parts.append("packed sequences on varlen")
     if site.mask_description:
         parts.append(site.mask_description)
     elif site.attn_mask is not None:
@@ -125,6 +162,10 @@ def describe_rewrite(site: AttentionSite, schedule: Optional[str] = None) -> str
     parts.append("causal" if site.is_causal else "no mask" if not parts else None)
     if site.enable_gqa:
         parts.append("GQA")
+    if site.softcap is not None:
+        parts.append(f"softcap {site.softcap:g}")
+    if site.sinks is not None:
+        parts.append("sinks")
     if site.dropout_p:
         parts.append(f"dropout {site.dropout_p:g}")
     if site.scale is not None:
@@ -152,6 +193,8 @@ def _forward_kernel(site: AttentionSite, schedule: Optional[str]) -> Optional[st
     query, key, value = (example_value(node) for node in (site.query, site.key, site.value))
     if query is None or key is None or value is None or not query.is_cuda:
         return None
+    if site.softcap is not None:
+        return f"forward on Triton: {SOFTCAP_ON_TRITON}"
     mask = example_value(site.attn_mask) if site.attn_mask is not None else None
     try:
         if mask is not None and site.key_mask:
@@ -266,7 +309,16 @@ def rewrite_site(graph: fx.Graph, site: AttentionSite, schedule: Optional[str],
                 kwargs["monitor_site"] = monitor_site
             if has_window(site.window):
                 kwargs["window"] = tuple(site.window)
-            call = graph.call_function(rewritten_attention, (q, k, v), kwargs)
+            if site.softcap is not None:
+                kwargs["softcap"] = float(site.softcap)
+            if site.sinks is not None:
+                kwargs["sinks"] = graph.call_method("reshape", (site.sinks, -1))
+            if site.sequence_ids is not None:
+                for name in ("attn_mask", "enable_gqa", "monitor_site"):
+                    kwargs.pop(name, None)
+                call = graph.call_function(packed_sequence_attention, (q, k, v, site.sequence_ids), kwargs)
+            else:
+                call = graph.call_function(rewritten_attention, (q, k, v), kwargs)
             replacement = site.epilogue(graph, call) if site.epilogue is not None else call
         check_replacement(inserted(), site.output, replacement)
     if "example_value" in site.output.meta:

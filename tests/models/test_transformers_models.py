@@ -3,10 +3,10 @@
 
 The families (``model_zoo.CASES``) span decoder-only models (GPT-2; Llama, Mistral with a sliding
 window, Qwen2: GQA; Falcon-7B's multi-query layout; Falcon and Bloom with ALiBi; GPT-NeoX and Phi:
-parallel residual, partial rotary, Phi's qk-norm; OPT; Gemma 2's soft-capping), encoders (BERT,
-RoBERTa, DeBERTa-v2's disentangled attention), encoder-decoders with cross-attention (T5, BART),
-vision (ViT; Swin: windows, shift mask, relative position bias) and speech (Whisper, Wav2Vec2).
-Tiny random configs (``model_zoo.py``), nothing downloaded. For every model and implementation:
+parallel residual, partial rotary, Phi's qk-norm; OPT; Gemma 2's soft-capping; gpt-oss's attention
+sinks), encoders (BERT, RoBERTa, DeBERTa-v2's disentangled attention), encoder-decoders with
+cross-attention (T5, BART), vision (ViT; Swin: windows, shift mask, relative position bias) and
+speech (Whisper, Wav2Vec2). Tiny random configs (``model_zoo.py``), nothing downloaded. For every model and implementation:
 
 * training (``model.train()``, a right-padded batch, so the masks are real): every attention
   site is reported under the expected pattern and module path, rewritten, or kept with a reason
@@ -46,8 +46,8 @@ import flash_inductor
 from flash_inductor.passes.report import REPORTS
 from helpers import DEVICE, FLOOR_ULPS, needs_transformers, randn
 from model_zoo import (
-    CASES, OVERFLOW_CONFIG, compile_backend, full_inductor_everywhere, inductor_codegen_skipped, make_qk_overflow,
-    output_tensor,
+    BATCH, CASES, OVERFLOW_CONFIG, SEQ, VOCAB, compile_backend, full_inductor_everywhere, inductor_codegen_skipped,
+    make_qk_overflow, output_tensor,
 )
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -214,6 +214,30 @@ def test_attention_dropout_in_training_becomes_dropout_p(name, impl):
     assert out.isfinite().all()
     assert _sites() == _expected_sites(name, impl, training=True), _report_text()
     assert all("dropout 0.1" in r.reason for report in REPORTS for r in report.sites), _report_text()
+
+
+@needs_transformers
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_packed_batch_runs_on_varlen(impl):
+    """A padding-free batch (HF's ``DataCollatorWithFlattening``: position_ids restart at each
+    document, no attention_mask): HF's causal AND same-document mask becomes the varlen op, output
+    and every parameter gradient matching eager."""
+    eager = _build("llama", impl).train()
+    ours = copy.deepcopy(eager)
+    compiled = torch.compile(ours, backend=_backend("llama", impl, "training"))
+    starts = [[0, 5, 8], [0, 10]]  # two rows of 16 tokens: documents of 5, 3, 8 and 10, 6 tokens
+    positions = torch.stack([torch.cat([torch.arange(b - a) for a, b in zip(row, row[1:] + [SEQ])]) for row in starts])
+    inputs = dict(input_ids=torch.randint(3, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0)),
+                  position_ids=positions, use_cache=False)
+    inputs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    got = _forward_backward(compiled, inputs, list(ours.parameters()))
+    want = _forward_backward(eager, inputs, list(eager.parameters()))
+    assert all(r.rewritten and "packed sequences on varlen, causal" in r.reason
+               for report in REPORTS for r in report.sites) and _sites(), _report_text()
+    _assert_rel_close("output", got[0], want[0])
+    names = [n for n, _ in eager.named_parameters()]
+    for param_name, a, b, scale in zip(names, got[1:], want[1:], _layer_scales(names, want[1:])):
+        _assert_rel_close(param_name, a, b, scale)
 
 
 # ------------------------------------------------------------------------------------------

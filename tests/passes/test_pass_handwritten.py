@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import flash_inductor
 from flash_inductor.passes.graph_pass import FlashAttentionPass
 from flash_inductor.passes.site import rewritten_attention
+from model_zoo import pass_only
 
 B, H, HKV, L, S, E = 2, 4, 2, 7, 9, 8
 FP32_FLOOR_ULPS = 16
@@ -372,17 +373,8 @@ def _check_against_eager(module, inputs, *, grad, dynamic=False, compiled=None):
 def _pass_only(module, *inputs, **compile_kwargs):
     """(compiled module, its dynamo graph) with our pass applied and the graph run as is,
     without the rest of Inductor."""
-    captured = {}
-
-    def backend(gm, example_inputs):
-        FlashAttentionPass()(gm.graph)
-        gm.recompile()
-        captured["gm"] = gm
-        return gm.forward
-
-    compiled = torch.compile(module, backend=backend, **compile_kwargs)
-    compiled(*inputs)
-    return compiled, captured["gm"]
+    gm = pass_only(module, *inputs, **compile_kwargs)
+    return gm.meta["compiled"], gm
 
 
 def _rewritten_graph(module, *inputs, **compile_kwargs):

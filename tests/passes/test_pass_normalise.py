@@ -13,7 +13,8 @@ float bias included):
 
 Where it is not exact, the site is kept with the reason and the graph computes exactly what
 eager does: a negative or traced scale after a mask, a per-head tensor scale, a bias computed
-from the scores, a finite fill scaled until it no longer hides keys, soft-capping.
+from the scores, a finite fill scaled until it no longer hides keys, a mask inside the soft-cap's
+tanh (soft-capping itself: test_pass_variants.py).
 
 Compiled with the pass and AOTAutograd, the graphs run as traced (model_zoo.pass_then_aot_eager):
 the decisions and the op are the backend's; Inductor's code generation is covered elsewhere.
@@ -27,10 +28,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from flash_inductor.passes.graph_pass import FlashAttentionPass
 from flash_inductor.passes.report import REPORTS
 from flash_inductor.passes.site import rewritten_attention
-from model_zoo import pass_then_aot_eager
+from model_zoo import assert_kept_as_eager, pass_only, pass_then_aot_eager
 
 B, H, L, S, E = 2, 3, 5, 7, 8
 C = 1.0 / math.sqrt(E)
@@ -154,7 +154,7 @@ def test_exact_reduction_is_rewritten_and_matches_eager(case, grad):
 
 def test_falcon_alibi_bias_gets_the_scale_as_a_mask_factor():
     """(QKᵀ + alibi)·c + m goes to the op as scale c and float mask c·alibi + m."""
-    gm = _pass_only(FalconAlibi(), *_qkv(), _bias(), _padding())
+    gm = pass_only(FalconAlibi(), *_qkv(), _bias(), _padding())
     (call,) = [n for n in gm.graph.nodes if n.target is rewritten_attention]
     assert call.kwargs["scale"] == pytest.approx(C)
     factors = [n.args[1] for n in gm.graph.nodes if n.target is torch.mul and isinstance(n.args[1], float)]
@@ -202,10 +202,10 @@ class NegatedScores(nn.Module):  # bias - scores: the scores enter with a negati
         return torch.softmax(mask - _scores(q, k) * C, dim=-1) @ v
 
 
-class SoftCapped(nn.Module):  # Gemma 2: cap * tanh(scores / cap)
+class MaskInsideSoftCap(nn.Module):  # Gemma 2's cap * tanh(scores / cap), but the mask added first
     def forward(self, q, k, v, mask):
-        capped = torch.tanh(_scores(q, k) * C / 50.0) * 50.0
-        return torch.softmax(capped + mask, dim=-1) @ v
+        capped = torch.tanh((_scores(q, k) * C + mask) / 50.0) * 50.0
+        return torch.softmax(capped, dim=-1) @ v
 
 
 KEPT = {
@@ -216,38 +216,14 @@ KEPT = {
     "bias_from_the_scores": (BiasFromScores, lambda: _qkv(), "also used by"),
     "finite_fill_scaled_away": (FillScaledAway, lambda: (*_qkv(), _hidden()), "no longer acts as a mask"),
     "negated_scores": (NegatedScores, lambda: (*_qkv(), _padding()), "not a supported step"),
-    "soft_capping": (SoftCapped, lambda: (*_qkv(), _padding()), "soft-capped by tanh"),
+    "mask_inside_soft_cap": (MaskInsideSoftCap, lambda: (*_qkv(), _padding()), "before the tanh"),
 }
-
-
-def _pass_only(module, *inputs, **compile_kwargs):
-    """The dynamo graph of ``module`` after our pass; the compiled module runs it as is (no
-    AOTAutograd, no Inductor) and is ``gm.meta["compiled"]``."""
-    captured = {}
-
-    def backend(gm, example_inputs):
-        FlashAttentionPass()(gm.graph)
-        gm.recompile()
-        captured["gm"] = gm
-        return gm.forward
-
-    compiled = torch.compile(module, backend=backend, **compile_kwargs)
-    compiled(*inputs)
-    captured["gm"].meta["compiled"] = compiled
-    return captured["gm"]
 
 
 @pytest.mark.parametrize("case", list(KEPT))
 def test_inexact_reduction_is_kept_with_its_reason(case):
     factory, make_inputs, reason = KEPT[case]
-    module, inputs = factory(), make_inputs()
-    REPORTS.clear()
-    gm = _pass_only(module, *inputs)
-    records = [r for report in REPORTS for r in report.sites]
-    assert [r.status for r in records] == ["kept"], "\n".join(map(str, REPORTS))
-    assert reason in records[0].reason, records[0].reason
-    assert not [n for n in gm.graph.nodes if n.target is rewritten_attention]
-    torch.testing.assert_close(gm.meta["compiled"](*inputs), module(*inputs), rtol=0, atol=0, equal_nan=True)
+    assert_kept_as_eager(factory(), make_inputs(), reason)
 
 
 def test_scale_of_the_dynamic_head_dim_after_a_mask_is_kept():
@@ -258,6 +234,6 @@ def test_scale_of_the_dynamic_head_dim_after_a_mask_is_kept():
             return torch.softmax((_scores(q, k) + mask) / math.sqrt(q.size(-1)), dim=-1) @ v
 
     REPORTS.clear()
-    _pass_only(DynamicHeadDim(), *_qkv(), _padding(), dynamic=True)
+    pass_only(DynamicHeadDim(), *_qkv(), _padding(), dynamic=True)
     records = [r for report in REPORTS for r in report.sites]
     assert [r.status for r in records] == ["kept"] and "dynamic head dim" in records[0].reason, records

@@ -237,6 +237,34 @@ def _mask():
     return torch.zeros(B, 1, 1, L).masked_fill(torch.tensor([False, True, False]), torch.finfo(torch.float32).min)
 
 
+class SoftCap(nn.Module):  # HF Gemma 2 eager: / softcap, tanh, * softcap, then the mask
+    def forward(self, q, k, v, mask):
+        w = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * E**-0.5 / 50.0) * 50.0 + mask
+        return torch.matmul(F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+class Packed(nn.Module):  # HF Llama eager on a padding-free batch: causal AND same-document mask
+    def forward(self, q, k, v, position_ids):
+        ids = (torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+        b = torch.arange(B)[:, None, None, None]
+        i, j = (torch.arange(L) + 0)[None, None, :, None], (torch.arange(L) + 0)[None, None, None, :]
+        mask = torch.where((j <= i) & (ids[b, i] == ids[b, j]), torch.tensor(0.0), torch.finfo(torch.float32).min)
+        w = torch.matmul(q, k.transpose(2, 3)) * E**-0.5 + mask
+        return torch.matmul(F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+class Sinks(nn.Module):  # HF gpt-oss eager: the sink column concatenated, shifted, softmax, dropped
+    def __init__(self):
+        super().__init__()
+        self.sinks = nn.Parameter(torch.zeros(H))
+
+    def forward(self, q, k, v, mask):
+        w = torch.matmul(q, k.transpose(2, 3)) * E**-0.5 + mask
+        combined = torch.cat([w, self.sinks.reshape(1, -1, 1, 1).expand(B, -1, L, -1)], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        return torch.matmul(F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1], v)
+
+
 class LocalBand(nn.Module):  # Longformer-style local attention: keys within 1 of the query
     def forward(self, q, k, v):
         i = torch.arange(q.size(-2), device=q.device)[:, None]
@@ -392,6 +420,37 @@ v4 = torch.add(v3, mask)
 v5 = flash_inductor.passes.site.rewritten_attention(v0, v1, v2, attn_mask=v4, dropout_p=0.0, is_causal=False, scale=0.5, enable_gqa=False, schedule=None)
 v6 = v5.flatten(0, 1)
 return (v6,)""")
+
+    def test_handwritten_softcap(self):
+        q, k, v = _qkv()
+        code = _rewritten(SoftCap(), q=q, k=k, v=v, mask=_mask())
+        self.assertEqual(_patterns(), [("handwritten_softcap", True)])
+        self.assertExpectedInline(code, """\
+v0 = flash_inductor.passes.site.rewritten_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=0.5, enable_gqa=False, schedule=None, softcap=50.0)
+return (v0,)""")
+
+    def test_handwritten_sinks(self):
+        q, k, v = _qkv()
+        code = _rewritten(Sinks(), q=q, k=k, v=v, mask=_mask())
+        self.assertEqual(_patterns(), [("handwritten_sinks", True)])
+        self.assertExpectedInline(code, """\
+v0 = self.sinks.reshape(1, -1, 1, 1)
+v1 = v0.reshape(-1)
+v2 = flash_inductor.passes.site.rewritten_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=0.5, enable_gqa=False, schedule=None, sinks=v1)
+return (v2,)""")
+
+    def test_handwritten_packed(self):
+        q, k, v = _qkv()
+        code = _rewritten(Packed(), q=q, k=k, v=v, position_ids=torch.tensor([[0, 1, 0]]))
+        self.assertEqual(_patterns(), [("handwritten_packed", True)])
+        self.assertExpectedInline(code, """\
+v0 = position_ids[:, :1]
+v1 = operator.sub(v0, 1)
+v2 = torch.diff(position_ids, prepend=v1, dim=-1)
+v3 = operator.ne(v2, 1)
+v4 = v3.cumsum(-1)
+v5 = flash_inductor.passes.site.packed_sequence_attention(q, k, v, v4, dropout_p=0.0, is_causal=True, scale=0.5, schedule=None)
+return (v5,)""")
 
     def test_handwritten_window(self):
         q, k, v = _qkv()
