@@ -134,9 +134,9 @@ def flash_attention(
             the kernels. A row whose blocks are all skipped returns 0.
         softcap: ``None`` (or 0), or a cap ``c > 0``: logit soft-capping as FlashAttention-2 and
             Gemma 2 define it, each scaled score ``s = scale * q.k`` becomes ``c * tanh(s / c)``
-            before the mask is added; computed in fp32, with its gradient. The kernels do not take
-            it yet: such a call runs the blocked reference path on the tensors' device (O(L)
-            memory, the stability contract, not the kernels' speed). Not with ``schedule="fp8"``.
+            before the mask is added; computed in fp32, with its gradient. On CUDA the Triton
+            kernels run it (the Gluon Hopper and decode kernels have no cap). Not with
+            ``schedule="fp8"``.
         sinks: ``None``, or attention sinks: a float tensor ``(Hq,)`` of per-query-head logits that
             join each row's softmax denominator and nothing else (gpt-oss's ``s_aux``, streaming
             LLMs)::
