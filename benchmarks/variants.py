@@ -235,37 +235,44 @@ def ratios(records) -> list[str]:
 
 
 def plot(records, path, title=""):
-    """Left: ours' speed-up over each packed contender per (pack, E); right: each variant's time over
-    plain per (L, E, mode)."""
+    """Left: ours' speed-up over each packed contender per (pack, E); middle: each variant's time
+    over plain causal per (L, E, mode), the 5 % line dotted; right: the HF step, packed against the
+    dense block-diagonal mask."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(12, 4.5))
-    left, right = fig.subplots(1, 2)
     ok = [r for r in records if r["status"] == "ok"]
+    overhead = [r for r in ok if r["part"] == "overhead" and r["variant"] != "plain"]
+    fig = Figure(figsize=(17, max(5.0, 0.26 * len(overhead) + 1.5)))
+    left, middle, right = fig.subplots(1, 3, gridspec_kw=dict(width_ratios=(1.2, 1.6, 0.6)))
     ours = {(r["pack"], r["head_dim"]): r["ms"] for r in ok if r["part"] == "packed" and r["provider"] == "ours"}
     for provider, color in (("flex", "tab:blue"), ("ours-dense-mask", "tab:green")):
-        pts = sorted((f"{p // 1024}k E{e}", r["ms"] / ours[(p, e)]) for r in ok
-                     if r["part"] == "packed" and r["provider"] == provider
-                     for p, e in [(r["pack"], r["head_dim"])] if (p, e) in ours)
+        pts = [(f"{r['pack'] // 1024}k E{r['head_dim']}\n{provider}", r["ms"] / ours[(r["pack"], r["head_dim"])])
+               for r in ok if r["part"] == "packed" and r["provider"] == provider and (r["pack"], r["head_dim"]) in ours]
         if pts:
-            left.bar([f"{x} {provider}" for x, _ in pts], [y for _, y in pts], color=color, label=provider)
+            left.bar([x for x, _ in pts], [y for _, y in pts], color=color, label=provider)
     left.axhline(1.0, color="gray", linestyle="--")
     left.set_ylabel("contender ms / ours ms (> 1: ours faster)")
     left.set_title("packed, causal, fwd+bwd")
-    left.tick_params(axis="x", rotation=45)
+    left.tick_params(axis="x", labelsize=7, rotation=60)
     labels, values = [], []
-    for r in ok:
-        if r["part"] == "overhead" and r["variant"] != "plain":
-            plain = [o["ms"] for o in ok if o["part"] == "overhead" and o["variant"] == "plain"
-                     and (o["seq"], o["head_dim"], o["mode"]) == (r["seq"], r["head_dim"], r["mode"])]
-            if plain:
-                labels.append(f"{r['seq'] // 1024}k E{r['head_dim']} {r['mode']} {r['variant']}")
-                values.append(r["ms"] / plain[0])
-    right.barh(labels, values, color="tab:orange")
-    right.axvline(1.0, color="gray", linestyle="--")
-    right.axvline(1.05, color="red", linestyle=":")
-    right.set_xlabel("variant ms / plain causal ms")
-    right.set_title("sinks and soft-capping, causal")
+    for r in overhead:
+        plain = [o["ms"] for o in ok if o["part"] == "overhead" and o["variant"] == "plain"
+                 and (o["seq"], o["head_dim"], o["mode"]) == (r["seq"], r["head_dim"], r["mode"])]
+        if plain:
+            labels.append(f"{r['seq'] // 1024}k E{r['head_dim']} {r['mode']} {r['variant']}")
+            values.append(r["ms"] / plain[0])
+    middle.barh(labels, values, color="tab:orange")
+    middle.axvline(1.0, color="gray", linestyle="--")
+    middle.axvline(1.05, color="red", linestyle=":")
+    middle.tick_params(axis="y", labelsize=7)
+    middle.set_xlabel("variant ms / plain causal ms (dotted: +5 %)")
+    middle.set_title("sinks and soft-capping, causal")
+    steps = {r["provider"]: r["ms"] for r in ok if r["part"] == "hf_step"}
+    if steps:
+        right.bar(list(steps), list(steps.values()), color=["tab:purple", "tab:gray"][:len(steps)])
+        right.set_ylabel("ms per step")
+        right.tick_params(axis="x", labelsize=7, rotation=30)
+    right.set_title("HF Llama step, 16k pack")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

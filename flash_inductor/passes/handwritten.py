@@ -42,8 +42,8 @@ from .fx_match import (
 )
 from .handwritten_site import Context, Match, Product, Step, assemble
 from .site import AttentionSite, KeptSite, guarded
-from .sinks import _pattern_shift_1, _pattern_sinks_1, drops_sink_column, read_sinks
-from .softcap import _pattern_softcap_1, read_softcap
+from .sinks import pattern_sink_shift, pattern_sinks, drops_sink_column, read_sinks
+from .softcap import pattern_softcap, read_softcap
 
 _MATMULS = (torch.matmul, operator.matmul, torch.bmm)
 _EINSUMS = (torch.einsum, torch.functional.einsum)
@@ -357,7 +357,7 @@ def _pattern_cast_1(node: fx.Node, head_dim: Any = None) -> Optional[Step]:
 
 # Soft-capping (softcap.py) and sinks (sinks.py) are steps too, checked once the walk is done;
 # the row-max shift comes before _pattern_mask_4, which would read it as a subtracted bias.
-_SCORE_PATTERNS = (_pattern_softcap_1, _pattern_sinks_1, _pattern_shift_1, _pattern_scale_1, _pattern_mask_1,
+_SCORE_PATTERNS = (pattern_softcap, pattern_sinks, pattern_sink_shift, _pattern_scale_1, _pattern_mask_1,
                    _pattern_mask_2, _pattern_mask_3, _pattern_mask_4, _pattern_view_1, _pattern_cast_1)
 
 

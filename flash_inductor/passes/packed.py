@@ -29,7 +29,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from . import band
 from .fx_match import bind, call_ancestors, is_function, is_method, known_equal, tensor_value
 from .site import AttentionSite, example_value
-from .window import _additive_band, _band_of, _in_graph_order
+from .window import additive_band, band_of, in_graph_order
 
 log = logging.getLogger("flash_inductor")
 
@@ -97,9 +97,9 @@ def _packed_ids(mask: fx.Node, is_bool: bool, attend_if: bool, factor: float, ba
     if not statically_known_true(seq_q == seq_k):
         return None
     if is_bool:
-        found = _band_of(mask, seq_q, seq_k, attend_if)
+        found = band_of(mask, seq_q, seq_k, attend_if)
     else:
-        found = (_additive_band(mask, seq_q, seq_k, factor) or (None,))[0]
+        found = (additive_band(mask, seq_q, seq_k, factor) or (None,))[0]
     if found is None or len(found.residual) != 1 or found.residual[0][1]:
         return None
     window = band.to_window(found, seq_q, seq_k)
@@ -137,6 +137,6 @@ def sdpa_packed(site: AttentionSite) -> AttentionSite:
         log.debug("flash_inductor: reading %s's mask failed; it stays as written", site.output.name, exc_info=True)
         return site
     if ids is not None:
-        site.consumed = _in_graph_order([*site.consumed, *call_ancestors(site.attn_mask)])
+        site.consumed = in_graph_order([*site.consumed, *call_ancestors(site.attn_mask)])
         site.attn_mask, site.is_causal, site.sequence_ids = None, True, ids
     return site

@@ -36,7 +36,7 @@ def _is_last_dim(dim: Any, node: fx.Node) -> bool:
     return isinstance(dim, int) and not isinstance(dim, bool) and ev is not None and dim % ev.dim() == ev.dim() - 1
 
 
-def _pattern_sinks_1(node: fx.Node, head_dim: Any = None) -> Optional[Step]:
+def pattern_sinks(node: fx.Node, head_dim: Any = None) -> Optional[Step]:
     # gpt-oss (HF eager_attention_forward): torch.cat([attn_weights, sinks], dim=-1), the sinks
     # module.sinks.reshape(1, -1, 1, 1).expand(batch, -1, q_len, -1).
     if not is_function(node, *_CATS):
@@ -84,7 +84,7 @@ def _row_max(node: Any, x: fx.Node) -> Optional[tuple[fx.Node, ...]]:
     return nodes if _is_last_dim(dim, x) else None
 
 
-def _pattern_shift_1(node: fx.Node, head_dim: Any = None) -> Optional[Step]:
+def pattern_sink_shift(node: fx.Node, head_dim: Any = None) -> Optional[Step]:
     # gpt-oss: combined_logits - combined_logits.max(dim=-1, keepdim=True).values, against bf16
     # overflow; a row-constant shift that the softmax undoes.
     if not (is_function(node, operator.sub, torch.sub) or is_method(node, "sub")) or len(node.args) != 2 \

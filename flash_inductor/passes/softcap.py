@@ -28,7 +28,7 @@ from .handwritten_site import Product, Step
 _NEUTRAL = ("cast", "view")  # steps that change no score value
 
 
-def _pattern_softcap_1(node: fx.Node, head_dim: Any = None) -> Optional[Step]:
+def pattern_softcap(node: fx.Node, head_dim: Any = None) -> Optional[Step]:
     # Gemma 2 (HF eager_attention_forward): w = w / softcap; w = torch.tanh(w); w = w * softcap;
     # Grok-1: 30.0 * torch.tanh(scores / 30.0). The tanh alone: read_softcap checks its neighbours.
     if (is_function(node, torch.tanh, F.tanh) or is_method(node, "tanh")) and len(node.args) == 1 \

@@ -47,7 +47,7 @@ def _peel_views(node: Any) -> Any:
     return node
 
 
-def _additive_band(mask: fx.Node, seq_q: Any, seq_k: Any, factor: float) -> Optional[tuple[band.Conjunction, float]]:
+def additive_band(mask: fx.Node, seq_q: Any, seq_k: Any, factor: float) -> Optional[tuple[band.Conjunction, float]]:
     """(band, fill) of an additive mask ``where(cond, 0, fill)`` (or ``where(cond, fill, 0)``),
     ``fill`` scaled by ``factor`` and hiding keys; else None."""
     mask = _peel_views(mask)
@@ -66,11 +66,11 @@ def _additive_band(mask: fx.Node, seq_q: Any, seq_k: Any, factor: float) -> Opti
     mask_value = tensor_value(mask)
     if mask_value is None or not mask_value.is_floating_point():
         return None
-    found = _band_of(cond, seq_q, seq_k, attend_if)
+    found = band_of(cond, seq_q, seq_k, attend_if)
     return None if found is None else (found, fill)
 
 
-def _band_of(cond: Any, seq_q: Any, seq_k: Any, attend_if: bool) -> Optional[band.Conjunction]:
+def band_of(cond: Any, seq_q: Any, seq_k: Any, attend_if: bool) -> Optional[band.Conjunction]:
     value = tensor_value(cond)
     if value is None or value.dim() < 2 or not known_equal(value.shape[-2:], (seq_q, seq_k)):
         return None
@@ -101,9 +101,9 @@ def _handwritten_window(terms: list, fills: list, seq_q: Any, seq_k: Any) -> Opt
     combined, residual, finite = band.Conjunction(), [], False
     for term in terms:
         if term.is_bool:
-            found, fill = _band_of(term.node, seq_q, seq_k, term.attend_if), next(fill_values)
+            found, fill = band_of(term.node, seq_q, seq_k, term.attend_if), next(fill_values)
         else:
-            found, fill = _additive_band(term.node, seq_q, seq_k, term.factor) or (None, None)
+            found, fill = additive_band(term.node, seq_q, seq_k, term.factor) or (None, None)
         if found is None:
             return None
         finite = finite or fill != float("-inf")
@@ -143,7 +143,7 @@ def residual_mask(graph: fx.Graph, terms: list[tuple[fx.Node, bool]]) -> fx.Node
     return combined
 
 
-def _in_graph_order(nodes: list[fx.Node]) -> list[fx.Node]:
+def in_graph_order(nodes: list[fx.Node]) -> list[fx.Node]:
     if not nodes:
         return []
     order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
@@ -172,9 +172,9 @@ def _sdpa_window(site: AttentionSite) -> AttentionSite:
         return site
     seq_q, seq_k = query.shape[-2], key.shape[-2]
     if mask_value.dtype == torch.bool:
-        found, finite = _band_of(mask, seq_q, seq_k, True), False
+        found, finite = band_of(mask, seq_q, seq_k, True), False
     else:
-        read = _additive_band(mask, seq_q, seq_k, 1.0)
+        read = additive_band(mask, seq_q, seq_k, 1.0)
         found, finite = (read[0], read[1] != float("-inf")) if read is not None else (None, False)
     window = None if found is None else band.to_window(found, seq_q, seq_k)
     if window is None or (finite and (found.residual or not band.rows_never_empty(window, seq_q, seq_k))):
@@ -183,12 +183,12 @@ def _sdpa_window(site: AttentionSite) -> AttentionSite:
     if not found.residual:
         site.is_causal, site.window = causal_or_window(window, seq_q, seq_k)
         site.attn_mask = None
-        site.consumed = _in_graph_order([*site.consumed, *call_ancestors(mask)])
+        site.consumed = in_graph_order([*site.consumed, *call_ancestors(mask)])
     elif found.rebuildable:
         terms = found.residual
         site.attn_mask = None
         site.mask_description = "bool mask"
         site.prologue = lambda graph, q, k, v, _mask: (q, k, v, residual_mask(graph, terms))
-        site.consumed = _in_graph_order([*site.consumed, *call_ancestors(mask)])
+        site.consumed = in_graph_order([*site.consumed, *call_ancestors(mask)])
     # else: the whole mask stays beside the window, which hides only keys it hides already
     return site

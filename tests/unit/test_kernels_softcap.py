@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from helpers import assert_close_to_ref, dropout_keep, launch_visibility, make_mask, make_qkv, randn
+from variant_refs import term_magnitudes
 
 from flash_inductor import launch
 
@@ -35,34 +36,6 @@ def capped_attention(q, k, v, mask, *, scale, softcap, causal_offset=None, keep=
     if keep is not None:
         p = p * keep.to(p.dtype) / (1 - dropout_p)
     return p @ v, lse
-
-
-def term_magnitudes(q, k, v, mask, dout, dlse, *, scale, softcap, causal_offset, keep, dropout_p) -> dict:
-    """The largest sum of |terms| behind each result (helpers._term_magnitudes' rule, with the
-    cap's slope on dS's way to dq and dk): fp32 arithmetic errs in proportion to these."""
-    q, k, v, dout = (t.double() for t in (q, k, v, dout))
-    group = q.shape[1] // k.shape[1]
-    kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    eye = torch.eye(k.shape[2], dtype=torch.float64, device=q.device).expand(*q.shape[:2], -1, -1)
-    probs, _ = capped_attention(q, kr, eye, mask if mask is None or mask.dtype == torch.bool else mask.double(),
-                                scale=scale, softcap=softcap, causal_offset=causal_offset)
-    dropped = probs if keep is None else probs * keep.double() / (1 - dropout_p)
-    grad_probs = dout @ vr.transpose(-1, -2)
-    if keep is not None:
-        grad_probs = grad_probs * keep.double() / (1 - dropout_p)
-    out = dropped @ vr
-    delta = (dout * out).sum(-1, keepdim=True) - (0 if dlse is None else dlse.double()[..., None])
-    ds_terms = probs * (grad_probs.abs() + delta.abs())
-    slope = 1 - torch.tanh((q @ kr.transpose(-1, -2)) * scale / softcap) ** 2
-
-    def group_sum(t):
-        return t.unflatten(1, (k.shape[1], group)).sum(2)
-
-    return dict(out=(dropped @ vr.abs()).max().item(),
-                dv=group_sum(dropped.transpose(-1, -2) @ dout.abs()).max().item(),
-                dq=scale * ((ds_terms * slope) @ kr.abs()).max().item(),
-                dk=scale * group_sum((ds_terms * slope).transpose(-1, -2) @ q.abs()).max().item(),
-                dmask=ds_terms.max().item())
 
 
 CASES = {
@@ -121,8 +94,11 @@ def test_softcap_kernels_match_fp64(name, schedule, kernel_dtype, device):
     out, lse, (dq, dk, dv, dmask) = run_ours()
     ref_out, ref_lse, ref_grads = run_definition(torch.float64)
     base_out, _, base_grads = run_definition(kernel_dtype)
-    terms = term_magnitudes(q, k, v, mask, dout, dlse, scale=scale, softcap=softcap, causal_offset=offset, keep=keep,
-                            dropout_p=dropout_p)
+    visible = None
+    if offset is not None:
+        visible = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device).tril(offset)
+    terms = term_magnitudes(q, k, v, dout, scale=scale, softcap=softcap, visible=visible, mask=mask,
+                            dropped=None if keep is None else keep / (1 - dropout_p), grad_lse=dlse)
     assert_close_to_ref("out", out, ref_out, base_out, terms=terms["out"])
     assert_close_to_ref("lse", lse, ref_lse, None, terms=float(softcap) * 4)
     for name_, ours, ref, base in zip(("dq", "dk", "dv", "dmask"), (dq, dk, dv, dmask), ref_grads, base_grads):
