@@ -265,7 +265,7 @@ def attention(
     if sinks is not None:
         # The monitor keeps the keys' LSE: it describes their scores, and a row that sees no key
         # stays -inf there (fully masked) though the sink holds its weight.
-        out, _ = fold_sinks(out, lse, sinks)
+        out, _ = fold_sinks(out, lse, sinks, with_lse=False)
     if monitor_site is not None:
         out = _monitor_ops.watch_output(out, lse, monitor_site, seq_k)
     elif eager_monitor_site is not None:

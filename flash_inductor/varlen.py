@@ -109,7 +109,7 @@ def packed_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rng_seed, float(dropout_p),
         is_causal, causal_lower_right, scale, precision.name, window[0], window[1], softcap)
     if sinks is not None:
-        out, _ = fold_sinks(out, lse.transpose(0, 1), sinks)
+        out, _ = fold_sinks(out, lse.transpose(0, 1), sinks, with_lse=False)
     return out
 
 

@@ -22,12 +22,14 @@ import torch
 from torch import Tensor
 
 
-def fold_sinks(out: Tensor, lse: Tensor, sinks: Tensor, heads_dim: int = 1) -> tuple[Tensor, Tensor]:
+def fold_sinks(out: Tensor, lse: Tensor, sinks: Tensor, heads_dim: int = 1,
+               with_lse: bool = True) -> tuple[Tensor, Tensor | None]:
     """``(out', lse')``: ``out`` (..., H, L, Ev) and ``lse`` (..., H, L) with the per-head sink
-    logits ``sinks`` (H,) in the denominator. ``heads_dim`` is the heads' dim of ``lse``."""
+    logits ``sinks`` (H,) in the denominator. ``heads_dim`` is the heads' dim of ``lse``; without
+    ``with_lse`` lse' is not formed (None), saving its pass where nobody reads it."""
     shape = [1] * lse.dim()
     shape[heads_dim] = sinks.shape[0]
     sink = sinks.to(lse.dtype).reshape(shape)
     kept = torch.sigmoid(lse - sink)  # the share of row i's mass on its keys
     folded = (out.to(lse.dtype) * kept.unsqueeze(-1)).to(out.dtype)
-    return folded, torch.logaddexp(lse, sink)
+    return folded, (torch.logaddexp(lse, sink) if with_lse else None)
