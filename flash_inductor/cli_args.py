@@ -110,7 +110,8 @@ def _writable_ancestor(arg: str, path: pathlib.Path) -> None:
     else:  # pragma: no cover -- the root exists
         return
     if not ancestor.is_dir():
-        raise UsageError(f"{arg}: {ancestor} is a file, not a folder; choose a path that is not under a file")
+        raise UsageError(f"{arg}: {path} lies under {ancestor}, which is a file; choose a path that is not under "
+                         "a file")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise UsageError(f"{arg}: cannot write to {ancestor}; choose a folder you can write to")
     if ancestor == path:  # os.access trusts mode bits; a probe file also proves a read-only mount etc.
