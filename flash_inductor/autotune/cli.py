@@ -255,6 +255,8 @@ def check_outputs_writable(args, table_path: pathlib.Path, summary_path: pathlib
     table_arg = "--output" if args.output else "--ship" if args.ship else f"the user cache ({cache.CACHE_DIR_ENV})"
     cli_args.output_file(table_arg, table_path)
     cli_args.output_file("--summary" if args.summary else table_arg, summary_path)
+    if args.dry_run:  # writes nothing: the checks above, without creating the folders
+        return
     for folder in dict.fromkeys((table_path.parent, summary_path.parent)):
         try:
             cache.check_writable_dir(folder)
@@ -408,8 +410,7 @@ def main(argv=None, *, settings: Optional[Settings] = None, device: Optional[tor
     plan = make_plan(grid, exhaustive=args.exhaustive)
     path = output_path(args, gpu)
     summary_path = summary_path_for(args, path, gpu)
-    if not args.dry_run:
-        check_outputs_writable(args, path, summary_path)
+    check_outputs_writable(args, path, summary_path)
     incumbents = _incumbent_entries(args.incumbents, gpu)
     print(f"autotune: {gpu} ({device_name}); {len(plan)} buckets "
           f"({sum(p.kind == SWEEP for p in plan)} sweeps, {sum(p.kind == COPY for p in plan)} copies) -> {path}")
