@@ -17,8 +17,9 @@ import inspect
 import os
 import pathlib
 import sys
-import tempfile
 from typing import Callable, Iterable, Optional
+
+from .tuning.cache import prove_writable
 
 USAGE_EXIT_CODE = 2  # argparse's and the shell's code for a bad command line
 
@@ -114,11 +115,9 @@ def _writable_ancestor(arg: str, path: pathlib.Path) -> None:
                          "a file")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise UsageError(f"{arg}: cannot write to {ancestor}; choose a folder you can write to")
-    if ancestor == path:  # os.access trusts mode bits; a probe file also proves a read-only mount etc.
+    if ancestor == path:
         try:
-            fd, probe = tempfile.mkstemp(dir=path, prefix=".flash_inductor_write_check.")
-            os.close(fd)
-            os.unlink(probe)
+            prove_writable(path)
         except OSError as error:
             raise UsageError(f"{arg}: cannot write to {path} ({error.strerror or error}); "
                              "choose a folder you can write to") from None

@@ -380,15 +380,21 @@ def _dangling_link(path: pathlib.Path) -> Optional[pathlib.Path]:
     return None
 
 
+def prove_writable(directory: os.PathLike) -> None:
+    """Create and remove a file in the existing ``directory``; OSError when that fails. Mode bits
+    (``os.access``) miss read-only mounts, ACLs and quotas; a real file does not."""
+    fd, probe = tempfile.mkstemp(dir=directory, prefix=".flash_inductor_write_check.")
+    os.close(fd)
+    os.unlink(probe)
+
+
 def check_writable_dir(directory: os.PathLike) -> None:
     """Create ``directory`` if needed and prove a file can be created there; raise OSError with
     what to do otherwise (the autotuner calls this before measuring anything)."""
     directory = pathlib.Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".flash_inductor_write_check.")
-        os.close(fd)
-        os.unlink(probe)
+        prove_writable(directory)
     except OSError as error:
         raise OSError(f"cannot write to {directory} ({error.strerror or error}); set {CACHE_DIR_ENV} to a "
                       "writable folder, or pass --output") from error
