@@ -118,7 +118,8 @@ def _merge_payloads(paths: list[str]) -> list[tuple[str, dict]]:
         try:
             payload = json.loads(text)
             report.results_from_json(payload)
-            payload["environment"]["device"], payload["cases"].items()
+            if not isinstance(payload["environment"]["device"], str) or not isinstance(payload["cases"], dict):
+                raise TypeError("no 'environment.device' string or no 'cases' object")
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
             raise UsageError(f"--merge: {path} is not a stability result ({type(error).__name__}: {error}); "
                              "give the JSON files earlier runs wrote") from None
