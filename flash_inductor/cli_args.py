@@ -76,6 +76,17 @@ def int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def seconds(text: str) -> float:
+    """An argparse ``type``: a number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"{text!r}: give seconds >= 0")
+    return value
+
+
 def int_list(text: str, arg: str, low: int = 1) -> tuple[int, ...]:
     """``"2048,4096"`` as integers >= ``low``; UsageError naming ``arg`` otherwise."""
     try:

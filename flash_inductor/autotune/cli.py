@@ -59,16 +59,6 @@ def _csv(kind, allowed=None):
     return parse
 
 
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value >= 0:  # also refuses NaN
-        raise argparse.ArgumentTypeError(f"{text!r}: give seconds >= 0 (0: no limit)")
-    return value
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = cli_args.Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", type=_csv(str, _DTYPES), default=("bf16", "fp16"))
@@ -96,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a table of this GPU (e.g. the shipped one) whose entries for the tuned buckets race in "
                         "their searches: a new pick replaces an entry only when faster by more than 1%% in the "
                         "same run, so a re-tune moves picks for measured gains, not timing noise")
-    p.add_argument("--time-budget", type=_non_negative, default=0.0,
+    p.add_argument("--time-budget", type=cli_args.seconds, default=0.0,
                    help="seconds; stop before a round that would overrun, the first round included (0: no "
                         "limit). Resume later")
     p.add_argument("--compile-workers", type=cli_args.int_at_least(0), default=None,

@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=cli_args.int_at_least(1), help="override E")
     p.add_argument("--long-seqs", help="override the long-sequence lengths, e.g. 32768,65536")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-budget", type=float, metavar="SECONDS",
+    p.add_argument("--time-budget", type=cli_args.seconds, metavar="SECONDS",
                    help="start no new case after this many seconds; what ran is still reported and written")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON and PNG")
     p.add_argument("--tag", help="suffix of the output file names")

@@ -99,6 +99,7 @@ def _cases(p: dict[str, str]) -> dict[str, tuple[str, list[str], str]]:
         "stability out is a file": (STABILITY, ["--out", p["a_file"]], "--out"),
         "stability out under a file": (STABILITY, ["--out", p["a_file"] + "/results"], "--out"),
         "stability tag with a slash": (STABILITY, ["--tag", "a/b"], "--tag"),
+        "stability negative time budget": (STABILITY, ["--time-budget", "-5"], "--time-budget"),
         "stability no case in the dtype": (STABILITY, ["--cases", "large_v", "--dtypes", "bf16"], "--dtypes"),
         "stability merge missing": (STABILITY, ["--merge", p["missing"]], "--merge"),
         "stability merge not JSON": (STABILITY, ["--merge", p["not_json.json"]], "--merge"),

@@ -381,17 +381,22 @@ def test_fully_masked_rows_are_exact_zeros(case_name: str, dtype: torch.dtype):
         assert not tensor.isnan().any()
 
 
-def test_result_does_not_depend_on_key_chunk(monkeypatch):
-    case = replace(CASES["dropout_causal_float_mask"], key_len=300)
+def _assert_independent_of(monkeypatch, case: Case, setting: str, values) -> None:
+    """The float64 forward and backward of ``case`` agree to 1e-12 whatever ``reference.<setting>``."""
     problem = _make_problem(case, torch.float64)
     results = []
-    for chunk in (5, 128, 1000):
-        monkeypatch.setattr(reference, "KEY_CHUNK", chunk)
+    for value in values:
+        monkeypatch.setattr(reference, setting, value)
         out, lse, grads = _run_reference(problem, case)
         results.append([out, lse, *grads])
     for other in results[1:]:
         for a, b in zip(results[0], other):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_result_does_not_depend_on_key_chunk(monkeypatch):
+    _assert_independent_of(monkeypatch, replace(CASES["dropout_causal_float_mask"], key_len=300), "KEY_CHUNK",
+                           (5, 128, 1000))
 
 
 @pytest.mark.parametrize("case_name", ["dropout_causal_float_mask", "L300_S7_mqa_bool_mask_causal_top_left",
@@ -399,16 +404,7 @@ def test_result_does_not_depend_on_key_chunk(monkeypatch):
                                        "L300_S129_causal_bottom_right_dead_rows"])
 def test_result_does_not_depend_on_row_block(monkeypatch, case_name):
     """The causal forward takes the query rows in blocks; the block size changes only rounding."""
-    case = CASES[case_name]
-    problem = _make_problem(case, torch.float64)
-    results = []
-    for rows in (7, 64, 10**6):
-        monkeypatch.setattr(reference, "ROW_BLOCK", rows)
-        out, lse, grads = _run_reference(problem, case)
-        results.append([out, lse, *grads])
-    for other in results[1:]:
-        for a, b in zip(results[0], other):
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    _assert_independent_of(monkeypatch, CASES[case_name], "ROW_BLOCK", (7, 64, 10**6))
 
 
 @pytest.mark.parametrize("window, causal", [(None, True), ((40, 30), False), ((-1, 0), True)], ids=str)
