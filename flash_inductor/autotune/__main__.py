@@ -2,7 +2,8 @@
 
 import sys
 
-from .cli import main
+from ..cli_args import run
+from .cli import PROG, main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main, prog=PROG))

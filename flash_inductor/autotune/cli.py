@@ -8,7 +8,8 @@ The table goes to the user cache (``$FLASH_INDUCTOR_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/flash_inductor``, else ``~/.cache/flash_inductor``), or to ``--output``, or
 into the package with ``--ship``; it is rewritten atomically after every finished bucket, so an
 interrupted run loses at most the buckets in flight and ``--resume`` skips the rest. Before
-anything is measured, the run checks that it can write there. A summary (winner, TFLOP/s, error,
+anything is measured, the run checks its arguments and that it can write there: a mistake is one
+line on stderr and exit code 2. A summary (winner, TFLOP/s, error,
 runner-up, gain over the heuristic per bucket) is printed and written as JSON beside the table
 (or to ``--summary``) for committing under benchmarks/results/.
 
@@ -30,6 +31,8 @@ from typing import Optional
 
 import torch
 
+from .. import cli_args
+from ..cli_args import UsageError
 from ..tuning import cache
 from ..tuning.buckets import GLUON_PASSES, MASK_KINDS, Bucket
 from ..tuning.configs import padded_head_dim
@@ -41,6 +44,7 @@ from .search import BucketTask, Settings, Tuner, task_from_entry
 from ..tuning.footprint import OPTIN_SMEM_BYTES, DeviceLimits
 from .search_space import FULL_SPACE, QUICK_SPACE, ROLES
 
+PROG = "python -m flash_inductor.autotune"
 INTERPRETER_GPU_KEY = "triton-interpreter"
 _DTYPES = ("bf16", "fp16", "fp32")
 
@@ -56,8 +60,7 @@ def _csv(kind, allowed=None):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m flash_inductor.autotune", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli_args.Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", type=_csv(str, _DTYPES), default=("bf16", "fp16"))
     p.add_argument("--head-dims", type=_csv(int), default=(64, 128, 256),
                    help="head dims to tune; each tunes its padded width (e.g. 96 -> 128)")
@@ -68,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--passes", type=_csv(str, tuple(ROLES)), default=None,
                    help="default: forward,backward, and on a Hopper GPU with Gluon the Gluon kernels' "
                         f"{','.join(GLUON_PASSES)} (bf16/fp16, E 64/128, no mask or causal)")
-    p.add_argument("--max-seq", type=int, default=16384,
+    p.add_argument("--max-seq", type=cli_args.int_at_least(1), default=16384,
                    help="tune lengths 1024, 4096, ... up to this; lookups use the nearest tuned length")
     p.add_argument("--seqs", type=_csv(int), default=None, help="explicit length buckets (powers of two)")
     p.add_argument("--quick", action="store_true",
@@ -83,13 +86,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a table of this GPU (e.g. the shipped one) whose entries for the tuned buckets race in "
                         "their searches: a new pick replaces an entry only when faster by more than 1%% in the "
                         "same run, so a re-tune moves picks for measured gains, not timing noise")
-    p.add_argument("--time-budget", type=float, default=0.0,
-                   help="seconds; stop before a round that would overrun (0: no limit). Resume later")
-    p.add_argument("--compile-workers", type=int, default=None,
+    p.add_argument("--time-budget", type=cli_args.seconds, default=0.0,
+                   help="seconds; stop before a round that would overrun, the first round included (0: no "
+                        "limit). Resume later")
+    p.add_argument("--compile-workers", type=cli_args.int_at_least(0), default=None,
                    help="processes compiling candidates in parallel (default: min(12, CPUs - 2) on CUDA)")
-    p.add_argument("--warmup-ms", type=int, default=5)
-    p.add_argument("--rep-ms", type=int, default=25)
-    p.add_argument("--heat-ms", type=int, default=500,
+    p.add_argument("--warmup-ms", type=cli_args.int_at_least(0), default=5)
+    p.add_argument("--rep-ms", type=cli_args.int_at_least(1), default=25)
+    p.add_argument("--heat-ms", type=cli_args.int_at_least(0), default=500,
                    help="run each candidate this long before timing it, so it is timed at the card's sustained "
                         "(power-limited) clock, not the boost clock an idle compile leaves (0: off)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
@@ -102,6 +106,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--head-dims: {bad} outside the kernels' 1..256")
     if args.seqs is not None and any(n < 1 or n & (n - 1) for n in args.seqs):
         p.error("--seqs: powers of two only (a length bucket is the power of two at or above max(L, S))")
+    if args.ship and args.output:
+        p.error("--ship and --output both say where the table goes; give one")
     return args
 
 
@@ -145,8 +151,12 @@ def output_path(args, gpu: str) -> pathlib.Path:
         return cache.shipped_tables_dir() / cache.table_filename(gpu)
     if args.output:
         path = pathlib.Path(args.output).expanduser()
-        return path if path.suffix == ".json" else path / cache.table_filename(gpu)
-    return cache.user_cache_dir() / cache.table_filename(gpu)
+        return path if path.suffix == ".json" and not path.is_dir() else path / cache.table_filename(gpu)
+    try:
+        folder = cache.user_cache_dir()
+    except ValueError as error:
+        raise UsageError(f"{error}, or pass --output") from None
+    return folder / cache.table_filename(gpu)
 
 
 def current_gpu(device: torch.device) -> tuple[str, str]:
@@ -230,13 +240,18 @@ def summary_path_for(args, table_path: pathlib.Path, gpu: str) -> pathlib.Path:
     return candidate
 
 
-def check_outputs_writable(table_path: pathlib.Path, summary_path: pathlib.Path) -> None:
+def check_outputs_writable(args, table_path: pathlib.Path, summary_path: pathlib.Path) -> None:
     """Fail now, not after the tuning, when the table or the summary cannot be written."""
+    table_arg = "--output" if args.output else "--ship" if args.ship else f"the user cache ({cache.CACHE_DIR_ENV})"
+    cli_args.output_file(table_arg, table_path)
+    cli_args.output_file("--summary" if args.summary else table_arg, summary_path)
+    if args.dry_run:  # writes nothing: the checks above, without creating the folders
+        return
     for folder in dict.fromkeys((table_path.parent, summary_path.parent)):
         try:
             cache.check_writable_dir(folder)
         except OSError as error:
-            raise SystemExit(f"flash_inductor.autotune: {error}")
+            raise UsageError(str(error)) from None
 
 
 def summary_rows(plan: list[PlannedBucket], entries: dict) -> list[dict]:
@@ -315,11 +330,11 @@ def _incumbent_entries(path: Optional[str], gpu: str) -> dict[str, dict]:
     try:
         table = cache.read_table(path)
     except ValueError as error:
-        raise SystemExit(f"flash_inductor.autotune: --incumbents: {error}")
+        raise UsageError(f"--incumbents: {error}") from None
     if table is None:
-        raise SystemExit(f"flash_inductor.autotune: --incumbents: no table at {path}")
+        raise UsageError(f"--incumbents: no table at {path}; give a table file of this GPU (e.g. the shipped one)")
     if table.gpu != gpu:
-        raise SystemExit(f"flash_inductor.autotune: --incumbents: {path} is for {table.gpu}, this GPU is {gpu}")
+        raise UsageError(f"--incumbents: {path} is for {table.gpu}, this GPU is {gpu}; give a table of this GPU")
     return dict(table.entries)
 
 
@@ -350,6 +365,21 @@ def _already_tuned(entry: Optional[dict], space: str) -> bool:
     return entry is not None and entry.get("space", space) == space
 
 
+# Seconds per candidate: on the H200 with 14 compile workers, 251 candidates took 236 s
+# (benchmarks/results/autotune_nvidia-h200_sm90_132sm_20261130_full.json); the interpreter runs
+# each candidate's accuracy check and timing on NumPy, which takes a minute or more at full sizes.
+_GPU_CANDIDATE_S = 1.0
+_INTERPRETER_CANDIDATE_S = 60.0
+
+
+def _duration_estimate(candidates: int, device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"about {max(1, round(candidates * _GPU_CANDIDATE_S / 60))} min on this GPU (--time-budget bounds it)"
+    hours = candidates * _INTERPRETER_CANDIDATE_S / 3600
+    return (f"about {hours:.1f} h or more under the Triton interpreter, which is for exercising the tuner, not "
+            "for tuning (--time-budget bounds it)")
+
+
 def _device(dry_run: bool) -> torch.device:
     from ..launch import interpreter_enabled
 
@@ -357,7 +387,8 @@ def _device(dry_run: bool) -> torch.device:
         return torch.device("cuda")
     if interpreter_enabled() or dry_run:
         return torch.device("cpu")
-    raise SystemExit("flash_inductor.autotune: no CUDA GPU (set TRITON_INTERPRET=1 to exercise the tuner on CPU)")
+    raise UsageError("no CUDA GPU here: run on a GPU machine (or set TRITON_INTERPRET=1 to exercise the tuner "
+                     "on CPU, or pass --dry-run to see the plan)")
 
 
 def main(argv=None, *, settings: Optional[Settings] = None, device: Optional[torch.device] = None) -> int:
@@ -369,8 +400,8 @@ def main(argv=None, *, settings: Optional[Settings] = None, device: Optional[tor
     plan = make_plan(grid, exhaustive=args.exhaustive)
     path = output_path(args, gpu)
     summary_path = summary_path_for(args, path, gpu)
-    if not args.dry_run:
-        check_outputs_writable(path, summary_path)
+    check_outputs_writable(args, path, summary_path)
+    incumbents = _incumbent_entries(args.incumbents, gpu)
     print(f"autotune: {gpu} ({device_name}); {len(plan)} buckets "
           f"({sum(p.kind == SWEEP for p in plan)} sweeps, {sum(p.kind == COPY for p in plan)} copies) -> {path}")
     if args.dry_run:
@@ -401,7 +432,6 @@ def main(argv=None, *, settings: Optional[Settings] = None, device: Optional[tor
     done: dict[Bucket, BucketTask] = {}
     if args.resume:
         entries.update(_resumable_entries(path, gpu))
-    incumbents = _incumbent_entries(args.incumbents, gpu)
     tasks = []
     for planned in plan:
         entry = entries.get(planned.bucket.key())
@@ -437,7 +467,9 @@ def main(argv=None, *, settings: Optional[Settings] = None, device: Optional[tor
             cache.update_table(path, cache.TuningTable.for_current_code(gpu, {task.bucket.key(): written}, **meta))
         write_summary([t for t in tasks if not t.done])  # a run killed mid-way still leaves its summary
 
-    progress = _Progress(sum(tuner.estimate_candidates(t) for t in plan if t.bucket not in done), len(tasks))
+    candidates = sum(tuner.estimate_candidates(t) for t in plan if t.bucket not in done)
+    print(f"autotune: ~{candidates} candidates to measure: {_duration_estimate(candidates, device)}", flush=True)
+    progress = _Progress(candidates, len(tasks))
     deadline = started + args.time_budget if args.time_budget > 0 else None
     try:
         remaining = tuner.run(tasks, done, on_done=on_done, on_candidate=progress.candidate, deadline=deadline)

@@ -361,7 +361,11 @@ class Tuner:
             deadline: Optional[float] = None) -> list[BucketTask]:
         """Search ``tasks`` in rounds until all are done or ``deadline`` (time.monotonic) would
         be passed by the next round; ``done`` holds finished tasks (a resumed run's too) and is
-        updated. Returns the tasks left unfinished."""
+        updated. Returns the tasks left unfinished.
+
+        With a deadline the first round, which has no per-candidate time to plan with, searches
+        one bucket only, and no round measures another candidate once the deadline has passed:
+        under the interpreter a full first round takes tens of minutes."""
         waiting = [t for t in tasks if not t.done]
         active: list[BucketTask] = []
         per_candidate_s = None
@@ -369,8 +373,9 @@ class Tuner:
             for task in [t for t in waiting if t.kind == COPY and t.source in done]:  # no measuring: now
                 waiting.remove(task)
                 self._finish(task, done, on_done)
+            round_size = 1 if deadline is not None and per_candidate_s is None else self.settings.tasks_per_round
             for task in list(waiting):
-                if len(active) >= self.settings.tasks_per_round:
+                if len(active) >= round_size:
                     break
                 if self.start(task, done):
                     waiting.remove(task)
@@ -415,6 +420,9 @@ class Tuner:
                 self._finish(task, done, on_done)
                 active.remove(task)
             for task, configs in round_jobs:
+                if deadline is not None and time.monotonic() > deadline:
+                    self._timing.clear()
+                    return active + waiting  # a bucket measured in part is searched again on --resume
                 on_candidate(task, self.measure(task, configs))
             self._timing.clear()  # large problems live for one round only
             if round_jobs:

@@ -26,15 +26,17 @@ as the kernels, written for clarity rather than speed:
   slope ``1 - tanh(s / softcap) ** 2`` on its way to dQ and dK (a float mask's gradient is dS itself);
 
 * causal masking and a sliding window both come down to a band of keys per row,
-  ``i + lower <= j <= i + upper`` (``flash_inductor.launch.band``); key chunks wholly outside
-  every row's band are skipped, as the kernels skip their tiles.
+  ``i + lower <= j <= i + upper`` (``flash_inductor.launch.band``). With a band the forward
+  takes the query rows in blocks of :data:`ROW_BLOCK` and each block visits only the key chunks
+  its rows' bands reach, as the kernels skip their tiles: causal attention then does about half
+  the work of non-causal. A chunk wholly inside every row's band skips the band's select too.
 
 Arithmetic is float64 for float64 inputs and float32 otherwise; inputs are upcast chunk by
 chunk. Rows that see no key at all (all-False mask, all -inf mask, causal or window with no
 key, S == 0) give a zero output row, ``lse = -inf`` and zero gradients, never NaN.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -43,11 +45,15 @@ from ..block_sparse import expand_block_map
 from ..launch.band import Band, resolve_band
 from .philox import philox_uniform
 
-__all__ = ["KEY_CHUNK", "reference_forward", "reference_backward"]
+__all__ = ["KEY_CHUNK", "ROW_BLOCK", "reference_forward", "reference_backward"]
 
 # Keys per block: large enough that the matmuls dominate the Python overhead, small enough
 # that the (L, KEY_CHUNK) score block stays cheap for long sequences.
 KEY_CHUNK = 128
+# Query rows per block under a band (causal, window): the work past the diagonal is at most one
+# block's worth per block, so smaller blocks skip more of it; below a few hundred rows the
+# per-chunk Python overhead outweighs what they skip.
+ROW_BLOCK = 256
 
 # The kernel works in base 2, where finfo(float32).min * log2(e) overflows to -inf; it clamps
 # float mask values to this floor, and so do we. Softmax is shift-invariant, so a row masked
@@ -67,36 +73,57 @@ class _GroupedProblem:
     key_len: int
     compute_dtype: torch.dtype
     device: torch.device
+    # The query rows [row_start, row_stop) this problem covers (all of them unless split by
+    # rows_of); "rows" below are those, n = row_stop - row_start.
+    row_start: int = 0
+    row_stop: Optional[int] = None
+
+    def __post_init__(self):
+        if self.row_stop is None:
+            self.row_stop = self.query_len
+
+    @property
+    def block_rows(self) -> int:
+        return self.row_stop - self.row_start
 
     @property
     def grouped_rows(self) -> int:
-        return self.group_size * self.query_len
+        return self.group_size * self.block_rows
+
+    def rows_of(self, start: int, stop: int) -> "_GroupedProblem":
+        """The same problem restricted to query rows [start, stop)."""
+        return replace(self, row_start=start, row_stop=stop)
+
+    def row_slice(self, per_query_row: torch.Tensor, dim: int = 2) -> torch.Tensor:
+        """``per_query_row``'s rows of this block along ``dim`` (a view)."""
+        return per_query_row.narrow(dim, self.row_start, self.block_rows)
 
     def group(self, per_query_head: torch.Tensor) -> torch.Tensor:
-        """(B, Hq, L, ...) -> (B, Hkv, G * L, ...) in the compute dtype."""
+        """(B, Hq, L, ...) -> (B, Hkv, G * n, ...) in the compute dtype (this block's rows)."""
         trailing = per_query_head.shape[3:]
-        grouped = per_query_head.reshape(self.batch, self.kv_heads, self.grouped_rows, *trailing)
+        grouped = self.row_slice(per_query_head).reshape(self.batch, self.kv_heads, self.grouped_rows, *trailing)
         return grouped.to(self.compute_dtype)
 
     def ungroup(self, grouped: torch.Tensor) -> torch.Tensor:
-        """(B, Hkv, G * L, ...) -> (B, Hq, L, ...)."""
+        """(B, Hkv, G * n, ...) -> (B, Hq, n, ...)."""
         trailing = grouped.shape[3:]
-        return grouped.reshape(self.batch, self.query_heads, self.query_len, *trailing)
+        return grouped.reshape(self.batch, self.query_heads, self.block_rows, *trailing)
 
     def query_positions(self) -> torch.Tensor:
-        """Position i inside its sequence of each grouped row (row g * L + i)."""
-        return torch.arange(self.grouped_rows, device=self.device) % max(self.query_len, 1)
+        """Position i inside its sequence of each grouped row (row g * n + i - row_start)."""
+        local = torch.arange(self.grouped_rows, device=self.device) % max(self.block_rows, 1)
+        return local + self.row_start
 
     def dropout_row_offsets(self) -> torch.Tensor:
-        """Philox offset of key 0 for each grouped row, shape (B, Hkv, G * L, 1), int64.
+        """Philox offset of key 0 for each grouped row, shape (B, Hkv, G * n, 1), int64.
 
         ``((b * Hq + h) * L + i) * S`` with ``h = hk * G + g``; because the heads of a group are
-        contiguous, ``(b * Hq + h) * L + i == (b * Hkv + hk) * G * L + (g * L + i)``.
+        contiguous, ``b * Hq + h == (b * Hkv + hk) * G + g``.
         """
-        rows = torch.arange(
-            self.batch * self.kv_heads * self.grouped_rows, dtype=torch.int64, device=self.device
-        )
-        return (rows * self.key_len).reshape(self.batch, self.kv_heads, self.grouped_rows, 1)
+        heads = torch.arange(self.batch * self.query_heads, dtype=torch.int64, device=self.device)
+        rows = torch.arange(self.row_start, self.row_stop, dtype=torch.int64, device=self.device)
+        offsets = (heads[:, None] * self.query_len + rows[None, :]) * self.key_len
+        return offsets.reshape(self.batch, self.kv_heads, self.grouped_rows, 1)
 
 
 def _describe_problem(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> _GroupedProblem:
@@ -125,15 +152,25 @@ def _describe_problem(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     )
 
 
-def _key_chunks(key_len: int, band: Optional[Band] = None, query_len: int = 0):
-    """Key chunks [start, stop); with a band, only those some row's band reaches."""
-    first, last = 0, key_len
+def _key_chunks(problem: _GroupedProblem, band: Optional[Band] = None):
+    """Key chunks [start, stop); with a band, only those the band of some row of ``problem`` reaches."""
+    first, last = 0, problem.key_len
     if band is not None and band.lower is not None:
-        first = max(first, band.lower)  # row 0's first key; later rows start later
+        first = max(first, problem.row_start + band.lower)  # the first row's first key; later rows start later
     if band is not None and band.upper is not None:
-        last = min(last, query_len - 1 + band.upper + 1)  # the last row's last key, exclusive
+        last = min(last, problem.row_stop - 1 + band.upper + 1)  # the last row's last key, exclusive
     for start in range(first // KEY_CHUNK * KEY_CHUNK, max(last, 0), KEY_CHUNK):
-        yield start, min(start + KEY_CHUNK, key_len)
+        yield start, min(start + KEY_CHUNK, problem.key_len)
+
+
+def _row_blocks(problem: _GroupedProblem, band: Band):
+    """``problem`` split into blocks of :data:`ROW_BLOCK` query rows when a band lets a block skip
+    key chunks, else whole."""
+    if (band.lower is None and band.upper is None) or problem.query_len <= ROW_BLOCK:
+        yield problem
+        return
+    for start in range(0, problem.query_len, ROW_BLOCK):
+        yield problem.rows_of(start, min(start + ROW_BLOCK, problem.query_len))
 
 
 def _chunk_scores(
@@ -157,18 +194,23 @@ def _chunk_scores(
         scores = softcap * torch.tanh(scores / softcap)
     if attn_mask is not None:
         # Slice before reshaping so a broadcast (stride-0) mask is only materialised per chunk.
-        mask_chunk = attn_mask[..., start:stop].reshape(scores.shape)
+        mask_chunk = problem.row_slice(attn_mask)[..., start:stop].reshape(scores.shape)
         if mask_chunk.dtype == torch.bool:
             scores = scores.masked_fill(~mask_chunk, float("-inf"))
         else:
             mask_chunk = mask_chunk.to(problem.compute_dtype)
             clamped = torch.where(mask_chunk.isneginf(), mask_chunk, mask_chunk.clamp(min=_MASK_FLOOR))
             scores = scores + clamped
+    # A side of the band that no (row, key) of this chunk crosses hides nothing: no select.
+    crosses_upper = band.upper is not None and stop - 1 > problem.row_start + band.upper
+    crosses_lower = band.lower is not None and start < problem.row_stop - 1 + band.lower
+    if not (crosses_upper or crosses_lower):
+        return scores
     key_positions = torch.arange(start, stop, device=problem.device)[None, :]
     query_positions = problem.query_positions()[:, None]
-    if band.upper is not None:
+    if crosses_upper:
         scores = scores.masked_fill(key_positions > query_positions + band.upper, float("-inf"))
-    if band.lower is not None:
+    if crosses_lower:
         scores = scores.masked_fill(key_positions < query_positions + band.lower, float("-inf"))
     return scores
 
@@ -180,8 +222,8 @@ def _layout_scores(problem: _GroupedProblem, scores: torch.Tensor, block_layout:
     if block_layout is None:
         return scores
     block_map, block_q, block_k = block_layout
-    in_layout = expand_block_map(block_map, block_q, block_k, 0, problem.query_len, start, stop)
-    in_layout = in_layout.expand(problem.batch, problem.query_heads, problem.query_len, stop - start)
+    in_layout = expand_block_map(block_map, block_q, block_k, problem.row_start, problem.row_stop, start, stop)
+    in_layout = in_layout.expand(problem.batch, problem.query_heads, problem.block_rows, stop - start)
     return scores.masked_fill(~in_layout.reshape(scores.shape), float("-inf"))
 
 
@@ -189,7 +231,7 @@ def _visible_score_chunks(problem, grouped_query, key, attn_mask, band, scale, b
     """(start, stop, scores) of each chunk of keys the band reaches: the scores of keys
     [start, stop) with the soft cap, the mask, the band and the block layout applied (-inf where
     invisible)."""
-    for start, stop in _key_chunks(problem.key_len, band, problem.query_len):
+    for start, stop in _key_chunks(problem, band):
         scores = _chunk_scores(problem, grouped_query, key[..., start:stop, :], attn_mask, band, scale, start, stop,
                                softcap)
         yield start, stop, _layout_scores(problem, scores, block_layout, start, stop)
@@ -260,6 +302,23 @@ def reference_forward(
     """
     problem = _describe_problem(query, key, value)
     band = resolve_band(is_causal, causal_offset, window, problem.query_len, problem.key_len)
+    blocks = list(_row_blocks(problem, band))
+    if len(blocks) == 1:
+        out, lse = _forward_rows(problem, query, key, value, attn_mask, band, scale, rng_seed, dropout_p, block_layout,
+                                 softcap)
+        return out.to(query.dtype).contiguous(), lse.contiguous()
+    out = query.new_empty((*query.shape[:3], value.shape[-1]))
+    lse = torch.empty(query.shape[:3], dtype=problem.compute_dtype, device=problem.device)
+    for block in blocks:
+        block_out, block_lse = _forward_rows(block, query, key, value, attn_mask, band, scale, rng_seed, dropout_p,
+                                             block_layout, softcap)
+        block.row_slice(out).copy_(block_out)
+        block.row_slice(lse).copy_(block_lse)
+    return out, lse
+
+
+def _forward_rows(problem, query, key, value, attn_mask, band, scale, rng_seed, dropout_p, block_layout, softcap=0.0):
+    """(out, lse) of ``problem``'s query rows, (B, Hq, n, Ev) and (B, Hq, n), in the compute dtype."""
     grouped_query = problem.group(query)
     rows_shape = grouped_query.shape[:3]
     running_max = torch.full(rows_shape, float("-inf"), dtype=problem.compute_dtype, device=problem.device)
@@ -287,7 +346,7 @@ def reference_forward(
     safe_sum = torch.where(has_visible_key, running_sum, torch.ones_like(running_sum))
     out = torch.where(has_visible_key[..., None], accumulator / safe_sum[..., None], 0.0)
     lse = torch.where(has_visible_key, running_max + torch.log(safe_sum), float("-inf"))
-    return problem.ungroup(out).to(query.dtype).contiguous(), problem.ungroup(lse).contiguous()
+    return problem.ungroup(out), problem.ungroup(lse)
 
 
 def _softcap_slope(scaled_products: torch.Tensor, softcap: float) -> torch.Tensor:
@@ -391,7 +450,7 @@ def reference_backward(
         # an LSE rounded in fp32 can make sum to 1 - 1e-3 at large logits.
         weighted = torch.zeros_like(delta)
         total = torch.zeros_like(delta)
-        for start, stop in _key_chunks(problem.key_len, band, problem.query_len):
+        for start, stop in _key_chunks(problem, band):
             _, _, probs, grad_probs, _ = chunk(start, stop)
             weighted += (probs * grad_probs).sum(dim=-1, keepdim=True)
             total += probs.sum(dim=-1, keepdim=True)
@@ -413,7 +472,7 @@ def reference_backward(
     if wants_mask_grad:
         grad_mask.zero_()
 
-    for start, stop in _key_chunks(problem.key_len, band, problem.query_len):
+    for start, stop in _key_chunks(problem, band):
         key_chunk, value_chunk, probs, grad_probs, dropout_scale = chunk(start, stop)
         dropped_probs = probs if dropout_scale is None else probs * dropout_scale
         grad_scores = probs * (grad_probs - delta)

@@ -116,11 +116,18 @@ def device_gpu_key(device: torch.device) -> str:
 
 
 def user_cache_dir() -> pathlib.Path:
+    """The user's table folder; ValueError naming the variable when it cannot be resolved (a
+    ``~user`` that does not exist, no home directory)."""
     override = os.environ.get(CACHE_DIR_ENV)
-    if override:
-        return pathlib.Path(override).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
-    base = pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
+    try:
+        if override:
+            return pathlib.Path(override).expanduser()
+        base = pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
+    except RuntimeError as error:  # pathlib's "Could not determine home directory"
+        variable = CACHE_DIR_ENV if override else "XDG_CACHE_HOME" if xdg else "HOME"
+        raise ValueError(f"cannot resolve the user cache folder from {variable}={os.environ.get(variable)!r} "
+                         f"({error}); set {CACHE_DIR_ENV} to an absolute path") from None
     return base / "flash_inductor"
 
 
@@ -349,13 +356,36 @@ def read_table(path: os.PathLike) -> Optional[TuningTable]:
     try:
         text = path.read_text()
     except FileNotFoundError:
+        broken = _dangling_link(path)
+        if broken is not None:
+            raise ValueError(f"{path}: {broken} is a symbolic link to {os.readlink(broken)}, which does not "
+                             "exist") from None
         return None
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"{path}: cannot read it: {error}") from error
     try:
         return TuningTable.from_json(json.loads(text))
+    except RecursionError:  # JSON nested deeper than the parser's stack: no table is
+        raise ValueError(f"{path}: unreadable tuning table: JSON nested too deeply") from None
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{path}: unreadable tuning table: {error}") from error
+
+
+def _dangling_link(path: pathlib.Path) -> Optional[pathlib.Path]:
+    """The symbolic link at ``path`` or one of its folders whose target is missing, if any: a file
+    that is not there is no table, a link to nothing is a broken cache the user should hear of."""
+    for candidate in (path, *path.parents):
+        if candidate.is_symlink() and not candidate.exists():
+            return candidate
+    return None
+
+
+def prove_writable(directory: os.PathLike) -> None:
+    """Create and remove a file in the existing ``directory``; OSError when that fails. Mode bits
+    (``os.access``) miss read-only mounts, ACLs and quotas; a real file does not."""
+    fd, probe = tempfile.mkstemp(dir=directory, prefix=".flash_inductor_write_check.")
+    os.close(fd)
+    os.unlink(probe)
 
 
 def check_writable_dir(directory: os.PathLike) -> None:
@@ -364,9 +394,7 @@ def check_writable_dir(directory: os.PathLike) -> None:
     directory = pathlib.Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".flash_inductor_write_check.")
-        os.close(fd)
-        os.unlink(probe)
+        prove_writable(directory)
     except OSError as error:
         raise OSError(f"cannot write to {directory} ({error.strerror or error}); set {CACHE_DIR_ENV} to a "
                       "writable folder, or pass --output") from error
@@ -492,20 +520,26 @@ def warn_lookup_failed(error: BaseException) -> None:
                f"built-in heuristic launch configs. Please report this; `{AUTOTUNE_COMMAND}` rewrites the user table.")
 
 
-def _usable_table(path: pathlib.Path, gpu: str, origin: str, smem_limit: Optional[int]) -> Optional[TuningTable]:
+_HEURISTIC = "the built-in heuristic configs"
+_SHIPPED = "the shipped table (the built-in heuristic configs elsewhere)"
+
+
+def _usable_table(path: pathlib.Path, gpu: str, origin: str, smem_limit: Optional[int],
+                  fallback: str = _HEURISTIC) -> Optional[TuningTable]:
     """The table at ``path`` without the entries this GPU cannot use, or None (one warning
-    naming the file when it exists but cannot be used)."""
+    naming the file, the cause and ``fallback``, what launches use instead, when it exists but
+    cannot be used)."""
     try:
         table = read_table(path)
     except ValueError as error:
-        _warn_once(f"{gpu}:{origin}", f"flash_inductor: ignoring the {origin} tuning table: {error}; using the "
-                   f"built-in heuristic configs. Re-run `{AUTOTUNE_COMMAND}` to write a new one.")
+        _warn_once(f"{gpu}:{origin}", f"flash_inductor: ignoring the {origin} tuning table: {error}; using "
+                   f"{fallback}. Re-run `{AUTOTUNE_COMMAND}` to write a new one.")
         return None
     if table is None:
         return None
     if table.gpu != gpu:
         _warn_once(f"{gpu}:{origin}", f"flash_inductor: ignoring the {origin} tuning table {path}: it is for "
-                   f"{table.gpu}; using the built-in heuristic configs. Re-run `{AUTOTUNE_COMMAND}`.")
+                   f"{table.gpu}; using {fallback}. Re-run `{AUTOTUNE_COMMAND}`.")
         return None
     dropped = dict(table.dropped)
     for key, entry in table.entries.items():
@@ -540,22 +574,27 @@ def _report_other_triton(gpu: str, view: TableView) -> None:
 def load_tables(gpu: str, smem_limit: Optional[int] = None) -> Optional[TableView]:
     """The usable tables for ``gpu`` (shipped, then the user's), read once per process. Configs
     needing more than ``smem_limit`` bytes of shared memory per block are left out."""
-    tables, found = [], False
-    for directory, origin in ((shipped_tables_dir(), "shipped"), (user_cache_dir(), "user")):
-        path = directory / table_filename(gpu)
-        found = found or os.path.lexists(path)
-        try:
-            table = _usable_table(path, gpu, origin, smem_limit)
+    tables, found, user_path = [], False, "the user cache folder"
+    for origin in ("shipped", "user"):
+        path = f"the {origin} table folder"
+        fallback = _SHIPPED if tables else _HEURISTIC
+        try:  # the folder itself may not resolve (an unknown ~user in FLASH_INDUCTOR_CACHE_DIR)
+            path = (shipped_tables_dir() if origin == "shipped" else user_cache_dir()) / table_filename(gpu)
+            if origin == "user":
+                user_path = str(path)
+            found = found or os.path.lexists(path)
+            table = _usable_table(path, gpu, origin, smem_limit, fallback)
         except Exception as error:  # a table must never fail an attention call
+            found = True
             _warn_once(f"{gpu}:{origin}", f"flash_inductor: ignoring the {origin} tuning table {path}: "
-                       f"{type(error).__name__}: {error}; using the built-in heuristic configs.")
+                       f"{type(error).__name__}: {error}; using {fallback}.")
             table = None
         if table is not None:
             tables.append(table)
     if not tables and not found:  # a file that was found but not used had its own warning
         _warn_once(gpu, f"flash_inductor: no tuning table for this GPU ({gpu}); using the built-in heuristic "
                    f"launch configs, which may be slower. Run `{AUTOTUNE_COMMAND}` once to tune them "
-                   f"(writes {user_cache_dir() / table_filename(gpu)}).")
+                   f"(writes {user_path}).")
     if not tables:
         return None
     view = TableView(tables)

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import pathlib
 import time
+import types
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from flash_inductor.tuning.buckets import Bucket, bucket_for, length_hint, mask_
 from flash_inductor.tuning.configs import KernelConfig
 from flash_inductor.autotune.measure import LaunchRunner, Shape, Verdict
 from flash_inductor.autotune.plan import COPY, SHORTLIST, SWEEP, Grid, PlannedBucket, make_plan
-from flash_inductor.autotune import precompile
+from flash_inductor.autotune import precompile, search
 from flash_inductor.autotune.precompile import ParallelPrecompiler, RoundReport, _encode, probe_lengths_of_one, warm
 from flash_inductor.schedules import SCHEDULES, schedules_markdown_table
 from flash_inductor.autotune.search import BucketTask, Measurement, Tuner, incumbent_configs
@@ -306,21 +307,36 @@ def test_a_pick_that_fails_at_length_one_gives_way_to_the_next_best():
 
 
 @pytest.mark.launches_kernels
-def test_a_spent_budget_still_probes_the_measured_pick():
+def test_a_spent_budget_still_probes_the_measured_pick(monkeypatch):
     """When the budget runs out after a search's last round, its pick is still probed and
     written: dropping the probe would throw the measured search away (a GPU run once
     lost every sweep of its last round that way). Nothing new is measured after the budget."""
     buckets = [Bucket("stable", "fp16", 16, mask, 128, "forward") for mask in ("none", "causal")]
-    timer = timer_from({("forward", 32, 16, 4): 1.0})
+    # A clock that stands still until the first round's last candidate is measured, then passes
+    # the deadline: the budget runs out exactly between the search's last round and its probe.
+    clock, first_round = [0.0], []
+    monkeypatch.setattr(search, "time", types.SimpleNamespace(monotonic=lambda: clock[0],
+                                                              perf_counter=time.perf_counter))
+    measured = timer_from({("forward", 32, 16, 4): 1.0})
+
+    def timer(run, configs):
+        ms = measured(run, configs)
+        first_round[1] -= 1
+        if first_round[1] == 0:
+            clock[0] = 100.0
+        return ms
+
     probed = []
 
     def precompile_round(jobs, probes):
+        if not first_round:
+            first_round.extend([len(jobs), len(jobs)])
         probed.extend(b.key() for b, _ in probes)
         return RoundReport(warm_errors=0, probe_failures=[None] * len(probes))
 
     tuner = Tuner(DEVICE, tiny_settings(timer, tasks_per_round=1), precompile=precompile_round)
     done: dict[Bucket, BucketTask] = {}
-    left = tuner.run([tuner.task(PlannedBucket(b, SWEEP)) for b in buckets], done, deadline=time.monotonic() - 1)
+    left = tuner.run([tuner.task(PlannedBucket(b, SWEEP)) for b in buckets], done, deadline=50.0)
     assert probed == [buckets[0].key()]
     assert done[buckets[0]].entry["configs"] == {"forward": cfg_dict(32, 16)}
     assert [t.bucket for t in left] == [buckets[1]] and buckets[1] not in done
@@ -488,12 +504,15 @@ def test_cli_writes_table_and_summary_and_resumes(tmp_path, capsys):
     out = tmp_path / "tables"
     argv = ["--dtypes", "fp16", "--head-dims", "16", "--masks", "none,causal", "--schedules", "stable",
             "--passes", "forward", "--seqs", "4096", "--output", str(out), "--summary", str(tmp_path / "s.json")]
-    # A budget this small stops after the first round: the sweep is saved, the shortlist is not.
+    # A budget this small bounds the first round too: at most one candidate, and nothing is saved.
     assert cli.main(argv + ["--time-budget", "1e-6"], settings=settings, device=torch.device(DEVICE)) == 0
+    assert len(calls) <= 1 and cache.read_table(table_file(out)) is None
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["complete"] is False and len(summary["remaining"]) == 2
+    # The sweep alone is saved; the resumed run then has the shortlist left.
+    assert cli.main(argv + ["--masks", "none"], settings=settings, device=torch.device(DEVICE)) == 0
     table = cache.read_table(table_file(out))
     assert list(table.entries) == ["stable/fp16/e16/none/s4096/forward"]
-    summary = json.loads((tmp_path / "s.json").read_text())
-    assert summary["complete"] is False and summary["remaining"] == ["stable/fp16/e16/causal/s4096/forward"]
 
     measured_before = len(calls)
     assert cli.main(argv + ["--resume"], settings=settings, device=torch.device(DEVICE)) == 0

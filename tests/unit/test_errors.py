@@ -108,11 +108,25 @@ def test_mask_on_other_device():
         flash_attention(q, k, v, attn_mask=torch.ones(8, 10, dtype=torch.bool, device="meta"))
 
 
-@pytest.mark.parametrize("p", [-0.1, 1.0, 1.5, float("nan"), "0.1"], ids=str)
+@pytest.mark.parametrize("p", [-0.1, 1.0, 1.5, float("nan"), "0.1", True, np.float32(1.0), torch.tensor([0.1, 0.2]),
+                               torch.tensor(True)], ids=str)
 def test_dropout_p_out_of_range(p):
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match=r"dropout_p must be a float in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"dropout_p must be a real number in \[0, 1\) \(a float, a NumPy scalar or "
+                                         r"a one-element tensor\)"):
         flash_attention(q, k, v, dropout_p=p)
+
+
+@pytest.mark.parametrize("p", [np.float32(0.25), np.float64(0.25), torch.tensor(0.25), torch.tensor([0.25]), 0],
+                         ids=repr)
+def test_dropout_p_as_sdpa_takes_it(p):
+    """SDPA takes a NumPy scalar or a one-element tensor as dropout_p: so does flash_attention, with
+    the same dropout as the float (the mask depends on the seed and p only)."""
+    q, k, v = _qkv()
+    torch.manual_seed(0)
+    want = flash_attention(q, k, v, dropout_p=float(p))
+    torch.manual_seed(0)
+    torch.testing.assert_close(flash_attention(q, k, v, dropout_p=p), want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("schedule", ["fastest", "", "STABLE", 1], ids=str)

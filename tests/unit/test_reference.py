@@ -381,17 +381,60 @@ def test_fully_masked_rows_are_exact_zeros(case_name: str, dtype: torch.dtype):
         assert not tensor.isnan().any()
 
 
-def test_result_does_not_depend_on_key_chunk(monkeypatch):
-    case = replace(CASES["dropout_causal_float_mask"], key_len=300)
+def _assert_independent_of(monkeypatch, case: Case, setting: str, values) -> None:
+    """The float64 forward and backward of ``case`` agree to 1e-12 whatever ``reference.<setting>``."""
     problem = _make_problem(case, torch.float64)
     results = []
-    for chunk in (5, 128, 1000):
-        monkeypatch.setattr(reference, "KEY_CHUNK", chunk)
+    for value in values:
+        monkeypatch.setattr(reference, setting, value)
         out, lse, grads = _run_reference(problem, case)
         results.append([out, lse, *grads])
     for other in results[1:]:
         for a, b in zip(results[0], other):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_result_does_not_depend_on_key_chunk(monkeypatch):
+    _assert_independent_of(monkeypatch, replace(CASES["dropout_causal_float_mask"], key_len=300), "KEY_CHUNK",
+                           (5, 128, 1000))
+
+
+@pytest.mark.parametrize("case_name", ["dropout_causal_float_mask", "L300_S7_mqa_bool_mask_causal_top_left",
+                                       "L129_S300_causal_bottom_right_float_broadcast_noncontig",
+                                       "L300_S129_causal_bottom_right_dead_rows"])
+def test_result_does_not_depend_on_row_block(monkeypatch, case_name):
+    """The causal forward takes the query rows in blocks; the block size changes only rounding."""
+    _assert_independent_of(monkeypatch, CASES[case_name], "ROW_BLOCK", (7, 64, 10**6))
+
+
+@pytest.mark.parametrize("window, causal", [(None, True), ((40, 30), False), ((-1, 0), True)], ids=str)
+def test_row_blocks_with_a_window_and_a_block_layout(monkeypatch, window, causal):
+    generator = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 4, 300, 16, generator=generator, dtype=torch.float64) for _ in range(3))
+    layout = (torch.rand(1, 4, 5, 5, generator=generator) < 0.7, 64, 64)
+    seed = torch.tensor([11], dtype=torch.int64)
+    results = []
+    for rows in (32, 10**6):
+        monkeypatch.setattr(reference, "ROW_BLOCK", rows)
+        results.append(reference_forward(q, k, v, None, seed, 0.2, causal, 0, 0.25, window=window,
+                                         block_layout=layout))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_causal_forward_visits_only_the_key_chunks_each_row_block_reaches(monkeypatch):
+    """L = S = 1024, 128-key chunks, 256-row blocks: 2 + 4 + 6 + 8 = 20 chunk visits, not 32."""
+    monkeypatch.setattr(reference, "ROW_BLOCK", 256)
+    monkeypatch.setattr(reference, "KEY_CHUNK", 128)
+    visits = []
+    scores = reference._chunk_scores
+    monkeypatch.setattr(reference, "_chunk_scores", lambda *args: visits.append(args[-2:]) or scores(*args))
+    q = k = v = torch.randn(1, 1, 1024, 8)
+    reference_forward(q, k, v, None, None, 0.0, True, 0, 1.0)
+    assert len(visits) == 20
+    visits.clear()
+    reference_forward(q, k, v, None, None, 0.0, False, 0, 1.0)
+    assert len(visits) == 8
 
 
 def test_dropout_p_without_seed_names_the_argument():
