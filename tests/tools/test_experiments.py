@@ -231,3 +231,13 @@ def test_matched_rounding_emulation_separates_the_deltas():
     verdicts = {line.split()[2].rstrip(":"): line.split()[3] for line in run.stdout.splitlines()
                 if line.startswith("seed 0 ours:")}
     assert verdicts == {"ours:fa2": "FAIL", "ours:matched": "FAIL", "ours:matched_centred": "PASS;"}, run.stdout
+
+
+def test_reference_causal_times_both_and_causal_skips_work():
+    """The CPU reference's causal/non-causal timing runs, and its causal forward skips the masked
+    half at a length where row blocks apply (issue 59's measurement, small)."""
+    run = subprocess.run([*experiment("reference_causal"), "--seq", "2048", "--reps", "1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    ratio = float(run.stdout.split("causal / non-causal ")[1].split(" wall")[0])
+    assert ratio < 0.9, run.stdout
