@@ -239,5 +239,5 @@ def test_reference_causal_times_both_and_causal_skips_work():
     run = subprocess.run([*experiment("reference_causal"), "--seq", "2048", "--reps", "1"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    ratio = float(run.stdout.split("causal / non-causal ")[1].split(" wall")[0])
-    assert ratio < 0.9, run.stdout
+    cpu_ratio = float(run.stdout.split(" wall, ")[1].split(" CPU")[0])  # CPU time: steadier on a shared machine
+    assert cpu_ratio < 0.9, run.stdout
