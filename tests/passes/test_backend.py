@@ -140,7 +140,11 @@ def test_a_rewritten_graph_is_cacheable_by_aot_autograd():
     with pytest.raises(autograd_cache.BypassAOTAutogradCache):
         autograd_cache.check_node_safe(call)
     patches = flash_inductor.backend.config_patches()
-    assert list(patches["unsafe_marked_cacheable_functions"].values()) == [flash_inductor.backend.graph_pass.uuid()]
+    marked = patches["unsafe_marked_cacheable_functions"]
+    # Every call the rewrite inserts (the dense one and the packed-sequence one), keyed by the pass.
+    assert set(marked.values()) == {flash_inductor.backend.graph_pass.uuid()}
+    assert {"flash_inductor.passes.site.rewritten_attention", "flash_inductor.passes.site.packed_sequence_attention"} \
+        <= set(marked)
     with torch._inductor.config.patch(patches):
         autograd_cache.check_node_safe(call)  # no bypass
 
