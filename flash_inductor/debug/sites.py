@@ -146,30 +146,46 @@ def scores(query, key, mask, scale, is_causal, causal_offset, dtype, window=None
     return s
 
 
-def _reference64(q, k, v, mask, *, scale, is_causal, causal_offset, window=None, softcap=0.0, round_to_input=False):
-    """Float64 attention with the package's semantics (a row with no visible key gives 0); with
-    ``round_to_input``, rounded to the inputs' dtype (for an epilogue that multiplies by weights)."""
+def _with_sink_column(s: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """Scores (..., H, L, S) with each head's sink logit as one more column (none: as they are)."""
+    if sinks is None:
+        return s
+    column = sinks.detach().to(s.dtype).reshape(-1, 1, 1).expand(*s.shape[:-1], 1)
+    return torch.cat([s, column], dim=-1)
+
+
+def _reference64(q, k, v, mask, *, scale, is_causal, causal_offset, window=None, softcap=0.0, sinks=None,
+                 round_to_input=False):
+    """Float64 attention with the package's semantics (a row with no visible key gives 0; sinks join
+    the denominator only); with ``round_to_input``, rounded to the inputs' dtype (for an epilogue
+    that multiplies by weights)."""
     with torch.autocast(q.device.type, enabled=False):
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        s = scores(q, k, mask, scale, is_causal, causal_offset, torch.float64, window, softcap)
+        s = _with_sink_column(scores(q, k, mask, scale, is_causal, causal_offset, torch.float64, window, softcap),
+                              sinks)
         row_max = s.detach().amax(-1, keepdim=True)
         row_max = row_max.masked_fill(~row_max.isfinite(), 0.0)
         unnorm = torch.exp(s - row_max)
         total = unnorm.sum(-1, keepdim=True)
         probs = unnorm / torch.where(total > 0, total, torch.ones_like(total))
+        if sinks is not None:
+            probs = probs[..., :-1]
         out = probs @ _expand_kv(q, v).to(torch.float64)
         return out.to(q.dtype) if round_to_input else out
 
 
-def _baseline_same_dtype(q, k, v, mask, *, scale, is_causal, causal_offset, window=None, softcap=0.0):
+def _baseline_same_dtype(q, k, v, mask, *, scale, is_causal, causal_offset, window=None, softcap=0.0, sinks=None):
     """PyTorch's own attention in the site's dtype: SDPA (the tolerance rule's baseline); under a
-    soft cap, which SDPA lacks, the eager formula in that dtype (what a model's own code computes)."""
+    soft cap or sinks, which SDPA lacks, the eager formula in that dtype (what a model's own code
+    computes)."""
     with torch.autocast(q.device.type, enabled=False):
         k, v = k.to(q.dtype), v.to(q.dtype)
-        if softcap:
+        if softcap or sinks is not None:
             scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-            s = scores(q, k, mask, scale, is_causal, causal_offset, q.dtype, window, softcap)
-            return torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0) @ _expand_kv(q, v)
+            s = _with_sink_column(scores(q, k, mask, scale, is_causal, causal_offset, q.dtype, window, softcap),
+                                  sinks)
+            probs = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
+            return (probs[..., :-1] if sinks is not None else probs) @ _expand_kv(q, v)
         attn_mask = mask
         if attn_mask is not None and attn_mask.dtype != torch.bool:
             attn_mask = attn_mask.to(q.dtype)
@@ -223,7 +239,8 @@ def _instrument_site(graph: fx.Graph, site: AttentionSite, index: int, shadow: b
             q1, k1, v1, m1 = q, k, v, mask
         prologue_nodes = [n for n in graph.nodes if n not in existing and n is not marker]
         kwargs = dict(scale=site.scale, is_causal=site.is_causal, causal_offset=getattr(site, "causal_offset", 0),
-                      window=getattr(site, "window", None), softcap=getattr(site, "softcap", 0.0))
+                      window=getattr(site, "window", None), softcap=getattr(site, "softcap", None) or 0.0,
+                      sinks=getattr(site, "sinks", None))
         ref = base = leaves64 = leaves_same = None
         if shadow:
             sides = []
@@ -279,9 +296,9 @@ class InstrumentingBackend:
                        for r in records]
         for site, record in zip(sites, records):
             dropout = float(site.dropout_p or 0.0)
-            # The float64 shadow models neither sinks nor packed sequences (the pass's sinks and
-            # sequence_ids): such sites are probed, not shadowed, rather than flagged wrongly.
-            unmodelled = getattr(site, "sinks", None) is not None or getattr(site, "sequence_ids", None) is not None
+            # The float64 shadow does not model packed sequences (the pass's sequence_ids): such
+            # sites are probed, not shadowed, rather than flagged wrongly.
+            unmodelled = getattr(site, "sequence_ids", None) is not None
             info = SiteInfo(
                 name="", pattern=site.pattern, module=record.module, is_causal=bool(site.is_causal),
                 causal_offset=getattr(site, "causal_offset", 0), scale=site.scale, enable_gqa=bool(site.enable_gqa),

@@ -383,3 +383,19 @@ def test_monitor_counts_rows_without_keys_under_sinks():
         flash_attention(q, q, q, attn_mask=mask, sinks=torch.zeros(2))
     (forward,) = [r for r in m.records() if r["phase"] == "forward"]
     assert forward["masked_rows"] == 2  # two heads x one dead row
+
+
+def test_shadow_twin_models_the_sinks():
+    """debug.shadow's float64 twin and same-dtype baseline include the sink column: they match the
+    op with sinks, and without the sinks the twin would be off by the sinks' whole effect."""
+    from flash_inductor.debug import sites
+
+    q, k, v = (randn((1, 2, 9, 8), torch.float64, "cpu", seed=s) for s in (1, 2, 3))
+    sinks = torch.tensor([1.5, -0.5], dtype=torch.float64)
+    ours = flash_attention(q, k, v, is_causal=True, sinks=sinks)
+    common = dict(scale=None, is_causal=True, causal_offset=0)
+    twin = sites._reference64(q, k, v, None, sinks=sinks, **common)
+    baseline = sites._baseline_same_dtype(q, k, v, None, sinks=sinks, **common)
+    without = sites._reference64(q, k, v, None, **common)
+    assert (ours - twin).abs().max() < 1e-12 and (ours - baseline).abs().max() < 1e-12
+    assert (ours - without).abs().max() > 1e-2
