@@ -23,7 +23,7 @@ from .launch.band import NO_WINDOW
 from .launch.fp8 import check_fp8_device, check_fp8_window
 from .block_sparse import BlockSparseLayout, broadcast_per_head, resolve_block_mask
 from .ops.sinks import fold_sinks
-from .variant_args import check_fp8_softcap, check_sinks, resolve_softcap
+from .variant_args import check_fp8_softcap, check_sinks, resolve_dropout, resolve_softcap
 from .varlen import nested_attention
 from .schedules import get_schedule
 
@@ -228,7 +228,7 @@ def attention(
         check_fp8_device(query.device)
         check_fp8_window((window_left, window_right))
         check_fp8_softcap(softcap)
-    dropout_p = _resolve_dropout(dropout_p)
+    dropout_p = resolve_dropout(dropout_p)
 
     seq_q, head_dim = query.shape[-2], query.shape[-1]
     seq_k = key.shape[-2]
@@ -456,22 +456,6 @@ def _resolve_scale(scale, head_dim) -> float:
         value = float(scale)
     if value is None or not math.isfinite(value):
         raise ValueError(f"flash_attention: scale must be a finite real number or None, got {scale!r}.")
-    return value
-
-
-def _resolve_dropout(dropout_p) -> float:
-    """``dropout_p`` as a Python float in [0, 1): any real number SDPA takes, read as
-    :func:`_resolve_scale` reads ``scale``."""
-    value = math.nan
-    if isinstance(dropout_p, Tensor):
-        one_real = dropout_p.numel() == 1 and not dropout_p.is_complex() and dropout_p.dtype != torch.bool
-        if one_real and not torch.compiler.is_compiling():
-            value = float(dropout_p)
-    elif isinstance(dropout_p, numbers.Real) and not isinstance(dropout_p, bool):
-        value = float(dropout_p)
-    if not 0.0 <= value < 1.0:  # NaN, and anything unreadable, fails here too
-        raise ValueError("flash_attention: dropout_p must be a real number in [0, 1) (a float, a NumPy scalar or a "
-                         f"one-element tensor), got {dropout_p!r}.")
     return value
 
 

@@ -1,5 +1,5 @@
-"""Validation of the attention variants' arguments (soft-capping, sinks), shared by
-``flash_attention`` and ``flash_attention_varlen``: each error names the argument and the fix."""
+"""Validation of the arguments ``flash_attention`` and ``flash_attention_varlen`` share (dropout,
+soft-capping, sinks): each error names the argument and the fix."""
 
 from __future__ import annotations
 
@@ -8,6 +8,22 @@ import numbers
 
 import torch
 from torch import Tensor
+
+
+def resolve_dropout(dropout_p, caller: str = "flash_attention") -> float:
+    """``dropout_p`` as a Python float in [0, 1): any real number SDPA takes (NumPy scalars and
+    one-element tensors too, as ``scale``)."""
+    value = math.nan
+    if isinstance(dropout_p, Tensor):
+        one_real = dropout_p.numel() == 1 and not dropout_p.is_complex() and dropout_p.dtype != torch.bool
+        if one_real and not torch.compiler.is_compiling():
+            value = float(dropout_p)
+    elif isinstance(dropout_p, numbers.Real) and not isinstance(dropout_p, bool):
+        value = float(dropout_p)
+    if not 0.0 <= value < 1.0:  # NaN, and anything unreadable, fails here too
+        raise ValueError(f"{caller}: dropout_p must be a real number in [0, 1) (a float, a NumPy scalar or a "
+                         f"one-element tensor), got {dropout_p!r}.")
+    return value
 
 
 def resolve_softcap(softcap, caller: str = "flash_attention") -> float:

@@ -21,7 +21,7 @@ from .ops import varlen as _varlen_ops
 from .ops.sinks import fold_sinks
 from .launch.band import NO_WINDOW
 from .schedules import get_schedule
-from .variant_args import check_sinks, resolve_softcap
+from .variant_args import check_sinks, resolve_dropout, resolve_softcap
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -96,8 +96,7 @@ def packed_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                      causal_lower_right, window=NO_WINDOW, softcap=0.0, sinks=None, schedule=None,
                      caller="flash_attention_varlen") -> Tensor:
     """The varlen op on checked, packed ``(total, H, E)`` inputs, with the sinks folded in."""
-    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"{caller}: dropout_p must be a float in [0, 1), got {dropout_p!r}.")
+    dropout_p = resolve_dropout(dropout_p, caller)
     check_sinks(sinks, query, query.shape[1], caller)
     precision = get_schedule(schedule)
     if precision.fp8_forward:
