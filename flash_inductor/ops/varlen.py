@@ -50,7 +50,7 @@ def sequence_bounds(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, total_q: int, to
 
 def _as_batch_of_one(packed: Tensor, start: int, stop: int) -> Tensor:
     """Rows [start, stop) of a packed (total, H, E) tensor as a (1, H, rows, E) view."""
-    return packed[start:stop].transpose(0, 1).unsqueeze(0)
+    return _packed_view(packed[start:stop])
 
 
 def _causal_offset(is_causal: bool, causal_lower_right: bool, len_q: int, len_k: int) -> int:
