@@ -31,5 +31,7 @@ def fold_sinks(out: Tensor, lse: Tensor, sinks: Tensor, heads_dim: int = 1,
     shape[heads_dim] = sinks.shape[0]
     sink = sinks.to(lse.dtype).reshape(shape)
     kept = torch.sigmoid(lse - sink)  # the share of row i's mass on its keys
-    folded = (out.to(lse.dtype) * kept.unsqueeze(-1)).to(out.dtype)
+    # 16-bit out times the fp32 share promotes element by element (exact), rounds once, and needs
+    # no fp32 copy of out.
+    folded = (out * kept.unsqueeze(-1)).to(out.dtype)
     return folded, (torch.logaddexp(lse, sink) if with_lse else None)
