@@ -6,8 +6,9 @@ backward, fused AdamW) and on an inference forward, with ``attn_implementation``
 transformers default; on Hopper SDPA dispatches to cuDNN) and "eager" (hand-written attention).
 Both contenders of a cell run in this one process, each compiled, heated, then timed with
 ``triton.testing.do_bench``; the record keeps each contender's first call (its compile: the cold
-start a user waits for) and the loss of its first step, so a speed-up that changed the result
-shows.
+start a user waits for), and ours' first output (the inference logits, the training step's loss)
+is compared element-wise with the plain contender's, at a tolerance per dtype
+(``OUTPUT_TOLERANCE``), so a speed-up that changed the result shows.
 
     python -m benchmarks.e2e_models                                 # every model, seq 1k-8k
     python -m benchmarks.e2e_models --models llama-e64 --seqs 2048 --tasks train
@@ -38,6 +39,14 @@ TASKS = ("train", "infer")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 CONTENDERS = ("compile", "flash_inductor")
 TOKENS = 16384  # batch x seq of every cell
+# Ours' first output against the plain contender's: every element within this fraction of the
+# plain output's largest magnitude. Scaled by the largest magnitude rather than each element's:
+# logits near zero make an element-wise relative difference meaningless, as a mean near zero did.
+# The two differ by the attention's accumulation order (and ours' fp32 softmax in 16-bit), carried
+# through every layer: fp32 keeps that near its own rounding; a 16-bit output is rounded to its
+# 8 (bf16, eps 3.9e-3) or 11 (fp16, eps 4.9e-4) significant bits at every layer, so a few units
+# of its eps.
+OUTPUT_TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 5e-2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +211,7 @@ def run_cell(name: str, spec: ModelSpec, seq: int, attn: str, task: str, args, c
                 layers=spec.layers, hidden=spec.hidden, seq=seq, batch=batch, attn=attn, task=task, dtype=args.dtype,
                 mode=getattr(args, "mode", None))
     records = []
+    plain_output = None
     for contender in CONTENDERS:
         record = dict(base, contender=contender)
         try:
@@ -210,7 +220,14 @@ def run_cell(name: str, spec: ModelSpec, seq: int, attn: str, task: str, args, c
             first = step()
             _synchronize(args.device)
             record["first_call_s"] = time.perf_counter() - start
-            record["first_output"] = float(first.detach().float().mean())
+            record["first_output"] = float(first.detach().float().mean())  # a summary; compare_outputs checks
+            # Kept on the host: the logits of a 16k-token cell take a GiB the next compile may need.
+            output = first.detach().to("cpu", copy=True)
+            if contender == "compile":
+                plain_output = output
+            elif plain_output is not None:
+                record.update(compare_outputs(plain_output, output, args.dtype))
+            del output
             record["ms"] = time_step(step, args, args.device)
             record["status"] = "ok"
             del step, first
@@ -219,6 +236,33 @@ def run_cell(name: str, spec: ModelSpec, seq: int, attn: str, task: str, args, c
         common.release_memory()
         records.append(record)
     return records
+
+
+def compare_outputs(plain: torch.Tensor, ours: torch.Tensor, dtype: str) -> dict:
+    """Ours' output against the plain contender's, element by element: the largest absolute
+    difference, that difference relative to the plain output's largest magnitude, and whether it
+    is within ``OUTPUT_TOLERANCE[dtype]`` (a shape mismatch, or a non-finite value where the plain
+    output has a finite one, is not)."""
+    tolerance = OUTPUT_TOLERANCE[dtype]
+    result = dict(output_tolerance=tolerance, output_max_abs_diff=math.inf, output_max_rel_diff=math.inf,
+                  output_within_tolerance=False)
+    if plain.shape != ours.shape:
+        return result
+    max_abs, scale, broken = 0.0, 0.0, False
+    # In chunks: a float copy of a large cell's whole logits would take several GiB of host memory.
+    for a, b in zip(plain.reshape(-1).split(1 << 24), ours.reshape(-1).split(1 << 24)):
+        a, b = a.double(), b.double()
+        finite = torch.isfinite(a)
+        same_non_finite = (a[~finite] == b[~finite]) | (a[~finite].isnan() & b[~finite].isnan())
+        broken |= bool((finite & ~torch.isfinite(b)).any()) or not bool(same_non_finite.all())
+        if finite.any():
+            max_abs = max(max_abs, float((a[finite] - b[finite]).abs().max()))
+            scale = max(scale, float(a[finite].abs().max()))
+    if broken:
+        return result
+    relative = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
+    return dict(result, output_max_abs_diff=max_abs, output_max_rel_diff=relative,
+                output_within_tolerance=relative <= tolerance)
 
 
 def precompile_items(cells, args) -> list[dict]:
@@ -257,20 +301,22 @@ def summarise(records: list[dict]) -> list[dict]:
                    ours_first_call_s=ours.get("first_call_s"), compile_first_call_s=plain.get("first_call_s"))
         if plain.get("ms") and ours.get("ms"):
             row["speedup"] = plain["ms"] / ours["ms"]
-            a, b = plain.get("first_output"), ours.get("first_output")
-            row["output_rel_diff"] = abs(a - b) / max(abs(a), 1e-12) if a is not None and b is not None else None
+            for key in ("output_max_abs_diff", "output_max_rel_diff", "output_within_tolerance", "output_tolerance"):
+                row[key] = ours.get(key)
         rows.append(row)
     return rows
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| model | seq | attn | task | plain compile ms | ours ms | ours / plain |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | seq | attn | task | plain compile ms | ours ms | ours / plain | output max rel diff |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['speedup']:.2f}x" if r.get("speedup") else "failed"
         fmt = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
+        diff = "-" if r.get("output_max_rel_diff") is None else (
+            f"{r['output_max_rel_diff']:.1e}" + ("" if r["output_within_tolerance"] else f" > {r['output_tolerance']:g}"))
         lines.append(f"| {r['model']} | {r['seq']} | {r['attn']} | {r['task']} | {fmt(r['compile_ms'])} | "
-                     f"{fmt(r['ours_ms'])} | {ratio} |")
+                     f"{fmt(r['ours_ms'])} | {ratio} | {diff} |")
     return "\n".join(lines)
 
 

@@ -48,8 +48,36 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    _fail_empty_parameter_sets(items)
     _skip_full_tool_forms(config, items)
     _skip_kernel_launches_on_old_interpreters(items)
+
+
+_EMPTY_PARAMETER_SET = "got empty parameter set"
+_UNEXPECTED_EMPTY = pytest.StashKey()
+
+
+def _fail_empty_parameter_sets(items):
+    """A parametrised test whose case list comes out empty is collected as one item that pytest
+    skips ("got empty parameter set"): a test that checks nothing would read as a skip, and a
+    source of cases that dried up (a table without the entries it iterates) would go unseen. Such
+    an item fails instead, unless it carries ``@pytest.mark.expected_empty(reason)`` saying why
+    nothing is there to test."""
+    for item in items:
+        skips = [mark for mark in item.own_markers
+                 if mark.name == "skip" and str(mark.kwargs.get("reason", "")).startswith(_EMPTY_PARAMETER_SET)]
+        if not skips or item.get_closest_marker("expected_empty"):
+            continue
+        item.own_markers[:] = [mark for mark in item.own_markers if mark not in skips]
+        item.stash[_UNEXPECTED_EMPTY] = skips[0].kwargs["reason"]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    reason = item.stash.get(_UNEXPECTED_EMPTY, None)
+    if reason is not None:
+        pytest.fail(f"{reason}: the test collected no cases. Give it a source of cases, or mark it "
+                    "@pytest.mark.expected_empty(reason) with why it has none here.", pytrace=False)
 
 
 def _skip_full_tool_forms(config, items):

@@ -1,13 +1,16 @@
 """benchmarks/decode.py on CPU: the attention grid records every contender of every cell (SDPA
 backends that do not run on a CPU as errors), summarises, plots and writes; the generate part
-runs both contenders (the compile swapped for the eager model: Inductor's CPU compile would take
-minutes) and compares their tokens."""
+runs both contenders and compares their tokens: the plain one eager (Inductor's CPU compile would
+take minutes), ours through the benchmark's own flash_inductor compile with Inductor's C++ code
+generation skipped (``model_zoo.inductor_codegen_skipped``), so our rewrite and op generate."""
 
 import json
 
 import pytest
+import torch
 
 from benchmarks import decode
+from model_zoo import inductor_codegen_skipped
 
 TINY = dict(batches="1,2", seqs="40,600", query_rows="1,3", heads_q=4, heads_kv=1, head_dim=16, dtype="fp32",
             device="cpu", rep_steps=1)
@@ -51,14 +54,40 @@ def test_summary_ratios():
     assert row["vs_flex"] == pytest.approx(3.0) and "efficient_ms" not in row
 
 
-def test_generate_part_runs_both_contenders(tmp_path):
+def test_generate_part_runs_both_contenders(tmp_path, fresh_compiler):
     pytest.importorskip("transformers")
-    records = decode.main(["--part", "generate", "--tiny", "--gen-batch", "2", "--prompt", "5", "--new-tokens", "3",
-                           "--cache-len", "16", "--dtype", "fp32", "--device", "cpu", "--out", str(tmp_path)],
-                          compile_fn=lambda contender, model: model)
+    from flash_inductor.passes.report import REPORTS
+
+    logits = {}
+
+    def ours_without_codegen(contender, model):
+        """The plain contender eager, ours compiled by the benchmark; each forward's logits kept."""
+        if contender != "compile":
+            model = decode.compile_forward(contender, model, None)
+        forward = model.forward
+
+        def recorded(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            logits.setdefault(contender, []).append(out.logits.detach().clone())
+            return out
+        model.forward = recorded
+        return model
+
+    with inductor_codegen_skipped():
+        records = decode.main(["--part", "generate", "--tiny", "--gen-batch", "2", "--prompt", "5", "--new-tokens",
+                               "3", "--cache-len", "16", "--dtype", "fp32", "--device", "cpu", "--out", str(tmp_path)],
+                              compile_fn=ours_without_codegen)
     assert [r["contender"] for r in records] == list(decode.GENERATE_CONTENDERS)
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in records), records
+    # Ours generated through our attention (the prefill's and the decode steps' compiles): its
+    # greedy tokens are eager's, and so is every step's logits, element-wise at fp32's tolerance
+    # (the tokens alone would not see a small error: a tiny random model's argmax has wide margins).
+    assert sum(r.rewritten for report in REPORTS for r in report.records) >= 2, "\n".join(map(str, REPORTS))
     assert all(r["tokens_equal_fraction"] == 1.0 for r in records)
+    plain, ours = logits["compile"], logits["flash_inductor"]
+    assert len(plain) == len(ours) > 0
+    for step, (a, b) in enumerate(zip(plain, ours)):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=lambda m: f"forward call {step}: {m}")
     assert len(list(tmp_path.glob("decode_generate_*.json"))) == 1
 
 

@@ -215,8 +215,9 @@ def test_fp32_tiles_experiment_runs_every_tile_and_matches_fp64(tmp_path):
     assert sum(r["heuristic"] for r in rows) == 3 and len(rows) == 15
     for r in rows:
         assert "error" not in r, r
-        # fp32 sums in another order: within 1e-6 of fp64 and close to the heuristic tile's error.
-        assert r["err"] < 1e-5 and 0.5 < r["err_vs_heuristic"] < 2.0, r
+        # A tile only reorders fp32 sums: within 1e-6 of fp64 (a few units of fp32's 6e-8 rounding;
+        # 3.3e-7 at the quick shape under the interpreter) and close to the heuristic tile's error.
+        assert r["err"] < 1e-6 and 0.5 < r["err_vs_heuristic"] < 2.0, r
         assert r["compile_s"] >= 0
 
 

@@ -55,8 +55,10 @@ def test_cli_prints_and_writes_json_and_png(tmp_path, capsys):
                      "--cases", "qk_x100,left_padding,long_", "--impls", "ours:stable,sdpa:math,eager",
                      "--out", str(tmp_path), "--tag", "ci", "--no-progress"])
     printed = capsys.readouterr().out
-    assert code in (0, 1)  # 1 = requirement missed; the verdict is tested case by case below
-    assert "Requirement (schedule 'stable')" in printed and ("PASS" in printed or "FAIL" in printed)
+    # ours:stable meets the stability requirement on these cases; 1 would be a requirement missed
+    # (the verdict's details are tested case by case below).
+    assert code == 0, printed
+    assert "Requirement (schedule 'stable')" in printed and "PASS" in printed
     assert "NaN/inf" in printed  # hand-written fp16 attention overflows at q, k x100
     (json_path,) = tmp_path.glob("stability_*_ci.json")
     payload = json.loads(json_path.read_text())
