@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from flash_inductor import flash_attention
 from helpers import DEVICE, ON_CUDA, randn
@@ -29,6 +30,18 @@ def _close(got, want):
     torch.testing.assert_close(got, want, rtol=2e-2 if got.dtype == torch.bfloat16 else 1e-5, atol=1e-5)
 
 
+def _sdpa64(q, k, v, **kwargs):
+    """The definition, independent of the op: PyTorch's SDPA in float64."""
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kwargs)
+
+
+def _matches_definition(got, want64):
+    """A transform's gradient against the float64 definition's: to the rounding of the tests'
+    fp32 losses with fp64 inputs (the reference path), to the kernels' rounding in fp32 and bf16."""
+    tol = {torch.float64: 1e-6, torch.float32: 2e-4, torch.bfloat16: 5e-2}[got.dtype]
+    torch.testing.assert_close(got.double(), want64, rtol=tol, atol=tol * max(1.0, want64.abs().max().item()))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_grad_matches_autograd(dtype, causal):
@@ -43,6 +56,11 @@ def test_grad_matches_autograd(dtype, causal):
     want = torch.autograd.grad(loss(*leaves), leaves)
     for g, w in zip(got, want):
         _close(g, w)
+    leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
+    definition = torch.autograd.grad((_sdpa64(*leaves64, is_causal=causal) * weights.float().double()).sum(),
+                                     leaves64)
+    for g, w in zip(got, definition):
+        _matches_definition(g, w)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -58,6 +76,10 @@ def test_per_sample_gradients_with_vmap(dtype):
         leaves = [q[i].clone().requires_grad_(), k[i].clone().requires_grad_()]
         for g, w in zip(got, torch.autograd.grad(loss(*leaves), leaves)):
             _close(g[i], w)
+        leaves64 = [q[i].double().requires_grad_(), k[i].double().requires_grad_()]
+        out64 = _sdpa64(leaves64[0][None], leaves64[1][None], v[:1], is_causal=True)
+        for g, w in zip(got, torch.autograd.grad(out64.square().sum(), leaves64)):
+            _matches_definition(g[i], w)
 
 
 def test_grad_of_a_float_mask():
@@ -72,6 +94,9 @@ def test_grad_of_a_float_mask():
     leaf = mask.clone().requires_grad_()
     (want,) = torch.autograd.grad(loss(leaf), leaf)
     _close(got, want)
+    leaf64 = mask.double().requires_grad_()
+    (definition,) = torch.autograd.grad(_sdpa64(q, k, v, attn_mask=leaf64).square().sum(), leaf64)
+    _matches_definition(got, definition)
 
 
 def test_double_backward_is_refused_under_transforms():
