@@ -19,6 +19,7 @@ from typing import Optional
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import flash_inductor
 from flash_inductor import launch
@@ -362,21 +363,21 @@ def test_reference_path_skips_chunks_outside_the_band(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32] if ON_CUDA else [torch.float32])
 def test_public_function_matches_a_band_mask(dtype, device):
-    """flash_attention(window=...) against flash_attention with the same band as a bool mask: the
-    same problem two ways (3-D inputs, GQA, CausalBias lower-right combined with a window)."""
+    """flash_attention(window=...) against SDPA in float64 with the same band as a bool mask (3-D
+    inputs, GQA, CausalBias lower-right combined with a window): the definition, not our op."""
     from torch.nn.attention.bias import causal_lower_right
+
+    def sdpa64(q, k, v, mask, **kwargs):
+        return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, **kwargs)
 
     q, k, v = make_qkv(2, 4, 2, 33, 47, 16, 16, dtype, device, seed=7)
     visible = band_of(33, 47, (5, 2), 47 - 33, device)
     ours = flash_inductor.flash_attention(q, k, v, attn_mask=causal_lower_right(33, 47), window=(5, 2),
                                           enable_gqa=True)
-    as_mask = flash_inductor.flash_attention(q, k, v, attn_mask=visible, enable_gqa=True)
-    torch.testing.assert_close(ours, as_mask, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(ours.double(), sdpa64(q, k, v, visible, enable_gqa=True), rtol=2e-3, atol=2e-3)
     q3, k3, v3 = q[:, 0], k[:, 0], v[:, 0]
-    torch.testing.assert_close(flash_inductor.flash_attention(q3, k3, v3, window=[5, 2]),
-                               flash_inductor.flash_attention(q3, k3, v3, attn_mask=band_of(33, 47, (5, 2), None,
-                                                                                            device)),
-                               rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(flash_inductor.flash_attention(q3, k3, v3, window=[5, 2]).double(),
+                               sdpa64(q3, k3, v3, band_of(33, 47, (5, 2), None, device)), rtol=2e-3, atol=2e-3)
 
 
 def test_no_window_is_the_dense_call(device):
