@@ -48,7 +48,8 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
-from typing import Optional
+import weakref
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -283,17 +284,22 @@ def attention_forward(
     sinks = _sinks(s_aux, sinks, query)
     q_len, kv_len = query.shape[2], key.shape[2]
     layer_causal = _causal(module, is_causal)
+    attentions = _attentions_requested(kwargs)
     documents = _documents(query, key, kwargs)
-    if documents is not None:
-        attention_mask = _restrict_to_documents(attention_mask, documents, query.shape[0])
+    # Packed sequences run varlen when the mask (if any), restricted to each sequence, is exactly
+    # their causal (or sliding) pattern; the restricted mask itself is built only where it is read.
+    on_varlen = documents is not None and (attention_mask is None or documents.is_packed_pattern(
+        attention_mask, layer_causal, sliding_window))
+    if documents is not None and attention_mask is not None and (attentions or not on_varlen):
+        attention_mask = _restrict_to_documents(attention_mask, documents)
 
-    if _attentions_requested(kwargs):
+    if attentions:
         dense_mask = attention_mask
         if documents is not None and dense_mask is None:
             if documents.ids is None:
                 raise ValueError(f'attn_implementation="{NAME}": output_attentions=True with cu_seq_lens_q != '
                                  "cu_seq_lens_k is not supported.")
-            dense_mask = _packed_mask(documents.ids, layer_causal, sliding_window)
+            dense_mask = _packed_mask(documents, layer_causal, sliding_window)
         fallback = _eager_fallback(
             module, query, key, value, dense_mask, dropout, scaling, layer_causal and documents is None,
             dict(kwargs, position_bias=position_bias, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux,
@@ -307,8 +313,7 @@ def attention_forward(
                    f'attn_implementation="{NAME}" does not return attention weights and '
                    f"{type(module).__module__} has no eager_attention_forward to fall back to: they are None.")
 
-    if documents is not None and (attention_mask is None or _is_packed_pattern(
-            attention_mask, documents, layer_causal, sliding_window)):
+    if on_varlen:
         if position_bias is not None:
             raise ValueError(f'attn_implementation="{NAME}": position_bias with packed sequences (cu_seq_lens_q/k or '
                              "packed position_ids) is not supported; pass an attention_mask per row instead.")
@@ -357,12 +362,49 @@ def _sinks(s_aux: Optional[Tensor], sinks: Optional[Tensor], query: Tensor) -> O
 class _Documents:
     """Packed sequences over the flattened batch: ``cu_q`` / ``cu_k`` (int32 offsets into the
     ``B * L`` query and ``B * S`` key rows), their longest lengths, and, for self-attention
-    packing, each token's sequence number ``(B, L)`` to compare a mask against."""
+    packing, each token's sequence number ``ids`` ``(B, L)`` to compare a mask against (from
+    ``make_ids`` on first use: a call without a mask never needs them).
 
-    def __init__(self, cu_q: Tensor, cu_k: Tensor, max_q, max_k, ids: Optional[Tensor]):
-        self.cu_q, self.cu_k, self.ids = cu_q, cu_k, ids
+    One object serves every layer of a forward where the positions are the packing (``_documents``
+    keeps it), so what it derives from the sequences (the same-sequence mask, whether a given mask
+    tensor is their packed pattern) is derived once, not per layer."""
+
+    def __init__(self, cu_q: Tensor, cu_k: Tensor, max_q, max_k, ids: Optional[Tensor] = None,
+                 make_ids: Optional[Callable[[], Optional[Tensor]]] = None):
+        self.cu_q, self.cu_k = cu_q, cu_k
+        self._ids, self._make_ids = ids, make_ids
         self.max_q = int(cu_q.diff().max()) if max_q is None else int(max_q)
         self.max_k = int(cu_k.diff().max()) if max_k is None else int(max_k)
+        self._same_sequence: Optional[Tensor] = None
+        self._patterns: dict[tuple, tuple] = {}  # (id(mask), version, causal, window) -> (weakref, answer)
+
+    @property
+    def ids(self) -> Optional[Tensor]:
+        if self._make_ids is not None:
+            self._ids, self._make_ids = self._make_ids(), None
+        return self._ids
+
+    def same_sequence(self) -> Tensor:
+        """``(B, 1, L, L)`` bool: query and key in the same sequence."""
+        if self._same_sequence is None:
+            self._same_sequence = (self.ids[:, :, None] == self.ids[:, None, :])[:, None]
+        return self._same_sequence
+
+    def is_packed_pattern(self, attention_mask: Tensor, causal: bool, sliding_window: Optional[int]) -> bool:
+        """Whether a boolean mask, restricted to each sequence, says exactly what the varlen op
+        computes from the sequences alone: causal (and HF's band ``j > i - sliding_window``) within
+        each sequence. Decided once per mask tensor: HF hands every layer of a kind the same one."""
+        if attention_mask.dtype != torch.bool or self.ids is None or (sliding_window is not None and not causal):
+            return False
+        key = (id(attention_mask), attention_mask._version, causal, sliding_window)
+        known = self._patterns.get(key)
+        if known is not None and known[0]() is attention_mask:
+            return known[1]
+        expected = _packed_mask(self, causal, sliding_window)
+        restricted = attention_mask & self.same_sequence()
+        answer = restricted.shape[-2:] == expected.shape[-2:] and bool((restricted == expected).all())
+        self._patterns[key] = (weakref.ref(attention_mask), answer)
+        return answer
 
 
 def _documents(query: Tensor, key: Tensor, kwargs: dict) -> Optional[_Documents]:
@@ -378,11 +420,13 @@ def _documents(query: Tensor, key: Tensor, kwargs: dict) -> Optional[_Documents]
             raise ValueError(
                 f'attn_implementation="{NAME}": cu_seq_lens_q/k must end at the packed token counts B*L = '
                 f"{batch * q_len} and B*S = {batch * kv_len}; got {int(cu_q[-1])} and {int(cu_k[-1])}.")
-        ids = None
-        if torch.equal(cu_q, cu_k) and q_len == kv_len:
-            ids = _ids_from_offsets(cu_q.to(torch.int64), batch * q_len).view(batch, q_len)
+        def make_ids():
+            if q_len != kv_len or not torch.equal(cu_q, cu_k):
+                return None
+            return _ids_from_offsets(cu_q.to(torch.int64), batch * q_len).view(batch, q_len)
+
         return _Documents(cu_q.to(torch.int32), cu_k.to(torch.int32), kwargs.get("max_length_q"),
-                          kwargs.get("max_length_k"), ids)
+                          kwargs.get("max_length_k"), make_ids=make_ids)
     position_ids = kwargs.get("position_ids")
     if (not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or q_len != kv_len or q_len < 2
             or position_ids.shape[-1] != q_len or position_ids.shape[0] not in (1, batch)):
@@ -412,7 +456,7 @@ def _documents_from_positions(position_ids: Tensor, batch: int, q_len: int) -> O
         return None
     flat = starts.reshape(-1)
     cu = torch.cat([flat.nonzero().view(-1), flat.new_tensor([flat.numel()], dtype=torch.int64)]).to(torch.int32)
-    return _Documents(cu, cu, None, None, flat.cumsum(0).view(batch, q_len))
+    return _Documents(cu, cu, None, None, ids=flat.cumsum(0).view(batch, q_len))
 
 
 def _ids_from_offsets(cu: Tensor, total: int) -> Tensor:
@@ -421,38 +465,24 @@ def _ids_from_offsets(cu: Tensor, total: int) -> Tensor:
     return marks[:total].cumsum(0)
 
 
-def _restrict_to_documents(attention_mask: Optional[Tensor], documents: _Documents, batch: int) -> Optional[Tensor]:
+def _restrict_to_documents(attention_mask: Tensor, documents: _Documents) -> Tensor:
     """The mask HF built, with every key outside the query's own sequence hidden too (a mask HF
     built from the same packed positions already hides them)."""
-    if attention_mask is None:
-        return None
     if documents.ids is None:
         raise ValueError(f'attn_implementation="{NAME}": an attention_mask together with cu_seq_lens_q != cu_seq_lens_k '
                          "is not supported; pass one or the other.")
-    same = _packed_mask(documents.ids, False, None)
+    same = documents.same_sequence()
     if attention_mask.dtype == torch.bool:
         return attention_mask & same
     return attention_mask.masked_fill(~same, float("-inf"))
 
 
-def _is_packed_pattern(attention_mask: Tensor, documents: _Documents, causal: bool,
-                       sliding_window: Optional[int]) -> bool:
-    """Whether a boolean mask says exactly what the varlen op computes from the sequences alone:
-    causal (and HF's band ``j > i - sliding_window``) within each sequence, nothing across."""
-    if attention_mask.dtype != torch.bool or documents.ids is None:
-        return False
-    if sliding_window is not None and not causal:
-        return False
-    expected = _packed_mask(documents.ids, causal, sliding_window)
-    return attention_mask.shape[-2:] == expected.shape[-2:] and bool((attention_mask == expected).all())
-
-
-def _packed_mask(ids: Tensor, causal: bool, sliding_window: Optional[int]) -> Tensor:
-    """The boolean ``(B, 1, L, L)`` mask of packed sequences ``ids`` (B, L): within a sequence,
-    causal (and HF's band ``j > i - sliding_window``) if asked; nothing across."""
-    pos = torch.arange(ids.shape[-1], device=ids.device)
-    mask = (ids[:, :, None] == ids[:, None, :])[:, None]
+def _packed_mask(documents: _Documents, causal: bool, sliding_window: Optional[int]) -> Tensor:
+    """The boolean ``(B, 1, L, L)`` mask of the packed sequences: within a sequence, causal (and
+    HF's band ``j > i - sliding_window``) if asked; nothing across."""
+    mask = documents.same_sequence()
     if causal:
+        pos = torch.arange(mask.shape[-1], device=mask.device)
         mask = mask & (pos[None, :] <= pos[:, None])
         if sliding_window is not None:
             mask = mask & (pos[None, :] > pos[:, None] - int(sliding_window))
