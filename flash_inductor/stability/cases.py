@@ -58,6 +58,16 @@ class Problem:
     is_causal: bool = False
     scale: Optional[float] = None
     rows: Optional[slice] = None
+    softcap: Optional[float] = None
+    sinks: Optional[Tensor] = None
+    cu_seqlens: Optional[Tensor] = None
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The variants the problem uses, by their names in docs/variants.md."""
+        used = (("softcap", self.softcap is not None), ("sinks", self.sinks is not None),
+                ("packed", self.cu_seqlens is not None))
+        return tuple(name for name, on in used if on)
 
     @property
     def scores_numel(self) -> int:
@@ -180,6 +190,60 @@ def _long(seq: int):
     return build
 
 
+def _softcapped(cap: float, qk_mult: float, sparse_mask: bool = False):
+    """Gemma 2's cap (50 on its attention logits) over logits far past it: every tanh saturates
+    where the largest scores sit, so the softmax sees many near-equal capped maxima. With
+    ``sparse_mask``, a causal mask keeps ~10 % of each row's keys (its diagonal always: an anchor
+    without a dead-row rule stays finite; rows with no key are tests/unit/test_stability.py's)."""
+    def build(dtype, device, sz, gen):
+        p = _standard(dtype, device, sz, gen)
+        p.query, p.key = ((t.float() * qk_mult).to(dtype) for t in (p.query, p.key))
+        if sparse_mask:
+            b, h, n = sz.batch, sz.heads, sz.seq
+            mask = (torch.rand((b, h, n, n), generator=gen, device=device) < 0.1) & _causal(n, n, device)
+            p.attn_mask = mask | torch.eye(n, dtype=torch.bool, device=device)
+        p.softcap = cap
+        return p
+    return build
+
+
+def _with_sinks(qk_mult: float, sink_mean: float, sink_std: float, dead_rows: bool = False):
+    """gpt-oss's learned per-head sinks, drawn around ``sink_mean`` (in logit units). Near the row
+    maxima the sink takes a real share of each row; far above them it takes nearly all of it, and
+    out and the gradients shrink with the rest, to be kept accurate relative to their own size.
+    With dead rows, a row with no visible key returns 0 though its denominator holds the sink."""
+    def build(dtype, device, sz, gen):
+        p = _dead_rows_causal(dtype, device, sz, gen) if dead_rows else _standard(dtype, device, sz, gen)
+        p.query, p.key = ((t.float() * qk_mult).to(dtype) for t in (p.query, p.key))
+        p.sinks = sink_mean + _randn((sz.heads,), gen, device, sink_std)
+        return p
+    return build
+
+
+def document_lengths(seq: int) -> list[int]:
+    """A pack of ``seq`` rows as a padding-free collator makes one: a one-token document, a short
+    one, and long ones of unequal length (so no document boundary falls on a tile boundary)."""
+    lengths, left, size = [1, 7], seq - 8, max(8, seq // 3 + 5)
+    while left > 0:
+        lengths.append(min(size, left))
+        left -= lengths[-1]
+        size = max(8, size // 2 + 3)
+    return lengths
+
+
+def _packed(qk_mult: float):
+    """A packed batch (B = 1) of causal documents: each row sees only its own document's earlier keys."""
+    def build(dtype, device, sz, gen):
+        p = _standard(dtype, device, sz, gen, batch=1)
+        p.query, p.key = ((t.float() * qk_mult).to(dtype) for t in (p.query, p.key))
+        lengths = torch.tensor(document_lengths(sz.seq), device=device)
+        p.cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+        p.attn_mask = ((doc[:, None] == doc[None, :]) & _causal(sz.seq, sz.seq, device))[None, None]
+        return p
+    return build
+
+
 def long_case_name(seq: int) -> str:
     return f"long_{seq // 1024}k" if seq % 1024 == 0 else f"long_{seq}"
 
@@ -204,6 +268,21 @@ def all_cases(sizes: Sizes) -> list[Case]:
         Case(f"large_{what}_{mult:.0e}".replace("+0", ""), f"|{label}| ~ {mult:.0e}: the fp16 backward's dP and dS pass 65504",
              _large(what, mult), dtypes=(FP16,))
         for what, label in (("v", "V"), ("do", "dO")) for mult in (1e3, 1e4)
+    ]
+    cases += [
+        Case("softcap_qk_x30", "soft-cap 50 (Gemma 2) over logits x900: the cap saturates at the row maxima",
+             _softcapped(50.0, 30.0)),
+        Case("softcap_sparse_mask", "soft-cap 30 + causal random bool mask keeping ~10 % of keys, logits x9",
+             _softcapped(30.0, 3.0, sparse_mask=True)),
+        Case("sinks_qk_x10", "per-head sinks (gpt-oss) near the row maxima of logits x100",
+             _with_sinks(10.0, 250.0, 30.0)),
+        Case("sinks_dominant", "sinks ~12 logits above a row's keys: the sink takes ~99.7 % of each row",
+             _with_sinks(1.0, 12.0, 1.0)),
+        Case("sinks_dead_rows", "sinks + causal random bool mask, every 8th row all False: those rows return 0",
+             _with_sinks(1.0, 0.0, 1.0, dead_rows=True)),
+        Case("packed_docs", "packed causal documents of 1..L/3 tokens (varlen): no row sees another document",
+             _packed(1.0)),
+        Case("packed_qk_x30", "packed causal documents, logits x900", _packed(30.0)),
     ]
     cases += [
         Case(long_case_name(seq), f"causal, L = S = {seq}: error growth with length (last {sizes.slice_rows} rows vs fp64)",

@@ -5,6 +5,10 @@ follows flash_inductor's convention where SDPA's math path would produce NaN: a 
 with no visible key has output 0 and zero gradients. Additive masks are added in fp64
 unclamped (the op clamps finite mask values at -1e38, which softmax's shift invariance makes
 invisible in out and the gradients).
+
+The variants follow docs/variants.md: the soft-cap ``c * tanh(s / c)`` applies to the scaled scores
+before the mask; a head's sink logit joins each row's denominator only (a row with no visible key
+still returns 0); a packed problem's ``attn_mask`` already holds its documents' structure.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from .cases import Problem
 def _visible_scores(problem: Problem, q: Tensor, k: Tensor, rows: slice) -> Tensor:
     scale = problem.scale if problem.scale is not None else 1.0 / math.sqrt(q.shape[-1])
     scores = (q @ k.transpose(-2, -1)) * scale
+    if problem.softcap is not None:
+        scores = problem.softcap * torch.tanh(scores / problem.softcap)
     mask = problem.attn_mask
     if mask is not None:
         mask = mask[..., rows, :] if mask.shape[-2] != 1 else mask
@@ -35,13 +41,20 @@ def _visible_scores(problem: Problem, q: Tensor, k: Tensor, rows: slice) -> Tens
     return scores
 
 
-def _safe_softmax(scores: Tensor) -> Tensor:
+def _safe_softmax(scores: Tensor, sinks: Tensor | None = None) -> Tensor:
     # The max is a constant for autograd (shift invariance); rows with no visible key shift by 0
     # and divide by 1, giving probabilities 0 instead of -inf - -inf = NaN.
     row_max = scores.detach().amax(dim=-1, keepdim=True)
     row_max = row_max.masked_fill(row_max.isneginf(), 0.0)
+    if sinks is not None:
+        # The sink is one more term of the denominator, never a key; its row then has no key
+        # weight and still returns 0 when every key is hidden (the op's contract).
+        sink = sinks.detach().double().reshape(-1, 1, 1).expand_as(row_max)
+        row_max = torch.maximum(row_max, sink)
     unnorm = torch.exp(scores - row_max)
     total = unnorm.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        total = total + torch.exp(sinks.double().reshape(-1, 1, 1) - row_max)
     return unnorm / torch.where(total > 0, total, torch.ones_like(total))
 
 
@@ -53,7 +66,7 @@ def reference(problem: Problem) -> dict[str, Tensor]:
     q = problem.query[..., rows, :].detach().double().requires_grad_()
     k = problem.key.detach().double().requires_grad_()
     v = problem.value.detach().double().requires_grad_()
-    probs = _safe_softmax(_visible_scores(problem, q, k, rows))
+    probs = _safe_softmax(_visible_scores(problem, q, k, rows), problem.sinks)
     out = probs @ v
     grad_out = problem.grad_out[..., rows, :].double()
     out.backward(grad_out)

@@ -6,7 +6,9 @@ anchor plus the floor (with no known misses since the backward's exact Δ: near_
 qk_x100 and scale_1e2 missed on dq/dk before it); the requirement's own rules on
 synthetic results (a non-finite anchor is never "best", the floor, no finite anchor); the fp64
 truth's row-slice shortcut against the full computation; the suite seeing the hand-written fp16
-baseline overflow.
+baseline overflow; the variant cases (soft-cap, sinks, packed documents): their truths against
+independent fp64 constructions, dead rows under each variant, and the requirement failing an
+implementation that drops the variant.
 
 On CPU our op runs its PyTorch reference path (the Triton kernels only take CUDA tensors); on a
 GPU the same tests run the kernels against SDPA's CUDA backends.
@@ -197,3 +199,94 @@ def test_reference_zeroes_rows_without_a_visible_key():
     dead = ~problem.attn_mask.expand(1, TINY.heads, TINY.seq, TINY.seq).any(-1)
     assert dead.any() and (ref["out"][dead] == 0).all() and (ref["dq"][dead] == 0).all()
     assert all(math.isfinite(v) for v in ref["terms"].values())
+
+
+# ------------------------------------------------------------------------------------------
+# The variant cases (soft-cap, sinks, packed sequences)
+# ------------------------------------------------------------------------------------------
+
+
+def _case(name, dtype=torch.float16, seed=6):
+    (case,) = [c for c in ALL_CASES if c.name == name]
+    return case.build(dtype, "cpu", TINY, torch.Generator().manual_seed(seed))
+
+
+def test_variant_cases_use_their_variants():
+    used = {c.name: c.build(torch.float16, "cpu", TINY, torch.Generator().manual_seed(0)).variants for c in ALL_CASES}
+    assert {name for name, v in used.items() if "softcap" in v} == {"softcap_qk_x30", "softcap_sparse_mask"}
+    assert {name for name, v in used.items() if "sinks" in v} == {"sinks_qk_x10", "sinks_dominant", "sinks_dead_rows"}
+    assert {name for name, v in used.items() if "packed" in v} == {"packed_docs", "packed_qk_x30"}
+
+
+def test_packed_truth_is_each_document_alone():
+    """The dense document mask's fp64 truth equals fp64 causal attention over each document on its own."""
+    problem = _case("packed_docs")
+    ref = truth.reference(problem)
+    q, k, v, do = (t.double().requires_grad_(t is not problem.grad_out) for t in
+                   (problem.query, problem.key, problem.value, problem.grad_out))
+    bounds = problem.cu_seqlens.tolist()
+    assert len(bounds) > 3 and bounds[1] == 1  # a one-token document, and several
+    outs = [torch.nn.functional.scaled_dot_product_attention(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :],
+                                                             is_causal=True) for a, b in zip(bounds, bounds[1:])]
+    out = torch.cat(outs, dim=-2)
+    out.backward(do)
+    torch.testing.assert_close(ref["out"], out.detach(), rtol=1e-12, atol=1e-12)
+    for name, x in (("dq", q), ("dk", k), ("dv", v)):
+        torch.testing.assert_close(ref[name], x.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_sinks_truth_is_an_extra_softmax_column():
+    """gpt-oss's construction in fp64 (the sink as one more column, softmax, drop it) gives the truth."""
+    problem = _case("sinks_qk_x10")
+    ref = truth.reference(problem)
+    q, k, v = (t.double() for t in (problem.query, problem.key, problem.value))
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    sink = problem.sinks.double().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    out = torch.cat([scores, sink], -1).softmax(-1)[..., :-1] @ v
+    torch.testing.assert_close(ref["out"], out, rtol=1e-10, atol=1e-12)
+
+
+def test_softcap_truth_caps_before_the_mask():
+    problem = _case("softcap_sparse_mask")
+    ref = truth.reference(problem)
+    q, k, v = (t.double() for t in (problem.query, problem.key, problem.value))
+    scores = 30.0 * torch.tanh(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) / 30.0)
+    out = scores.masked_fill(~problem.attn_mask, float("-inf")).softmax(-1) @ v
+    torch.testing.assert_close(ref["out"], out, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("variant", ["softcap", "sinks"])
+def test_rows_without_a_key_return_zero_under_a_variant(variant):
+    """The fully-masked-row contract with each variant: out and every gradient exactly 0 on dead rows
+    (the sink joins the denominator but is no key), where the suite's dead-row cases have no
+    finite anchor for the soft-cap."""
+    problem = _case("sinks_dead_rows")
+    if variant == "softcap":
+        problem = dataclasses.replace(problem, sinks=None, softcap=20.0)
+    dead = ~problem.attn_mask.any(-1)
+    assert dead.any()
+    q, k, v = (t.to(DEVICE).requires_grad_() for t in (problem.query, problem.key, problem.value))
+    impl = anchors.implementations(["ours:stable"])[0]
+    moved = dataclasses.replace(problem, attn_mask=problem.attn_mask.to(DEVICE),
+                                sinks=None if problem.sinks is None else problem.sinks.to(DEVICE))
+    out = impl.run(moved, q, k, v)
+    out.backward(problem.grad_out.to(DEVICE))
+    dead = dead.to(DEVICE)
+    assert (out[dead] == 0).all() and (q.grad[dead] == 0).all()
+    assert out[~dead].abs().amax() > 0 and q.grad[~dead].abs().amax() > 0
+
+
+def test_a_dropped_variant_fails_the_requirement():
+    """The requirement catches an implementation that ignores the variant (here: ours without the
+    soft-cap, without the sinks, or with the documents merged into one causal sequence)."""
+    ours = anchors.implementations(["ours:stable"])[0]
+    for name in ("softcap_qk_x30", "sinks_qk_x10", "packed_docs"):
+        problem = _case(name)
+        dropped = dataclasses.replace(problem, softcap=None, sinks=None, cu_seqlens=None, attn_mask=None,
+                                      is_causal=problem.cu_seqlens is not None)
+        wrong = anchors.Implementation("ours:stable", lambda p, q, k, v: ours.run(dropped, q, k, v),
+                                       is_ours=True, schedule="stable")
+        ref = truth.reference(problem)
+        results = [runner.run_implementation(i, problem, ref, name, torch.float16)
+                   for i in (wrong, *anchors.implementations(["eager", "sdpa:math"]))]
+        assert not check_requirements(results).passed, name
