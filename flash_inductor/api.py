@@ -15,9 +15,7 @@ import torch
 from torch import Tensor
 
 from .monitoring import eager as _monitor_eager
-from .monitoring import naming as _monitor_naming
 from .monitoring import ops as _monitor_ops  # registers the recording ops
-from .monitoring import session as _monitor_session
 from .ops import attention as _attention_ops  # registers the ops
 from .launch.band import NO_WINDOW
 from .launch.fp8 import check_fp8_device, check_fp8_window
@@ -167,24 +165,13 @@ def flash_attention(
         return nested_attention(query, key, value, attn_mask, dropout_p, _check_flag("is_causal", is_causal),
                                 _resolve_scale(scale, query.shape[-1]), _check_flag("enable_gqa", enable_gqa),
                                 schedule=schedule, window=window, block_mask=block_mask,
-                                softcap=resolve_softcap(softcap), sinks=sinks)
+                                softcap=resolve_softcap(softcap), sinks=sinks,
+                                eager_monitor_site=_monitor_eager.eager_site())
     return attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         schedule=schedule, window=window, block_mask=block_mask, softcap=softcap, sinks=sinks,
-        eager_monitor_site=_eager_monitor_site(),
+        eager_monitor_site=_monitor_eager.eager_site(),
     )
-
-
-def _eager_monitor_site() -> str | None:
-    """The site name to record under, or None (the common case) when nothing is monitored.
-
-    Code that dynamo traces sees None without reading the session list (is_compiling() is a
-    constant there), so compiled graphs carry no guard on monitoring and never change with it.
-    """
-    if torch.compiler.is_compiling():
-        return None
-    session = _monitor_session.active_monitor()
-    return None if session is None else _monitor_naming.eager_site_name(session)
 
 
 def attention(

@@ -16,6 +16,8 @@ import weakref
 import torch
 from torch import Tensor
 
+from .monitoring import eager as _monitor_eager
+from .monitoring import ops as _monitor_ops  # registers the recording ops
 from .ops import attention as _attention_ops  # noqa: F401  (registers the dense ops the varlen ops call)
 from .ops import varlen as _varlen_ops
 from .ops.sinks import fold_sinks
@@ -88,32 +90,47 @@ def flash_attention_varlen(
                             dropout_p, scale, causal,
                             causal_lower_right=True, window=(window_left, window_right),
                             softcap=resolve_softcap(softcap, "flash_attention_varlen"), sinks=sinks,
-                            schedule=schedule)
+                            schedule=schedule, eager_monitor_site=_monitor_eager.eager_site())
 
 
 def packed_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, scale,
                      is_causal, *,
                      causal_lower_right, window=NO_WINDOW, softcap=0.0, sinks=None, schedule=None,
-                     caller="flash_attention_varlen") -> Tensor:
-    """The varlen op on checked, packed ``(total, H, E)`` inputs, with the sinks folded in."""
+                     caller="flash_attention_varlen", monitor_site=None, eager_monitor_site=None) -> Tensor:
+    """The varlen op on checked, packed ``(total, H, E)`` inputs, with the sinks folded in.
+
+    ``monitor_site`` (a graph's call) / ``eager_monitor_site`` (an eager call) record the call in
+    ``flash_inductor.monitor()`` as ``api.attention`` does; the largest-logit bound uses the
+    longest key sequence (``max_seqlen_k``)."""
     dropout_p = resolve_dropout(dropout_p, caller)
     check_sinks(sinks, query, query.shape[1], caller)
     precision = get_schedule(schedule)
     if precision.fp8_forward:
         raise ValueError(f"{caller}: schedule='fp8' does not take packed sequences yet; use a 16-bit schedule.")
+    if monitor_site is not None and eager_monitor_site is not None:
+        raise ValueError(f"{caller}: pass monitor_site (a compiled graph) or eager_monitor_site (eager code), not both.")
     rng_seed = None
     if dropout_p > 0.0:
         rng_seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=query.device)
+    if monitor_site is not None:
+        query, key, value = _monitor_ops.watch_inputs(query, key, value, monitor_site)
+    elif eager_monitor_site is not None:
+        query, key, value = _monitor_eager.watch_gradients(query, key, value, eager_monitor_site)
     out, lse = torch.ops.flash_inductor.attention_varlen_forward(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rng_seed, float(dropout_p),
         is_causal, causal_lower_right, scale, precision.name, window[0], window[1], softcap)
     if sinks is not None:
+        # As api.attention: the monitor keeps the keys' LSE (a row that sees no key stays fully masked).
         out, _ = fold_sinks(out, lse.transpose(0, 1), sinks, with_lse=False)
+    if monitor_site is not None:
+        out = _monitor_ops.watch_output(out, lse, monitor_site, max_seqlen_k)
+    elif eager_monitor_site is not None:
+        _monitor_eager.record_forward(out, lse, eager_monitor_site, max_seqlen_k)
     return out
 
 
 def nested_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, schedule, window,
-                     block_mask, softcap, sinks) -> Tensor:
+                     block_mask, softcap, sinks, eager_monitor_site=None) -> Tensor:
     """``flash_attention`` on nested jagged tensors, as SDPA takes them: ``(B, H, j, E)`` with the
     ragged sequence dim at 2 (``nt.transpose(1, 2)`` of a ``(B, j, H, E)`` jagged tensor). Causal
     masking is top-left per sequence (SDPA's ``is_causal``). Returns a jagged ``(B, Hq, j, Ev)``
@@ -143,7 +160,8 @@ def nested_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, 
     longest_q, longest_k = (_longest(t) for t in packed[:2])
     out = packed_attention(q, k, v, offsets_q, offsets_k, longest_q, longest_k, dropout_p, scale, is_causal,
                            causal_lower_right=False,
-                           softcap=softcap, sinks=sinks, schedule=schedule, caller="flash_attention")
+                           softcap=softcap, sinks=sinks, schedule=schedule, caller="flash_attention",
+                           eager_monitor_site=eager_monitor_site)
     return torch.nested.nested_tensor_from_jagged(out, offsets_q).transpose(1, 2)
 
 

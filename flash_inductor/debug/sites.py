@@ -198,6 +198,12 @@ def _baseline_same_dtype(q, k, v, mask, *, scale, is_causal, causal_offset, wind
             q, _expand_kv(q, k), _expand_kv(q, v), attn_mask=attn_mask, is_causal=causal, scale=scale)
 
 
+def document_visibility(sequence_ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1, L, L) bool: token i sees token j of its own document (equal ``sequence_ids``, the
+    packed-sequence pass's (B, L) ids). The site is causal besides, which the band adds."""
+    return (sequence_ids[:, :, None] == sequence_ids[:, None, :])[:, None]
+
+
 def _probe(out, q, k, v, q1, k1, mask, ref, base, leaves64, leaves_same, *, site: int):
     """Runs after the site's output: hands this call to the active session (if any)."""
     session = active_session()
@@ -238,6 +244,10 @@ def _instrument_site(graph: fx.Graph, site: AttentionSite, index: int, shadow: b
         else:
             q1, k1, v1, m1 = q, k, v, mask
         prologue_nodes = [n for n in graph.nodes if n not in existing and n is not marker]
+        if getattr(site, "sequence_ids", None) is not None:
+            # A packed site (passes/packed.py) runs varlen and has no mask; its twins and the
+            # statistics see the same documents as a dense mask (debug sizes are small).
+            m1 = graph.call_function(document_visibility, (site.sequence_ids,))
         kwargs = dict(scale=site.scale, is_causal=site.is_causal, causal_offset=getattr(site, "causal_offset", 0),
                       window=getattr(site, "window", None), softcap=getattr(site, "softcap", None) or 0.0,
                       sinks=getattr(site, "sinks", None))
@@ -296,13 +306,10 @@ class InstrumentingBackend:
                        for r in records]
         for site, record in zip(sites, records):
             dropout = float(site.dropout_p or 0.0)
-            # The float64 shadow does not model packed sequences (the pass's sequence_ids): such
-            # sites are probed, not shadowed, rather than flagged wrongly.
-            unmodelled = getattr(site, "sequence_ids", None) is not None
             info = SiteInfo(
                 name="", pattern=site.pattern, module=record.module, is_causal=bool(site.is_causal),
                 causal_offset=getattr(site, "causal_offset", 0), scale=site.scale, enable_gqa=bool(site.enable_gqa),
-                dropout_p=dropout, shadow=self.shadow and dropout == 0.0 and not unmodelled,
+                dropout_p=dropout, shadow=self.shadow and dropout == 0.0,
                 window=tuple(getattr(site, "window", None) or NO_WINDOW),
                 softcap=float(getattr(site, "softcap", None) or 0.0))
             index = self.session.register_site(info)

@@ -25,8 +25,20 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import device_stats, session
+from . import device_stats, naming, session
 from .stats import backward_stats, forward_stats
+
+
+def eager_site() -> Optional[str]:
+    """The site name an eager call records under, or None (the common case) when nothing is monitored.
+
+    Code that dynamo traces sees None without reading the session list (is_compiling() is a
+    constant there), so compiled graphs carry no guard on monitoring and never change with it.
+    """
+    if torch.compiler.is_compiling():
+        return None
+    active = session.active_monitor()
+    return None if active is None else naming.eager_site_name(active)
 
 
 def record_forward(out: Tensor, lse: Tensor, site: str, seq_k: int) -> None:

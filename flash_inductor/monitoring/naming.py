@@ -12,7 +12,8 @@ import torch
 # looking for the caller. Our own code that merely calls flash_attention (tests, the stability
 # suite) is not plumbing and is named like any user code.
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_PLUMBING = {os.path.join(_PACKAGE_DIR, "api.py"), os.path.join(_PACKAGE_DIR, "passes", "site.py")}
+_PLUMBING = {os.path.join(_PACKAGE_DIR, "api.py"), os.path.join(_PACKAGE_DIR, "varlen.py"),
+             os.path.join(_PACKAGE_DIR, "passes", "site.py")}
 _MONITORING_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _MAX_FRAMES = 64

@@ -130,9 +130,12 @@ def attention_varlen_backward(
             dropout_p, scale, schedule, False, visibility=_visibility(is_causal, window_left, window_right),
             softcap=softcap,
             packed=_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal_lower_right))
-        return tuple(g[0].transpose(0, 1) for g in (dq, dk, dv))  # the packed layout, contiguous
-    # Zero-filled: rows of empty sequences get no gradient.
-    grad_query, grad_key, grad_value = (torch.zeros_like(t) for t in (query, key, value))
+        # The launcher lays the gradients out as the inputs are; the schema promises contiguous ones
+        # (the fake's), so an input that arrived permuted costs one copy here rather than a layout
+        # a compiled graph did not plan for.
+        return tuple(g[0].transpose(0, 1).contiguous() for g in (dq, dk, dv))
+    # Zero-filled (rows of empty sequences get no gradient) and contiguous whatever the inputs' strides.
+    grad_query, grad_key, grad_value = (t.new_zeros(t.shape) for t in (query, key, value))
     for index, (q0, q1, k0, k1) in enumerate(sequence_bounds(cu_seqlens_q, cu_seqlens_k, query.shape[0],
                                                              key.shape[0])):
         if q1 == q0 or k1 == k0:

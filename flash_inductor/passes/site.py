@@ -51,7 +51,7 @@ def rewritten_attention(
 
 
 def packed_sequence_attention(query, key, value, sequence_ids, dropout_p=0.0, is_causal=False, scale=None,
-                              schedule=None, softcap=None, sinks=None):
+                              schedule=None, softcap=None, sinks=None, monitor_site=None):
     """The call the pass inserts for packed sequences (``packed.py``): (B, H, L, E) attention in
     which token t of row b sees only the tokens of its run of equal ``sequence_ids[b]`` (B, L),
     non-decreasing along each row; causal within each run when ``is_causal``. The rows' tokens are
@@ -66,7 +66,7 @@ def packed_sequence_attention(query, key, value, sequence_ids, dropout_p=0.0, is
     # max_seqlen L: a bound on every run (it sizes the kernels' grid), no host read of the ids.
     out = packed_attention(*packed, cu_seqlens, cu_seqlens, seq, seq, dropout_p,
                            dim ** -0.5 if scale is None else scale, is_causal, causal_lower_right=True,
-                           softcap=softcap or 0.0, sinks=sinks, schedule=schedule)
+                           softcap=softcap or 0.0, sinks=sinks, schedule=schedule, monitor_site=monitor_site)
     return out.reshape(batch, seq, heads, out.shape[-1]).transpose(1, 2)
 
 
@@ -314,7 +314,7 @@ def rewrite_site(graph: fx.Graph, site: AttentionSite, schedule: Optional[str],
             if site.sinks is not None:
                 kwargs["sinks"] = graph.call_method("reshape", (site.sinks, -1))
             if site.sequence_ids is not None:
-                for name in ("attn_mask", "enable_gqa", "monitor_site"):
+                for name in ("attn_mask", "enable_gqa"):
                     kwargs.pop(name, None)
                 call = graph.call_function(packed_sequence_attention, (q, k, v, site.sequence_ids), kwargs)
             else:

@@ -320,21 +320,36 @@ def test_packed_mask_it_cannot_prove_stays_dense(variant):
     assert [r.rewritten for r in records] == [True] and records[0].pattern != "handwritten_packed", records
 
 
-@pytest.mark.parametrize("factory, inputs, shadowed", [
-    (Gemma2, lambda: _inputs(), True),
-    (GptOss, lambda: _inputs(), True),
-    (Packed, lambda: (*_packed_inputs(), POSITIONS), False),
-], ids=["softcap", "sinks", "packed"])
-def test_debug_shadow_on_the_new_sites(factory, inputs, shadowed):
-    """debug.shadow's float64 twin applies the soft cap and the sinks; it does not model packed
-    sequences, so those sites are probed without a shadow rather than flagged against a wrong
-    reference."""
+_SHADOWED = {"softcap": (Gemma2, lambda: _inputs()), "sinks": (GptOss, lambda: _inputs()),
+             "packed": (Packed, lambda: (*_packed_inputs(), POSITIONS))}
+
+
+def _shadow_report(variant):
     from flash_inductor import debug
 
+    factory, inputs = _SHADOWED[variant]
     model = factory()
     args = [t.requires_grad_() if t.is_floating_point() else t for t in inputs()]
     with debug.shadow(model) as check:
         model(*args).sum().backward()
-    report = check.report()
+    return check.report()
+
+
+@pytest.mark.parametrize("variant", list(_SHADOWED))
+def test_debug_shadow_on_the_new_sites(variant):
+    """debug.shadow's float64 twin applies the soft cap, the sinks and the packed documents (the
+    pass's sequence ids, as a dense mask on the side): out, dq, dk and dv are compared, and pass."""
+    report = _shadow_report(variant)
     assert len(report.sites) == 1 and report.first_failure is None, str(report)
-    assert any(c.compared for c in report.checks) == shadowed, str(report)
+    assert {c.result for c in report.checks if c.compared} == {"out", "dq", "dk", "dv"}, str(report)
+
+
+def test_debug_shadow_of_a_packed_site_sees_its_documents(monkeypatch):
+    """Negative control: a twin that lets every token see every earlier token of its row (the
+    documents forgotten) is flagged at the packed site."""
+    from flash_inductor.debug import sites
+
+    monkeypatch.setattr(sites, "document_visibility", lambda ids: torch.ones_like(ids, dtype=torch.bool)[:, None, :, None]
+                        .expand(ids.shape[0], 1, ids.shape[1], ids.shape[1]))
+    report = _shadow_report("packed")
+    assert report.first_failure is not None and report.first_failure.result == "out", str(report)

@@ -588,3 +588,91 @@ def test_overhead_target_is_judged_only_where_it_applies(bench_monitor):
     assert "not checked" in bench_monitor.target_verdict(records, argparse.Namespace(device="cpu", seq=4096))
     assert "not checked" in bench_monitor.target_verdict(records, argparse.Namespace(device="cuda", seq=256))
     assert "not checked" in bench_monitor.target_verdict(records[1:], on_gpu)
+
+
+# ------------------------------------------------------------------------------------------
+# Packed sequences: flash_attention_varlen, nested jagged tensors, the pass's packed sites
+# ------------------------------------------------------------------------------------------
+
+_LENGTHS = (5, 1, 9)
+
+
+def _packed_qkv(seed=21):
+    total = sum(_LENGTHS)
+    q, k, v = (randn((total, H, E), torch.float32, DEVICE, seed + i).requires_grad_() for i in range(3))
+    cu = torch.tensor([0, *torch.tensor(_LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    return q, k, v, cu
+
+
+def _documents_lse(q, k, cu):
+    """fp64 causal LSE of each document alone, (H, total)."""
+    parts = []
+    for a, b in zip(cu.tolist(), cu.tolist()[1:]):
+        s = (q[a:b].double().transpose(0, 1) @ k[a:b].double().transpose(0, 1).transpose(-2, -1)) / math.sqrt(E)
+        s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        parts.append(s.logsumexp(-1))
+    return torch.cat(parts, dim=-1)
+
+
+@pytest.mark.usefixtures("no_identity_ops")
+def test_varlen_calls_record_forward_and_backward():
+    q, k, v, cu = _packed_qkv()
+    grad = randn(q.shape, torch.float32, DEVICE, 30)
+    grad[2, 1, 0] = float("inf")  # a bad upstream entry in document 0
+    with flash_inductor.monitor() as m:
+        out = flash_inductor.flash_attention_varlen(q, k, v, cu, cu, max(_LENGTHS), max(_LENGTHS), causal=True)
+        out.backward(grad)
+    site = _one_site(m.summary())
+    assert site.calls == 1 and site.backward_calls == 1
+    forward = m.records()[0]
+    assert forward["rows"] == H * sum(_LENGTHS)
+    lse = _documents_lse(q.detach(), k.detach(), cu)
+    assert site.lse_max == pytest.approx(lse.max().item(), rel=1e-5, abs=1e-5)
+    assert site.lse_min == pytest.approx(lse.min().item(), rel=1e-5, abs=1e-5)
+    assert site.max_logit_high - site.max_logit_low == pytest.approx(math.log(max(_LENGTHS)))
+    assert site.dq_nonfinite == int((~q.grad.isfinite()).sum()) > 0
+    assert "test_monitor.py" in next(iter(m.summary().sites))  # named by its caller, not varlen.py
+
+
+@pytest.mark.usefixtures("no_identity_ops")
+def test_nested_jagged_calls_record():
+    q, k, v, cu = _packed_qkv()
+    nested = [torch.nested.nested_tensor_from_jagged(t.detach(), cu.long()).transpose(1, 2) for t in (q, k, v)]
+    with flash_inductor.monitor() as m:
+        flash_inductor.flash_attention(*nested, is_causal=True)
+    site = _one_site(m.summary())
+    assert site.calls == 1 and m.records()[0]["rows"] == H * sum(_LENGTHS)
+    assert site.lse_max == pytest.approx(_documents_lse(q.detach(), k.detach(), cu).max().item(), rel=1e-5, abs=1e-5)
+
+
+class _PackedAttention(nn.Module):
+    """HF's padding-free eager attention: sequence ids from position_ids, causal AND same sequence."""
+
+    def forward(self, q, k, v, position_ids):
+        seq = q.shape[-2]
+        ids = (torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+        b = torch.arange(q.shape[0])[:, None, None, None]
+        i, j = torch.arange(seq)[None, None, :, None], torch.arange(seq)[None, None, None, :]
+        keep = (j <= i) & (ids[b, i] == ids[b, j])
+        mask = torch.where(keep, torch.tensor(0.0), torch.finfo(torch.float32).min)
+        return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + mask, dim=-1) @ v
+
+
+@pytest.mark.usefixtures("fresh_compiler")
+def test_compiled_packed_site_records_through_the_identity_ops():
+    seq = sum(_LENGTHS)
+    positions = torch.cat([torch.arange(n) for n in _LENGTHS])[None]
+    q, k, v = (randn((1, H, seq, E), torch.float32, "cpu", 40 + i).requires_grad_() for i in range(3))
+    model = _PackedAttention()
+    compiled = torch.compile(model, backend=flash_inductor.make_backend(monitor=True))
+    with flash_inductor.monitor() as m:
+        out = compiled(q, k, v, positions)
+        out.sum().backward()
+    assert [r.pattern for r in flash_inductor.last_report().records if r.rewritten] == ["handwritten_packed"]
+    site = _one_site(m.summary())
+    assert "(compiled handwritten_packed" in next(iter(m.summary().sites))
+    assert (site.calls, site.backward_calls) == (1, 1)
+    cu = torch.tensor([0, *torch.tensor(_LENGTHS).cumsum(0).tolist()])
+    lse = _documents_lse(q.detach()[0].transpose(0, 1), k.detach()[0].transpose(0, 1), cu)
+    assert site.lse_max == pytest.approx(lse.max().item(), rel=1e-5, abs=1e-5)
+    torch.testing.assert_close(out, model(q, k, v, positions), rtol=1e-5, atol=1e-5)

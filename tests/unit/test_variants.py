@@ -221,6 +221,24 @@ def test_varlen_visits_no_other_sequence(monkeypatch):
     assert all(mask is None for _, _, mask in calls)
 
 
+def test_varlen_gradients_are_contiguous_for_permuted_inputs():
+    """Packed inputs that are views of a (B, H, L, E) tensor (what the pass's packed sites hand over)
+    get gradients in the layout the ops' fake kernels promise (contiguous), so a compiled graph
+    whose q/k/v come out of another opaque op does not trip on a stride assertion."""
+    lengths = [5, 1, 9]
+    total = sum(lengths)
+    q, k, v = (randn((1, 2, total, 8), torch.float32, DEVICE, seed=30 + i).requires_grad_() for i in range(3))
+    packed = [t[0].transpose(0, 1) for t in (q, k, v)]  # (total, H, E), strides (E, total * E, 1)
+    assert not packed[0].is_contiguous()
+    out = flash_attention_varlen(*packed, _cu(lengths), _cu(lengths), 9, 9, causal=True)
+    grads = torch.ops.flash_inductor.attention_varlen_backward(
+        torch.ones_like(out), *packed, out, torch.zeros(2, total, device=DEVICE), None, _cu(lengths), _cu(lengths),
+        9, 9, None, 0.0, True, True, 8 ** -0.5, "stable")
+    assert all(g.is_contiguous() and g.shape == t.shape for g, t in zip(grads, packed))
+    out.sum().backward()
+    assert q.grad.abs().amax() > 0
+
+
 def test_varlen_dropout_reproducible_and_independent_per_sequence():
     lengths = [16, 16]
     q, k, v = (randn((32, 2, 8), torch.float32, DEVICE, seed=1) for _ in range(3))
