@@ -1,4 +1,4 @@
-"""``flash_inductor.backend``: TorchInductor with the attention rewrite added.
+"""The torch.compile backend ``flash_inductor.backend``: TorchInductor with the attention rewrite added.
 
     model = torch.compile(model, backend=flash_inductor.backend)
     model = torch.compile(model, backend=flash_inductor.make_backend(schedule="accurate"))
@@ -6,6 +6,9 @@
 Inductor config changes are scoped to our own compilation (``compile_fx(config_patches=)``):
 nothing leaks into a later plain ``torch.compile``. A pre-grad pass the user already set is
 kept and runs after ours.
+
+The module is not named ``backend``: the package's ``backend`` is the callable above, and a
+submodule of the same name would make ``flash_inductor.backend`` mean two things.
 """
 
 from __future__ import annotations
