@@ -123,9 +123,11 @@ def make_backend(*, schedule: Optional[str] = None, devices: Sequence[str] = ("c
     Args:
         schedule: precision schedule of the rewritten attention (None = the default, "stable").
         devices: device types whose attention is rewritten; others keep Inductor's lowering.
-        report: log the table of sites rewritten or kept (and why) at INFO level on the
-            "flash_inductor" logger; without it only the one-line summary is logged at INFO (the
-            table at DEBUG). ``flash_inductor.last_report()`` returns it either way.
+        report: show each compile's table of sites rewritten or kept (and why): logged at INFO
+            on the "flash_inductor" logger where logging is set up to show that, else written to
+            stderr. Without it only the one-line summary is logged at INFO, which Python's default
+            logging hides (``logging.basicConfig(level=logging.INFO)`` shows it), and the table at
+            DEBUG. ``flash_inductor.last_report()`` returns it either way.
         monitor: compile the recording ops of ``flash_inductor.monitor()`` into every rewritten
             site (named by its module path); calls record into the session active when they run,
             and into nothing outside one. Off by default: the graph is then exactly as without
