@@ -228,6 +228,11 @@ def load_callable(arg: str, spec: str, example: str, expected: str, positional: 
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise UsageError(f"{arg}: expected MODULE:FACTORY (e.g. {example}), got {spec!r}")
+    # Modules of the current folder are found as under `python -m`, which puts it on sys.path; a
+    # console script's sys.path starts with its bin folder instead. A CLI process only: the tools
+    # call this from their main().
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         target = importlib.import_module(module_name)
     except ModuleNotFoundError as error:

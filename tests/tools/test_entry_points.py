@@ -154,6 +154,16 @@ def test_a_console_script_names_itself_in_a_usage_error(tmp_path):
     assert len(done.stderr.strip().splitlines()) == 1
 
 
+@needs_install
+def test_a_console_script_finds_a_factory_in_the_current_folder(tmp_path):
+    """As ``python -m`` does: MODULE:FACTORY may name a module of the folder the user is in."""
+    cwd = _empty_cwd(tmp_path)
+    (cwd / "my_factories.py").write_text("not_a_factory = 3\n")
+    done = subprocess.run([_script("flash-inductor-debug"), "bisect-length", "my_factories:not_a_factory"], cwd=cwd,
+                          env=_user_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "my_factories:not_a_factory is a int, not a function" in done.stderr, done.stderr
+
+
 def _module_env(tmp_path: pathlib.Path) -> dict:
     env = _user_env(tmp_path)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
