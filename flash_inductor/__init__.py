@@ -17,7 +17,7 @@ Importing registers the ``flash_inductor::`` torch.library ops; it changes no gl
 from .api import flash_attention
 from .varlen import flash_attention_varlen
 from .block_sparse import BlockSparseLayout
-from .backend import backend, explain, make_backend
+from .compile_backend import backend, explain, make_backend
 from .monitoring import monitor
 from .passes.report import last_report
 from .schedules import DEFAULT_SCHEDULE, SCHEDULES, PrecisionSchedule

@@ -19,7 +19,7 @@ import pathlib
 import sys
 from typing import Callable, Iterable, Optional
 
-from .tuning.cache import prove_writable
+from .tuning.cache import CACHE_DIR_ENV, prove_writable, user_cache_dir
 
 USAGE_EXIT_CODE = 2  # argparse's and the shell's code for a bad command line
 
@@ -38,11 +38,45 @@ class UsageError(SystemExit):
         return str(self.args[0])
 
 
+MODULE_PREFIX = "python -m flash_inductor."
+SCRIPT_PREFIX = "flash-inductor-"  # the console scripts (pyproject.toml): flash-inductor-autotune, ...
+
+
+def invoked_as(prog: str) -> str:
+    """``prog`` ("python -m flash_inductor.autotune") as the user typed it: the console script's
+    name (``flash-inductor-autotune``) when that is what runs, so that usage lines and errors name
+    the command the user can repeat."""
+    script = os.path.splitext(os.path.basename(sys.argv[0]))[0] if sys.argv and sys.argv[0] else ""
+    if prog.startswith(MODULE_PREFIX) and script == SCRIPT_PREFIX + prog[len(MODULE_PREFIX):]:
+        return script
+    return prog
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse, with its errors as one line (no usage block) and exit code 2."""
+    """argparse, with its errors as one line (no usage block) and exit code 2; ``prog`` is shown
+    as :func:`invoked_as` gives it."""
+
+    def __init__(self, *args, prog: Optional[str] = None, **kwargs):
+        super().__init__(*args, prog=invoked_as(prog) if prog else None, **kwargs)
 
     def error(self, message: str):
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+class RenamedOption(argparse.Action):
+    """An old spelling of an option, hidden from ``--help``: it still works, with a one-line note
+    on stderr naming the new one (``help=argparse.SUPPRESS`` and ``dest`` of the new option)::
+
+        p.add_argument("--output", dest="out", action=cli_args.RenamedOption, new="--out", help=argparse.SUPPRESS)
+    """
+
+    def __init__(self, *args, new: str, **kwargs):
+        self.new = new
+        super().__init__(*args, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog}: {option_string} is now {self.new}; the old name will be removed", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def run(main: Callable[..., int], argv=None, prog: Optional[str] = None) -> int:
@@ -50,7 +84,7 @@ def run(main: Callable[..., int], argv=None, prog: Optional[str] = None) -> int:
     try:
         return main(argv)
     except UsageError as error:
-        prefix = f"{prog}: " if prog else ""
+        prefix = f"{invoked_as(prog)}: " if prog else ""
         print(f"{prefix}error: {error}", file=sys.stderr)
         return USAGE_EXIT_CODE
 
@@ -134,6 +168,20 @@ def _writable_ancestor(arg: str, path: pathlib.Path) -> None:
                              "choose a folder you can write to") from None
 
 
+def user_results_dir(arg: str) -> pathlib.Path:
+    """Where a tool writes its results when ``arg`` is not given: ``results/`` in the user cache
+    folder that also holds the tuning tables (``$FLASH_INDUCTOR_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/flash_inductor``, else ``~/.cache/flash_inductor``), never the current
+    directory; UsageError when that folder cannot be resolved."""
+    try:
+        return user_cache_dir() / "results"
+    except ValueError as error:
+        raise UsageError(f"{error}, or pass {arg} with a folder") from None
+
+
+USER_RESULTS_HELP = f"default: results/ in ${CACHE_DIR_ENV}, else ~/.cache/flash_inductor"
+
+
 def output_dir(arg: str, value: os.PathLike) -> pathlib.Path:
     """A folder the tool will create if needed and write into; UsageError when it is a file,
     lies under a file, or cannot be written."""
@@ -180,6 +228,11 @@ def load_callable(arg: str, spec: str, example: str, expected: str, positional: 
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise UsageError(f"{arg}: expected MODULE:FACTORY (e.g. {example}), got {spec!r}")
+    # Modules of the current folder are found as under `python -m`, which puts it on sys.path; a
+    # console script's sys.path starts with its bin folder instead. A CLI process only: the tools
+    # call this from their main().
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         target = importlib.import_module(module_name)
     except ModuleNotFoundError as error:

@@ -57,7 +57,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 RACE=(); [ "${INCUMBENTS:-1}" = 1 ] && RACE=(--incumbents "flash_inductor/tuning/tables/$GPU_KEY.json")
 timeout $((BUDGET + 90)) python3 -m flash_inductor.autotune --resume --time-budget "$BUDGET" --schedules "$SCHED" ${RACE[@]+"${RACE[@]}"} \
   --passes "$PASSES" --head-dims "$DIMS" --seqs "$SEQS" --dtypes "$DTYPES" --masks "$MASKS" --heat-ms 500 \
-  --output "$TABLE" --summary "$OUT/autotune_summary_$TAG.json" > "$OUT/autotune_$TAG.log" 2>&1
+  --out "$TABLE" --summary "$OUT/autotune_summary_$TAG.json" > "$OUT/autotune_$TAG.log" 2>&1
 echo "tuner rc=$?"
 grep -v "cand/s\]" "$OUT/autotune_$TAG.log" | tail -45
 rm -rf "$EMPTY_CACHE" "$TABLE.lock"

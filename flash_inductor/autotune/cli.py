@@ -5,7 +5,7 @@
     python -m flash_inductor.autotune --resume --time-budget 450   # continue a partial run
 
 The table goes to the user cache (``$FLASH_INDUCTOR_CACHE_DIR``, else
-``$XDG_CACHE_HOME/flash_inductor``, else ``~/.cache/flash_inductor``), or to ``--output``, or
+``$XDG_CACHE_HOME/flash_inductor``, else ``~/.cache/flash_inductor``), or to ``--out``, or
 into the package with ``--ship``; it is rewritten atomically after every finished bucket, so an
 interrupted run loses at most the buckets in flight and ``--resume`` skips the rest. Before
 anything is measured, the run checks its arguments and that it can write there: a mistake is one
@@ -77,7 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="a tiny grid (bf16, E=128, none/causal, L=4096, stable, small search space)")
     p.add_argument("--exhaustive", action="store_true", help="sweep the whole search space in every bucket")
-    p.add_argument("--output", default=None, help="table file or folder (default: the user cache)")
+    p.add_argument("--out", default=None, help="table file or folder (default: the user cache)")
+    p.add_argument("--output", dest="out", action=cli_args.RenamedOption, new="--out", help=argparse.SUPPRESS)
     p.add_argument("--ship", action="store_true",
                    help="write into flash_inductor/tuning/tables/, configs only (the search record goes to the summary)")
     p.add_argument("--summary", default=None, help="summary JSON path (default: beside the table)")
@@ -106,8 +107,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--head-dims: {bad} outside the kernels' 1..256")
     if args.seqs is not None and any(n < 1 or n & (n - 1) for n in args.seqs):
         p.error("--seqs: powers of two only (a length bucket is the power of two at or above max(L, S))")
-    if args.ship and args.output:
-        p.error("--ship and --output both say where the table goes; give one")
+    if args.ship and args.out:
+        p.error("--ship and --out both say where the table goes; give one")
     return args
 
 
@@ -149,13 +150,13 @@ def fp8_capable(device: torch.device) -> bool:
 def output_path(args, gpu: str) -> pathlib.Path:
     if args.ship:
         return cache.shipped_tables_dir() / cache.table_filename(gpu)
-    if args.output:
-        path = pathlib.Path(args.output).expanduser()
+    if args.out:
+        path = pathlib.Path(args.out).expanduser()
         return path if path.suffix == ".json" and not path.is_dir() else path / cache.table_filename(gpu)
     try:
         folder = cache.user_cache_dir()
     except ValueError as error:
-        raise UsageError(f"{error}, or pass --output") from None
+        raise UsageError(f"{error}, or pass --out") from None
     return folder / cache.table_filename(gpu)
 
 
@@ -242,7 +243,7 @@ def summary_path_for(args, table_path: pathlib.Path, gpu: str) -> pathlib.Path:
 
 def check_outputs_writable(args, table_path: pathlib.Path, summary_path: pathlib.Path) -> None:
     """Fail now, not after the tuning, when the table or the summary cannot be written."""
-    table_arg = "--output" if args.output else "--ship" if args.ship else f"the user cache ({cache.CACHE_DIR_ENV})"
+    table_arg = "--out" if args.out else "--ship" if args.ship else f"the user cache ({cache.CACHE_DIR_ENV})"
     cli_args.output_file(table_arg, table_path)
     cli_args.output_file("--summary" if args.summary else table_arg, summary_path)
     if args.dry_run:  # writes nothing: the checks above, without creating the folders

@@ -6,6 +6,7 @@ line on stderr and exit code 2.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -21,8 +22,8 @@ def _checked_bisect(args) -> None:
     """bisect-length's arguments, all before the first length runs."""
     if args.min_length > args.max_length:
         raise UsageError(f"--min-length {args.min_length} is above --max-length {args.max_length}; swap them")
-    if args.json:
-        cli_args.output_file("--json", args.json)
+    if args.out:
+        cli_args.output_file("--out", args.out)
     args.factory = cli_args.load_callable("bisect-length FACTORY", args.factory, EXAMPLE_FACTORY,
                                           "factory(length) -> (model, inputs)")
 
@@ -41,7 +42,8 @@ def main(argv=None) -> int:
                              "shadow-check tolerance violation (a float64 twin at every length)")
     bisect.add_argument("--cast", action="store_true", help="convert the model to --dtype instead of autocast")
     bisect.add_argument("--forward-only", action="store_true")
-    bisect.add_argument("--json", help="also write the result as JSON to this path")
+    bisect.add_argument("--out", metavar="JSON", help="also write the result as JSON to this file")
+    bisect.add_argument("--json", dest="out", action=cli_args.RenamedOption, new="--out", help=argparse.SUPPRESS)
     bisect.add_argument("--quiet", action="store_true", help="no per-length progress lines")
     args = parser.parse_args(argv)
     _checked_bisect(args)
@@ -59,13 +61,19 @@ def main(argv=None) -> int:
     print(result.format())
     if result.report is not None:
         print(result.report.format())
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.out:
+        with open(args.out, "w") as f:
             json.dump(dict(critical_length=result.critical_length, last_passing=result.last_passing,
                            dtype=result.dtype, site=result.site, cause=result.cause,
                            probes=[vars(p) for p in result.probes]), f, indent=1)
     return 0
 
 
+def cli() -> int:
+    """The ``flash-inductor-debug`` console script: :func:`main` on ``sys.argv``, a usage error
+    as one line and exit code 2."""
+    return cli_args.run(main, prog=PROG)
+
+
 if __name__ == "__main__":
-    sys.exit(cli_args.run(main, prog=PROG))
+    sys.exit(cli())

@@ -9,7 +9,10 @@ return. ``str(report)`` is a table::
       ...
 
 Every backend compile also logs its one-line summary (``report.summary()``) at INFO on the
-"flash_inductor" logger, and the table at DEBUG (INFO with ``make_backend(report=True)``).
+"flash_inductor" logger (Python's default level, WARNING, hides it:
+``logging.basicConfig(level=logging.INFO)`` shows it), and the table at DEBUG. With
+``make_backend(report=True)`` the user asked to see the table, so it is shown whatever the logging
+setup: logged at INFO where a handler takes that record, else written to stderr.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import sys
 from typing import Iterator, Optional
 
 log = logging.getLogger("flash_inductor")
@@ -147,11 +151,33 @@ def one_report_per_compile(verbose: bool = False) -> Iterator[RewriteReport]:
             merged.note = CACHE_NOTE
         _append(merged)
         if verbose and merged.records:
-            log.info("%s", merged.format())
+            _show(merged.format())
         else:
             log.info("%s", merged.summary())
             if merged.records:
                 log.debug("%s", merged.format())
+
+
+def _info_is_handled(logger: logging.Logger) -> bool:
+    """Whether an INFO record of ``logger`` reaches a handler, as ``Logger.callHandlers`` walks
+    them (logging's last-resort handler takes WARNING and above only)."""
+    if not logger.isEnabledFor(logging.INFO):
+        return False
+    current: Optional[logging.Logger] = logger
+    while current is not None:
+        if any(handler.level <= logging.INFO for handler in current.handlers):
+            return True
+        current = current.parent if current.propagate else None
+    return False
+
+
+def _show(text: str) -> None:
+    """What the user asked to see (``report=True``): logged at INFO where logging is set up to
+    show it, else on stderr, where a default setup would have dropped it silently."""
+    if _info_is_handled(log):
+        log.info("%s", text)
+    else:
+        print(text, file=sys.stderr, flush=True)
 
 
 # Incremented by the pass on every run, so a backend call can tell a cache hit from a graph

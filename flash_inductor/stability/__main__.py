@@ -6,7 +6,8 @@
     python -m flash_inductor.stability --merge a.json b.json --tag all   # one table/heat-map from several runs
 
 Prints the table and the requirement verdict, writes ``stability_<device>_<date>[_tag].json`` and
-``.png`` to ``--out``; exits 1 when the default schedule misses the requirement. Every argument is
+``.png`` to ``--out`` (default: ``results/`` in the user cache folder, never the current directory;
+the last lines say where); exits 1 when the default schedule misses the requirement. Every argument is
 checked before anything runs: a mistake is one line on stderr and exit code 2.
 """
 
@@ -49,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget", type=cli_args.seconds, metavar="SECONDS",
                    help="start no new case after this many seconds; what ran is still reported and written")
-    p.add_argument("--out", default="benchmarks/results", help="directory for the JSON and PNG")
+    p.add_argument("--out", default=None, help=f"folder for the JSON and PNG ({cli_args.USER_RESULTS_HELP})")
     p.add_argument("--tag", help="suffix of the output file names")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
@@ -110,6 +111,11 @@ def _tag(tag: Optional[str]) -> Optional[str]:
     return tag
 
 
+def _out(args) -> None:
+    """``--out`` checked, or the user's results folder when it is not given."""
+    args.out = cli_args.output_dir("--out", args.out if args.out is not None else cli_args.user_results_dir("--out"))
+
+
 def _merge_payloads(paths: list[str]) -> list[tuple[str, dict]]:
     """Each ``--merge`` file's payload, read and checked before anything is written."""
     payloads = []
@@ -162,11 +168,11 @@ def main(argv=None) -> int:
     _tag(args.tag)
     if args.merge:
         payloads = _merge_payloads(args.merge)
-        cli_args.output_dir("--out", args.out)
+        _out(args)
         return merge(args, payloads)
     _device(args.device)
     chosen, dtypes, items = _chosen_work(args, all_cases)
-    cli_args.output_dir("--out", args.out)
+    _out(args)
 
     seconds = estimate.estimate_seconds(items, impls, sizes, args.device)
     print(f"stability: {len(items)} case/dtype pairs x {len(impls)} implementations on {args.device} (L {sizes.seq}, "
@@ -215,5 +221,11 @@ def finish(args, results, env, case_info) -> int:
     return 0 if requirement.passed else 1
 
 
+def cli() -> int:
+    """The ``flash-inductor-stability`` console script: :func:`main` on ``sys.argv``, a usage
+    error as one line and exit code 2."""
+    return cli_args.run(main, prog=PROG)
+
+
 if __name__ == "__main__":
-    sys.exit(cli_args.run(main, prog=PROG))
+    sys.exit(cli())

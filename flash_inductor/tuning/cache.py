@@ -397,7 +397,7 @@ def check_writable_dir(directory: os.PathLike) -> None:
         prove_writable(directory)
     except OSError as error:
         raise OSError(f"cannot write to {directory} ({error.strerror or error}); set {CACHE_DIR_ENV} to a "
-                      "writable folder, or pass --output") from error
+                      "writable folder, or pass --out") from error
 
 
 def atomic_write_text(path: pathlib.Path, text: str) -> None:

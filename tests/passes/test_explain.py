@@ -151,6 +151,15 @@ def test_report_true_logs_the_table(caplog):
     assert message == flash_inductor.last_report().format() and "blocks.1" in message
 
 
+def test_report_true_shows_the_table_where_logging_would_hide_it(caplog, capsys):
+    """Python's default setup drops INFO records: the table the user asked for goes to stderr."""
+    caplog.set_level(logging.WARNING, logger="flash_inductor")
+    with torch.no_grad():
+        torch.compile(_Stack(), backend=flash_inductor.make_backend(report=True))(_x())
+    assert flash_inductor.last_report().format() in capsys.readouterr().err
+    assert not [r for r in caplog.records if r.name == "flash_inductor" and r.levelno == logging.INFO]
+
+
 class _Inner(nn.Module):
     def __init__(self):
         super().__init__()

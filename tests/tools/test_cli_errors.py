@@ -114,8 +114,8 @@ def _cases(p: dict[str, str]) -> dict[str, tuple[str, list[str], str]]:
         "autotune negative budget": (AUTOTUNE, ["--time-budget", "-1"], "--time-budget"),
         "autotune head dim out of range": (AUTOTUNE, ["--head-dims", "512"], "--head-dims"),
         "autotune seqs not powers of two": (AUTOTUNE, ["--seqs", "1000"], "--seqs"),
-        "autotune ship and output": (AUTOTUNE, ["--ship", "--output", p["folder"]], "--ship"),
-        "autotune output under a file": (AUTOTUNE, ["--dry-run", "--output", p["a_file"] + "/t.json"], "--output"),
+        "autotune ship and out": (AUTOTUNE, ["--ship", "--out", p["folder"]], "--ship"),
+        "autotune out under a file": (AUTOTUNE, ["--dry-run", "--out", p["a_file"] + "/t.json"], "--out"),
         "autotune summary is a folder": (AUTOTUNE, ["--dry-run", "--summary", p["folder"]], "--summary"),
         # Without a GPU (on one, --quick starts tuning: not a user error).
         **({} if ON_CUDA else {"autotune no GPU": (AUTOTUNE, ["--quick"], "TRITON_INTERPRET")}),
@@ -130,8 +130,8 @@ def _cases(p: dict[str, str]) -> dict[str, tuple[str, list[str], str]]:
         "debug unknown dtype": (DEBUG, [*BISECT, "--dtype", "fp8"], "--dtype"),
         "debug min length 0": (DEBUG, [*BISECT, "--min-length", "0"], "--min-length"),
         "debug min above max": (DEBUG, [*BISECT, "--min-length", "64", "--max-length", "16"], "--max-length"),
-        "debug json is a folder": (DEBUG, [*BISECT, "--json", p["folder"]], "--json"),
-        "debug json under a file": (DEBUG, [*BISECT, "--json", p["a_file"] + "/r.json"], "--json"),
+        "debug out is a folder": (DEBUG, [*BISECT, "--out", p["folder"]], "--out"),
+        "debug out under a file": (DEBUG, [*BISECT, "--out", p["a_file"] + "/r.json"], "--out"),
     }
 
 

@@ -503,7 +503,7 @@ def test_cli_writes_table_and_summary_and_resumes(tmp_path, capsys):
     settings = tiny_settings(timer, space=SearchSpace("tiny", (16, 32), (16,), (4,), (1,)), tasks_per_round=1)
     out = tmp_path / "tables"
     argv = ["--dtypes", "fp16", "--head-dims", "16", "--masks", "none,causal", "--schedules", "stable",
-            "--passes", "forward", "--seqs", "4096", "--output", str(out), "--summary", str(tmp_path / "s.json")]
+            "--passes", "forward", "--seqs", "4096", "--out", str(out), "--summary", str(tmp_path / "s.json")]
     # A budget this small bounds the first round too: at most one candidate, and nothing is saved.
     assert cli.main(argv + ["--time-budget", "1e-6"], settings=settings, device=torch.device(DEVICE)) == 0
     assert len(calls) <= 1 and cache.read_table(table_file(out)) is None
@@ -559,7 +559,7 @@ def test_cli_ship_writes_configs_only_and_resumes_from_them(tmp_path):
 
 def test_cli_summary_never_overwrites_an_earlier_run_of_the_day(tmp_path):
     table = tmp_path / "g.json"
-    args = cli.parse_args(["--output", str(table)])
+    args = cli.parse_args(["--out", str(table)])
     first = cli.summary_path_for(args, table, "g")
     assert first.parent == tmp_path and first.name.startswith("autotune_g_") and first.suffix == ".json"
     first.write_text("{}")
@@ -581,7 +581,7 @@ def test_cli_races_the_incumbents_of_a_table_of_this_gpu(tmp_path, capsys):
     cache.update_table(old, cache.TuningTable.for_current_code(gpu, {key: {"configs": {"forward": cfg_dict(16, 32, 2)}}}))
     out = tmp_path / "tables"
     argv = ["--dtypes", "fp16", "--head-dims", "16", "--masks", "none", "--schedules", "stable", "--passes",
-            "forward", "--seqs", "4096", "--output", str(out), "--summary", str(tmp_path / "s.json")]
+            "forward", "--seqs", "4096", "--out", str(out), "--summary", str(tmp_path / "s.json")]
     assert cli.main(argv + ["--incumbents", str(old)], settings=settings, device=torch.device(DEVICE)) == 0
     entry = cache.read_table(table_file(out)).entries[key]
     assert entry["configs"] == {"forward": cfg_dict(16, 32, 2)}  # 0.5 % behind the fastest: kept

@@ -65,7 +65,7 @@ def test_cli_tunes_decode_buckets_into_the_table(tmp_path):
     settings = tiny_settings(timer, space=SearchSpace("tiny", (16,), (16, 32), (4,), (1,)), **DECODE_SETTINGS)
     out = tmp_path / "tables"
     argv = ["--dtypes", "fp16", "--head-dims", "16", "--masks", "bool", "--schedules", "stable",
-            "--passes", "decode", "--seqs", "1024", "--output", str(out), "--summary", str(tmp_path / "s.json")]
+            "--passes", "decode", "--seqs", "1024", "--out", str(out), "--summary", str(tmp_path / "s.json")]
     assert cli.main(argv, settings=settings, device=torch.device(DEVICE)) == 0
     table = cache.read_table(table_file(out))
     picked = table.entries["stable/fp16/e16/bool/s1024/decode"]["configs"]["decode"]

@@ -113,7 +113,7 @@ def test_bisect_cli(demo, capsys, tmp_path):
 
     out = tmp_path / "bisect.json"
     assert main(["bisect-length", "benchmarks.overflow_demo:ramp_gpt", "--dtype", "fp16", "--min-length", "64",
-                 "--max-length", "256", "--step", "8", "--json", str(out)]) == 0
+                 "--max-length", "256", "--step", "8", "--out", str(out)]) == 0
     captured = capsys.readouterr()
     assert "critical length in fp16: 128" in captured.out and "blocks.0.attn" in captured.out
     assert "length      64: ok" in captured.err

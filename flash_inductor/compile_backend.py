@@ -1,4 +1,4 @@
-"""``flash_inductor.backend``: TorchInductor with the attention rewrite added.
+"""The torch.compile backend ``flash_inductor.backend``: TorchInductor with the attention rewrite added.
 
     model = torch.compile(model, backend=flash_inductor.backend)
     model = torch.compile(model, backend=flash_inductor.make_backend(schedule="accurate"))
@@ -6,6 +6,9 @@
 Inductor config changes are scoped to our own compilation (``compile_fx(config_patches=)``):
 nothing leaks into a later plain ``torch.compile``. A pre-grad pass the user already set is
 kept and runs after ours.
+
+The module is not named ``backend``: the package's ``backend`` is the callable above, and a
+submodule of the same name would make ``flash_inductor.backend`` mean two things.
 """
 
 from __future__ import annotations
@@ -120,9 +123,11 @@ def make_backend(*, schedule: Optional[str] = None, devices: Sequence[str] = ("c
     Args:
         schedule: precision schedule of the rewritten attention (None = the default, "stable").
         devices: device types whose attention is rewritten; others keep Inductor's lowering.
-        report: log the table of sites rewritten or kept (and why) at INFO level on the
-            "flash_inductor" logger; without it only the one-line summary is logged at INFO (the
-            table at DEBUG). ``flash_inductor.last_report()`` returns it either way.
+        report: show each compile's table of sites rewritten or kept (and why): logged at INFO
+            on the "flash_inductor" logger where logging is set up to show that, else written to
+            stderr. Without it only the one-line summary is logged at INFO, which Python's default
+            logging hides (``logging.basicConfig(level=logging.INFO)`` shows it), and the table at
+            DEBUG. ``flash_inductor.last_report()`` returns it either way.
         monitor: compile the recording ops of ``flash_inductor.monitor()`` into every rewritten
             site (named by its module path); calls record into the session active when they run,
             and into nothing outside one. Off by default: the graph is then exactly as without
