@@ -269,8 +269,8 @@ def precompile_items(cells, args) -> list[dict]:
     """One item per (cell, contender) for ``benchmarks.precompile``: its workers build and run each
     step once, filling the Inductor and Triton caches this run then reads, so that the timed pass
     compiles from warm caches (about 5 s a contender where a cold compile takes 20-30 s)."""
-    items = [dict(kind="e2e", model=name, seq=seq, attn=attn, task=task, contender=contender, dtype=args.dtype,
-                  tokens=args.tokens, tiny=args.tiny, schedule=args.schedule, mode=args.mode)
+    items = [dict(builder="benchmarks.e2e_models", model=name, seq=seq, attn=attn, task=task, contender=contender,
+                  dtype=args.dtype, tokens=args.tokens, tiny=args.tiny, schedule=args.schedule, mode=args.mode)
              for name, _spec, seq, attn, task in cells for contender in CONTENDERS]
     items.sort(key=lambda it: -it["seq"])  # the slowest first, so the workers finish together
     return items
