@@ -248,13 +248,12 @@ def format_table(rows):
 
 def plot(rows, path, title):
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         return None
     seq_qs = sorted({r["seq_q"] for r in rows})
-    fig, axes = plt.subplots(1, len(seq_qs), figsize=(6 * len(seq_qs), 4.5), sharey=True, squeeze=False)
+    fig = Figure(figsize=(6 * len(seq_qs), 4.5))
+    axes = fig.subplots(1, len(seq_qs), sharey=True, squeeze=False)
     for ax, seq_q in zip(axes[0], seq_qs):
         cells = [r for r in rows if r["seq_q"] == seq_q]
         x = range(len(cells))
@@ -268,7 +267,6 @@ def plot(rows, path, title):
     fig.suptitle(title, fontsize=9, wrap=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 

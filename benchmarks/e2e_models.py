@@ -323,12 +323,11 @@ def markdown_table(rows: list[dict]) -> str:
 def plot(rows: list[dict], path: str, title: str) -> str | None:
     """Speed-up of ours over plain compile per cell, one panel per task; the 1.0 line is the bar."""
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         return None
-    fig, axes = plt.subplots(1, len(TASKS), figsize=(12, 4.5), sharey=True, squeeze=False)
+    fig = Figure(figsize=(12, 4.5))
+    axes = fig.subplots(1, len(TASKS), sharey=True, squeeze=False)
     for ax, task in zip(axes[0], TASKS):
         cells = [r for r in rows if r["task"] == task and r.get("speedup")]
         labels = [f"{r['model']}\n{r['attn']} {r['seq'] // 1024}k" for r in cells]
@@ -341,7 +340,6 @@ def plot(rows: list[dict], path: str, title: str) -> str | None:
     fig.suptitle(title, fontsize=9, wrap=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 

@@ -87,9 +87,7 @@ def format_extras(records):
 
 def plot_results(records, path, title=""):
     """TFLOP/s vs seq; one subplot per (dtype, E, causal) row and mode column, one line per provider."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter
     attn = [r for r in records if r["section"] == "attention" and r["status"] == "ok"]
     if not attn:
@@ -97,8 +95,8 @@ def plot_results(records, path, title=""):
     groups = sorted({(r["dtype"], r["head_dim"], r["causal"]) for r in attn})
     modes = [m for m in MODES if any(r["mode"] == m for r in attn)]
     height = 3.4 * len(groups)
-    fig, axes = plt.subplots(len(groups), len(modes), figsize=(4.5 * len(modes), height),
-                             squeeze=False, sharex=True)
+    fig = Figure(figsize=(4.5 * len(modes), height))
+    axes = fig.subplots(len(groups), len(modes), squeeze=False, sharex=True)
     for i, (dtype, e, causal) in enumerate(groups):
         for j, mode in enumerate(modes):
             ax = axes[i][j]
@@ -125,7 +123,6 @@ def plot_results(records, path, title=""):
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.17 / height, 1, 1 - 0.17 * title_lines / height))
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
@@ -141,14 +138,13 @@ def plot_kernel_time(records, path, title="", ours="ours", anchor="flash"):
     pairs = sorted(((c, v) for c, v in cells.items() if ours in v and anchor in v), key=lambda pair: pair[0])
     if not pairs:
         return None
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
     labels = [f"{d} E{e} {'causal' if c else 'full'} {s // 1024 if s >= 1024 else s}{'k' if s >= 1024 else ''} {m}"
               for (d, e, c, s, m), _ in pairs]
     timed = [v[ours]["ms"] / v[anchor]["ms"] for _, v in pairs]
     kernels = [v[ours]["kernel_ms"] / v[anchor]["kernel_ms"] for _, v in pairs]
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(pairs) + 2), 4.2))
+    fig = Figure(figsize=(max(6.0, 0.55 * len(pairs) + 2), 4.2))
+    ax = fig.subplots()
     x = range(len(pairs))
     ax.bar([i - 0.2 for i in x], timed, width=0.4, color="tab:gray", label=f"timed (do_bench): {ours} ms / {anchor} ms")
     ax.bar([i + 0.2 for i in x], kernels, width=0.4, color="black",
@@ -162,7 +158,6 @@ def plot_kernel_time(records, path, title="", ours="ours", anchor="flash"):
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 

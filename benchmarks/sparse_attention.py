@@ -357,17 +357,16 @@ def plot(records, path, title=""):
     """Speed-up of ours over each contender against L: one subplot per (style, mode), one line per
     (window, contender); a second row with ``ours-fast`` as the reference where it ran."""
     import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     references = [ours for ours in ("ours", "ours-fast") if speedups(records, ours=ours)]
     if not references:
         return None
     panels = sorted({(k[0], k[1]) for k in speedups(records, ours=references[0])}, key=str)
-    fig, axes = plt.subplots(len(references), len(panels), figsize=(5.5 * len(panels), 4.2 * len(references)),
-                             squeeze=False)
+    fig = Figure(figsize=(5.5 * len(panels), 4.2 * len(references)))
+    axes = fig.subplots(len(references), len(panels), squeeze=False)
     styles = {"flex": "-", "sdpa-mask": "--", "ours-mask": ":"}
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     for row, ours in zip(axes, references):
         ratios = speedups(records, ours=ours)
         windows = sorted({k[3] for k in ratios}, key=lambda w: w or 0)
@@ -389,7 +388,6 @@ def plot(records, path, title=""):
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 

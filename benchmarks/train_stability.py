@@ -417,13 +417,11 @@ def summary_lines(logs: dict[str, RunLog], task: Task) -> list[str]:
 
 def plot(logs: dict[str, RunLog], path: pathlib.Path, title: str) -> Optional[pathlib.Path]:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         return None
-    fig, (ax_loss, ax_query, ax_scale) = plt.subplots(3, 1, figsize=(8, 8), sharex=True, height_ratios=(3, 2, 1))
+    fig = Figure(figsize=(8, 8))
+    ax_loss, ax_query, ax_scale = fig.subplots(3, 1, sharex=True, height_ratios=(3, 2, 1))
     styles = {"fp32_eager": ("black", "-"), "fp16_eager": ("tab:red", "--"), "fp16_flash": ("tab:red", "-"),
               "bf16_eager": ("tab:blue", "--"), "bf16_flash": ("tab:blue", "-")}
     for name, log in logs.items():
@@ -447,7 +445,6 @@ def plot(logs: dict[str, RunLog], path: pathlib.Path, title: str) -> Optional[pa
     ax_scale.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
-    plt.close(fig)
     return path
 
 
