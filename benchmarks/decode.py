@@ -42,6 +42,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from flash_inductor.text_table import markdown_table
 from benchmarks import common
 
 SDPA_CONTENDERS = ("flash", "cudnn", "efficient")
@@ -237,13 +238,12 @@ def format_table(rows):
     def fmt(value, spec=".4f"):
         return "-" if value is None else format(value, spec)
 
-    lines = ["| B | S | L | ours ms | flash ms | cudnn ms | efficient ms | flex ms | best SDPA / ours | flex / ours |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['batch']} | {r['seq_k']} | {r['seq_q']} | {fmt(r.get('ours_ms'))} | "
-                     f"{fmt(r.get('flash_ms'))} | {fmt(r.get('cudnn_ms'))} | {fmt(r.get('efficient_ms'))} | "
-                     f"{fmt(r.get('flex_ms'))} | {fmt(r.get('vs_best_sdpa'), '.2f')} | {fmt(r.get('vs_flex'), '.2f')} |")
-    return "\n".join(lines)
+    header = ("B", "S", "L", "ours ms", "flash ms", "cudnn ms", "efficient ms", "flex ms", "best SDPA / ours",
+              "flex / ours")
+    return "\n".join(markdown_table(header, [
+        (r["batch"], r["seq_k"], r["seq_q"],
+         *(fmt(r.get(f"{p}_ms")) for p in ("ours", "flash", "cudnn", "efficient", "flex")),
+         fmt(r.get("vs_best_sdpa"), ".2f"), fmt(r.get("vs_flex"), ".2f")) for r in rows]))
 
 
 def plot(rows, path, title):

@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from flash_inductor import text_table
 from benchmarks import common
 
 TASKS = ("train", "infer")
@@ -308,16 +309,15 @@ def summarise(records: list[dict]) -> list[dict]:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| model | seq | attn | task | plain compile ms | ours ms | ours / plain | output max rel diff |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = []
     for r in rows:
         ratio = f"{r['speedup']:.2f}x" if r.get("speedup") else "failed"
         fmt = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
         diff = "-" if r.get("output_max_rel_diff") is None else (
             f"{r['output_max_rel_diff']:.1e}" + ("" if r["output_within_tolerance"] else f" > {r['output_tolerance']:g}"))
-        lines.append(f"| {r['model']} | {r['seq']} | {r['attn']} | {r['task']} | {fmt(r['compile_ms'])} | "
-                     f"{fmt(r['ours_ms'])} | {ratio} | {diff} |")
-    return "\n".join(lines)
+        lines.append((r["model"], r["seq"], r["attn"], r["task"], fmt(r["compile_ms"]), fmt(r["ours_ms"]), ratio, diff))
+    header = ("model", "seq", "attn", "task", "plain compile ms", "ours ms", "ours / plain", "output max rel diff")
+    return "\n".join(text_table.markdown_table(header, lines))
 
 
 def plot(rows: list[dict], path: str, title: str) -> str | None:

@@ -20,6 +20,8 @@ import statistics
 import sys
 import textwrap
 
+from flash_inductor.text_table import markdown_table, text_table
+
 # "ours" runs the default schedule; "ours-fast" the fast one (FA2's Δ: no exact-Δ GEMM), whose
 # difference to "ours" is the cost of exact Δ; "ours-fp8" the fp8 forward (its backward is the
 # stable one after a 16-bit forward recompute). "ours" is the eager call; "ours-compiled" is an
@@ -59,10 +61,7 @@ def format_table(records):
         ratios = [ours / a if isinstance(ours, float) and isinstance(a, float) and a > 0 else None for a in ratios]
         lines.append([key[0], str(key[1]), "yes" if key[2] else "no", str(key[3]), key[4],
                       *[_fmt(v) if not isinstance(v, str) else v for v in vals], *[_fmt(x, ".2f") for x in ratios]])
-    widths = [max(len(str(c)) for c in col) for col in zip(head, *lines)]
-    out = [" ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in [head, *lines]]
-    out.insert(1, "-" * len(out[0]))
-    return "\n".join(out)
+    return "\n".join(text_table(lines, header=head, align=">", gap=" ", rule="line"))
 
 
 def format_extras(records):
@@ -228,8 +227,7 @@ def target_table(records, ours="ours", min_seq=0):
     head_dims = sorted({r["head_dim"] for r in rows})
     names = {"flash": "FA2", "flex": "Flex", "cudnn": "cuDNN"}
     modes = {"infer": "inference forward", "fwd": "forward", "fwd_bwd": "forward+backward"}
-    lines = [f"| {ours}" + (f", seq ≥ {min_seq}" if min_seq else "") + " | " +
-             " | ".join(f"E = {e}" for e in head_dims) + " |", "|---" * (len(head_dims) + 1) + "|"]
+    table = []
     for anchor, thresholds, _ in TARGETS:
         for mode in TARGET_MODES:
             scoped = [r for r in rows if r["anchor"] == anchor and r["mode"] == mode]
@@ -241,9 +239,9 @@ def target_table(records, ours="ours", min_seq=0):
                 met = sum(x >= thresholds[mode] for x in ratios)
                 cells.append(f"{met}/{len(ratios)}, {statistics.median(ratios):.2f}× "
                              f"({min(ratios):.2f}–{max(ratios):.2f})" if ratios else "")
-            lines.append(f"| {modes[mode]} ≥ {thresholds[mode]}× {names.get(anchor, anchor)} | " +
-                         " | ".join(cells) + " |")
-    return "\n".join(lines)
+            table.append([f"{modes[mode]} ≥ {thresholds[mode]}× {names.get(anchor, anchor)}", *cells])
+    header = [f"{ours}" + (f", seq ≥ {min_seq}" if min_seq else ""), *(f"E = {e}" for e in head_dims)]
+    return "\n".join(markdown_table(header, table))
 
 
 def _record_key(r):

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from ..text_table import text_table
 from .runner import Metric, Requirement, Result
 
 NONFINITE = "NaN/inf"
@@ -47,10 +48,7 @@ def format_table(results: list[Result]) -> str:
     rows, impls, index = _grid(results)
     header = ["case", "dtype", *impls]
     body = [[case, dtype, *(_cell(index.get((case, dtype, i))) for i in impls)] for case, dtype in rows]
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)) for line in body]
+    lines = text_table(body, header=header, rule="columns")
     lines.append(f"cells: worst relative error over out/dq/dk/dv vs fp64; '{NONFINITE}': a non-finite "
                  "result where the reference is finite; n/a: the implementation cannot take the problem; "
                  "skipped: it would materialise too many scores")
