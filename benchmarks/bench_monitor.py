@@ -29,6 +29,7 @@ import torch
 
 from benchmarks.common import DTYPES, GPTBlock, add_cell_args, environment, module_command, write_record
 import flash_inductor
+from flash_inductor.text_table import text_table
 
 # The monitoring issue's target: monitored forwards at most 5 % slower, at seq 4k on a GPU. A CPU
 # run, or a shorter sequence (where launch overheads dominate), measures but cannot check it.
@@ -131,10 +132,9 @@ def measure(fi, args) -> list[dict]:
 
 
 def format_table(records) -> str:
-    lines = [f"{'setting':9s} {'mode':8s} {'off ms':>9s} {'on ms':>9s} {'overhead':>9s}"]
-    for r in records:
-        lines.append(f"{r['setting']:9s} {r['mode']:8s} {r['off_ms']:9.3f} {r['on_ms']:9.3f} {r['overhead']:+9.1%}")
-    return "\n".join(lines)
+    rows = [(r["setting"], r["mode"], f"{r['off_ms']:.3f}", f"{r['on_ms']:.3f}", f"{r['overhead']:+.1%}")
+            for r in records]
+    return "\n".join(text_table(rows, header=("setting", "mode", "off ms", "on ms", "overhead"), align="<<>", gap=" "))
 
 
 def target_verdict(records: list[dict], args) -> str:

@@ -41,6 +41,7 @@ import time
 
 import torch
 
+from flash_inductor.text_table import markdown_table
 from benchmarks import common, e2e_models
 
 PARTS = ("cold", "warm", "attention")
@@ -288,13 +289,11 @@ def measure(args) -> list[dict]:
 
 
 def table(records: list[dict]) -> str:
-    lines = ["| model | task | contender | part | first step s | process s | in-process Triton compiles s |",
-             "|---|---|---|---|---|---|---|"]
-    for r in records:
-        first = f"{r['first_s']:.1f}" if "first_s" in r else r.get("error", "-")[:60]
-        lines.append(f"| {r['model']} | {r['task']} | {r['contender']} | {r['part']} | {first} | "
-                     f"{r.get('process_wall_s', 0):.1f} | {r.get('in_process_compile_s', '-')} |")
-    return "\n".join(lines)
+    header = ("model", "task", "contender", "part", "first step s", "process s", "in-process Triton compiles s")
+    return "\n".join(markdown_table(header, [
+        (r["model"], r["task"], r["contender"], r["part"],
+         f"{r['first_s']:.1f}" if "first_s" in r else r.get("error", "-")[:60],
+         f"{r.get('process_wall_s', 0):.1f}", r.get("in_process_compile_s", "-")) for r in records]))
 
 
 def parse_args(argv=None):

@@ -42,6 +42,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from flash_inductor.text_table import markdown_table
 from benchmarks import common
 
 SDPA_CONTENDERS = ("flash", "cudnn", "efficient")
@@ -237,24 +238,22 @@ def format_table(rows):
     def fmt(value, spec=".4f"):
         return "-" if value is None else format(value, spec)
 
-    lines = ["| B | S | L | ours ms | flash ms | cudnn ms | efficient ms | flex ms | best SDPA / ours | flex / ours |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['batch']} | {r['seq_k']} | {r['seq_q']} | {fmt(r.get('ours_ms'))} | "
-                     f"{fmt(r.get('flash_ms'))} | {fmt(r.get('cudnn_ms'))} | {fmt(r.get('efficient_ms'))} | "
-                     f"{fmt(r.get('flex_ms'))} | {fmt(r.get('vs_best_sdpa'), '.2f')} | {fmt(r.get('vs_flex'), '.2f')} |")
-    return "\n".join(lines)
+    header = ("B", "S", "L", "ours ms", "flash ms", "cudnn ms", "efficient ms", "flex ms", "best SDPA / ours",
+              "flex / ours")
+    return "\n".join(markdown_table(header, [
+        (r["batch"], r["seq_k"], r["seq_q"],
+         *(fmt(r.get(f"{p}_ms")) for p in ("ours", "flash", "cudnn", "efficient", "flex")),
+         fmt(r.get("vs_best_sdpa"), ".2f"), fmt(r.get("vs_flex"), ".2f")) for r in rows]))
 
 
 def plot(rows, path, title):
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         return None
     seq_qs = sorted({r["seq_q"] for r in rows})
-    fig, axes = plt.subplots(1, len(seq_qs), figsize=(6 * len(seq_qs), 4.5), sharey=True, squeeze=False)
+    fig = Figure(figsize=(6 * len(seq_qs), 4.5))
+    axes = fig.subplots(1, len(seq_qs), sharey=True, squeeze=False)
     for ax, seq_q in zip(axes[0], seq_qs):
         cells = [r for r in rows if r["seq_q"] == seq_q]
         x = range(len(cells))
@@ -268,7 +267,6 @@ def plot(rows, path, title):
     fig.suptitle(title, fontsize=9, wrap=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 

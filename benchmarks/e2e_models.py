@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from flash_inductor import text_table
 from benchmarks import common
 
 TASKS = ("train", "infer")
@@ -269,8 +270,8 @@ def precompile_items(cells, args) -> list[dict]:
     """One item per (cell, contender) for ``benchmarks.precompile``: its workers build and run each
     step once, filling the Inductor and Triton caches this run then reads, so that the timed pass
     compiles from warm caches (about 5 s a contender where a cold compile takes 20-30 s)."""
-    items = [dict(kind="e2e", model=name, seq=seq, attn=attn, task=task, contender=contender, dtype=args.dtype,
-                  tokens=args.tokens, tiny=args.tiny, schedule=args.schedule, mode=args.mode)
+    items = [dict(builder="benchmarks.e2e_models", model=name, seq=seq, attn=attn, task=task, contender=contender,
+                  dtype=args.dtype, tokens=args.tokens, tiny=args.tiny, schedule=args.schedule, mode=args.mode)
              for name, _spec, seq, attn, task in cells for contender in CONTENDERS]
     items.sort(key=lambda it: -it["seq"])  # the slowest first, so the workers finish together
     return items
@@ -308,27 +309,25 @@ def summarise(records: list[dict]) -> list[dict]:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| model | seq | attn | task | plain compile ms | ours ms | ours / plain | output max rel diff |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = []
     for r in rows:
         ratio = f"{r['speedup']:.2f}x" if r.get("speedup") else "failed"
         fmt = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
         diff = "-" if r.get("output_max_rel_diff") is None else (
             f"{r['output_max_rel_diff']:.1e}" + ("" if r["output_within_tolerance"] else f" > {r['output_tolerance']:g}"))
-        lines.append(f"| {r['model']} | {r['seq']} | {r['attn']} | {r['task']} | {fmt(r['compile_ms'])} | "
-                     f"{fmt(r['ours_ms'])} | {ratio} | {diff} |")
-    return "\n".join(lines)
+        lines.append((r["model"], r["seq"], r["attn"], r["task"], fmt(r["compile_ms"]), fmt(r["ours_ms"]), ratio, diff))
+    header = ("model", "seq", "attn", "task", "plain compile ms", "ours ms", "ours / plain", "output max rel diff")
+    return "\n".join(text_table.markdown_table(header, lines))
 
 
 def plot(rows: list[dict], path: str, title: str) -> str | None:
     """Speed-up of ours over plain compile per cell, one panel per task; the 1.0 line is the bar."""
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         return None
-    fig, axes = plt.subplots(1, len(TASKS), figsize=(12, 4.5), sharey=True, squeeze=False)
+    fig = Figure(figsize=(12, 4.5))
+    axes = fig.subplots(1, len(TASKS), sharey=True, squeeze=False)
     for ax, task in zip(axes[0], TASKS):
         cells = [r for r in rows if r["task"] == task and r.get("speedup")]
         labels = [f"{r['model']}\n{r['attn']} {r['seq'] // 1024}k" for r in cells]
@@ -341,7 +340,6 @@ def plot(rows: list[dict], path: str, title: str) -> str | None:
     fig.suptitle(title, fontsize=9, wrap=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 

@@ -1,7 +1,7 @@
 """What the GPU itself spends on a step, from torch.profiler's kernel records.
 
 * ``kernel_times_us``: CUDA time per call of every kernel a step launches, by kernel name
-  (``backward_breakdown.py`` and the experiments' per-kernel tables).
+  (``backward_breakdown.py``'s per-kernel tables).
 * ``gpu_busy``: for a step run back to back, kernel time per call and the fraction of the
   loop's GPU span that kernels fill. A wall-clock timing well above the kernel time with a busy
   fraction well below 1 means the GPU waited between launches (host time, launch gaps), not

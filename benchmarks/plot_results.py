@@ -20,6 +20,8 @@ import statistics
 import sys
 import textwrap
 
+from flash_inductor.text_table import markdown_table, text_table
+
 # "ours" runs the default schedule; "ours-fast" the fast one (FA2's Δ: no exact-Δ GEMM), whose
 # difference to "ours" is the cost of exact Δ; "ours-fp8" the fp8 forward (its backward is the
 # stable one after a 16-bit forward recompute). "ours" is the eager call; "ours-compiled" is an
@@ -59,10 +61,7 @@ def format_table(records):
         ratios = [ours / a if isinstance(ours, float) and isinstance(a, float) and a > 0 else None for a in ratios]
         lines.append([key[0], str(key[1]), "yes" if key[2] else "no", str(key[3]), key[4],
                       *[_fmt(v) if not isinstance(v, str) else v for v in vals], *[_fmt(x, ".2f") for x in ratios]])
-    widths = [max(len(str(c)) for c in col) for col in zip(head, *lines)]
-    out = [" ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in [head, *lines]]
-    out.insert(1, "-" * len(out[0]))
-    return "\n".join(out)
+    return "\n".join(text_table(lines, header=head, align=">", gap=" ", rule="line"))
 
 
 def format_extras(records):
@@ -87,9 +86,7 @@ def format_extras(records):
 
 def plot_results(records, path, title=""):
     """TFLOP/s vs seq; one subplot per (dtype, E, causal) row and mode column, one line per provider."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter
     attn = [r for r in records if r["section"] == "attention" and r["status"] == "ok"]
     if not attn:
@@ -97,8 +94,8 @@ def plot_results(records, path, title=""):
     groups = sorted({(r["dtype"], r["head_dim"], r["causal"]) for r in attn})
     modes = [m for m in MODES if any(r["mode"] == m for r in attn)]
     height = 3.4 * len(groups)
-    fig, axes = plt.subplots(len(groups), len(modes), figsize=(4.5 * len(modes), height),
-                             squeeze=False, sharex=True)
+    fig = Figure(figsize=(4.5 * len(modes), height))
+    axes = fig.subplots(len(groups), len(modes), squeeze=False, sharex=True)
     for i, (dtype, e, causal) in enumerate(groups):
         for j, mode in enumerate(modes):
             ax = axes[i][j]
@@ -125,7 +122,6 @@ def plot_results(records, path, title=""):
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.17 / height, 1, 1 - 0.17 * title_lines / height))
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
@@ -141,14 +137,13 @@ def plot_kernel_time(records, path, title="", ours="ours", anchor="flash"):
     pairs = sorted(((c, v) for c, v in cells.items() if ours in v and anchor in v), key=lambda pair: pair[0])
     if not pairs:
         return None
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
     labels = [f"{d} E{e} {'causal' if c else 'full'} {s // 1024 if s >= 1024 else s}{'k' if s >= 1024 else ''} {m}"
               for (d, e, c, s, m), _ in pairs]
     timed = [v[ours]["ms"] / v[anchor]["ms"] for _, v in pairs]
     kernels = [v[ours]["kernel_ms"] / v[anchor]["kernel_ms"] for _, v in pairs]
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(pairs) + 2), 4.2))
+    fig = Figure(figsize=(max(6.0, 0.55 * len(pairs) + 2), 4.2))
+    ax = fig.subplots()
     x = range(len(pairs))
     ax.bar([i - 0.2 for i in x], timed, width=0.4, color="tab:gray", label=f"timed (do_bench): {ours} ms / {anchor} ms")
     ax.bar([i + 0.2 for i in x], kernels, width=0.4, color="black",
@@ -162,7 +157,6 @@ def plot_kernel_time(records, path, title="", ours="ours", anchor="flash"):
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
@@ -233,8 +227,7 @@ def target_table(records, ours="ours", min_seq=0):
     head_dims = sorted({r["head_dim"] for r in rows})
     names = {"flash": "FA2", "flex": "Flex", "cudnn": "cuDNN"}
     modes = {"infer": "inference forward", "fwd": "forward", "fwd_bwd": "forward+backward"}
-    lines = [f"| {ours}" + (f", seq ≥ {min_seq}" if min_seq else "") + " | " +
-             " | ".join(f"E = {e}" for e in head_dims) + " |", "|---" * (len(head_dims) + 1) + "|"]
+    table = []
     for anchor, thresholds, _ in TARGETS:
         for mode in TARGET_MODES:
             scoped = [r for r in rows if r["anchor"] == anchor and r["mode"] == mode]
@@ -246,9 +239,9 @@ def target_table(records, ours="ours", min_seq=0):
                 met = sum(x >= thresholds[mode] for x in ratios)
                 cells.append(f"{met}/{len(ratios)}, {statistics.median(ratios):.2f}× "
                              f"({min(ratios):.2f}–{max(ratios):.2f})" if ratios else "")
-            lines.append(f"| {modes[mode]} ≥ {thresholds[mode]}× {names.get(anchor, anchor)} | " +
-                         " | ".join(cells) + " |")
-    return "\n".join(lines)
+            table.append([f"{modes[mode]} ≥ {thresholds[mode]}× {names.get(anchor, anchor)}", *cells])
+    header = [f"{ours}" + (f", seq ≥ {min_seq}" if min_seq else ""), *(f"E = {e}" for e in head_dims)]
+    return "\n".join(markdown_table(header, table))
 
 
 def _record_key(r):

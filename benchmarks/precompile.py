@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import subprocess
@@ -68,14 +69,14 @@ def shard(items, index, count):
 # ----------------------------------------------------------------------------- one worker
 
 def compile_item(item, device):
-    """Run the item's step once, exactly as bench_attention.run_case's first call does (or, for
-    an item of ``e2e_models.precompile_items``, as that benchmark's first step does)."""
+    """Run the item's step once, exactly as bench_attention.run_case's first call does. An item
+    that names a ``builder`` module (``e2e_models.precompile_items``) is run by that module's
+    ``compile_item``, as its benchmark's first step: the planner names itself, so this worker
+    pool imports no benchmark that imports it."""
     import torch
 
-    if item.get("kind") == "e2e":
-        from benchmarks import e2e_models
-
-        e2e_models.compile_item(item, device)
+    if item.get("builder"):
+        importlib.import_module(item["builder"]).compile_item(item, device)
         return
 
     q, k, v, dout = common.make_inputs(item["batch"], item["heads"], item["seq"], item["head_dim"],
@@ -210,7 +211,7 @@ def warm(items, workers, *, deadline=None, clock=time.monotonic, device="cuda", 
 
 def label(item):
     """An item in a line of the log."""
-    if item.get("kind") == "e2e":
+    if item.get("builder"):
         return f"{item['model']} {item['attn']} {item['task']} seq={item['seq']} {item['contender']}"
     return f"{item['provider']} {item['dtype']} E{item['head_dim']} causal={item['causal']} seq={item['seq']}"
 

@@ -41,6 +41,7 @@ import time
 
 import torch
 
+from flash_inductor.text_table import text_table
 from benchmarks.common import (DTYPES, add_cell_args, add_output_args, environment, make_attention, make_inputs,
                                make_step, module_command, write_record)
 
@@ -149,15 +150,12 @@ def measure(args) -> list[dict]:
 
 
 def format_table(records) -> str:
-    lines = [f"{'provider':8s} {'kind':13s} {'min ms':>8s} {'median':>8s} {'max':>8s} {'max/min':>8s}  samples"]
-    for r in records:
-        if "error" in r:
-            lines.append(f"{r['provider']:8s} {r['kind']:13s} failed: {r['error']}")
-            continue
-        samples = " ".join(f"{s:.3f}" for s in r["samples_ms"])
-        lines.append(f"{r['provider']:8s} {r['kind']:13s} {r['min']:8.3f} {r['median']:8.3f} {r['max']:8.3f} "
-                     f"{r['max_over_min']:8.2f}  {samples}")
-    return "\n".join(lines)
+    rows = [(r["provider"], r["kind"], "", "", "", "", f"failed: {r['error']}") if "error" in r else
+            (r["provider"], r["kind"], f"{r['min']:.3f}", f"{r['median']:.3f}", f"{r['max']:.3f}",
+             f"{r['max_over_min']:.2f}", " ".join(f"{s:.3f}" for s in r["samples_ms"]))
+            for r in records]
+    header = ("provider", "kind", "min ms", "median", "max", "max/min", "samples")
+    return "\n".join(text_table(rows, header=header, align="<<>>>><", gap=" "))
 
 
 def main(argv=None) -> int:

@@ -51,6 +51,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from flash_inductor.text_table import text_table
 from benchmarks import block_sparse_attention as block_sparse
 from benchmarks.kernel_time import gpu_busy
 from benchmarks.common import (DTYPES, MODE_FLOP_FACTOR, bench_ms, call_recorded, compiled_flex, dynamo_limits, environment,
@@ -328,21 +329,19 @@ def format_table(records, providers, ours="ours"):
     ok = {(_key(r), r["provider"]): r for r in records if r["status"] == "ok"}
     keys = sorted({_key(r) for r in records}, key=lambda k: (str(k[0]), k[1], k[2], k[3] or 0))
     others = [p for p in providers if p != ours]
-    head = (f"{'style':9} {'mode':7} {'L':>6} {'w':>5} {'tiles':>6} "
-            + " ".join(f"{p + ' ms':>13}" for p in providers)
-            + "".join(f" {ours + '/' + p:>16}" for p in others) + f" {'diff':>8}")
-    lines = [head]
+    header = ("style", "mode", "L", "w", "tiles", *(f"{p} ms" for p in providers), *(f"{ours}/{p}" for p in others),
+              "diff")
+    rows = []
     for key in keys:
         style, mode, seq, window = key
         ours_rec = ok.get((key, ours))
-        cells = [f"{ok[key, p]['ms']:13.3f}" if (key, p) in ok else f"{'-':>13}" for p in providers]
-        ratios = [f" {ok[key, p]['ms'] / ours_rec['ms']:15.2f}x" if ours_rec and (key, p) in ok else f" {'-':>16}"
-                  for p in others]
+        cells = [f"{ok[key, p]['ms']:.3f}" if (key, p) in ok else "-" for p in providers]
+        ratios = [f"{ok[key, p]['ms'] / ours_rec['ms']:.2f}x" if ours_rec and (key, p) in ok else "-" for p in others]
         fraction = next((r["tile_fraction"] for (k, _), r in ok.items() if k == key and "tile_fraction" in r), None)
         diff = ours_rec.get("max_abs_diff") if ours_rec else None
-        lines.append(f"{str(style):9} {mode:7} {seq:6d} {window or 0:5d} "
-                     + (f"{fraction:6.3f} " if fraction is not None else f"{'-':>6} ")
-                     + " ".join(cells) + "".join(ratios) + (f" {diff:8.1e}" if diff is not None else f" {'-':>8}"))
+        rows.append((style, mode, seq, window or 0, "-" if fraction is None else f"{fraction:.3f}", *cells, *ratios,
+                     "-" if diff is None else f"{diff:.1e}"))
+    lines = text_table(rows, header=header, align="<<>", gap=" ")
     failed = [r for r in records if r["status"] == "error"]
     lines += [f"error: {r['provider']} {_key(r)}: {r['error']}" for r in failed]
     skipped = sum(r["status"] == "skipped" for r in records)
@@ -357,17 +356,16 @@ def plot(records, path, title=""):
     """Speed-up of ours over each contender against L: one subplot per (style, mode), one line per
     (window, contender); a second row with ``ours-fast`` as the reference where it ran."""
     import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     references = [ours for ours in ("ours", "ours-fast") if speedups(records, ours=ours)]
     if not references:
         return None
     panels = sorted({(k[0], k[1]) for k in speedups(records, ours=references[0])}, key=str)
-    fig, axes = plt.subplots(len(references), len(panels), figsize=(5.5 * len(panels), 4.2 * len(references)),
-                             squeeze=False)
+    fig = Figure(figsize=(5.5 * len(panels), 4.2 * len(references)))
+    axes = fig.subplots(len(references), len(panels), squeeze=False)
     styles = {"flex": "-", "sdpa-mask": "--", "ours-mask": ":"}
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     for row, ours in zip(axes, references):
         ratios = speedups(records, ours=ours)
         windows = sorted({k[3] for k in ratios}, key=lambda w: w or 0)
@@ -389,7 +387,6 @@ def plot(records, path, title=""):
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 

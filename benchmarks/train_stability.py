@@ -77,6 +77,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from flash_inductor.text_table import text_table
+
 RUNS = ("fp32_eager", "fp16_eager", "fp16_flash", "bf16_eager", "bf16_flash")
 TOLERANCE = 0.02  # the flash_inductor runs' final loss must be within 2% of fp32's
 # fp32 must have gone this fraction of the way from chance loss to the best achievable one before
@@ -399,8 +401,7 @@ def exit_code(result: dict) -> int:
 
 def summary_lines(logs: dict[str, RunLog], task: Task) -> list[str]:
     ref = logs.get("fp32_eager")
-    lines = [f"{'run':12s} {'final loss':>10s} {'vs fp32':>8s} {'query loss':>10s} {'non-finite steps':>17s} "
-             f"{'last scale':>11s} {'sites':>5s} {'seconds':>8s}"]
+    rows = []
     for name, log in logs.items():
         final = "NaN" if log.final_loss is None else f"{log.final_loss:.4f}"
         query = "NaN" if log.final_query_loss is None else f"{log.final_query_loss:.4f}"
@@ -408,8 +409,10 @@ def summary_lines(logs: dict[str, RunLog], task: Task) -> list[str]:
                else f"{100 * (log.final_loss - ref.final_loss) / ref.final_loss:+.1f}%")
         scale = "" if log.scale[-1:] in ([], [None]) else f"{log.scale[-1]:.3g}"
         sites = "" if log.rewritten_sites is None else str(log.rewritten_sites)
-        lines.append(f"{name:12s} {final:>10s} {gap:>8s} {query:>10s} {len(log.nonfinite_steps):>17d} {scale:>11s} "
-                     f"{sites:>5s} {log.seconds:>8.1f}" + (f"  ERROR {log.error}" if log.error else ""))
+        rows.append((name, final, gap, query, len(log.nonfinite_steps), scale, sites, f"{log.seconds:.1f}",
+                     f"ERROR {log.error}" if log.error else ""))
+    header = ("run", "final loss", "vs fp32", "query loss", "non-finite steps", "last scale", "sites", "seconds", "")
+    lines = text_table(rows, header=header, align="<>>>>>>><")
     lines.append(f"best achievable loss: {task.floor():.4f} (queries: 0); chance: {math.log(task.values):.4f}; "
                  f"recall gap: {task.gap} tokens; sites = attention sites rewritten by flash_inductor")
     return lines
@@ -417,13 +420,11 @@ def summary_lines(logs: dict[str, RunLog], task: Task) -> list[str]:
 
 def plot(logs: dict[str, RunLog], path: pathlib.Path, title: str) -> Optional[pathlib.Path]:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         return None
-    fig, (ax_loss, ax_query, ax_scale) = plt.subplots(3, 1, figsize=(8, 8), sharex=True, height_ratios=(3, 2, 1))
+    fig = Figure(figsize=(8, 8))
+    ax_loss, ax_query, ax_scale = fig.subplots(3, 1, sharex=True, height_ratios=(3, 2, 1))
     styles = {"fp32_eager": ("black", "-"), "fp16_eager": ("tab:red", "--"), "fp16_flash": ("tab:red", "-"),
               "bf16_eager": ("tab:blue", "--"), "bf16_flash": ("tab:blue", "-")}
     for name, log in logs.items():
@@ -447,7 +448,6 @@ def plot(logs: dict[str, RunLog], path: pathlib.Path, title: str) -> Optional[pa
     ax_scale.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
-    plt.close(fig)
     return path
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .text_table import markdown_table
+
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
@@ -203,16 +205,10 @@ def schedules_markdown_table() -> str:
     """
     schedules = list(SCHEDULES.values())
     header = ["stage"] + [f"`{s.name}`" + (" (default)" if s.name == DEFAULT_SCHEDULE else "") for s in schedules]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    per_schedule = [s.stages() for s in schedules]
-    for row in zip(*per_schedule):
-        cells = [row[0].name] + [stage.dtype for stage in row]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines.append("| " + " | ".join(["fp16 backward, \\|V\\| or \\|dO\\| ≈ 1e4"] + [
-        "finite wherever the exact gradient is" if s.fp16_backward_finite else "may overflow" for s in schedules
-    ]) + " |")
-    lines.append("| " + " | ".join(["accuracy budget"] + [
+    rows = [[row[0].name] + [stage.dtype for stage in row] for row in zip(*(s.stages() for s in schedules))]
+    rows.append(["fp16 backward, \\|V\\| or \\|dO\\| ≈ 1e4"] + [
+        "finite wherever the exact gradient is" if s.fp16_backward_finite else "may overflow" for s in schedules])
+    rows.append(["accuracy budget"] + [
         f"output SQNR ≥ {s.sqnr_budget_db:g} dB vs fp64" if s.sqnr_budget_db is not None
-        else "2× PyTorch's same-dtype error vs fp64" for s in schedules
-    ]) + " |")
-    return "\n".join(lines)
+        else "2× PyTorch's same-dtype error vs fp64" for s in schedules])
+    return "\n".join(markdown_table(header, rows))

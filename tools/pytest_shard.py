@@ -3,7 +3,7 @@ device call (the whole GPU suite takes about 19 minutes on one H200; a call allo
 several calls of one GPU:
 
     python3 -m pytest -p tools.pytest_shard --shard 1/2 tests      # the first of two shards
-    SHARD=2/3 bash tools/gpu_suite.sh                              # the second of three, through the script
+    SHARD=2/3 bash tools/gpu/suite.sh                              # the second of three, through the script
 
 Tests are dealt round-robin in collection order, so every shard gets its share of each file's
 tests, the long ones (test_kernels.py alone runs longer than a call) and the short ones alike. The

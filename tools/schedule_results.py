@@ -21,6 +21,7 @@ import json
 import statistics
 
 from flash_inductor.schedules import SCHEDULES as _SCHEDULES
+from flash_inductor.text_table import markdown_table
 
 SCHEDULES = tuple(_SCHEDULES)
 
@@ -62,9 +63,7 @@ def speed_rows(autotune: dict, dtype: str, width: int, seq: int) -> list[list[st
 
 
 def markdown(rows: list[list[str]]) -> str:
-    lines = ["| measured | " + " | ".join(f"`{s}`" for s in SCHEDULES) + " |", "|---" * (len(SCHEDULES) + 1) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
+    return "\n".join(markdown_table(["measured", *(f"`{s}`" for s in SCHEDULES)], rows))
 
 
 def main(argv=None) -> int:

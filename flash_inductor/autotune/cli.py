@@ -40,6 +40,7 @@ from ..tuning.kernel_config import role_config_from_dict
 from .measure import do_bench_timer
 from .plan import COPY, SWEEP, Grid, PlannedBucket, make_plan, seq_buckets
 from ..schedules import SCHEDULES
+from ..text_table import text_table
 from .search import BucketTask, Settings, Tuner, task_from_entry
 from ..tuning.footprint import OPTIN_SMEM_BYTES, DeviceLimits
 from .search_space import FULL_SPACE, QUICK_SPACE, ROLES
@@ -297,8 +298,7 @@ def format_summary(rows: list[dict]) -> str:
         if raced:
             line += (_versus_incumbent(r),)
         lines.append(line)
-    widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+    return "\n".join(text_table(lines))
 
 
 def _versus_incumbent(row: dict) -> str:

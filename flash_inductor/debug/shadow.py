@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from ..text_table import text_table
 from .session import CallRecord, DebugSession, dtype_max
 from .sites import Instrumented
 
@@ -199,11 +200,9 @@ class ShadowReport:
                 verdict += ", non-finite input"
             rows.append((site, dtypes.get(site, "-"), str(calls.get(site, 0)),
                          *(_ratio(ratios.get(k)) for k in ("out", "dq", "dk", "dv")), verdict))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"flash_inductor shadow check: {len(self.sites)} attention site(s), {len(self.checks)} result(s) "
                  "held to |err vs fp64| <= 2 x SDPA same-dtype err + floor (columns: worst err / bound)"]
-        for i, r in enumerate(rows):
-            lines.append("  " + "  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
+        lines += text_table(rows, align="<>", indent="  ")
         for module, pattern, reason in self.kept:
             lines.append(f"  not checked: {module or '<model>'} ({pattern}): {reason}")
         first = self.first_failure

@@ -6,6 +6,7 @@ import dataclasses
 import math
 from typing import Optional
 
+from ..text_table import text_table
 from .stats import INDEX
 
 _COUNT_FIELDS = ("out_nonfinite", "lse_nonfinite", "dq_nonfinite", "dk_nonfinite", "dv_nonfinite")
@@ -68,7 +69,7 @@ class MonitorSummary:
 
     def format(self) -> str:
         header = ("site", "calls", "bwd", "max logit in", "LSE min..max", "masked rows", "NaN/inf out", "dq", "dk", "dv")
-        rows = [header]
+        rows = []
         for s in self.sites.values():
             rows.append((
                 s.site, str(s.calls), str(s.backward_calls),
@@ -77,12 +78,8 @@ class MonitorSummary:
                 str(s.masked_rows_max), str(s.out_nonfinite + s.lse_nonfinite),
                 str(s.dq_nonfinite), str(s.dk_nonfinite), str(s.dv_nonfinite),
             ))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = [f"flash_inductor monitor: {self.records} record(s), {len(self.sites)} site(s)"]
-        for i, r in enumerate(rows):
-            lines.append("  " + "  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
-            if i == 0:
-                lines.append("  " + "  ".join("-" * w for w in widths))
+        lines += text_table(rows, header=header, align="<>", indent="  ", rule="columns")
         lines.append(f"first non-finite: {self.first_nonfinite}" if self.first_nonfinite else "first non-finite: none")
         return "\n".join(lines)
 

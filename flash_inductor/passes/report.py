@@ -23,6 +23,8 @@ import logging
 import sys
 from typing import Iterator, Optional
 
+from ..text_table import text_table
+
 log = logging.getLogger("flash_inductor")
 
 REWRITTEN, KEPT = "rewritten", "kept"
@@ -96,10 +98,7 @@ class RewriteReport:
             return lines[0]
         header = ("module", "node", "pattern", "status", "reason")
         rows = [(r.module or "-", r.node, r.pattern, r.status, r.detail) for r in self.records]
-        widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header) - 1)]
-        for row in (header, *rows):
-            cells = [cell.ljust(width) for cell, width in zip(row, widths)]
-            lines.append("  " + "  ".join([*cells, row[-1]]).rstrip())
+        lines += text_table(rows, header=header, indent="  ")
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from ..text_table import text_table
 from .runner import Metric, Requirement, Result
 
 NONFINITE = "NaN/inf"
@@ -47,10 +48,7 @@ def format_table(results: list[Result]) -> str:
     rows, impls, index = _grid(results)
     header = ["case", "dtype", *impls]
     body = [[case, dtype, *(_cell(index.get((case, dtype, i))) for i in impls)] for case, dtype in rows]
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)) for line in body]
+    lines = text_table(body, header=header, rule="columns")
     lines.append(f"cells: worst relative error over out/dq/dk/dv vs fp64; '{NONFINITE}': a non-finite "
                  "result where the reference is finite; n/a: the implementation cannot take the problem; "
                  "skipped: it would materialise too many scores")
@@ -115,10 +113,10 @@ def plot_heatmap(results: list[Result], path: pathlib.Path, title: str = "") -> 
     """case × implementation, colour = log10 of the worst relative error; hatched = non-finite,
     grey = n/a or skipped. Returns None when matplotlib is missing."""
     try:
+        # A Figure of our own, not pyplot: pyplot's state and the user's backend (a notebook's) stay
+        # untouched, and savefig picks the file's renderer.
         import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
         from matplotlib.patches import Rectangle
     except ImportError:
         return None
@@ -130,7 +128,8 @@ def plot_heatmap(results: list[Result], path: pathlib.Path, title: str = "") -> 
             if r is not None and r.finite:
                 worst = r.worst_rel()
                 values[i][j] = math.log10(max(worst, 1e-12)) if math.isfinite(worst) else math.nan
-    fig, ax = plt.subplots(figsize=(1.1 * len(impls) + 3, 0.32 * len(rows) + 1.8))
+    fig = Figure(figsize=(1.1 * len(impls) + 3, 0.32 * len(rows) + 1.8))
+    ax = fig.subplots()
     finite = [v for row in values for v in row if not math.isnan(v)]
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#d9d9d9")  # grey: n/a, skipped, non-finite
     # Errors of 100% and more all mean "wrong": the scale stops there and keeps its resolution below.
@@ -156,5 +155,4 @@ def plot_heatmap(results: list[Result], path: pathlib.Path, title: str = "") -> 
     ax.set_title(title or "flash_inductor stability suite", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
-    plt.close(fig)
     return path

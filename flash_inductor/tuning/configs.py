@@ -94,7 +94,7 @@ def _decode_heuristic(wide: bool, width: int) -> KernelConfig:
 # memory, or nearly (at most 73 accesses against 1540 FFMA an iteration), at 1.2-2.0 instructions
 # per FMA, and each compiles in 7.1 s at most (tools/compile_survey.py;
 # benchmarks/results/compile_survey_cpu_20261204.json). Not yet timed on a GPU:
-# benchmarks/experiments/fp32_tiles.py does that in one device call.
+# benchmarks/experiments/fp32_tiles.py at commit f7e9ac3 does that in one device call.
 _HOPPER_FP32_TILES = {
     64: (KernelConfig(64, 32, 8, 2), KernelConfig(32, 64, 8, 1), KernelConfig(64, 32, 8, 1),
          KernelConfig(32, 32, 4, 2)),

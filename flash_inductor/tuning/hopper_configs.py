@@ -167,11 +167,11 @@ def default_forward_config(head_dim: int, is_causal: bool, key_mask: bool = Fals
     accumulator's column layout): at E 64 three consumers' 160 registers then spill 0.5-0.7 KiB
     (compiled for sm_90a, tools/hopper_fwd_compile.py --key-bias), two consumers' 240 none. With
     the exact Δ's extra state two consumers are 13-15 % faster there; without it three are 4-6 %
-    faster despite the spills (bf16 2k/8k, benchmarks/experiments/key_mask_probe.py).
+    faster despite the spills (bf16 2k/8k, benchmarks/experiments/key_mask_probe.py at commit f7e9ac3).
     Without a key mask the exact Δ's three consumers spill too (140-430 bytes), yet they beat two
     consumers (1.01x at causal 4k, 1.05x at 16k, a training step) and 64-key tiles in a 4-deep
     ring, which spill nothing (1.02-1.03x training, 1.11-1.18x inference; bf16, 2026-12-04,
-    benchmarks/experiments/switch_ab.py, ``hopper_fwd_…_20261202.json`` key ``e64_configs_20261204``).
+    benchmarks/experiments/switch_ab.py at f7e9ac3, ``hopper_fwd_…_20261202.json`` key ``e64_configs_20261204``).
     """
     del is_causal  # the same tiles measured best for both
     if head_dim == 64 and key_mask and exact_delta:

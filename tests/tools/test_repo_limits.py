@@ -59,3 +59,26 @@ def test_readme_layout_names_every_package_and_top_level_module():
     named.discard("flash_inductor/")
     assert present - named == set(), f"README's Layout leaves out {sorted(present - named)}"
     assert named - present == set(), f"README's Layout names what the package lacks: {sorted(named - present)}"
+
+
+def test_docs_cite_only_scripts_that_exist():
+    """Every benchmark or tool a doc names (`benchmarks/x.py`, `python -m tools.y`, `tools/gpu/z.sh`)
+    exists in the tree, unless its paragraph names the commit that holds it (a retired probe:
+    "benchmarks/experiments/x.py at commit f7e9ac3")."""
+    import re
+
+    docs = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "benchmarks" / "README.md",
+            ROOT / "flash_inductor" / "tuning" / "tables" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    cite = re.compile(r"(?:python3? -m |`)((?:benchmarks|tools)[./][\w./-]*\w)")
+    commit = re.compile(r"(?:commit|at|show) [0-9a-f]{7}\b")
+    missing = []
+    for doc in docs:
+        for paragraph in re.split(r"\n\s*\n|\n(?=\s*- )", doc.read_text()):
+            if commit.search(paragraph):
+                continue
+            for name in cite.findall(paragraph):
+                path = ROOT / name if "/" in name else ROOT.joinpath(*name.split("."))
+                # A results file may be cited by its name's start (`…/bench_nvidia-h200_2026…`).
+                if not (path.exists() or path.with_suffix(".py").exists() or any(path.parent.glob(path.name + "*"))):
+                    missing.append(f"{doc.relative_to(ROOT)}: {name}")
+    assert not missing, "docs cite scripts the tree does not hold (name the commit that does):\n" + "\n".join(missing)

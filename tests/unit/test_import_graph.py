@@ -1,4 +1,6 @@
-"""The package's imports run one way: no cycles, and no module reaching into another's privates.
+"""Imports run one way: no cycles in the package, the benchmarks or the tools (one graph over all
+three, so a cycle through any of them shows), the package never importing the benchmarks or the
+tools, and no package module reaching into another's privates.
 
 The graph is read from the source with ``ast``, so imports inside functions (lazy imports, which
 hide a cycle from Python but not from a reader) count as edges too. An edge goes to the module
@@ -19,18 +21,21 @@ import pathlib
 import pytest
 
 PACKAGE = "flash_inductor"
-ROOT = pathlib.Path(__file__).resolve().parents[2] / PACKAGE
+# The benchmarks and tools sit above the package: they import it, never the reverse.
+TREES = (PACKAGE, "benchmarks", "tools")
+REPO = pathlib.Path(__file__).resolve().parents[2]
+ROOT = REPO / PACKAGE
 
 
 def _module_name(path: pathlib.Path) -> str:
-    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
 def _modules() -> dict[str, pathlib.Path]:
-    return {_module_name(path): path for path in sorted(ROOT.rglob("*.py"))}
+    return {_module_name(path): path for tree in TREES for path in sorted((REPO / tree).rglob("*.py"))}
 
 
 MODULES = _modules()
@@ -52,17 +57,17 @@ def _resolve(importer: str, level: int, target: str | None) -> str:
 
 
 def _imports(module: str) -> list[tuple[str, str | None, int]]:
-    """(imported module, imported name or None, line) for every import of the package in module."""
+    """(imported module, imported name or None, line) for every import of TREES' modules in module."""
     tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.split(".")[0] == PACKAGE:
+                if alias.name.split(".")[0] in TREES:
                     found.append((alias.name, None, node.lineno))
         elif isinstance(node, ast.ImportFrom):
             base = _resolve(module, node.level, node.module)
-            if base.split(".")[0] != PACKAGE:
+            if base.split(".")[0] not in TREES:
                 continue
             for alias in node.names:
                 submodule = f"{base}.{alias.name}"
@@ -131,22 +136,35 @@ def _triton_kernels(module: str) -> set[str]:
 def test_the_package_has_modules_to_check():
     # A path mistake would make every check below pass on an empty graph.
     assert f"{PACKAGE}.api" in MODULES and len(MODULES) > 20
+    assert "benchmarks.bench_attention" in MODULES and "tools.smem_check" in MODULES
 
 
-def test_package_imports_have_no_cycles():
+def test_imports_have_no_cycles():
     cycles = _cycles(_graph())
     assert not cycles, "import cycles (lazy imports count):\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
+def test_the_cycle_check_sees_a_cycle_through_a_lazy_import():
+    graph = {"benchmarks.a": {"benchmarks.b"}, "benchmarks.b": {"benchmarks.a"}, "tools.c": set()}
+    assert _cycles(graph) == [["benchmarks.a", "benchmarks.b"]]
+
+
+def test_the_package_imports_neither_benchmarks_nor_tools():
+    offenders = [f"{MODULES[module].relative_to(REPO)}:{line} imports {target}"
+                 for module in MODULES if module.split(".")[0] == PACKAGE
+                 for target, _, line in _imports(module) if target.split(".")[0] != PACKAGE]
+    assert not offenders, "the package reaches up into benchmarks/ or tools/:\n" + "\n".join(offenders)
+
+
 def test_no_module_imports_another_modules_private_names():
     offenders = []
-    for module in MODULES:
+    for module in (m for m in MODULES if m.split(".")[0] == PACKAGE):
         for target, name, line in _imports(module):
             if name is None or not name.startswith("_") or name.startswith("__"):
                 continue
             if target in MODULES and name in _triton_kernels(target):
                 continue
-            offenders.append(f"{MODULES[module].relative_to(ROOT.parent)}:{line} imports {target}.{name}")
+            offenders.append(f"{MODULES[module].relative_to(REPO)}:{line} imports {target}.{name}")
     assert not offenders, "private names imported across modules:\n" + "\n".join(offenders)
 
 

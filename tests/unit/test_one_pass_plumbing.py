@@ -5,7 +5,7 @@ wraps them runs for real: the keys' mean for the backward's centred dQ (Triton, 
 a CPU), the ops' autograd, fakes and schemas, the eager fast path, the copies of inputs TMA cannot
 address, the empty-sequence and deterministic-mode fallbacks. The kernels themselves, and the
 exact Δ's rounding, are tested on the GPU (test_one_pass.py) and emulated bit for bit in
-benchmarks/experiments/matched_rounding.py."""
+benchmarks/experiments/matched_rounding.py at commit f7e9ac3."""
 
 from __future__ import annotations
 

@@ -70,6 +70,20 @@ def test_cli_prints_and_writes_json_and_png(tmp_path, capsys):
     assert json_path.with_suffix(".png").stat().st_size > 10_000
 
 
+def test_heatmap_leaves_the_users_matplotlib_backend_alone(suite_results, tmp_path, monkeypatch):
+    """The report draws on a Figure of its own: a notebook user's backend is not switched to Agg."""
+    import sys
+
+    matplotlib = pytest.importorskip("matplotlib")
+    from flash_inductor.stability import report
+
+    had_pyplot = "matplotlib.pyplot" in sys.modules
+    monkeypatch.setattr(matplotlib, "use", lambda *a, **k: pytest.fail("the report switched matplotlib's backend"))
+    path = report.plot_heatmap(suite_results, tmp_path / "heat.png", title="t")
+    assert path.stat().st_size > 5_000
+    assert had_pyplot or "matplotlib.pyplot" not in sys.modules
+
+
 def test_cli_merges_runs_into_one_report(tmp_path, capsys):
     common = ["--quick", "--device", DEVICE, "--seq", "32", "--head-dim", "16", "--impls", "ours:stable,sdpa:math",
               "--out", str(tmp_path), "--no-progress", "--no-plot"]

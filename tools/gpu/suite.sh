@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything one device run needs, in one command (see the device tool's README):
-#   carry .whl (expecttest wheel: bash tools/fetch_device_wheels.sh), then:  bash tools/gpu_suite.sh
+#   carry .whl (expecttest wheel: bash tools/gpu/fetch_wheels.sh), then:  bash tools/gpu/suite.sh
 # Runs the pytest suite on every GPU of the machine, then the quick benchmark on the first one.
 #
 # One GPU (GPUS=1): writes the pytest log, junit XML and failure log ($OUT/pytest_gpu.log,
@@ -28,11 +28,11 @@
 #                  on one H200 it takes about 19 (2026-12-04: two shards of 540 s stopped at 96 %
 #                  and 93 %), so SHARD=1/3, 2/3 and 3/3 in three calls. Outputs carry the shard in
 #                  their names (pytest_gpu_shard1of3.log, ...).
-# Example, four GPUs, tests only:  SKIP_BENCH=1 SUITE_SECONDS=500 bash tools/gpu_suite.sh
-# Example, one GPU over three calls:  SHARD=1/3 SKIP_BENCH=1 SUITE_SECONDS=540 bash tools/gpu_suite.sh
+# Example, four GPUs, tests only:  SKIP_BENCH=1 SUITE_SECONDS=500 bash tools/gpu/suite.sh
+# Example, one GPU over three calls:  SHARD=1/3 SKIP_BENCH=1 SUITE_SECONDS=540 bash tools/gpu/suite.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
-source tools/device_env.sh
+cd "$(dirname "$0")/../.."
+source tools/gpu/env.sh
 
 # Which GPUs: CUDA_VISIBLE_DEVICES if the caller narrowed it (a part of a larger run), else all.
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
@@ -66,8 +66,7 @@ if [ -n "${SHARD:-}" ]; then
   SHARD_ARGS=(-p tools.pytest_shard --shard "$SHARD")
   SUFFIX="_shard${SHARD/\//of}"
 fi
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+gpu_info
 # Bounded so the benchmark still runs inside one 10-minute device call. SIGINT, not SIGTERM, at the
 # limit: pytest then stops as on Ctrl-C, prints its result line and --durations, and writes the junit
 # XML of the tests that finished, so a cut run still says which tests ran (-k 30: killed if it hangs).

@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# Bounded GPU steps in one device call: a feature's GPU tests, the benchmarks the docs cite, the
+# stability evidence. Each step is stopped with SIGINT at its budget, so pytest's junit XML and the
+# benchmarks' partial records still name what finished. Results and steps.log land in $OUT
+# (default /tmp/flash_inductor_out); carry .whl (bash tools/gpu/fetch_wheels.sh) for the tests.
+#
+#   bash tools/gpu/steps.sh sparse_tests window block_sparse decode generate   # ~9 min on an H200
+#   bash tools/gpu/steps.sh variants_tests variants                             # ~9 min
+#   STEPS="hopper_tests infer eager" bash tools/gpu/steps.sh                    # ~9 min
+#
+# Tests (WORKERS: pytest-xdist workers, 14):
+#   hopper_tests    the Gluon forward and backward, the one-pass path, decode (gpu_tests_hopper.xml)
+#   sparse_tests    windows, block sparsity, decode, HF generation, the table's edges (gpu_tests_sparse.xml)
+#   variants_tests  soft-capping, sinks and packed sequences, with the dense kernel tests their
+#                   switches share (SUITE_SECONDS, 330; variants_tests.xml)
+#   switch_tests    TESTS (default: the Gluon forward, one-pass and window tests) with a module switch
+#                   on, SWITCH=module.NAME=value (tools/pytest_switch.py), e.g.
+#                   SWITCH=launch.hopper.SKIP_MASKED_TILES=1 or launch.hopper_bwd.MOMENTS_FOUR_WARPS_E128=1
+# Benchmarks:
+#   grid            the full speed grid: bf16/fp16 x E 64/128/256 x causal or not x seq 512..32k x fwd and
+#                   fwd+bwd; ours, ours-fast, FA2, cuDNN and Flex, heated, 14 compile workers, on the shipped
+#                   table. A cold H200 needs two calls (540 s + 354 s on 2026-12-02): the second with
+#                   RESUME="<the first's bench_*.json or .partial.jsonl>" TAG=grid-2, then merge with
+#                   `python -m benchmarks.plot_results A.json B.json --out benchmarks/results/bench_<gpu>_<date>_grid`.
+#                   BUDGET (530), TAG (grid), PROVIDERS, DTYPES, DIMS, SEQS override it.
+#   infer           the inference forward (mode infer), E 64/128, 4k and 16k, against cuDNN, FA2 and Flex
+#   window, block_sparse, window_kernels   docs/sparse_attention.md (window_kernels: w 256 with kernel time)
+#   decode, generate                       docs/decode.md: L 1 and 4 against every backend; HF generate
+#   variants        benchmarks.variants, docs/variants.md (BENCH_SECONDS, 200; HEAT_MS, 200)
+#   eager           HF Llama trained eagerly against "sdpa" (benchmarks.debug_overhead)
+#   llama_b1, llama_b1_graphs   HF Llama E 64/128 trained at B 1, 4k, against plain torch.compile
+#                   (graphs: both under mode="reduce-overhead", the host's launch time out of the step)
+#   cold            Llama E 64's cold first step with compile-ahead on, off, on, from empty caches (~3 min)
+# Stability (README, Stability; $OUT/stability_results.tgz holds the files of both):
+#   stability       the adversarial suite in four parts, merged into one report (~10 min: PARTS="logits
+#                   scale" then PARTS="masks long" in two calls; PART_SECONDS, 200)
+#   train           the fp16 training run through an overflow (TRAIN_SECONDS, 240)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+source tools/gpu/env.sh
+STEPS=${*:-${STEPS:-}}
+[ -n "$STEPS" ] || { sed -n '2,/^set /p' "$0" | sed '$d' >&2; exit 2; }
+W=${WORKERS:-14}
+STABILITY=$OUT/stability_results
+bounded() { local seconds=$1; shift; timeout -s INT -k 20 "$seconds" "$@"; }
+pytest_gpu() { bounded "$1" python3 -m pytest "${@:2}" -q -n "$W" --dist worksteal -p no:cacheprovider; }
+
+run_step() {
+  case $1 in
+    hopper_tests)
+      pytest_gpu 220 tests/unit/test_hopper_bwd.py tests/unit/test_one_pass.py tests/unit/test_hopper_fwd.py \
+        tests/unit/test_decode.py --junitxml "$OUT/gpu_tests_hopper.xml" 2>&1 | tail -15 ;;
+    sparse_tests)
+      pytest_gpu 200 tests/unit/test_window.py tests/unit/test_block_sparse.py tests/unit/test_decode.py \
+        tests/models/test_hf_generation.py tests/passes/test_window_rewrite.py tests/tuning/test_table_edges.py \
+        tests/tuning/test_autotune_decode.py --junitxml "$OUT/gpu_tests_sparse.xml" 2>&1 | tail -15 ;;
+    variants_tests)
+      pytest_gpu "${SUITE_SECONDS:-330}" tests/unit/test_variants.py tests/unit/test_kernels_softcap.py \
+        tests/unit/test_kernels.py tests/unit/test_window.py \
+        -k "test_variants or test_kernels_softcap or features or shapes or window_kernels" --durations=15 \
+        --junitxml "$OUT/variants_tests.xml" 2>&1 | tail -30 ;;
+    switch_tests)
+      [ -n "${SWITCH:-}" ] || { echo "switch_tests: set SWITCH=module.NAME=value" >&2; return 2; }
+      FLASH_INDUCTOR_SWITCHES=$SWITCH pytest_gpu 220 -p tools.pytest_switch \
+        ${TESTS:-tests/unit/test_hopper_fwd.py tests/unit/test_one_pass.py tests/unit/test_window.py} 2>&1 | tail -3 ;;
+    grid)
+      local budget=${BUDGET:-530} resume=()
+      [ -n "${RESUME:-}" ] && { read -r -a resume <<< "$RESUME"; resume=(--resume "${resume[@]}"); }
+      FLASH_INDUCTOR_CACHE_DIR=$(mktemp -d) bounded $((budget + 50)) python3 -m benchmarks.bench_attention \
+        --dtypes "${DTYPES:-bf16,fp16}" --head-dims "${DIMS:-64,128,256}" \
+        --seqs "${SEQS:-512,1024,2048,4096,8192,16384,32768}" --causal both --modes fwd,fwd_bwd \
+        --providers "${PROVIDERS:-ours,ours-fast,flash,cudnn,flex}" --rep 40 --warmup 10 --heat-ms 500 \
+        --precompile 14 --time-budget "$budget" --tag "${TAG:-grid}" --out "$OUT" ${resume[@]+"${resume[@]}"} \
+        2>&1 | grep -v "it/s\]\|cell/s\]" | tail -60 ;;
+    infer)
+      bounded 170 python3 -m benchmarks.bench_attention --dtypes bf16,fp16 --head-dims 64,128 --causal both \
+        --seqs 4096,16384 --modes infer --providers ours,cudnn,flash,flex --rep 30 --warmup 10 --heat-ms 300 \
+        --precompile 14 --time-budget 150 --tag infer --out "$OUT" 2>&1 | tail -25 ;;
+    window)
+      bounded 120 python3 -m benchmarks.sparse_attention --part window --seqs 16384,4096,32768 \
+        --windows 1024,256,4096 --time-budget 95 --out "$OUT" 2>&1 | tail -25 ;;
+    window_kernels)
+      bounded 240 python3 -m benchmarks.sparse_attention --part window --providers ours,flex \
+        --seqs 4096,16384,32768 --windows 256 --kernel-time --time-budget 220 --out "$OUT" 2>&1 | tail -14 ;;
+    block_sparse)
+      bounded 75 python3 -m benchmarks.sparse_attention --part block_sparse --seqs 16384 \
+        --sparsities 0.9,0.5 --time-budget 55 --out "$OUT" 2>&1 | tail -12 ;;
+    decode)
+      bounded 95 python3 -m benchmarks.decode --query-rows 1,4 --time-budget 75 --out "$OUT" 2>&1 | tail -30 ;;
+    generate)
+      bounded 150 python3 -m benchmarks.decode --part generate --out "$OUT" 2>&1 | tail -8 ;;
+    variants)
+      bounded "${BENCH_SECONDS:-200}" python3 -m benchmarks.variants --out "$OUT" \
+        --time-budget "$(( ${BENCH_SECONDS:-200} - 30 ))" --heat-ms "${HEAT_MS:-200}" 2>&1 | tail -40 ;;
+    eager)
+      bounded 150 python3 -m benchmarks.debug_overhead --no-debug --steps 10 --hf-heat 3 --hf-profile 24 \
+        --out "$OUT" 2>&1 | grep -v '^ *"\(name\|calls\|ms\)"' | tail -12 ;;
+    llama_b1|llama_b1_graphs)
+      local seconds=200 graphs=()
+      [ "$1" = llama_b1_graphs ] && { seconds=240; graphs=(--mode reduce-overhead --tag graphs); }
+      bounded $seconds python3 -m benchmarks.e2e_models --models llama-e64,llama-e128 --seqs 4096 --tokens 4096 \
+        --tasks train --attn sdpa --precompile 8 --time-budget $((seconds - 30)) ${graphs[@]+"${graphs[@]}"} \
+        --out "$OUT" 2>&1 | tail -12 ;;
+    cold)
+      for contender in flash_inductor flash_inductor_no_compile_ahead flash_inductor; do
+        bounded 100 python3 -m benchmarks.cold_start --models llama-e64 --tasks train --parts cold \
+          --contenders "$contender" --child-timeout 90 --tag "cold-$contender-$(date +%s)" --out "$OUT" 2>&1 | tail -3
+      done ;;
+    stability)
+      declare -A cases=([logits]="qk_,near_tied" [scale]="scale,large" [masks]="left,dead,finfo" [long]="long_")
+      mkdir -p "$STABILITY"
+      for part in ${PARTS:-logits scale masks long}; do
+        echo "--- stability part $part"
+        # The suite's own budget stops it starting new cases (and still writes what it measured); the
+        # hard timeout, a minute later, only catches a case that hangs.
+        timeout "$(( ${PART_SECONDS:-200} + 60 ))" python3 -m flash_inductor.stability --cases "${cases[$part]}" \
+          --tag "$part" --out "$STABILITY" --no-progress --time-budget "${PART_SECONDS:-200}"
+        echo "exit status $? (1 = requirement missed, 124 = time limit)"
+      done
+      if ls "$STABILITY"/stability_*.json >/dev/null 2>&1; then
+        python3 -m flash_inductor.stability --merge "$STABILITY"/stability_*.json --tag all --out "$STABILITY"
+      fi ;;
+    train)
+      mkdir -p "$STABILITY"
+      timeout "${TRAIN_SECONDS:-240}" python3 benchmarks/train_stability.py --out "$STABILITY" --no-progress
+      echo "exit status $?" ;;
+    *) echo "unknown step $1 (bash $0 lists them)" >&2; return 2 ;;
+  esac
+}
+
+{
+  gpu_info
+  for step in $STEPS; do
+    echo "=== $step"
+    run_step "$step"
+  done
+} 2>&1 | tee "$OUT/steps.log"
+# The device brings back at most 8 files: the stability results travel as one archive.
+if [ -d "$STABILITY" ]; then tar czf "$OUT/stability_results.tgz" -C "$STABILITY" . && rm -rf "$STABILITY"; fi
+ls "$OUT"
