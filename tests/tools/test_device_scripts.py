@@ -15,7 +15,7 @@ SCRIPTS = sorted((ROOT / "tools").rglob("*.sh"))
 
 def test_the_device_scripts_sit_together():
     assert {p.relative_to(ROOT / "tools").as_posix() for p in SCRIPTS} == {
-        "gpu/env.sh", "gpu/fetch_wheels.sh", "gpu/steps.sh", "gpu/suite.sh", "gpu/tune.sh"}
+        "gpu/all.sh", "gpu/env.sh", "gpu/fetch_wheels.sh", "gpu/steps.sh", "gpu/suite.sh", "gpu/tune.sh"}
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
