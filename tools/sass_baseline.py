@@ -10,9 +10,18 @@ the roles ``gluon_forward``, ``gluon_forward_exact``, ``gluon_backward``), each 
 plus the features the tables do not exercise: a window's left side, block sparsity, a key bias,
 the persistent and grid forward, SKIP_MASKED_TILES, the backward's GQA split, ragged L, atomics
 for dQ and LSE/Δ loads from global memory. Each SASS is written with addresses and encodings
-stripped (the instruction text only, ``<tag>.sass``). ``--compare`` reports per config whether it
-is byte-identical, identical up to register numbers (``R12`` -> ``R``), or different (with the
-instruction counts), and exits 1 unless all are byte-identical. Uses Triton's bundled
+stripped (the instruction text only, ``<tag>.sass``), and the PTX without its debug information
+(``<tag>.ptx``). ``--compare`` reports per config whether the SASS is byte-identical, identical up
+to register numbers (``R12`` -> ``R``, ``.reuse`` flags) with the PTX code identical, or
+different (with the instruction counts), and exits 1 if any is different.
+
+Why the PTX: Triton compiles with line information, and the PTX then carries a ``$L__tmpN:`` label
+at each edge of an inlined call's range (for the DWARF tables). ptxas treats those labels as
+places code may branch to, so a helper split out of a function (a new inlined call) can permute
+the register numbers ptxas picks, or the order it schedules instructions in, while the code is
+the same. Where the PTX code is
+identical with the debug information removed, the kernels compute the same: compiled without line
+information, the SASS is byte-identical (ptxas is deterministic). Uses Triton's bundled
 ptxas/cuobjdump through tools/hopper_{fwd,bwd}_compile.py.
 """
 
@@ -127,8 +136,19 @@ def normalise(sass: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+_DEBUG_LINE = re.compile(r"^\s*(//|\.loc\b|\.file\b|\$L__tmp\d+:)")
+
+
+def ptx_code(ptx: str) -> str:
+    """The PTX without its debug information: the DWARF sections, line directives and the
+    ``$L__tmpN:`` labels that mark inlined calls' ranges (see ``main``)."""
+    code = ptx.split("\t.section\t.debug", 1)[0]
+    return "\n".join(line.split("//")[0].rstrip() for line in code.splitlines()
+                     if line.strip() and not _DEBUG_LINE.match(line)) + "\n"
+
+
 def register_free(norm: str) -> str:
-    return re.sub(r"\bU?R\d+\b|\bU?P\d\b", "R", norm)
+    return re.sub(r"\bU?R\d+\b|\bU?P\d\b", "R", norm).replace(".reuse", "")
 
 
 def compile_one(item):
@@ -142,18 +162,20 @@ def compile_one(item):
         tool = _load("hopper_bwd_compile")
         kw = dict(kw)
         k = tool.compile_config(kw.pop("head_dim"), kw.pop("dtype"), kw.pop("causal"), **kw)
-    return normalise(_load("hopper_fwd_compile").sass_of(k))
+    return normalise(_load("hopper_fwd_compile").sass_of(k)), ptx_code(k.asm["ptx"])
 
 
 def _work(args):
     item, out = args
     tag = tag_of(*item)
     try:
-        text = compile_one(item)
+        text, ptx = compile_one(item)
     except Exception as exc:  # a config that does not compile is reported, not fatal
-        text = f"COMPILE ERROR: {type(exc).__name__}: {exc}\n"
+        text = ptx = f"COMPILE ERROR: {type(exc).__name__}: {exc}\n"
     with open(os.path.join(out, tag + ".sass"), "w") as f:
         f.write(text)
+    with open(os.path.join(out, tag + ".ptx"), "w") as f:
+        f.write(ptx)
     return tag, hashlib.sha256(text.encode()).hexdigest()[:16], len(text.splitlines())
 
 
@@ -162,10 +184,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--compare", default=None, help="a folder an earlier run wrote")
     ap.add_argument("-j", type=int, default=2)
-    ap.add_argument("--only", default="", help="substring of the config tags to compile (e.g. 'fwd_')")
+    ap.add_argument("--only", default="", help="regex of the config tags to compile (e.g. ^fwd_)")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args(argv)
-    items = [it for it in all_configs() if args.only in tag_of(*it)]
+    items = [it for it in all_configs() if re.search(args.only, tag_of(*it))]
     if args.list:
         for it in items:
             print(tag_of(*it))
@@ -186,17 +208,22 @@ def main(argv=None) -> int:
                 verdict = "NEW"
             else:
                 old = open(old_path).read()
+                ptx_path = os.path.join(args.compare, tag + ".ptx")
+                same_ptx = os.path.exists(ptx_path) and (
+                    open(ptx_path).read() == open(os.path.join(args.out, tag + ".ptx")).read())
                 if old == new:
                     verdict = "identical"
                 elif register_free(old) == register_free(new):
-                    verdict = "registers-only"
+                    verdict = "registers-only, PTX code identical" if same_ptx else "registers-only"
+                elif same_ptx:
+                    verdict = "PTX code identical, SASS order differs"
                 else:
                     verdict = f"DIFFERENT ({len(old.splitlines())} -> {len(new.splitlines())} instructions)"
-            bad += verdict != "identical"
+            bad += not verdict.startswith(("identical", "registers-only, PTX", "PTX code identical"))
             line = f"{verdict:40s} {line}"
         print(line, flush=True)
     if args.compare:
-        print(f"{len(results) - bad}/{len(results)} byte-identical")
+        print(f"{len(results) - bad}/{len(results)} with byte-identical SASS or identical PTX code")
     return 1 if bad else 0
 
 
