@@ -95,159 +95,10 @@ from triton.language.core import _aggregate as aggregate
 from triton.language.core import base_value
 
 from .grid_order import ordered_cell
-from .hopper_pipeline import MaybeSmem, Ring, Scalar, TileLists, field
+from .hopper_fwd_state import FwdBuffers, FwdConfig, FwdDescs, FwdProblem, allocate
+from .hopper_pipeline import Scalar, TileLists, field
 
 LN2 = gl.constexpr(0.6931471805599453)
-
-
-@gluon.constexpr_function
-def _wgmma_layout(n):
-    """A wgmma accumulator: one m64 row block per warpgroup, N = the whole tile in one instruction."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
-
-
-@aggregate
-class FwdConfig:
-    """The forward's constexprs (the glossary's switches) and register layouts. HEAD_DIM, BLOCK_M
-    and BLOCK_N are the descriptors' boxes; ROWS = BLOCK_M · NUM_CONSUMERS, the CTA's block."""
-    HEAD_DIM: gl.constexpr
-    BLOCK_M: gl.constexpr
-    BLOCK_N: gl.constexpr
-    NUM_STAGES: gl.constexpr
-    NUM_CONSUMERS: gl.constexpr
-    ROWS: gl.constexpr
-    IS_CAUSAL: gl.constexpr
-    WINDOW_LEFT: gl.constexpr
-    PINGPONG: gl.constexpr
-    EXACT_DELTA: gl.constexpr
-    HAS_KEY_BIAS: gl.constexpr
-    SKIP_MASKED_TILES: gl.constexpr
-    PERSISTENT: gl.constexpr
-    HAS_BLOCK_SPARSITY: gl.constexpr
-    dtype: gl.constexpr
-    s_layout: gl.constexpr    # S = Q·Kᵀ, (BLOCK_M, BLOCK_N)
-    o_layout: gl.constexpr    # acc, (BLOCK_M, HEAD_DIM)
-    p_layout: gl.constexpr    # P as P·V's A operand from registers: S's fragment already is one
-    l_layout: gl.constexpr    # l_acc, (BLOCK_M, 8): the rounded P's row sums (EXACT_DELTA)
-    row_layout: gl.constexpr  # one value per query row
-    PV_GROUPS: gl.constexpr   # wgmma groups of one P·V (P·1 beside it under EXACT_DELTA)
-
-    @gluon.constexpr_function
-    def __init__(self, q_desc, k_desc, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                 HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT, HAS_BLOCK_SPARSITY):
-        self.HEAD_DIM = gl.constexpr(q_desc.block_type.shape[3])
-        self.BLOCK_M = gl.constexpr(q_desc.block_type.shape[2])
-        self.BLOCK_N = gl.constexpr(k_desc.block_type.shape[2])
-        self.NUM_STAGES = gl.constexpr(NUM_STAGES)
-        self.NUM_CONSUMERS = gl.constexpr(NUM_CONSUMERS)
-        self.ROWS = gl.constexpr(self.BLOCK_M * self.NUM_CONSUMERS)
-        self.IS_CAUSAL = gl.constexpr(IS_CAUSAL)
-        self.WINDOW_LEFT = gl.constexpr(WINDOW_LEFT)
-        self.PINGPONG = gl.constexpr(PINGPONG)
-        self.EXACT_DELTA = gl.constexpr(EXACT_DELTA)
-        self.HAS_KEY_BIAS = gl.constexpr(HAS_KEY_BIAS)
-        self.SKIP_MASKED_TILES = gl.constexpr(SKIP_MASKED_TILES)
-        self.PERSISTENT = gl.constexpr(PERSISTENT)
-        self.HAS_BLOCK_SPARSITY = gl.constexpr(HAS_BLOCK_SPARSITY)
-        self.dtype = gl.constexpr(q_desc.dtype)
-        s_layout = _wgmma_layout(self.BLOCK_N.value)
-        o_layout = _wgmma_layout(self.HEAD_DIM.value)
-        self.s_layout = gl.constexpr(s_layout)
-        self.o_layout = gl.constexpr(o_layout)
-        self.p_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-        self.l_layout = gl.constexpr(_wgmma_layout(8))
-        self.row_layout = gl.constexpr(gl.SliceLayout(1, s_layout))
-        self.PV_GROUPS = gl.constexpr(2 if self.EXACT_DELTA.value else 1)
-
-
-@aggregate
-class FwdProblem:
-    """The call's sizes, scalars and pointers (the entry point's docstring): every partition's view."""
-    L: Scalar
-    S: Scalar
-    H: Scalar
-    BH: Scalar
-    GROUP: Scalar
-    causal_offset: Scalar
-    window_lower: Scalar
-    qk_scale: Scalar
-    swizzle_heads: Scalar
-    LSE: gl.tensor
-    ROW_CONSTS: gl.tensor
-    KEY_BIAS: gl.tensor
-    WORK_COUNTER: gl.tensor
-    lists: TileLists
-
-    @gluon.constexpr_function
-    def __init__(self, L, S, H, BH, GROUP, causal_offset, window_lower, qk_scale, swizzle_heads, LSE, ROW_CONSTS,
-                 KEY_BIAS, WORK_COUNTER, lists):
-        self.L = field(L)
-        self.S = field(S)
-        self.H = field(H)
-        self.BH = field(BH)
-        self.GROUP = field(GROUP)
-        self.causal_offset = field(causal_offset)
-        self.window_lower = field(window_lower)
-        self.qk_scale = field(qk_scale)
-        self.swizzle_heads = field(swizzle_heads)
-        self.LSE = field(LSE)
-        self.ROW_CONSTS = field(ROW_CONSTS)
-        self.KEY_BIAS = field(KEY_BIAS)
-        self.WORK_COUNTER = field(WORK_COUNTER)
-        self.lists = field(lists)
-
-
-@aggregate
-class FwdDescs:
-    q: tma.tensor_descriptor
-    k: tma.tensor_descriptor
-    v: tma.tensor_descriptor
-    o: tma.tensor_descriptor
-    r: tma.tensor_descriptor  # O's residual (EXACT_DELTA)
-
-    @gluon.constexpr_function
-    def __init__(self, q, k, v, o, r):
-        self.q = field(q)
-        self.k = field(k)
-        self.v = field(v)
-        self.o = field(o)
-        self.r = field(r)
-
-
-@aggregate
-class FwdBuffers:
-    """Shared memory and barriers. Q: one tile per consumer (q_ready; under PERSISTENT q_empty,
-    which the consumer arrives on once the block's last Q·Kᵀ has retired). K and V: a NUM_STAGES
-    ring each (``kv`` and ``vv``, one release per consumer). ``turn``: the ping-pong tokens.
-    PERSISTENT only: ``o_smem`` (O's own staging tiles), the work items' two-deep ring. EXACT_DELTA
-    only: ``ones_smem``. What a configuration does not use is None."""
-    q_smem: gl.shared_memory_descriptor
-    k_smem: gl.shared_memory_descriptor
-    v_smem: gl.shared_memory_descriptor
-    o_smem: MaybeSmem
-    ones_smem: MaybeSmem
-    item_smem: MaybeSmem
-    q_ready: gl.shared_memory_descriptor
-    q_empty: MaybeSmem
-    turn: gl.shared_memory_descriptor
-    kv: Ring
-    vv: Ring
-    items: (Ring, gl.constexpr)
-
-    @gluon.constexpr_function
-    def __init__(self, q_smem, k_smem, v_smem, o_smem, ones_smem, item_smem, q_ready, q_empty, turn, kv, vv, items):
-        self.q_smem = field(q_smem)
-        self.k_smem = field(k_smem)
-        self.v_smem = field(v_smem)
-        self.o_smem = field(o_smem)
-        self.ones_smem = field(ones_smem)
-        self.item_smem = field(item_smem)
-        self.q_ready = field(q_ready)
-        self.q_empty = field(q_empty)
-        self.turn = field(turn)
-        self.kv = field(kv)
-        self.vv = field(vv)
-        self.items = field(items)
 
 
 @aggregate
@@ -334,6 +185,13 @@ class FwdScheduler:
         item = gl.max(self.bufs.item_smem.index(slot).load(gl.BlockedLayout([1], [32], [4], [0])), 0)
         items.release(slot)
         return item
+
+    @gluon.jit
+    def store_ones_for_block(self, CONSUMER: gl.constexpr):
+        """EXACT_DELTA's ones tile, where a block stores it: in the grid every block (once per CTA);
+        under PERSISTENT ``run_consumer`` has stored it before the first block."""
+        if not self.cfg.PERSISTENT:
+            _store_ones(self.cfg, self.bufs.ones_smem, CONSUMER=CONSUMER)
 
     @gluon.jit
     def wait_q_free(self, it, c: gl.constexpr):
@@ -589,9 +447,9 @@ class PVAcc:
         acc_tok = warpgroup_mma(p_op, v_tile, self.acc, is_async=True)
         if self.EXACT_DELTA:
             l_tok = warpgroup_mma(p_op, ones_t, self.l_acc, is_async=True)
-            return PVAcc(acc_tok, l_tok, self.EXACT_DELTA)
+            return PVAcc(acc_tok, l_tok, EXACT_DELTA=self.EXACT_DELTA)
         else:
-            return PVAcc(acc_tok, self.l_acc, self.EXACT_DELTA)
+            return PVAcc(acc_tok, self.l_acc, EXACT_DELTA=self.EXACT_DELTA)
 
     @gluon.jit
     def wait(self, p_op):
@@ -599,10 +457,10 @@ class PVAcc:
         they read it. Returns (the accumulators, p_op)."""
         if self.EXACT_DELTA:
             acc, l_acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(self.acc, self.l_acc, p_op))
-            return PVAcc(acc, l_acc, self.EXACT_DELTA), p_op
+            return PVAcc(acc, l_acc, EXACT_DELTA=self.EXACT_DELTA), p_op
         else:
             acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(self.acc, p_op))
-            return PVAcc(acc, self.l_acc, self.EXACT_DELTA), p_op
+            return PVAcc(acc, self.l_acc, EXACT_DELTA=self.EXACT_DELTA), p_op
 
     @gluon.jit
     def rescale(self, alpha, cfg):
@@ -610,9 +468,9 @@ class PVAcc:
         acc = self.acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, cfg.o_layout)), 1)
         if self.EXACT_DELTA:
             l_acc = self.l_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, cfg.l_layout)), 1)
-            return PVAcc(acc, l_acc, self.EXACT_DELTA)
+            return PVAcc(acc, l_acc, EXACT_DELTA=self.EXACT_DELTA)
         else:
-            return PVAcc(acc, self.l_acc, self.EXACT_DELTA)
+            return PVAcc(acc, self.l_acc, EXACT_DELTA=self.EXACT_DELTA)
 
 
 @gluon.jit
@@ -717,12 +575,11 @@ def _consume_block(cfg, prob, descs, bufs, sched, start_m, b, h, it, base, CONSU
     s_zero = gl.zeros([cfg.BLOCK_M, cfg.BLOCK_N], gl.float32, layout=cfg.s_layout)
     if cfg.EXACT_DELTA:
         # The ones (stored once per CTA) are read transposed: a K-major B operand.
-        accs = PVAcc(acc, gl.zeros([cfg.BLOCK_M, 8], gl.float32, layout=cfg.l_layout), cfg.EXACT_DELTA)
-        if not cfg.PERSISTENT:
-            _store_ones(cfg, bufs.ones_smem, CONSUMER=CONSUMER)
+        accs = PVAcc(acc, gl.zeros([cfg.BLOCK_M, 8], gl.float32, layout=cfg.l_layout), EXACT_DELTA=cfg.EXACT_DELTA)
+        sched.store_ones_for_block(CONSUMER=CONSUMER)
         ones_t = bufs.ones_smem.index(CONSUMER).permute((1, 0))
     else:
-        accs = PVAcc(acc, None, cfg.EXACT_DELTA)
+        accs = PVAcc(acc, None, EXACT_DELTA=cfg.EXACT_DELTA)
         ones_t = None
 
     if cfg.SKIP_MASKED_TILES and cfg.WINDOW_LEFT:
@@ -867,7 +724,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KE
     qk_scale = qk_scale.to(gl.float32)
     prob = FwdProblem(L, S, H, BH, GROUP, causal_offset, window_lower, qk_scale, swizzle_heads, LSE, ROW_CONSTS,
                       KEY_BIAS, WORK_COUNTER, TileLists(TILE_LISTS, stride_lb, stride_lh, list_stride))
-    bufs = _allocate(cfg, q_desc, k_desc, v_desc, o_desc)
+    bufs = allocate(cfg, q_desc, k_desc, v_desc, o_desc)
     sched = FwdScheduler(cfg, prob, bufs)
     descs = FwdDescs(q_desc, k_desc, v_desc, o_desc, r_desc)
     # The default partition is consumer 0; every partition takes the scheduler (config, problem,
@@ -885,55 +742,3 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KE
             (_hopper_fwd_consumer, (sched, descs, 2)),
             (_hopper_fwd_loader, (sched, descs)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
-
-
-@gluon.jit
-def _allocate(cfg, q_desc, k_desc, v_desc, o_desc):
-    """The CTA's shared memory and barriers (``FwdBuffers``), initialised."""
-    NUM_CONSUMERS: gl.constexpr = cfg.NUM_CONSUMERS
-    NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
-    dtype: gl.constexpr = cfg.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    if cfg.PERSISTENT:
-        # O's own staging tiles, Q's release, and a two-deep ring of work items (loader to consumers).
-        o_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
-        q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-        item_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        item_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for c in gl.static_range(NUM_CONSUMERS):
-            mbarrier.init(q_empty.index(c), count=1)
-        for i in gl.static_range(2):
-            mbarrier.init(item_ready.index(i), count=1)
-            mbarrier.init(item_empty.index(i), count=NUM_CONSUMERS)
-        items = Ring(item_ready, item_empty, 2)
-    else:
-        o_smem = None  # O is staged in Q's tile
-        q_empty = None
-        item_smem = None
-        items = None
-    if cfg.EXACT_DELTA:
-        # A (8, BLOCK_N) tile of ones per consumer, the B operand of the rounded P's row sums.
-        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, cfg.BLOCK_N], dtype)
-        ones_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, cfg.BLOCK_N], ones_layout)
-    else:
-        ones_smem = None
-    for c in gl.static_range(NUM_CONSUMERS):
-        mbarrier.init(q_ready.index(c), count=1)
-        mbarrier.init(turn.index(c), count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        # A slot is free once every consumer has released it.
-        mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
-        mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
-    return FwdBuffers(q_smem, k_smem, v_smem, o_smem, ones_smem, item_smem, q_ready, q_empty, turn,
-                      Ring(k_ready, k_empty, NUM_STAGES), Ring(v_ready, v_empty, NUM_STAGES), items)

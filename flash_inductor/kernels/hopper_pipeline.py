@@ -36,7 +36,7 @@ class Ring:
     """The barriers of a ``NUM``-deep ring: ``ready`` and ``empty``, one mbarrier per slot (the
     module docstring's protocol). The buffers stay with their owners, indexed by ``slot``."""
     ready: gl.shared_memory_descriptor
-    empty: gl.shared_memory_descriptor
+    empty: MaybeSmem  # None for a ring whose consumers only meet (no producer waits)
     NUM: gl.constexpr
 
     @gluon.constexpr_function
