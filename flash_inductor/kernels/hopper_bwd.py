@@ -25,44 +25,13 @@ and dS come out of their wgmma already in the A-operand fragment of the dV and d
   dq       dQ_partial = scale·dS·K for this tile pair, fp32, added into the (B, Hq, L, E) fp32
            zeros of the dQ accumulator; the launcher only casts it.
 
-Constexpr switches:
+Constexpr switches that say what is computed:
   HEAD_DIM    E of Q, K, V (64 or 128).
-  BLOCK_M     query rows per streamed tile (the N of Sᵀ, the K of the dV/dK GEMMs).
-  BLOCK_N     keys per CTA, 64 per consumer warpgroup (two consumers: 128).
-  NUM_STAGES  depth of the Q/dO ring.
   IS_CAUSAL   key j is visible to query i iff j <= i + causal_offset (0: top-left, SDPA's); the
               upper side of a sliding window's band arrives here too (launch/band.py).
   WINDOW_LEFT key j is visible to query i only if j >= i + window_lower, the band's lower side:
               each CTA's query sweep ends at the last row that sees its last key, and only tiles
               that edge crosses take the select.
-  DQ_SPLIT    False: each consumer computes dS_c·K_c (BLOCK_M x E, over its own 64 keys) and
-              adds it atomically, two partial dQ per tile pair. True (FA3's split): both
-              consumers' dSᵀ go to one shared (128 x BLOCK_M) buffer and consumer c computes
-              columns [c·E/2, (c+1)·E/2) of dS·K over all 128 keys: half the atomics and half
-              the dQ accumulator registers, for one mbarrier handshake per tile between the two.
-  DQ_TMA      True: each consumer stores its dQ partial into its own fp32 shared tile and adds
-              it to the accumulator with one TMA reduce-add (``dq_desc``, box BLOCK_M x its dQ
-              columns), waited for only before the tile is written again, a tile pair later.
-              False: one relaxed scalar atomic add per element (``DQ_ACCUM``'s pointer).
-
-  ROW_STATS_TMA the loader brings each tile's LSE and Δ rows into shared memory with the tile's Q
-              and dO (one (1, BLOCK_M) TMA box of fp32 each, ``lse_desc``/``delta_desc`` over the
-              (B·Hq, L) planes, on the Q and dO ready barriers), as FA3 does; the consumers read
-              them from shared memory after the barrier. False: the consumers load them from global
-              memory at the top of each tile (L2 latency on the path to the first exp2).
-              The planes' rows are ``stride_stats`` apart, a multiple of 4 (16 bytes, as TMA
-              needs): the launcher pads them where L is not.
-  swizzle_heads the grid order (``_cta_coords``): CTAs walk the grid's rows (batch, KV head, group
-              part) in groups of this many, key block by key block within a group, so under
-              causal masking each group's longest CTAs start first while the CTAs in flight share
-              few heads' Q and dO in L2. 1: each row's key blocks together; all rows: every row's
-              first key block first.
-  group_split the GQA group's query heads are split over this many CTAs per (key block, batch,
-              KV head), each walking GROUP / group_split of them (a divisor): a grid with few KV
-              heads then still fills the GPU. With more than one part each CTA's dK and dV are
-              partial sums: under DKDV_PARTIALS they go, scaled, as fp32 to DKDV_PART
-              (2, group_split, B, H_KV, S, E), which the launcher sums in a fixed order (so dK and
-              dV stay deterministic) and casts.
   HAS_KEY_BIAS a key mask as one base-2 bias per key (``launch.hopper.key_bias``): KEY_BIAS is
               (B, Hq, S) fp32, added to the scaled scores in the forward's order,
               Pᵀ = exp2((st·qk_scale + bias) - lse2), so the one-pass P rounds as the forward's.
@@ -73,16 +42,8 @@ Constexpr switches:
               and query tiles, so a listed pair is computed everywhere and the mask needs only the
               band and S, by position, as a dense pair does. A key block with nothing listed keeps
               dK = dV = 0.
-  EVEN_L      L is a multiple of BLOCK_M (the launcher's promise): no tile has rows past L, so the
-              row statistics need no mask (32 selects and 16 compares a thread a tile under
-              EXACT_DELTA).
-  PAIRED_TILES the consumers walk their tiles two an iteration (``_consumer_tile`` twice), the first
-              call issuing the second tile's Sᵀ before its last wait, so that the tensor cores run it
-              under the first tile's dQ epilogue; an odd walk's last tile goes alone. Only in
-              straight-line code does ptxas keep that overlap asynchronous (a token carried over
-              the loop's back edge serialises every wgmma, tools/wgmma_overlap_probe.py).
-  DKDV_PARTIALS dK and dV as fp32 partial sums into DKDV_PART (group_split above) instead of TMA
-              stores of the finished tiles.
+
+Switches that change the numerics (the rounding or the order of sums; within the schedule's contract):
   EXACT_DELTA the `stable` schedule's exact Δ in one pass (docs/hopper_backward.md), from a
               forward run with its own EXACT_DELTA:
                 lse2   is the forward's integer pivot c (base 2, +inf for a row with no key),
@@ -101,6 +62,57 @@ Constexpr switches:
               K̃ (exact: Sterbenz) into ``kt_smem`` once, from the CTA's K tile; Sᵀ keeps K, so P̃
               is the forward's bit for bit. Under DQ_SPLIT the first tile's dS handshake also
               publishes each consumer's K̃ rows to the other.
+  BLOCK_M     query rows per streamed tile (the N of Sᵀ, the K of the dV/dK GEMMs).
+  DQ_SPLIT    False: each consumer computes dS_c·K_c (BLOCK_M x E, over its own 64 keys) and
+              adds it atomically, two partial dQ per tile pair. True (FA3's split): both
+              consumers' dSᵀ go to one shared (128 x BLOCK_M) buffer and consumer c computes
+              columns [c·E/2, (c+1)·E/2) of dS·K over all 128 keys: half the atomics and half
+              the dQ accumulator registers, for one mbarrier handshake per tile between the two.
+  group_split the GQA group's query heads are split over this many CTAs per (key block, batch,
+              KV head), each walking GROUP / group_split of them (a divisor): a grid with few KV
+              heads then still fills the GPU. With more than one part each CTA's dK and dV are
+              partial sums: under DKDV_PARTIALS they go, scaled, as fp32 to DKDV_PART
+              (2, group_split, B, H_KV, S, E), which the launcher sums in a fixed order (so dK and
+              dV stay deterministic) and casts.
+  DKDV_PARTIALS dK and dV as fp32 partial sums into DKDV_PART (group_split above) instead of TMA
+              stores of the finished tiles.
+
+Speed only (tuned in tuning/hopper_configs.py or set by the launcher; dK and dV bitwise the same, dQ up to
+the order of its fp32 adds, which the reduce-adds and atomics leave unspecified anyway):
+  BLOCK_N     keys per CTA, 64 per consumer warpgroup (two consumers: 128).
+  NUM_STAGES  depth of the Q/dO ring.
+  DQ_TMA      True: each consumer stores its dQ partial into its own fp32 shared tile and adds
+              it to the accumulator with one TMA reduce-add (``dq_desc``, box BLOCK_M x its dQ
+              columns), waited for only before the tile is written again, a tile pair later.
+              False: one relaxed scalar atomic add per element (``DQ_ACCUM``'s pointer).
+  ROW_STATS_TMA the loader brings each tile's LSE and Δ rows into shared memory with the tile's Q
+              and dO (one (1, BLOCK_M) TMA box of fp32 each, ``lse_desc``/``delta_desc`` over the
+              (B·Hq, L) planes, on the Q and dO ready barriers), as FA3 does; the consumers read
+              them from shared memory after the barrier. False: the consumers load them from global
+              memory at the top of each tile (L2 latency on the path to the first exp2).
+              The planes' rows are ``stride_stats`` apart, a multiple of 4 (16 bytes, as TMA
+              needs): the launcher pads them where L is not.
+  PAIRED_TILES the consumers walk their tiles two an iteration (``_consumer_tile`` twice), the first
+              call issuing the second tile's Sᵀ before its last wait, so that the tensor cores run it
+              under the first tile's dQ epilogue; an odd walk's last tile goes alone. Only in
+              straight-line code does ptxas keep that overlap asynchronous (a token carried over
+              the loop's back edge serialises every wgmma, tools/wgmma_overlap_probe.py).
+  EVEN_L      L is a multiple of BLOCK_M (the launcher's promise): no tile has rows past L, so the
+              row statistics need no mask (32 selects and 16 compares a thread a tile under
+              EXACT_DELTA).
+  swizzle_heads the grid order (``_cta_coords``): CTAs walk the grid's rows (batch, KV head, group
+              part) in groups of this many, key block by key block within a group, so under
+              causal masking each group's longest CTAs start first while the CTAs in flight share
+              few heads' Q and dO in L2. 1: each row's key blocks together; all rows: every row's
+              first key block first.
+  CONSUMER_REGS, LOADER_REGS the registers setmaxnreg gives each consumer warpgroup and the loader.
+
+Code: ``BwdConfig`` holds the switches and layouts (sizes from the descriptors), ``BwdProblem`` the
+call's scalars and pointers, ``BwdBuffers`` the shared memory and barriers, whose rings
+(``hopper_pipeline.Ring``: the Q/dO ring and the DQ_SPLIT dS handshake) own the slot and phase
+arithmetic; ``QueryWalk`` is the walk's state; ``ConsumerKeys`` what every tile of a consumer reads.
+``_consumer_tile`` (hopper_bwd_tile.py) is one tile's step. Every partition takes
+(config, problem, descriptors, buffers[, consumer]).
 
 Precision contract as ``kernels/attn_bwd.py`` under the `fast` schedule: S, P, dP and dS stay
 fp32 until dS meets the matrix unit; P rounded to the input dtype for dV, dS for dK and dQ.

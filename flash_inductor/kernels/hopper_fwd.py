@@ -32,21 +32,32 @@ Symbols (per consumer warpgroup, which owns BLOCK_M query rows of one (batch, he
            (an integer, +inf for a row with no key) and g = exp2(c - m_i) / l_rnd (0 there): the
            backward's P is g · round(exp2(s·qk_scale - c)), whatever the rounding of g.
 
-Constexpr switches:
+Constexpr switches that say what is computed:
   HEAD_DIM      E, the head dim of Q, K and V (64 or 128; one TMA box covers it).
-  BLOCK_M       query rows per consumer warpgroup (64: one m64 wgmma row block).
-  BLOCK_N       keys per tile (the N of Q·Kᵀ and the K of P·V).
-  NUM_STAGES    depth of the K/V shared-memory ring the loader fills ahead of the consumers.
-  NUM_CONSUMERS consumer warpgroups per CTA; the CTA owns NUM_CONSUMERS·BLOCK_M query rows and
-                every consumer reads every K/V tile of the ring (so K/V are loaded once per CTA).
   IS_CAUSAL     key j is visible to query i iff j <= i + causal_offset (0: top-left, SDPA's).
   WINDOW_LEFT   a sliding window's left side (launch/band.py): key j is visible to query i only
                 if also j >= i + window_lower. The CTA's loop starts at the first key tile its top
                 row can see, so tiles wholly left of the band are never loaded.
-  EXACT_DELTA   the integer max, the rounded sum, and the residual and row constants above.
   HAS_KEY_BIAS  a key mask, one value per key (``launch.hopper.key_bias``): KEY_BIAS is (B, H, S)
                 fp32 in base 2 (0 to attend, -inf to hide, an additive mask times log2 e), added
                 to each tile's scaled scores; a mask that varies along the queries never gets here.
+  HAS_BLOCK_SPARSITY a block-sparse layout (``launch/block_tiles.py``): each block walks the key tiles
+                listed for it, TILE_LISTS[b, h, block] = (count, tile, tile, ...) in ascending order,
+                rather than a contiguous range. The launcher takes only layouts whose blocks hold
+                whole CTA blocks and key tiles, so a listed tile is computed everywhere and the
+                select needs only the band and S, by position, as a dense tile does. A block with no
+                listed tile runs one tile with S taken as 0 (all masked: output 0, LSE -inf).
+
+Switches that change the numerics (the rounding; within the schedule's contract):
+  EXACT_DELTA   the integer max, the rounded sum, and the residual and row constants above.
+  BLOCK_N       keys per tile (the N of Q·Kᵀ and the K of P·V): the tile over which a row max is
+                taken, so the sequence of rescalings of acc and l_i.
+
+Speed only, tuned (tuning/hopper_configs.py; the results are bitwise the same whatever they are):
+  BLOCK_M       query rows per consumer warpgroup (64: one m64 wgmma row block; not tuned).
+  NUM_STAGES    depth of the K/V shared-memory ring the loader fills ahead of the consumers.
+  NUM_CONSUMERS consumer warpgroups per CTA; the CTA owns NUM_CONSUMERS·BLOCK_M query rows and
+                every consumer reads every K/V tile of the ring (so K/V are loaded once per CTA).
   PINGPONG      the consumers take turns issuing their MMAs (a token passed round-robin through
                 mbarriers, FA3's warp scheduler barrier), so one warpgroup's softmax runs while
                 the next one's GEMMs own the tensor cores, rather than all contending at once.
@@ -65,21 +76,24 @@ Constexpr switches:
                 Q·Kᵀ has retired, and stages O in a tile of its own (o_smem), so the next item's Q
                 and K/V tiles load during the epilogue. The K/V ring and the ping-pong rounds count
                 on across items (``_consume_block``'s base and it).
-  HAS_BLOCK_SPARSITY a block-sparse layout (``launch/block_tiles.py``): each block walks the key tiles
-                listed for it, TILE_LISTS[b, h, block] = (count, tile, tile, ...) in ascending order,
-                rather than a contiguous range. The launcher takes only layouts whose blocks hold
-                whole CTA blocks and key tiles, so a listed tile is computed everywhere and the
-                select needs only the band and S, by position, as a dense tile does. A block with no
-                listed tile runs one tile with S taken as 0 (all masked: output 0, LSE -inf).
   swizzle_heads the grid order (``_block_coords``): CTAs walk the (batch, head)s in groups of
                 this many, query block by query block within a group (longest first under causal
                 masking). 1: each head's blocks together; B·H: every head's longest block first.
+  CONSUMER_REGS, LOADER_REGS the registers setmaxnreg gives each consumer warpgroup and the loader.
 
 Schedule (per consumer, FA3's intra-warpgroup overlap): the Q·Kᵀ of tile j is issued before
 the P·V of tile j-1, so the softmax of tile j runs while the tensor cores finish P·V of j-1;
 the consumers are independent partitions, so one warpgroup's softmax also overlaps the other's
 MMAs. Tiles between the band's edges (below the causal diagonal, right of the window's left
 side) and inside S skip the visibility select.
+
+Code (Triton's Gluon attention example and FA3's CuTe port): ``FwdConfig`` holds the switches
+and layouts, sizes taken from the descriptors; ``FwdProblem`` the call's scalars and pointers;
+``FwdBuffers`` the shared memory and barriers, whose rings (``hopper_pipeline.Ring``) own the slot
+and phase arithmetic (hopper_fwd_state.py). ``FwdScheduler`` is the one place PERSISTENT is read:
+it runs the loader's and each consumer's blocks (``_load_block``, ``_consume_block``) and owns what
+a persistent block does differently. ``_fwd_tile`` is one key tile's step (FA3's
+``mma_one_n_block``). Every partition takes (scheduler, descriptors[, consumer]).
 """
 
 from triton.experimental import gluon
@@ -417,12 +431,9 @@ def _softmax_step(cfg, prob, rows, s, m_i, l_i, bias, j):
 
 @gluon.jit
 def _key_bias_tile(cfg, rows, j):
-    """Key tile j's bias (base 2, fp32) under HAS_KEY_BIAS, -inf past S; else None."""
-    if cfg.HAS_KEY_BIAS:
-        cols = j * cfg.BLOCK_N + rows.key_offsets
-        return gl.load(rows.bias_row + cols, mask=cols < rows.S, other=float("-inf"))
-    else:
-        return None
+    """Key tile j's bias (base 2, fp32), -inf past S (HAS_KEY_BIAS)."""
+    cols = j * cfg.BLOCK_N + rows.key_offsets
+    return gl.load(rows.bias_row + cols, mask=cols < rows.S, other=float("-inf"))
 
 
 @aggregate
@@ -594,7 +605,10 @@ def _consume_block(cfg, prob, descs, bufs, sched, start_m, b, h, it, base, CONSU
     s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     _pass_turn(cfg, bufs.turn, CONSUMER=CONSUMER)
     j = _key_tile(rows.lo, t0, rows.tiles, HAS_BLOCK_SPARSITY=cfg.HAS_BLOCK_SPARSITY)
-    bias = _key_bias_tile(cfg, rows, j)
+    if cfg.HAS_KEY_BIAS:
+        bias = _key_bias_tile(cfg, rows, j)
+    else:
+        bias = None
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
     bufs.kv.release(first)
     p, alpha, m_i, l_i = _softmax_step(cfg, prob, rows, s, m_i, l_i, bias, j)
@@ -646,7 +660,10 @@ def _fwd_tile(cfg, prob, bufs, rows, q_tile, s_zero, ones_t, base, rb, t, m_i, l
     _pass_turn(cfg, bufs.turn, CONSUMER=CONSUMER)
     # The bias load's latency hides under the MMAs just issued.
     j = _key_tile(rows.lo, t, rows.tiles, HAS_BLOCK_SPARSITY=cfg.HAS_BLOCK_SPARSITY)
-    bias = _key_bias_tile(cfg, rows, j)
+    if cfg.HAS_KEY_BIAS:
+        bias = _key_bias_tile(cfg, rows, j)
+    else:
+        bias = None
     # wgmma groups retire in issue order: with P·V's groups outstanding, S_t is done.
     s = warpgroup_mma_wait(num_outstanding=cfg.PV_GROUPS, deps=(s_tok, ))
     kv.release(slot)
