@@ -8,13 +8,11 @@
 #   STEPS="tests ab" bash tools/gpu_hopper_ab.sh
 #
 # STEPS (default: tests ab infer eager; also decode: the split-KV decode against cuDNN and Flex at
-# 1 and 4 query rows, docs/decode.md; dsup: fp16's ds_up in one launch, DS_UP_ONE_LAUNCH off
-# against on at E 128 causal 4k; cold: Llama E 64's cold first step with compile-ahead on, off,
+# 1 and 4 query rows, docs/decode.md; cold: Llama E 64's cold first step with compile-ahead on, off,
 # on, each from empty caches, about 3 minutes; host: one eager call's host time and cProfile, bf16
 # and fp16 at E 128 causal 4k; llama_b1: HF Llama E 64/128 trained at B 1, 4k, against plain
 # torch.compile; llama_b1_graphs: the same with both contenders under mode="reduce-overhead"
-# (CUDA graphs: the host's launch time out of the step); moments: the GPU tests of the one-pass path with MOMENTS_FOUR_WARPS_E128 on, then
-# its off/on A/B on a training step; window: the narrow-window cells, ours against Flex, with kernel
+# (CUDA graphs: the host's launch time out of the step); window: the narrow-window cells, ours against Flex, with kernel
 # time; skiptiles: the GPU tests of the Gluon forward, the one-pass path and windows with
 # launch.hopper.SKIP_MASKED_TILES on, then its off/on A/B on an E 64 causal 4k training step, bf16
 # and fp16, and on a w 256 window step at E 128; persistent: the persistent forward's bitwise tests,
@@ -56,9 +54,6 @@ for step in ${STEPS:-tests ab infer eager}; do
     decode)
       timeout -s INT -k 10 100 python3 -m benchmarks.decode --query-rows 1,4 --contenders ours,cudnn,flex \
         --time-budget 80 --out "$OUT" 2>&1 | tail -30 ;;
-    dsup)
-      timeout -s INT -k 10 90 python3 -m benchmarks.experiments.switch_ab --switch launch.hopper_bwd.DS_UP_ONE_LAUNCH \
-        --dtype fp16 --head-dim 128 --seq 4096 --causal --out "$OUT" 2>&1 | tail -3 ;;
     host)
       # Host time of one eager call and its cProfile, at the grid's 4k causal E 128 cell (B 4, H 16).
       for dtype in bf16 fp16; do
@@ -78,12 +73,6 @@ for step in ${STEPS:-tests ab infer eager}; do
         timeout -s INT -k 10 100 python3 -m benchmarks.cold_start --models llama-e64 --tasks train --parts cold \
           --contenders "$contender" --child-timeout 90 --tag "cold-$contender-$(date +%s)" --out "$OUT" 2>&1 | tail -3
       done ;;
-    moments)
-      FLASH_INDUCTOR_SWITCHES=launch.hopper_bwd.MOMENTS_FOUR_WARPS_E128=1 timeout -s INT -k 20 200 python3 -m pytest \
-        -p tools.pytest_switch tests/unit/test_one_pass.py -q -n "${WORKERS:-14}" -p no:cacheprovider 2>&1 | tail -3
-      timeout -s INT -k 10 90 python3 -m benchmarks.experiments.switch_ab \
-        --switch launch.hopper_bwd.MOMENTS_FOUR_WARPS_E128 --dtype bf16 --head-dim 128 --seq 4096 --causal \
-        --out "$OUT" 2>&1 | tail -3 ;;
     skiptiles)
       FLASH_INDUCTOR_SWITCHES=launch.hopper.SKIP_MASKED_TILES=1 timeout -s INT -k 20 220 python3 -m pytest \
         -p tools.pytest_switch tests/unit/test_hopper_fwd.py tests/unit/test_one_pass.py tests/unit/test_window.py \
@@ -136,7 +125,7 @@ runpy.run_module('benchmarks.experiments.step_kernels', run_name='__main__')" 2>
     window)
       timeout -s INT -k 10 240 python3 -m benchmarks.sparse_attention --part window --providers ours,flex \
         --seqs 4096,16384,32768 --windows 256 --kernel-time --time-budget 220 --out "$OUT" 2>&1 | tail -14 ;;
-    *) echo "unknown step $step (tests ab infer eager decode dsup host llama_b1 llama_b1_graphs cold moments window skiptiles persistent tree_ab)" >&2
+    *) echo "unknown step $step (tests ab infer eager decode host llama_b1 llama_b1_graphs cold window skiptiles persistent tree_ab)" >&2
        exit 2 ;;
   esac
 done

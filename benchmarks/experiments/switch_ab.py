@@ -1,13 +1,13 @@
 """EXPERIMENT: one module switch of the launch path, off against on, in one process.
 
-    python -m benchmarks.experiments.switch_ab --switch launch.hopper_bwd.DS_UP_ONE_LAUNCH \
-        --dtype fp16 --head-dim 128 --causal --seq 4096 --out $OUT
+    python -m benchmarks.experiments.switch_ab --switch launch.hopper_bwd.ONE_PASS_STABLE \
+        --dtype bf16 --head-dim 128 --causal --seq 4096 --out $OUT
 
 Times ``flash_attention``'s forward and backward (``--mode infer``: its forward under no_grad)
 back to back (the wall time of a loop, so host time counts, as in bench_attention's cells) with the switch at False and at True, in
 interleaved rounds after heating, and compares the two settings' gradients (dK and dV bit for
 bit; dQ, whose TMA reduce-adds run in a varying order, by its largest difference). The
-switch is a module attribute under ``flash_inductor`` (e.g. ``launch.hopper_bwd.DS_UP_ONE_LAUNCH``);
+switch is a module attribute under ``flash_inductor`` (e.g. ``launch.hopper_bwd.ONE_PASS_STABLE``);
 it is set for the duration of each round only. Writes ``switch_ab.json`` to ``--out``.
 """
 
