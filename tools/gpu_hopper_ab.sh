@@ -15,8 +15,8 @@
 # (CUDA graphs: the host's launch time out of the step); window: the narrow-window cells, ours against Flex, with kernel
 # time; skiptiles: the GPU tests of the Gluon forward, the one-pass path and windows with
 # launch.hopper.SKIP_MASKED_TILES on, then its off/on A/B on an E 64 causal 4k training step, bf16
-# and fp16, and on a w 256 window step at E 128; persistent: the persistent forward's bitwise tests,
-# its speed beside the grid's and cuDNN's, and a training step off/on; tree_ab: a change without a
+# and fp16, and on a w 256 window step at E 128; persistent: the persistent forward's bitwise tests
+# and its speed beside the grid's and cuDNN's; tree_ab: a change without a
 # switch against the tree before it, which travels as .ab_base (git-ignored; make it with
 # `rm -rf .ab_base && mkdir .ab_base && git archive <rev> | tar -x -C .ab_base` and carry .ab_base):
 # the one-pass GPU tests on this tree, then the host breakdown (B 1, E 64, causal 4k, bf16 and
@@ -90,21 +90,15 @@ sys.argv = ['step_kernels', '--window', '256', '--seq', '16384', '--dtypes', 'bf
 runpy.run_module('benchmarks.experiments.step_kernels', run_name='__main__')" 2>&1 | tail -4
       done ;;
     persistent)
-      # The persistent forward (HopperForwardConfig.persistent): bitwise against the grid, the op
-      # path's CUDA-graph test with every launch persistent, the inference forward's speed beside
-      # the grid's and cuDNN's (E 64 also with two consumers), and a training step off/on.
+      # The persistent forward (HopperForwardConfig.persistent, a tuned field): bitwise against the
+      # grid, and the inference forward's speed beside the grid's and cuDNN's (E 64 also with two
+      # consumers).
       timeout -s INT -k 20 170 python3 -m pytest tests/unit/test_hopper_fwd.py -k persistent -q -n "${WORKERS:-14}" \
         -p no:cacheprovider --timeout 100 2>&1 | tail -4
-      FLASH_INDUCTOR_SWITCHES=launch.hopper.PERSISTENT=1 timeout -s INT -k 20 100 python3 -m pytest -p tools.pytest_switch \
-        tests/unit/test_one_pass.py -k "cuda_graphs or one_pass_matches_fp64 or stability_cases or inference_runs" -q -n "${WORKERS:-14}" -p no:cacheprovider \
-        --timeout 80 2>&1 | tail -3
       timeout -s INT -k 10 130 python3 -m benchmarks.experiments.hopper_fwd_probe --skip-check --dtypes bf16 \
         --seqs 2048 4096 16384 --configs 128x3w3pP:64 128x4w2pP:64 128x4w2p:64 128x2pP:128 --baselines cudnn \
         --rep 30 --heat 0.2 --budget 110 --out "$OUT" 2>&1 | grep -v '^\[' | tail -14
-      for e in 64 128; do
-        timeout -s INT -k 10 60 python3 -m benchmarks.experiments.switch_ab --switch launch.hopper.PERSISTENT \
-          --dtype bf16 --head-dim $e --seq 4096 --causal --out "$OUT/persistent_ab$e" 2>&1 | tail -3
-      done ;;
+      ;;
     tree_ab)
       [ -d .ab_base/flash_inductor ] || { echo "tree_ab: no .ab_base tree (see the header)" >&2; exit 2; }
       timeout -s INT -k 20 170 python3 -m pytest tests/unit/test_one_pass.py -q -n "${WORKERS:-14}" \

@@ -12,9 +12,8 @@ seq sequences, 2048 / E heads. ``--window W`` times a causal sliding window ``(W
 instead, against FlexAttention with the same window as a ``BlockMask`` (``--providers ours,flex``);
 ``--block-sparse P`` a random layout of 128 x 128 blocks with a share P of them skipped, the
 ``sparse_attention --part block_sparse`` cell's, against Flex with that layout as full blocks.
-The provider ``ours-persistent`` is ours with every forward launch persistent
-(``launch.hopper.PERSISTENT``), ``ours-grid`` ours with block-sparse forward launches on the grid
-(``launch.hopper.BLOCK_SPARSE_PERSISTENT`` off), each set only while its step runs: A/Bs in one
+The provider ``ours-grid`` is ours with block-sparse forward launches on the grid
+(``launch.hopper.BLOCK_SPARSE_PERSISTENT`` off), set only while its step runs: an A/B in one
 process.
 Each record also has the step's GPU busy share run back to back (``benchmarks/kernel_time.gpu_busy``):
 well under 1 means the GPU waited for the host. Writes ``step_kernels.json`` to ``--out``.
@@ -79,7 +78,7 @@ def _block_sparse_attention(provider: str, seq: int, sparsity: float):
 
 
 # Provider suffixes: the launch.hopper switch each sets while its step runs.
-SWITCHED = {"-persistent": ("PERSISTENT", True), "-grid": ("BLOCK_SPARSE_PERSISTENT", False)}
+SWITCHED = {"-grid": ("BLOCK_SPARSE_PERSISTENT", False)}
 
 
 def _switched(attn, switch: str, value: bool):

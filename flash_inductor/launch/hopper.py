@@ -72,13 +72,6 @@ default_config = default_forward_config
 # spills 4-8 more bytes causal and 330-420 with a window (against 190); off, the SASS is what it
 # was before the switch existed (tools/hopper_fwd_compile.py --skip-masked-tiles).
 SKIP_MASKED_TILES = False
-# Every launch persistent, whatever its config says (``HopperForwardConfig.persistent``): one CTA
-# per SM, each taking query blocks from a work counter in the grid's order (kernels/hopper_fwd.py,
-# PERSISTENT), so the next block's Q and first K/V tiles load while the previous block's epilogue
-# runs, and under causal masking the longest blocks start first wherever they land. For the GPU
-# tests (tools/pytest_switch.py). Compiled for sm_90a: E 128 spills 16-20 bytes (none without),
-# E 64 with three consumers 384-388 (76 without), E 64 with two consumers none.
-PERSISTENT = False
 # Block-sparse launches persistent, whatever the dense bucket's config says: a layout leaves each
 # query block a few key tiles (90 % skipped at 4k: 4.4 of 32), so a grid CTA's fixed costs (Q's
 # load, the first K/V tiles, the epilogue) weigh on every block, while a persistent CTA loads the
@@ -367,7 +360,7 @@ def _forward(query, key, value, scale, is_causal, causal_offset, window, attn_ma
     o_desc = tma_descriptor(out, cfg.block_m)
     rows = cfg.block_m * cfg.num_consumers
     grid = (cdiv(seq_q, rows), batch * heads_q)
-    persistent = cfg.persistent or PERSISTENT
+    persistent = cfg.persistent
     if persistent:
         # The CTAs past the first wave claim blocks from the counter, in the grid's order.
         work_counter = torch.zeros(1, dtype=torch.int32, device=query.device)
