@@ -13,9 +13,7 @@
 # and fp16 at E 128 causal 4k; llama_b1: HF Llama E 64/128 trained at B 1, 4k, against plain
 # torch.compile; llama_b1_graphs: the same with both contenders under mode="reduce-overhead"
 # (CUDA graphs: the host's launch time out of the step); window: the narrow-window cells, ours against Flex, with kernel
-# time; skiptiles: the GPU tests of the Gluon forward, the one-pass path and windows with
-# launch.hopper.SKIP_MASKED_TILES on, then its off/on A/B on an E 64 causal 4k training step, bf16
-# and fp16, and on a w 256 window step at E 128; persistent: the persistent forward's bitwise tests
+# time; persistent: the persistent forward's bitwise tests
 # and its speed beside the grid's and cuDNN's; tree_ab: a change without a
 # switch against the tree before it, which travels as .ab_base (git-ignored; make it with
 # `rm -rf .ab_base && mkdir .ab_base && git archive <rev> | tar -x -C .ab_base` and carry .ab_base):
@@ -73,22 +71,6 @@ for step in ${STEPS:-tests ab infer eager}; do
         timeout -s INT -k 10 100 python3 -m benchmarks.cold_start --models llama-e64 --tasks train --parts cold \
           --contenders "$contender" --child-timeout 90 --tag "cold-$contender-$(date +%s)" --out "$OUT" 2>&1 | tail -3
       done ;;
-    skiptiles)
-      FLASH_INDUCTOR_SWITCHES=launch.hopper.SKIP_MASKED_TILES=1 timeout -s INT -k 20 220 python3 -m pytest \
-        -p tools.pytest_switch tests/unit/test_hopper_fwd.py tests/unit/test_one_pass.py tests/unit/test_window.py \
-        -q -n "${WORKERS:-14}" -p no:cacheprovider 2>&1 | tail -3
-      for dtype in bf16 fp16; do
-        timeout -s INT -k 10 90 python3 -m benchmarks.experiments.switch_ab --switch launch.hopper.SKIP_MASKED_TILES \
-          --dtype $dtype --head-dim 64 --seq 4096 --causal --out "$OUT/skiptiles_$dtype" 2>&1 | tail -3
-      done
-      # A w 256 window (bf16, E 128, 32k tokens) with the switch off, then on: kernel time a step.
-      for on in False True; do
-        timeout -s INT -k 10 90 python3 -c "import sys, runpy, flash_inductor.launch.hopper as h
-h.SKIP_MASKED_TILES = $on
-sys.argv = ['step_kernels', '--window', '256', '--seq', '16384', '--dtypes', 'bf16', '--head-dims', '128',
-            '--modes', 'fwd,fwd_bwd', '--providers', 'ours', '--out', '$OUT/skiptiles_w256_$on']
-runpy.run_module('benchmarks.experiments.step_kernels', run_name='__main__')" 2>&1 | tail -4
-      done ;;
     persistent)
       # The persistent forward (HopperForwardConfig.persistent, a tuned field): bitwise against the
       # grid, and the inference forward's speed beside the grid's and cuDNN's (E 64 also with two
@@ -119,7 +101,7 @@ runpy.run_module('benchmarks.experiments.step_kernels', run_name='__main__')" 2>
     window)
       timeout -s INT -k 10 240 python3 -m benchmarks.sparse_attention --part window --providers ours,flex \
         --seqs 4096,16384,32768 --windows 256 --kernel-time --time-budget 220 --out "$OUT" 2>&1 | tail -14 ;;
-    *) echo "unknown step $step (tests ab infer eager decode host llama_b1 llama_b1_graphs cold window skiptiles persistent tree_ab)" >&2
+    *) echo "unknown step $step (tests ab infer eager decode host llama_b1 llama_b1_graphs cold window persistent tree_ab)" >&2
        exit 2 ;;
   esac
 done
