@@ -13,10 +13,55 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.language.core import _aggregate as aggregate
 
 from .gluon_tma import async_reduce_add_shared_to_global
+from .hopper_pipeline import MaybeSmem, Scalar, field
 
 LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@aggregate
+class ConsumerKeys:
+    """What every tile of one consumer warpgroup reads, the same for the whole walk: its 64 keys
+    (``k0`` on, ``key_ids``) of batch ``b``, their K and V rows in shared memory (``k_tile``,
+    ``v_tile``), dQ's keys (``kq_tile``: K̃ under CENTRE_KEYS, else K; ``k_all``: all 128 keys of
+    this consumer's dQ columns under DQ_SPLIT, else None), zero accumulators, dQ's rows and
+    columns, and the scales (``ds_up``: EXACT_DELTA's dS scale, else None)."""
+    b: Scalar
+    H_Q: Scalar
+    k0: Scalar
+    key_ids: gl.tensor
+    k_tile: gl.shared_memory_descriptor
+    v_tile: gl.shared_memory_descriptor
+    kq_tile: gl.shared_memory_descriptor
+    k_all: MaybeSmem
+    s_zero: gl.tensor
+    dq_zero: gl.tensor
+    dq_rows0: gl.tensor
+    dq_cols: gl.tensor
+    dq_col0: Scalar
+    ds_up: Scalar
+    grad_scale: Scalar
+
+    @gluon.constexpr_function
+    def __init__(self, b, H_Q, k0, key_ids, k_tile, v_tile, kq_tile, k_all, s_zero, dq_zero, dq_rows0, dq_cols, dq_col0,
+                 ds_up, grad_scale):
+        self.b = field(b)
+        self.H_Q = field(H_Q)
+        self.k0 = field(k0)
+        self.key_ids = field(key_ids)
+        self.k_tile = field(k_tile)
+        self.v_tile = field(v_tile)
+        self.kq_tile = field(kq_tile)
+        self.k_all = field(k_all)
+        self.s_zero = field(s_zero)
+        self.dq_zero = field(dq_zero)
+        self.dq_rows0 = field(dq_rows0)
+        self.dq_cols = field(dq_cols)
+        self.dq_col0 = field(dq_col0)
+        self.ds_up = field(ds_up)
+        self.grad_scale = field(grad_scale)
 
 
 @gluon.jit
@@ -53,124 +98,151 @@ def _row_stats(lse_raw, delta_raw, q_in, EXACT_DELTA: gl.constexpr, EVEN_L: gl.c
         return gl.where(q_in, lse2, float("inf")), gl.where(q_in, delta_raw, 0.0)
 
 
-
 @gluon.jit
-def _consumer_tile(t, h, m, b, H_Q, L, S, k0, stride_stats, causal_offset, window_lower, qk_scale, ds_up, grad_scale,
-                   dv, dk, st_tok, next_t, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, q_ready, do_ready,
-                   q_empty, ds_ready, k_tile, v_tile, kq_tile, k_all, s_zero, dq_zero, key_ids, dq_rows0, dq_cols,
-                   dq_col0, LSE, DELTA, DQ_ACCUM, KEY_BIAS, dq_desc,
-                   CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr,
-                   EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr,
-                   EVEN_L: gl.constexpr, KC: gl.constexpr, DQ_COLS: gl.constexpr, col_layout: gl.constexpr,
-                   a_layout: gl.constexpr, dtype: gl.constexpr, ST_ISSUED: gl.constexpr, ISSUE_NEXT: gl.constexpr):
+def _consumer_tile(cfg, prob, descs, bufs, keys, t, h, m, dv, dk, st_tok, next_t, CONSUMER: gl.constexpr,
+                   ST_ISSUED: gl.constexpr, ISSUE_NEXT: gl.constexpr):
     """Tile t of the consumer's walk: query head h, rows [m, m + BLOCK_M). Returns dV and dK with the
     tile added, and a token: of the next tile's Sᵀ under ISSUE_NEXT (tile ``next_t``, whose Q the
     call waits for), else ``st_tok`` as given. ST_ISSUED: this tile's Sᵀ is already running
-    (``st_tok``, issued by the previous call); else the call issues it."""
-    slot = t % NUM_STAGES
-    phase = (t // NUM_STAGES) & 1
-    if DQ_TMA:
-        dq_tile = dq_smem.index(CONSUMER)
-    row_base = (b * H_Q + h).to(gl.int64) * L
-    stats_base = (b * H_Q + h).to(gl.int64) * stride_stats
-    q_ids = m + gl.arange(0, BLOCK_M, layout=col_layout)
-    q_in = q_ids < L
-    if not ROW_STATS_TMA:
+    (``st_tok``, issued by the previous call); else the call issues it (``st_tok`` is None)."""
+    slot = bufs.ring.slot(t)
+    phase = bufs.ring.phase(t)
+    if cfg.DQ_TMA:
+        dq_tile = bufs.dq_smem.index(CONSUMER)
+    else:
+        dq_tile = None
+    pt, pt_op, dpt_tok, delta, q_tile, do_tile, row_base, st_tok = _tile_p(
+        cfg, prob, bufs, keys, slot, phase, h, m, st_tok, ST_ISSUED=ST_ISSUED)
+    dv, dk, dq, st_tok = _tile_mmas(cfg, bufs, keys, t, slot, pt, pt_op, dpt_tok, delta, q_tile, do_tile, dv, dk,
+                                    st_tok, next_t, CONSUMER=CONSUMER, ISSUE_NEXT=ISSUE_NEXT)
+    # The softmax scale goes on in fp32 here, after the cast of dS, so dS's rounding is FA2's.
+    dq = dq * keys.grad_scale
+    if cfg.DQ_TMA:
+        # The reduce issued a tile ago must have read the shared tile before it is rewritten.
+        # Query rows past L are clipped by the descriptor, as a TMA store clips them.
+        tma.store_wait(pendings=0)
+        dq_tile.reshape([cfg.BLOCK_M, cfg.DQ_COLS]).store(dq)
+        fence_async_shared()
+        async_reduce_add_shared_to_global(descs.dq, [keys.b, h, m, keys.dq_col0], dq_tile)
+    else:
+        dq_rows = m + keys.dq_rows0
+        dq_ptrs = (prob.DQ_ACCUM + (row_base + gl.expand_dims(dq_rows, 1)) * cfg.HEAD_DIM
+                   + gl.expand_dims(keys.dq_cols, 0))
+        gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(dq_rows < prob.L, 1), sem="relaxed")
+    return dv, dk, st_tok
+
+
+@gluon.jit
+def _tile_p(cfg, prob, bufs, keys, slot, phase, h, m, st_tok, ST_ISSUED: gl.constexpr):
+    """Sᵀ and dPᵀ of the tile issued, and Pᵀ (fp32 and as the dV GEMM's A operand) while dPᵀ
+    runs. Returns (pt, pt_op, dPᵀ's token, Δ, the Q and dO tiles, the dQ rows' base, Sᵀ's token)."""
+    BLOCK_M: gl.constexpr = cfg.BLOCK_M
+    b = keys.b
+    key_ids = keys.key_ids
+    row_base = (b * keys.H_Q + h).to(gl.int64) * prob.L
+    stats_base = (b * keys.H_Q + h).to(gl.int64) * prob.stride_stats
+    q_ids = m + gl.arange(0, BLOCK_M, layout=cfg.col_layout)
+    q_in = q_ids < prob.L
+    if not cfg.ROW_STATS_TMA:
         # Row statistics go out before the GEMMs wait on them (L2-resident vectors).
-        lse_raw = gl.load(LSE + stats_base + q_ids, mask=q_in, other=0.0)
-        delta_raw = gl.load(DELTA + stats_base + q_ids, mask=q_in, other=0.0)
-    if HAS_KEY_BIAS:
+        lse_raw = gl.load(prob.LSE + stats_base + q_ids, mask=q_in, other=0.0)
+        delta_raw = gl.load(prob.DELTA + stats_base + q_ids, mask=q_in, other=0.0)
+    if cfg.HAS_KEY_BIAS:
         # This query head's bias over the consumer's keys (-inf past S), a vector per tile.
-        key_bias = gl.load(KEY_BIAS + (b * H_Q + h).to(gl.int64) * S + key_ids, mask=key_ids < S,
+        key_bias = gl.load(prob.KEY_BIAS + (b * keys.H_Q + h).to(gl.int64) * prob.S + key_ids, mask=key_ids < prob.S,
                            other=float("-inf"))
 
-    q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    q_tile = bufs.q_smem.index(slot).reshape([BLOCK_M, cfg.HEAD_DIM])
+    do_tile = bufs.do_smem.index(slot).reshape([BLOCK_M, cfg.HEAD_DIM])
     if not ST_ISSUED:
-        mbarrier.wait(q_ready.index(slot), phase)
-        st_tok = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    if ROW_STATS_TMA:
-        lse_raw = lse_smem.index(slot).reshape([BLOCK_M]).load(col_layout)  # landed with Q, read while Sᵀ runs
-    mbarrier.wait(do_ready.index(slot), phase)
-    dpt_tok = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    if ROW_STATS_TMA:
-        delta_raw = delta_smem.index(slot).reshape([BLOCK_M]).load(col_layout)
-    lse2, delta = _row_stats(lse_raw, delta_raw, q_in, EXACT_DELTA=EXACT_DELTA, EVEN_L=EVEN_L)
+        bufs.ring.wait_ready(slot, phase)
+        st_tok = warpgroup_mma(keys.k_tile, q_tile.permute((1, 0)), keys.s_zero, use_acc=False, is_async=True)
+    if cfg.ROW_STATS_TMA:
+        lse_raw = bufs.lse_smem.index(slot).reshape([BLOCK_M]).load(cfg.col_layout)  # landed with Q, read while Sᵀ runs
+    mbarrier.wait(bufs.do_ready.index(slot), phase)
+    dpt_tok = warpgroup_mma(keys.v_tile, do_tile.permute((1, 0)), keys.s_zero, use_acc=False, is_async=True)
+    if cfg.ROW_STATS_TMA:
+        delta_raw = bufs.delta_smem.index(slot).reshape([BLOCK_M]).load(cfg.col_layout)
+    lse2, delta = _row_stats(lse_raw, delta_raw, q_in, EXACT_DELTA=cfg.EXACT_DELTA, EVEN_L=cfg.EVEN_L)
     st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
-    # Masking binds where some key of this consumer lies past S (the zero keys TMA filled in
-    # score 0, and exp2(0 - lse2) need not be small) or outside some row's band: above its
-    # diagonal (IS_CAUSAL) or left of its window (WINDOW_LEFT).
-    if IS_CAUSAL:
-        needs_mask = (m + causal_offset < k0 + KC - 1) | (k0 + KC > S)
+    st = _mask_scores(cfg, prob, st, key_ids, q_ids, keys.k0, m)
+    if cfg.HAS_KEY_BIAS:
+        pt = gl.exp2((st * prob.qk_scale + gl.expand_dims(key_bias, 1)) - gl.expand_dims(lse2, 0))
     else:
-        needs_mask = k0 + KC > S
-    if WINDOW_LEFT:
-        needs_mask = needs_mask | (k0 < m + BLOCK_M - 1 + window_lower)
+        pt = gl.exp2(st * prob.qk_scale - gl.expand_dims(lse2, 0))
+    if cfg.EXACT_DELTA:
+        pt = _rounded(pt, dtype=cfg.dtype)  # P̃, as the forward rounded it; dS takes the same values
+    pt_op = gl.convert_layout(pt.to(cfg.dtype), cfg.a_layout)
+    return pt, pt_op, dpt_tok, delta, q_tile, do_tile, row_base, st_tok
+
+
+@gluon.jit
+def _mask_scores(cfg, prob, st, key_ids, q_ids, k0, m):
+    """Sᵀ with the invisible scores at -inf. Masking binds where some key of this consumer lies past
+    S (the zero keys TMA filled in score 0, and exp2(0 - lse2) need not be small) or outside some
+    row's band: above its diagonal (IS_CAUSAL) or left of its window (WINDOW_LEFT)."""
+    KC: gl.constexpr = cfg.KC
+    if cfg.IS_CAUSAL:
+        needs_mask = (m + prob.causal_offset < k0 + KC - 1) | (k0 + KC > prob.S)
+    else:
+        needs_mask = k0 + KC > prob.S
+    if cfg.WINDOW_LEFT:
+        needs_mask = needs_mask | (k0 < m + cfg.BLOCK_M - 1 + prob.window_lower)
     if needs_mask:
-        visible = gl.expand_dims(key_ids < S, 1)
-        if IS_CAUSAL:
-            visible = visible & (gl.expand_dims(key_ids, 1) <= gl.expand_dims(q_ids, 0) + causal_offset)
-        if WINDOW_LEFT:
-            visible = visible & (gl.expand_dims(key_ids, 1) >= gl.expand_dims(q_ids, 0) + window_lower)
+        visible = gl.expand_dims(key_ids < prob.S, 1)
+        if cfg.IS_CAUSAL:
+            visible = visible & (gl.expand_dims(key_ids, 1) <= gl.expand_dims(q_ids, 0) + prob.causal_offset)
+        if cfg.WINDOW_LEFT:
+            visible = visible & (gl.expand_dims(key_ids, 1) >= gl.expand_dims(q_ids, 0) + prob.window_lower)
         st = gl.where(visible, st, float("-inf"))
-    if HAS_KEY_BIAS:
-        pt = gl.exp2((st * qk_scale + gl.expand_dims(key_bias, 1)) - gl.expand_dims(lse2, 0))
-    else:
-        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-    if EXACT_DELTA:
-        pt = _rounded(pt, dtype)  # P̃, as the forward rounded it; dS takes the same values
-    pt_op = gl.convert_layout(pt.to(dtype), a_layout)
+    return st
+
+
+@gluon.jit
+def _tile_mmas(cfg, bufs, keys, t, slot, pt, pt_op, dpt_tok, delta, q_tile, do_tile, dv, dk, st_tok, next_t,
+               CONSUMER: gl.constexpr, ISSUE_NEXT: gl.constexpr):
+    """dV += Pᵀ·dO, dSᵀ, dK += dSᵀ·Q and the tile's dQ = dS·K, waited for (under ISSUE_NEXT with the
+    next tile's Sᵀ issued first); the tile's ring slot released. Returns (dv, dk, dq, st_tok)."""
+    KC: gl.constexpr = cfg.KC
     # dV += Pᵀ·dO runs while dSᵀ is formed (wgmma groups retire in issue order, so one
     # outstanding after dPᵀ's wait means dPᵀ is done, dV may not be).
     dv_tok = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt_tok, ))
-    if EXACT_DELTA:
+    if cfg.EXACT_DELTA:
         # One FFMA per score, dP·ds_up - Δ·ds_up; a power of two commutes with the rounding.
-        dst = pt * (dpt * ds_up - gl.expand_dims(delta * ds_up, 0))
+        dst = pt * (dpt * keys.ds_up - gl.expand_dims(delta * keys.ds_up, 0))
     else:
         dst = pt * (dpt - gl.expand_dims(delta, 0))
-    dst16 = dst.to(dtype)
-    ds_op = gl.convert_layout(dst16, a_layout)
+    dst16 = dst.to(cfg.dtype)
+    ds_op = gl.convert_layout(dst16, cfg.a_layout)
     dk_tok = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
-    if DQ_SPLIT:
+    if cfg.DQ_SPLIT:
         # Double-buffered by tile parity: a consumer reaches tile t + 2's store only after the
         # other has arrived for tile t + 1, i.e. after its dQ GEMM of tile t retired.
-        buf = ds_smem.index(t % 2)
+        ds = bufs.ds_ring
+        buf = bufs.ds_smem.index(ds.slot(t))
         buf.slice(CONSUMER * KC, KC, dim=0).store(dst16)
         fence_async_shared()
-        mbarrier.arrive(ds_ready.index(t % 2), count=1)
-        mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
-        dq_tok = warpgroup_mma(buf.permute((1, 0)), k_all, dq_zero, use_acc=False, is_async=True)
+        mbarrier.arrive(ds.ready.index(ds.slot(t)), count=1)
+        ds.wait_ready_at(ds.slot(t), t)
+        dq_tok = warpgroup_mma(buf.permute((1, 0)), keys.k_all, keys.dq_zero, use_acc=False, is_async=True)
     else:
-        buf = ds_smem.index(CONSUMER)
+        buf = bufs.ds_smem.index(CONSUMER)
         buf.store(dst16)
         fence_async_shared()
-        dq_tok = warpgroup_mma(buf.permute((1, 0)), kq_tile, dq_zero, use_acc=False, is_async=True)
+        dq_tok = warpgroup_mma(buf.permute((1, 0)), keys.kq_tile, keys.dq_zero, use_acc=False, is_async=True)
     if ISSUE_NEXT:
         # The next tile's Sᵀ goes to the tensor cores before this tile's GEMMs are waited for, so
         # that it runs under this tile's dQ epilogue. In straight-line code only: a token carried
         # over the loop's back edge makes ptxas serialise every wgmma (tools/wgmma_overlap_probe.py).
-        next_slot = next_t % NUM_STAGES
-        mbarrier.wait(q_ready.index(next_slot), (next_t // NUM_STAGES) & 1)
-        st_tok = warpgroup_mma(k_tile, q_smem.index(next_slot).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), s_zero,
-                               use_acc=False, is_async=True)
+        next_slot = bufs.ring.slot(next_t)
+        bufs.ring.wait_ready_at(next_slot, next_t)
+        st_tok = warpgroup_mma(keys.k_tile,
+                               bufs.q_smem.index(next_slot).reshape([cfg.BLOCK_M, cfg.HEAD_DIM]).permute((1, 0)),
+                               keys.s_zero, use_acc=False, is_async=True)
         dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
     else:
         # pt_op/ds_op stay in deps so their registers are not reused under the running wgmma.
         dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, pt_op, ds_op))
-    mbarrier.arrive(q_empty.index(slot), count=1)
-    # The softmax scale goes on in fp32 here, after the cast of dS, so dS's rounding is FA2's.
-    dq = dq * grad_scale
-    if DQ_TMA:
-        # The reduce issued a tile ago must have read the shared tile before it is rewritten.
-        # Query rows past L are clipped by the descriptor, as a TMA store clips them.
-        tma.store_wait(pendings=0)
-        dq_tile.reshape([BLOCK_M, DQ_COLS]).store(dq)
-        fence_async_shared()
-        async_reduce_add_shared_to_global(dq_desc, [b, h, m, dq_col0], dq_tile)
-    else:
-        dq_rows = m + dq_rows0
-        dq_ptrs = (DQ_ACCUM + (row_base + gl.expand_dims(dq_rows, 1)) * HEAD_DIM + gl.expand_dims(dq_cols, 0))
-        gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(dq_rows < L, 1), sem="relaxed")
-    return dv, dk, st_tok
+    bufs.ring.release(slot)
+    return dv, dk, dq, st_tok

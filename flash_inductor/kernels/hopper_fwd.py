@@ -32,21 +32,32 @@ Symbols (per consumer warpgroup, which owns BLOCK_M query rows of one (batch, he
            (an integer, +inf for a row with no key) and g = exp2(c - m_i) / l_rnd (0 there): the
            backward's P is g · round(exp2(s·qk_scale - c)), whatever the rounding of g.
 
-Constexpr switches:
+Constexpr switches that say what is computed:
   HEAD_DIM      E, the head dim of Q, K and V (64 or 128; one TMA box covers it).
-  BLOCK_M       query rows per consumer warpgroup (64: one m64 wgmma row block).
-  BLOCK_N       keys per tile (the N of Q·Kᵀ and the K of P·V).
-  NUM_STAGES    depth of the K/V shared-memory ring the loader fills ahead of the consumers.
-  NUM_CONSUMERS consumer warpgroups per CTA; the CTA owns NUM_CONSUMERS·BLOCK_M query rows and
-                every consumer reads every K/V tile of the ring (so K/V are loaded once per CTA).
   IS_CAUSAL     key j is visible to query i iff j <= i + causal_offset (0: top-left, SDPA's).
   WINDOW_LEFT   a sliding window's left side (launch/band.py): key j is visible to query i only
                 if also j >= i + window_lower. The CTA's loop starts at the first key tile its top
                 row can see, so tiles wholly left of the band are never loaded.
-  EXACT_DELTA   the integer max, the rounded sum, and the residual and row constants above.
   HAS_KEY_BIAS  a key mask, one value per key (``launch.hopper.key_bias``): KEY_BIAS is (B, H, S)
                 fp32 in base 2 (0 to attend, -inf to hide, an additive mask times log2 e), added
                 to each tile's scaled scores; a mask that varies along the queries never gets here.
+  HAS_BLOCK_SPARSITY a block-sparse layout (``launch/block_tiles.py``): each block walks the key tiles
+                listed for it, TILE_LISTS[b, h, block] = (count, tile, tile, ...) in ascending order,
+                rather than a contiguous range. The launcher takes only layouts whose blocks hold
+                whole CTA blocks and key tiles, so a listed tile is computed everywhere and the
+                select needs only the band and S, by position, as a dense tile does. A block with no
+                listed tile runs one tile with S taken as 0 (all masked: output 0, LSE -inf).
+
+Switches that change the numerics (the rounding; within the schedule's contract):
+  EXACT_DELTA   the integer max, the rounded sum, and the residual and row constants above.
+  BLOCK_N       keys per tile (the N of Q·Kᵀ and the K of P·V): the tile over which a row max is
+                taken, so the sequence of rescalings of acc and l_i.
+
+Speed only, tuned (tuning/hopper_configs.py; the results are bitwise the same whatever they are):
+  BLOCK_M       query rows per consumer warpgroup (64: one m64 wgmma row block; not tuned).
+  NUM_STAGES    depth of the K/V shared-memory ring the loader fills ahead of the consumers.
+  NUM_CONSUMERS consumer warpgroups per CTA; the CTA owns NUM_CONSUMERS·BLOCK_M query rows and
+                every consumer reads every K/V tile of the ring (so K/V are loaded once per CTA).
   PINGPONG      the consumers take turns issuing their MMAs (a token passed round-robin through
                 mbarriers, FA3's warp scheduler barrier), so one warpgroup's softmax runs while
                 the next one's GEMMs own the tensor cores, rather than all contending at once.
@@ -65,21 +76,24 @@ Constexpr switches:
                 Q·Kᵀ has retired, and stages O in a tile of its own (o_smem), so the next item's Q
                 and K/V tiles load during the epilogue. The K/V ring and the ping-pong rounds count
                 on across items (``_consume_block``'s base and it).
-  HAS_BLOCK_SPARSITY a block-sparse layout (``launch/block_tiles.py``): each block walks the key tiles
-                listed for it, TILE_LISTS[b, h, block] = (count, tile, tile, ...) in ascending order,
-                rather than a contiguous range. The launcher takes only layouts whose blocks hold
-                whole CTA blocks and key tiles, so a listed tile is computed everywhere and the
-                select needs only the band and S, by position, as a dense tile does. A block with no
-                listed tile runs one tile with S taken as 0 (all masked: output 0, LSE -inf).
   swizzle_heads the grid order (``_block_coords``): CTAs walk the (batch, head)s in groups of
                 this many, query block by query block within a group (longest first under causal
                 masking). 1: each head's blocks together; B·H: every head's longest block first.
+  CONSUMER_REGS, LOADER_REGS the registers setmaxnreg gives each consumer warpgroup and the loader.
 
 Schedule (per consumer, FA3's intra-warpgroup overlap): the Q·Kᵀ of tile j is issued before
 the P·V of tile j-1, so the softmax of tile j runs while the tensor cores finish P·V of j-1;
 the consumers are independent partitions, so one warpgroup's softmax also overlaps the other's
 MMAs. Tiles between the band's edges (below the causal diagonal, right of the window's left
 side) and inside S skip the visibility select.
+
+Code (Triton's Gluon attention example and FA3's CuTe port): ``FwdConfig`` holds the switches
+and layouts, sizes taken from the descriptors; ``FwdProblem`` the call's scalars and pointers;
+``FwdBuffers`` the shared memory and barriers, whose rings (``hopper_pipeline.Ring``) own the slot
+and phase arithmetic (hopper_fwd_state.py). ``FwdScheduler`` is the one place PERSISTENT is read:
+it runs the loader's and each consumer's blocks (``_load_block``, ``_consume_block``) and owns what
+a persistent block does differently. ``_fwd_tile`` is one key tile's step (FA3's
+``mma_one_n_block``). Every partition takes (scheduler, descriptors[, consumer]).
 """
 
 from triton.experimental import gluon
@@ -91,43 +105,214 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.language.core import _aggregate as aggregate
+from triton.language.core import base_value
 
 from .grid_order import ordered_cell
+from .hopper_fwd_state import FwdBuffers, FwdConfig, FwdDescs, FwdProblem, allocate
+from .hopper_pipeline import Scalar, TileLists, field
 
 LN2 = gl.constexpr(0.6931471805599453)
 
 
+@aggregate
+class FwdScheduler:
+    """Which query blocks a CTA computes, and what that changes for a block: the one place
+    PERSISTENT is read. Grid: the CTA's cell (``_block_coords``), one block. PERSISTENT: the
+    CTA's own index first, then blocks claimed from WORK_COUNTER, in the grid's order; the loader
+    claims them and hands each to the consumers through the two-deep item ring, O is staged in
+    tiles of its own (so the next block's Q can land meanwhile), and Q's tile is released per block.
+    The K/V ring's count (``base``) and the blocks' count (``it``) run on across blocks."""
+    cfg: FwdConfig
+    prob: FwdProblem
+    bufs: FwdBuffers
+
+    @gluon.constexpr_function
+    def __init__(self, cfg, prob, bufs):
+        self.cfg = field(cfg)
+        self.prob = field(prob)
+        self.bufs = field(bufs)
+
+    @gluon.jit
+    def run_loader(self, descs):
+        cfg = self.cfg
+        prob = self.prob
+        if cfg.PERSISTENT:
+            blocks = gl.cdiv(prob.L, cfg.ROWS)
+            num_items = blocks * prob.BH
+            item = gl.program_id(0)
+            it = 0
+            base = 0  # ring tiles loaded for earlier items
+            while item < num_items:
+                # The next item is claimed now, so the atomic's latency hides under this item's loads.
+                next_item = gl.num_programs(0) + gl.atomic_add(prob.WORK_COUNTER, 1)
+                self.hand_item(item, it)
+                start_m, b, h = _item_coords(cfg, prob, item, blocks, prob.BH)
+                n_tiles = _load_block(cfg, prob, descs, self.bufs, self, start_m, b, h, it, base)
+                base += n_tiles
+                it += 1
+                item = next_item
+            # The consumers stop at an item past the last.
+            self.hand_item(item, it)
+        else:
+            start_m, b, h = _block_coords(cfg, prob)
+            _load_block(cfg, prob, descs, self.bufs, self, start_m, b, h, 0, 0)
+
+    @gluon.jit
+    def run_consumer(self, descs, CONSUMER: gl.constexpr):
+        cfg = self.cfg
+        prob = self.prob
+        if cfg.PERSISTENT:
+            if cfg.EXACT_DELTA:
+                _store_ones(cfg, self.bufs.ones_smem, CONSUMER=CONSUMER)
+            blocks = gl.cdiv(prob.L, cfg.ROWS)
+            it = 0
+            base = 0  # ring tiles consumed for earlier items
+            item = self.take_item(0)
+            while item < blocks * prob.BH:
+                start_m, b, h = _item_coords(cfg, prob, item, blocks, prob.BH)
+                n_tiles = _consume_block(cfg, prob, descs, self.bufs, self, start_m, b, h, it, base, CONSUMER=CONSUMER)
+                base += n_tiles
+                it += 1
+                item = self.take_item(it)
+            tma.store_wait(pendings=0)  # the last block's stores
+        else:
+            start_m, b, h = _block_coords(cfg, prob)
+            _consume_block(cfg, prob, descs, self.bufs, self, start_m, b, h, 0, 0, CONSUMER=CONSUMER)
+
+    @gluon.jit
+    def hand_item(self, item, it):
+        """Publish work item ``item`` (the loader's it-th) in its slot of the item ring."""
+        items = self.bufs.items
+        slot = items.slot(it)
+        items.wait_free_at(slot, it)
+        self.bufs.item_smem.index(slot).store(gl.full([1], item, gl.int32,
+                                                      layout=gl.BlockedLayout([1], [32], [1], [0])))
+        mbarrier.arrive(items.ready.index(slot), count=1)
+
+    @gluon.jit
+    def take_item(self, it):
+        """The consumers' side of ``hand_item``: the it-th work item, its slot released."""
+        items = self.bufs.items
+        slot = items.slot(it)
+        items.wait_ready_at(slot, it)
+        item = gl.max(self.bufs.item_smem.index(slot).load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+        items.release(slot)
+        return item
+
+    @gluon.jit
+    def store_ones_for_block(self, CONSUMER: gl.constexpr):
+        """EXACT_DELTA's ones tile, where a block stores it: in the grid every block (once per CTA);
+        under PERSISTENT ``run_consumer`` has stored it before the first block."""
+        if not self.cfg.PERSISTENT:
+            _store_ones(self.cfg, self.bufs.ones_smem, CONSUMER=CONSUMER)
+
+    @gluon.jit
+    def wait_q_free(self, it, c: gl.constexpr):
+        if self.cfg.PERSISTENT:
+            # Consumer c frees its Q tile once the item's last Q·Kᵀ has retired.
+            mbarrier.wait(self.bufs.q_empty.index(c), (it & 1) ^ 1)
+
+    @gluon.jit
+    def release_q(self, CONSUMER: gl.constexpr):
+        if self.cfg.PERSISTENT:
+            # Every Q·Kᵀ of the block has retired: the loader may bring the next block's Q.
+            mbarrier.arrive(self.bufs.q_empty.index(CONSUMER), count=1)
+
+    @gluon.jit
+    def heads(self):
+        """B·H, the row constants' plane is heads · L rows."""
+        if self.cfg.PERSISTENT:
+            return self.prob.BH
+        else:
+            return gl.num_programs(1)
+
+    @gluon.jit
+    def store_o(self, descs, out32, out, b, h, row0, CONSUMER: gl.constexpr):
+        """O (and under EXACT_DELTA its residual) through a shared tile and TMA stores, which clip
+        rows >= L. Grid: Q's tile (its last wgmma has retired), each store waited for. PERSISTENT:
+        O's own tile; the previous block's stores must have read it first, and this block's are
+        waited for by the next."""
+        cfg = self.cfg
+        if cfg.PERSISTENT:
+            stage = self.bufs.o_smem.index(CONSUMER)
+            tma.store_wait(pendings=0)
+        else:
+            stage = self.bufs.q_smem.index(CONSUMER)
+        o_tile = stage.reshape([cfg.BLOCK_M, cfg.HEAD_DIM])
+        o_tile.store(out)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(descs.o, [b, h, row0, 0], stage)
+        if not cfg.PERSISTENT:
+            tma.store_wait(pendings=0)
+        if cfg.EXACT_DELTA:
+            if cfg.PERSISTENT:
+                tma.store_wait(pendings=0)
+            o_tile.store((out32 - out.to(gl.float32)).to(cfg.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(descs.r, [b, h, row0, 0], stage)
+            if not cfg.PERSISTENT:
+                tma.store_wait(pendings=0)
+
+
+@aggregate
+class RowTiles:
+    """What one consumer's rows see of its block's ring tiles: ring tile t holds key tile lo + t
+    (under HAS_BLOCK_SPARSITY the t-th listed, ``tiles``, else None); S as the block sees it (0
+    where nothing is listed); tiles lo_full <= j < n_full are wholly visible to every one of
+    these rows (no select). ``bias_row``: the key bias of the block's head (HAS_KEY_BIAS)."""
+    lo: Scalar
+    tiles: Scalar
+    S: Scalar
+    n_full: Scalar
+    lo_full: Scalar
+    row_ids: gl.tensor
+    bias_row: gl.tensor
+    key_offsets: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, lo, tiles, S, n_full, lo_full, row_ids, bias_row, key_offsets):
+        self.lo = field(lo)
+        self.tiles = field(tiles)
+        self.S = field(S)
+        self.n_full = field(n_full)
+        self.lo_full = field(lo_full)
+        self.row_ids = field(row_ids)
+        self.bias_row = field(bias_row)
+        self.key_offsets = field(key_offsets)
+
+
 @gluon.jit
-def _tile_range(row0, S, causal_offset, window_lower, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr):
+def _tile_range(cfg, prob, row0, S, ROWS: gl.constexpr):
     """The key tiles rows [row0, row0 + ROWS) visit: (first tile, tile count, n_full, lo_full).
     Tiles lo_full <= j < n_full are wholly visible to every one of those rows (no select).
 
     At least one tile is visited, so a block whose rows see no key still runs the loop once and
     leaves l_i = 0 (output 0, LSE -inf) instead of an unwritten output."""
-    if IS_CAUSAL:
-        hi = gl.minimum(S, row0 + ROWS + causal_offset)
-        n_full = gl.minimum(row0 + causal_offset + 1, S) // BLOCK_N
+    BLOCK_N: gl.constexpr = cfg.BLOCK_N
+    if cfg.IS_CAUSAL:
+        hi = gl.minimum(S, row0 + ROWS + prob.causal_offset)
+        n_full = gl.minimum(row0 + prob.causal_offset + 1, S) // BLOCK_N
     else:
         hi = S
         n_full = S // BLOCK_N
     end = gl.cdiv(gl.maximum(hi, 1), BLOCK_N)
     lo = 0
     lo_full = 0
-    if WINDOW_LEFT:
+    if cfg.WINDOW_LEFT:
         # The top row's left side gives the first tile; the bottom row's, the first tile that
         # every row sees from its first key on.
-        lo = gl.minimum(gl.maximum(row0 + window_lower, 0) // BLOCK_N, end - 1)
-        lo_full = gl.cdiv(gl.maximum(row0 + ROWS - 1 + window_lower, 0), BLOCK_N)
+        lo = gl.minimum(gl.maximum(row0 + prob.window_lower, 0) // BLOCK_N, end - 1)
+        lo_full = gl.cdiv(gl.maximum(row0 + ROWS - 1 + prob.window_lower, 0), BLOCK_N)
     return lo, end - lo, gl.maximum(n_full, 0), lo_full
 
 
 @gluon.jit
-def _listed_range(TILE_LISTS, b, h, start_m, S, stride_lb, stride_lh, list_stride, ROWS: gl.constexpr):
+def _listed_range(cfg, prob, b, h, start_m, S):
     """(tile count, the list of tiles, S as the block sees it) of the block at (start_m, b, h) under
     HAS_BLOCK_SPARSITY: at least one tile, and S taken as 0 where none is listed, so that the one
     tile run (the list's first entry, a skipped one) is wholly masked."""
-    row = TILE_LISTS + b.to(gl.int64) * stride_lb + h * stride_lh + (start_m // ROWS) * list_stride
+    row = prob.lists.row(b, h, start_m, BLOCK=cfg.ROWS)
     count = gl.load(row)
     return gl.maximum(count, 1), row + 1, gl.where(count > 0, S, 0)
 
@@ -142,144 +327,85 @@ def _key_tile(lo, t, tiles, HAS_BLOCK_SPARSITY: gl.constexpr):
 
 
 @gluon.jit
-def _hopper_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
-                       q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, item_smem, item_ready, item_empty,
-                       WORK_COUNTER, BH, L, S, H, GROUP, causal_offset, window_lower,
-                       TILE_LISTS, stride_lb, stride_lh, list_stride,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                       NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-                       PERSISTENT: gl.constexpr, HAS_BLOCK_SPARSITY: gl.constexpr, swizzle_heads):
-    """One warp: Q once per consumer, then K/V tiles into the ring as slots free up; under
-    PERSISTENT, item after item, each handed to the consumers before its loads."""
-    ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
-    if PERSISTENT:
-        blocks = gl.cdiv(L, ROWS)
-        num_items = blocks * BH
-        item = gl.program_id(0)
-        it = 0
-        base = 0  # ring tiles loaded for earlier items
-        while item < num_items:
-            # The next item is claimed now, so the atomic's latency hides under this item's loads.
-            next_item = gl.num_programs(0) + gl.atomic_add(WORK_COUNTER, 1)
-            _hand_item(item, it, item_smem, item_ready, item_empty)
-            start_m, b, h = _item_coords(item, blocks, BH, H, swizzle_heads, ROWS, IS_CAUSAL)
-            n_tiles = _load_block(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                                 k_empty, v_empty, start_m, b, h, it, base, S, GROUP, causal_offset, window_lower,
-                                 TILE_LISTS, stride_lb, stride_lh, list_stride, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                 NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PERSISTENT, HAS_BLOCK_SPARSITY)
-            base += n_tiles
-            it += 1
-            item = next_item
-        # The consumers stop at an item past the last.
-        _hand_item(item, it, item_smem, item_ready, item_empty)
-    else:
-        start_m, b, h = _block_coords(H, swizzle_heads, ROWS, IS_CAUSAL)
-        _load_block(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                   k_empty, v_empty, start_m, b, h, 0, 0, S, GROUP, causal_offset, window_lower,
-                   TILE_LISTS, stride_lb, stride_lh, list_stride, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
-                   IS_CAUSAL, WINDOW_LEFT, PERSISTENT, HAS_BLOCK_SPARSITY)
-
-
-@gluon.jit
-def _hand_item(item, it, item_smem, item_ready, item_empty):
-    """Publish work item ``item`` (the loader's it-th) in its slot of the two-deep item ring."""
-    slot = it % 2
-    mbarrier.wait(item_empty.index(slot), ((it // 2) & 1) ^ 1)
-    item_smem.index(slot).store(gl.full([1], item, gl.int32, layout=gl.BlockedLayout([1], [32], [1], [0])))
-    mbarrier.arrive(item_ready.index(slot), count=1)
-
-
-@gluon.jit
-def _take_item(it, item_smem, item_ready, item_empty):
-    """The consumers' side of ``_hand_item``: the it-th work item, its slot released."""
-    slot = it % 2
-    mbarrier.wait(item_ready.index(slot), (it // 2) & 1)
-    item = gl.max(item_smem.index(slot).load(gl.BlockedLayout([1], [32], [4], [0])), 0)
-    mbarrier.arrive(item_empty.index(slot), count=1)
-    return item
-
-
-@gluon.jit
-def _load_block(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-               k_empty, v_empty, start_m, b, h, it, base, S, GROUP, causal_offset, window_lower,
-               TILE_LISTS, stride_lb, stride_lh, list_stride, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
-               WINDOW_LEFT: gl.constexpr, PERSISTENT: gl.constexpr, HAS_BLOCK_SPARSITY: gl.constexpr):
-    """The loads of one block (the CTA's it-th; ``base`` ring tiles before it). Returns its tile count."""
-    ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
-    h_kv = h // GROUP  # grouped-query attention: K/V heads are indexed, never repeated
-    for c in gl.static_range(NUM_CONSUMERS):
-        if PERSISTENT:
-            # Consumer c frees its Q tile once the item's last Q·Kᵀ has retired.
-            mbarrier.wait(q_empty.index(c), (it & 1) ^ 1)
-        mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, start_m + c * BLOCK_M, 0], q_ready.index(c), q_smem.index(c))
-    lo, n_tiles, _, _ = _tile_range(start_m, S, causal_offset, window_lower, ROWS, BLOCK_N, IS_CAUSAL, WINDOW_LEFT)
-    if HAS_BLOCK_SPARSITY:
-        n_tiles, tiles, _ = _listed_range(TILE_LISTS, b, h, start_m, S, stride_lb, stride_lh, list_stride, ROWS)
-    else:
-        tiles = TILE_LISTS  # not read
-    # t counts the item's ring tiles from 0; the key tile it holds is lo + t (or the t-th listed),
-    # its ring index base + t.
-    for t in range(n_tiles):
-        slot = (base + t) % NUM_STAGES
-        key0 = _key_tile(lo, t, tiles, HAS_BLOCK_SPARSITY) * BLOCK_N
-        # A fresh mbarrier counts as having completed the phase before phase 0, so the first
-        # pass over the ring waits on parity 1 and goes straight through.
-        empty_phase = (((base + t) // NUM_STAGES) & 1) ^ 1
-        mbarrier.wait(k_empty.index(slot), empty_phase)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, h_kv, key0, 0], k_ready.index(slot), k_smem.index(slot))
-        # V has its own barriers so Q·Kᵀ can start before V lands.
-        mbarrier.wait(v_empty.index(slot), empty_phase)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, h_kv, key0, 0], v_ready.index(slot), v_smem.index(slot))
-    return n_tiles
-
-
-@gluon.jit
-def _block_coords(H, swizzle_heads, ROWS: gl.constexpr, IS_CAUSAL: gl.constexpr):
+def _block_coords(cfg, prob):
     """(first query row, batch, head) of this CTA: the grid is (query blocks, B·H), walked in the
     order ``swizzle_heads`` sets (``grid_order.py``). Causal blocks run in reverse row order, so
     each group's longest (bottom) blocks start first and short ones fill the tail."""
     blocks = gl.num_programs(0)
-    return _item_coords(gl.program_id(1) * blocks + gl.program_id(0), blocks, gl.num_programs(1), H, swizzle_heads,
-                        ROWS, IS_CAUSAL)
+    return _item_coords(cfg, prob, gl.program_id(1) * blocks + gl.program_id(0), blocks, gl.num_programs(1))
 
 
 @gluon.jit
-def _item_coords(item, blocks, BH, H, swizzle_heads, ROWS: gl.constexpr, IS_CAUSAL: gl.constexpr):
+def _item_coords(cfg, prob, item, blocks, BH):
     """``_block_coords`` of work item ``item`` (a CTA's linear index in the grid, or a persistent
     CTA's claimed block): the order ``swizzle_heads`` sets over (blocks, B·H)."""
-    pid_m, bh = ordered_cell(item, blocks, BH, swizzle_heads)
-    if IS_CAUSAL:
+    pid_m, bh = ordered_cell(item, blocks, BH, prob.swizzle_heads)
+    if cfg.IS_CAUSAL:
         pid_m = blocks - 1 - pid_m
-    return pid_m * ROWS, bh // H, bh % H
+    return pid_m * cfg.ROWS, bh // prob.H, bh % prob.H
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale, bias, row_ids, j, n_full, lo_full, S, causal_offset, window_lower,
-                  s_layout: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-                  dtype: gl.constexpr, EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr):
+def _hopper_fwd_loader(sched, descs):
+    """One warp: Q once per consumer, then K/V tiles into the ring as slots free up; under
+    PERSISTENT, item after item, each handed to the consumers before its loads."""
+    sched.run_loader(descs)
+
+
+@gluon.jit
+def _load_block(cfg, prob, descs, bufs, sched, start_m, b, h, it, base):
+    """The loads of one block (the CTA's it-th; ``base`` ring tiles before it). Returns its tile count."""
+    h_kv = h // prob.GROUP  # grouped-query attention: K/V heads are indexed, never repeated
+    for c in gl.static_range(cfg.NUM_CONSUMERS):
+        sched.wait_q_free(it, c=c)
+        mbarrier.expect(bufs.q_ready.index(c), descs.q.block_type.nbytes)
+        tma.async_copy_global_to_shared(descs.q, [b, h, start_m + c * cfg.BLOCK_M, 0], bufs.q_ready.index(c),
+                                        bufs.q_smem.index(c))
+    lo, n_tiles, _, _ = _tile_range(cfg, prob, start_m, prob.S, ROWS=cfg.ROWS)
+    if cfg.HAS_BLOCK_SPARSITY:
+        n_tiles, tiles, _ = _listed_range(cfg, prob, b, h, start_m, prob.S)
+    else:
+        tiles = None
+    kv = bufs.kv
+    vv = bufs.vv
+    # t counts the item's ring tiles from 0; the key tile it holds is lo + t (or the t-th listed),
+    # its ring index base + t.
+    for t in range(n_tiles):
+        slot = kv.slot(base + t)
+        key0 = _key_tile(lo, t, tiles, HAS_BLOCK_SPARSITY=cfg.HAS_BLOCK_SPARSITY) * cfg.BLOCK_N
+        empty_phase = kv.free_phase(base + t)
+        kv.wait_free(slot, empty_phase)
+        mbarrier.expect(kv.ready.index(slot), descs.k.block_type.nbytes)
+        tma.async_copy_global_to_shared(descs.k, [b, h_kv, key0, 0], kv.ready.index(slot), bufs.k_smem.index(slot))
+        # V has its own barriers so Q·Kᵀ can start before V lands.
+        vv.wait_free(slot, empty_phase)
+        mbarrier.expect(vv.ready.index(slot), descs.v.block_type.nbytes)
+        tma.async_copy_global_to_shared(descs.v, [b, h_kv, key0, 0], vv.ready.index(slot), bufs.v_smem.index(slot))
+    return n_tiles
+
+
+@gluon.jit
+def _softmax_step(cfg, prob, rows, s, m_i, l_i, bias, j):
     """Fold key tile j's unscaled scores into (m_i, l_i); returns (p, alpha, m_i, l_i), p in fp32.
     Under EXACT_DELTA p is already rounded to ``dtype`` (the rounded P's row sum is a wgmma
     against a ones tile beside P·V, ``_pv_issue``); l_i is the fp32 P's sum either way.
-    ``bias``: the tile's key bias (base 2) under HAS_KEY_BIAS, else unused."""
-    needs_select = j >= n_full
-    if WINDOW_LEFT:
-        needs_select = needs_select | (j < lo_full)
+    ``bias``: the tile's key bias (base 2) under HAS_KEY_BIAS, else None."""
+    qk_scale = prob.qk_scale
+    needs_select = j >= rows.n_full
+    if cfg.WINDOW_LEFT:
+        needs_select = needs_select | (j < rows.lo_full)
     if needs_select:
         # Diagonal, window-edge or ragged-tail tile: keys past S (zero rows that TMA filled in;
         # the 4-D descriptor clips per head, so they are never another head's keys) and keys
         # outside the band go to -inf.
-        cols = gl.expand_dims(j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
-        visible = cols < S
-        if IS_CAUSAL:
-            visible = visible & (cols <= gl.expand_dims(row_ids, 1) + causal_offset)
-        if WINDOW_LEFT:
-            visible = visible & (cols >= gl.expand_dims(row_ids, 1) + window_lower)
+        cols = gl.expand_dims(j * cfg.BLOCK_N + gl.arange(0, cfg.BLOCK_N, layout=gl.SliceLayout(0, cfg.s_layout)), 0)
+        visible = cols < rows.S
+        if cfg.IS_CAUSAL:
+            visible = visible & (cols <= gl.expand_dims(rows.row_ids, 1) + prob.causal_offset)
+        if cfg.WINDOW_LEFT:
+            visible = visible & (cols >= gl.expand_dims(rows.row_ids, 1) + prob.window_lower)
         s = gl.where(visible, s, float("-inf"))
-    if HAS_KEY_BIAS:
+    if cfg.HAS_KEY_BIAS:
         # Scaled scores plus the key bias, one FFMA per score. The one-pass backward forms its
         # scores in the same order (kernels/hopper_bwd.py), so its P rounds as this one does.
         s = s * qk_scale + gl.expand_dims(bias, 0)
@@ -288,61 +414,82 @@ def _softmax_step(s, m_i, l_i, qk_scale, bias, row_ids, j, n_full, lo_full, S, c
         # Max on the unscaled scores, scaled once: exact for qk_scale > 0 (x -> fl(c·x) is
         # monotonic), and exp2's argument below is then a single FFMA per score.
         tile_max = gl.max(s, 1) * qk_scale
-    if EXACT_DELTA:
+    if cfg.EXACT_DELTA:
         tile_max = gl.ceil(tile_max)  # -inf stays -inf
     m_new = gl.maximum(m_i, tile_max)
     m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_ref)
-    if HAS_KEY_BIAS:
+    if cfg.HAS_KEY_BIAS:
         p = gl.exp2(s - gl.expand_dims(m_ref, 1))
     else:
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_ref, 1))
     l_i = l_i * alpha + gl.sum(p, 1)
-    if EXACT_DELTA:
-        p = p.to(dtype)
+    if cfg.EXACT_DELTA:
+        p = p.to(cfg.dtype)
     return p, alpha, m_new, l_i
 
 
 @gluon.jit
-def _key_bias_tile(bias_row, key_offsets, j, S, BLOCK_N: gl.constexpr, HAS_KEY_BIAS: gl.constexpr):
-    """Key tile j's bias (base 2, fp32) under HAS_KEY_BIAS, -inf past S; else 0 (not read)."""
-    if HAS_KEY_BIAS:
-        cols = j * BLOCK_N + key_offsets
-        return gl.load(bias_row + cols, mask=cols < S, other=float("-inf"))
-    else:
-        return 0.0
+def _key_bias_tile(cfg, rows, j):
+    """Key tile j's bias (base 2, fp32), -inf past S (HAS_KEY_BIAS)."""
+    cols = j * cfg.BLOCK_N + rows.key_offsets
+    return gl.load(rows.bias_row + cols, mask=cols < rows.S, other=float("-inf"))
+
+
+@aggregate
+class PVAcc:
+    """O's accumulator ``acc`` and, under EXACT_DELTA, ``l_acc`` (else None): (BLOCK_M, 8) equal
+    columns, each the row sum of P as rounded, summed by a wgmma of P against a tile of ones
+    beside P·V at no ALU cost per score. Between ``issue`` and ``wait`` the members are the
+    wgmmas' tokens."""
+    acc: base_value  # a tensor, or a wgmma's token
+    l_acc: base_value
+    EXACT_DELTA: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, acc, l_acc, EXACT_DELTA):
+        self.acc = field(acc)
+        self.l_acc = field(l_acc)
+        self.EXACT_DELTA = field(EXACT_DELTA)
+
+    @gluon.jit
+    def issue(self, p_op, v_tile, ones_t):
+        """Issue P·V (and P·1 under EXACT_DELTA); returns the tokens for ``wait``."""
+        acc_tok = warpgroup_mma(p_op, v_tile, self.acc, is_async=True)
+        if self.EXACT_DELTA:
+            l_tok = warpgroup_mma(p_op, ones_t, self.l_acc, is_async=True)
+            return PVAcc(acc_tok, l_tok, EXACT_DELTA=self.EXACT_DELTA)
+        else:
+            return PVAcc(acc_tok, self.l_acc, EXACT_DELTA=self.EXACT_DELTA)
+
+    @gluon.jit
+    def wait(self, p_op):
+        """Wait for ``issue``'s MMAs; p_op stays in deps so its registers are not reused while
+        they read it. Returns (the accumulators, p_op)."""
+        if self.EXACT_DELTA:
+            acc, l_acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(self.acc, self.l_acc, p_op))
+            return PVAcc(acc, l_acc, EXACT_DELTA=self.EXACT_DELTA), p_op
+        else:
+            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(self.acc, p_op))
+            return PVAcc(acc, self.l_acc, EXACT_DELTA=self.EXACT_DELTA), p_op
+
+    @gluon.jit
+    def rescale(self, alpha, cfg):
+        """Both accumulators onto the new row max (alpha per row)."""
+        acc = self.acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, cfg.o_layout)), 1)
+        if self.EXACT_DELTA:
+            l_acc = self.l_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, cfg.l_layout)), 1)
+            return PVAcc(acc, l_acc, EXACT_DELTA=self.EXACT_DELTA)
+        else:
+            return PVAcc(acc, self.l_acc, EXACT_DELTA=self.EXACT_DELTA)
 
 
 @gluon.jit
-def _pv_issue(p_op, v_tile, acc, ones_t, l_acc, EXACT_DELTA: gl.constexpr):
-    """Issue P·V into acc and, under EXACT_DELTA, P·1 into l_acc (every column the row sum of
-    P as rounded, at no ALU cost per score). Returns the tokens for ``_pv_wait``."""
-    acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
-    if EXACT_DELTA:
-        l_tok = warpgroup_mma(p_op, ones_t, l_acc, is_async=True)
-    else:
-        l_tok = acc_tok
-    return acc_tok, l_tok
-
-
-@gluon.jit
-def _pv_wait(acc_tok, l_tok, p_op, EXACT_DELTA: gl.constexpr):
-    """Wait for ``_pv_issue``'s MMAs; p_op stays in deps so its registers are not reused while
-    they read it. Returns (acc, l_acc, p_op); l_acc is acc when not EXACT_DELTA."""
-    if EXACT_DELTA:
-        acc, l_acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, l_tok, p_op))
-    else:
-        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op))
-        l_acc = acc
-    return acc, l_acc, p_op
-
-
-@gluon.jit
-def _take_turn(turn, round, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr):
+def _take_turn(cfg, turn, round, CONSUMER: gl.constexpr):
     """Wait for this warpgroup's turn to issue MMAs in round ``round``. Consumer c waits on
     turn[c], which consumer c-1 arrives on after issuing; consumer 0 goes first (a fresh mbarrier
     passes a wait on parity 1) and thereafter waits for the last consumer's previous round."""
-    if PINGPONG:
+    if cfg.PINGPONG:
         if CONSUMER == 0:
             mbarrier.wait(turn.index(CONSUMER), (round & 1) ^ 1)
         else:
@@ -350,285 +497,217 @@ def _take_turn(turn, round, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _pass_turn(turn, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr):
-    if PINGPONG:
-        mbarrier.arrive(turn.index((CONSUMER + 1) % NUM_CONSUMERS), count=1)
+def _pass_turn(cfg, turn, CONSUMER: gl.constexpr):
+    if cfg.PINGPONG:
+        mbarrier.arrive(turn.index((CONSUMER + 1) % cfg.NUM_CONSUMERS), count=1)
 
 
 @gluon.jit
-def _release_tile(turn, round, t, k_ready, v_ready, k_empty, v_empty, CONSUMER: gl.constexpr,
-                  NUM_CONSUMERS: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ring tile t (counted over the CTA's blocks), wholly masked for this warpgroup
+def _release_tile(cfg, bufs, round, i, CONSUMER: gl.constexpr):
+    """Ring tile i (counted over the CTA's blocks), wholly masked for this warpgroup
     (SKIP_MASKED_TILES): take and pass its turn of ``round`` and release its K and V slots as if
     computed. A slot is released only once its tile has landed, so the release counts toward the
     round the loader filled (an early arrive could complete a later round's phase)."""
-    slot = t % NUM_STAGES
-    phase = (t // NUM_STAGES) & 1
-    _take_turn(turn, round, CONSUMER, PINGPONG)
-    _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
-    mbarrier.wait(k_ready.index(slot), phase)
-    mbarrier.arrive(k_empty.index(slot), count=1)
-    mbarrier.wait(v_ready.index(slot), phase)
-    mbarrier.arrive(v_empty.index(slot), count=1)
+    slot = bufs.kv.slot(i)
+    phase = bufs.kv.phase(i)
+    _take_turn(cfg, bufs.turn, round, CONSUMER=CONSUMER)
+    _pass_turn(cfg, bufs.turn, CONSUMER=CONSUMER)
+    bufs.kv.wait_ready(slot, phase)
+    bufs.kv.release(slot)
+    bufs.vv.wait_ready(slot, phase)
+    bufs.vv.release(slot)
 
 
 @gluon.jit
-def _store_ones(ones_smem, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, dtype: gl.constexpr):
+def _store_ones(cfg, ones_smem, CONSUMER: gl.constexpr):
     """This consumer's (8, keys) tile of ones, keys contiguous: the B operand (read transposed, K-major)
     of the rounded P's row sums under EXACT_DELTA. Written once per CTA."""
-    ones_smem.index(CONSUMER).store(gl.full([8, BLOCK_N], 1.0, dtype,
+    ones_smem.index(CONSUMER).store(gl.full([8, cfg.BLOCK_N], 1.0, cfg.dtype,
                                             layout=gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])))
     fence_async_shared()
 
 
 @gluon.jit
-def _hopper_fwd_consumer(o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem,
-                         q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, item_smem, item_ready, item_empty,
-                         LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower,
-                         TILE_LISTS, stride_lb, stride_lh, list_stride,
-                         qk_scale, turn, CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                         NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-                         PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr,
-                         SKIP_MASKED_TILES: gl.constexpr, PERSISTENT: gl.constexpr,
-                         HAS_BLOCK_SPARSITY: gl.constexpr, swizzle_heads):
+def _hopper_fwd_consumer(sched, descs, CONSUMER: gl.constexpr):
     """One warpgroup: BLOCK_M query rows of the CTA's block (under PERSISTENT, of each block the
     loader hands over) against every key tile the loader brings."""
-    ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
-    dtype: gl.constexpr = o_desc.dtype
-    if PERSISTENT:
-        if EXACT_DELTA:
-            _store_ones(ones_smem, CONSUMER, BLOCK_N, dtype)
-        blocks = gl.cdiv(L, ROWS)
-        it = 0
-        base = 0  # ring tiles consumed for earlier items
-        item = _take_item(0, item_smem, item_ready, item_empty)
-        while item < blocks * BH:
-            start_m, b, h = _item_coords(item, blocks, BH, H, swizzle_heads, ROWS, IS_CAUSAL)
-            n_tiles = _consume_block(o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
-                                     k_ready, v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H,
-                                     causal_offset, window_lower, TILE_LISTS, stride_lb, stride_lh, list_stride,
-                                     qk_scale, turn, start_m, b, h, it, base, CONSUMER, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                     NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                                     HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT, HAS_BLOCK_SPARSITY)
-            base += n_tiles
-            it += 1
-            item = _take_item(it, item_smem, item_ready, item_empty)
-    else:
-        start_m, b, h = _block_coords(H, swizzle_heads, ROWS, IS_CAUSAL)
-        _consume_block(o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
-                       k_ready, v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H,
-                       causal_offset, window_lower, TILE_LISTS, stride_lb, stride_lh, list_stride, qk_scale, turn,
-                       start_m, b, h, 0, 0, CONSUMER, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
-                       IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT,
-                       HAS_BLOCK_SPARSITY)
-    if PERSISTENT:
-        tma.store_wait(pendings=0)  # the last block's stores
+    sched.run_consumer(descs, CONSUMER=CONSUMER)
 
 
 @gluon.jit
-def _consume_block(o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
-                   k_ready, v_ready, k_empty, v_empty, LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H,
-                   causal_offset, window_lower, TILE_LISTS, stride_lb, stride_lh, list_stride, qk_scale, turn,
-                   start_m, b, h, it, base, CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                   IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, PINGPONG: gl.constexpr,
-                   EXACT_DELTA: gl.constexpr, HAS_KEY_BIAS: gl.constexpr, SKIP_MASKED_TILES: gl.constexpr,
-                   PERSISTENT: gl.constexpr, HAS_BLOCK_SPARSITY: gl.constexpr):
-    """This warpgroup's rows of the block at (start_m, b, h), the CTA's it-th, whose first ring
-    tile is the CTA's base-th: ring tile t sits at ring index base + t and issues in ping-pong
-    round base + it + t (each block takes its tile count plus one rounds). Returns the tile count."""
-    ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
-    dtype: gl.constexpr = o_desc.dtype
-    # wgmma accumulators: one m64 row block per warpgroup, N = the whole tile in one instruction.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    # P feeds P·V from registers: the QKᵀ accumulator's fragment is already the A-operand's.
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    rb = base + it  # the ping-pong round of ring tile t is rb + t
-
-    row0 = start_m + CONSUMER * BLOCK_M
-    row_ids = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
-    bias_row = KEY_BIAS + (b * H + h).to(gl.int64) * S  # read only under HAS_KEY_BIAS
-    key_offsets = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    # Every consumer walks the CTA's tiles (the loader's): each ring slot then gets one release
-    # from every consumer, and under PINGPONG every consumer takes the same number of turns.
-    # Under causal masking the last tiles can lie wholly above this warpgroup's diagonal (and
-    # under a window the first ones wholly left of its band); they are fully masked (p = 0),
-    # which costs their MMAs but no special case. [lo_full, n_full) is this warpgroup's own
-    # unmasked range.
-    lo, n_tiles, _, _ = _tile_range(start_m, S, causal_offset, window_lower, ROWS, BLOCK_N, IS_CAUSAL, WINDOW_LEFT)
-    if HAS_BLOCK_SPARSITY:
+def _row_tiles(cfg, prob, start_m, b, h, row0):
+    """This warpgroup's ``RowTiles`` of the block at (start_m, b, h), and (n_tiles, n_run, t0): it
+    walks the CTA's n_tiles ring tiles (the loader's), so that each ring slot gets one release from
+    every consumer and under PINGPONG every consumer takes the same number of turns, and computes
+    tiles t0 <= t < n_run of them. Under causal masking the last tiles can lie wholly above this
+    warpgroup's diagonal (and under a window the first ones wholly left of its band); they are fully
+    masked (p = 0), which costs their MMAs but no special case, unless SKIP_MASKED_TILES only
+    releases them."""
+    row_ids = row0 + gl.arange(0, cfg.BLOCK_M, layout=cfg.row_layout)
+    bias_row = prob.KEY_BIAS + (b * prob.H + h).to(gl.int64) * prob.S  # read only under HAS_KEY_BIAS
+    key_offsets = gl.arange(0, cfg.BLOCK_N, layout=gl.SliceLayout(0, cfg.s_layout))
+    S = prob.S
+    lo, n_tiles, _, _ = _tile_range(cfg, prob, start_m, S, ROWS=cfg.ROWS)
+    if cfg.HAS_BLOCK_SPARSITY:
         # The listed tiles, in the loader's order; S as this block sees it (0 where none is listed).
-        gl.static_assert(not SKIP_MASKED_TILES, "SKIP_MASKED_TILES walks contiguous key ranges")
-        n_tiles, tiles, S = _listed_range(TILE_LISTS, b, h, start_m, S, stride_lb, stride_lh, list_stride, ROWS)
+        gl.static_assert(not cfg.SKIP_MASKED_TILES, "SKIP_MASKED_TILES walks contiguous key ranges")
+        n_tiles, tiles, S = _listed_range(cfg, prob, b, h, start_m, S)
     else:
-        tiles = TILE_LISTS  # not read
-    own_lo, own_count, n_full, lo_full = _tile_range(row0, S, causal_offset, window_lower, BLOCK_M, BLOCK_N,
-                                                     IS_CAUSAL, WINDOW_LEFT)
-    if SKIP_MASKED_TILES and IS_CAUSAL:
-        # The ring's tiles past this warpgroup's last visible one are only released (below).
+        tiles = None
+    own_lo, own_count, n_full, lo_full = _tile_range(cfg, prob, row0, S, ROWS=cfg.BLOCK_M)
+    if cfg.SKIP_MASKED_TILES and cfg.IS_CAUSAL:
+        # The ring's tiles past this warpgroup's last visible one are only released.
         n_run = gl.maximum(gl.minimum(n_tiles, own_lo + own_count - lo), 1)
     else:
         n_run = n_tiles
-    if SKIP_MASKED_TILES and WINDOW_LEFT:
+    if cfg.SKIP_MASKED_TILES and cfg.WINDOW_LEFT:
         # The ring's tiles wholly left of this warpgroup's band: released, not computed.
         t0 = gl.minimum(gl.maximum(own_lo - lo, 0), n_run - 1)
     else:
         t0 = 0
+    return RowTiles(lo, tiles, S, n_full, lo_full, row_ids, bias_row, key_offsets), n_tiles, n_run, t0
 
-    q_tile = q_smem.index(CONSUMER).reshape([BLOCK_M, HEAD_DIM])
-    mbarrier.wait(q_ready.index(CONSUMER), it & 1)
 
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    if EXACT_DELTA:
-        # l_acc: the rounded P's row sums, (BLOCK_M, 8) equal columns, rescaled with acc. The ones
-        # (stored once per CTA) are read transposed: a K-major B operand.
-        l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, 8, 16])
-        l_acc = gl.zeros([BLOCK_M, 8], gl.float32, layout=l_layout)
-        if not PERSISTENT:
-            _store_ones(ones_smem, CONSUMER, BLOCK_N, dtype)
-        ones_t = ones_smem.index(CONSUMER).permute((1, 0))
-        # P·V and P·1 are two groups: S_t's wait leaves both of them outstanding.
-        PV_GROUPS: gl.constexpr = 2
+@gluon.jit
+def _consume_block(cfg, prob, descs, bufs, sched, start_m, b, h, it, base, CONSUMER: gl.constexpr):
+    """This warpgroup's rows of the block at (start_m, b, h), the CTA's it-th, whose first ring
+    tile is the CTA's base-th: ring tile t sits at ring index base + t and issues in ping-pong
+    round base + it + t (each block takes its tile count plus one rounds). Returns the tile count."""
+    rb = base + it  # the ping-pong round of ring tile t is rb + t
+    row0 = start_m + CONSUMER * cfg.BLOCK_M
+    rows, n_tiles, n_run, t0 = _row_tiles(cfg, prob, start_m, b, h, row0)
+
+    q_tile = bufs.q_smem.index(CONSUMER).reshape([cfg.BLOCK_M, cfg.HEAD_DIM])
+    mbarrier.wait(bufs.q_ready.index(CONSUMER), it & 1)
+
+    m_i = gl.full([cfg.BLOCK_M], float("-inf"), gl.float32, layout=cfg.row_layout)
+    l_i = gl.zeros([cfg.BLOCK_M], gl.float32, layout=cfg.row_layout)
+    acc = gl.zeros([cfg.BLOCK_M, cfg.HEAD_DIM], gl.float32, layout=cfg.o_layout)
+    s_zero = gl.zeros([cfg.BLOCK_M, cfg.BLOCK_N], gl.float32, layout=cfg.s_layout)
+    if cfg.EXACT_DELTA:
+        # The ones (stored once per CTA) are read transposed: a K-major B operand.
+        accs = PVAcc(acc, gl.zeros([cfg.BLOCK_M, 8], gl.float32, layout=cfg.l_layout), EXACT_DELTA=cfg.EXACT_DELTA)
+        sched.store_ones_for_block(CONSUMER=CONSUMER)
+        ones_t = bufs.ones_smem.index(CONSUMER).permute((1, 0))
     else:
-        l_acc = acc  # unused
-        ones_t = q_tile  # unused
-        PV_GROUPS: gl.constexpr = 1
+        accs = PVAcc(acc, None, EXACT_DELTA=cfg.EXACT_DELTA)
+        ones_t = None
 
-    if SKIP_MASKED_TILES and WINDOW_LEFT:
+    if cfg.SKIP_MASKED_TILES and cfg.WINDOW_LEFT:
         for t in range(0, t0):
-            _release_tile(turn, rb + t, base + t, k_ready, v_ready, k_empty, v_empty, CONSUMER, NUM_CONSUMERS,
-                          NUM_STAGES, PINGPONG)
+            _release_tile(cfg, bufs, rb + t, base + t, CONSUMER=CONSUMER)
 
     # Prologue: S_t0 (t0 = 0 but for skipped tiles) and its softmax; no P·V is in flight yet.
-    first = (base + t0) % NUM_STAGES
-    _take_turn(turn, rb + t0, CONSUMER, PINGPONG)
-    mbarrier.wait(k_ready.index(first), ((base + t0) // NUM_STAGES) & 1)
-    k_tile = k_smem.index(first).reshape([BLOCK_N, HEAD_DIM])
+    first = bufs.kv.slot(base + t0)
+    _take_turn(cfg, bufs.turn, rb + t0, CONSUMER=CONSUMER)
+    bufs.kv.wait_ready_at(first, base + t0)
+    k_tile = bufs.k_smem.index(first).reshape([cfg.BLOCK_N, cfg.HEAD_DIM])
     s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
-    j = _key_tile(lo, t0, tiles, HAS_BLOCK_SPARSITY)
-    bias = _key_bias_tile(bias_row, key_offsets, j, S, BLOCK_N, HAS_KEY_BIAS)
+    _pass_turn(cfg, bufs.turn, CONSUMER=CONSUMER)
+    j = _key_tile(rows.lo, t0, rows.tiles, HAS_BLOCK_SPARSITY=cfg.HAS_BLOCK_SPARSITY)
+    if cfg.HAS_KEY_BIAS:
+        bias = _key_bias_tile(cfg, rows, j)
+    else:
+        bias = None
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-    mbarrier.arrive(k_empty.index(first), count=1)
-    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, bias, row_ids, j, n_full, lo_full, S,
-                                       causal_offset, window_lower, s_layout, BLOCK_N, IS_CAUSAL, WINDOW_LEFT, dtype,
-                                       EXACT_DELTA, HAS_KEY_BIAS)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    bufs.kv.release(first)
+    p, alpha, m_i, l_i = _softmax_step(cfg, prob, rows, s, m_i, l_i, bias, j)
+    p_op = gl.convert_layout(p.to(cfg.dtype), cfg.p_layout)
 
-    # t counts the block's ring tiles, as the loader does; the key tile is j.
+    # t counts the block's ring tiles, as the loader does.
     for t in range(t0 + 1, n_run):
-        slot = (base + t) % NUM_STAGES
-        phase = ((base + t) // NUM_STAGES) & 1
-        prev = (base + t - 1) % NUM_STAGES
-        prev_phase = ((base + t - 1) // NUM_STAGES) & 1
-        # Issue S_t = Q·K_tᵀ first, then P_{t-1}·V_{t-1}: the softmax of S_t below overlaps P·V.
-        _take_turn(turn, rb + t, CONSUMER, PINGPONG)
-        mbarrier.wait(k_ready.index(slot), phase)
-        k_tile = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
-        s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(prev), prev_phase)
-        v_tile = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
-        acc_tok, l_tok = _pv_issue(p_op, v_tile, acc, ones_t, l_acc, EXACT_DELTA)
-        _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
-        # The bias load's latency hides under the MMAs just issued.
-        j = _key_tile(lo, t, tiles, HAS_BLOCK_SPARSITY)
-        bias = _key_bias_tile(bias_row, key_offsets, j, S, BLOCK_N, HAS_KEY_BIAS)
-        # wgmma groups retire in issue order: with P·V's groups outstanding, S_t is done.
-        s = warpgroup_mma_wait(num_outstanding=PV_GROUPS, deps=(s_tok, ))
-        mbarrier.arrive(k_empty.index(slot), count=1)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, bias, row_ids, j, n_full, lo_full, S,
-                                           causal_offset, window_lower, s_layout, BLOCK_N, IS_CAUSAL, WINDOW_LEFT,
-                                           dtype, EXACT_DELTA, HAS_KEY_BIAS)
-        acc, l_acc, p_op = _pv_wait(acc_tok, l_tok, p_op, EXACT_DELTA)
-        mbarrier.arrive(v_empty.index(prev), count=1)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        if EXACT_DELTA:
-            l_acc = l_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l_layout)), 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        m_i, l_i, accs, p_op = _fwd_tile(cfg, prob, bufs, rows, q_tile, s_zero, ones_t, base, rb, t, m_i, l_i, accs,
+                                         p_op, CONSUMER=CONSUMER)
 
-    if PERSISTENT:
-        # Every Q·Kᵀ of the block has retired: the loader may bring the next block's Q.
-        mbarrier.arrive(q_empty.index(CONSUMER), count=1)
-    last = (base + n_run - 1) % NUM_STAGES
-    last_phase = ((base + n_run - 1) // NUM_STAGES) & 1
-    _take_turn(turn, rb + n_run, CONSUMER, PINGPONG)
-    mbarrier.wait(v_ready.index(last), last_phase)
-    v_tile = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
-    acc_tok, l_tok = _pv_issue(p_op, v_tile, acc, ones_t, l_acc, EXACT_DELTA)
-    _pass_turn(turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
-    acc, l_acc, p_op = _pv_wait(acc_tok, l_tok, p_op, EXACT_DELTA)
-    mbarrier.arrive(v_empty.index(last), count=1)
-    if SKIP_MASKED_TILES and IS_CAUSAL:
+    sched.release_q(CONSUMER=CONSUMER)
+    # The last tile's P·V.
+    last = bufs.vv.slot(base + n_run - 1)
+    last_phase = bufs.vv.phase(base + n_run - 1)
+    _take_turn(cfg, bufs.turn, rb + n_run, CONSUMER=CONSUMER)
+    bufs.vv.wait_ready(last, last_phase)
+    v_tile = bufs.v_smem.index(last).reshape([cfg.BLOCK_N, cfg.HEAD_DIM])
+    toks = accs.issue(p_op, v_tile, ones_t)
+    _pass_turn(cfg, bufs.turn, CONSUMER=CONSUMER)
+    accs, p_op = toks.wait(p_op)
+    bufs.vv.release(last)
+    if cfg.SKIP_MASKED_TILES and cfg.IS_CAUSAL:
         # Wholly masked tiles: their turns are taken and their slots released as if computed
         # (the epilogue above took round n_run).
         for t in range(n_run, n_tiles):
-            _release_tile(turn, rb + t + 1, base + t, k_ready, v_ready, k_empty, v_empty, CONSUMER, NUM_CONSUMERS,
-                          NUM_STAGES, PINGPONG)
-    if EXACT_DELTA:
+            _release_tile(cfg, bufs, rb + t + 1, base + t, CONSUMER=CONSUMER)
+    _epilogue(cfg, prob, descs, sched, rows, accs, m_i, l_i, b, h, row0, CONSUMER=CONSUMER)
+    return n_tiles
+
+
+@gluon.jit
+def _fwd_tile(cfg, prob, bufs, rows, q_tile, s_zero, ones_t, base, rb, t, m_i, l_i, accs, p_op,
+              CONSUMER: gl.constexpr):
+    """Ring tile t of the block after the first (FA3's ``mma_one_n_block``): issue S_t = Q·K_tᵀ,
+    then P_{t-1}·V_{t-1}, so the softmax of S_t overlaps P·V. Returns (m_i, l_i, accs, p_op)."""
+    kv = bufs.kv
+    vv = bufs.vv
+    slot = kv.slot(base + t)
+    phase = kv.phase(base + t)
+    prev = vv.slot(base + t - 1)
+    prev_phase = vv.phase(base + t - 1)
+    _take_turn(cfg, bufs.turn, rb + t, CONSUMER=CONSUMER)
+    kv.wait_ready(slot, phase)
+    k_tile = bufs.k_smem.index(slot).reshape([cfg.BLOCK_N, cfg.HEAD_DIM])
+    s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    vv.wait_ready(prev, prev_phase)
+    v_tile = bufs.v_smem.index(prev).reshape([cfg.BLOCK_N, cfg.HEAD_DIM])
+    toks = accs.issue(p_op, v_tile, ones_t)
+    _pass_turn(cfg, bufs.turn, CONSUMER=CONSUMER)
+    # The bias load's latency hides under the MMAs just issued.
+    j = _key_tile(rows.lo, t, rows.tiles, HAS_BLOCK_SPARSITY=cfg.HAS_BLOCK_SPARSITY)
+    if cfg.HAS_KEY_BIAS:
+        bias = _key_bias_tile(cfg, rows, j)
+    else:
+        bias = None
+    # wgmma groups retire in issue order: with P·V's groups outstanding, S_t is done.
+    s = warpgroup_mma_wait(num_outstanding=cfg.PV_GROUPS, deps=(s_tok, ))
+    kv.release(slot)
+    p, alpha, m_i, l_i = _softmax_step(cfg, prob, rows, s, m_i, l_i, bias, j)
+    accs, p_op = toks.wait(p_op)
+    vv.release(prev)
+    accs = accs.rescale(alpha, cfg)
+    p_op = gl.convert_layout(p.to(cfg.dtype), cfg.p_layout)
+    return m_i, l_i, accs, p_op
+
+
+@gluon.jit
+def _epilogue(cfg, prob, descs, sched, rows, accs, m_i, l_i, b, h, row0, CONSUMER: gl.constexpr):
+    """O = acc / l, the LSE and (EXACT_DELTA) the row constants and O's residual, stored."""
+    acc = accs.acc
+    if cfg.EXACT_DELTA:
         # Every column holds the rounded P's row sum; max picks one exactly.
-        l_rnd = gl.convert_layout(gl.max(l_acc, 1), row_layout)
+        l_rnd = gl.convert_layout(gl.max(accs.l_acc, 1), cfg.row_layout)
     else:
         l_rnd = l_i
-
     # l_i == 0 exactly when no key was visible (and then l_rnd too): output 0 and LSE -inf
     # instead of 0/0.
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
     l_rnd_safe = gl.where(empty_row, 1.0, l_rnd)
-    inv_l = gl.convert_layout(1.0 / l_rnd_safe, gl.SliceLayout(1, o_layout))
+    inv_l = gl.convert_layout(1.0 / l_rnd_safe, gl.SliceLayout(1, cfg.o_layout))
     out32 = acc * gl.expand_dims(inv_l, 1)
-    out = out32.to(dtype)
+    out = out32.to(cfg.dtype)
     log2_l = gl.log2(l_safe)
     lse2 = m_i + log2_l
     lse = gl.where(empty_row, float("-inf"), lse2 * LN2)
-    row_off = (b * H + h).to(gl.int64) * L + row_ids
-    gl.store(LSE + row_off, lse, mask=row_ids < L)
-    if EXACT_DELTA:
+    row_ids = rows.row_ids
+    row_off = (b * prob.H + h).to(gl.int64) * prob.L + row_ids
+    gl.store(prob.LSE + row_off, lse, mask=row_ids < prob.L)
+    if cfg.EXACT_DELTA:
         # Any integer c serves the backward (module docstring); c - m_i is taken as fp32 gives
         # it, so g stays right where m_i is so large that m_i + floor(log2 l) rounds back to m_i.
         m_safe = gl.where(empty_row, 0.0, m_i)
         pivot = m_safe + gl.floor(gl.log2(l_rnd_safe))
         norm = gl.exp2(pivot - m_safe) / l_rnd_safe
-        if PERSISTENT:
-            plane = BH.to(gl.int64) * L
-        else:
-            plane = gl.num_programs(1).to(gl.int64) * L
-        gl.store(ROW_CONSTS + row_off, gl.where(empty_row, float("inf"), pivot), mask=row_ids < L)
-        gl.store(ROW_CONSTS + plane + row_off, gl.where(empty_row, 0.0, norm), mask=row_ids < L)
-
-    if PERSISTENT:
-        # O is staged in its own tile, so the next block's Q can land meanwhile; the previous
-        # block's stores must have read the tile first, and this block's are waited for by the next.
-        stage = o_smem.index(CONSUMER)
-        tma.store_wait(pendings=0)
-    else:
-        # Q's tile is free (its last wgmma has retired): stage O there.
-        stage = q_smem.index(CONSUMER)
-    o_tile = stage.reshape([BLOCK_M, HEAD_DIM])
-    # TMA clips rows >= L.
-    o_tile.store(out)
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], stage)
-    if not PERSISTENT:
-        tma.store_wait(pendings=0)
-    if EXACT_DELTA:
-        if PERSISTENT:
-            tma.store_wait(pendings=0)
-        o_tile.store((out32 - out.to(gl.float32)).to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(r_desc, [b, h, row0, 0], stage)
-        if not PERSISTENT:
-            tma.store_wait(pendings=0)
-    return n_tiles
+        plane = sched.heads().to(gl.int64) * prob.L
+        gl.store(prob.ROW_CONSTS + row_off, gl.where(empty_row, float("inf"), pivot), mask=row_ids < prob.L)
+        gl.store(prob.ROW_CONSTS + plane + row_off, gl.where(empty_row, 0.0, norm), mask=row_ids < prob.L)
+    sched.store_o(descs, out32, out, b, h, row0, CONSUMER=CONSUMER)
 
 
 @gluon.jit
@@ -653,102 +732,30 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KE
     block: its tile count, then its key tiles (``launch.block_tiles.gluon_tile_lists``), the first two
     dims ``stride_lb`` and ``stride_lh`` apart (0 where the layout broadcasts); else not read."""
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "two or three consumer warpgroups")
-    dtype: gl.constexpr = q_desc.dtype
+    cfg = FwdConfig(q_desc, k_desc, NUM_STAGES=NUM_STAGES, NUM_CONSUMERS=NUM_CONSUMERS, IS_CAUSAL=IS_CAUSAL,
+                    WINDOW_LEFT=WINDOW_LEFT, PINGPONG=PINGPONG, EXACT_DELTA=EXACT_DELTA, HAS_KEY_BIAS=HAS_KEY_BIAS,
+                    SKIP_MASKED_TILES=SKIP_MASKED_TILES, PERSISTENT=PERSISTENT,
+                    HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY)
+    gl.static_assert((cfg.HEAD_DIM == HEAD_DIM) & (cfg.BLOCK_M == BLOCK_M) & (cfg.BLOCK_N == BLOCK_N),
+                     "HEAD_DIM, BLOCK_M and BLOCK_N are the descriptors' boxes")
     qk_scale = qk_scale.to(gl.float32)
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    if PERSISTENT:
-        # O's own staging tiles, Q's release, and a two-deep ring of work items (loader to consumers).
-        o_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
-        q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-        item_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        item_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for c in gl.static_range(NUM_CONSUMERS):
-            mbarrier.init(q_empty.index(c), count=1)
-        for i in gl.static_range(2):
-            mbarrier.init(item_ready.index(i), count=1)
-            mbarrier.init(item_empty.index(i), count=NUM_CONSUMERS)
-    else:
-        o_smem = q_smem  # O is staged in Q's tile
-        q_empty = q_ready  # unused
-        item_smem = q_ready  # unused
-        item_ready = q_ready  # unused
-        item_empty = q_ready  # unused
-    if EXACT_DELTA:
-        # A (8, BLOCK_N) tile of ones per consumer, the B operand of the rounded P's row sums.
-        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], dtype)
-        ones_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, BLOCK_N], ones_layout)
-    else:
-        ones_smem = q_smem  # unused
-    for c in gl.static_range(NUM_CONSUMERS):
-        mbarrier.init(q_ready.index(c), count=1)
-        mbarrier.init(turn.index(c), count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        # A slot is free once every consumer has released it.
-        mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
-        mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
-
-    # Worker partitions take no tensors, only descriptors, shared memory and scalars, so every
-    # partition gets its arguments spelled out (Gluon 3.6 cannot build a partition's argument
-    # tuple from shared pieces: `+` on tuples fails there); the default partition is consumer 0.
+    prob = FwdProblem(L, S, H, BH, GROUP, causal_offset, window_lower, qk_scale, swizzle_heads, LSE, ROW_CONSTS,
+                      KEY_BIAS, WORK_COUNTER, TileLists(TILE_LISTS, stride_lb, stride_lh, list_stride))
+    bufs = allocate(cfg, q_desc, k_desc, v_desc, o_desc)
+    sched = FwdScheduler(cfg, prob, bufs)
+    descs = FwdDescs(q_desc, k_desc, v_desc, o_desc, r_desc)
+    # The default partition is consumer 0; every partition takes the scheduler (config, problem,
+    # buffers) and the descriptors.
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
-                                    k_ready, v_ready, k_empty, v_empty, item_smem, item_ready, item_empty,
-                                    LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower,
-                                    TILE_LISTS, stride_lb, stride_lh, list_stride, qk_scale,
-                                    turn, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                                    WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT,
-                                    HAS_BLOCK_SPARSITY, swizzle_heads)),
-            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
-                                    k_ready, v_ready, k_empty, v_empty, item_smem, item_ready, item_empty,
-                                    LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower,
-                                    TILE_LISTS, stride_lb, stride_lh, list_stride, qk_scale,
-                                    turn, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                                    WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT,
-                                    HAS_BLOCK_SPARSITY, swizzle_heads)),
-            (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                                  v_ready, k_empty, v_empty, item_smem, item_ready, item_empty, WORK_COUNTER, BH,
-                                  L, S, H, GROUP, causal_offset, window_lower, TILE_LISTS, stride_lb, stride_lh,
-                                  list_stride, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT,
-                                  PERSISTENT, HAS_BLOCK_SPARSITY, swizzle_heads)),
+            (_hopper_fwd_consumer, (sched, descs, 0)),
+            (_hopper_fwd_consumer, (sched, descs, 1)),
+            (_hopper_fwd_loader, (sched, descs)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
-                                    k_ready, v_ready, k_empty, v_empty, item_smem, item_ready, item_empty,
-                                    LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower,
-                                    TILE_LISTS, stride_lb, stride_lh, list_stride, qk_scale,
-                                    turn, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                                    WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT,
-                                    HAS_BLOCK_SPARSITY, swizzle_heads)),
-            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
-                                    k_ready, v_ready, k_empty, v_empty, item_smem, item_ready, item_empty,
-                                    LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower,
-                                    TILE_LISTS, stride_lb, stride_lh, list_stride, qk_scale,
-                                    turn, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                                    WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT,
-                                    HAS_BLOCK_SPARSITY, swizzle_heads)),
-            (_hopper_fwd_consumer, (o_desc, r_desc, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty,
-                                    k_ready, v_ready, k_empty, v_empty, item_smem, item_ready, item_empty,
-                                    LSE, ROW_CONSTS, KEY_BIAS, BH, L, S, H, causal_offset, window_lower,
-                                    TILE_LISTS, stride_lb, stride_lh, list_stride, qk_scale,
-                                    turn, 2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                                    WINDOW_LEFT, PINGPONG, EXACT_DELTA, HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT,
-                                    HAS_BLOCK_SPARSITY, swizzle_heads)),
-            (_hopper_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                                  v_ready, k_empty, v_empty, item_smem, item_ready, item_empty, WORK_COUNTER, BH,
-                                  L, S, H, GROUP, causal_offset, window_lower, TILE_LISTS, stride_lb, stride_lh,
-                                  list_stride, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT,
-                                  PERSISTENT, HAS_BLOCK_SPARSITY, swizzle_heads)),
+            (_hopper_fwd_consumer, (sched, descs, 0)),
+            (_hopper_fwd_consumer, (sched, descs, 1)),
+            (_hopper_fwd_consumer, (sched, descs, 2)),
+            (_hopper_fwd_loader, (sched, descs)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])

@@ -63,22 +63,6 @@ HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
 # The built-in configs (the tuning table's entries take precedence per bucket).
 default_config = default_forward_config
-# Each consumer computes only the key tiles its own rows can see (kernels/hopper_fwd.py,
-# SKIP_MASKED_TILES; bitwise the same results): under causal masking it stops at its own last
-# visible tile (at E 64, 192 rows a CTA over 128-key tiles, the first two consumers skip 1.5 tiles a
-# block on average, about 3 % of a causal 4k forward's MMAs), and under a window's left side it
-# starts at its own first one (w 256 at E 128: the CTA's 3-4 tiles against a consumer's 2.5-3.5).
-# Off until timed and GPU-tested. Compiled for sm_90a: E 128 windows spill nothing either way; E 64
-# spills 4-8 more bytes causal and 330-420 with a window (against 190); off, the SASS is what it
-# was before the switch existed (tools/hopper_fwd_compile.py --skip-masked-tiles).
-SKIP_MASKED_TILES = False
-# Every launch persistent, whatever its config says (``HopperForwardConfig.persistent``): one CTA
-# per SM, each taking query blocks from a work counter in the grid's order (kernels/hopper_fwd.py,
-# PERSISTENT), so the next block's Q and first K/V tiles load while the previous block's epilogue
-# runs, and under causal masking the longest blocks start first wherever they land. For the GPU
-# tests (tools/pytest_switch.py). Compiled for sm_90a: E 128 spills 16-20 bytes (none without),
-# E 64 with three consumers 384-388 (76 without), E 64 with two consumers none.
-PERSISTENT = False
 # Block-sparse launches persistent, whatever the dense bucket's config says: a layout leaves each
 # query block a few key tiles (90 % skipped at 4k: 4.4 of 32), so a grid CTA's fixed costs (Q's
 # load, the first K/V tiles, the epilogue) weigh on every block, while a persistent CTA loads the
@@ -367,7 +351,7 @@ def _forward(query, key, value, scale, is_causal, causal_offset, window, attn_ma
     o_desc = tma_descriptor(out, cfg.block_m)
     rows = cfg.block_m * cfg.num_consumers
     grid = (cdiv(seq_q, rows), batch * heads_q)
-    persistent = cfg.persistent or PERSISTENT
+    persistent = cfg.persistent
     if persistent:
         # The CTAs past the first wave claim blocks from the counter, in the grid's order.
         work_counter = torch.zeros(1, dtype=torch.int32, device=query.device)
@@ -384,7 +368,7 @@ def _forward(query, key, value, scale, is_causal, causal_offset, window, attn_ma
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal, WINDOW_LEFT=band.lower is not None,
         PINGPONG=cfg.pingpong, EXACT_DELTA=exact_delta, HAS_KEY_BIAS=attn_mask is not None,
-        SKIP_MASKED_TILES=SKIP_MASKED_TILES and block_layout is None, PERSISTENT=persistent,
+        SKIP_MASKED_TILES=cfg.skip_masked_tiles and block_layout is None, PERSISTENT=persistent,
         HAS_BLOCK_SPARSITY=block_layout is not None,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         # The entry cap fills the register file; setmaxnreg then moves the loader's registers to

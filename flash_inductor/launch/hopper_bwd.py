@@ -50,18 +50,6 @@ NO_RESIDUAL = "the exact Δ needs the one-pass forward's residual (ops/one_pass.
 # Triton `stable` backward it replaces; the stability requirement holds on the cases `fast`'s Δ
 # fails (tests/unit/test_one_pass.py). Off, `stable` keeps the Triton backward (the A/B's other side).
 ONE_PASS_STABLE = True
-# fp16's ds_up (``_exact_delta_inputs``) from the preprocess's partial maxima in one Triton launch
-# (``kernels/exact_delta._ds_up_from_stats``) rather than about 13 one-element torch ops: host time
-# in the fp16 4k causal cells, where forward+backward launches 30 kernels against bf16's 14. On the
-# H200 (fp16, E 128, causal 4k, benchmarks/experiments/switch_ab.py, 2026-12-04): 2.49 ms a
-# forward+backward step against 2.54 with the torch ops (1.02x), dK and dV bitwise the same; the
-# interpreter tests hold both spellings to the same power of two.
-DS_UP_ONE_LAUNCH = True
-# Whether `_key_moments` runs over four warps rather than eight at E 128. Timed alone on the H200
-# (bf16, 4k, benchmarks/experiments/linear_passes.py, 2026-12-04): 40 against 51 µs at 16k tokens,
-# 60 against 76 at 32k; a whole bf16 causal 4k step (switch_ab) 2.326 ms either way, within its
-# noise. test_one_pass.py passed on the H200 with it on (75 tests, tools/pytest_switch.py).
-MOMENTS_FOUR_WARPS_E128 = True
 ONE_PASS_OFF = ("schedule 'stable' with launch.hopper_bwd.ONE_PASS_STABLE off (its exact Δ needs the one-pass "
                 "forward's residual; docs/hopper_backward.md)")
 # dQ is summed across key blocks by TMA reduce-adds, whose order varies from run to run; the
@@ -391,7 +379,12 @@ def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts, momen
         num_warps=4,
     )
     if collect_stats:
-        ds_up = ds_up_in_one_launch(stats) if DS_UP_ONE_LAUNCH else ds_up_from_stats(stats)
+        # fp16's ds_up from the preprocess's partial maxima in one Triton launch rather than about 13
+        # one-element torch ops (``ds_up_from_stats``, its definition): host time in the fp16 4k causal
+        # cells, where forward+backward launches 30 kernels against bf16's 14. On the H200 (fp16, E 128,
+        # causal 4k, benchmarks/experiments/switch_ab.py, 2026-12-04): 2.49 ms a forward+backward step
+        # against 2.54 with the torch ops (1.02x), dK and dV bitwise the same.
+        ds_up = ds_up_in_one_launch(stats)
     else:
         # bf16: the kernel takes ds_up = 1 without reading it. A constant kept for it would be
         # allocated on the first call, which under torch.compile's CUDA graphs is a warm-up run
@@ -465,9 +458,11 @@ def key_moments(key: torch.Tensor, max_chunks: int = 16, min_chunk: int = 512) -
     partial = torch.empty((3, batch * heads_kv, chunks, head_dim), dtype=torch.float32, device=key.device)
     k_hat = torch.empty((batch, heads_kv, head_dim), dtype=torch.float32, device=key.device)
     # The moments keep three (rows, E) fp32 accumulators live, so each of their two loads an
-    # iteration takes half the rows (the pair, a divisor of the chunk), over eight warps (four at
-    # E 128 under MOMENTS_FOUR_WARPS_E128).
-    moment_warps = 4 if MOMENTS_FOUR_WARPS_E128 and head_dim >= 128 else 8
+    # iteration takes half the rows (the pair, a divisor of the chunk), over eight warps, four at
+    # E 128: timed alone on the H200 (bf16, 4k, benchmarks/experiments/linear_passes.py, 2026-12-04)
+    # 40 against 51 µs at 16k tokens, 60 against 76 at 32k; a whole bf16 causal 4k step 2.326 ms
+    # either way, within its noise.
+    moment_warps = 4 if head_dim >= 128 else 8
     _key_moments[(chunks, batch * heads_kv)](key, partial, *key.stride()[:3], heads_kv, seq_k, chunk,
                                              HEAD_DIM=head_dim, BLOCK_N=max(1, block_n // 2), num_warps=moment_warps)
     return KeyMoments(partial, chunks, k_hat)

@@ -81,6 +81,12 @@ def _is_jit_function(value) -> bool:
     return isinstance(value, _jit_types()) and inspect.isfunction(getattr(value, "fn", None))
 
 
+def _is_constexpr_function(value) -> bool:
+    """``@constexpr_function`` (an aggregate's constructor, a layout helper): Python run at compile time."""
+    from triton.runtime.jit import ConstexprFunction
+    return isinstance(value, ConstexprFunction) and inspect.isfunction(getattr(value, "fn", None))
+
+
 def _is_constant(value) -> bool:
     import triton.language as tl
 
@@ -130,6 +136,13 @@ def _collect(jit_fn, functions: set[str], constants: dict[str, str]) -> None:
     functions.add(text)
     for name, value in _referenced_values(tree, fn.__globals__):
         if _is_jit_function(value):
+            _collect(value, functions, constants)
+        elif getattr(value, "__triton_aggregate__", False):
+            # A Gluon/Triton aggregate: its constructor and methods, as Triton's own hash takes them.
+            for member in value.hash_attrs:
+                if _is_jit_function(member) or _is_constexpr_function(member):
+                    _collect(member, functions, constants)
+        elif _is_constexpr_function(value):
             _collect(value, functions, constants)
         elif _is_constant(value):
             constants[name] = repr(getattr(value, "value", value))

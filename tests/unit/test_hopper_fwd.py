@@ -125,21 +125,23 @@ def test_rows_that_see_no_key(head_dim):
 @pytest.mark.parametrize("window", (None, (255, 0), (100, 30)), ids=("causal", "w256", "w100_30"))
 @pytest.mark.parametrize("seq_q, seq_k, causal_offset", [(4096, 4096, 0), (700, 513, 0), (333, 1000, 667),
                                                          (400, 150, -250), (1, 7, 6), (200, 1, 0)])
-def test_skipping_masked_tiles_changes_no_bit(monkeypatch, head_dim, exact_delta, window, seq_q, seq_k,
-                                              causal_offset):
-    """SKIP_MASKED_TILES (a consumer computes only the key tiles its own rows see: it stops at its
+def test_skipping_masked_tiles_changes_no_bit(head_dim, exact_delta, window, seq_q, seq_k, causal_offset):
+    """skip_masked_tiles (a consumer computes only the key tiles its own rows see: it stops at its
     own last causal tile and starts at its own first one inside a window) gives the very bits of
     the full walk: out, LSE, and under the exact Δ the residual and row constants. Top-left and
     bottom-right causal, windows narrower than a CTA's rows and one with a right side, ragged
     blocks, rows that see no key, lengths of 1, GQA."""
+    from dataclasses import replace
+
     from flash_inductor.launch import hopper
 
     q, k, v = _inputs(torch.bfloat16, head_dim, 2, 8, 2, seq_q, seq_k)
+    config = hopper.default_config(head_dim, True, exact_delta=exact_delta)
     results = []
     for skip in (False, True):
-        monkeypatch.setattr(hopper, "SKIP_MASKED_TILES", skip)
         results.append(hopper.hopper_attention_forward(q, k, v, is_causal=True, causal_offset=causal_offset,
-                                                       window=window, exact_delta=exact_delta))
+                                                       window=window, exact_delta=exact_delta,
+                                                       config=replace(config, skip_masked_tiles=skip)))
     for full, skipped in zip(*results):
         assert torch.equal(full, skipped)
 

@@ -100,9 +100,8 @@ def test_key_mean_centres_exactly_and_only_what_it_can(spelling):
         assert k_hat[0, 0, 3] == 0 and k_hat[1, 1, 4] == 0 and k_hat[0, 0, 5] != 0
 
 
-@pytest.mark.parametrize("one_launch", [False, True], ids=["torch_ops", "one_launch"])
 @pytest.mark.parametrize("with_dlse", [False, True], ids=["no_dlse", "dlse"])
-def test_the_backward_preprocess_matches_its_definition(with_dlse, one_launch, monkeypatch):
+def test_the_backward_preprocess_matches_its_definition(with_dlse, monkeypatch):
     """The one-pass backward's Triton preprocess (kernels/exact_delta.py; the interpreter on a CPU)
     against its glossary, fp16 with GQA and L < S: dO' = round(g·dO) bit for bit, Δ' = dO'·(O + r)
     − g·dLSE, and ds_up the power of two that keeps the bound on |dS| under DS_RESCALE_ABOVE, from
@@ -111,7 +110,6 @@ def test_the_backward_preprocess_matches_its_definition(with_dlse, one_launch, m
     from flash_inductor.launch import hopper_bwd
     from flash_inductor.launch.hopper_bwd import _exact_delta_inputs
 
-    monkeypatch.setattr(hopper_bwd, "DS_UP_ONE_LAUNCH", one_launch)
     # The partial maxima's buffer is not zeroed: poisoned here, a column no program wrote would give
     # an infinite bound and the smallest ds_up.
     monkeypatch.setattr(hopper_bwd, "_ds_stats_buffer",

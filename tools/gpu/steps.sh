@@ -15,7 +15,7 @@
 #                   switches share (SUITE_SECONDS, 330; variants_tests.xml)
 #   switch_tests    TESTS (default: the Gluon forward, one-pass and window tests) with a module switch
 #                   on, SWITCH=module.NAME=value (tools/pytest_switch.py), e.g.
-#                   SWITCH=launch.hopper.SKIP_MASKED_TILES=1 or launch.hopper_bwd.MOMENTS_FOUR_WARPS_E128=1
+#                   SWITCH=launch.hopper_bwd.ONE_PASS_STABLE=0
 # Benchmarks:
 #   grid            the full speed grid: bf16/fp16 x E 64/128/256 x causal or not x seq 512..32k x fwd and
 #                   fwd+bwd; ours, ours-fast, FA2, cuDNN and Flex, heated, 14 compile workers, on the shipped
