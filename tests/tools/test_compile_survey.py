@@ -5,7 +5,7 @@ reads the cubin: registers, stack, and the hottest loop's instructions. fp32's I
 the CUDA cores, one FFMA per multiply-add, so a loop's local loads and stores (spilled registers)
 against its FFMA say how far it is from issue-bound. The tiles the heuristic gave Hopper until
 2026-12-04 made 1.8 local accesses per FFMA at E 128 (and ptxas took 30-41 s on the dK/dV pass);
-the small form checks one launch, the full form (--tools-full) widths 64/128/256, every mask kind
+the small form checks one launch, the full form (-m tools_full) widths 64/128/256, every mask kind
 and dropout, and the decode split at each width and mask."""
 
 from __future__ import annotations

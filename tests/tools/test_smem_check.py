@@ -4,7 +4,7 @@ Shared memory is fixed when Triton lowers a kernel, so this runs on a CPU machin
 each kernel our launchers would start on an sm_90 GPU (heuristic configs: every mask kind other than
 none/causal runs on them) and reads what it needs. A kernel change once took the E=256 dQ pass
 with a bool mask to 336 KiB (227 KiB available), found only after spending GPU time; the small
-form compiles that launch, the full form (--tools-full) every combination around it."""
+form compiles that launch, the full form (-m tools_full) every combination around it."""
 
 from __future__ import annotations
 
