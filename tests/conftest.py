@@ -9,6 +9,7 @@ imported, and this file imports nothing that imports flash_inductor or triton.
 
 import importlib.metadata
 import os
+import re
 import sys
 
 import pytest
@@ -42,14 +43,9 @@ def _share_cores_among_workers():
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
 
-def pytest_addoption(parser):
-    parser.addoption("--tools-full", action="store_true",
-                     help="also run the full forms of the tool and experiment tests (marker tools_full)")
-
-
 def pytest_collection_modifyitems(config, items):
     _fail_empty_parameter_sets(items)
-    _skip_full_tool_forms(config, items)
+    _skip_fuller_suites_not_asked_for(config, items)
     _skip_kernel_launches_on_old_interpreters(items)
 
 
@@ -80,16 +76,27 @@ def pytest_runtest_setup(item):
                     "@pytest.mark.expected_empty(reason) with why it has none here.", pytrace=False)
 
 
-def _skip_full_tool_forms(config, items):
-    """Tests of the tools and experiments run a small form by default; their full forms (the
-    tools' own --quick sizes, every combination) cost minutes each on a CPU and check the tools,
-    not the library, so they run only when asked for."""
-    if config.getoption("--tools-full"):
-        return
-    skip = pytest.mark.skip(reason="full form of a tool test: run with --tools-full")
+# The fuller suites, each behind one marker (pyproject lists them): too slow for a plain run on a
+# CPU, which runs a representative subset of the same checks. What each one is, for the skip reason.
+FULLER_SUITES = {
+    "models_full": "the full real-model list",
+    "full_matrix": "the HF backend's fuller matrix",
+    "distributed_full": "the wider context-parallel matrix",
+    "tools_full": "the full form of a tool test",
+}
+
+
+def _skip_fuller_suites_not_asked_for(config, items):
+    """A test with one of FULLER_SUITES' markers runs only when the ``-m`` expression names that
+    marker (``pytest -m models_full``; ``-m "not distributed_full or models_full"`` runs the rest
+    of the suite with it); a plain run skips it, with a reason naming the marker. Markers are the
+    one opt-in: no environment variable or option turns these on."""
+    named = set(re.findall(r"\w+", config.getoption("markexpr", "") or "")) & FULLER_SUITES.keys()
     for item in items:
-        if item.get_closest_marker("tools_full"):
-            item.add_marker(skip)
+        for marker, what in FULLER_SUITES.items():
+            if marker not in named and item.get_closest_marker(marker):
+                item.add_marker(pytest.mark.skip(reason=f"{what}: runs with -m {marker}"))
+                break
 
 
 def _skip_kernel_launches_on_old_interpreters(items):

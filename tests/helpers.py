@@ -511,7 +511,7 @@ def assert_dead_rows_exact(query, key, attn_mask, causal_offset, out, lse=None, 
 
 def small_and_full(small: Any, full: Any) -> list:
     """The two forms of a tool or experiment test, as parameters: ``small`` runs by default (CI),
-    ``full`` (marker ``tools_full``) only with ``pytest --tools-full``."""
+    ``full`` (marker ``tools_full``) only with ``pytest -m tools_full``."""
     return [pytest.param(small, id="small"), pytest.param(full, id="full", marks=pytest.mark.tools_full)]
 
 

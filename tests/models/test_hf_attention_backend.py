@@ -6,13 +6,12 @@ fp32: ours must match eager to fp32 rounding. bf16: the project's tolerance rule
 with the fp32 eager model as the truth: ``err(ours) <= 2 * err(eager bf16) + floor``.
 
 The fuller matrix (every family in bf16, plain ``torch.compile`` with Inductor) carries the
-``full_matrix`` marker and runs with ``-m full_matrix`` or ``FLASH_INDUCTOR_FULL_MATRIX=1``.
+``full_matrix`` marker and runs only when ``-m`` names it (``-m full_matrix``; tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import copy
-import os
 import warnings
 
 import pytest
@@ -40,15 +39,6 @@ def registered():
     import flash_inductor.transformers as fit
 
     return fit.register()
-
-
-@pytest.fixture(autouse=True)
-def _full_matrix_only_when_asked(request):
-    if request.node.get_closest_marker("full_matrix") is None:
-        return
-    if os.environ.get("FLASH_INDUCTOR_FULL_MATRIX") in (None, "", "0") and \
-            "full_matrix" not in (request.config.option.markexpr or ""):
-        pytest.skip("full matrix: run with -m full_matrix or FLASH_INDUCTOR_FULL_MATRIX=1")
 
 
 @pytest.fixture

@@ -16,9 +16,9 @@ speech (Whisper, Wav2Vec2). Tiny random configs (``model_zoo.py``), nothing down
 * ``explain`` names every site by a path of ``model.named_modules()``.
 
 A representative subset runs by default (``ModelCase.default``: Llama, Falcon MQA, Falcon ALiBi,
-BERT, T5 and nn.TransformerEncoder). The other families are marked ``models_full``: ``-m
-models_full`` runs only them, FLASH_INDUCTOR_TEST_MODELS_FULL=1 runs the whole list with the rest
-of the file (the device run).
+BERT, T5 and nn.TransformerEncoder). The other families are marked ``models_full`` and run
+only when ``-m`` names it (tests/conftest.py): ``-m models_full`` runs only them; the GPU suite
+(tools/gpu/suite.sh) runs them with the rest of the file.
 
 Then fp16 where eager overflows (GPT-2, Llama: QKᵀ > 65504, see ``model_zoo.Q_BIG``): the compiled
 model is finite, and its output and parameter gradients are as close to an fp64 run of the same
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -57,17 +56,6 @@ RTOL = 1e-4
 FULL_INDUCTOR_ON_CPU = {("llama", "eager", "inference")}
 
 pytestmark = pytest.mark.usefixtures("fresh_compiler")
-
-
-@pytest.fixture(autouse=True)
-def _full_list_only_when_asked(request):
-    """``models_full`` tests run when the marker is selected (``-m models_full``) or
-    FLASH_INDUCTOR_TEST_MODELS_FULL=1; a plain run skips them, keeping CI to the default subset."""
-    if request.node.get_closest_marker("models_full") is None:
-        return
-    asked = "models_full" in (request.config.getoption("markexpr", "") or "")
-    if not asked and os.environ.get("FLASH_INDUCTOR_TEST_MODELS_FULL", "") in ("", "0"):
-        pytest.skip("full model list: run with -m models_full (or FLASH_INDUCTOR_TEST_MODELS_FULL=1)")
 
 
 def _params(names=None):

@@ -3,7 +3,7 @@ fp32 only once fp32 has learned; and one tiny run of fp32 eager, fp16 eager (aut
 GradScaler) and fp16 compiled through flash_inductor.backend that writes its JSON and PNG. The
 fp16 eager run must hit the overflow the script is about (every step non-finite, the scaler
 backing off) and the compiled run must not. Two steps learn nothing, so that run must say it
-checked finiteness only. The full form (--tools-full) runs the --quick config, which must learn
+checked finiteness only. The full form (-m tools_full) runs the --quick config, which must learn
 and compare."""
 
 from __future__ import annotations

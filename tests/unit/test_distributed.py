@@ -68,9 +68,8 @@ def default_runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def full_runs(request, tmp_path_factory):
-    if "distributed_full" not in (request.config.option.markexpr or ""):
-        pytest.skip("the wider context-parallel matrix runs with -m distributed_full")
+def full_runs(tmp_path_factory):
+    # Only the distributed_full tests use it, and tests/conftest.py skips them unless -m names it.
     return run_world(4, FULL_PLAN, str(tmp_path_factory.mktemp("cp_full")), timeout_s=600.0)
 
 

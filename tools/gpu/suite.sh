@@ -22,6 +22,8 @@
 #                  every test file under tests/ with GPUS > 1; a directory is split into its test_*.py files)
 #   WORKERS        pytest-xdist workers per GPU (default 14 with GPUS=1, else max(2, (nproc-2)/GPUS))
 #   SUITE_SECONDS  time limit of each GPU's pytest run (default 420)
+#   MARKS          pytest -m expression (default: every test plus the GPU-relevant fuller suites,
+#                  "not distributed_full or models_full or full_matrix"; CONTRIBUTING.md, Fuller suites)
 #   SKIP_BENCH=1   skip the quick benchmark; BENCH_SECONDS bounds it (default 150)
 #   SHARD=I/N      one GPU only: run the I-th of N round-robin shards of the tests
 #                  (tools/pytest_shard.py), so that the suite fits device calls of 10 minutes:
@@ -33,6 +35,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source tools/gpu/env.sh
+MARKS=${MARKS:-not distributed_full or models_full or full_matrix}
 
 # Which GPUs: CUDA_VISIBLE_DEVICES if the caller narrowed it (a part of a larger run), else all.
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
@@ -74,7 +77,7 @@ export FLASH_INDUCTOR_FAILURE_LOG="$OUT/failures$SUFFIX.log"
 # Work stealing (pytest-xdist >= 3.2) keeps a few long compile tests from forming the run's tail.
 DIST=$(python3 -c "import xdist; v = tuple(int(p) for p in xdist.__version__.split('.')[:2]); print('worksteal' if v >= (3, 2) else 'load')" 2>/dev/null || echo load)
 # Compilation (Inductor, Triton) is CPU-bound: one worker per core.
-timeout -s INT -k 30 "${SUITE_SECONDS:-420}" python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider -p no:benchmark \
+timeout -s INT -k 30 "${SUITE_SECONDS:-420}" python3 -m pytest ${TESTS:-tests} -m "$MARKS" -q -p no:cacheprovider -p no:benchmark \
   ${SHARD_ARGS[@]+"${SHARD_ARGS[@]}"} -n "${WORKERS:-14}" --dist "$DIST" --timeout 300 --durations=25 \
   --junitxml="$OUT/pytest_gpu$SUFFIX.xml" 2>&1 | tee "$OUT/pytest_gpu$SUFFIX.log" | tail -40
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
@@ -129,7 +132,7 @@ for ((i = 0; i < GPUS; i++)); do
   (
     export CUDA_VISIBLE_DEVICES=$dev TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache_gpu$dev
     export FLASH_INDUCTOR_FAILURE_LOG="$PARTS/failures_gpu$dev.log"
-    timeout -s INT -k 30 "$SUITE_SECONDS" python3 -m pytest $files -q -p no:cacheprovider -p no:benchmark \
+    timeout -s INT -k 30 "$SUITE_SECONDS" python3 -m pytest $files -m "$MARKS" -q -p no:cacheprovider -p no:benchmark \
       -n "$WORKERS" --dist "$DIST" --timeout 300 --durations=25 --junitxml="$PARTS/pytest_gpu$dev.xml" \
       > "$PARTS/pytest_gpu$dev.log" 2>&1
     rc=$?
