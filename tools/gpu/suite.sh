@@ -80,10 +80,11 @@ DIST=$(python3 -c "import xdist; v = tuple(int(p) for p in xdist.__version__.spl
 timeout -s INT -k 30 "${SUITE_SECONDS:-420}" python3 -m pytest ${TESTS:-tests} -m "$MARKS" -q -p no:cacheprovider -p no:benchmark \
   ${SHARD_ARGS[@]+"${SHARD_ARGS[@]}"} -n "${WORKERS:-14}" --dist "$DIST" --timeout 300 --durations=25 \
   --junitxml="$OUT/pytest_gpu$SUFFIX.xml" 2>&1 | tee "$OUT/pytest_gpu$SUFFIX.log" | tail -40
+STATUS=${PIPESTATUS[0]}  # pytest's (or timeout's 124), not tail's: a failed or cut run is not a success
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout "${BENCH_SECONDS:-150}" python3 -m benchmarks.bench_attention --quick --out "$OUT" 2>&1 | tail -12
 fi
-exit
+exit "$STATUS"
 fi
 
 # ---- Several GPUs: one pytest per GPU, files balanced by expected cost. ----
