@@ -118,9 +118,15 @@ def _forward_on_hopper(query: Tensor, key: Tensor, value: Tensor, is_causal: boo
                        scale: float, schedule: str, window_left: int = -1, window_right: int = -1, *,
                        attn_mask: Optional[Tensor] = None,
                        block_layout: Optional[tuple] = None) -> tuple[Tensor, Tensor]:
-    return hopper.hopper_attention_forward(query, key, value, scale=scale, is_causal=is_causal,
-                                           causal_offset=causal_offset, window=(window_left, window_right),
-                                           attn_mask=attn_mask, schedule=schedule, block_layout=block_layout)
+    visibility = _visibility(is_causal, causal_offset, (window_left, window_right), block_layout)
+    return hopper.hopper_attention_forward(query, key, value, scale=scale, visibility=visibility,
+                                           attn_mask=attn_mask, schedule=schedule)
+
+
+def _visibility(is_causal: bool, causal_offset: int, window, block_layout: Optional[tuple]) -> Visibility:
+    block_map, block_q, block_k = block_layout if block_layout is not None else (None, 0, 0)
+    return Visibility(is_causal=is_causal, causal_offset=causal_offset, window=window, block_map=block_map,
+                      block_q=block_q, block_k=block_k)
 
 
 def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
@@ -163,10 +169,9 @@ def _backward_on_hopper(grad_out: Tensor, query: Tensor, key: Tensor, value: Ten
                         schedule: str, window_left: int = -1, window_right: int = -1, *,
                         attn_mask: Optional[Tensor] = None,
                         block_layout: Optional[tuple] = None) -> tuple[Tensor, Tensor, Tensor]:
+    visibility = _visibility(is_causal, causal_offset, (window_left, window_right), block_layout)
     return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
-                                                is_causal=is_causal, causal_offset=causal_offset,
-                                                window=(window_left, window_right), attn_mask=attn_mask,
-                                                schedule=schedule, block_layout=block_layout)
+                                                visibility=visibility, attn_mask=attn_mask, schedule=schedule)
 
 
 def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p, is_causal,

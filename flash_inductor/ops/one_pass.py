@@ -97,10 +97,10 @@ def _forward(query, key, value, is_causal, causal_offset, scale, window_left, wi
         row_consts = torch.stack([torch.full_like(lse, float("inf")), torch.zeros_like(lse)])
         return out, lse, torch.zeros_like(out), row_consts
     query, key, value = _addressable(query, key, value)
-    return hopper.hopper_attention_forward(query, key, value, scale=scale, is_causal=is_causal,
-                                           causal_offset=causal_offset, window=(window_left, window_right),
-                                           exact_delta=True, schedule="stable", **mask_keyword(attn_mask),
-                                           **layout_keyword(block_map, block_q, block_k))
+    visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=(window_left, window_right),
+                            block_map=block_map, block_q=block_q, block_k=block_k)
+    return hopper.hopper_attention_forward(query, key, value, scale=scale, visibility=visibility, exact_delta=True,
+                                           schedule="stable", **mask_keyword(attn_mask))
 
 
 def mask_keyword(attn_mask: Optional[Tensor]) -> dict:
@@ -124,11 +124,12 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts
                                                   0.0, scale, "stable", False, visibility=visibility)
         return dq, dk, dv
     grad_out, query, key, value = _addressable(grad_out, query, key, value)
+    visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=(window_left, window_right),
+                            block_map=block_map, block_q=block_q, block_k=block_k)
     return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
-                                                is_causal=is_causal, causal_offset=causal_offset,
-                                                window=(window_left, window_right), exact_delta=(resid, row_consts),
-                                                mean_key=key_moments(key), schedule="stable", **mask_keyword(attn_mask),
-                                                **layout_keyword(block_map, block_q, block_k))
+                                                visibility=visibility, exact_delta=(resid, row_consts),
+                                                mean_key=key_moments(key), schedule="stable",
+                                                **mask_keyword(attn_mask))
 
 
 @torch.library.custom_op("flash_inductor::attention_forward_one_pass", mutates_args=())

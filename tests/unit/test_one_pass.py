@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 
+from flash_inductor.launch.visibility import Visibility
 import flash_inductor  # noqa: F401 -- registers the ops (a worker may run a GPU test first)
 from helpers import (
     DEVICE,
@@ -307,7 +308,7 @@ def test_the_backward_centres_the_keys_for_dq(dtype, head_dim, dq_split):
     k_hat = key_mean(k)
     assert bool((k_hat != 0).all())
     cfg = HopperBackwardConfig(dq_split=dq_split)
-    common = dict(scale=scale, is_causal=True, exact_delta=(resid, rows), config=cfg)
+    common = dict(scale=scale, visibility=Visibility(is_causal=True), exact_delta=(resid, rows), config=cfg)
     if head_dim == 128 and not dq_split:  # K̃ beside K would not fit in shared memory
         with pytest.raises(ValueError, match="dq_split=True"):
             hopper_attention_backward(do, q, k, v, out, lse, dlse, mean_key=key_mean(k), **common)
