@@ -22,9 +22,6 @@ carried across iterations.
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 
 def _kernels():
     from triton.experimental import gluon
@@ -100,15 +97,13 @@ def main() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    path = pathlib.Path(__file__).with_name("hopper_fwd_compile.py")
-    spec = importlib.util.spec_from_file_location("hopper_fwd_compile", path)
-    compile_tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compile_tool)
+    from tools.launch_sass import ptxas_usage
+
     signature = {"X": "*bf16", "Y": "*fp32", "N": "i32"}
     for name, kernel in _kernels().items():
         compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs={}),
                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-        notes = compile_tool.report(compiled)["ptxas_warnings"]
+        notes = ptxas_usage(compiled.asm["ptx"])["ptxas_warnings"]
         print(f"{name:9s} {'serialised: ' + '; '.join(notes) if notes else 'no serialisation note'}")
     return 0
 
