@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 
 from flash_inductor.launch.hopper import hopper_attention_forward
+from flash_inductor.launch.visibility import Visibility
 from flash_inductor.launch.hopper_bwd import (
     HopperBackwardConfig,
     hopper_attention_backward,
@@ -112,9 +113,9 @@ def check_case(dtype, head_dim, is_causal, batch, heads_q, heads_kv, seq_q, seq_
         reason = f"{config} pairs tiles, which needs head dim 64"
     if reason is not None:
         return dict(ok=False, error=f"unsupported: {reason}")
-    out, lse = hopper_attention_forward(q, k, v, scale=scale, is_causal=is_causal, causal_offset=causal_offset)
-    grads = hopper_attention_backward(do, q, k, v, out, lse, scale=scale, is_causal=is_causal,
-                                      causal_offset=causal_offset, config=CONFIGS[config])
+    visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset)
+    out, lse = hopper_attention_forward(q, k, v, scale=scale, visibility=visibility)
+    grads = hopper_attention_backward(do, q, k, v, out, lse, scale=scale, visibility=visibility, config=CONFIGS[config])
     torch.cuda.synchronize()
     visible = _visible(seq_q, seq_k, is_causal, causal_offset, q.device)
     live_rows = visible.any(-1)
@@ -185,17 +186,18 @@ def backward_steps(q, k, v, do, causal, providers):
     """name -> a closure running that provider's backward alone."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from flash_inductor.launch import Visibility, attention_backward
+    from flash_inductor.launch import attention_backward
 
     scale = q.shape[-1] ** -0.5
-    out, lse = hopper_attention_forward(q, k, v, scale=scale, is_causal=causal)
+    out, lse = hopper_attention_forward(q, k, v, scale=scale, visibility=Visibility(is_causal=causal))
     steps = {}
     for name in providers:
         if name in CONFIGS and not width_supported(CONFIGS[name], q.shape[-1]):
             print(f"{name}: skipped at head dim {q.shape[-1]} (paired tiles need 64)", flush=True)
         elif name in CONFIGS:
             steps[name] = (lambda c: lambda: hopper_attention_backward(do, q, k, v, out, lse, scale=scale,
-                                                                       is_causal=causal, config=c))(CONFIGS[name])
+                                                                       visibility=Visibility(is_causal=causal),
+                                                                       config=c))(CONFIGS[name])
         elif name.startswith("triton-"):
             steps[name] = (lambda sched: lambda: attention_backward(do, q, k, v, None, out, lse, None, None, 0.0,
                                                                     scale, sched, False,

@@ -31,13 +31,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-
 from flash_inductor.launch.hopper import (
     HopperForwardConfig,
     default_config,
     hopper_attention_forward,
     hopper_forward_unsupported_reason,
 )
+from flash_inductor.launch.visibility import Visibility
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENS = 16384
@@ -85,8 +85,8 @@ def check_case(dtype, head_dim, is_causal, batch, heads_q, heads_kv, seq_q, seq_
     reason = hopper_forward_unsupported_reason(q, k, v, None, 0.0, scale)
     if reason is not None:
         return dict(ok=False, error=f"unsupported: {reason}")
-    out, lse = hopper_attention_forward(q, k, v, scale=scale, is_causal=is_causal, causal_offset=causal_offset,
-                                        config=config)
+    out, lse = hopper_attention_forward(q, k, v, scale=scale, config=config,
+                                        visibility=Visibility(is_causal=is_causal, causal_offset=causal_offset))
     torch.cuda.synchronize()
     ref, lse_ref, visible = reference(q, k, v, scale, is_causal, causal_offset)
     base = same_dtype_baseline(q, k, v, scale, visible)
@@ -148,7 +148,8 @@ def providers(configs, causal, baselines=("ours-triton", "cudnn", "fa2")):
     out = {}
     for name, cfg in configs.items():
         c = cfg[0] if cfg else None
-        out[name] = (lambda c: lambda q, k, v: hopper_attention_forward(q, k, v, is_causal=causal, config=c))(c)
+        out[name] = (lambda c: lambda q, k, v: hopper_attention_forward(q, k, v, visibility=Visibility(is_causal=causal),
+                                                                          config=c))(c)
     if "ours-triton" in baselines:
         out["ours-triton"] = lambda q, k, v: flash_inductor.flash_attention(q, k, v, is_causal=causal,
                                                                             enable_gqa=q.shape[1] != k.shape[1])

@@ -203,13 +203,14 @@ def _launch_pieces(q, k, v, causal, scale, out, lse, resid, row_consts, k_hat, d
     and of the preprocess, and the api's layers above the one-pass forward."""
     from flash_inductor.kernels.exact_delta import _exact_delta_preprocess
     from flash_inductor.kernels.hopper_bwd import _attn_bwd_hopper
-    from flash_inductor.launch import hopper_bwd
+    from flash_inductor.launch import Visibility, hopper_bwd
     from flash_inductor.ops.attention import attention_forward_eager
     from flash_inductor.ops.one_pass import _EagerOnePass
 
     def backward():
         hopper_bwd.hopper_attention_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, None, scale=scale,
-                                             is_causal=causal, exact_delta=(resid, row_consts), mean_key=k_hat)
+                                             visibility=Visibility(is_causal=causal), exact_delta=(resid, row_consts),
+                                             mean_key=k_hat)
     pieces = {}
     for name, kernel in (("Gluon backward", _attn_bwd_hopper), ("exact-delta preprocess", _exact_delta_preprocess)):
         grid, args, kwargs = _captured_launch(kernel, backward)
@@ -315,7 +316,7 @@ def _record(record, name, samples):
 
 def breakdown(args, q, k, v, dout, causal):
     """Host time of the pieces of a `stable` training step on the Hopper kernels (median of rounds)."""
-    from flash_inductor.launch import hopper, hopper_bwd
+    from flash_inductor.launch import Visibility, hopper, hopper_bwd
     from flash_inductor.ops.one_pass import _backward, _forward
 
     scale = q.shape[-1] ** -0.5
@@ -328,10 +329,10 @@ def breakdown(args, q, k, v, dout, causal):
                                                                            scale, -1, -1),
         "key_mean": lambda: hopper_bwd.key_mean(k.detach()),
         "hopper_attention_forward (exact delta)": lambda: hopper.hopper_attention_forward(
-            q.detach(), k.detach(), v.detach(), scale=scale, is_causal=causal, exact_delta=True),
+            q.detach(), k.detach(), v.detach(), scale=scale, visibility=Visibility(is_causal=causal), exact_delta=True),
         "hopper_attention_backward (exact delta)": lambda: hopper_bwd.hopper_attention_backward(
-            dout, q.detach(), k.detach(), v.detach(), out, lse, None, scale=scale, is_causal=causal,
-            exact_delta=(resid, row_consts), mean_key=k_hat),
+            dout, q.detach(), k.detach(), v.detach(), out, lse, None, scale=scale,
+            visibility=Visibility(is_causal=causal), exact_delta=(resid, row_consts), mean_key=k_hat),
         "_exact_delta_inputs": lambda: hopper_bwd._exact_delta_inputs(dout, v.detach(), out, None, resid, row_consts),
         "tma_descriptor": lambda: hopper.tma_descriptor(q.detach(), 64),
         "torch.empty": lambda: torch.empty(q.shape, dtype=q.dtype, device=q.device),

@@ -33,7 +33,7 @@ import warnings
 
 import torch
 
-from ..schedules import get_schedule
+from ..schedules import PrecisionSchedule, get_schedule
 from ..tuning.configs import select_hopper_forward_config, sm_count
 from ..tuning.hopper_configs import HopperForwardConfig, default_forward_config
 from . import common
@@ -282,7 +282,7 @@ def _default_layout(box: tuple, dtype: torch.dtype):
 def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                              scale: float | None = None, visibility: Visibility = NO_MASKING,
                              attn_mask: torch.Tensor | None = None, config: HopperForwardConfig | None = None,
-                             exact_delta: bool = False, schedule: str | None = None) -> tuple:
+                             exact_delta: bool = False, schedule: str | PrecisionSchedule | None = None) -> tuple:
     """Attention forward on the Gluon Hopper kernel. ``query`` (B, Hq, L, E), ``key``/``value``
     (B, Hkv, S, E) with Hq a multiple of Hkv. Key j is visible to query i where ``visibility``
     (``launch.visibility``: the causal side, a sliding window, a block-sparse layout whose blocks
@@ -305,7 +305,7 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
         return launch(config)
     return run_selected("forward", launch, select_hopper_forward_config(
         query, key.shape[2], is_causal=visibility.is_causal, key_mask=attn_mask is not None,
-        exact_delta=exact_delta, schedule=schedule))
+        exact_delta=exact_delta, schedule=None if schedule is None else get_schedule(schedule).name))
 
 
 def run_selected(kernel: str, launch, selected: tuple):

@@ -30,7 +30,7 @@ import functools
 import logging
 import torch
 
-from ..schedules import get_schedule
+from ..schedules import PrecisionSchedule, get_schedule
 from ..tuning.buckets import length_hint
 from ..tuning.configs import select_hopper_backward_config, sm_count
 from ..tuning.hopper_configs import HopperBackwardConfig, default_backward_config, width_supported
@@ -185,7 +185,8 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
                               delta: torch.Tensor | None = None,
                               exact_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
                               mean_key: torch.Tensor | KeyMoments | None = None,
-                              schedule: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              schedule: str | PrecisionSchedule | None = None,
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on the Gluon Hopper kernel: `fast`'s, or with
     ``exact_delta`` `stable`'s.
 
@@ -212,7 +213,9 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
                                mean_key=mean_key)
     if config is not None:
         return launch(config=config)
-    schedule = schedule or ("stable" if exact_delta is not None else "fast")
+    if schedule is None:
+        schedule = "stable" if exact_delta is not None else "fast"
+    schedule = get_schedule(schedule).name
     return run_selected("backward", lambda cfg: launch(config=cfg), select_hopper_backward_config(
         query, key.shape[2], is_causal=visibility.is_causal, key_mask=attn_mask is not None, schedule=schedule))
 

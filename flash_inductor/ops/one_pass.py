@@ -109,11 +109,6 @@ def mask_keyword(attn_mask: Optional[Tensor]) -> dict:
     return {} if attn_mask is None else {"attn_mask": attn_mask}
 
 
-def layout_keyword(block_map: Optional[Tensor], block_q: int, block_k: int) -> dict:
-    """A Hopper launcher call's block-sparse layout as a keyword, left out when there is none."""
-    return {} if block_map is None else {"block_layout": (block_map, block_q, block_k)}
-
-
 def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, is_causal, causal_offset,
               scale, window_left, window_right, attn_mask=None, block_map=None, block_q=0, block_k=0):
     if torch.are_deterministic_algorithms_enabled() or query.shape[2] == 0 or key.shape[2] == 0:

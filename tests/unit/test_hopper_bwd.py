@@ -439,7 +439,9 @@ def test_the_op_dispatches_to_the_hopper_call_it_is_given(monkeypatch):
     seen = []
 
     def hopper_call(*args):
-        seen.append(("hopper", args[7:]))
+        call = args[7]
+        seen.append(("hopper", (call.visibility.is_causal, call.visibility.causal_offset, call.scale,
+                                call.schedule.name, *call.visibility.window)))
         return q * 2, k * 3, v * 4
 
     def triton_call(*args, **kwargs):
@@ -448,16 +450,19 @@ def test_the_op_dispatches_to_the_hopper_call_it_is_given(monkeypatch):
         return q, k, v, q.new_empty(0)
     monkeypatch.setattr(ops_attention.launch, "attention_backward", triton_call)
     monkeypatch.setattr(hopper_bwd, "hopper_backward_unsupported_reason", lambda *a, **kw: None)
-    dq, dk, dv, dmask = ops_attention._kernel_backward(do, q, k, v, None, q, lse, None, None, 0.0, True, 3, 0.125,
-                                                       "fast", False, hopper_call=hopper_call)
+    describe = ops_attention.describe_call
+    dq, dk, dv, dmask = ops_attention._kernel_backward(do, q, k, v, None, q, lse, None, None,
+                                                       describe(q, k, v, 0.0, True, 3, 0.125, "fast"), False,
+                                                       hopper_call=hopper_call)
     assert seen == [("hopper", (True, 3, 0.125, "fast", -1, -1))]
     assert torch.equal(dq, q * 2) and torch.equal(dk, k * 3) and torch.equal(dv, v * 4) and dmask.numel() == 0
     monkeypatch.setattr(hopper_bwd, "hopper_backward_unsupported_reason", lambda *a, **kw: "a reason")
-    ops_attention._kernel_backward(do, q, k, v, None, q, lse, None, None, 0.0, False, 0, 0.125, "stable", False,
-                                   window=(4, 0), hopper_call=hopper_call)
+    ops_attention._kernel_backward(do, q, k, v, None, q, lse, None, None,
+                                   describe(q, k, v, 0.0, False, 0, 0.125, "stable", 4, 0), False,
+                                   hopper_call=hopper_call)
     assert seen[1] == ("triton", (False, 0, 0.125), (4, 0))
     # The window reaches the Hopper call as the op's two ints.
     monkeypatch.setattr(hopper_bwd, "hopper_backward_unsupported_reason", lambda *a, **kw: None)
-    ops_attention._kernel_backward(do, q, k, v, None, q, lse, None, None, 0.0, True, 0, 0.125, "fast", False,
-                                   window=(4, 0), hopper_call=hopper_call)
+    ops_attention._kernel_backward(do, q, k, v, None, q, lse, None, None,
+                                   describe(q, k, v, 0.0, True, 0, 0.125, "fast", 4, 0), False, hopper_call=hopper_call)
     assert seen[2] == ("hopper", (True, 0, 0.125, "fast", 4, 0))

@@ -279,12 +279,12 @@ def test_only_a_call_that_may_be_differentiated_takes_the_one_pass_ops(monkeypat
 def _plain(args):
     """What the spy hands back for the one-pass ops: the plain forward's (out, lse) (the routing
     is under test here, not the ops)."""
-    from flash_inductor.ops.attention import _kernel_forward
+    from flash_inductor.ops.attention import _kernel_forward, describe_call
 
     q, k, v, is_causal, causal_offset, scale, left, right = args
     with torch.no_grad():
-        out, lse = _kernel_forward(q, k, v, None, None, 0.0, is_causal, causal_offset, scale, "stable",
-                                   (left, right), None, 0, 0)
+        out, lse = _kernel_forward(q, k, v, None, None,
+                                   describe_call(q, k, v, 0.0, is_causal, causal_offset, scale, "stable", left, right))
     return out.requires_grad_(), lse
 
 
