@@ -6,7 +6,7 @@
     python -m tools.launch_sass --tables --write before.json
     (edit a kernel)
     python -m tools.launch_sass --tables --compare before.json     # identical / DIFFERENT per case
-    python -m tools.launch_sass --cases gluon_bwd --verbose        # a substring picks cases; registers, spills
+    python -m tools.launch_sass --cases gluon_bwd --verbose        # name prefixes pick cases; registers, spills
 
 Each case calls a launcher (``launch.attention_forward`` / ``attention_backward``, the decode launcher,
 ``launch.hopper.hopper_attention_forward``, ``launch.hopper_bwd.hopper_attention_backward``, the one-pass
@@ -449,7 +449,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ci", action="store_true", help="only the fast subset CI runs (CI_CASES)")
     p.add_argument("--tables", action="store_true", help="also every entry of the shipped tuning tables")
-    p.add_argument("--cases", default="", help="comma list of substrings: run the cases whose names hold one")
+    p.add_argument("--cases", default="", help="comma list of prefixes: run the cases whose names start with one")
     p.add_argument("--write", help="store the results (per case: status, per launch SASS digest and shared bytes)")
     p.add_argument("--compare", help="an earlier --write file: identical / DIFFERENT per case")
     p.add_argument("--verbose", action="store_true", help="also registers, spills and ptxas's notes per launch")
@@ -461,7 +461,7 @@ def main(argv=None) -> int:
     if args.ci:
         cases = [c for c in cases if c.name in CI_CASES]
     if args.cases:
-        cases = [c for c in cases if any(s in c.name for s in args.cases.split(","))]
+        cases = [c for c in cases if c.name.startswith(tuple(args.cases.split(",")))]
     results, start = {}, time.time()
     for i, case in enumerate(cases, 1):
         t0 = time.time()

@@ -23,7 +23,7 @@ from test_launch_sass import run_tool
 
 HOPPER_SMEM = OPTIN_SMEM_BYTES[(9, 0)]
 # The widest launches of each head dim (case names of tools/launch_sass.py, which picks cases by
-# substring): a key mask's config (forward plain and exact-Δ), the one-pass backward (exact Δ, K̃ for
+# prefix): a key mask's config (forward plain and exact-Δ), the one-pass backward (exact Δ, K̃ for
 # dQ) with a key mask, unsplit, with its GQA group split, and at E 64 with its tiles paired
 # (HopperBackwardConfig.paired_tiles, which the table picks per bucket).
 WIDEST = [f"gluon_{kernel}/bf16/e{e}/key" for kernel in ("fwd", "fwd_exact", "bwd_exact") for e in (64, 128)]
