@@ -307,7 +307,7 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, visibil
     if mean_key is not None and grad_lse is not None:
         # A row with no key has LSE -inf whatever q·k̂ is: its dq stays 0.
         weight = torch.where(lse == float("inf"), 0.0, scale * grad_lse.to(torch.float32))
-        return _finish_dq_with_mean_key(dq_accum, mean_key, weight, query.dtype), dk, dv
+        return _dq_with_mean_key(dq_accum, mean_key, weight, query.dtype), dk, dv
     # The kernel already added scale·dS·K: only the cast is left.
     return dq_accum.to(query.dtype), dk, dv
 
@@ -493,15 +493,15 @@ def finish_key_mean(moments: KeyMoments, key: torch.Tensor) -> torch.Tensor:
     return moments.mean_key
 
 
-def _finish_dq_with_mean_key(dq_accum, mean_key, weight, dtype):
+def _dq_with_mean_key(dq_accum, mean_key, weight, dtype):
     """dq = dq_accum + weight_i·k̂ in the input dtype, one pass (kernels/exact_delta.py)."""
-    from ..kernels.exact_delta import _finish_dq_with_mean_key as finish
+    from ..kernels.exact_delta import _finish_dq_with_mean_key
 
     batch, heads_q, seq_q, head_dim = dq_accum.shape
     heads_kv = mean_key.shape[1]
     dq = torch.empty(dq_accum.shape, dtype=dtype, device=dq_accum.device)
     block_m = 64
-    common.launcher(finish)[(cdiv(seq_q, block_m), batch * heads_q)](
+    common.launcher(_finish_dq_with_mean_key)[(cdiv(seq_q, block_m), batch * heads_q)](
         dq_accum, weight.contiguous(), mean_key.contiguous(), dq, heads_q, heads_q // heads_kv, seq_q,
         HEAD_DIM=head_dim, BLOCK_M=block_m, num_warps=4,
     )

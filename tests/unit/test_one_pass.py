@@ -197,7 +197,7 @@ def test_ds_up_in_one_launch_matches_the_torch_ops():
 def test_the_dq_finish_matches_its_definition():
     """The one-pass path's dq finish (the interpreter on a CPU), GQA, odd lengths:
     dq = dq_accum + w·k̂."""
-    from flash_inductor.launch.hopper_bwd import _finish_dq_with_mean_key
+    from flash_inductor.launch.hopper_bwd import _dq_with_mean_key
 
     gen = torch.Generator().manual_seed(4)
     b, hq, hkv, seq_q, e = 2, 6, 3, 97, 64
@@ -205,7 +205,7 @@ def test_the_dq_finish_matches_its_definition():
     k_rep = k_hat.repeat_interleave(hq // hkv, 1)  # (B, Hq, E)
     dq_accum = torch.randn(b, hq, seq_q, e, generator=gen).to(DEVICE)
     weight = torch.randn(b, hq, seq_q, generator=gen).to(DEVICE)
-    dq = _finish_dq_with_mean_key(dq_accum, k_hat, weight, torch.float16)
+    dq = _dq_with_mean_key(dq_accum, k_hat, weight, torch.float16)
     assert dq.dtype == torch.float16
     torch.testing.assert_close(dq, (dq_accum + weight[..., None] * k_rep[:, :, None]).to(torch.float16),
                                rtol=1e-3, atol=1e-3)
