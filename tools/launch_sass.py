@@ -474,7 +474,9 @@ def main(argv=None) -> int:
     failed = [n for n, r in results.items() if r["status"] != "pass"]
     print(f"{len(results) - len(failed)} passed, {len(failed)} failed in {time.time() - start:.0f} s")
     if args.write:
-        pathlib.Path(args.write).write_text(json.dumps(results, indent=1, sort_keys=True))
+        # One case a line: a digest file diffs as a list of cases.
+        lines = (f"{json.dumps(name)}: {json.dumps(result, sort_keys=True)}" for name, result in sorted(results.items()))
+        pathlib.Path(args.write).write_text("{\n" + ",\n".join(lines) + "\n}\n")
     if args.compare:
         verdicts = compare(results, json.loads(pathlib.Path(args.compare).read_text()))
         for verdict, name in verdicts:
