@@ -299,7 +299,7 @@ def triton_pass(dtype, head_dim, kind, schedule, passes=("forward", "backward"),
 
 
 def decode(dtype, head_dim, kind, schedule="stable", seq=1024, num_splits=2):
-    """The split-KV decode forward: 4 query rows of a group of 8 heads; ``kind`` "bool" a key mask."""
+    """The split-KV decode forward: 4 query rows of a group of 8 heads; ``kind`` "bool" or "float" a mask."""
     import torch
 
     from flash_inductor.launch.decode import decode_attention_forward
@@ -307,7 +307,8 @@ def decode(dtype, head_dim, kind, schedule="stable", seq=1024, num_splits=2):
 
     q = _tensors(dtype, head_dim, 4, 1, heads=8)[0]
     k, v = _tensors(dtype, head_dim, seq, 2, heads=1)
-    mask = (torch.arange(seq) > 5).expand(1, 8, 4, seq) if kind == "bool" else None
+    mask = {"bool": (torch.arange(seq) > 5).expand(1, 8, 4, seq),
+            "float": torch.zeros((1, 8, 4, seq), dtype=dtype)}.get(kind)
     vis = Visibility(is_causal=kind == "causal", causal_offset=seq - 4)
     decode_attention_forward(q, k, v, mask, head_dim**-0.5, schedule, visibility=vis, num_splits=num_splits)
 
@@ -348,13 +349,14 @@ def hand_picked_cases() -> list[Case]:
                     cases.append(_case(f"triton/{schedule}/{dt}/e{e}/{kind}", triton_pass, dtype, e, kind, schedule))
                 cases.append(_case(f"triton/{schedule}/{dt}/e{e}/bool", triton_pass, dtype, e, "none", schedule,
                                    mask="bool"))
-            cases.append(_case(f"triton/stable/{dt}/e{e}/float", triton_pass, dtype, e, "none", "stable",
-                               mask="float"))
+            for schedule in ("stable", "fast"):  # the mask's gradient from the dK/dV pass, and from the dQ pass
+                cases.append(_case(f"triton/{schedule}/{dt}/e{e}/float", triton_pass, dtype, e, "none", schedule,
+                                   mask="float"))
             cases.append(_case(f"triton/stable/{dt}/e{e}/causal/softcap", triton_pass, dtype, e, "causal", "stable",
                                softcap=30.0))
             cases.append(_case(f"triton/fp8/{dt}/e{e}/causal", triton_pass, dtype, e, "causal", "fp8",
                                passes=("forward",)))
-            for kind in ("none", "causal", "bool"):
+            for kind in ("none", "causal", "bool", "float"):
                 cases.append(_case(f"decode/{dt}/e{e}/{kind}", decode, dtype, e, kind))
             cases.append(_case(f"decode/{dt}/e{e}/none/accurate", decode, dtype, e, "none", "accurate"))
             cases.append(_case(f"decode/{dt}/e{e}/none/single", decode, dtype, e, "none", num_splits=1))
