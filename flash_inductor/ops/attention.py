@@ -59,6 +59,7 @@ from ..launch.call import AttentionCall
 _functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 from ..launch.block_tiles import check_block_layout
 from ..launch.visibility import Visibility
+from ..schedules import PrecisionSchedule, get_schedule
 from .functorch import transform_function, under_transform
 from .one_pass import attention_one_pass, mask_keyword, one_pass_applies
 from .reference import reference_backward, reference_forward
@@ -293,7 +294,9 @@ def _setup_context(ctx, inputs, output):
                                                                        *_OPTIONAL_DEFAULTS[len(optional):])
     out, lse = output
     ctx.save_for_backward(query, key, value, attn_mask, rng_seed, out, lse, block_map)
-    ctx.options = (dropout_p, is_causal, causal_offset, scale, schedule)
+    # The name: the backward may be the registered op, whose schema takes one.
+    ctx.options = (dropout_p, is_causal, causal_offset, scale,
+                   schedule.name if isinstance(schedule, PrecisionSchedule) else schedule)
     ctx.window = (window_left, window_right)
     ctx.layout = (block_q, block_k)
     ctx.softcap = softcap
@@ -439,6 +442,9 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
     without one, the residual and the centred keys they save would buy nothing, and the plain
     forward is 12-17 % faster (docs/hopper_backward.md)."""
     needs_autograd = _needs_autograd(query, key, value)
+    # A name is resolved once here for the checks and launches below (flash_inductor.api passes the
+    # schedule it resolved; the registered op takes the name).
+    schedule = get_schedule(schedule)
     # The one-pass path is the Hopper kernels', which have no soft cap.
     if not softcap and needs_autograd and one_pass_applies(query, key, value, attn_mask, dropout_p, scale, schedule,
                                            window=(window_left, window_right),
@@ -460,7 +466,7 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
             query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
             window_left, window_right, block_map, block_q, block_k, softcap,
         )
-    args = (query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
+    args = (query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule.name,
             window_left, window_right, block_map, block_q, block_k, softcap)
     if under_transform():
         return _TransformAttention.apply(*args)

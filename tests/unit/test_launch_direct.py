@@ -72,8 +72,8 @@ def test_the_op_resolves_the_schedule_once_and_hands_one_record_down(monkeypatch
     from flash_inductor.launch import hopper
     from flash_inductor.ops.attention import _kernel_forward, describe_call
 
-    counting = _CountingSchedules(schedules.SCHEDULES)
-    monkeypatch.setattr(schedules, "SCHEDULES", counting)
+    monkeypatch.setattr(schedules, "SCHEDULES", _CountingSchedules(schedules.SCHEDULES))
+    monkeypatch.setattr(_CountingSchedules, "lookups", 0)
     seen = []
     monkeypatch.setattr(hopper, "hopper_forward_unsupported_reason",
                         lambda *args, **kwargs: seen.append(args[6]) or "not on a CUDA device")
@@ -86,3 +86,21 @@ def test_the_op_resolves_the_schedule_once_and_hands_one_record_down(monkeypatch
     torch.testing.assert_close(out, flash_inductor.flash_attention(q, k, v, is_causal=True, scale=0.5,
                                                                    window=(4, 0), schedule="fast"),
                                rtol=1e-4, atol=1e-5)
+
+
+def test_an_eager_call_resolves_its_schedule_once(monkeypatch):
+    """The eager entry resolves a name once for its routing checks and launches (flash_attention
+    resolves it and hands the schedule down); the registered op (here: CPU tensors, the op's
+    reference path) gets the name again."""
+    from flash_inductor import schedules
+    from flash_inductor.ops.attention import attention_forward_eager
+
+    monkeypatch.setattr(schedules, "SCHEDULES", _CountingSchedules(schedules.SCHEDULES))
+    monkeypatch.setattr(_CountingSchedules, "lookups", 0)
+    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
+    out, _ = attention_forward_eager(q, k, v, None, None, 0.0, True, 0, 0.5, "fast")
+    assert _CountingSchedules.lookups == 1
+    flash_inductor.flash_attention(q, k, v, is_causal=True, schedule="fast")  # the API resolves, then hands down
+    assert _CountingSchedules.lookups == 2
+    out.sum().backward()
+    assert q.grad is not None
