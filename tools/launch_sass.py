@@ -6,6 +6,7 @@
     python -m tools.launch_sass --tables --write before.json
     (edit a kernel)
     python -m tools.launch_sass --tables --compare before.json     # identical / DIFFERENT per case
+    python -m tools.launch_sass --tables --cases table/gluon_,gluon,one_pass     # the Gluon kernels' cases only
     python -m tools.launch_sass --cases gluon_bwd --verbose        # name prefixes pick cases; registers, spills
 
 Each case calls a launcher (``launch.attention_forward`` / ``attention_backward``, the decode launcher,
@@ -409,7 +410,7 @@ def table_cases() -> list[Case]:
             width, seq = bucket.width, min(bucket.seq, TABLE_SEQ_CAP)
             roles = {role: role_config_from_dict(role, data) for role, data in entry["configs"].items()}
             kind = "causal" if bucket.mask == "causal" else "none"
-            name = f"table/{path.stem}/{key}"
+            name = f"table/{bucket.pass_name}/{path.stem}/{key}"  # table/gluon_ picks the Gluon kernels' entries
             if bucket.pass_name in ("gluon_forward", "gluon_forward_exact"):
                 cases.append(_case(name, gluon_forward, dtype, width, kind, seq=seq, config=roles[bucket.pass_name],
                                    exact=bucket.pass_name == "gluon_forward_exact", schedule=bucket.schedule))
