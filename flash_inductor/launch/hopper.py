@@ -72,7 +72,7 @@ default_config = default_forward_config
 # starts at its own first one (w 256 at E 128: the CTA's 3-4 tiles against a consumer's 2.5-3.5).
 # Off until timed and GPU-tested. Compiled for sm_90a: E 128 windows spill nothing either way; E 64
 # spills 4-8 more bytes causal and 330-420 with a window (against 190); off, the SASS is what it
-# was before the switch existed (then tools/hopper_fwd_compile.py --skip-masked-tiles; now tools/launch_sass.py with the switch on).
+# was before the switch existed (tools/launch_sass.py --compare tells the two apart per case).
 SKIP_MASKED_TILES = False
 # Every launch persistent, whatever its config says (``HopperForwardConfig.persistent``): one CTA
 # per SM, each taking query blocks from a work counter in the grid's order (kernels/hopper_fwd.py,
