@@ -111,16 +111,14 @@ def mask_keyword(attn_mask: Optional[Tensor]) -> dict:
 
 def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, is_causal, causal_offset,
               scale, window_left, window_right, attn_mask=None, block_map=None, block_q=0, block_k=0):
+    visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=(window_left, window_right),
+                            block_map=block_map, block_q=block_q, block_k=block_k)
     if torch.are_deterministic_algorithms_enabled() or query.shape[2] == 0 or key.shape[2] == 0:
         # The Triton `stable` backward re-derives the exact Δ from out and lse in a fixed order.
-        visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=(window_left, window_right),
-                                block_map=block_map, block_q=block_q, block_k=block_k)
         dq, dk, dv, _ = launch.attention_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, None,
                                                   0.0, scale, "stable", False, visibility=visibility)
         return dq, dk, dv
     grad_out, query, key, value = _addressable(grad_out, query, key, value)
-    visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=(window_left, window_right),
-                            block_map=block_map, block_q=block_q, block_k=block_k)
     return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
                                                 visibility=visibility, exact_delta=(resid, row_consts),
                                                 mean_key=key_moments(key), schedule="stable",
