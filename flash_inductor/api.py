@@ -208,7 +208,6 @@ def attention(
         raise ValueError("attention: pass monitor_site (a compiled graph) or eager_monitor_site (eager code), not both.")
     _check_qkv(query, key, value)
     precision = get_schedule(schedule)  # validates early, listing the choices
-    schedule_name = precision.name
     window_left, window_right = _resolve_window(window)
     softcap = resolve_softcap(softcap)
     if precision.fp8_forward:
@@ -243,8 +242,9 @@ def attention(
         q4, k4, v4 = _monitor_eager.watch_gradients(q4, k4, v4, eager_monitor_site)
     # Eager CUDA calls skip the op dispatcher (the same launches; ops/attention.py); graphs,
     # tracing and tensor subclasses get the registered op.
+    # The resolved schedule: the layers below read it rather than look its name up again.
     out, lse = _attention_ops.attention_forward_eager(
-        q4, k4, v4, mask4, rng_seed, dropout_p, bool(is_causal), causal_offset, scale, schedule_name,
+        q4, k4, v4, mask4, rng_seed, dropout_p, bool(is_causal), causal_offset, scale, precision,
         window_left, window_right, *layout, softcap,
     )
     if sinks is not None:

@@ -184,8 +184,11 @@ SCHEDULES: dict[str, PrecisionSchedule] = {s.name: s for s in (FAST, STABLE, ACC
 DEFAULT_SCHEDULE = STABLE.name
 
 
-def get_schedule(name: str | None) -> PrecisionSchedule:
-    """Resolve a user-facing schedule name (None means the default)."""
+def get_schedule(name: str | PrecisionSchedule | None) -> PrecisionSchedule:
+    """Resolve a user-facing schedule name (None means the default). A schedule already resolved
+    (``launch.call.AttentionCall.schedule``, which the layers below the op pass on) is returned as is."""
+    if isinstance(name, PrecisionSchedule):
+        return name
     if name is None:
         return SCHEDULES[DEFAULT_SCHEDULE]
     if not isinstance(name, str) or name not in SCHEDULES:

@@ -534,13 +534,14 @@ needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers")
 
 
 def spy_on(monkeypatch, module, name: str) -> list:
-    """Replace ``module.name`` by a pass-through that records each call's ``is_causal`` keyword;
-    returns the list it appends to (which Hopper entry ran, and how often)."""
+    """Replace ``module.name`` by a pass-through that records each call's causal side (its
+    ``visibility`` keyword's ``is_causal``); returns the list it appends to (which Hopper entry ran,
+    and how often)."""
     calls = []
     real = getattr(module, name)
 
     def spy(*args, **kwargs):
-        calls.append(kwargs.get("is_causal"))
+        calls.append(kwargs["visibility"].is_causal)
         return real(*args, **kwargs)
     monkeypatch.setattr(module, name, spy)
     return calls

@@ -55,7 +55,7 @@ def tree_with_kernels_of(rev: str, into: pathlib.Path, whole_package: bool = Fal
     shutil.copytree(ROOT / "flash_inductor", into / "flash_inductor",
                     ignore=shutil.ignore_patterns("__pycache__", "tables"))
     (into / "tools").mkdir()
-    for name in ("__init__.py", "ptx_digest.py", "smem_check.py"):
+    for name in ("__init__.py", "ptx_digest.py", "smem_check.py", "launch_sass.py"):
         shutil.copy(ROOT / "tools" / name, into / "tools" / name)
     replaced = "flash_inductor" if whole_package else "flash_inductor/kernels"
     shutil.rmtree(into / replaced)

@@ -17,8 +17,8 @@ reports the compile's wall time, and from the cubin (Triton's bundled ``cuobjdum
 --dump-resource-usage``) the registers and stack bytes a thread (stack > 0 is spilling), plus
 Triton's shared memory. A kernel two cases share is compiled, and counted, once.
 
-The Gluon Hopper kernels (bf16/fp16 at E 64/128) are not launched here: ``tools/hopper_fwd_compile.py``
-and ``tools/hopper_bwd_compile.py`` compile those. Times are this machine's (ptxas of the installed
+The Gluon Hopper kernels (bf16/fp16 at E 64/128) are not launched here: ``tools/launch_sass.py``
+compiles those (and these). Times are this machine's (ptxas of the installed
 Triton, one process a case); compare within a run. Without TRITON_INTERPRET.
 """
 

@@ -36,21 +36,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SEQ = 300
 
 
-class HopperStandIn:
-    """Just enough of a Triton driver for JITFunction.warmup to compile for sm_90 without a GPU."""
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        from triton.backends.compiler import GPUTarget
-
-        return GPUTarget("cuda", ARCH[0] * 10 + ARCH[1], 32)
-
-
 @contextlib.contextmanager
 def compiling_launches(record: list, compiled_by_name: dict | None = None, observe=None):
     """Within the block, every ``launch.common.launcher(kernel)[grid](...)`` compiles the kernel for
@@ -58,36 +43,40 @@ def compiling_launches(record: list, compiled_by_name: dict | None = None, obser
     the compiled kernel in ``compiled_by_name``, when given, for tools/sass_mix.py). ``observe``,
     when given, is called as observe(kernel name, compiled kernel, compile seconds, grid, keyword
     arguments) after each (tools/compile_survey.py)."""
-    from triton.runtime import driver
-
     from flash_inductor.launch import common
+    from tools.launch_sass import hopper_target
 
-    class _Compile:
-        def __init__(self, kernel):
-            self.kernel = kernel
+    def compile_only(kernel):
+        class Indexed:
+            def __getitem__(self, grid):
+                def call(*args, **kwargs):
+                    start = time.perf_counter()
+                    compiled = kernel.warmup(*args, grid=grid, **kwargs)
+                    if observe is not None:
+                        observe(kernel.fn.__name__, compiled, time.perf_counter() - start, grid, kwargs)
+                    record.append((kernel.fn.__name__, compiled.metadata.shared))
+                    if compiled_by_name is not None:
+                        compiled_by_name[kernel.fn.__name__] = compiled
+                return call
+        return Indexed()
 
-        def __getitem__(self, grid):
-            def compile_only(*args, **kwargs):
-                start = time.perf_counter()
-                compiled = self.kernel.warmup(*args, grid=grid, **kwargs)
-                if observe is not None:
-                    observe(self.kernel.fn.__name__, compiled, time.perf_counter() - start, grid, kwargs)
-                record.append((self.kernel.fn.__name__, compiled.metadata.shared))
-                if compiled_by_name is not None:
-                    compiled_by_name[self.kernel.fn.__name__] = compiled
-            return compile_only
+    with hopper_target(), _launches_replaced(common, compile_only):
+        yield
 
-    saved_launcher = common.launcher
-    # The private attribute, not driver.active/reset_active: both build the default driver, which
-    # fails on a machine without a GPU.
-    saved_driver = getattr(driver, "_active", None)
-    driver.set_active(HopperStandIn())
-    common.launcher = _Compile
+
+@contextlib.contextmanager
+def _launches_replaced(common, replacement):
+    """``common.launches_replaced``; a package older than it (tools/carry_table_entries.py
+    --whole-package) has only the module attribute, which is swapped for the block."""
+    if hasattr(common, "launches_replaced"):
+        with common.launches_replaced(replacement):
+            yield
+        return
+    saved, common.launcher = common.launcher, replacement
     try:
         yield
     finally:
-        common.launcher = saved_launcher
-        driver._active = saved_driver
+        common.launcher = saved
 
 
 def check(head_dim: int, mask_kind: str, dtype_name: str, schedule: str, seq: int = SEQ, configs=None,

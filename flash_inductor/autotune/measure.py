@@ -184,9 +184,8 @@ class LaunchRunner:
         from ..launch import hopper
 
         config = configs.gluon_forward_exact if exact else configs.gluon_forward
-        return hopper.hopper_attention_forward(p.q, p.k, p.v, scale=p.scale, is_causal=p.is_causal,
-                                               causal_offset=p.causal_offset, config=config, exact_delta=exact,
-                                               schedule=schedule)
+        return hopper.hopper_attention_forward(p.q, p.k, p.v, scale=p.scale, visibility=p.visibility(), config=config,
+                                               exact_delta=exact, schedule=schedule)
 
     def gluon_saved(self, p, configs, schedule):
         """What the backward takes from its forward (and, for the exact Δ, k̂): out, lse, then the
@@ -203,8 +202,8 @@ class LaunchRunner:
 
         out, lse, extra = saved
         return hopper_bwd.hopper_attention_backward(p.dout, p.q, p.k, p.v, out, lse, None, scale=p.scale,
-                                                    is_causal=p.is_causal, causal_offset=p.causal_offset,
-                                                    config=configs.gluon_backward, schedule=schedule, **extra)
+                                                    visibility=p.visibility(), config=configs.gluon_backward,
+                                                    schedule=schedule, **extra)
 
 
 def _one_pass(schedule: str) -> bool:

@@ -1,11 +1,13 @@
 """Launchers: validate what the kernels need, allocate outputs, pick configs, launch.
 
 One module per path: ``forward`` (16-bit and fp32), ``fp8`` (the `fp8` schedule's forward),
-``backward``; ``common`` holds what they share, ``visibility`` the one argument that says which
-keys each query row sees (causal side, window, block-sparse layout). Inputs arrive normalised by
-``flash_inductor.api`` (4-D, validated). The contract of ``attention_forward`` /
-``attention_backward`` is that of the reference path in ``flash_inductor.ops.reference``; tests
-compare the two.
+``backward``, ``hopper`` / ``hopper_bwd`` (the Gluon Hopper kernels), ``decode``; ``common`` holds what
+they share (``launcher``, through which every launch goes), ``visibility`` the one argument that says
+which keys each query row sees (causal side, window, block-sparse layout), and ``call`` the record the
+op describes a call with once (shapes, dtype, the resolved schedule, the visibility, scalar options).
+Inputs arrive normalised by ``flash_inductor.api`` (4-D, validated). The contract of
+``attention_forward`` / ``attention_backward`` is that of the reference path in
+``flash_inductor.ops.reference``; tests compare the two.
 """
 
 from .backward import attention_backward

@@ -8,6 +8,8 @@ here is traced.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 
@@ -72,12 +74,33 @@ def softcap_log2(softcap: float) -> float:
     return softcap * LOG2E if softcap > 0 else 1.0
 
 
+# What ``launcher`` hands back instead of the kernel, inside ``launches_replaced``: context-local
+# (a contextvar, not a module attribute), so a tool that compiles launches instead of running them
+# changes nothing for other threads, or for anything after its block.
+_LAUNCH_REPLACEMENT: contextvars.ContextVar = contextvars.ContextVar("flash_inductor_launch_replacement",
+                                                                    default=None)
+
+
 def launcher(kernel):
-    """The callable a launcher indexes with its grid: the Triton kernel itself. The ops that call
-    the launchers are opaque to ``torch.compile``, so every launch is a plain Triton launch, eager
-    or compiled. Tools that compile or analyse launches instead of running them
-    (``tools/smem_check.py``, ``tools/sass_mix.py``) replace this function."""
-    return kernel
+    """The callable a launcher indexes with its grid: the Triton (or Gluon) kernel itself, or inside
+    ``launches_replaced`` whatever its replacement makes of the kernel. Every launch path goes
+    through here, so one seam sees every launch. The ops that call the launchers are opaque to
+    ``torch.compile``, so every launch is a plain Triton launch, eager or compiled."""
+    replacement = _LAUNCH_REPLACEMENT.get()
+    return kernel if replacement is None else replacement(kernel)
+
+
+@contextlib.contextmanager
+def launches_replaced(replacement):
+    """Within the block (this thread or task only), ``launcher(kernel)`` returns
+    ``replacement(kernel)``, which is indexed with the grid and called with the launch's arguments
+    as the kernel would be. For tools that compile or record launches instead of running them
+    (``tools/launch_sass.py``, ``tools/smem_check.py``) and tests that spy on launches."""
+    token = _LAUNCH_REPLACEMENT.set(replacement)
+    try:
+        yield
+    finally:
+        _LAUNCH_REPLACEMENT.reset(token)
 
 
 def _fp32_dot_precision(dtype: torch.dtype, accurate: bool) -> str:

@@ -33,12 +33,14 @@ import warnings
 
 import torch
 
-from ..schedules import get_schedule
-from ..tuning.configs import select_hopper_forward_config
+from ..schedules import PrecisionSchedule, get_schedule
+from ..tuning.configs import select_hopper_forward_config, sm_count
 from ..tuning.hopper_configs import HopperForwardConfig, default_forward_config
-from .band import band_lower, causal_side, resolve_band
+from . import common
+from .band import band_lower, causal_side
 from .block_tiles import checked_gluon_layout, gluon_layout_fits, gluon_tile_lists
 from .common import LOG2E, cdiv
+from .visibility import NO_MASKING, Visibility
 
 log = logging.getLogger("flash_inductor")
 # Reasons that say only that this is not a Hopper machine: not worth a log line.
@@ -262,17 +264,14 @@ def _default_layout(box: tuple, dtype: torch.dtype):
 
 
 def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-                             scale: float | None = None, is_causal: bool = False, causal_offset: int = 0,
-                             window: tuple[int, int] | None = None, attn_mask: torch.Tensor | None = None,
-                             config: HopperForwardConfig | None = None, exact_delta: bool = False,
-                             schedule: str | None = None, block_layout: tuple | None = None) -> tuple:
+                             scale: float | None = None, visibility: Visibility = NO_MASKING,
+                             attn_mask: torch.Tensor | None = None, config: HopperForwardConfig | None = None,
+                             exact_delta: bool = False, schedule: str | PrecisionSchedule | None = None) -> tuple:
     """Attention forward on the Gluon Hopper kernel. ``query`` (B, Hq, L, E), ``key``/``value``
-    (B, Hkv, S, E) with Hq a multiple of Hkv. Key j is visible to query i iff
-    ``j <= i + causal_offset`` when ``is_causal`` (0: top-left, SDPA's convention), and inside
-    ``window`` (FlashAttention's (left, right), or None) if one is given, and allowed by
-    ``attn_mask``, a key mask (``key_mask_unsupported_reason``) broadcastable to (B, Hq, 1, S), and
-    inside a computed block of ``block_layout`` (block_map, block_q, block_k), a block-sparse layout
-    (``flash_inductor.block_sparse``) whose blocks ``gluon_layout_fits``, if one is given.
+    (B, Hkv, S, E) with Hq a multiple of Hkv. Key j is visible to query i where ``visibility``
+    (``launch.visibility``: the causal side, a sliding window, a block-sparse layout whose blocks
+    ``gluon_layout_fits``) lets it be and ``attn_mask``, a key mask (``key_mask_unsupported_reason``)
+    broadcastable to (B, Hq, 1, S), allows it.
 
     Returns (out (B, Hq, L, E) in the input dtype, lse (B, Hq, L) fp32, natural log). With
     ``exact_delta`` (the `stable` schedule's one-pass backward, docs/hopper_backward.md) also
@@ -284,19 +283,13 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     built-in config. A table's config that fails to launch (a table written for another part, or
     by hand) warns once and runs the built-in config: a table never fails a call."""
     def launch(cfg):
-        return _forward(query, key, value, scale, is_causal, causal_offset, window, attn_mask, cfg, exact_delta,
-                        block_layout)
+        return _forward(query, key, value, scale, visibility, attn_mask, cfg, exact_delta)
 
     if config is not None:
         return launch(config)
     return run_selected("forward", launch, select_hopper_forward_config(
-        query, key.shape[2], is_causal=is_causal, key_mask=attn_mask is not None, exact_delta=exact_delta,
-        schedule=schedule))
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+        query, key.shape[2], is_causal=visibility.is_causal, key_mask=attn_mask is not None,
+        exact_delta=exact_delta, schedule=None if schedule is None else get_schedule(schedule).name))
 
 
 def run_selected(kernel: str, launch, selected: tuple):
@@ -325,8 +318,7 @@ def _warn_tuned_once(kernel: str, config, reason: str) -> None:
                   "GPU to replace the entry.", stacklevel=4)
 
 
-def _forward(query, key, value, scale, is_causal, causal_offset, window, attn_mask, config, exact_delta,
-             block_layout=None):
+def _forward(query, key, value, scale, visibility: Visibility, attn_mask, config, exact_delta):
     from ..kernels.hopper_fwd import _attn_fwd_hopper
 
     batch, heads_q, seq_q, head_dim = query.shape
@@ -335,9 +327,10 @@ def _forward(query, key, value, scale, is_causal, causal_offset, window, attn_ma
         scale = head_dim ** -0.5
     # The kernel sees the band: its upper side as the causal arguments, its lower side as
     # WINDOW_LEFT and window_lower (as the Triton forward does).
-    band = resolve_band(is_causal, causal_offset, window, seq_q, seq_k)
+    band = visibility.band(seq_q, seq_k)
     is_causal, causal_offset = causal_side(band)
     cfg = config or default_config(head_dim, is_causal, key_mask=attn_mask is not None, exact_delta=exact_delta)
+    block_layout = visibility.block_layout()
     if block_layout is not None:
         cfg, lists = _sparse_launch(cfg, block_layout, query, key, band)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -355,12 +348,12 @@ def _forward(query, key, value, scale, is_causal, causal_offset, window, attn_ma
     if persistent:
         # The CTAs past the first wave claim blocks from the counter, in the grid's order.
         work_counter = torch.zeros(1, dtype=torch.int32, device=query.device)
-        grid = (min(grid[0] * grid[1], _sm_count(query.device)), )
+        grid = (min(grid[0] * grid[1], sm_count(query.device)), )
     else:
         work_counter = lse  # not touched
     if block_layout is None:
         lists = (lse, 0, 0, 0)  # not read
-    _attn_fwd_hopper[grid](
+    common.launcher(_attn_fwd_hopper)[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, cfg.block_n), tma_descriptor(value, cfg.block_n),
         o_desc, tma_descriptor(resid, cfg.block_m) if exact_delta else o_desc, lse, row_consts, bias,
         seq_q, seq_k, heads_q, heads_q // heads_kv, causal_offset, band_lower(band), scale * LOG2E,

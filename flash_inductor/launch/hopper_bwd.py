@@ -30,13 +30,15 @@ import functools
 import logging
 import torch
 
-from ..schedules import get_schedule
+from ..schedules import PrecisionSchedule, get_schedule
 from ..tuning.buckets import length_hint
 from ..tuning.configs import select_hopper_backward_config, sm_count
 from ..tuning.hopper_configs import HopperBackwardConfig, default_backward_config, width_supported
-from .band import band_lower, causal_side, resolve_band
+from . import common
+from .band import band_lower, causal_side
 from .block_tiles import checked_gluon_layout, gluon_tile_lists
 from .common import LOG2E, cdiv
+from .visibility import NO_MASKING, Visibility
 from .hopper import (NOT_HOPPER, gluon_descriptor, hopper_forward_unsupported_reason, key_bias, tma_descriptor,
                      tma_unsupported_reason, run_selected)
 
@@ -166,23 +168,21 @@ def log_triton_backward(reason: str) -> None:
 
 def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None = None, *,
-                              scale: float | None = None, is_causal: bool = False, causal_offset: int = 0,
-                              window: tuple[int, int] | None = None, attn_mask: torch.Tensor | None = None,
-                              config: HopperBackwardConfig | None = None,
+                              scale: float | None = None, visibility: Visibility = NO_MASKING,
+                              attn_mask: torch.Tensor | None = None, config: HopperBackwardConfig | None = None,
                               delta: torch.Tensor | None = None,
                               exact_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
                               mean_key: torch.Tensor | KeyMoments | None = None,
-                              schedule: str | None = None,
-                              block_layout: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              schedule: str | PrecisionSchedule | None = None,
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on the Gluon Hopper kernel: `fast`'s, or with
     ``exact_delta`` `stable`'s.
 
     ``query``/``out``/``grad_out`` (B, Hq, L, E), ``key``/``value`` (B, Hkv, S, E) with Hq a
     multiple of Hkv; ``lse`` (B, Hq, L) fp32 in natural log as the forward returns it (-inf for a
     row that sees no key: its gradients are 0); ``grad_lse`` the LSE output's gradient, or None;
-    ``window`` FlashAttention's (left, right), or None, on top of ``is_causal``; ``attn_mask`` a
-    key mask, as the forward took it; ``block_layout`` (block_map, block_q, block_k) a block-sparse
-    layout whose blocks ``launch.block_tiles.gluon_layout_fits``, or None.
+    ``visibility`` the causal side, window and block-sparse layout (blocks that
+    ``launch.block_tiles.gluon_layout_fits``) and ``attn_mask`` a key mask, as the forward took them.
     ``delta`` (B, Hq, L) fp32 replaces the preprocess's Δ (experiments). ``exact_delta``: the
     (residual, row constants) the forward returned under ``exact_delta=True``; the backward is
     then `stable`'s, with the exact Δ. ``mean_key`` (B, Hkv, E) fp32, k̂ of ops/one_pass.py
@@ -197,17 +197,19 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     with ``exact_delta``, else `fast`), else the built-in config; a table's config that fails to
     launch warns once and runs the built-in one, as the forward does."""
     launch = functools.partial(_backward, grad_out, query, key, value, out, lse, grad_lse, scale=scale,
-                               is_causal=is_causal, causal_offset=causal_offset, window=window, attn_mask=attn_mask,
-                               delta=delta, exact_delta=exact_delta, mean_key=mean_key, block_layout=block_layout)
+                               visibility=visibility, attn_mask=attn_mask, delta=delta, exact_delta=exact_delta,
+                               mean_key=mean_key)
     if config is not None:
         return launch(config=config)
-    schedule = schedule or ("stable" if exact_delta is not None else "fast")
+    if schedule is None:
+        schedule = "stable" if exact_delta is not None else "fast"
+    schedule = get_schedule(schedule).name
     return run_selected("backward", lambda cfg: launch(config=cfg), select_hopper_backward_config(
-        query, key.shape[2], is_causal=is_causal, key_mask=attn_mask is not None, schedule=schedule))
+        query, key.shape[2], is_causal=visibility.is_causal, key_mask=attn_mask is not None, schedule=schedule))
 
 
-def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, is_causal, causal_offset, window, attn_mask,
-              config, delta, exact_delta, mean_key, block_layout=None):
+def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, visibility: Visibility, attn_mask, config,
+              delta, exact_delta, mean_key):
     from ..kernels.gluon_tma import HAS_TMA_REDUCE
     from ..kernels.hopper_bwd import _attn_bwd_hopper
     from .backward import launch_preprocess
@@ -216,7 +218,7 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, is_caus
     heads_kv, seq_k = key.shape[1], key.shape[2]
     if scale is None:
         scale = head_dim ** -0.5
-    cfg = config or default_config(head_dim, is_causal)
+    cfg = config or default_config(head_dim, visibility.is_causal)
     if mean_key is not None and not cfg.dq_split and head_dim > 64:
         raise ValueError("hopper_attention_backward: mean_key (the centred dQ) with HopperBackwardConfig(dq_split=False) "
                          f"needs more than Hopper's 227 KiB of shared memory a CTA at head dim {head_dim}; use "
@@ -251,7 +253,7 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, is_caus
     dq_cols = head_dim // 2 if cfg.dq_split else head_dim
     # The kernel sees the band as the Hopper forward does: its upper side as the causal
     # arguments, its lower side as WINDOW_LEFT and window_lower.
-    band = resolve_band(is_causal, causal_offset, window, seq_q, seq_k)
+    band = visibility.band(seq_q, seq_k)
     band_is_causal, band_upper = causal_side(band)
     bias = key_bias(attn_mask, batch, heads_q, seq_k) if attn_mask is not None else lse  # lse: not read
     lse_plane, delta_plane = row_stats_planes((lse, delta), batch * heads_q, seq_q)
@@ -270,8 +272,9 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, is_caus
     # Split, each part's dK and dV go to fp32 planes that ``_sum_parts`` adds below.
     dkdv_part = (torch.empty((2, parts, *key.shape), dtype=torch.float32, device=query.device)
                  if parts > 1 else lse)  # lse: not read
+    block_layout = visibility.block_layout()
     lists = _key_block_lists(block_layout, query, key, band, cfg) if block_layout is not None else (lse, 0, 0, 0)
-    _attn_bwd_hopper[grid](
+    common.launcher(_attn_bwd_hopper)[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, 64), tma_descriptor(value, 64),
         tma_descriptor(grad_out, cfg.block_m), tma_descriptor(dk, 64), tma_descriptor(dv, 64),
         tma_descriptor(dq_accum, cfg.block_m, dq_cols), row_stats_descriptor(lse_plane, cfg.block_m),
@@ -292,7 +295,7 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, is_caus
     if mean_key is not None and grad_lse is not None:
         # A row with no key has LSE -inf whatever q·k̂ is: its dq stays 0.
         weight = torch.where(lse == float("inf"), 0.0, scale * grad_lse.to(torch.float32))
-        return _finish_dq_with_mean_key(dq_accum, mean_key, weight, query.dtype), dk, dv
+        return _dq_with_mean_key(dq_accum, mean_key, weight, query.dtype), dk, dv
     # The kernel already added scale·dS·K: only the cast is left.
     return dq_accum.to(query.dtype), dk, dv
 
@@ -310,7 +313,7 @@ def _sum_parts_into(dkdv_part: torch.Tensor, dv: torch.Tensor, dk: torch.Tensor)
     from ..kernels.partial_sums import _sum_parts
 
     values, block = dv.numel(), 1024
-    _sum_parts[(cdiv(values, block), 2)](dkdv_part, dv, dk, dkdv_part.shape[1], values, BLOCK=block, num_warps=4)
+    common.launcher(_sum_parts)[(cdiv(values, block), 2)](dkdv_part, dv, dk, dkdv_part.shape[1], values, BLOCK=block, num_warps=4)
 
 
 def row_stats_planes(planes, rows: int, seq_q: int) -> list[torch.Tensor]:
@@ -371,7 +374,7 @@ def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts, momen
         partial, chunks, k_hat = moments.partial, moments.chunks, moments.mean_key
     else:
         partial, chunks, k_hat = delta, 0, delta  # no such column: not touched
-    _exact_delta_preprocess[(row_programs + (moments is not None), batch * heads_q)](
+    common.launcher(_exact_delta_preprocess)[(row_programs + (moments is not None), batch * heads_q)](
         grad_out, out, resid, norm, grad_lse if grad_lse is not None else norm, do_scaled, delta, value, stats,
         partial, k_hat, *grad_out.stride()[:3], *out.stride()[:3], *value.stride()[:3], heads_q, heads_kv, seq_q,
         seq_k, row_programs, chunks,
@@ -426,7 +429,7 @@ def ds_up_in_one_launch(stats: torch.Tensor) -> torch.Tensor:
     from ..kernels.exact_delta import _ds_up_from_stats
 
     ds_up = torch.empty(1, dtype=torch.float32, device=stats.device)
-    _ds_up_from_stats[(1,)](stats, ds_up, stats.shape[1], LIMIT=DS_RESCALE_ABOVE.value,
+    common.launcher(_ds_up_from_stats)[(1,)](stats, ds_up, stats.shape[1], LIMIT=DS_RESCALE_ABOVE.value,
                             MIN_BOUND=DS_UP_MIN_BOUND.value, MAX_BOUND=_DS_BOUND_MAX,
                             MAX_EXPONENT=_DS_UP_MAX_EXPONENT, BLOCK=1024)
     return ds_up
@@ -459,11 +462,11 @@ def key_moments(key: torch.Tensor, max_chunks: int = 16, min_chunk: int = 512) -
     k_hat = torch.empty((batch, heads_kv, head_dim), dtype=torch.float32, device=key.device)
     # The moments keep three (rows, E) fp32 accumulators live, so each of their two loads an
     # iteration takes half the rows (the pair, a divisor of the chunk), over eight warps, four at
-    # E 128: timed alone on the H200 (bf16, 4k, benchmarks/experiments/linear_passes.py, 2026-12-04)
-    # 40 against 51 µs at 16k tokens, 60 against 76 at 32k; a whole bf16 causal 4k step 2.326 ms
-    # either way, within its noise.
+    # E 128: timed alone on the H200 (bf16, 4k, benchmarks/experiments/linear_passes.py at commit
+    # f7e9ac3, 2026-12-04) 40 against 51 µs at 16k tokens, 60 against 76 at 32k; a whole bf16 causal
+    # 4k step 2.326 ms either way, within its noise.
     moment_warps = 4 if head_dim >= 128 else 8
-    _key_moments[(chunks, batch * heads_kv)](key, partial, *key.stride()[:3], heads_kv, seq_k, chunk,
+    common.launcher(_key_moments)[(chunks, batch * heads_kv)](key, partial, *key.stride()[:3], heads_kv, seq_k, chunk,
                                              HEAD_DIM=head_dim, BLOCK_N=max(1, block_n // 2), num_warps=moment_warps)
     return KeyMoments(partial, chunks, k_hat)
 
@@ -480,20 +483,20 @@ def finish_key_mean(moments: KeyMoments, key: torch.Tensor) -> torch.Tensor:
     from ..kernels.exact_delta import _mean_key_from_moments
 
     batch, heads_kv, seq_k, head_dim = key.shape
-    _mean_key_from_moments[(batch * heads_kv,)](moments.partial, moments.mean_key, key, moments.chunks, seq_k,
+    common.launcher(_mean_key_from_moments)[(batch * heads_kv,)](moments.partial, moments.mean_key, key, moments.chunks, seq_k,
                                                 HEAD_DIM=head_dim, num_warps=1)
     return moments.mean_key
 
 
-def _finish_dq_with_mean_key(dq_accum, mean_key, weight, dtype):
+def _dq_with_mean_key(dq_accum, mean_key, weight, dtype):
     """dq = dq_accum + weight_i·k̂ in the input dtype, one pass (kernels/exact_delta.py)."""
-    from ..kernels.exact_delta import _finish_dq_with_mean_key as finish
+    from ..kernels.exact_delta import _finish_dq_with_mean_key
 
     batch, heads_q, seq_q, head_dim = dq_accum.shape
     heads_kv = mean_key.shape[1]
     dq = torch.empty(dq_accum.shape, dtype=dtype, device=dq_accum.device)
     block_m = 64
-    finish[(cdiv(seq_q, block_m), batch * heads_q)](
+    common.launcher(_finish_dq_with_mean_key)[(cdiv(seq_q, block_m), batch * heads_q)](
         dq_accum, weight.contiguous(), mean_key.contiguous(), dq, heads_q, heads_q // heads_kv, seq_q,
         HEAD_DIM=head_dim, BLOCK_M=block_m, num_warps=4,
     )

@@ -56,6 +56,10 @@ class Visibility:
         """The band of keys the causal side and the window leave each row (``band.resolve_band``)."""
         return resolve_band(self.is_causal, self.causal_offset, self.window, seq_q, seq_k)
 
+    def block_layout(self) -> Optional[tuple]:
+        """(block_map, block_q, block_k) of the block-sparse layout, None without one."""
+        return None if self.block_map is None else (self.block_map, self.block_q, self.block_k)
+
     def without_block_layout(self) -> "Visibility":
         """The same rules minus the block-sparse layout: for a path that receives the layout folded
         into its attention mask instead (the `fp8` forward)."""

@@ -24,8 +24,10 @@ and the LSE (``flash_inductor.sinks``), whose gradient the backward already take
 
 ``window_left`` / ``window_right`` are the sliding window of ``flash_attention(window=...)``
 (FlashAttention's definition, -1 an open side). The ops build one ``launch.Visibility`` from the
-causal arguments, the window and the block-sparse layout for the launchers, which turn it into the
-band of keys each row sees (``launch.band``) and the kernels' tile lists.
+causal arguments, the window and the block-sparse layout, and with it one ``launch.call.AttentionCall``
+(shapes, dtype, the schedule resolved once, the visibility, scale, dropout and soft cap) that the
+routing checks and the launchers below read; the launchers turn the visibility into the band of keys
+each row sees (``launch.band``) and the kernels' tile lists.
 
 Inputs are the normalised 4-D tensors ``flash_inductor.api`` produces: query (B, Hq, L, E),
 key (B, Hkv, S, E), value (B, Hkv, S, Ev), mask a (B, Hq, L, S) view (possibly stride-0
@@ -50,16 +52,16 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import launch
 from ..launch import decode, hopper, hopper_bwd
-from ..launch.band import NO_WINDOW, window_pair
+from ..launch.call import AttentionCall
 
 # What the eager fast path needs, looked up once (torch 2.11-2.14 all have it; where it is
 # missing every call takes the registered op instead).
 _functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 from ..launch.block_tiles import check_block_layout
 from ..launch.visibility import Visibility
-from ..schedules import get_schedule
+from ..schedules import PrecisionSchedule, get_schedule
 from .functorch import transform_function, under_transform
-from .one_pass import attention_one_pass, layout_keyword, mask_keyword, one_pass_applies
+from .one_pass import attention_one_pass, mask_keyword, one_pass_applies
 from .reference import reference_backward, reference_forward
 
 # --------------------------------------------------------------------------------------
@@ -114,85 +116,79 @@ SOFTCAP_ON_TRITON = "soft cap (the Gluon Hopper and decode kernels have none)"
 # --------------------------------------------------------------------------------------
 
 
-def _forward_on_hopper(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, causal_offset: int,
-                       scale: float, schedule: str, window_left: int = -1, window_right: int = -1, *,
-                       attn_mask: Optional[Tensor] = None,
-                       block_layout: Optional[tuple] = None) -> tuple[Tensor, Tensor]:
-    return hopper.hopper_attention_forward(query, key, value, scale=scale, is_causal=is_causal,
-                                           causal_offset=causal_offset, window=(window_left, window_right),
-                                           attn_mask=attn_mask, schedule=schedule, block_layout=block_layout)
+def describe_call(query: Tensor, key: Tensor, value: Tensor, dropout_p: float, is_causal: bool, causal_offset: int,
+                  scale: float, schedule, window_left: int = -1, window_right: int = -1,
+                  block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0,
+                  softcap: float = 0.0) -> AttentionCall:
+    """The op's arguments as the one record the CUDA paths below read (``launch.call``): the schedule
+    resolved and the visibility rules grouped, once per call."""
+    visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=(window_left, window_right),
+                            block_map=block_map, block_q=block_q, block_k=block_k)
+    return AttentionCall.describe(query, key, value, schedule=schedule, visibility=visibility, scale=scale,
+                                  dropout_p=dropout_p, softcap=softcap)
 
 
-def _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
-                    window=NO_WINDOW, block_map=None, block_q=0, block_k=0, *, hopper_call=_forward_on_hopper,
-                    softcap=0.0):
+def _forward_on_hopper(query: Tensor, key: Tensor, value: Tensor, call: AttentionCall, *,
+                       attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    return hopper.hopper_attention_forward(query, key, value, scale=call.scale, visibility=call.visibility,
+                                           attn_mask=attn_mask, schedule=call.schedule)
+
+
+def _kernel_forward(query, key, value, attn_mask, rng_seed, call: AttentionCall, *, hopper_call=_forward_on_hopper):
     """The CUDA forward: the split-KV decode kernels for a few query rows against long keys, else
     the Gluon Hopper kernel where it applies, else the Triton kernels. ``hopper_call`` runs the
     Hopper kernel (a test may stand in for it). Block-sparse calls skip the decode kernels, which
     read every key of the band; soft-capped calls run the Triton kernels, the only ones with a cap."""
-    visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=window, block_map=block_map,
-                            block_q=block_q, block_k=block_k)
-    if softcap:
+    triton_options = dict(visibility=call.visibility, softcap=call.softcap)
+    if call.softcap:
         hopper.log_triton_forward(SOFTCAP_ON_TRITON)
-        return launch.attention_forward(query, key, value, attn_mask, rng_seed, dropout_p, scale, schedule,
-                                        visibility=visibility, softcap=softcap)
-    if block_map is None:
-        decoded = decode.decode_forward_or_none(query, key, value, attn_mask, dropout_p, scale, schedule,
-                                                visibility=visibility)
+        return launch.attention_forward(query, key, value, attn_mask, rng_seed, call.dropout_p, call.scale,
+                                        call.schedule, **triton_options)
+    if call.visibility.block_map is None:
+        decoded = decode.decode_forward_or_none(query, key, value, attn_mask, call.dropout_p, call.scale,
+                                                call.schedule, visibility=call.visibility)
         if decoded is not None:
             return decoded
-    reason = (hopper.hopper_forward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
-                                                       window=window, block_sizes=_block_sizes(block_map, block_q,
-                                                                                               block_k))
+    reason = (hopper.hopper_forward_unsupported_reason(query, key, value, attn_mask, call.dropout_p, call.scale,
+                                                       call.schedule, window=call.visibility.window,
+                                                       block_sizes=call.block_sizes)
               or hopper.tma_unsupported_reason(query, key, value))
     if reason is None:
-        return hopper_call(query, key, value, is_causal, causal_offset, scale, schedule, *window_pair(window),
-                           **mask_keyword(attn_mask), **layout_keyword(block_map, block_q, block_k))
+        return hopper_call(query, key, value, call, **mask_keyword(attn_mask))
     hopper.log_triton_forward(reason)
-    return launch.attention_forward(query, key, value, attn_mask, rng_seed, dropout_p, scale, schedule,
-                                    visibility=visibility)
-
-
-def _block_sizes(block_map: Optional[Tensor], block_q: int, block_k: int) -> Optional[tuple[int, int]]:
-    """What the Hopper kernels' choice reads of a layout: its block sizes, None without one."""
-    return None if block_map is None else (block_q, block_k)
+    return launch.attention_forward(query, key, value, attn_mask, rng_seed, call.dropout_p, call.scale, call.schedule,
+                                    **triton_options)
 
 
 def _backward_on_hopper(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
-                        grad_lse: Optional[Tensor], is_causal: bool, causal_offset: int, scale: float,
-                        schedule: str, window_left: int = -1, window_right: int = -1, *,
-                        attn_mask: Optional[Tensor] = None,
-                        block_layout: Optional[tuple] = None) -> tuple[Tensor, Tensor, Tensor]:
-    return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
-                                                is_causal=is_causal, causal_offset=causal_offset,
-                                                window=(window_left, window_right), attn_mask=attn_mask,
-                                                schedule=schedule, block_layout=block_layout)
+                        grad_lse: Optional[Tensor], call: AttentionCall, *,
+                        attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=call.scale,
+                                                visibility=call.visibility, attn_mask=attn_mask,
+                                                schedule=call.schedule)
 
 
-def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p, is_causal,
-                     causal_offset, scale, schedule, compute_mask_grad, window=NO_WINDOW, block_map=None, block_q=0,
-                     block_k=0, *, hopper_call=_backward_on_hopper, softcap=0.0):
+def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, call: AttentionCall,
+                     compute_mask_grad: bool, *, hopper_call=_backward_on_hopper):
     """The CUDA backward: the Gluon Hopper kernel where it applies (the `fast` schedule;
     ``hopper_call`` as in ``_kernel_forward``), else the Triton kernels. Returns (dq, dk, dv, dmask).
     `stable` on the Hopper kernels needs the forward's residual, which only the one-pass ops
     (ops/one_pass.py) carry: a `stable` call that reaches this op runs the Triton backward."""
-    reason = (hopper_bwd.hopper_backward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
-                                                            is_causal=is_causal, window=window,
-                                                            block_sizes=_block_sizes(block_map, block_q, block_k))
+    reason = (hopper_bwd.hopper_backward_unsupported_reason(query, key, value, attn_mask, call.dropout_p, call.scale,
+                                                            call.schedule, is_causal=call.visibility.is_causal,
+                                                            window=call.visibility.window,
+                                                            block_sizes=call.block_sizes)
               or hopper_bwd.backward_tma_unsupported_reason(grad_out, query, key, value)
               or (hopper.MASK_NEEDS_GRAD if compute_mask_grad else None)
-              or (SOFTCAP_ON_TRITON if softcap else None)
-              or (hopper_bwd.NO_RESIDUAL if get_schedule(schedule).exact_delta else None))
+              or (SOFTCAP_ON_TRITON if call.softcap else None)
+              or (hopper_bwd.NO_RESIDUAL if call.schedule.exact_delta else None))
     if reason is None:
-        dq, dk, dv = hopper_call(grad_out, query, key, value, out, lse, grad_lse, is_causal, causal_offset, scale,
-                                 schedule, *window_pair(window), **mask_keyword(attn_mask),
-                                 **layout_keyword(block_map, block_q, block_k))
+        dq, dk, dv = hopper_call(grad_out, query, key, value, out, lse, grad_lse, call, **mask_keyword(attn_mask))
         return dq, dk, dv, query.new_empty(0)
     hopper_bwd.log_triton_backward(reason)
-    visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=window, block_map=block_map,
-                            block_q=block_q, block_k=block_k)
-    return launch.attention_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
-                                     scale, schedule, compute_mask_grad, visibility=visibility, softcap=softcap)
+    return launch.attention_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed,
+                                     call.dropout_p, call.scale, call.schedule, compute_mask_grad,
+                                     visibility=call.visibility, softcap=call.softcap)
 
 
 # --------------------------------------------------------------------------------------
@@ -208,9 +204,9 @@ def attention_forward(
     block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     if launch.kernel_supports(query, key, value):
-        return _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                               scale, schedule, (window_left, window_right), block_map, block_q, block_k,
-                               softcap=softcap)
+        return _kernel_forward(query, key, value, attn_mask, rng_seed,
+                               describe_call(query, key, value, dropout_p, is_causal, causal_offset, scale, schedule,
+                                             window_left, window_right, block_map, block_q, block_k, softcap))
     # The reference computes in fp32/fp64 throughout, Delta included (the `accurate` schedule's
     # stages): the schedule has nothing to select there.
     return attention_forward_reference(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
@@ -227,9 +223,10 @@ def attention_backward(
     block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if launch.kernel_supports(query, key, value):
-        return _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
-                                is_causal, causal_offset, scale, schedule, compute_mask_grad,
-                                (window_left, window_right), block_map, block_q, block_k, softcap=softcap)
+        call = describe_call(query, key, value, dropout_p, is_causal, causal_offset, scale, schedule, window_left,
+                             window_right, block_map, block_q, block_k, softcap)
+        return _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, call,
+                                compute_mask_grad)
     return attention_backward_reference(
         grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
         is_causal, causal_offset, scale, compute_mask_grad, window_left, window_right, block_map, block_q, block_k,
@@ -297,7 +294,9 @@ def _setup_context(ctx, inputs, output):
                                                                        *_OPTIONAL_DEFAULTS[len(optional):])
     out, lse = output
     ctx.save_for_backward(query, key, value, attn_mask, rng_seed, out, lse, block_map)
-    ctx.options = (dropout_p, is_causal, causal_offset, scale, schedule)
+    # The name: the backward may be the registered op, whose schema takes one.
+    ctx.options = (dropout_p, is_causal, causal_offset, scale,
+                   schedule.name if isinstance(schedule, PrecisionSchedule) else schedule)
     ctx.window = (window_left, window_right)
     ctx.layout = (block_q, block_k)
     ctx.softcap = softcap
@@ -386,9 +385,10 @@ class _EagerKernelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
                 window_left, window_right, block_map, block_q, block_k, softcap):
-        out, lse = _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                                   scale, schedule, (window_left, window_right), block_map, block_q, block_k,
-                                   softcap=softcap)
+        out, lse = _kernel_forward(query, key, value, attn_mask, rng_seed,
+                                   describe_call(query, key, value, dropout_p, is_causal, causal_offset, scale,
+                                                 schedule, window_left, window_right, block_map, block_q, block_k,
+                                                 softcap))
         _setup_context(ctx, (query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
                              schedule, window_left, window_right, block_map, block_q, block_k, softcap), (out, lse))
         return out, lse
@@ -402,11 +402,14 @@ class _EagerKernelAttention(torch.autograd.Function):
         return _run_backward(ctx, grad_out, grad_lse, _launch_backward)
 
 
-def _launch_backward(*args, **layout):
+def _launch_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p, is_causal,
+                     causal_offset, scale, schedule, compute_mask_grad, window_left, window_right, **layout):
     """``_kernel_backward`` with the backward op's positional arguments (the window last) and its
     keywords (``block_map``, ``block_q``, ``block_k``, ``softcap``)."""
-    *args, window_left, window_right = args
-    return _kernel_backward(*args, window=(window_left, window_right), **layout)
+    call = describe_call(query, key, value, dropout_p, is_causal, causal_offset, scale, schedule, window_left,
+                         window_right, **layout)
+    return _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, call,
+                            compute_mask_grad)
 
 
 def eager_fast_path_applies(*tensors: Optional[Tensor]) -> bool:
@@ -439,10 +442,13 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
     without one, the residual and the centred keys they save would buy nothing, and the plain
     forward is 12-17 % faster (docs/hopper_backward.md)."""
     needs_autograd = _needs_autograd(query, key, value)
+    # A name is resolved once here for the checks and launches below (flash_inductor.api passes the
+    # schedule it resolved; the registered op takes the name).
+    schedule = get_schedule(schedule)
     # The one-pass path is the Hopper kernels', which have no soft cap.
     if not softcap and needs_autograd and one_pass_applies(query, key, value, attn_mask, dropout_p, scale, schedule,
                                            window=(window_left, window_right),
-                                           block_sizes=_block_sizes(block_map, block_q, block_k)):
+                                           block_sizes=None if block_map is None else (block_q, block_k)):
         return attention_one_pass(query, key, value, is_causal, causal_offset, scale, window_left, window_right,
                                   fast_path=eager_fast_path_applies(query, key, value, attn_mask, block_map),
                                   needs_autograd=True, attn_mask=attn_mask, block_map=block_map, block_q=block_q,
@@ -452,14 +458,15 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
             # Inference: the launch alone. autograd.Function.apply would record nothing here and
             # cost ~20-35 µs of host time a call (2-core CPU, launches stubbed), which
             # a short problem's GPU time may not hide.
-            return _kernel_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                                   scale, schedule, (window_left, window_right), block_map, block_q, block_k,
-                                   softcap=softcap)
+            return _kernel_forward(query, key, value, attn_mask, rng_seed,
+                                   describe_call(query, key, value, dropout_p, is_causal, causal_offset, scale,
+                                                 schedule, window_left, window_right, block_map, block_q, block_k,
+                                                 softcap))
         return _EagerKernelAttention.apply(
             query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
             window_left, window_right, block_map, block_q, block_k, softcap,
         )
-    args = (query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
+    args = (query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule.name,
             window_left, window_right, block_map, block_q, block_k, softcap)
     if under_transform():
         return _TransformAttention.apply(*args)

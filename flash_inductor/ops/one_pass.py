@@ -97,10 +97,10 @@ def _forward(query, key, value, is_causal, causal_offset, scale, window_left, wi
         row_consts = torch.stack([torch.full_like(lse, float("inf")), torch.zeros_like(lse)])
         return out, lse, torch.zeros_like(out), row_consts
     query, key, value = _addressable(query, key, value)
-    return hopper.hopper_attention_forward(query, key, value, scale=scale, is_causal=is_causal,
-                                           causal_offset=causal_offset, window=(window_left, window_right),
-                                           exact_delta=True, schedule="stable", **mask_keyword(attn_mask),
-                                           **layout_keyword(block_map, block_q, block_k))
+    visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=(window_left, window_right),
+                            block_map=block_map, block_q=block_q, block_k=block_k)
+    return hopper.hopper_attention_forward(query, key, value, scale=scale, visibility=visibility, exact_delta=True,
+                                           schedule="stable", **mask_keyword(attn_mask))
 
 
 def mask_keyword(attn_mask: Optional[Tensor]) -> dict:
@@ -109,26 +109,20 @@ def mask_keyword(attn_mask: Optional[Tensor]) -> dict:
     return {} if attn_mask is None else {"attn_mask": attn_mask}
 
 
-def layout_keyword(block_map: Optional[Tensor], block_q: int, block_k: int) -> dict:
-    """A Hopper launcher call's block-sparse layout as a keyword, left out when there is none."""
-    return {} if block_map is None else {"block_layout": (block_map, block_q, block_k)}
-
-
 def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, is_causal, causal_offset,
               scale, window_left, window_right, attn_mask=None, block_map=None, block_q=0, block_k=0):
+    visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=(window_left, window_right),
+                            block_map=block_map, block_q=block_q, block_k=block_k)
     if torch.are_deterministic_algorithms_enabled() or query.shape[2] == 0 or key.shape[2] == 0:
         # The Triton `stable` backward re-derives the exact Δ from out and lse in a fixed order.
-        visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=(window_left, window_right),
-                                block_map=block_map, block_q=block_q, block_k=block_k)
         dq, dk, dv, _ = launch.attention_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, None,
                                                   0.0, scale, "stable", False, visibility=visibility)
         return dq, dk, dv
     grad_out, query, key, value = _addressable(grad_out, query, key, value)
     return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
-                                                is_causal=is_causal, causal_offset=causal_offset,
-                                                window=(window_left, window_right), exact_delta=(resid, row_consts),
-                                                mean_key=key_moments(key), schedule="stable", **mask_keyword(attn_mask),
-                                                **layout_keyword(block_map, block_q, block_k))
+                                                visibility=visibility, exact_delta=(resid, row_consts),
+                                                mean_key=key_moments(key), schedule="stable",
+                                                **mask_keyword(attn_mask))
 
 
 @torch.library.custom_op("flash_inductor::attention_forward_one_pass", mutates_args=())

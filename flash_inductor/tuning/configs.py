@@ -329,7 +329,11 @@ def decode_program_slots(device: torch.device, interpreted: bool) -> int:
 
 
 def sm_count(device: torch.device) -> int:
-    """The streaming multiprocessors of CUDA ``device`` (cached per device)."""
+    """The streaming multiprocessors of CUDA ``device`` (cached per device). Any other device gets
+    the interpreter's small count: the compile check (tools/launch_sass.py) runs the Hopper
+    launchers on CPU tensors, and a fixed count keeps what they compile the same on every machine."""
+    if device.type != "cuda":
+        return _INTERPRETER_SM_COUNT
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 

@@ -175,7 +175,7 @@ def default_forward_config(head_dim: int, is_causal: bool, key_mask: bool = Fals
     for causal from 8k; at causal 2k-4k it and the two-consumer kernel are both 0.89-0.96x.
     A key mask's bias holds 32 more fp32 registers per consumer thread (a tile's 128 keys in the
     accumulator's column layout): at E 64 three consumers' 160 registers then spill 0.5-0.7 KiB
-    (compiled for sm_90a, tools/hopper_fwd_compile.py --key-bias), two consumers' 240 none. With
+    (compiled for sm_90a, tools/launch_sass.py --cases gluon_fwd/bf16/e64/key --verbose), two consumers' 240 none. With
     the exact Δ's extra state two consumers are 13-15 % faster there; without it three are 4-6 %
     faster despite the spills (bf16 2k/8k, benchmarks/experiments/key_mask_probe.py at commit f7e9ac3).
     Without a key mask the exact Δ's three consumers spill too (140-430 bytes), yet they beat two
@@ -240,7 +240,7 @@ def _with_added_fields(role: str, data):
 def smem_bytes(role: str, config, width: int, itemsize: int) -> int:
     """Shared memory the Gluon forward needs, about: Q for every consumer (O goes out through
     it), the K and V ring, and 4 KiB for barriers and the row statistics. Compiled for sm_90a
-    (tools/hopper_fwd_compile.py) E 128 at 2 consumers, 2 stages of 128 keys takes 164 KiB, E 64 at
+    (tools/launch_sass.py) E 128 at 2 consumers, 2 stages of 128 keys takes 164 KiB, E 64 at
     3 consumers, 3 stages 123 KiB: within 1 KiB of this. The backward's buffers depend on more
     switches (dS, dQ staging, K̃); its configs are checked by compiling (the autotuner rejects
     a candidate that does not launch, and a table pick that does not launch falls back to the

@@ -163,7 +163,7 @@ def test_a_tuned_config_that_fails_to_launch_runs_the_built_in_one(monkeypatch, 
     with cache.override_table(table), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if kernel == "forward":
-            monkeypatch.setattr(hopper, "_forward", lambda *args: fake_launch(*args[:8], config=args[8]))
+            monkeypatch.setattr(hopper, "_forward", lambda *args: fake_launch(*args[:6], config=args[6]))
             got = hopper.hopper_attention_forward(query, query, query, schedule="fast")
         else:
             monkeypatch.setattr(hopper_bwd, "_backward", fake_launch)

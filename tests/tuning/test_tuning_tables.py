@@ -4,6 +4,7 @@ cache key. Malformed tables: test_tuning_cache_robustness.py."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import multiprocessing
@@ -22,7 +23,7 @@ from flash_inductor.tuning.buckets import GLUON_PASSES, Bucket
 from flash_inductor.tuning.kernel_config import role_config_from_dict
 from flash_inductor.tuning.configs import (KernelConfig, cuda_heuristic_configs, select_configs,
                                            select_hopper_backward_config, select_hopper_forward_config)
-from flash_inductor.tuning.kernel_identity import KERNEL_FAMILIES, identity_of
+from flash_inductor.tuning.kernel_identity import KERNEL_FAMILIES, UNTUNED_KERNELS, identity_of
 from helpers import DEVICE, make_qkv, randn, spy_on_launches
 from tuning_helpers import (  # noqa: F401  (isolated_tables: an autouse fixture)
     H200_KEY, ROOT, SHIPPED_DIR, isolated_tables, fake_h200, query_on, cfg_dict, table_of, fwd_entry, bwd_entry,
@@ -199,12 +200,15 @@ def test_kernel_identity_follows_code_and_callees_not_comments(tmp_path, edit, s
 
 def test_kernel_families_cover_every_kernel_the_launchers_start():
     """Every kernel the launchers start belongs to a family (so its identity covers everything
-    those launches compile), and every family's kernels exist."""
+    those launches compile) or is listed as taking no tuned config, and every listed kernel exists."""
     launched = set()
     for path in (ROOT / "flash_inductor" / "launch").glob("*.py"):
         launched |= set(re.findall(r"common\.launcher\((\w+)\)\[", path.read_text()))
-    listed = {spec.split(":")[1] for specs in KERNEL_FAMILIES.values() for spec in specs}
+    listed = {spec.split(":")[1] for specs in (*KERNEL_FAMILIES.values(), UNTUNED_KERNELS) for spec in specs}
     assert launched and launched <= listed, launched - listed
+    for spec in UNTUNED_KERNELS:
+        module, name = spec.split(":")
+        assert hasattr(importlib.import_module(f"flash_inductor.kernels.{module}"), name), spec
     identities = cache.family_identities()
     assert len(set(identities.values())) == len(KERNEL_FAMILIES)
     assert all(re.fullmatch(r"[0-9a-f]{16}", identity) for identity in identities.values())

@@ -26,6 +26,7 @@ from flash_inductor import BlockSparseLayout, flash_attention
 from flash_inductor.block_sparse import expand_block_map
 from flash_inductor.launch import block_tiles
 from flash_inductor.launch.band import resolve_band
+from flash_inductor.launch.visibility import Visibility
 from helpers import (
     assert_close_to_ref,
     assert_dead_rows_exact,
@@ -212,7 +213,7 @@ def _spy_on_gluon(monkeypatch):
         real = getattr(module, name)
 
         def spied(*args, _real=real, _name=name, **kwargs):
-            calls.append((_name, kwargs.get("block_layout") is not None))
+            calls.append((_name, kwargs["visibility"].block_map is not None))
             return _real(*args, **kwargs)
         monkeypatch.setattr(module, name, spied)
     return calls
@@ -243,8 +244,9 @@ def test_gluon_block_sparse_against_fp64(case, dtype, head_dim, schedule, monkey
     ours = dict(out=out, dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
     for name, value in ours.items():
         assert_close_to_ref(name, value, ref[name], base[name], terms=ref["terms"].get(name))
-    _, lse = hopper.hopper_attention_forward(q, k, v, scale=scale, is_causal=case.is_causal, window=case.window,
-                                             attn_mask=key_mask, block_layout=(block_map, *case.block))
+    visibility = Visibility(is_causal=case.is_causal, window=case.window, block_map=block_map, block_q=case.block[0],
+                            block_k=case.block[1])
+    _, lse = hopper.hopper_attention_forward(q, k, v, scale=scale, visibility=visibility, attn_mask=key_mask)
     assert_close_to_ref("lse", lse, ref["lse"], lse_baseline(q, k, dense, scale=scale))
     # Rows with no visible key: out 0, LSE -inf, dq 0; keys no query of their group sees: dk = dv = 0.
     dead = assert_dead_rows_exact(q, k, dense, None, out, lse, ours["dq"], ours["dk"], ours["dv"])

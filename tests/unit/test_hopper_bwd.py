@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flash_inductor.launch.visibility import Visibility
 from helpers import assert_close_to_ref, mock_hopper, needs_hopper, spy_on
 
 
@@ -73,10 +74,9 @@ def _check(q, k, v, do, is_causal, causal_offset=0, dq_split=True, dq_tma=True, 
 
     scale = q.shape[-1] ** -0.5
     assert hopper_backward_supported(do, q, k, v, None, 0.0, scale, "fast", window=window)
-    out, lse = hopper_attention_forward(q, k, v, scale=scale, is_causal=is_causal, causal_offset=causal_offset,
-                                        window=window)
-    dq, dk, dv = hopper_attention_backward(do, q, k, v, out, lse, scale=scale, is_causal=is_causal,
-                                           causal_offset=causal_offset, window=window,
+    visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=window)
+    out, lse = hopper_attention_forward(q, k, v, scale=scale, visibility=visibility)
+    dq, dk, dv = hopper_attention_backward(do, q, k, v, out, lse, scale=scale, visibility=visibility,
                                            config=HopperBackwardConfig(dq_split=dq_split, dq_tma=dq_tma,
                                                                        row_stats_tma=row_stats_tma,
                                                                        swizzle_heads=swizzle_heads,
@@ -177,7 +177,8 @@ def test_paired_tiles_need_head_dim_64():
     q, k, v, do = (torch.zeros(1, 2, 128, 128, dtype=torch.bfloat16) for _ in range(4))
     lse = torch.zeros(1, 2, 128)
     with pytest.raises(ValueError, match=r"paired_tiles=True\) needs head dim 64.*use paired_tiles=False"):
-        hopper_attention_backward(do, q, k, v, q, lse, is_causal=True, config=HopperBackwardConfig(paired_tiles=True))
+        hopper_attention_backward(do, q, k, v, q, lse, visibility=Visibility(is_causal=True),
+                                  config=HopperBackwardConfig(paired_tiles=True))
 
 
 @needs_hopper
@@ -200,9 +201,10 @@ def test_a_group_split_must_divide_the_group():
     from flash_inductor.launch.hopper_bwd import HopperBackwardConfig, hopper_attention_backward
 
     q, k, v, do = _inputs(torch.bfloat16, 64, 1, 6, 2, 128, 128)
-    out, lse = hopper_attention_forward(q, k, v, is_causal=True)
+    out, lse = hopper_attention_forward(q, k, v, visibility=Visibility(is_causal=True))
     with pytest.raises(ValueError, match="group_split=2 does not divide the GQA group"):
-        hopper_attention_backward(do, q, k, v, out, lse, is_causal=True, config=HopperBackwardConfig(group_split=2))
+        hopper_attention_backward(do, q, k, v, out, lse, visibility=Visibility(is_causal=True),
+                                  config=HopperBackwardConfig(group_split=2))
 
 
 def test_the_parts_are_summed_in_order():
@@ -437,7 +439,9 @@ def test_the_op_dispatches_to_the_hopper_call_it_is_given(monkeypatch):
     seen = []
 
     def hopper_call(*args):
-        seen.append(("hopper", args[7:]))
+        call = args[7]
+        seen.append(("hopper", (call.visibility.is_causal, call.visibility.causal_offset, call.scale,
+                                call.schedule.name, *call.visibility.window)))
         return q * 2, k * 3, v * 4
 
     def triton_call(*args, **kwargs):
@@ -446,16 +450,19 @@ def test_the_op_dispatches_to_the_hopper_call_it_is_given(monkeypatch):
         return q, k, v, q.new_empty(0)
     monkeypatch.setattr(ops_attention.launch, "attention_backward", triton_call)
     monkeypatch.setattr(hopper_bwd, "hopper_backward_unsupported_reason", lambda *a, **kw: None)
-    dq, dk, dv, dmask = ops_attention._kernel_backward(do, q, k, v, None, q, lse, None, None, 0.0, True, 3, 0.125,
-                                                       "fast", False, hopper_call=hopper_call)
+    describe = ops_attention.describe_call
+    dq, dk, dv, dmask = ops_attention._kernel_backward(do, q, k, v, None, q, lse, None, None,
+                                                       describe(q, k, v, 0.0, True, 3, 0.125, "fast"), False,
+                                                       hopper_call=hopper_call)
     assert seen == [("hopper", (True, 3, 0.125, "fast", -1, -1))]
     assert torch.equal(dq, q * 2) and torch.equal(dk, k * 3) and torch.equal(dv, v * 4) and dmask.numel() == 0
     monkeypatch.setattr(hopper_bwd, "hopper_backward_unsupported_reason", lambda *a, **kw: "a reason")
-    ops_attention._kernel_backward(do, q, k, v, None, q, lse, None, None, 0.0, False, 0, 0.125, "stable", False,
-                                   window=(4, 0), hopper_call=hopper_call)
+    ops_attention._kernel_backward(do, q, k, v, None, q, lse, None, None,
+                                   describe(q, k, v, 0.0, False, 0, 0.125, "stable", 4, 0), False,
+                                   hopper_call=hopper_call)
     assert seen[1] == ("triton", (False, 0, 0.125), (4, 0))
     # The window reaches the Hopper call as the op's two ints.
     monkeypatch.setattr(hopper_bwd, "hopper_backward_unsupported_reason", lambda *a, **kw: None)
-    ops_attention._kernel_backward(do, q, k, v, None, q, lse, None, None, 0.0, True, 0, 0.125, "fast", False,
-                                   window=(4, 0), hopper_call=hopper_call)
+    ops_attention._kernel_backward(do, q, k, v, None, q, lse, None, None,
+                                   describe(q, k, v, 0.0, True, 0, 0.125, "fast", 4, 0), False, hopper_call=hopper_call)
     assert seen[2] == ("hopper", (True, 0, 0.125, "fast", 4, 0))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flash_inductor.launch.visibility import Visibility
 from helpers import CudaLooking, mock_hopper, needs_hopper, spy_on
 
 
@@ -47,8 +48,8 @@ def _check(q, k, v, is_causal, causal_offset=0, window=None, config=None):
 
     scale = q.shape[-1] ** -0.5
     assert hopper_forward_supported(q, k, v, None, 0.0, scale)
-    out, lse = hopper_attention_forward(q, k, v, scale=scale, is_causal=is_causal, causal_offset=causal_offset,
-                                        window=window, config=config)
+    visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=window)
+    out, lse = hopper_attention_forward(q, k, v, scale=scale, visibility=visibility, config=config)
     ref, lse_ref, visible = _reference(q, k, v, scale, is_causal, causal_offset, window)
     group = q.shape[1] // k.shape[1]
     base = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
@@ -139,8 +140,8 @@ def test_skipping_masked_tiles_changes_no_bit(head_dim, exact_delta, window, seq
     config = hopper.default_config(head_dim, True, exact_delta=exact_delta)
     results = []
     for skip in (False, True):
-        results.append(hopper.hopper_attention_forward(q, k, v, is_causal=True, causal_offset=causal_offset,
-                                                       window=window, exact_delta=exact_delta,
+        visibility = Visibility(is_causal=True, causal_offset=causal_offset, window=window)
+        results.append(hopper.hopper_attention_forward(q, k, v, visibility=visibility, exact_delta=exact_delta,
                                                        config=replace(config, skip_masked_tiles=skip)))
     for full, skipped in zip(*results):
         assert torch.equal(full, skipped)
@@ -162,7 +163,7 @@ def test_persistent_grid_changes_no_bit(head_dim, consumers, stages, exact_delta
     from flash_inductor.launch.hopper import HopperForwardConfig, hopper_attention_forward
 
     q, k, v = _inputs(torch.bfloat16, head_dim, batch, 8, 2, seq_q, seq_k)
-    kwargs = dict(is_causal=mask == "causal", window=(100, 30) if mask == "w100_30" else None,
+    kwargs = dict(visibility=Visibility(is_causal=mask == "causal", window=(100, 30) if mask == "w100_30" else None),
                   exact_delta=exact_delta)
     if mask == "key_bias":
         keep = torch.rand(batch, 1, 1, seq_k, device="cuda") > 0.2

@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 
+from flash_inductor.launch.visibility import Visibility
 import flash_inductor  # noqa: F401 -- registers the ops (a worker may run a GPU test first)
 from helpers import (
     DEVICE,
@@ -194,7 +195,7 @@ def test_ds_up_in_one_launch_matches_the_torch_ops():
 def test_the_dq_finish_matches_its_definition():
     """The one-pass path's dq finish (the interpreter on a CPU), GQA, odd lengths:
     dq = dq_accum + w·k̂."""
-    from flash_inductor.launch.hopper_bwd import _finish_dq_with_mean_key
+    from flash_inductor.launch.hopper_bwd import _dq_with_mean_key
 
     gen = torch.Generator().manual_seed(4)
     b, hq, hkv, seq_q, e = 2, 6, 3, 97, 64
@@ -202,7 +203,7 @@ def test_the_dq_finish_matches_its_definition():
     k_rep = k_hat.repeat_interleave(hq // hkv, 1)  # (B, Hq, E)
     dq_accum = torch.randn(b, hq, seq_q, e, generator=gen).to(DEVICE)
     weight = torch.randn(b, hq, seq_q, generator=gen).to(DEVICE)
-    dq = _finish_dq_with_mean_key(dq_accum, k_hat, weight, torch.float16)
+    dq = _dq_with_mean_key(dq_accum, k_hat, weight, torch.float16)
     assert dq.dtype == torch.float16
     torch.testing.assert_close(dq, (dq_accum + weight[..., None] * k_rep[:, :, None]).to(torch.float16),
                                rtol=1e-3, atol=1e-3)
@@ -305,7 +306,7 @@ def test_the_backward_centres_the_keys_for_dq(dtype, head_dim, dq_split):
     k_hat = key_mean(k)
     assert bool((k_hat != 0).all())
     cfg = HopperBackwardConfig(dq_split=dq_split)
-    common = dict(scale=scale, is_causal=True, exact_delta=(resid, rows), config=cfg)
+    common = dict(scale=scale, visibility=Visibility(is_causal=True), exact_delta=(resid, rows), config=cfg)
     if head_dim == 128 and not dq_split:  # K̃ beside K would not fit in shared memory
         with pytest.raises(ValueError, match="dq_split=True"):
             hopper_attention_backward(do, q, k, v, out, lse, dlse, mean_key=key_mean(k), **common)

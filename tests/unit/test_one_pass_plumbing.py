@@ -32,6 +32,11 @@ def _visible(seq_q, seq_k, is_causal, causal_offset, window):
     return vis
 
 
+def _loose(visibility):
+    """(is_causal, causal_offset, window, block_layout) of a launcher's ``Visibility``."""
+    return visibility.is_causal, visibility.causal_offset, visibility.window, visibility.block_layout()
+
+
 def _with_layout(visible, block_layout, shape):
     """The visibility inside a block-sparse layout's computed blocks (B, Hq, L, S), or as it was."""
     if block_layout is None:
@@ -64,9 +69,10 @@ class EmulatedGluon:
     def __init__(self):
         self.forwards, self.backwards = [], []
 
-    def forward(self, query, key, value, *, scale, is_causal, causal_offset, window, exact_delta, config=None,
-                attn_mask=None, schedule=None, block_layout=None):
+    def forward(self, query, key, value, *, scale, visibility, exact_delta, config=None, attn_mask=None,
+                schedule=None):
         assert exact_delta and config is None and schedule == "stable"  # the table's `stable` entries
+        is_causal, causal_offset, window, block_layout = _loose(visibility)
         for t in (query, key, value):
             assert t.data_ptr() % 16 == 0 and t.stride(-1) == 1, "the launcher got a tensor TMA cannot address"
         self.forwards.append(dict(key=key, window=window, is_causal=is_causal, causal_offset=causal_offset,
@@ -80,10 +86,10 @@ class EmulatedGluon:
         row_consts = torch.stack([pivot, torch.ones_like(pivot)]).float()
         return out16, lse.float(), (out - out16.double()).to(query.dtype), row_consts
 
-    def backward(self, grad_out, query, key, value, out, lse, grad_lse=None, *, scale, is_causal, causal_offset,
-                 window, exact_delta, mean_key, config=None, delta=None, attn_mask=None, schedule=None,
-                 block_layout=None):
+    def backward(self, grad_out, query, key, value, out, lse, grad_lse=None, *, scale, visibility, exact_delta,
+                 mean_key, config=None, delta=None, attn_mask=None, schedule=None):
         assert schedule == "stable"
+        is_causal, causal_offset, window, block_layout = _loose(visibility)
         resid, row_consts = exact_delta
         assert resid.shape == out.shape and row_consts.shape == (2, *lse.shape) and delta is None
         # The one-pass path hands over K's moments, which the real launcher's exact-Δ preprocess
@@ -273,12 +279,12 @@ def test_only_a_call_that_may_be_differentiated_takes_the_one_pass_ops(monkeypat
 def _plain(args):
     """What the spy hands back for the one-pass ops: the plain forward's (out, lse) (the routing
     is under test here, not the ops)."""
-    from flash_inductor.ops.attention import _kernel_forward
+    from flash_inductor.ops.attention import _kernel_forward, describe_call
 
     q, k, v, is_causal, causal_offset, scale, left, right = args
     with torch.no_grad():
-        out, lse = _kernel_forward(q, k, v, None, None, 0.0, is_causal, causal_offset, scale, "stable",
-                                   (left, right), None, 0, 0)
+        out, lse = _kernel_forward(q, k, v, None, None,
+                                   describe_call(q, k, v, 0.0, is_causal, causal_offset, scale, "stable", left, right))
     return out.requires_grad_(), lse
 
 

@@ -438,11 +438,15 @@ def test_the_op_hands_the_window_to_the_hopper_forward(monkeypatch):
     monkeypatch.setattr(hopper, "hopper_forward_unsupported_reason", lambda *a, **kw: None)
 
     def hopper_call(*args):
-        seen.append(args[3:])
+        call = args[3]
+        seen.append((call.visibility.is_causal, call.visibility.causal_offset, call.scale, call.schedule.name,
+                     *call.visibility.window))
         return q, q.new_zeros(1, 2, 8)
-    ops_attention._kernel_forward(q, q, q, None, None, 0.0, True, 0, 0.125, "stable", window=(5, 0),
+    describe = ops_attention.describe_call
+    ops_attention._kernel_forward(q, q, q, None, None, describe(q, q, q, 0.0, True, 0, 0.125, "stable", 5, 0),
                                   hopper_call=hopper_call)
-    ops_attention._kernel_forward(q, q, q, None, None, 0.0, False, 0, 0.125, "stable", hopper_call=hopper_call)
+    ops_attention._kernel_forward(q, q, q, None, None, describe(q, q, q, 0.0, False, 0, 0.125, "stable"),
+                                  hopper_call=hopper_call)
     assert seen == [(True, 0, 0.125, "stable", 5, 0), (False, 0, 0.125, "stable", -1, -1)]
 
 
