@@ -77,7 +77,8 @@ def test_the_op_resolves_the_schedule_once_and_hands_one_record_down(monkeypatch
     seen = []
     monkeypatch.setattr(hopper, "hopper_forward_unsupported_reason",
                         lambda *args, **kwargs: seen.append(args[6]) or "not on a CUDA device")
-    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    # The kernels' own tensors: on CPU the conftest runs them interpreted, on a GPU they launch.
+    q, k, v = (torch.randn(1, 2, 16, 8, device=DEVICE) for _ in range(3))
     call = describe_call(q, k, v, 0.0, True, 0, 0.5, "fast", 4, 0)
     assert _CountingSchedules.lookups == 1 and call.schedule is schedules.FAST
     assert (call.batch, call.heads_q, call.seq_q, call.seq_k, call.head_dim) == (1, 2, 16, 16, 8)
