@@ -300,7 +300,8 @@ def attention_forward(
         # (which may lack position_ids or sliding_window), says the sequences and the window.
         documents, sliding_window = skipped
         given = _documents(query, key, kwargs) if kwargs.get("cu_seq_lens_q") is not None else None
-        if given is not None and not (torch.equal(given.cu_q, documents.cu_q) and torch.equal(given.cu_k, documents.cu_k)):
+        if given is not None and not (torch.equal(given.cu_q, documents.cu_q)
+                                      and torch.equal(given.cu_k, documents.cu_k)):
             attention_mask = _packed_mask(documents, True, sliding_window)  # both hold: the mask, within each
             documents = given
     # Packed sequences run varlen when the mask (if any), restricted to each sequence, is exactly

@@ -209,7 +209,8 @@ def recorded_packing(module, batch: int, length: int, device: torch.device) -> O
         candidates = [_RECORDS[key]]
     else:
         candidates = [r for k, r in _RECORDS.items() if r is not None and _CONFIGS[k]() is not None]
-    found = [r for r in candidates if r is not None and tuple(r.ids.shape) == (batch, length) and r.ids.device == device]
+    found = [r for r in candidates
+             if r is not None and tuple(r.ids.shape) == (batch, length) and r.ids.device == device]
     if len(found) > 1:
         raise ValueError(
             f'attn_implementation="inductor_stable": {type(module).__name__} has no config that built its mask, and '

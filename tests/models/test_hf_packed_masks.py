@@ -233,6 +233,20 @@ def test_padded_and_plain_batches_match_eager(family, kind, attention_calls):
         assert all(m is not None and m.dtype == torch.bool for m in attention_calls["masks"])
 
 
+@pytest.mark.parametrize("offsets", ["same", "coarser"])
+def test_packed_batch_with_cu_seq_lens(offsets, attention_calls):
+    """DataCollatorWithFlattening's cu_seq_lens beside the positions: the same sequences run varlen;
+    other offsets (here one sequence per row) hold together with the positions, as a dense mask."""
+    ours, eager = _pair(_config("qwen2"))
+    batch = _batch("packed")
+    lengths = [n for row in ROWS for n in row] if offsets == "same" else [LENGTH, LENGTH]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
+    _assert_match(ours, eager, batch)
+    kinds = {kind for kind, _ in attention_calls["ops"]}
+    assert kinds == ({"varlen"} if offsets == "same" else {"dense"}), kinds
+
+
 def test_mixed_forward_keeps_chunked_masks(attention_calls):
     """Llama 4 on a packed batch: its chunked layers get HF's mask (the chunk overlay is not
     recognised), its full layers none, and the record of the full mask outlives the chunked one's
@@ -308,7 +322,8 @@ SKIPPED = {
 }
 KEPT = {
     "causal": lambda: (masking_utils.causal_mask_function, {}),
-    "chunked+packed": lambda: (_packed(masking_utils.chunked_causal_mask_function(3, torch.zeros(1, dtype=torch.long))), {}),
+    "chunked+packed": lambda: (
+        _packed(masking_utils.chunked_causal_mask_function(3, torch.zeros(1, dtype=torch.long))), {}),
     "or-overlay+packed": lambda: (_packed(masking_utils.or_masks(masking_utils.causal_mask_function,
                                                                  lambda b, h, q, k: k == 0)), {}),
     "and-overlay+packed": lambda: (_packed(masking_utils.and_masks(masking_utils.causal_mask_function,
