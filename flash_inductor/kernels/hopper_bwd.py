@@ -612,53 +612,47 @@ def _store_partial(cfg, prob, acc, which, part, b, h_kv, k0):
 
 
 @gluon.jit
-def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
-                     LSE, DELTA, DQ_ACCUM,
-                     DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART, L, S, H_KV, GROUP, group_split, stride_stats, causal_offset,
-                     window_lower, qk_scale, sm_scale, swizzle_heads, TILE_LISTS, stride_lb, stride_lh, list_stride,
-                     HEAD_DIM: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-                     DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, EXACT_DELTA: gl.constexpr,
-                     HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr, DKDV_PARTIALS: gl.constexpr,
-                     CENTRE_KEYS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                     HAS_BLOCK_SPARSITY: gl.constexpr = False, EVEN_L: gl.constexpr = False,
-                     PAIRED_TILES: gl.constexpr = False):
+def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc, args,
+                     switches: gl.constexpr):
     """Grid (cdiv(S, BLOCK_N), B * H_KV * group_split), walked in the order ``swizzle_heads`` sets.
     Descriptors are 4-D over (B, H, L or S, E): Q and dO boxes (1, 1, BLOCK_M, E); K, V, dK, dV
-    boxes (1, 1, 64, E). DQ_ACCUM is (B, Hq, L, E) fp32
-    zeros, contiguous, and ``dq_desc`` describes it with box (1, 1, BLOCK_M, E or E / 2 under
-    DQ_SPLIT) (used only under DQ_TMA); LSE (natural log) and DELTA are (B·Hq, L) fp32 planes whose rows
-    are ``stride_stats`` apart.
-    Under EXACT_DELTA, LSE is the forward's pivot plane and DS_UP one fp32 power of two (glossary);
-    otherwise DS_UP is not read. Under HAS_KEY_BIAS, KEY_BIAS is (B, Hq, S) fp32, contiguous.
-    ``lse_desc``/``delta_desc`` are 2-D descriptors over those planes, box (1, BLOCK_M), read only
-    under ROW_STATS_TMA (which then does not read the LSE/DELTA pointers). Under DKDV_PARTIALS,
-    DKDV_PART is (2, group_split, B, H_KV, S, E) fp32 and the dK/dV descriptors are not used;
-    otherwise group_split is 1 and DKDV_PART is not touched. Under CENTRE_KEYS, MEAN_KEY is
-    (B·H_KV, E) fp32, contiguous (k̂); otherwise it is not read. Under HAS_BLOCK_SPARSITY, TILE_LISTS
+    boxes (1, 1, 64, E); ``dq_desc`` describes DQ_ACCUM with box (1, 1, BLOCK_M, E or E / 2 under
+    DQ_SPLIT) (used only under DQ_TMA); ``lse_desc``/``delta_desc`` are 2-D descriptors over the LSE and
+    DELTA planes, box (1, BLOCK_M), read only under ROW_STATS_TMA (which then does not read the
+    LSE/DELTA pointers).
+    ``args`` (``hopper_args.BwdArgs``): DQ_ACCUM is (B, Hq, L, E) fp32 zeros, contiguous; LSE (natural
+    log) and DELTA are (B·Hq, L) fp32 planes whose rows are ``stride_stats`` apart. Under EXACT_DELTA,
+    LSE is the forward's pivot plane and DS_UP one fp32 power of two (glossary); otherwise DS_UP is not
+    read. Under HAS_KEY_BIAS, KEY_BIAS is (B, Hq, S) fp32, contiguous. Under DKDV_PARTIALS, DKDV_PART is
+    (2, group_split, B, H_KV, S, E) fp32 and the dK/dV descriptors are not used; otherwise group_split
+    is 1 and DKDV_PART is not touched. Under CENTRE_KEYS, MEAN_KEY is (B·H_KV, E) fp32, contiguous
+    (k̂); otherwise it is not read. Under HAS_BLOCK_SPARSITY, ``lists`` (``hopper_args.TileListArgs``)
     is int32 (B or 1, Hq or 1, key blocks, list_stride), one row a key block: its query tile count,
-    then its query tiles (``launch.block_tiles.gluon_tile_lists``), the first two dims ``stride_lb``
-    and ``stride_lh`` apart (0 where the layout broadcasts); else not read."""
-    cfg = BwdConfig(q_desc, k_desc, NUM_STAGES=NUM_STAGES, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
-                    DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA, EXACT_DELTA=EXACT_DELTA, HAS_KEY_BIAS=HAS_KEY_BIAS,
-                    ROW_STATS_TMA=ROW_STATS_TMA, DKDV_PARTIALS=DKDV_PARTIALS, CENTRE_KEYS=CENTRE_KEYS,
-                    HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY, EVEN_L=EVEN_L, PAIRED_TILES=PAIRED_TILES)
-    gl.static_assert(BLOCK_N == NUM_CONSUMERS * KEYS_PER_CONSUMER, "BLOCK_N is 64 keys per consumer")
-    gl.static_assert((cfg.HEAD_DIM == HEAD_DIM) & (cfg.BLOCK_M == BLOCK_M) & (cfg.BLOCK_N == BLOCK_N),
-                     "HEAD_DIM and BLOCK_M are Q's box, BLOCK_N two of K's")
-    qk_scale = qk_scale.to(gl.float32)
-    sm_scale = sm_scale.to(gl.float32)
-    prob = BwdProblem(L, S, H_KV, GROUP, group_split, stride_stats, causal_offset, window_lower, qk_scale, sm_scale,
-                      swizzle_heads, LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART,
-                      TileLists(TILE_LISTS, stride_lb, stride_lh, list_stride))
+    then its query tiles (``launch.block_tiles.gluon_tile_lists``); else not read.
+    ``switches`` (``hopper_args.BwdSwitches``): the glossary's constexprs."""
+    cfg = BwdConfig(q_desc, k_desc, NUM_STAGES=switches.NUM_STAGES, IS_CAUSAL=switches.IS_CAUSAL,
+                    WINDOW_LEFT=switches.WINDOW_LEFT, DQ_SPLIT=switches.DQ_SPLIT, DQ_TMA=switches.DQ_TMA,
+                    EXACT_DELTA=switches.EXACT_DELTA, HAS_KEY_BIAS=switches.HAS_KEY_BIAS,
+                    ROW_STATS_TMA=switches.ROW_STATS_TMA, DKDV_PARTIALS=switches.DKDV_PARTIALS,
+                    CENTRE_KEYS=switches.CENTRE_KEYS, HAS_BLOCK_SPARSITY=switches.HAS_BLOCK_SPARSITY,
+                    EVEN_L=switches.EVEN_L, PAIRED_TILES=switches.PAIRED_TILES)
+    gl.static_assert(switches.BLOCK_N == NUM_CONSUMERS * KEYS_PER_CONSUMER, "BLOCK_N is 64 keys per consumer")
+    gl.static_assert((cfg.HEAD_DIM == switches.HEAD_DIM) & (cfg.BLOCK_M == switches.BLOCK_M)
+                     & (cfg.BLOCK_N == switches.BLOCK_N), "HEAD_DIM and BLOCK_M are Q's box, BLOCK_N two of K's")
+    qk_scale = args.qk_scale.to(gl.float32)
+    sm_scale = args.sm_scale.to(gl.float32)
+    lists = args.lists
+    prob = BwdProblem(args.L, args.S, args.H_KV, args.GROUP, args.group_split, args.stride_stats, args.causal_offset,
+                      args.window_lower, qk_scale, sm_scale, args.swizzle_heads, args.LSE, args.DELTA, args.DQ_ACCUM,
+                      args.DS_UP, args.KEY_BIAS, args.MEAN_KEY, args.DKDV_PART,
+                      TileLists(lists.base, lists.stride_lb, lists.stride_lh, lists.list_stride))
     descs = BwdDescs(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc)
     bufs = _allocate(cfg, descs)
     gl.warp_specialize([
         (_hopper_bwd_consumer, (cfg, prob, descs, bufs, 0)),
         (_hopper_bwd_consumer, (cfg, prob, descs, bufs, 1)),
         (_hopper_bwd_loader, (cfg, prob, descs, bufs)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    ], [4, 1], [switches.CONSUMER_REGS, switches.LOADER_REGS])
 
 
 @gluon.jit

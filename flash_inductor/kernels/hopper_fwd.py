@@ -711,42 +711,40 @@ def _epilogue(cfg, prob, descs, sched, rows, accs, m_i, l_i, b, h, row0, CONSUME
 
 
 @gluon.jit
-def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KEY_BIAS,
-                     L, S, H, GROUP, causal_offset, window_lower, qk_scale, swizzle_heads, WORK_COUNTER, BH,
-                     TILE_LISTS, stride_lb, stride_lh, list_stride,
-                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                     WINDOW_LEFT: gl.constexpr, PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr,
-                     HAS_KEY_BIAS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     LOADER_REGS: gl.constexpr, SKIP_MASKED_TILES: gl.constexpr = False,
-                     PERSISTENT: gl.constexpr = False, HAS_BLOCK_SPARSITY: gl.constexpr = False):
+def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, args, switches: gl.constexpr):
     """Grid (cdiv(L, BLOCK_M * NUM_CONSUMERS), B * H), walked in the order ``swizzle_heads`` sets;
     under PERSISTENT (at most one CTA per SM, 1-D) each CTA takes the block of its own index, then
     claims the next ones from WORK_COUNTER (int32, zero at launch) in that order, so the longest
     blocks start first wherever they land, and a block's loads overlap the previous one's epilogue.
     Q/K/V/O descriptors are 4-D over (B, H, L or S, E) with boxes (1, 1, rows, E), so TMA clips
     and zero-fills per head. Under EXACT_DELTA ``r_desc`` describes O's residual (as O) and
-    ROW_CONSTS is (2, B, H, L) fp32 (pivot, g); otherwise neither is touched. Under HAS_KEY_BIAS,
-    KEY_BIAS is (B, H, S) fp32, contiguous (glossary); otherwise it is not read. BH = B·H. Under
-    HAS_BLOCK_SPARSITY, TILE_LISTS is int32 (B or 1, H or 1, blocks, list_stride), one row a query
-    block: its tile count, then its key tiles (``launch.block_tiles.gluon_tile_lists``), the first two
-    dims ``stride_lb`` and ``stride_lh`` apart (0 where the layout broadcasts); else not read."""
-    gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "two or three consumer warpgroups")
-    cfg = FwdConfig(q_desc, k_desc, NUM_STAGES=NUM_STAGES, NUM_CONSUMERS=NUM_CONSUMERS, IS_CAUSAL=IS_CAUSAL,
-                    WINDOW_LEFT=WINDOW_LEFT, PINGPONG=PINGPONG, EXACT_DELTA=EXACT_DELTA, HAS_KEY_BIAS=HAS_KEY_BIAS,
-                    SKIP_MASKED_TILES=SKIP_MASKED_TILES, PERSISTENT=PERSISTENT,
-                    HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY)
-    gl.static_assert((cfg.HEAD_DIM == HEAD_DIM) & (cfg.BLOCK_M == BLOCK_M) & (cfg.BLOCK_N == BLOCK_N),
-                     "HEAD_DIM, BLOCK_M and BLOCK_N are the descriptors' boxes")
-    qk_scale = qk_scale.to(gl.float32)
-    prob = FwdProblem(L, S, H, BH, GROUP, causal_offset, window_lower, qk_scale, swizzle_heads, LSE, ROW_CONSTS,
-                      KEY_BIAS, WORK_COUNTER, TileLists(TILE_LISTS, stride_lb, stride_lh, list_stride))
+    ROW_CONSTS is (2, B, H, L) fp32 (pivot, g); otherwise neither is touched.
+    ``args`` (``hopper_args.FwdArgs``): LSE (B, H, L) fp32; under HAS_KEY_BIAS, KEY_BIAS is (B, H, S)
+    fp32, contiguous (glossary), otherwise it is not read; BH = B·H; under HAS_BLOCK_SPARSITY,
+    ``lists`` (``hopper_args.TileListArgs``) is int32 (B or 1, H or 1, blocks, list_stride), one row a
+    query block: its tile count, then its key tiles (``launch.block_tiles.gluon_tile_lists``), else not
+    read. ``switches`` (``hopper_args.FwdSwitches``): the glossary's constexprs."""
+    gl.static_assert(switches.NUM_CONSUMERS == 2 or switches.NUM_CONSUMERS == 3, "two or three consumer warpgroups")
+    cfg = FwdConfig(q_desc, k_desc, NUM_STAGES=switches.NUM_STAGES, NUM_CONSUMERS=switches.NUM_CONSUMERS,
+                    IS_CAUSAL=switches.IS_CAUSAL, WINDOW_LEFT=switches.WINDOW_LEFT, PINGPONG=switches.PINGPONG,
+                    EXACT_DELTA=switches.EXACT_DELTA, HAS_KEY_BIAS=switches.HAS_KEY_BIAS,
+                    SKIP_MASKED_TILES=switches.SKIP_MASKED_TILES, PERSISTENT=switches.PERSISTENT,
+                    HAS_BLOCK_SPARSITY=switches.HAS_BLOCK_SPARSITY)
+    gl.static_assert((cfg.HEAD_DIM == switches.HEAD_DIM) & (cfg.BLOCK_M == switches.BLOCK_M)
+                     & (cfg.BLOCK_N == switches.BLOCK_N), "HEAD_DIM, BLOCK_M and BLOCK_N are the descriptors' boxes")
+    qk_scale = args.qk_scale.to(gl.float32)
+    lists = args.lists
+    prob = FwdProblem(args.L, args.S, args.H, args.BH, args.GROUP, args.causal_offset, args.window_lower, qk_scale,
+                      args.swizzle_heads, args.LSE, args.ROW_CONSTS, args.KEY_BIAS, args.WORK_COUNTER,
+                      TileLists(lists.base, lists.stride_lb, lists.stride_lh, lists.list_stride))
     bufs = allocate(cfg, q_desc, k_desc, v_desc, o_desc)
     sched = FwdScheduler(cfg, prob, bufs)
     descs = FwdDescs(q_desc, k_desc, v_desc, o_desc, r_desc)
     # The default partition is consumer 0; every partition takes the scheduler (config, problem,
     # buffers) and the descriptors.
-    if NUM_CONSUMERS == 2:
+    CONSUMER_REGS: gl.constexpr = switches.CONSUMER_REGS
+    LOADER_REGS: gl.constexpr = switches.LOADER_REGS
+    if switches.NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_hopper_fwd_consumer, (sched, descs, 0)),
             (_hopper_fwd_consumer, (sched, descs, 1)),

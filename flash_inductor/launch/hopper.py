@@ -319,6 +319,7 @@ def _warn_tuned_once(kernel: str, config, reason: str) -> None:
 
 
 def _forward(query, key, value, scale, visibility: Visibility, attn_mask, config, exact_delta):
+    from ..kernels.hopper_args import FwdArgs, FwdSwitches, TileListArgs
     from ..kernels.hopper_fwd import _attn_fwd_hopper
 
     batch, heads_q, seq_q, head_dim = query.shape
@@ -353,17 +354,21 @@ def _forward(query, key, value, scale, visibility: Visibility, attn_mask, config
         work_counter = lse  # not touched
     if block_layout is None:
         lists = (lse, 0, 0, 0)  # not read
-    common.launcher(_attn_fwd_hopper)[grid](
-        tma_descriptor(query, cfg.block_m), tma_descriptor(key, cfg.block_n), tma_descriptor(value, cfg.block_n),
-        o_desc, tma_descriptor(resid, cfg.block_m) if exact_delta else o_desc, lse, row_consts, bias,
-        seq_q, seq_k, heads_q, heads_q // heads_kv, causal_offset, band_lower(band), scale * LOG2E,
-        max(1, min(cfg.swizzle_heads, batch * heads_q)), work_counter, batch * heads_q, *lists,
+    args = FwdArgs(
+        LSE=lse, ROW_CONSTS=row_consts, KEY_BIAS=bias, L=seq_q, S=seq_k, H=heads_q, GROUP=heads_q // heads_kv,
+        causal_offset=causal_offset, window_lower=band_lower(band), qk_scale=scale * LOG2E,
+        swizzle_heads=max(1, min(cfg.swizzle_heads, batch * heads_q)), WORK_COUNTER=work_counter,
+        BH=batch * heads_q, lists=TileListArgs(*lists))
+    switches = FwdSwitches(
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal, WINDOW_LEFT=band.lower is not None,
         PINGPONG=cfg.pingpong, EXACT_DELTA=exact_delta, HAS_KEY_BIAS=attn_mask is not None,
-        SKIP_MASKED_TILES=cfg.skip_masked_tiles and block_layout is None, PERSISTENT=persistent,
-        HAS_BLOCK_SPARSITY=block_layout is not None,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
+        SKIP_MASKED_TILES=cfg.skip_masked_tiles and block_layout is None, PERSISTENT=persistent,
+        HAS_BLOCK_SPARSITY=block_layout is not None)
+    common.launcher(_attn_fwd_hopper)[grid](
+        tma_descriptor(query, cfg.block_m), tma_descriptor(key, cfg.block_n), tma_descriptor(value, cfg.block_n),
+        o_desc, tma_descriptor(resid, cfg.block_m) if exact_delta else o_desc, args, switches=switches,
         # The entry cap fills the register file; setmaxnreg then moves the loader's registers to
         # the consumers (2 consumers: 168 -> 240/240/24; 3: 128 -> 160/160/160/24).
         num_warps=4, maxnreg=cfg.maxnreg,

@@ -211,6 +211,7 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
 def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, visibility: Visibility, attn_mask, config,
               delta, exact_delta, mean_key):
     from ..kernels.gluon_tma import HAS_TMA_REDUCE
+    from ..kernels.hopper_args import BwdArgs, BwdSwitches, TileListArgs
     from ..kernels.hopper_bwd import _attn_bwd_hopper
     from .backward import launch_preprocess
 
@@ -274,20 +275,24 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, visibil
                  if parts > 1 else lse)  # lse: not read
     block_layout = visibility.block_layout()
     lists = _key_block_lists(block_layout, query, key, band, cfg) if block_layout is not None else (lse, 0, 0, 0)
+    args = BwdArgs(
+        LSE=lse_plane, DELTA=delta_plane, DQ_ACCUM=dq_accum, DS_UP=ds_up, KEY_BIAS=bias,
+        MEAN_KEY=mean_key.contiguous() if mean_key is not None else lse, DKDV_PART=dkdv_part,  # lse: not read
+        L=seq_q, S=seq_k, H_KV=heads_kv, GROUP=group, group_split=parts, stride_stats=lse_plane.stride(0),
+        causal_offset=band_upper, window_lower=band_lower(band), qk_scale=scale * LOG2E, sm_scale=scale,
+        swizzle_heads=swizzle, lists=TileListArgs(*lists))
+    switches = BwdSwitches(
+        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+        IS_CAUSAL=band_is_causal, WINDOW_LEFT=band.lower is not None, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma,
+        EXACT_DELTA=exact_delta is not None, HAS_KEY_BIAS=attn_mask is not None, ROW_STATS_TMA=cfg.row_stats_tma,
+        DKDV_PARTIALS=parts > 1, CENTRE_KEYS=mean_key is not None, CONSUMER_REGS=cfg.consumer_regs,
+        LOADER_REGS=cfg.loader_regs, HAS_BLOCK_SPARSITY=block_layout is not None,
+        EVEN_L=seq_q % cfg.block_m == 0, PAIRED_TILES=cfg.paired_tiles)
     common.launcher(_attn_bwd_hopper)[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, 64), tma_descriptor(value, 64),
         tma_descriptor(grad_out, cfg.block_m), tma_descriptor(dk, 64), tma_descriptor(dv, 64),
         tma_descriptor(dq_accum, cfg.block_m, dq_cols), row_stats_descriptor(lse_plane, cfg.block_m),
-        row_stats_descriptor(delta_plane, cfg.block_m), lse_plane, delta_plane, dq_accum, ds_up, bias,
-        mean_key.contiguous() if mean_key is not None else lse, dkdv_part,  # lse: not read
-        seq_q, seq_k, heads_kv, group, parts, lse_plane.stride(0), band_upper, band_lower(band),
-        scale * LOG2E, scale, swizzle, *lists,
-        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-        IS_CAUSAL=band_is_causal, WINDOW_LEFT=band.lower is not None, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma,
-        EXACT_DELTA=exact_delta is not None, HAS_KEY_BIAS=attn_mask is not None, ROW_STATS_TMA=cfg.row_stats_tma,
-        DKDV_PARTIALS=parts > 1, CENTRE_KEYS=mean_key is not None, HAS_BLOCK_SPARSITY=block_layout is not None,
-        EVEN_L=seq_q % cfg.block_m == 0, PAIRED_TILES=cfg.paired_tiles,
-        CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
+        row_stats_descriptor(delta_plane, cfg.block_m), args, switches=switches,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
     if parts > 1:
