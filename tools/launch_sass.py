@@ -241,9 +241,9 @@ def gluon_backward(dtype, head_dim, kind, *, exact=False, config=None, seq=SEQ, 
     k, v = _tensors(dtype, head_dim, seq, 2)
     lse = torch.zeros((1, 2 * group, seq))
     extra = {}
-    if exact:
+    if exact:  # as ops/one_pass.py calls it: centred keys, but for a soft cap
         extra = dict(exact_delta=(torch.zeros_like(out), torch.zeros((2, 1, 2 * group, seq))),
-                     mean_key=hopper_bwd.key_moments(k))
+                     mean_key=None if softcap else hopper_bwd.key_moments(k))
     if softcap:
         extra["softcap"] = softcap
     hopper_bwd.hopper_attention_backward(do, q, k, v, out, lse, lse if grad_lse else None, scale=head_dim**-0.5,
