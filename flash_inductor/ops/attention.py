@@ -20,7 +20,8 @@ neighbours. Opaque calls also pick their kernels from the real strides and lengt
 ``softcap`` > 0 is FlashAttention-2's logit soft-capping (``softcap * tanh(s / softcap)`` on the
 scaled scores, before the mask). The Triton and the Gluon Hopper kernels take it (on every schedule
 those serve, the one-pass `stable` path included); the split-KV decode kernels do not, so a
-soft-capped call with few query rows skips them. Attention sinks need no op argument: ``flash_inductor.api`` folds them into the output
+soft-capped call with few query rows skips them. Attention sinks need no op argument:
+``flash_inductor.api`` folds them into the output
 and the LSE (``flash_inductor.sinks``), whose gradient the backward already takes.
 
 ``window_left`` / ``window_right`` are the sliding window of ``flash_attention(window=...)``
@@ -62,7 +63,7 @@ from ..launch.block_tiles import check_block_layout
 from ..launch.visibility import Visibility
 from ..schedules import PrecisionSchedule, get_schedule
 from .functorch import transform_function, under_transform
-from .one_pass import attention_one_pass, mask_keyword, one_pass_applies
+from .one_pass import attention_one_pass, mask_keyword, one_pass_applies, softcap_keyword
 from .reference import reference_backward, reference_forward
 
 # --------------------------------------------------------------------------------------
@@ -130,7 +131,7 @@ def describe_call(query: Tensor, key: Tensor, value: Tensor, dropout_p: float, i
 def _forward_on_hopper(query: Tensor, key: Tensor, value: Tensor, call: AttentionCall, *,
                        attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     return hopper.hopper_attention_forward(query, key, value, scale=call.scale, visibility=call.visibility,
-                                           attn_mask=attn_mask, schedule=call.schedule, softcap=call.softcap)
+                                           attn_mask=attn_mask, schedule=call.schedule, **softcap_keyword(call.softcap))
 
 
 def _kernel_forward(query, key, value, attn_mask, rng_seed, call: AttentionCall, *, hopper_call=_forward_on_hopper):
@@ -160,7 +161,7 @@ def _backward_on_hopper(grad_out: Tensor, query: Tensor, key: Tensor, value: Ten
                         attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=call.scale,
                                                 visibility=call.visibility, attn_mask=attn_mask,
-                                                schedule=call.schedule, softcap=call.softcap)
+                                                schedule=call.schedule, **softcap_keyword(call.softcap))
 
 
 def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, call: AttentionCall,

@@ -104,13 +104,19 @@ def _forward(query, key, value, is_causal, causal_offset, scale, window_left, wi
     visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=(window_left, window_right),
                             block_map=block_map, block_q=block_q, block_k=block_k)
     return hopper.hopper_attention_forward(query, key, value, scale=scale, visibility=visibility, exact_delta=True,
-                                           schedule="stable", softcap=softcap, **mask_keyword(attn_mask))
+                                           schedule="stable", **softcap_keyword(softcap), **mask_keyword(attn_mask))
 
 
 def mask_keyword(attn_mask: Optional[Tensor]) -> dict:
     """A Hopper launcher call's key mask as a keyword, left out when there is none (so a stand-in
     launcher without masks keeps its signature). ops/attention.py's Hopper calls use it too."""
     return {} if attn_mask is None else {"attn_mask": attn_mask}
+
+
+def softcap_keyword(softcap: float) -> dict:
+    """A Hopper launcher call's soft cap as a keyword, left out when there is none (as
+    ``mask_keyword``: a stand-in launcher without caps keeps its signature)."""
+    return {"softcap": softcap} if softcap else {}
 
 
 def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, is_causal, causal_offset,
@@ -127,7 +133,7 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts
     return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
                                                 visibility=visibility, exact_delta=(resid, row_consts),
                                                 mean_key=None if softcap else key_moments(key), schedule="stable",
-                                                softcap=softcap, **mask_keyword(attn_mask))
+                                                **softcap_keyword(softcap), **mask_keyword(attn_mask))
 
 
 @torch.library.custom_op("flash_inductor::attention_forward_one_pass", mutates_args=())
@@ -257,4 +263,5 @@ def attention_one_pass(query, key, value, is_causal: bool, causal_offset: int, s
     return torch.ops.flash_inductor.attention_forward_one_pass(*args)[:2]
 
 
-__all__ = ["attention_forward_one_pass", "attention_backward_one_pass", "attention_one_pass", "one_pass_applies"]
+__all__ = ["attention_forward_one_pass", "attention_backward_one_pass", "attention_one_pass", "one_pass_applies",
+           "softcap_keyword"]
