@@ -17,19 +17,19 @@ TileListArgs = namedtuple("TileListArgs", ["base", "stride_lb", "stride_lh", "li
 
 FwdArgs = namedtuple("FwdArgs", [
     "LSE", "ROW_CONSTS", "KEY_BIAS", "L", "S", "H", "GROUP", "causal_offset", "window_lower", "qk_scale",
-    "swizzle_heads", "WORK_COUNTER", "BH", "lists"])
+    "swizzle_heads", "WORK_COUNTER", "BH", "lists", "softcap_log2", "tanh_scale"])
 
 FwdSwitches = namedtuple("FwdSwitches", [
     "HEAD_DIM", "BLOCK_M", "BLOCK_N", "NUM_STAGES", "NUM_CONSUMERS", "IS_CAUSAL", "WINDOW_LEFT", "PINGPONG",
     "EXACT_DELTA", "HAS_KEY_BIAS", "CONSUMER_REGS", "LOADER_REGS", "SKIP_MASKED_TILES", "PERSISTENT",
-    "HAS_BLOCK_SPARSITY"])
+    "HAS_BLOCK_SPARSITY", "SOFTCAP"])
 
 BwdArgs = namedtuple("BwdArgs", [
     "LSE", "DELTA", "DQ_ACCUM", "DS_UP", "KEY_BIAS", "MEAN_KEY", "DKDV_PART", "L", "S", "H_KV", "GROUP",
     "group_split", "stride_stats", "causal_offset", "window_lower", "qk_scale", "sm_scale", "swizzle_heads",
-    "lists"])
+    "lists", "softcap_log2", "tanh_scale"])
 
 BwdSwitches = namedtuple("BwdSwitches", [
     "HEAD_DIM", "BLOCK_M", "BLOCK_N", "NUM_STAGES", "IS_CAUSAL", "WINDOW_LEFT", "DQ_SPLIT", "DQ_TMA",
     "EXACT_DELTA", "HAS_KEY_BIAS", "ROW_STATS_TMA", "DKDV_PARTIALS", "CENTRE_KEYS", "CONSUMER_REGS",
-    "LOADER_REGS", "HAS_BLOCK_SPARSITY", "EVEN_L", "PAIRED_TILES"])
+    "LOADER_REGS", "HAS_BLOCK_SPARSITY", "EVEN_L", "PAIRED_TILES", "SOFTCAP"])

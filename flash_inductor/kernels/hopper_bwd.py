@@ -43,6 +43,15 @@ Constexpr switches that say what is computed:
               band and S, by position, as a dense pair does. A key block with nothing listed keeps
               dK = dV = 0.
 
+  SOFTCAP     FlashAttention-2's soft cap, as the forward's SOFTCAP (kernels/gluon_softcap.py): the
+              tile's Sᵀ becomes tᵀ = tanh(st·tanh_scale) before the mask, Pᵀ = exp2(tᵀ·softcap_log2
+              - lse2) (the forward's very formula, so under EXACT_DELTA P̃ rounds as the forward's),
+              and dSᵀ takes the slope gᵀ = 1 - tᵀ², kept from before the mask (finite everywhere), on
+              its way to the dK and dQ GEMMs: dUᵀ = dSᵀ∘gᵀ, the gradient of u = scale·q·k. Δ, P and
+              dV are unchanged (kernels/attn_bwd.py, "Soft cap"). Under EXACT_DELTA the row sums of
+              dS are still dLSE, but those of dU are not, so the launcher does not centre the keys
+              (CENTRE_KEYS off: its add-back is dLSE·k̂).
+
 Switches that change the numerics (the rounding or the order of sums; within the schedule's contract):
   EXACT_DELTA the `stable` schedule's exact Δ in one pass (docs/hopper_backward.md), from a
               forward run with its own EXACT_DELTA:
@@ -160,6 +169,7 @@ class BwdConfig:
     HAS_BLOCK_SPARSITY: gl.constexpr
     EVEN_L: gl.constexpr
     PAIRED_TILES: gl.constexpr
+    SOFTCAP: gl.constexpr
     dtype: gl.constexpr
     DQ_COLS: gl.constexpr     # dQ's columns per consumer: E / 2 under DQ_SPLIT, else E
     s_layout: gl.constexpr    # Sᵀ and dPᵀ: (64 keys) x (BLOCK_M query rows)
@@ -171,7 +181,7 @@ class BwdConfig:
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, DQ_SPLIT, DQ_TMA, EXACT_DELTA, HAS_KEY_BIAS,
-                 ROW_STATS_TMA, DKDV_PARTIALS, CENTRE_KEYS, HAS_BLOCK_SPARSITY, EVEN_L, PAIRED_TILES):
+                 ROW_STATS_TMA, DKDV_PARTIALS, CENTRE_KEYS, HAS_BLOCK_SPARSITY, EVEN_L, PAIRED_TILES, SOFTCAP=False):
         self.HEAD_DIM = gl.constexpr(q_desc.block_type.shape[3])
         self.BLOCK_M = gl.constexpr(q_desc.block_type.shape[2])
         self.KC = gl.constexpr(k_desc.block_type.shape[2])
@@ -189,6 +199,7 @@ class BwdConfig:
         self.HAS_BLOCK_SPARSITY = field(HAS_BLOCK_SPARSITY)
         self.EVEN_L = field(EVEN_L)
         self.PAIRED_TILES = field(PAIRED_TILES)
+        self.SOFTCAP = field(SOFTCAP)
         self.dtype = gl.constexpr(q_desc.dtype)
         E = self.HEAD_DIM.value
         self.DQ_COLS = gl.constexpr(E // NUM_CONSUMERS.value if DQ_SPLIT else E)
@@ -204,7 +215,8 @@ class BwdConfig:
 
 @aggregate
 class BwdProblem:
-    """The call's sizes, scalars and pointers (the entry point's docstring)."""
+    """The call's sizes, scalars and pointers (the entry point's docstring); ``softcap_log2`` and
+    ``tanh_scale``, the soft cap's fp32 factors (SOFTCAP), as the forward's ``FwdProblem`` has them."""
     L: Scalar
     S: Scalar
     H_KV: Scalar
@@ -224,10 +236,13 @@ class BwdProblem:
     MEAN_KEY: gl.tensor
     DKDV_PART: gl.tensor
     lists: TileLists
+    softcap_log2: Scalar
+    tanh_scale: Scalar
 
     @gluon.constexpr_function
     def __init__(self, L, S, H_KV, GROUP, group_split, stride_stats, causal_offset, window_lower, qk_scale, sm_scale,
-                 swizzle_heads, LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART, lists):
+                 swizzle_heads, LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART, lists, softcap_log2,
+                 tanh_scale):
         self.L = field(L)
         self.S = field(S)
         self.H_KV = field(H_KV)
@@ -247,6 +262,8 @@ class BwdProblem:
         self.MEAN_KEY = field(MEAN_KEY)
         self.DKDV_PART = field(DKDV_PART)
         self.lists = field(lists)
+        self.softcap_log2 = field(softcap_log2)
+        self.tanh_scale = field(tanh_scale)
 
 
 @aggregate
@@ -628,14 +645,16 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     is 1 and DKDV_PART is not touched. Under CENTRE_KEYS, MEAN_KEY is (B·H_KV, E) fp32, contiguous
     (k̂); otherwise it is not read. Under HAS_BLOCK_SPARSITY, ``lists`` (``hopper_args.TileListArgs``)
     is int32 (B or 1, Hq or 1, key blocks, list_stride), one row a key block: its query tile count,
-    then its query tiles (``launch.block_tiles.gluon_tile_lists``); else not read.
+    then its query tiles (``launch.block_tiles.gluon_tile_lists``); else not read. Under SOFTCAP,
+    ``softcap_log2`` = c·log2 e and ``tanh_scale`` = scale / c (fp32; qk_scale is then not read), as
+    the forward takes them; otherwise neither is read.
     ``switches`` (``hopper_args.BwdSwitches``): the glossary's constexprs."""
     cfg = BwdConfig(q_desc, k_desc, NUM_STAGES=switches.NUM_STAGES, IS_CAUSAL=switches.IS_CAUSAL,
                     WINDOW_LEFT=switches.WINDOW_LEFT, DQ_SPLIT=switches.DQ_SPLIT, DQ_TMA=switches.DQ_TMA,
                     EXACT_DELTA=switches.EXACT_DELTA, HAS_KEY_BIAS=switches.HAS_KEY_BIAS,
                     ROW_STATS_TMA=switches.ROW_STATS_TMA, DKDV_PARTIALS=switches.DKDV_PARTIALS,
                     CENTRE_KEYS=switches.CENTRE_KEYS, HAS_BLOCK_SPARSITY=switches.HAS_BLOCK_SPARSITY,
-                    EVEN_L=switches.EVEN_L, PAIRED_TILES=switches.PAIRED_TILES)
+                    EVEN_L=switches.EVEN_L, PAIRED_TILES=switches.PAIRED_TILES, SOFTCAP=switches.SOFTCAP)
     gl.static_assert(switches.BLOCK_N == NUM_CONSUMERS * KEYS_PER_CONSUMER, "BLOCK_N is 64 keys per consumer")
     gl.static_assert((cfg.HEAD_DIM == switches.HEAD_DIM) & (cfg.BLOCK_M == switches.BLOCK_M)
                      & (cfg.BLOCK_N == switches.BLOCK_N), "HEAD_DIM and BLOCK_M are Q's box, BLOCK_N two of K's")
@@ -645,7 +664,8 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     prob = BwdProblem(args.L, args.S, args.H_KV, args.GROUP, args.group_split, args.stride_stats, args.causal_offset,
                       args.window_lower, qk_scale, sm_scale, args.swizzle_heads, args.LSE, args.DELTA, args.DQ_ACCUM,
                       args.DS_UP, args.KEY_BIAS, args.MEAN_KEY, args.DKDV_PART,
-                      TileLists(lists.base, lists.stride_lb, lists.stride_lh, lists.list_stride))
+                      TileLists(lists.base, lists.stride_lb, lists.stride_lh, lists.list_stride),
+                      args.softcap_log2, args.tanh_scale)
     descs = BwdDescs(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc)
     bufs = _allocate(cfg, descs)
     gl.warp_specialize([

@@ -41,6 +41,11 @@ Constexpr switches that say what is computed:
   HAS_KEY_BIAS  a key mask, one value per key (``launch.hopper.key_bias``): KEY_BIAS is (B, H, S)
                 fp32 in base 2 (0 to attend, -inf to hide, an additive mask times log2 e), added
                 to each tile's scaled scores; a mask that varies along the queries never gets here.
+  SOFTCAP       FlashAttention-2's soft cap: the score is c·tanh(scale·q·k / c), in fp32, before the
+                mask (``kernels/gluon_softcap.py``, the Triton kernels' tanh and its error bound). The
+                score step takes t = tanh(s·tanh_scale), tanh_scale = scale / c, selects on t, and
+                uses softcap_log2 = c·log2(e) where qk_scale stands otherwise (t·softcap_log2 are
+                the scores in base 2): two MUFU ops more per score (ex2, rcp).
   HAS_BLOCK_SPARSITY a block-sparse layout (``launch/block_tiles.py``): each block walks the key tiles
                 listed for it, TILE_LISTS[b, h, block] = (count, tile, tile, ...) in ascending order,
                 rather than a contiguous range. The launcher takes only layouts whose blocks hold
@@ -108,6 +113,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.language.core import _aggregate as aggregate
 from triton.language.core import base_value
 
+from .gluon_softcap import softcap_tanh
 from .grid_order import ordered_cell
 from .hopper_fwd_state import FwdBuffers, FwdConfig, FwdDescs, FwdProblem, allocate
 from .hopper_pipeline import Scalar, TileLists, field
@@ -389,8 +395,14 @@ def _softmax_step(cfg, prob, rows, s, m_i, l_i, bias, j):
     """Fold key tile j's unscaled scores into (m_i, l_i); returns (p, alpha, m_i, l_i), p in fp32.
     Under EXACT_DELTA p is already rounded to ``dtype`` (the rounded P's row sum is a wgmma
     against a ones tile beside P·V, ``_pv_issue``); l_i is the fp32 P's sum either way.
-    ``bias``: the tile's key bias (base 2) under HAS_KEY_BIAS, else None."""
-    qk_scale = prob.qk_scale
+    ``bias``: the tile's key bias (base 2) under HAS_KEY_BIAS, else None. Under SOFTCAP the tile's
+    values become t = tanh(s·scale / c) before the select (a hidden score must stay -inf, which tanh
+    would bring back to -1), and c·log2(e) takes qk_scale's place: the scores in base 2 are t·c·log2 e."""
+    if cfg.SOFTCAP:
+        s = softcap_tanh(s * prob.tanh_scale)
+        qk_scale = prob.softcap_log2
+    else:
+        qk_scale = prob.qk_scale
     needs_select = j >= rows.n_full
     if cfg.WINDOW_LEFT:
         needs_select = needs_select | (j < rows.lo_full)
@@ -411,8 +423,8 @@ def _softmax_step(cfg, prob, rows, s, m_i, l_i, bias, j):
         s = s * qk_scale + gl.expand_dims(bias, 0)
         tile_max = gl.max(s, 1)
     else:
-        # Max on the unscaled scores, scaled once: exact for qk_scale > 0 (x -> fl(c·x) is
-        # monotonic), and exp2's argument below is then a single FFMA per score.
+        # Max on the unscaled scores (under SOFTCAP on t), scaled once: exact for qk_scale > 0
+        # (x -> fl(c·x) is monotonic), and exp2's argument below is then a single FFMA per score.
         tile_max = gl.max(s, 1) * qk_scale
     if cfg.EXACT_DELTA:
         tile_max = gl.ceil(tile_max)  # -inf stays -inf
@@ -723,20 +735,23 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, args, switches: gl.
     fp32, contiguous (glossary), otherwise it is not read; BH = B·H; under HAS_BLOCK_SPARSITY,
     ``lists`` (``hopper_args.TileListArgs``) is int32 (B or 1, H or 1, blocks, list_stride), one row a
     query block: its tile count, then its key tiles (``launch.block_tiles.gluon_tile_lists``), else not
-    read. ``switches`` (``hopper_args.FwdSwitches``): the glossary's constexprs."""
+    read; under SOFTCAP, ``softcap_log2`` = c·log2 e and ``tanh_scale`` = scale / c (fp32; qk_scale is
+    then not read), otherwise neither is. ``switches`` (``hopper_args.FwdSwitches``): the glossary's
+    constexprs."""
     gl.static_assert(switches.NUM_CONSUMERS == 2 or switches.NUM_CONSUMERS == 3, "two or three consumer warpgroups")
     cfg = FwdConfig(q_desc, k_desc, NUM_STAGES=switches.NUM_STAGES, NUM_CONSUMERS=switches.NUM_CONSUMERS,
                     IS_CAUSAL=switches.IS_CAUSAL, WINDOW_LEFT=switches.WINDOW_LEFT, PINGPONG=switches.PINGPONG,
                     EXACT_DELTA=switches.EXACT_DELTA, HAS_KEY_BIAS=switches.HAS_KEY_BIAS,
                     SKIP_MASKED_TILES=switches.SKIP_MASKED_TILES, PERSISTENT=switches.PERSISTENT,
-                    HAS_BLOCK_SPARSITY=switches.HAS_BLOCK_SPARSITY)
+                    HAS_BLOCK_SPARSITY=switches.HAS_BLOCK_SPARSITY, SOFTCAP=switches.SOFTCAP)
     gl.static_assert((cfg.HEAD_DIM == switches.HEAD_DIM) & (cfg.BLOCK_M == switches.BLOCK_M)
                      & (cfg.BLOCK_N == switches.BLOCK_N), "HEAD_DIM, BLOCK_M and BLOCK_N are the descriptors' boxes")
     qk_scale = args.qk_scale.to(gl.float32)
     lists = args.lists
     prob = FwdProblem(args.L, args.S, args.H, args.BH, args.GROUP, args.causal_offset, args.window_lower, qk_scale,
                       args.swizzle_heads, args.LSE, args.ROW_CONSTS, args.KEY_BIAS, args.WORK_COUNTER,
-                      TileLists(lists.base, lists.stride_lb, lists.stride_lh, lists.list_stride))
+                      TileLists(lists.base, lists.stride_lb, lists.stride_lh, lists.list_stride),
+                      args.softcap_log2, args.tanh_scale)
     bufs = allocate(cfg, q_desc, k_desc, v_desc, o_desc)
     sched = FwdScheduler(cfg, prob, bufs)
     descs = FwdDescs(q_desc, k_desc, v_desc, o_desc, r_desc)

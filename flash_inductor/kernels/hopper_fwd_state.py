@@ -36,6 +36,7 @@ class FwdConfig:
     SKIP_MASKED_TILES: gl.constexpr
     PERSISTENT: gl.constexpr
     HAS_BLOCK_SPARSITY: gl.constexpr
+    SOFTCAP: gl.constexpr
     dtype: gl.constexpr
     s_layout: gl.constexpr    # S = Q·Kᵀ, (BLOCK_M, BLOCK_N)
     o_layout: gl.constexpr    # acc, (BLOCK_M, HEAD_DIM)
@@ -46,7 +47,7 @@ class FwdConfig:
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                 HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT, HAS_BLOCK_SPARSITY):
+                 HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT, HAS_BLOCK_SPARSITY, SOFTCAP=False):
         self.HEAD_DIM = gl.constexpr(q_desc.block_type.shape[3])
         self.BLOCK_M = gl.constexpr(q_desc.block_type.shape[2])
         self.BLOCK_N = gl.constexpr(k_desc.block_type.shape[2])
@@ -61,6 +62,7 @@ class FwdConfig:
         self.SKIP_MASKED_TILES = gl.constexpr(SKIP_MASKED_TILES)
         self.PERSISTENT = gl.constexpr(PERSISTENT)
         self.HAS_BLOCK_SPARSITY = gl.constexpr(HAS_BLOCK_SPARSITY)
+        self.SOFTCAP = gl.constexpr(SOFTCAP)
         self.dtype = gl.constexpr(q_desc.dtype)
         s_layout = _wgmma_layout(self.BLOCK_N.value)
         o_layout = _wgmma_layout(self.HEAD_DIM.value)
@@ -74,7 +76,8 @@ class FwdConfig:
 
 @aggregate
 class FwdProblem:
-    """The call's sizes, scalars and pointers (the entry point's docstring): every partition's view."""
+    """The call's sizes, scalars and pointers (the entry point's docstring): every partition's view.
+    ``softcap_log2`` (c·log2 e) and ``tanh_scale`` (scale / c): the soft cap's fp32 factors (SOFTCAP)."""
     L: Scalar
     S: Scalar
     H: Scalar
@@ -89,10 +92,12 @@ class FwdProblem:
     KEY_BIAS: gl.tensor
     WORK_COUNTER: gl.tensor
     lists: TileLists
+    softcap_log2: Scalar
+    tanh_scale: Scalar
 
     @gluon.constexpr_function
     def __init__(self, L, S, H, BH, GROUP, causal_offset, window_lower, qk_scale, swizzle_heads, LSE, ROW_CONSTS,
-                 KEY_BIAS, WORK_COUNTER, lists):
+                 KEY_BIAS, WORK_COUNTER, lists, softcap_log2, tanh_scale):
         self.L = field(L)
         self.S = field(S)
         self.H = field(H)
@@ -107,6 +112,8 @@ class FwdProblem:
         self.KEY_BIAS = field(KEY_BIAS)
         self.WORK_COUNTER = field(WORK_COUNTER)
         self.lists = field(lists)
+        self.softcap_log2 = field(softcap_log2)
+        self.tanh_scale = field(tanh_scale)
 
 
 @aggregate
