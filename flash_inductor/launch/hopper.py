@@ -65,13 +65,6 @@ HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
 # The built-in configs (the tuning table's entries take precedence per bucket).
 default_config = default_forward_config
-# Block-sparse launches persistent, whatever the dense bucket's config says: a layout leaves each
-# query block a few key tiles (90 % skipped at 4k: 4.4 of 32), so a grid CTA's fixed costs (Q's
-# load, the first K/V tiles, the epilogue) weigh on every block, while a persistent CTA loads the
-# next block during the epilogue and claims blocks in order, whatever their tile counts. On the
-# H200 (bf16, E 128, 4k, B 8, 90 % skipped, benchmarks/experiments/step_kernels.py --block-sparse
-# 0.9, 2026-12-04): the forward kernel 284 against 326 µs inference, 337 against 384 in a step.
-BLOCK_SPARSE_PERSISTENT = True
 
 
 def gluon_available() -> bool:
@@ -394,13 +387,16 @@ def _forward(query, key, value, scale, visibility: Visibility, attn_mask, config
 def _sparse_launch(cfg: HopperForwardConfig, block_layout: tuple, query, key, band):
     """(the config, the kernel's tile lists) of a block-sparse launch. The CTA's query block must lie
     in one layout block: three consumers' 192 rows do not in a 128-row layout, so such a config runs
-    with two (as every E 128 config and the E 64 key-mask one do); persistent under
-    ``BLOCK_SPARSE_PERSISTENT``."""
+    with two (as every E 128 config and the E 64 key-mask one do). It runs persistent, whatever the
+    dense bucket's config says: a layout leaves each query block a few key tiles (90 % skipped at 4k:
+    4.4 of 32), so a grid CTA's fixed costs (Q's load, the first K/V tiles, the epilogue) weigh on
+    every block, while a persistent CTA loads the next block during the epilogue and claims blocks in
+    order, whatever their tile counts (H200, bf16, E 128, 4k, B 8, 90 % skipped, 2026-12-04: the
+    forward kernel 284 against 326 µs inference, 337 against 384 in a step; docs/sparse_attention.md)."""
     block_map, block_q, block_k = checked_gluon_layout(block_layout, query, key, "forward")
     if block_q % (cfg.block_m * cfg.num_consumers):
         cfg = dataclasses.replace(cfg, num_consumers=2)
-    if BLOCK_SPARSE_PERSISTENT:
-        cfg = dataclasses.replace(cfg, persistent=True)
+    cfg = dataclasses.replace(cfg, persistent=True)
     if block_k % cfg.block_n:
         cfg = dataclasses.replace(cfg, block_n=64)
     lists = gluon_tile_lists(block_map, block_q, block_k, query.shape[2], key.shape[2], band.lower, band.upper,

@@ -159,7 +159,6 @@ class Case:
     is_causal: bool = False
     window: Optional[tuple] = None
     key_mask: bool = False
-    persistent: bool = False
 
 
 CASES = {
@@ -171,7 +170,7 @@ CASES = {
                                       density=0.6),
     "key_mask": Case(seq_q=512, seq_k=512, key_mask=True),
     "window": Case(batch=1, seq_q=1024, seq_k=1024, density=0.7, window=(300, 0)),
-    "persistent": Case(empty_rows=(1,), is_causal=True, persistent=True),
+    "empty_row_causal": Case(empty_rows=(1,), is_causal=True),
 }
 
 
@@ -225,10 +224,6 @@ def _spy_on_gluon(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [pytest.param(c, id=n) for n, c in CASES.items()])
 def test_gluon_block_sparse_against_fp64(case, dtype, head_dim, schedule, monkeypatch):
-    from flash_inductor.launch import hopper
-
-    # Block-sparse forwards run persistent by default; the other cases take the grid.
-    monkeypatch.setattr(hopper, "BLOCK_SPARSE_PERSISTENT", case.persistent)
     calls = _spy_on_gluon(monkeypatch)
     q, k, v, dout, block_map, key_mask = _inputs(case, dtype, head_dim)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
