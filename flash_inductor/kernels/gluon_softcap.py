@@ -3,24 +3,20 @@ FlashAttention-2's capped score s = c·tanh(u / c), u = scale·q·k, in fp32, be
 
 Gluon has no tanh, and ``tanh.approx.f32`` (one MUFU op) is off by up to 2^-10.7 relative: at
 c = 50 that moves a logit by 0.02, a 2 % change of its probability, some five times bf16's rounding
-of P. ``softcap_tanh`` is the Triton kernels' formula (``kernels/common._tanh``), so either path
-caps a score the same way:
+of P. ``softcap_tanh`` computes
 
-  |y| >= 1/4   (1 − e) / (1 + e), e = exp2(−2·log2(e)·|y|) in (0, 0.61], sign restored: one ex2
-               and one rcp (the denominator lies in (1, 2], so ``rcp.approx`` needs none of a full
-               division's range handling), and it saturates to ±1 without overflow;
-  |y| <  1/4   the odd Taylor series to y⁹ (the next term is under fp32's ulp there), where 1 − e
-               would cancel: an absolute error of an ulp of 1 near 0 would be a large relative one.
+  tanh(y) = 1 − 2 / (1 + e),  e = exp2(2·log2(e)·y)
 
-Error against tanh in fp64 (tools: an fp32 emulation of these steps over 3·10⁶ points in [−12, 12]
-and 10⁻⁸ <= |y| <= 16): below |y| = 1/4 at most 1.1 ulp; above, at most 3.7 ulp with exactly
-rounded ex2 and rcp, and at most 14 ulp (8·10⁻⁷ relative), near |y| = 1/4, with ``ex2.approx`` and
-``rcp.approx`` off by their documented worst (2^-22 and 2^-23 relative) in the worst direction. The
-capped score in base 2 is then off by at most c·log2(e)·8·10⁻⁷ (5.8·10⁻⁵ at c = 50), a relative
-change of P under 4·10⁻⁵, far below the 2^-8 of P's rounding to bf16.
-
-Cost per score: two MUFU ops (ex2, rcp) and about 15 FMA-pipe instructions, both branches being
-computed and one selected.
+with one ex2 and one ``rcp.approx`` (MUFU) and three FMA-pipe instructions per score. It saturates
+without a branch: e = inf gives 1, e = 0 gives −1. What the softmax needs of t is a small *absolute*
+error (the capped score is c·t): near y = 0 the form cancels, so its relative error there is large,
+but its absolute error stays within a few ulps of 1 everywhere (2^-22 relative for each MUFU op,
+and one rounding of 1 − 2r): at most 4·10⁻⁷, so the capped score in base 2 is off by at most
+c·log2(e)·4·10⁻⁷ (3·10⁻⁵ at c = 50), a relative change of P under 3·10⁻⁵, far below the 2^-8 of
+P's rounding to bf16. The Triton kernels (``kernels/common._tanh``) add a Taylor branch below
+|y| = 1/4 for relative accuracy there; the two paths' t differ by at most that absolute error. The
+forward and the backward both call this function, so the backward recomputes exactly the forward's
+t (which `stable`'s exact P needs).
 """
 
 from triton.experimental import gluon
@@ -31,22 +27,16 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 @gluon.jit
 def _rcp(x):
-    """1 / x to 1 ulp for x in (1, 2] (one MUFU.RCP; ``/`` would be a full division)."""
+    """1 / x to an ulp for x >= 1 (one MUFU.RCP; ``/`` would be a full division): inf gives 0."""
     return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
                                      pack=1)
 
 
 @gluon.jit
 def softcap_tanh(y):
-    """tanh(y) in fp32 (module docstring): finite y only (the kernels mask after it)."""
-    magnitude = gl.abs(y)
-    e = gl.exp2(magnitude * (-2.0 * LOG2E))
-    far = (1.0 - e) * _rcp(1.0 + e)
-    far = gl.where(y < 0, -far, far)
-    y2 = y * y
-    # Odd, so it carries y's sign itself.
-    near = y * (1.0 + y2 * (-1.0 / 3.0 + y2 * (2.0 / 15.0 + y2 * (-17.0 / 315.0 + y2 * (62.0 / 2835.0)))))
-    return gl.where(magnitude < 0.25, near, far)
+    """tanh(y) in fp32 to a small absolute error (module docstring), for any y but NaN."""
+    e = gl.exp2(y * (2.0 * LOG2E))
+    return 1.0 - 2.0 * _rcp(1.0 + e)
 
 
 @gluon.jit
