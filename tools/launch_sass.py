@@ -220,13 +220,17 @@ def _key_mask(kind: str, seq: int, dtype, heads: int = 2):
     return None
 
 
-def gluon_forward(dtype, head_dim, kind, *, exact=False, config=None, seq=SEQ, schedule=None):
+def gluon_forward(dtype, head_dim, kind, *, exact=False, config=None, seq=SEQ, schedule=None, sinks=False):
+    """The Gluon forward; ``sinks``: with a sink logit per head (HAS_SINKS)."""
+    import torch
+
     from flash_inductor.launch import hopper
 
     q, k, v = _tensors(dtype, head_dim, seq, 3)
+    extra = dict(sinks=torch.linspace(-1.0, 2.0, q.shape[1])) if sinks else {}
     hopper.hopper_attention_forward(q, k, v, scale=head_dim**-0.5, visibility=_visibility(kind, seq),
                                     attn_mask=_key_mask(kind, seq, dtype), config=config, exact_delta=exact,
-                                    schedule=schedule or ("stable" if exact else "fast"))
+                                    schedule=schedule or ("stable" if exact else "fast"), **extra)
 
 
 def gluon_backward(dtype, head_dim, kind, *, exact=False, config=None, seq=SEQ, grad_lse=False, group=1):
@@ -340,6 +344,12 @@ def hand_picked_cases() -> list[Case]:
             cases.append(_case(f"gluon_bwd_exact/{dt}/e{e}/key/split2", gluon_backward, dtype, e, "key", exact=True,
                                config=HopperBackwardConfig(group_split=2), group=2))
             cases.append(_case(f"one_pass/{dt}/e{e}/causal", one_pass, dtype, e, "causal"))
+            for kind in ("none", "causal", "key", "sparse"):
+                cases.append(_case(f"gluon_fwd_sinks/{dt}/e{e}/{kind}", gluon_forward, dtype, e, kind, sinks=True))
+                cases.append(_case(f"gluon_fwd_exact_sinks/{dt}/e{e}/{kind}", gluon_forward, dtype, e, kind,
+                                   exact=True, sinks=True))
+            cases.append(_case(f"gluon_fwd_sinks/{dt}/e{e}/causal/persistent", gluon_forward, dtype, e, "causal",
+                               config=persistent, sinks=True))
         cases.append(_case(f"gluon_bwd_exact/{dt}/e64/key/paired", gluon_backward, dtype, 64, "key", exact=True,
                            config=HopperBackwardConfig(paired_tiles=True)))
         cases.append(_case(f"gluon_bwd_exact/{dt}/e64/key_additive", gluon_backward, dtype, 64, "key_additive",

@@ -36,6 +36,7 @@ class FwdConfig:
     SKIP_MASKED_TILES: gl.constexpr
     PERSISTENT: gl.constexpr
     HAS_BLOCK_SPARSITY: gl.constexpr
+    HAS_SINKS: gl.constexpr
     dtype: gl.constexpr
     s_layout: gl.constexpr    # S = Q·Kᵀ, (BLOCK_M, BLOCK_N)
     o_layout: gl.constexpr    # acc, (BLOCK_M, HEAD_DIM)
@@ -46,7 +47,7 @@ class FwdConfig:
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                 HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT, HAS_BLOCK_SPARSITY):
+                 HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT, HAS_BLOCK_SPARSITY, HAS_SINKS=False):
         self.HEAD_DIM = gl.constexpr(q_desc.block_type.shape[3])
         self.BLOCK_M = gl.constexpr(q_desc.block_type.shape[2])
         self.BLOCK_N = gl.constexpr(k_desc.block_type.shape[2])
@@ -61,6 +62,7 @@ class FwdConfig:
         self.SKIP_MASKED_TILES = gl.constexpr(SKIP_MASKED_TILES)
         self.PERSISTENT = gl.constexpr(PERSISTENT)
         self.HAS_BLOCK_SPARSITY = gl.constexpr(HAS_BLOCK_SPARSITY)
+        self.HAS_SINKS = gl.constexpr(HAS_SINKS)
         self.dtype = gl.constexpr(q_desc.dtype)
         s_layout = _wgmma_layout(self.BLOCK_N.value)
         o_layout = _wgmma_layout(self.HEAD_DIM.value)
@@ -89,10 +91,11 @@ class FwdProblem:
     KEY_BIAS: gl.tensor
     WORK_COUNTER: gl.tensor
     lists: TileLists
+    SINKS: Scalar  # (H,) fp32 under HAS_SINKS, else None
 
     @gluon.constexpr_function
     def __init__(self, L, S, H, BH, GROUP, causal_offset, window_lower, qk_scale, swizzle_heads, LSE, ROW_CONSTS,
-                 KEY_BIAS, WORK_COUNTER, lists):
+                 KEY_BIAS, WORK_COUNTER, lists, SINKS=None):
         self.L = field(L)
         self.S = field(S)
         self.H = field(H)
@@ -107,6 +110,7 @@ class FwdProblem:
         self.KEY_BIAS = field(KEY_BIAS)
         self.WORK_COUNTER = field(WORK_COUNTER)
         self.lists = field(lists)
+        self.SINKS = field(SINKS)
 
 
 @aggregate

@@ -266,7 +266,8 @@ def _default_layout(box: tuple, dtype: torch.dtype):
 def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                              scale: float | None = None, visibility: Visibility = NO_MASKING,
                              attn_mask: torch.Tensor | None = None, config: HopperForwardConfig | None = None,
-                             exact_delta: bool = False, schedule: str | PrecisionSchedule | None = None) -> tuple:
+                             exact_delta: bool = False, schedule: str | PrecisionSchedule | None = None,
+                             sinks: torch.Tensor | None = None) -> tuple:
     """Attention forward on the Gluon Hopper kernel. ``query`` (B, Hq, L, E), ``key``/``value``
     (B, Hkv, S, E) with Hq a multiple of Hkv. Key j is visible to query i where ``visibility``
     (``launch.visibility``: the causal side, a sliding window, a block-sparse layout whose blocks
@@ -279,11 +280,15 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     normaliser), which ``launch.hopper_bwd`` takes as its ``exact_delta`` pair. Call only where
     ``hopper_forward_supported`` says so.
 
+    ``sinks`` (Hq,) floating: each query head's sink logit (ops/sinks.py), which the kernel's epilogue
+    adds to every row's denominator: out and lse come back with it (a row with no visible key: out 0,
+    lse the sink), and the ``exact_delta`` row constants are those of that softmax.
+
     ``config`` None: the tuning table's entry for the call's bucket (``schedule``'s), else the
     built-in config. A table's config that fails to launch (a table written for another part, or
     by hand) warns once and runs the built-in config: a table never fails a call."""
     def launch(cfg):
-        return _forward(query, key, value, scale, visibility, attn_mask, cfg, exact_delta)
+        return _forward(query, key, value, scale, visibility, attn_mask, cfg, exact_delta, sinks)
 
     if config is not None:
         return launch(config)
@@ -318,7 +323,7 @@ def _warn_tuned_once(kernel: str, config, reason: str) -> None:
                   "GPU to replace the entry.", stacklevel=4)
 
 
-def _forward(query, key, value, scale, visibility: Visibility, attn_mask, config, exact_delta):
+def _forward(query, key, value, scale, visibility: Visibility, attn_mask, config, exact_delta, sinks=None):
     from ..kernels.hopper_fwd import _attn_fwd_hopper
 
     batch, heads_q, seq_q, head_dim = query.shape
@@ -363,6 +368,8 @@ def _forward(query, key, value, scale, visibility: Visibility, attn_mask, config
         PINGPONG=cfg.pingpong, EXACT_DELTA=exact_delta, HAS_KEY_BIAS=attn_mask is not None,
         SKIP_MASKED_TILES=cfg.skip_masked_tiles and block_layout is None, PERSISTENT=persistent,
         HAS_BLOCK_SPARSITY=block_layout is not None,
+        # None without sinks: a constexpr, so the kernel's parameters are those it has without them.
+        SINKS=None if sinks is None else sinks.to(torch.float32).contiguous(), HAS_SINKS=sinks is not None,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         # The entry cap fills the register file; setmaxnreg then moves the loader's registers to
         # the consumers (2 consumers: 168 -> 240/240/24; 3: 128 -> 160/160/160/24).
