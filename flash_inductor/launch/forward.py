@@ -33,7 +33,7 @@ def attention_forward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
     rng_seed: torch.Tensor | None, dropout_p: float, scale: float, schedule: str, *,
     visibility: Visibility = NO_MASKING, configs: AttentionConfigs | None = None, softcap: float = 0.0,
-    packed: PackedSequences | None = None,
+    packed: PackedSequences | None = None, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward kernel. Returns (out (B, Hq, L, Ev) in the input dtype, lse (B, Hq, L) fp32).
 
@@ -41,7 +41,9 @@ def attention_forward(
     (``launch.visibility``). ``configs`` forces the launch configs (the autotuner's candidates);
     None looks them up. ``softcap`` > 0 soft-caps the scaled scores before the mask (not with the
     `fp8` schedule, whose kernel has no cap: refused). ``packed``: the inputs are (1, H, total, E)
-    views of packed sequences (``launch.packed``); the LSE is then (1, Hq, total_q)."""
+    views of packed sequences (``launch.packed``); the LSE is then (1, Hq, total_q). ``sinks`` (Hq,):
+    each query head's sink logit in every row's denominator (ops/sinks.py): out and lse come back with
+    it (16-bit and fp32 kernels; the `fp8` kernel has none: refused)."""
     from ..kernels.attn_fwd import _attn_fwd
 
     block_map, block_q, block_k = visibility.block_map, visibility.block_q, visibility.block_k
@@ -50,6 +52,9 @@ def attention_forward(
     if get_schedule(schedule).fp8_forward:
         if softcap:
             raise ValueError("attention_forward: the fp8 kernel has no soft cap; use a 16-bit schedule with softcap.")
+        if sinks is not None:
+            raise ValueError("attention_forward: the fp8 kernel has no sinks; fold them in after it "
+                             "(flash_inductor.ops.sinks.fold_sinks) or use a 16-bit schedule.")
         if block_map is not None:  # the fp8 kernel walks every tile: the layout becomes an element mask
             attn_mask = fold_into_mask(attn_mask, block_map, block_q, block_k, (*query.shape[:3], key.shape[2]))
         if packed is not None:
@@ -81,7 +86,38 @@ def attention_forward(
         WINDOW_LEFT=band.lower is not None, P_IN_FP32=switches["P_IN_FP32"],
         FOLD_SCALE=_fold_scale(scale, meta["HAS_MASK"]) and not softcap, SOFTCAP=softcap > 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        # None without sinks: a constexpr, so the kernel's parameters are those it has without them.
+        SINKS=None if sinks is None else sinks.to(torch.float32).contiguous(), HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **meta,
     )
     return out, lse
+
+
+def sinks_backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """d sinks (Hq,) in the sinks' dtype from the forward's (out, lse) with the sinks in them and their
+    gradients (``kernels/sinks.py``): one pass over dO and out, the rows' partial sums added in a fixed
+    order. ``grad_out``/``out`` (B, Hq, L, Ev), ``lse``/``grad_lse`` (B, Hq, L)."""
+    from ..kernels.sinks import _sinks_grad_partials
+
+    batch, heads_q, seq_q, head_dim_v = out.shape
+    if batch * heads_q * seq_q == 0:
+        return torch.zeros_like(sinks)
+    block_m = 64
+    row_programs = cdiv(seq_q, block_m)
+    partial = torch.empty((row_programs, batch, heads_q), dtype=torch.float32, device=out.device)
+    lse = lse.to(torch.float32).contiguous()
+    dlse = grad_lse.to(torch.float32).contiguous() if grad_lse is not None else lse  # lse: not read
+    block_e = max(16, triton_next_power_of_2(head_dim_v))
+    common.launcher(_sinks_grad_partials)[(row_programs, batch * heads_q)](
+        grad_out, out, lse, dlse, sinks.to(torch.float32).contiguous(), partial,
+        *grad_out.stride(), *out.stride(), heads_q, seq_q,
+        HEAD_DIM=head_dim_v, BLOCK_E=block_e, BLOCK_M=block_m, HAS_DLSE=grad_lse is not None,
+        num_warps=4,
+    )
+    return (-partial.sum(dim=(0, 1))).to(sinks.dtype)
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
