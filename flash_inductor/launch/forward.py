@@ -93,31 +93,3 @@ def attention_forward(
     )
     return out, lse
 
-
-def sinks_backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
-                   sinks: torch.Tensor) -> torch.Tensor:
-    """d sinks (Hq,) in the sinks' dtype from the forward's (out, lse) with the sinks in them and their
-    gradients (``kernels/sinks.py``): one pass over dO and out, the rows' partial sums added in a fixed
-    order. ``grad_out``/``out`` (B, Hq, L, Ev), ``lse``/``grad_lse`` (B, Hq, L)."""
-    from ..kernels.sinks import _sinks_grad_partials
-
-    batch, heads_q, seq_q, head_dim_v = out.shape
-    if batch * heads_q * seq_q == 0:
-        return torch.zeros_like(sinks)
-    block_m = 64
-    row_programs = cdiv(seq_q, block_m)
-    partial = torch.empty((row_programs, batch, heads_q), dtype=torch.float32, device=out.device)
-    lse = lse.to(torch.float32).contiguous()
-    dlse = grad_lse.to(torch.float32).contiguous() if grad_lse is not None else lse  # lse: not read
-    block_e = max(16, triton_next_power_of_2(head_dim_v))
-    common.launcher(_sinks_grad_partials)[(row_programs, batch * heads_q)](
-        grad_out, out, lse, dlse, sinks.to(torch.float32).contiguous(), partial,
-        *grad_out.stride(), *out.stride(), heads_q, seq_q,
-        HEAD_DIM=head_dim_v, BLOCK_E=block_e, BLOCK_M=block_m, HAS_DLSE=grad_lse is not None,
-        num_warps=4,
-    )
-    return (-partial.sum(dim=(0, 1))).to(sinks.dtype)
-
-
-def triton_next_power_of_2(n: int) -> int:
-    return 1 << (max(1, n) - 1).bit_length()
