@@ -20,7 +20,7 @@ from .ops import attention as _attention_ops  # registers the ops
 from .launch.band import NO_WINDOW
 from .launch.fp8 import check_fp8_device, check_fp8_window
 from .block_sparse import BlockSparseLayout, broadcast_per_head, resolve_block_mask
-from .ops.sinks import fold_sinks
+from .ops.sinks import keys_lse
 from .variant_args import check_fp8_softcap, check_sinks, resolve_dropout, resolve_softcap
 from .varlen import nested_attention
 from .schedules import get_schedule
@@ -143,6 +143,8 @@ def flash_attention(
 
             Differentiable (its gradient is ``-sum_i P_sink,i * dO_i . out_i``). A row with no
             visible key returns 0 (the sink takes all its weight), with zero gradients for q, k, v.
+            On CUDA the Triton and Gluon Hopper forward kernels add the sink to each row's sum in
+            their epilogues; the decode and fp8 kernels' outputs are rescaled after them.
 
     Returns:
         ``(N, ..., Hq, L, Ev)`` in the input dtype.
@@ -243,14 +245,15 @@ def attention(
     # Eager CUDA calls skip the op dispatcher (the same launches; ops/attention.py); graphs,
     # tracing and tensor subclasses get the registered op.
     # The resolved schedule: the layers below read it rather than look its name up again.
+    # The sinks go into the op, whose forward kernels put them in each row's denominator.
     out, lse = _attention_ops.attention_forward_eager(
         q4, k4, v4, mask4, rng_seed, dropout_p, bool(is_causal), causal_offset, scale, precision,
-        window_left, window_right, *layout, softcap,
+        window_left, window_right, *layout, softcap, sinks,
     )
-    if sinks is not None:
-        # The monitor keeps the keys' LSE: it describes their scores, and a row that sees no key
-        # stays -inf there (fully masked) though the sink holds its weight.
-        out, _ = fold_sinks(out, lse, sinks, with_lse=False)
+    if sinks is not None and (monitor_site is not None or eager_monitor_site is not None):
+        # The monitor describes the keys' scores: their own LSE, -inf on a row that sees no key
+        # (fully masked) though the sink holds its weight.
+        lse = keys_lse(lse, sinks)
     if monitor_site is not None:
         out = _monitor_ops.watch_output(out, lse, monitor_site, seq_k)
     elif eager_monitor_site is not None:

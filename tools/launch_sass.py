@@ -220,11 +220,18 @@ def _key_mask(kind: str, seq: int, dtype, heads: int = 2):
     return None
 
 
-def gluon_forward(dtype, head_dim, kind, *, exact=False, config=None, seq=SEQ, schedule=None, softcap=0.0):
+def gluon_forward(dtype, head_dim, kind, *, exact=False, config=None, seq=SEQ, schedule=None, softcap=0.0,
+                  sinks=False):
+    """The Gluon forward; ``softcap``: the soft cap (SOFTCAP); ``sinks``: with a sink logit per head
+    (HAS_SINKS)."""
+    import torch
+
     from flash_inductor.launch import hopper
 
     q, k, v = _tensors(dtype, head_dim, seq, 3)
     extra = dict(softcap=softcap) if softcap else {}
+    if sinks:
+        extra["sinks"] = torch.linspace(-1.0, 2.0, q.shape[1])
     hopper.hopper_attention_forward(q, k, v, scale=head_dim**-0.5, visibility=_visibility(kind, seq),
                                     attn_mask=_key_mask(kind, seq, dtype), config=config, exact_delta=exact,
                                     schedule=schedule or ("stable" if exact else "fast"), **extra)
@@ -271,10 +278,11 @@ def one_pass(dtype, head_dim, kind, seq=SEQ, softcap=0.0):
 
 
 def triton_pass(dtype, head_dim, kind, schedule, passes=("forward", "backward"), *, configs=None, seq=SEQ,
-                mask=None, softcap=0.0, dropout_p=0.0, head_dim_v=None, packed=False):
+                mask=None, softcap=0.0, dropout_p=0.0, head_dim_v=None, packed=False, sinks=False):
     """The Triton launchers at Hopper's heuristic configs, or ``configs``. ``mask``: None, "bool" or
     "float" (a dense (B, H, L, S) mask, whose gradient the backward then writes); ``packed``: two
-    sequences packed along the rows (varlen)."""
+    sequences packed along the rows (varlen); ``sinks``: a sink logit per head (HAS_SINKS), and the
+    sinks' gradient launch."""
     import torch
 
     from flash_inductor import launch
@@ -295,6 +303,8 @@ def triton_pass(dtype, head_dim, kind, schedule, passes=("forward", "backward"),
         attn_mask = torch.zeros((1, 2, seq, seq), dtype=dtype)
     seed = torch.tensor([7], dtype=torch.int64) if dropout_p else None
     options = dict(visibility=_visibility(kind, seq, block=64), configs=configs, softcap=softcap)
+    if sinks:
+        options["sinks"] = torch.linspace(-1.0, 2.0, q.shape[1])
     if packed:
         offsets = torch.tensor([0, seq // 3, seq], dtype=torch.int32)
         options["packed"] = PackedSequences(offsets, offsets, seq - seq // 3, seq - seq // 3)
@@ -303,6 +313,8 @@ def triton_pass(dtype, head_dim, kind, schedule, passes=("forward", "backward"),
     if "backward" in passes:
         launch.attention_backward(do, q, k, v, attn_mask, out, lse, None, seed, dropout_p, head_dim**-0.5, schedule,
                                   mask == "float", **options)
+        if sinks:
+            launch.sinks_backward(do, out, lse, None, options["sinks"])
 
 
 def decode(dtype, head_dim, kind, schedule="stable", seq=1024, num_splits=2):
@@ -352,6 +364,12 @@ def hand_picked_cases() -> list[Case]:
                     cases.append(_case(f"softcap/{path}/{dt}/e{e}/{kind}", fn, dtype, e, kind, exact=exact,
                                        softcap=30.0))
             cases.append(_case(f"softcap/one_pass/{dt}/e{e}/causal", one_pass, dtype, e, "causal", softcap=30.0))
+            for kind in ("none", "causal", "key", "sparse"):
+                cases.append(_case(f"gluon_fwd_sinks/{dt}/e{e}/{kind}", gluon_forward, dtype, e, kind, sinks=True))
+                cases.append(_case(f"gluon_fwd_exact_sinks/{dt}/e{e}/{kind}", gluon_forward, dtype, e, kind,
+                                   exact=True, sinks=True))
+            cases.append(_case(f"gluon_fwd_sinks/{dt}/e{e}/causal/persistent", gluon_forward, dtype, e, "causal",
+                               config=persistent, sinks=True))
         cases.append(_case(f"gluon_bwd_exact/{dt}/e64/key/paired", gluon_backward, dtype, 64, "key", exact=True,
                            config=HopperBackwardConfig(paired_tiles=True)))
         cases.append(_case(f"gluon_bwd_exact/{dt}/e64/key_additive", gluon_backward, dtype, 64, "key_additive",
@@ -367,6 +385,9 @@ def hand_picked_cases() -> list[Case]:
                                    mask="float"))
             cases.append(_case(f"triton/stable/{dt}/e{e}/causal/softcap", triton_pass, dtype, e, "causal", "stable",
                                softcap=30.0))
+            for schedule in ("stable", "fast"):
+                cases.append(_case(f"triton/{schedule}/{dt}/e{e}/causal/sinks", triton_pass, dtype, e, "causal",
+                                   schedule, sinks=True))
             cases.append(_case(f"triton/fp8/{dt}/e{e}/causal", triton_pass, dtype, e, "causal", "fp8",
                                passes=("forward",)))
             for kind in ("none", "causal", "bool", "float"):
@@ -403,7 +424,7 @@ def triton_matrix() -> list[Case]:
 # A launcher/kernel mismatch anywhere shows here: each Gluon kernel (forward plain and exact-Δ, backward
 # `fast` and one-pass) and each Triton launch path once, fp16 and bf16 both.
 CI_CASES = ("gluon_fwd/bf16/e64/causal", "gluon_bwd_exact/fp16/e128/window", "triton/stable/fp16/e64/sparse",
-            "decode/bf16/e64/causal")
+            "decode/bf16/e64/causal", "gluon_fwd_exact_sinks/bf16/e128/key", "triton/stable/fp16/e64/causal/sinks")
 
 
 def table_cases() -> list[Case]:

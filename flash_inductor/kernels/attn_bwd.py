@@ -72,6 +72,11 @@ Constexpr switches
     DS_RESCALE              fp16 dS may overflow: each program picks the plain loop (dS · ds_up) or,
                             past DS_RESCALE_ABOVE, the per-tile rescaling loop (``_ds_loop_choice``)
     EXACT_DELTA             the dQ pass corrects dq and Δ with σ, σ̃, Λ and K̄ (below)
+    HAS_SINKS               (dQ pass, under EXACT_DELTA) attention sinks: SINKS[h], head h's logit in
+                            natural log, fp32 (ops/sinks.py). (O, LSE) carry the sink already, so P and
+                            Δ need nothing; but the row's keys' weights sum to Λ = 1 − p_s, p_s =
+                            exp(sink − lse), so exact Δ's sums take the sink as a column (below).
+                            Else SINKS is None
     HAS_DLSE                the LSE output has a gradient (DLSE), which shifts Δ
     WRITE_DMASK             write dS into DMASK, the float mask's gradient (the dQ pass without exact
                             Δ, the dK/dV pass with it: only there is dS final)
@@ -126,7 +131,9 @@ P and dP imply is Δ*_i = Δ_i + c_i with c_i = σ_i / Λ_i − dLSE_i, and
 Σ_j P_ij (dP_ij − Δ*_i) k_j = Σ_j dS_ij k_j − c_i·K̄_i. Dividing by Λ_i (1 up to the LSE's own
 rounding) keeps Δ* consistent with the P the backward recomputes, which matters once |s| is
 large enough for an fp32 LSE to be off by more than a 16-bit ulp. Rows that see no key have
-Λ_i = 0 and keep their Δ (their P, hence dS, is 0 anyway).
+Λ_i = 0 and keep their Δ (their P, hence dS, is 0 anyway). With sinks (HAS_SINKS) the sink is one
+more column, with weight p_s,i = exp(sink_h − lse_i), no key and no value (dP = 0): Λ_i, σ_i and σ̃_i
+start at p_s,i, −p_s,i·Δ_i and −p_s,i·Δ_i, so Λ_i is again 1 up to the LSE's rounding.
 
 dq is corrected with σ̃_i, the sum of dS as the dQ dot saw it (rounded to the input dtype
 unless the schedule keeps dS in fp32), rather than with σ_i. With e_ij the rounding error of
@@ -549,7 +556,7 @@ def _attn_bwd_dq(
     EVEN_N: tl.constexpr, EVEN_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BLOCK_SPARSITY: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
     LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1, SOFTCAP: tl.constexpr = False,
-    VARLEN: tl.constexpr = False,
+    VARLEN: tl.constexpr = False, SINKS=None, HAS_SINKS: tl.constexpr = False,
 ):
     # Inductor passes Python floats to user kernels as fp64 scalars (torch 2.11); arithmetic
     # with them would promote the fp32 accumulators, so fix them at fp32 first.
@@ -600,6 +607,15 @@ def _attn_bwd_dq(
     p_k = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)  # K̄ (Σ P·g·k under SOFTCAP)
     ds_slope_sum = tl.zeros([BLOCK_M], dtype=tl.float32)  # σ' (SOFTCAP)
     p_slope_sum = tl.zeros([BLOCK_M], dtype=tl.float32)  # Λ' (SOFTCAP)
+    if HAS_SINKS:
+        # The sink is one more column with no key and no value (dP = 0), so Λ, σ and σ̃ (not the
+        # soft cap's slope sums, which see keys only) start with its terms p_s and -p_s·Δ.
+        sink_share = tl.math.exp2(tl.load(SINKS + h) * LOG2E - row_ref - row_shift)
+        sink_share = tl.where(q_rows_ok, sink_share, 0.0)
+        p_sum = sink_share
+        ds_sum = -sink_share * delta
+        if not SOFTCAP:
+            ds_seen_sum = ds_sum
     exact_sums = (ds_sum, ds_seen_sum, p_sum, p_k, ds_slope_sum, p_slope_sum)
     # Key blocks [mid, split) are whole and visible to every row of this query block; [split, hi)
     # holds the causal diagonal and the ragged last key block, [lo, mid) the window's left edge.

@@ -54,6 +54,10 @@ Constexpr switches
                             FROM_LIST in ``_attn_fwd_inner``. Without it the layout arguments are None
     LAYOUT_CHECK            checked tiles also test the layout per element (tiles that straddle
                             layout blocks of LAYOUT_BQ x LAYOUT_BK: ``launch/block_tiles.py``)
+    HAS_SINKS               attention sinks (ops/sinks.py): SINKS[h], head h's logit (natural log,
+                            fp32), joins each row's denominator in the epilogue
+                            (``common.sink_normaliser``): out and LSE come out with it, a row with no
+                            visible key stores out 0 and LSE = the sink. Else SINKS is None
     SOFTCAP                 s_ij = c·tanh(scale·q_i·k_j / c) before the mask (``common.base2_scores``;
                             never with FOLD_SCALE, whose max is taken on the unscaled products)
     VARLEN                  packed sequences: axis 1 runs over (sequence b, query head); b's rows
@@ -76,7 +80,8 @@ import triton.language as tl
 
 from .block_sparse import layout_visible, query_tile_key_tiles
 from .common import (LN2, accumulate_pv, add_attn_mask, base2_scores, block_offsets, dropout_keep, dropout_seed,
-                     loop_tile, online_softmax_start, packed_sequence, query_heads, row_normaliser)
+                     loop_tile, online_softmax_start, packed_sequence, query_heads, row_normaliser,
+                     sink_normaliser)
 
 
 @triton.jit
@@ -171,7 +176,7 @@ def _attn_fwd(
     FOLD_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BLOCK_SPARSITY: tl.constexpr = False, LAYOUT_CHECK: tl.constexpr = False,
     LAYOUT_BQ: tl.constexpr = 1, LAYOUT_BK: tl.constexpr = 1, SOFTCAP: tl.constexpr = False,
-    VARLEN: tl.constexpr = False,
+    VARLEN: tl.constexpr = False, SINKS=None, HAS_SINKS: tl.constexpr = False,
 ):
     # FOLD_SCALE (a positive scale, no additive mask): each row's max is taken on the unscaled
     # products and scaled once, which is exact, since x -> fl(c * x) is monotonic for c > 0 and
@@ -246,9 +251,13 @@ def _attn_fwd(
             FROM_LIST=HAS_BLOCK_SPARSITY, LAYOUT_CHECK=LAYOUT_CHECK, LAYOUT_BQ=LAYOUT_BQ, LAYOUT_BK=LAYOUT_BK,
         )
 
-    empty_row, l_safe, inv_l = row_normaliser(l_i, dropout_p, HAS_DROPOUT=HAS_DROPOUT)
-    out = acc * inv_l[:, None]
-    lse = tl.where(empty_row, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    if HAS_SINKS:
+        inv_l, lse = sink_normaliser(SINKS, h, m_i, l_i, dropout_p, HAS_DROPOUT=HAS_DROPOUT)
+        out = acc * inv_l[:, None]
+    else:
+        empty_row, l_safe, inv_l = row_normaliser(l_i, dropout_p, HAS_DROPOUT=HAS_DROPOUT)
+        out = acc * inv_l[:, None]
+        lse = tl.where(empty_row, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
 
     row_ok = offs_m < L
     tl.store(

@@ -211,6 +211,29 @@ def row_normaliser(l_i, dropout_p, HAS_DROPOUT: tl.constexpr):
 
 
 @triton.jit
+def sink_normaliser(SINKS, h, m_i, l_i, dropout_p, HAS_DROPOUT: tl.constexpr):
+    """(inv_l, lse) with head h's sink logit SINKS[h] (natural log) in the row's denominator: on the
+    common max m_tot = max(m_i, sink·log2 e), O' = acc·exp2(m_i - m_tot) / (l_i·exp2(m_i - m_tot) +
+    exp2(sink₂ - m_tot)) and LSE' = m_tot + log2 of that sum (stored in natural log). One of the two
+    exponentials is 1, so nothing overflows however far the sink is from the keys; a row with no
+    visible key gets O' = 0 and LSE' = the sink itself, and only a sink of -inf there leaves the sum 0
+    (1 stands in: O' 0, LSE' -inf)."""
+    sink = tl.load(SINKS + h).to(tl.float32)
+    sink2 = sink * 1.4426950408889634
+    m_tot = tl.maximum(m_i, sink2)
+    m_tot = tl.where(m_tot == float("-inf"), 0.0, m_tot)
+    keys_share = tl.math.exp2(m_i - m_tot)
+    l_tot = l_i * keys_share + tl.math.exp2(sink2 - m_tot)
+    none = l_tot == 0.0
+    l_tot = tl.where(none, 1.0, l_tot)
+    inv_l = keys_share / l_tot
+    if HAS_DROPOUT:
+        inv_l = inv_l / (1.0 - dropout_p)
+    lse = tl.where(l_i == 0.0, sink, (m_tot + tl.math.log2(l_tot)) * 0.6931471805599453)
+    return inv_l, tl.where(none, float("-inf"), lse)
+
+
+@triton.jit
 def loop_tile(it, listed, offs_base, length, BLOCK: tl.constexpr, FROM_LIST: tl.constexpr):
     """(offs, in_range) of the tile a loop step visits: the tile starting at ``it``, or under
     FROM_LIST the one at position ``it`` of a block-sparse list (``listed[0]``)."""

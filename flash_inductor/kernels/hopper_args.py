@@ -17,12 +17,12 @@ TileListArgs = namedtuple("TileListArgs", ["base", "stride_lb", "stride_lh", "li
 
 FwdArgs = namedtuple("FwdArgs", [
     "LSE", "ROW_CONSTS", "KEY_BIAS", "L", "S", "H", "GROUP", "causal_offset", "window_lower", "qk_scale",
-    "swizzle_heads", "WORK_COUNTER", "BH", "lists", "softcap_log2", "tanh_scale"])
+    "swizzle_heads", "WORK_COUNTER", "BH", "lists", "softcap_log2", "tanh_scale", "SINKS"])
 
 FwdSwitches = namedtuple("FwdSwitches", [
     "HEAD_DIM", "BLOCK_M", "BLOCK_N", "NUM_STAGES", "NUM_CONSUMERS", "IS_CAUSAL", "WINDOW_LEFT", "PINGPONG",
     "EXACT_DELTA", "HAS_KEY_BIAS", "CONSUMER_REGS", "LOADER_REGS", "SKIP_MASKED_TILES", "PERSISTENT",
-    "HAS_BLOCK_SPARSITY", "SOFTCAP"])
+    "HAS_BLOCK_SPARSITY", "SOFTCAP", "HAS_SINKS"])
 
 BwdArgs = namedtuple("BwdArgs", [
     "LSE", "DELTA", "DQ_ACCUM", "DS_UP", "KEY_BIAS", "MEAN_KEY", "DKDV_PART", "L", "S", "H_KV", "GROUP",

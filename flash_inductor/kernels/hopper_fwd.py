@@ -53,6 +53,14 @@ Constexpr switches that say what is computed:
                 select needs only the band and S, by position, as a dense tile does. A block with no
                 listed tile runs one tile with S taken as 0 (all masked: output 0, LSE -inf).
 
+  HAS_SINKS     attention sinks (ops/sinks.py): SINKS[h], head h's logit in natural log, joins every
+                row's denominator and nothing else. The epilogue puts exp2(sink·log2 e - m) beside
+                l_i (and l_rnd) on a common max (``_sink_totals``), so O and the LSE come out with
+                the sink in them: O' = acc / (l + sink term), LSE' = log(e^LSE + e^sink); a row
+                with no visible key stores O = 0 and LSE' = sink. Under EXACT_DELTA the pivot c
+                stays the keys' (m_i + floor(log2 l_rnd)) and g = exp2(c - m_i) / (l_rnd + sink
+                term), so the backward's g · round(exp2(s·qk_scale - c)) is P' = exp(s - LSE').
+
 Switches that change the numerics (the rounding; within the schedule's contract):
   EXACT_DELTA   the integer max, the rounded sum, and the residual and row constants above.
   BLOCK_N       keys per tile (the N of Q·Kᵀ and the K of P·V): the tile over which a row max is
@@ -689,7 +697,8 @@ def _fwd_tile(cfg, prob, bufs, rows, q_tile, s_zero, ones_t, base, rb, t, m_i, l
 
 @gluon.jit
 def _epilogue(cfg, prob, descs, sched, rows, accs, m_i, l_i, b, h, row0, CONSUMER: gl.constexpr):
-    """O = acc / l, the LSE and (EXACT_DELTA) the row constants and O's residual, stored."""
+    """O = acc / l, the LSE and (EXACT_DELTA) the row constants and O's residual, stored; under
+    HAS_SINKS with the sink's term in every denominator (``_sink_totals``)."""
     acc = accs.acc
     if cfg.EXACT_DELTA:
         # Every column holds the rounded P's row sum; max picks one exactly.
@@ -701,12 +710,20 @@ def _epilogue(cfg, prob, descs, sched, rows, accs, m_i, l_i, b, h, row0, CONSUME
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
     l_rnd_safe = gl.where(empty_row, 1.0, l_rnd)
-    inv_l = gl.convert_layout(1.0 / l_rnd_safe, gl.SliceLayout(1, cfg.o_layout))
+    if cfg.HAS_SINKS:
+        sink, keys_share, l_tot, l_rnd_tot, m_tot = _sink_totals(prob, h, m_i, l_i, l_rnd)
+        inv_l = gl.convert_layout(keys_share / l_rnd_tot, gl.SliceLayout(1, cfg.o_layout))
+    else:
+        inv_l = gl.convert_layout(1.0 / l_rnd_safe, gl.SliceLayout(1, cfg.o_layout))
     out32 = acc * gl.expand_dims(inv_l, 1)
     out = out32.to(cfg.dtype)
-    log2_l = gl.log2(l_safe)
-    lse2 = m_i + log2_l
-    lse = gl.where(empty_row, float("-inf"), lse2 * LN2)
+    if cfg.HAS_SINKS:
+        # A row with no visible key stores the sink itself (its whole mass), not its base-2 round trip.
+        lse = gl.where(empty_row, sink, (m_tot + gl.log2(l_tot)) * LN2)
+    else:
+        log2_l = gl.log2(l_safe)
+        lse2 = m_i + log2_l
+        lse = gl.where(empty_row, float("-inf"), lse2 * LN2)
     row_ids = rows.row_ids
     row_off = (b * prob.H + h).to(gl.int64) * prob.L + row_ids
     gl.store(prob.LSE + row_off, lse, mask=row_ids < prob.L)
@@ -715,11 +732,40 @@ def _epilogue(cfg, prob, descs, sched, rows, accs, m_i, l_i, b, h, row0, CONSUME
         # it, so g stays right where m_i is so large that m_i + floor(log2 l) rounds back to m_i.
         m_safe = gl.where(empty_row, 0.0, m_i)
         pivot = m_safe + gl.floor(gl.log2(l_rnd_safe))
-        norm = gl.exp2(pivot - m_safe) / l_rnd_safe
+        if cfg.HAS_SINKS:
+            # c from the keys' sum alone keeps round(exp2(s - c)) where it is without a sink (a large
+            # sink would push it towards 16-bit underflow); g carries the sink's share of the mass.
+            norm = gl.exp2(pivot - m_safe) * (keys_share / l_rnd_tot)
+        else:
+            norm = gl.exp2(pivot - m_safe) / l_rnd_safe
         plane = sched.heads().to(gl.int64) * prob.L
         gl.store(prob.ROW_CONSTS + row_off, gl.where(empty_row, float("inf"), pivot), mask=row_ids < prob.L)
         gl.store(prob.ROW_CONSTS + plane + row_off, gl.where(empty_row, 0.0, norm), mask=row_ids < prob.L)
     sched.store_o(descs, out32, out, b, h, row0, CONSUMER=CONSUMER)
+
+
+@gluon.jit
+def _sink_totals(prob, h, m_i, l_i, l_rnd):
+    """HAS_SINKS: head h's sink (natural log) and the row's totals on the common max
+    m_tot = max(m_i, sink·log2 e): keys_share = exp2(m_i - m_tot), l_tot = l_i·keys_share +
+    exp2(sink₂ - m_tot) (the LSE's fp32 sum) and l_rnd_tot likewise from l_rnd (O's and g's
+    denominator), so O = acc·keys_share / l_rnd_tot and LSE₂ = m_tot + log2 l_tot. One of the two
+    exponentials is 1, so nothing overflows however far the sink is from the keys, and a row with
+    no visible key (m_i = -inf, l = 0) gets O = 0 and LSE₂ = sink₂ without a special case; the
+    totals are 0 only where the sink is -inf too (then 1 stands in, and the LSE is -inf)."""
+    sink = gl.load(prob.SINKS + h)
+    sink2 = sink * 1.4426950408889634
+    m_tot = gl.maximum(m_i, sink2)
+    m_tot = gl.where(m_tot == float("-inf"), 0.0, m_tot)
+    keys_share = gl.exp2(m_i - m_tot)
+    sink_term = gl.exp2(sink2 - m_tot)
+    l_tot = l_i * keys_share + sink_term
+    l_rnd_tot = l_rnd * keys_share + sink_term
+    none = l_tot == 0.0
+    l_tot = gl.where(none, 1.0, l_tot)
+    l_rnd_tot = gl.where(none, 1.0, l_rnd_tot)
+    m_tot = gl.where(none, float("-inf"), m_tot)
+    return sink, keys_share, l_tot, l_rnd_tot, m_tot
 
 
 @gluon.jit
@@ -736,14 +782,16 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, args, switches: gl.
     ``lists`` (``hopper_args.TileListArgs``) is int32 (B or 1, H or 1, blocks, list_stride), one row a
     query block: its tile count, then its key tiles (``launch.block_tiles.gluon_tile_lists``), else not
     read; under SOFTCAP, ``softcap_log2`` = c·log2 e and ``tanh_scale`` = scale / c (fp32; qk_scale is
-    then not read), otherwise neither is. ``switches`` (``hopper_args.FwdSwitches``): the glossary's
-    constexprs."""
+    then not read), otherwise neither is; under HAS_SINKS, SINKS is (H,) fp32, each query head's sink
+    logit in natural log, else None (a constexpr then, so the launch's parameters are those of a
+    kernel without it). ``switches`` (``hopper_args.FwdSwitches``): the glossary's constexprs."""
     gl.static_assert(switches.NUM_CONSUMERS == 2 or switches.NUM_CONSUMERS == 3, "two or three consumer warpgroups")
     cfg = FwdConfig(q_desc, k_desc, NUM_STAGES=switches.NUM_STAGES, NUM_CONSUMERS=switches.NUM_CONSUMERS,
                     IS_CAUSAL=switches.IS_CAUSAL, WINDOW_LEFT=switches.WINDOW_LEFT, PINGPONG=switches.PINGPONG,
                     EXACT_DELTA=switches.EXACT_DELTA, HAS_KEY_BIAS=switches.HAS_KEY_BIAS,
                     SKIP_MASKED_TILES=switches.SKIP_MASKED_TILES, PERSISTENT=switches.PERSISTENT,
-                    HAS_BLOCK_SPARSITY=switches.HAS_BLOCK_SPARSITY, SOFTCAP=switches.SOFTCAP)
+                    HAS_BLOCK_SPARSITY=switches.HAS_BLOCK_SPARSITY, SOFTCAP=switches.SOFTCAP,
+                    HAS_SINKS=switches.HAS_SINKS)
     gl.static_assert((cfg.HEAD_DIM == switches.HEAD_DIM) & (cfg.BLOCK_M == switches.BLOCK_M)
                      & (cfg.BLOCK_N == switches.BLOCK_N), "HEAD_DIM, BLOCK_M and BLOCK_N are the descriptors' boxes")
     qk_scale = args.qk_scale.to(gl.float32)
@@ -751,7 +799,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, args, switches: gl.
     prob = FwdProblem(args.L, args.S, args.H, args.BH, args.GROUP, args.causal_offset, args.window_lower, qk_scale,
                       args.swizzle_heads, args.LSE, args.ROW_CONSTS, args.KEY_BIAS, args.WORK_COUNTER,
                       TileLists(lists.base, lists.stride_lb, lists.stride_lh, lists.list_stride),
-                      args.softcap_log2, args.tanh_scale)
+                      args.softcap_log2, args.tanh_scale, args.SINKS)
     bufs = allocate(cfg, q_desc, k_desc, v_desc, o_desc)
     sched = FwdScheduler(cfg, prob, bufs)
     descs = FwdDescs(q_desc, k_desc, v_desc, o_desc, r_desc)

@@ -37,6 +37,7 @@ class FwdConfig:
     PERSISTENT: gl.constexpr
     HAS_BLOCK_SPARSITY: gl.constexpr
     SOFTCAP: gl.constexpr
+    HAS_SINKS: gl.constexpr
     dtype: gl.constexpr
     s_layout: gl.constexpr    # S = Q·Kᵀ, (BLOCK_M, BLOCK_N)
     o_layout: gl.constexpr    # acc, (BLOCK_M, HEAD_DIM)
@@ -47,7 +48,7 @@ class FwdConfig:
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                 HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT, HAS_BLOCK_SPARSITY, SOFTCAP=False):
+                 HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT, HAS_BLOCK_SPARSITY, SOFTCAP=False, HAS_SINKS=False):
         self.HEAD_DIM = gl.constexpr(q_desc.block_type.shape[3])
         self.BLOCK_M = gl.constexpr(q_desc.block_type.shape[2])
         self.BLOCK_N = gl.constexpr(k_desc.block_type.shape[2])
@@ -63,6 +64,7 @@ class FwdConfig:
         self.PERSISTENT = gl.constexpr(PERSISTENT)
         self.HAS_BLOCK_SPARSITY = gl.constexpr(HAS_BLOCK_SPARSITY)
         self.SOFTCAP = gl.constexpr(SOFTCAP)
+        self.HAS_SINKS = gl.constexpr(HAS_SINKS)
         self.dtype = gl.constexpr(q_desc.dtype)
         s_layout = _wgmma_layout(self.BLOCK_N.value)
         o_layout = _wgmma_layout(self.HEAD_DIM.value)
@@ -94,10 +96,11 @@ class FwdProblem:
     lists: TileLists
     softcap_log2: Scalar
     tanh_scale: Scalar
+    SINKS: Scalar  # (H,) fp32 under HAS_SINKS, else None
 
     @gluon.constexpr_function
     def __init__(self, L, S, H, BH, GROUP, causal_offset, window_lower, qk_scale, swizzle_heads, LSE, ROW_CONSTS,
-                 KEY_BIAS, WORK_COUNTER, lists, softcap_log2, tanh_scale):
+                 KEY_BIAS, WORK_COUNTER, lists, softcap_log2, tanh_scale, SINKS=None):
         self.L = field(L)
         self.S = field(S)
         self.H = field(H)
@@ -114,6 +117,7 @@ class FwdProblem:
         self.lists = field(lists)
         self.softcap_log2 = field(softcap_log2)
         self.tanh_scale = field(tanh_scale)
+        self.SINKS = field(SINKS)
 
 
 @aggregate

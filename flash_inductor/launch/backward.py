@@ -25,6 +25,7 @@ def attention_backward(
     rng_seed: torch.Tensor | None, dropout_p: float, scale: float, schedule: str, compute_mask_grad: bool, *,
     visibility: Visibility = NO_MASKING, configs: AttentionConfigs | None = None,
     ds_bound: torch.Tensor | None = None, softcap: float = 0.0, packed: PackedSequences | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the backward kernels. Returns (dq, dk, dv, dmask); dmask is empty unless asked for.
 
@@ -34,7 +35,9 @@ def attention_backward(
     the bound on |dS| that the preprocess measures, under the schedules that rescale dS (fp16
     `stable`): tests and experiments force either loop with it (a bound past
     ``ds_scaling.DS_RESCALE_ABOVE``, or inf, takes the rescaling loop). Elsewhere it is ignored.
-    ``softcap``: the forward's soft cap (0: none); ``packed``: the forward's packed sequences."""
+    ``softcap``: the forward's soft cap (0: none); ``packed``: the forward's packed sequences.
+    ``sinks`` (Hq,): the attention sinks that ``out`` and ``lse`` carry (ops/sinks.py); only exact Δ
+    reads them (its renormalisation counts the sink's share), and the `fp8` schedule's 16-bit forward."""
     from ..kernels.attn_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_row_reference
 
     block_map, block_q, block_k = visibility.block_map, visibility.block_q, visibility.block_k
@@ -45,7 +48,8 @@ def attention_backward(
         # (its O and LSE; the fp8 ones would not match the recomputed P) and `stable`'s backward.
         schedule = STABLE.name
         out, lse = attention_forward(query, key, value, attn_mask, rng_seed, dropout_p, scale, schedule,
-                                     visibility=visibility, softcap=softcap, packed=packed)
+                                     visibility=visibility, softcap=softcap, packed=packed,
+                                     **({} if sinks is None else {"sinks": sinks}))
     batch, heads_q, seq_q, _ = query.shape
     heads_kv, seq_k = key.shape[1], key.shape[2]
     head_dim, head_dim_v = head_dims(query, value)
@@ -145,6 +149,9 @@ def attention_backward(
         EXACT_DELTA=exact_delta, HAS_DLSE=grad_lse is not None, WRITE_DMASK=compute_mask_grad and not exact_delta,
         EVEN_N=packed is None and whole_blocks(seq_k, cfg.block_n), EVEN_E=even_e,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        # None without sinks (or without exact Δ, which alone reads them): a constexpr, no parameter.
+        SINKS=sinks.to(torch.float32).contiguous() if sinks is not None and exact_delta else None,
+        HAS_SINKS=sinks is not None and exact_delta,
         **meta, **meta_window,
     )
     cfg = configs.backward_dkdv

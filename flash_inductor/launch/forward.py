@@ -33,7 +33,7 @@ def attention_forward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
     rng_seed: torch.Tensor | None, dropout_p: float, scale: float, schedule: str, *,
     visibility: Visibility = NO_MASKING, configs: AttentionConfigs | None = None, softcap: float = 0.0,
-    packed: PackedSequences | None = None,
+    packed: PackedSequences | None = None, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward kernel. Returns (out (B, Hq, L, Ev) in the input dtype, lse (B, Hq, L) fp32).
 
@@ -41,7 +41,9 @@ def attention_forward(
     (``launch.visibility``). ``configs`` forces the launch configs (the autotuner's candidates);
     None looks them up. ``softcap`` > 0 soft-caps the scaled scores before the mask (not with the
     `fp8` schedule, whose kernel has no cap: refused). ``packed``: the inputs are (1, H, total, E)
-    views of packed sequences (``launch.packed``); the LSE is then (1, Hq, total_q)."""
+    views of packed sequences (``launch.packed``); the LSE is then (1, Hq, total_q). ``sinks`` (Hq,):
+    each query head's sink logit in every row's denominator (ops/sinks.py): out and lse come back with
+    it (16-bit and fp32 kernels; the `fp8` kernel has none: refused)."""
     from ..kernels.attn_fwd import _attn_fwd
 
     block_map, block_q, block_k = visibility.block_map, visibility.block_q, visibility.block_k
@@ -50,6 +52,9 @@ def attention_forward(
     if get_schedule(schedule).fp8_forward:
         if softcap:
             raise ValueError("attention_forward: the fp8 kernel has no soft cap; use a 16-bit schedule with softcap.")
+        if sinks is not None:
+            raise ValueError("attention_forward: the fp8 kernel has no sinks; fold them in after it "
+                             "(flash_inductor.ops.sinks.fold_sinks) or use a 16-bit schedule.")
         if block_map is not None:  # the fp8 kernel walks every tile: the layout becomes an element mask
             attn_mask = fold_into_mask(attn_mask, block_map, block_q, block_k, (*query.shape[:3], key.shape[2]))
         if packed is not None:
@@ -81,7 +86,10 @@ def attention_forward(
         WINDOW_LEFT=band.lower is not None, P_IN_FP32=switches["P_IN_FP32"],
         FOLD_SCALE=_fold_scale(scale, meta["HAS_MASK"]) and not softcap, SOFTCAP=softcap > 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        # None without sinks: a constexpr, so the kernel's parameters are those it has without them.
+        SINKS=None if sinks is None else sinks.to(torch.float32).contiguous(), HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **meta,
     )
     return out, lse
+

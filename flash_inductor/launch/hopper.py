@@ -260,7 +260,7 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
                              scale: float | None = None, visibility: Visibility = NO_MASKING,
                              attn_mask: torch.Tensor | None = None, config: HopperForwardConfig | None = None,
                              exact_delta: bool = False, schedule: str | PrecisionSchedule | None = None,
-                             softcap: float = 0.0) -> tuple:
+                             softcap: float = 0.0, sinks: torch.Tensor | None = None) -> tuple:
     """Attention forward on the Gluon Hopper kernel. ``query`` (B, Hq, L, E), ``key``/``value``
     (B, Hkv, S, E) with Hq a multiple of Hkv. Key j is visible to query i where ``visibility``
     (``launch.visibility``: the causal side, a sliding window, a block-sparse layout whose blocks
@@ -274,11 +274,15 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     FlashAttention-2's soft cap, each scaled score s becoming ``softcap * tanh(s / softcap)`` before
     the mask (the kernel's SOFTCAP). Call only where ``hopper_forward_supported`` says so.
 
+    ``sinks`` (Hq,) floating: each query head's sink logit (ops/sinks.py), which the kernel's epilogue
+    adds to every row's denominator: out and lse come back with it (a row with no visible key: out 0,
+    lse the sink), and the ``exact_delta`` row constants are those of that softmax.
+
     ``config`` None: the tuning table's entry for the call's bucket (``schedule``'s), else the
     built-in config. A table's config that fails to launch (a table written for another part, or
     by hand) warns once and runs the built-in config: a table never fails a call."""
     def launch(cfg):
-        return _forward(query, key, value, scale, visibility, attn_mask, cfg, exact_delta, softcap)
+        return _forward(query, key, value, scale, visibility, attn_mask, cfg, exact_delta, softcap, sinks)
 
     if config is not None:
         return launch(config)
@@ -323,7 +327,7 @@ def softcap_arguments(softcap: float, scale: float, caller: str) -> tuple[bool, 
     return True, softcap * LOG2E, scale / softcap
 
 
-def _forward(query, key, value, scale, visibility: Visibility, attn_mask, config, exact_delta, softcap=0.0):
+def _forward(query, key, value, scale, visibility: Visibility, attn_mask, config, exact_delta, softcap=0.0, sinks=None):
     from ..kernels.hopper_args import FwdArgs, FwdSwitches, TileListArgs
     from ..kernels.hopper_fwd import _attn_fwd_hopper
 
@@ -364,14 +368,16 @@ def _forward(query, key, value, scale, visibility: Visibility, attn_mask, config
         LSE=lse, ROW_CONSTS=row_consts, KEY_BIAS=bias, L=seq_q, S=seq_k, H=heads_q, GROUP=heads_q // heads_kv,
         causal_offset=causal_offset, window_lower=band_lower(band), qk_scale=scale * LOG2E,
         swizzle_heads=max(1, min(cfg.swizzle_heads, batch * heads_q)), WORK_COUNTER=work_counter,
-        BH=batch * heads_q, lists=TileListArgs(*lists), softcap_log2=softcap_log2, tanh_scale=tanh_scale)
+        BH=batch * heads_q, lists=TileListArgs(*lists), softcap_log2=softcap_log2, tanh_scale=tanh_scale,
+        # None without sinks: a constexpr, so the kernel's parameters are those it has without them.
+        SINKS=None if sinks is None else sinks.to(torch.float32).contiguous())
     switches = FwdSwitches(
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal, WINDOW_LEFT=band.lower is not None,
         PINGPONG=cfg.pingpong, EXACT_DELTA=exact_delta, HAS_KEY_BIAS=attn_mask is not None,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
         SKIP_MASKED_TILES=cfg.skip_masked_tiles and block_layout is None, PERSISTENT=persistent,
-        HAS_BLOCK_SPARSITY=block_layout is not None, SOFTCAP=has_cap)
+        HAS_BLOCK_SPARSITY=block_layout is not None, SOFTCAP=has_cap, HAS_SINKS=sinks is not None)
     common.launcher(_attn_fwd_hopper)[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, cfg.block_n), tma_descriptor(value, cfg.block_n),
         o_desc, tma_descriptor(resid, cfg.block_m) if exact_delta else o_desc, args, switches=switches,

@@ -153,6 +153,7 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
                               exact_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
                               mean_key: torch.Tensor | KeyMoments | None = None,
                               schedule: str | PrecisionSchedule | None = None, softcap: float = 0.0,
+                              sinks: torch.Tensor | None = None,
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on the Gluon Hopper kernel: `fast`'s, or with
     ``exact_delta`` `stable`'s.
@@ -169,7 +170,10 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     memory (CENTRE_KEYS), and dq gets scale·dLSE·k̂ back. With ``exact_delta``, ``mean_key`` may be
     ``key_moments(key)`` instead, which the exact-Δ preprocess's launch finishes. ``softcap`` > 0:
     the forward's soft cap (kernels/hopper_bwd.py, SOFTCAP); it takes no ``mean_key`` (a capped
-    row's dU does not sum to dLSE, the centred dQ's add-back). Call only where
+    row's dU does not sum to dLSE, the centred dQ's add-back). ``sinks`` (Hq,): the attention sinks
+    (ops/sinks.py) that (out, lse) carry; the kernels need nothing of them, but a row of dS then sums
+    to dLSE_i + p_i·Δ_i (p_i = exp(sink_h − lse_i), the sink's share) rather than dLSE_i, and the
+    centred dq's finish adds that instead (only read with ``mean_key``). Call only where
     ``hopper_backward_unsupported_reason`` and ``tma_unsupported_reason`` (on query, key, value,
     grad_out) say so.
 
@@ -178,7 +182,7 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     launch warns once and runs the built-in one, as the forward does."""
     launch = functools.partial(_backward, grad_out, query, key, value, out, lse, grad_lse, scale=scale,
                                visibility=visibility, attn_mask=attn_mask, delta=delta, exact_delta=exact_delta,
-                               mean_key=mean_key, softcap=softcap)
+                               mean_key=mean_key, softcap=softcap, sinks=sinks)
     if config is not None:
         return launch(config=config)
     if schedule is None:
@@ -189,7 +193,7 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
 
 
 def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, visibility: Visibility, attn_mask, config,
-              delta, exact_delta, mean_key, softcap=0.0):
+              delta, exact_delta, mean_key, softcap=0.0, sinks=None):
     from ..kernels.gluon_tma import HAS_TMA_REDUCE
     from ..kernels.hopper_args import BwdArgs, BwdSwitches, TileListArgs
     from ..kernels.hopper_bwd import _attn_bwd_hopper
@@ -221,6 +225,7 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, visibil
             raise ValueError("hopper_attention_backward: mean_key as KeyMoments needs exact_delta (the exact-Δ "
                              "preprocess finishes k̂); pass key_mean(key) otherwise")
         mean_key = moments.mean_key
+    lse_out = lse  # the forward's LSE: the pivots replace it below under exact_delta
     if exact_delta is not None:
         # The kernel reads the pivots where it reads the LSE otherwise (+inf: a row with no key).
         grad_out, lse, delta, ds_up = _exact_delta_inputs(grad_out, value, out, grad_lse, *exact_delta, moments)
@@ -281,6 +286,12 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, visibil
     )
     if parts > 1:
         _sum_parts_into(dkdv_part, dv, dk)
+    if mean_key is not None and sinks is not None:
+        # A row with no key has LSE -inf whatever q·k̂ is: its dq stays 0.
+        ds_rows = _ds_row_sums_with_sinks(lse_out, grad_lse, delta, sinks,
+                                          exact_delta[1][1] if exact_delta is not None else None)
+        weight = torch.where(lse == float("inf"), 0.0, scale * ds_rows)
+        return _dq_with_mean_key(dq_accum, mean_key, weight, query.dtype), dk, dv
     if mean_key is not None and grad_lse is not None:
         # A row with no key has LSE -inf whatever q·k̂ is: its dq stays 0.
         weight = torch.where(lse == float("inf"), 0.0, scale * grad_lse.to(torch.float32))
@@ -294,6 +305,20 @@ def _key_block_lists(block_layout: tuple, query, key, band, cfg: HopperBackwardC
     block_map, block_q, block_k = checked_gluon_layout(block_layout, query, key, "backward")
     return tuple(gluon_tile_lists(block_map, block_q, block_k, query.shape[2], key.shape[2], band.lower, band.upper,
                                   cfg.block_m, cfg.block_n, columns=True))
+
+
+def _ds_row_sums_with_sinks(lse, grad_lse, delta, sinks, norm):
+    """Σ_j dS_ij with sinks: dLSE_i + p_i·Δ_i, p_i = exp(sink_h − lse_i) (the keys' weights sum to
+    1 − p_i), from the backward's Δ plane; under exact Δ it holds g_i·Δ_i, ``norm`` being the g plane,
+    and a row whose g is 0 (no key, or keys whose weights underflowed beside the sink) puts no weight
+    on its keys, so its dS row is 0. (B, Hq, L) fp32."""
+    share = torch.exp(sinks.to(torch.float32)[None, :, None] - lse.to(torch.float32))
+    if norm is not None:
+        delta = delta / torch.where(norm > 0, norm, 1.0)
+    rows = torch.where(torch.isfinite(lse), share * delta, 0.0)
+    if grad_lse is not None:
+        rows = rows + grad_lse.to(torch.float32)
+    return rows if norm is None else torch.where(norm > 0, rows, 0.0)
 
 
 def _sum_parts_into(dkdv_part: torch.Tensor, dv: torch.Tensor, dk: torch.Tensor) -> None:

@@ -12,17 +12,23 @@ neighbours. Opaque calls also pick their kernels from the real strides and lengt
 
 * ``flash_inductor::attention_forward(q, k, v, mask?, seed?, dropout_p, is_causal,
   causal_offset, scale, schedule, window_left=-1, window_right=-1, block_map?, block_q=0, block_k=0,
-  softcap=0.0) -> (out, lse)``
+  softcap=0.0, sinks?=None) -> (out, lse)``
 * ``flash_inductor::attention_backward(dout, q, k, v, mask?, out, lse, dlse?, seed?, ...,
-  compute_mask_grad, window_left=-1, window_right=-1, block_map?, block_q=0, block_k=0, softcap=0.0)
-  -> (dq, dk, dv, dmask)``
+  compute_mask_grad, window_left=-1, window_right=-1, block_map?, block_q=0, block_k=0, softcap=0.0,
+  sinks?=None) -> (dq, dk, dv, dmask)``
 
 ``softcap`` > 0 is FlashAttention-2's logit soft-capping (``softcap * tanh(s / softcap)`` on the
 scaled scores, before the mask). The Triton and the Gluon Hopper kernels take it (on every schedule
 those serve, the one-pass `stable` path included); the split-KV decode kernels do not, so a
-soft-capped call with few query rows skips them. Attention sinks need no op argument:
-``flash_inductor.api`` folds them into the output
-and the LSE (``flash_inductor.sinks``), whose gradient the backward already takes.
+soft-capped call with few query rows skips them.
+
+``sinks`` (Hq,) are attention sinks (ops/sinks.py): a per-head logit in every row's denominator.
+The forward returns (out', lse') with them: the Triton and Gluon Hopper forwards add the sink in
+their epilogues, the reference, decode and `fp8` paths fold it in after (``ops.sinks.fold_sinks``).
+``attention_backward(..., sinks?=None)`` takes them too: (out', lse') carry the sinks, so dq, dk
+and dv need nothing more of them, except exact Δ's renormalisation (the Triton `stable` kernels and
+the reference), whose keys' weights sum to 1 − exp(sink − lse'). The sinks' own gradient is
+``flash_inductor::attention_sinks_backward``, which the forward's autograd calls beside it.
 
 ``window_left`` / ``window_right`` are the sliding window of ``flash_attention(window=...)``
 (FlashAttention's definition, -1 an open side). The ops build one ``launch.Visibility`` from the
@@ -65,6 +71,7 @@ from ..schedules import PrecisionSchedule, get_schedule
 from .functorch import transform_function, under_transform
 from .one_pass import attention_one_pass, mask_keyword, one_pass_applies, softcap_keyword
 from .reference import reference_backward, reference_forward
+from .sinks import attention_sinks_backward, fold_sinks, sinks_backward_reference
 
 # --------------------------------------------------------------------------------------
 # Reference path (CPU, float64, anything the kernels do not take)
@@ -77,10 +84,13 @@ def attention_forward_reference(
     dropout_p: float, is_causal: bool, causal_offset: int, scale: float,
     window_left: int = -1, window_right: int = -1,
     block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0, softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     out, lse = reference_forward(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
                                  window=(window_left, window_right),
                                  block_layout=_reference_layout(block_map, block_q, block_k), softcap=softcap)
+    if sinks is not None:
+        out, lse = fold_sinks(out, lse, sinks)
     return out.contiguous(), lse.contiguous()
 
 
@@ -91,11 +101,12 @@ def attention_backward_reference(
     dropout_p: float, is_causal: bool, causal_offset: int, scale: float, compute_mask_grad: bool,
     window_left: int = -1, window_right: int = -1,
     block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0, softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     grads = reference_backward(
         grad_out, query, key, value, attn_mask, out, lse, rng_seed, dropout_p, is_causal,
         causal_offset, scale, compute_mask_grad, grad_lse=grad_lse, window=(window_left, window_right),
-        block_layout=_reference_layout(block_map, block_q, block_k), softcap=softcap,
+        block_layout=_reference_layout(block_map, block_q, block_k), softcap=softcap, sinks=sinks,
     )
     return tuple(g.contiguous() for g in grads)
 
@@ -129,31 +140,47 @@ def describe_call(query: Tensor, key: Tensor, value: Tensor, dropout_p: float, i
 
 
 def _forward_on_hopper(query: Tensor, key: Tensor, value: Tensor, call: AttentionCall, *,
-                       attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                       attn_mask: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     return hopper.hopper_attention_forward(query, key, value, scale=call.scale, visibility=call.visibility,
-                                           attn_mask=attn_mask, schedule=call.schedule, **softcap_keyword(call.softcap))
+                                           attn_mask=attn_mask, schedule=call.schedule, sinks=sinks,
+                                           **softcap_keyword(call.softcap))
 
 
-def _kernel_forward(query, key, value, attn_mask, rng_seed, call: AttentionCall, *, hopper_call=_forward_on_hopper):
+def _sinks_keyword(sinks: Optional[Tensor]) -> dict:
+    """A launcher call's sinks as a keyword, left out when there are none (as ``mask_keyword``)."""
+    return {} if sinks is None else {"sinks": sinks}
+
+
+def _folded(result, sinks: Optional[Tensor]):
+    """(out, lse) of a path without sinks in its kernels, with the sinks folded in (ops/sinks.py)."""
+    return result if sinks is None else fold_sinks(*result, sinks)
+
+
+def _kernel_forward(query, key, value, attn_mask, rng_seed, call: AttentionCall, *, hopper_call=_forward_on_hopper,
+                    sinks: Optional[Tensor] = None):
     """The CUDA forward: the split-KV decode kernels for a few query rows against long keys, else
     the Gluon Hopper kernel where it applies, else the Triton kernels. ``hopper_call`` runs the
     Hopper kernel (a test may stand in for it). Block-sparse calls skip the decode kernels, which
-    read every key of the band, and so do soft-capped ones, which have no cap there."""
-    triton_options = dict(visibility=call.visibility, softcap=call.softcap)
+    read every key of the band, and so do soft-capped ones, which have no cap there. ``sinks``: the
+    Triton and Hopper kernels take them, the decode and `fp8` ones get them folded in."""
+    # The `fp8` kernel has no sinks: they are folded in after it, as after the decode kernels.
+    fold_after = sinks if call.schedule.fp8_forward else None
+    triton_options = dict(visibility=call.visibility, softcap=call.softcap,
+                          **_sinks_keyword(None if fold_after is not None else sinks))
     if call.visibility.block_map is None and not call.softcap:
         decoded = decode.decode_forward_or_none(query, key, value, attn_mask, call.dropout_p, call.scale,
                                                 call.schedule, visibility=call.visibility)
         if decoded is not None:
-            return decoded
+            return _folded(decoded, sinks)
     reason = (hopper.hopper_forward_unsupported_reason(query, key, value, attn_mask, call.dropout_p, call.scale,
                                                        call.schedule, window=call.visibility.window,
                                                        block_sizes=call.block_sizes)
               or hopper.tma_unsupported_reason(query, key, value))
     if reason is None:
-        return hopper_call(query, key, value, call, **mask_keyword(attn_mask))
+        return hopper_call(query, key, value, call, **mask_keyword(attn_mask), **_sinks_keyword(sinks))
     hopper.log_triton_forward(reason)
-    return launch.attention_forward(query, key, value, attn_mask, rng_seed, call.dropout_p, call.scale, call.schedule,
-                                    **triton_options)
+    return _folded(launch.attention_forward(query, key, value, attn_mask, rng_seed, call.dropout_p, call.scale,
+                                            call.schedule, **triton_options), fold_after)
 
 
 def _backward_on_hopper(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
@@ -165,11 +192,13 @@ def _backward_on_hopper(grad_out: Tensor, query: Tensor, key: Tensor, value: Ten
 
 
 def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, call: AttentionCall,
-                     compute_mask_grad: bool, *, hopper_call=_backward_on_hopper):
+                     compute_mask_grad: bool, *, hopper_call=_backward_on_hopper, sinks: Optional[Tensor] = None):
     """The CUDA backward: the Gluon Hopper kernel where it applies (the `fast` schedule;
     ``hopper_call`` as in ``_kernel_forward``), else the Triton kernels. Returns (dq, dk, dv, dmask).
     `stable` on the Hopper kernels needs the forward's residual, which only the one-pass ops
-    (ops/one_pass.py) carry: a `stable` call that reaches this op runs the Triton backward."""
+    (ops/one_pass.py) carry: a `stable` call that reaches this op runs the Triton backward.
+    ``sinks``: what (out, lse) carry; the `fast` Hopper kernel needs nothing of them, the Triton
+    kernels' exact Δ does."""
     reason = (hopper_bwd.hopper_backward_unsupported_reason(query, key, value, attn_mask, call.dropout_p, call.scale,
                                                             call.schedule, is_causal=call.visibility.is_causal,
                                                             window=call.visibility.window,
@@ -183,7 +212,7 @@ def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse,
     hopper_bwd.log_triton_backward(reason)
     return launch.attention_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed,
                                      call.dropout_p, call.scale, call.schedule, compute_mask_grad,
-                                     visibility=call.visibility, softcap=call.softcap)
+                                     visibility=call.visibility, softcap=call.softcap, **_sinks_keyword(sinks))
 
 
 # --------------------------------------------------------------------------------------
@@ -197,15 +226,17 @@ def attention_forward(
     dropout_p: float, is_causal: bool, causal_offset: int, scale: float, schedule: str,
     window_left: int = -1, window_right: int = -1,
     block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0, softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     if launch.kernel_supports(query, key, value):
         return _kernel_forward(query, key, value, attn_mask, rng_seed,
                                describe_call(query, key, value, dropout_p, is_causal, causal_offset, scale, schedule,
-                                             window_left, window_right, block_map, block_q, block_k, softcap))
+                                             window_left, window_right, block_map, block_q, block_k, softcap),
+                               sinks=sinks)
     # The reference computes in fp32/fp64 throughout, Delta included (the `accurate` schedule's
     # stages): the schedule has nothing to select there.
     return attention_forward_reference(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset,
-                                       scale, window_left, window_right, block_map, block_q, block_k, softcap)
+                                       scale, window_left, window_right, block_map, block_q, block_k, softcap, sinks)
 
 
 
@@ -216,16 +247,17 @@ def attention_backward(
     dropout_p: float, is_causal: bool, causal_offset: int, scale: float, schedule: str,
     compute_mask_grad: bool, window_left: int = -1, window_right: int = -1,
     block_map: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0, softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if launch.kernel_supports(query, key, value):
         call = describe_call(query, key, value, dropout_p, is_causal, causal_offset, scale, schedule, window_left,
                              window_right, block_map, block_q, block_k, softcap)
         return _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, call,
-                                compute_mask_grad)
+                                compute_mask_grad, sinks=sinks)
     return attention_backward_reference(
         grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p,
         is_causal, causal_offset, scale, compute_mask_grad, window_left, window_right, block_map, block_q, block_k,
-        softcap,
+        softcap, sinks,
     )
 
 
@@ -278,17 +310,19 @@ attention_backward.register_fake(_backward_fake)
 # --------------------------------------------------------------------------------------
 
 _MASK_INPUT = 3
-# window_left, window_right, block_map, block_q, block_k, softcap: the forward op's arguments with defaults.
-_OPTIONAL_DEFAULTS = (-1, -1, None, 0, 0, 0.0)
+# window_left, window_right, block_map, block_q, block_k, softcap, sinks: the forward op's arguments
+# with defaults.
+_OPTIONAL_DEFAULTS = (-1, -1, None, 0, 0, 0.0, None)
+_SINKS_INPUT = 16
 
 
 def _setup_context(ctx, inputs, output):
     query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule, *optional = inputs
     # The trailing arguments have defaults, which a caller may leave out.
-    window_left, window_right, block_map, block_q, block_k, softcap = (*optional,
-                                                                       *_OPTIONAL_DEFAULTS[len(optional):])
+    window_left, window_right, block_map, block_q, block_k, softcap, sinks = (*optional,
+                                                                              *_OPTIONAL_DEFAULTS[len(optional):])
     out, lse = output
-    ctx.save_for_backward(query, key, value, attn_mask, rng_seed, out, lse, block_map)
+    ctx.save_for_backward(query, key, value, attn_mask, rng_seed, out, lse, block_map, sinks)
     # The name: the backward may be the registered op, whose schema takes one.
     ctx.options = (dropout_p, is_causal, causal_offset, scale,
                    schedule.name if isinstance(schedule, PrecisionSchedule) else schedule)
@@ -303,14 +337,16 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _run_backward(ctx, grad_out, grad_lse, backward_call):
+def _run_backward(ctx, grad_out, grad_lse, backward_call, sinks_call=None):
     """The autograd backward of both paths around ``backward_call``: the registered backward op
-    (the op path) or ``launch.attention_backward`` (the eager fast path). No gradient reaches the
-    inputs when neither output got one; when only lse did, dO is zero (the kernels always read it)."""
+    (the op path) or ``launch.attention_backward`` (the eager fast path), and ``sinks_call`` (the
+    sinks' gradient: ``attention_sinks_backward``'s signature; None: the registered op). No gradient
+    reaches the inputs when neither output got one; when only lse did, dO is zero (the kernels
+    always read it)."""
     n_inputs = ctx.input_count
     if grad_out is None and grad_lse is None:
         return (None,) * n_inputs
-    query, key, value, attn_mask, rng_seed, out, lse, block_map = ctx.saved_tensors
+    query, key, value, attn_mask, rng_seed, out, lse, block_map, sinks = ctx.saved_tensors
     dropout_p, is_causal, causal_offset, scale, schedule = ctx.options
     block_q, block_k = ctx.layout
     if grad_out is None:
@@ -321,9 +357,12 @@ def _run_backward(ctx, grad_out, grad_lse, backward_call):
     dq, dk, dv, dmask = backward_call(
         grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed,
         dropout_p, is_causal, causal_offset, scale, schedule, compute_mask_grad, *ctx.window,
-        block_map=block_map, block_q=block_q, block_k=block_k, softcap=ctx.softcap,
+        block_map=block_map, block_q=block_q, block_k=block_k, softcap=ctx.softcap, **_sinks_keyword(sinks),
     )
-    return (dq, dk, dv, (dmask if compute_mask_grad else None)) + (None,) * (n_inputs - 4)
+    grads = [dq, dk, dv, (dmask if compute_mask_grad else None)] + [None] * (n_inputs - 4)
+    if sinks is not None and ctx.needs_input_grad[_SINKS_INPUT]:
+        grads[_SINKS_INPUT] = (sinks_call or attention_sinks_backward)(grad_out, out, lse, grad_lse, sinks)
+    return tuple(grads)
 
 
 def _backward(ctx, grad_out, grad_lse):
@@ -353,13 +392,16 @@ _TransformAttentionBackward = transform_function("_TransformAttentionBackward", 
                                                  differentiable_outputs=4)
 
 
-def _backward_under_transform(*args, block_map=None, block_q=0, block_k=0, softcap=0.0):
-    return _TransformAttentionBackward.apply(*args, block_map, block_q, block_k, softcap)
+def _backward_under_transform(*args, block_map=None, block_q=0, block_k=0, softcap=0.0, sinks=None):
+    return _TransformAttentionBackward.apply(*args, block_map, block_q, block_k, softcap,
+                                             *(() if sinks is None else (sinks,)))
 
 
+# The sinks' gradient in torch ops, which every transform takes.
 _TransformAttention = transform_function(
     "_TransformAttention", attention_forward, _setup_context,
-    lambda ctx, grad_out, grad_lse: _run_backward(ctx, grad_out, grad_lse, _backward_under_transform))
+    lambda ctx, grad_out, grad_lse: _run_backward(ctx, grad_out, grad_lse, _backward_under_transform,
+                                                  sinks_backward_reference))
 
 
 # --------------------------------------------------------------------------------------
@@ -379,13 +421,14 @@ class _EagerKernelAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
-                window_left, window_right, block_map, block_q, block_k, softcap):
+                window_left, window_right, block_map, block_q, block_k, softcap, sinks=None):
         out, lse = _kernel_forward(query, key, value, attn_mask, rng_seed,
                                    describe_call(query, key, value, dropout_p, is_causal, causal_offset, scale,
                                                  schedule, window_left, window_right, block_map, block_q, block_k,
-                                                 softcap))
+                                                 softcap), sinks=sinks)
         _setup_context(ctx, (query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
-                             schedule, window_left, window_right, block_map, block_q, block_k, softcap), (out, lse))
+                             schedule, window_left, window_right, block_map, block_q, block_k, softcap, sinks),
+                       (out, lse))
         return out, lse
 
     @staticmethod
@@ -394,17 +437,18 @@ class _EagerKernelAttention(torch.autograd.Function):
             # create_graph=True: the registered backward op records the refusal of a second
             # differentiation, exactly as on the op path.
             return _backward(ctx, grad_out, grad_lse)
-        return _run_backward(ctx, grad_out, grad_lse, _launch_backward)
+        return _run_backward(ctx, grad_out, grad_lse, _launch_backward, launch.sinks_backward)
 
 
 def _launch_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, dropout_p, is_causal,
-                     causal_offset, scale, schedule, compute_mask_grad, window_left, window_right, **layout):
+                     causal_offset, scale, schedule, compute_mask_grad, window_left, window_right, sinks=None,
+                     **layout):
     """``_kernel_backward`` with the backward op's positional arguments (the window last) and its
-    keywords (``block_map``, ``block_q``, ``block_k``, ``softcap``)."""
+    keywords (``block_map``, ``block_q``, ``block_k``, ``softcap``, ``sinks``)."""
     call = describe_call(query, key, value, dropout_p, is_causal, causal_offset, scale, schedule, window_left,
                          window_right, **layout)
     return _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, call,
-                            compute_mask_grad)
+                            compute_mask_grad, sinks=sinks)
 
 
 def eager_fast_path_applies(*tensors: Optional[Tensor]) -> bool:
@@ -429,7 +473,7 @@ def _needs_autograd(*tensors: Optional[Tensor]) -> bool:
 
 def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale,
                             schedule, window_left=-1, window_right=-1, block_map=None, block_q=0,
-                            block_k=0, softcap=0.0) -> tuple[Tensor, Tensor]:
+                            block_k=0, softcap=0.0, sinks=None) -> tuple[Tensor, Tensor]:
     """``torch.ops.flash_inductor.attention_forward`` with the same arguments, without the
     dispatcher where :func:`eager_fast_path_applies`. `stable` calls that the Hopper kernels take go
     to the one-pass ops instead
@@ -444,24 +488,26 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
                                            window=(window_left, window_right),
                                            block_sizes=None if block_map is None else (block_q, block_k)):
         return attention_one_pass(query, key, value, is_causal, causal_offset, scale, window_left, window_right,
-                                  fast_path=eager_fast_path_applies(query, key, value, attn_mask, block_map),
+                                  fast_path=eager_fast_path_applies(query, key, value, attn_mask, block_map, sinks),
                                   needs_autograd=True, attn_mask=attn_mask, block_map=block_map, block_q=block_q,
-                                  block_k=block_k, softcap=softcap)
-    if eager_fast_path_applies(query, key, value, attn_mask, rng_seed, block_map):
-        if not _needs_autograd(query, key, value, attn_mask):
+                                  block_k=block_k, softcap=softcap, sinks=sinks)
+    if eager_fast_path_applies(query, key, value, attn_mask, rng_seed, block_map, sinks):
+        if not _needs_autograd(query, key, value, attn_mask, sinks):
             # Inference: the launch alone. autograd.Function.apply would record nothing here and
             # cost ~20-35 µs of host time a call (2-core CPU, launches stubbed), which
             # a short problem's GPU time may not hide.
             return _kernel_forward(query, key, value, attn_mask, rng_seed,
                                    describe_call(query, key, value, dropout_p, is_causal, causal_offset, scale,
                                                  schedule, window_left, window_right, block_map, block_q, block_k,
-                                                 softcap))
+                                                 softcap), sinks=sinks)
         return _EagerKernelAttention.apply(
             query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule,
-            window_left, window_right, block_map, block_q, block_k, softcap,
+            window_left, window_right, block_map, block_q, block_k, softcap, sinks,
         )
+    # Without sinks the op's schema-default argument is left out, so the traced call is the one it was.
+    sinks_arg = () if sinks is None else (sinks,)
     args = (query, key, value, attn_mask, rng_seed, dropout_p, is_causal, causal_offset, scale, schedule.name,
-            window_left, window_right, block_map, block_q, block_k, softcap)
+            window_left, window_right, block_map, block_q, block_k, softcap, *sinks_arg)
     if under_transform():
         return _TransformAttention.apply(*args)
     return torch.ops.flash_inductor.attention_forward(*args)

@@ -13,15 +13,20 @@ needs more tensors from the forward to the backward than ``attention_forward`` r
 its own pair of ops:
 
 * ``flash_inductor::attention_forward_one_pass(q, k, v, is_causal, causal_offset, scale,
-  window_left=-1, window_right=-1, attn_mask=None, block_map=None, block_q=0, block_k=0, softcap=0.0)
-  -> (out, lse, residual, row_constants)``
+  window_left=-1, window_right=-1, attn_mask=None, block_map=None, block_q=0, block_k=0, softcap=0.0,
+  sinks=None) -> (out, lse, residual, row_constants)``
 * ``flash_inductor::attention_backward_one_pass(dout, q, k, v, out, lse, dlse?, residual,
   row_constants, is_causal, causal_offset, scale, window_left=-1, window_right=-1,
-  attn_mask=None, block_map=None, block_q=0, block_k=0, softcap=0.0) -> (dq, dk, dv)``
+  attn_mask=None, block_map=None, block_q=0, block_k=0, softcap=0.0, sinks=None) -> (dq, dk, dv)``
 
 ``softcap`` > 0 is FlashAttention-2's soft cap, as ``flash_inductor::attention_forward`` takes it
 (kernels/hopper_fwd.py, SOFTCAP). Under a cap the backward's dQ GEMM takes K itself, not K̃: a
 capped row's dU = dS∘(1 − t²) does not sum to dLSE, which the centred dQ's add-back needs.
+
+``sinks`` (Hq,) are attention sinks (ops/sinks.py): the forward's epilogue puts them in out, lse and
+the row constants; the backward needs them for the centred dq's finish (a row of dS sums to
+dLSE_i + p_i·Δ_i with them, ``launch.hopper_bwd``), and the sinks' own gradient is
+``flash_inductor::attention_sinks_backward``, which autograd calls beside it.
 
 ``attn_mask`` is a key mask (``launch.hopper.key_mask_unsupported_reason``: one row for every
 query, as padding masks are), bool or additive, which neither needs nor gets a gradient.
@@ -48,6 +53,7 @@ from .. import launch
 from ..launch import hopper, hopper_bwd
 from ..launch.visibility import Visibility
 from .functorch import transform_function, under_transform
+from .sinks import attention_sinks_backward, sinks_backward_reference
 
 
 def one_pass_applies(query, key, value, attn_mask, dropout_p: float, scale: float, schedule: str,
@@ -89,18 +95,21 @@ def _addressable(*tensors: Tensor) -> list[Tensor]:
 
 
 def _forward(query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask=None,
-             block_map=None, block_q=0, block_k=0, softcap=0.0):
+             block_map=None, block_q=0, block_k=0, softcap=0.0, sinks=None):
     batch, heads, seq_q, head_dim = query.shape
     if seq_q == 0 or key.shape[2] == 0 or batch * heads == 0:
         out = query.new_zeros(query.shape)
         lse = query.new_full((batch, heads, seq_q), float("-inf"), dtype=torch.float32)
+        if sinks is not None:  # no key anywhere: each row's mass is its sink's
+            lse = lse.copy_(sinks.to(torch.float32)[None, :, None].expand_as(lse))
         row_consts = torch.stack([torch.full_like(lse, float("inf")), torch.zeros_like(lse)])
         return out, lse, torch.zeros_like(out), row_consts
     query, key, value = _addressable(query, key, value)
     visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=(window_left, window_right),
                             block_map=block_map, block_q=block_q, block_k=block_k)
     return hopper.hopper_attention_forward(query, key, value, scale=scale, visibility=visibility, exact_delta=True,
-                                           schedule="stable", **softcap_keyword(softcap), **mask_keyword(attn_mask))
+                                           schedule="stable", **softcap_keyword(softcap), **mask_keyword(attn_mask),
+                                           **({} if sinks is None else {"sinks": sinks}))
 
 
 def mask_keyword(attn_mask: Optional[Tensor]) -> dict:
@@ -116,20 +125,21 @@ def softcap_keyword(softcap: float) -> dict:
 
 
 def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, is_causal, causal_offset,
-              scale, window_left, window_right, attn_mask=None, block_map=None, block_q=0, block_k=0, softcap=0.0):
+              scale, window_left, window_right, attn_mask=None, block_map=None, block_q=0, block_k=0, softcap=0.0, sinks=None):
     visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=(window_left, window_right),
                             block_map=block_map, block_q=block_q, block_k=block_k)
     if torch.are_deterministic_algorithms_enabled() or query.shape[2] == 0 or key.shape[2] == 0:
         # The Triton `stable` backward re-derives the exact Δ from out and lse in a fixed order.
         dq, dk, dv, _ = launch.attention_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, None,
                                                   0.0, scale, "stable", False, visibility=visibility,
-                                                  softcap=softcap)
+                                                  softcap=softcap, **({} if sinks is None else {"sinks": sinks}))
         return dq, dk, dv
     grad_out, query, key, value = _addressable(grad_out, query, key, value)
     return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
                                                 visibility=visibility, exact_delta=(resid, row_consts),
                                                 mean_key=None if softcap else key_moments(key), schedule="stable",
-                                                **softcap_keyword(softcap), **mask_keyword(attn_mask))
+                                                **softcap_keyword(softcap), **mask_keyword(attn_mask),
+                                                **({} if sinks is None else {"sinks": sinks}))
 
 
 @torch.library.custom_op("flash_inductor::attention_forward_one_pass", mutates_args=())
@@ -137,9 +147,9 @@ def attention_forward_one_pass(query: Tensor, key: Tensor, value: Tensor, is_cau
                                scale: float, window_left: int = -1, window_right: int = -1,
                                attn_mask: Optional[Tensor] = None, block_map: Optional[Tensor] = None,
                                block_q: int = 0, block_k: int = 0,
-                               softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                               softcap: float = 0.0, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _forward(query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask,
-                    block_map, block_q, block_k, softcap)
+                    block_map, block_q, block_k, softcap, sinks)
 
 
 @torch.library.custom_op("flash_inductor::attention_backward_one_pass", mutates_args=())
@@ -148,10 +158,10 @@ def attention_backward_one_pass(grad_out: Tensor, query: Tensor, key: Tensor, va
                                 causal_offset: int, scale: float, window_left: int = -1, window_right: int = -1,
                                 attn_mask: Optional[Tensor] = None, block_map: Optional[Tensor] = None,
                                 block_q: int = 0, block_k: int = 0,
-                                softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+                                softcap: float = 0.0, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, is_causal,
                            causal_offset, scale, window_left, window_right, attn_mask, block_map, block_q, block_k,
-                           softcap)
+                           softcap, sinks)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
@@ -168,16 +178,17 @@ def _backward_fake(grad_out, query, key, value, *_rest):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
-# window_left, window_right, attn_mask, block_map, block_q, block_k, softcap: a caller may leave them out
-_OPTIONAL_DEFAULTS = (-1, -1, None, None, 0, 0, 0.0)
+# window_left, window_right, attn_mask, block_map, block_q, block_k, softcap, sinks: a caller may leave them out
+_OPTIONAL_DEFAULTS = (-1, -1, None, None, 0, 0, 0.0, None)
+_SINKS_INPUT = 13
 
 
 def _setup_context(ctx, inputs, output):
     query, key, value, is_causal, causal_offset, scale, *optional = inputs
-    window_left, window_right, attn_mask, block_map, block_q, block_k, softcap = (
+    window_left, window_right, attn_mask, block_map, block_q, block_k, softcap, sinks = (
         *optional, *_OPTIONAL_DEFAULTS[len(optional):])
     out, lse, resid, row_consts = output
-    ctx.save_for_backward(query, key, value, out, lse, resid, row_consts, attn_mask, block_map)
+    ctx.save_for_backward(query, key, value, out, lse, resid, row_consts, attn_mask, block_map, sinks)
     ctx.options = (is_causal, causal_offset, scale, window_left, window_right)
     ctx.block_sizes = (block_q, block_k)
     ctx.softcap = softcap
@@ -185,15 +196,21 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # as ops/attention.py: an unused lse gets no zeros launched
 
 
-def _run_backward(ctx, grad_out, grad_lse, backward_call):
+def _run_backward(ctx, grad_out, grad_lse, backward_call, sinks_call=None):
+    """``backward_call`` (the backward op, or ``_backward`` on the eager fast path) and, with sinks,
+    ``sinks_call`` (``attention_sinks_backward``'s signature; None: the registered op)."""
     if grad_out is None and grad_lse is None:
         return (None,) * ctx.input_count
-    query, key, value, out, lse, resid, row_consts, attn_mask, block_map = ctx.saved_tensors
+    query, key, value, out, lse, resid, row_consts, attn_mask, block_map, sinks = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
+    # Without sinks the backward op is called as it was (its schema-default argument left out).
     dq, dk, dv = backward_call(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, *ctx.options,
-                               attn_mask, block_map, *ctx.block_sizes, ctx.softcap)
-    return (dq, dk, dv) + (None,) * (ctx.input_count - 3)
+                               attn_mask, block_map, *ctx.block_sizes, ctx.softcap, *(() if sinks is None else (sinks,)))
+    grads = [dq, dk, dv] + [None] * (ctx.input_count - 3)
+    if sinks is not None and ctx.needs_input_grad[_SINKS_INPUT]:
+        grads[_SINKS_INPUT] = (sinks_call or attention_sinks_backward)(grad_out, out, lse, grad_lse, sinks)
+    return tuple(grads)
 
 
 def _autograd_backward(ctx, grad_out, grad_lse, *_grad_backward_only):
@@ -217,7 +234,8 @@ _TransformOnePassBackward = transform_function("_TransformOnePassBackward", atte
                                                differentiable_outputs=3)
 _TransformOnePass = transform_function(
     "_TransformOnePass", attention_forward_one_pass, _setup_context,
-    lambda ctx, grad_out, grad_lse, *_: _run_backward(ctx, grad_out, grad_lse, _TransformOnePassBackward.apply))
+    lambda ctx, grad_out, grad_lse, *_: _run_backward(ctx, grad_out, grad_lse, _TransformOnePassBackward.apply,
+                                                      sinks_backward_reference))
 
 
 class _EagerOnePass(torch.autograd.Function):
@@ -225,9 +243,9 @@ class _EagerOnePass(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask,
-                block_map, block_q, block_k, softcap):
+                block_map, block_q, block_k, softcap, sinks=None):
         args = (query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask, block_map,
-                block_q, block_k, softcap)
+                block_q, block_k, softcap, sinks)
         output = _forward(*args)
         _setup_context(ctx, args, output)
         ctx.mark_non_differentiable(*output[2:])
@@ -237,23 +255,25 @@ class _EagerOnePass(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse, *_grad_backward_only):
         if torch.is_grad_enabled():
             return _autograd_backward(ctx, grad_out, grad_lse)
-        return _run_backward(ctx, grad_out, grad_lse, _backward)
+        return _run_backward(ctx, grad_out, grad_lse, _backward, launch.sinks_backward)
 
 
 def attention_one_pass(query, key, value, is_causal: bool, causal_offset: int, scale: float, window_left: int,
                        window_right: int, *, fast_path: bool, needs_autograd: bool,
                        attn_mask: Optional[Tensor] = None, block_map: Optional[Tensor] = None, block_q: int = 0,
-                       block_k: int = 0, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+                       block_k: int = 0, softcap: float = 0.0, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out, lse) of the one-pass path: the launches directly where ``fast_path`` (a plain eager
     call), else the registered op. ``attn_mask``: a key mask (module docstring), or None;
     ``block_map``: a block-sparse layout of ``block_q`` x ``block_k`` blocks, or None; ``softcap``: 0 or
-    the soft cap c > 0."""
+    the soft cap c > 0; ``sinks``: the attention sinks (Hq,), or None."""
     args = (query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask, block_map,
             block_q, block_k, softcap)
     if fast_path:
         if not needs_autograd:
-            return _forward(*args)[:2]
-        return _EagerOnePass.apply(*args)[:2]
+            return _forward(*args, sinks)[:2]
+        return _EagerOnePass.apply(*args, sinks)[:2]
+    # Without sinks the ops are called as they were (their schema-default argument left out).
+    args += () if sinks is None else (sinks,)
     if under_transform():
         return _TransformOnePass.apply(*args)[:2]
     return torch.ops.flash_inductor.attention_forward_one_pass(*args)[:2]

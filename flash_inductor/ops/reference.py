@@ -402,6 +402,7 @@ def reference_backward(
     window: Optional[tuple[int, int]] = None,
     block_layout: Optional[tuple] = None,
     softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward; returns ``(dq, dk, dv, dmask)``.
 
@@ -418,7 +419,8 @@ def reference_backward(
     Delta, whose error peaked or near-tied attention amplifies in dq. The attention ops always
     use True: this path keeps P and dS in fp32 under every schedule too.
     ``block_layout`` and ``softcap`` are :func:`reference_forward`'s; under a soft cap dS reaches
-    dQ and dK through the cap's slope, ``1 - tanh(s / c) ** 2``.
+    dQ and dK through the cap's slope, ``1 - tanh(s / c) ** 2``. ``sinks`` (Hq,): the attention
+    sinks that ``out`` and ``lse`` carry (ops/sinks.py); only the exact Delta's mean reads them.
     """
     problem = _describe_problem(query, key, value)
     band = resolve_band(is_causal, causal_offset, window, problem.query_len, problem.key_len)
@@ -450,6 +452,11 @@ def reference_backward(
         # an LSE rounded in fp32 can make sum to 1 - 1e-3 at large logits.
         weighted = torch.zeros_like(delta)
         total = torch.zeros_like(delta)
+        if sinks is not None:
+            # The sink is one more column, with no value (dP = 0): it adds its weight to the total
+            # only, so the mean divides by 1 up to the LSE's rounding, not by the keys' 1 - p_s.
+            sink_lse = sinks.to(lse.dtype)[None, :, None] - lse
+            total += problem.group(torch.where(lse.isfinite(), torch.exp(sink_lse), 0.0))[..., None].to(total.dtype)
         for start, stop in _key_chunks(problem, band):
             _, _, probs, grad_probs, _ = chunk(start, stop)
             weighted += (probs * grad_probs).sum(dim=-1, keepdim=True)

@@ -62,10 +62,11 @@ KERNEL_FAMILIES: dict[str, tuple[str, ...]] = {
 }
 # Kernels the launchers start with no tuned config, so no table entry depends on them: the Triton
 # passes around the Gluon backward (the exact-Δ preprocess and its ds_up, K's moments and k̂, the
-# centred dQ's finish, a split group's partial sums).
+# centred dQ's finish, a split group's partial sums), and the sinks' gradient.
 UNTUNED_KERNELS: tuple[str, ...] = (
     "exact_delta:_exact_delta_preprocess", "exact_delta:_ds_up_from_stats", "exact_delta:_key_moments",
     "exact_delta:_mean_key_from_moments", "exact_delta:_finish_dq_with_mean_key", "partial_sums:_sum_parts",
+    "sinks:_sinks_grad_partials",
 )
 _KERNELS_PACKAGE = "flash_inductor.kernels"
 IDENTITY_HEX_DIGITS = 16  # 64 bits: tells kernel versions apart, keeps the shipped table small

@@ -107,3 +107,24 @@ def test_double_backward_is_refused_under_transforms():
 
     with pytest.raises(RuntimeError, match="double backward through attention"):
         torch.func.grad(inner)(q)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grad_and_vmap_over_sinks(dtype):
+    """torch.func.grad in q and the sinks (the transform's backward takes the sinks' gradient in torch
+    ops) matches plain autograd, and per-sample sink gradients under vmap sum to the batch's."""
+    q, k, v = _qkv(dtype)
+    sinks = randn((2,), torch.float32, DEVICE, 9)
+
+    def loss(q, s):
+        return flash_attention(q, k, v, is_causal=True, sinks=s).float().square().sum()
+
+    gq, gs = torch.func.grad(loss, argnums=(0, 1))(q, sinks)
+    q_leaf, s_leaf = q.clone().requires_grad_(), sinks.clone().requires_grad_()
+    loss(q_leaf, s_leaf).backward()
+    _close(gq, q_leaf.grad)
+    _close(gs, s_leaf.grad)
+    per_sample = torch.func.vmap(torch.func.grad(lambda qq, kk, vv, s: flash_attention(
+        qq[None], kk[None], vv[None], is_causal=True, sinks=s).float().square().sum(), argnums=3),
+        in_dims=(0, 0, 0, None))(q, k, v, sinks)
+    _close(per_sample.sum(0), gs)

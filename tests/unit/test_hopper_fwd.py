@@ -349,3 +349,111 @@ def test_descriptors_skip_only_the_checks(box):
         if field.name != "base":
             assert getattr(fast, field.name) == getattr(checked, field.name), field.name
     assert fast.strides == list(t.stride()) and fast.shape == list(t.shape)
+
+
+# ------------------------------------------------------------------------------------------
+# Attention sinks in the epilogue (HAS_SINKS)
+# ------------------------------------------------------------------------------------------
+
+
+def _sink_reference(q, k, v, sinks, scale, visible, dtype):
+    """(out', lse') of the definition in ``dtype``: a sink column per head in the softmax, dropped
+    before P·V; ``visible`` (B or 1, H or 1, L, S) bool."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.to(dtype).repeat_interleave(group, dim=1) for t in (k, v))
+    s = (q.to(dtype) @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~visible, float("-inf"))
+    s = torch.cat([s, sinks.to(dtype)[None, :, None, None].expand(*s.shape[:-1], 1)], dim=-1)
+    lse = torch.logsumexp(s.double(), dim=-1)
+    return torch.softmax(s, dim=-1)[..., :-1] @ v, lse
+
+
+def _sink_case(mask, batch, heads_q, heads_kv, seq_q, seq_k, dtype, head_dim, sink_shift=0.0):
+    """Inputs, sinks, the launcher's keywords and the visible (B, Hq, L, S) keys of one sink case:
+    ``mask`` none, causal, key (a padding mask whose last batch sees no key at all: dead rows) or
+    sparse (128 x 128 blocks, some rows' blocks all skipped)."""
+    from flash_inductor.launch.band import resolve_band
+
+    q, k, v = _inputs(dtype, head_dim, batch, heads_q, heads_kv, seq_q, seq_k, seed=3)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    sinks = torch.randn(heads_q, device="cuda", generator=gen) * 2 + sink_shift
+    kwargs = dict(visibility=Visibility(is_causal=mask == "causal"))
+    visible = resolve_band(mask == "causal", 0, None, seq_q, seq_k).visible(seq_q, seq_k, device="cuda")
+    visible = visible.expand(batch, heads_q, seq_q, seq_k)
+    if mask == "key":
+        keep = torch.rand(batch, 1, 1, seq_k, device="cuda", generator=gen) > 0.3
+        keep[-1] = False  # the last batch's rows see no key: out 0, lse' = the sink
+        kwargs["attn_mask"] = keep
+        visible = visible & keep
+    elif mask == "sparse":
+        blocks_q, blocks_k = -(-seq_q // 128), -(-seq_k // 128)
+        block_map = torch.rand(1, 1, blocks_q, blocks_k, device="cuda", generator=gen) > 0.4
+        block_map[..., 0, :] = False  # the first block's rows see no key
+        kwargs["visibility"] = Visibility(is_causal=False, block_map=block_map, block_q=128, block_k=128)
+        dense = block_map.repeat_interleave(128, 2).repeat_interleave(128, 3)[..., :seq_q, :seq_k]
+        visible = visible & dense
+    return q, k, v, sinks, kwargs, visible
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("exact_delta", (False, True))
+@pytest.mark.parametrize("mask", ("none", "causal", "key", "sparse"))
+@pytest.mark.parametrize("persistent", (False, True))
+@pytest.mark.parametrize("sink_shift", (0.0, 12.0), ids=("sinks", "sinks_dominate"))
+def test_sinks_match_fp64(dtype, head_dim, exact_delta, mask, persistent, sink_shift):
+    """out' and lse' of the epilogue with the sink in the denominator, against the fp64 definition
+    (SDPA's same-dtype error replaced by the definition's in the dtype); rows with no visible key
+    store out 0 and lse' = the sink exactly."""
+    from dataclasses import replace
+
+    from flash_inductor.launch.hopper import default_config, hopper_attention_forward
+    from helpers import assert_close_to_ref
+
+    q, k, v, sinks, kwargs, visible = _sink_case(mask, 2, 4, 2, 700, 513 if mask != "causal" else 700, dtype,
+                                                 head_dim, sink_shift)
+    config = replace(default_config(head_dim, mask == "causal", key_mask=mask == "key", exact_delta=exact_delta),
+                     persistent=persistent)
+    scale = head_dim ** -0.5
+    result = hopper_attention_forward(q, k, v, scale=scale, config=config, exact_delta=exact_delta, sinks=sinks,
+                                      **kwargs)
+    out, lse = result[:2]
+    ref, lse_ref = _sink_reference(q, k, v, sinks, scale, visible, torch.float64)
+    base, _ = _sink_reference(q, k, v, sinks, scale, visible, dtype)
+    assert_close_to_ref("out", out, ref, base)
+    assert_close_to_ref("lse", lse, lse_ref, None, terms=lse_ref.abs().max().item())
+    dead = ~visible.any(-1)
+    if mask in ("key", "sparse"):
+        assert dead.any()
+        assert (out[dead] == 0).all() and torch.equal(lse[dead], sinks[None, :, None].expand_as(lse)[dead])
+    if exact_delta:
+        # The row constants are those of the softmax with the sink: the backward's P' = g·round(exp2(s·qk_scale − c))
+        # and the sink's share exp(sink − lse') sum to 1 on every row with a key (fp32 scores here, so
+        # to a few 16-bit ulps of the largest P).
+        _, _, resid, row_consts = result
+        group = q.shape[1] // k.shape[1]
+        s2 = (q.float() @ k.float().repeat_interleave(group, 1).transpose(-1, -2)) * (scale * 1.4426950408889634)
+        s2 = s2.masked_fill(~visible, float("-inf"))
+        pivot, norm = row_consts[0], row_consts[1]
+        p = norm[..., None] * torch.exp2(s2 - torch.where(dead, 0.0, pivot)[..., None]).to(dtype).float()
+        total = p.sum(-1) + torch.exp(sinks[None, :, None] - lse)
+        live = ~dead
+        assert (total[live] - 1).abs().max().item() < 8 * torch.finfo(dtype).eps, (total[live] - 1).abs().max()
+        assert (pivot[dead] == float("inf")).all() and (norm[dead] == 0).all()
+
+
+@needs_hopper
+@pytest.mark.parametrize("exact_delta", (False, True))
+def test_sinks_of_minus_inf_change_nothing(exact_delta):
+    """A sink of -inf adds nothing to any row: out within one rounding of the launch without sinks
+    (the epilogue's 1/l becomes share/l_tot, the same value up to the division's rounding), the LSE
+    to fp32's. (A launch without sinks compiles the switch away: tools/launch_sass proves its SASS.)"""
+    from flash_inductor.launch.hopper import hopper_attention_forward
+
+    q, k, v = _inputs(torch.bfloat16, 128, 2, 4, 2, 700, 700, seed=5)
+    kwargs = dict(visibility=Visibility(is_causal=True), exact_delta=exact_delta)
+    plain = hopper_attention_forward(q, k, v, **kwargs)
+    never = hopper_attention_forward(q, k, v, sinks=torch.full((4,), float("-inf"), device="cuda"), **kwargs)
+    torch.testing.assert_close(plain[0].float(), never[0].float(), rtol=2 ** -8, atol=0)
+    torch.testing.assert_close(plain[1], never[1], rtol=0, atol=1e-6)

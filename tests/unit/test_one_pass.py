@@ -561,3 +561,85 @@ def test_deterministic_mode_keeps_the_triton_backward(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(False)
     assert torch.equal(first, q.grad)
+
+
+# ------------------------------------------------------------------------------ attention sinks
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("schedule", ["stable", "fast"])
+@pytest.mark.parametrize("case", ["causal_gqa", "key_mask_dead_rows", "dlse", "sinks_dominate"])
+@pytest.mark.parametrize("compiled", (False, True), ids=("eager", "compiled"))
+def test_sinks_on_the_hopper_kernels_match_fp64(monkeypatch, dtype, head_dim, schedule, case, compiled):
+    """flash_attention(sinks=...) runs the Gluon forward with the sinks in its epilogue and the Gluon
+    backward (`stable`: the one-pass ops, whose centred dq counts the sink's share of each row; `fast`:
+    the plain kernels) on (out', lse'); out, the LSE's effect and every gradient, d sinks included,
+    against the fp64 definition, with the definition in the dtype as the baseline."""
+    from flash_inductor.launch import hopper, hopper_bwd
+    from flash_inductor.ops.one_pass import attention_one_pass  # noqa: F401 -- the path under test
+    from variant_refs import term_magnitudes
+
+    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", True)
+    forwards, backwards = [], []
+    real_fwd, real_bwd = hopper.hopper_attention_forward, hopper_bwd.hopper_attention_backward
+    monkeypatch.setattr(hopper, "hopper_attention_forward",
+                        lambda *a, **kw: forwards.append(kw.get("sinks") is not None) or real_fwd(*a, **kw))
+    monkeypatch.setattr(hopper_bwd, "hopper_attention_backward",
+                        lambda *a, **kw: backwards.append(kw.get("exact_delta") is not None) or real_bwd(*a, **kw))
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    batch, heads_q, heads_kv, seq = 2, 4, 2 if case == "causal_gqa" else 4, 385
+    q = torch.randn(batch, heads_q, seq, head_dim, device="cuda", generator=gen).to(dtype)
+    k, v = (torch.randn(batch, heads_kv, seq, head_dim, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    do = torch.randn(batch, heads_q, seq, head_dim, device="cuda", generator=gen).to(dtype)
+    sinks = torch.randn(heads_q, device="cuda", generator=gen) * 2 + (12.0 if case == "sinks_dominate" else 0.0)
+    mask, causal = None, case != "key_mask_dead_rows"
+    if case == "key_mask_dead_rows":
+        mask = torch.rand(batch, 1, 1, seq, device="cuda", generator=gen) > 0.3
+        mask[-1] = False  # the last batch's rows see no key: the sink holds them whole
+    lse_weight = torch.randn(batch, heads_q, seq, device="cuda", generator=gen) if case == "dlse" else None
+
+    def loss_of(out, lse):
+        loss = (out * do.to(out.dtype)).sum()
+        return loss if lse_weight is None else loss + (lse * lse_weight.to(lse.dtype)).sum()
+
+    def ours(q, k, v, s):
+        # The LSE's gradient reaches the op through flash_attention's monitor-free path only as a
+        # function of out; the dlse case uses the registered op itself.
+        if lse_weight is None:
+            return flash_inductor.flash_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True,
+                                                  schedule=schedule, sinks=s), None
+        return flash_inductor.ops.attention.attention_forward_eager(
+            q, k, v, None, None, 0.0, causal, 0, head_dim ** -0.5, schedule, sinks=s)
+
+    def definition(q, k, v, s):
+        group = heads_q // heads_kv
+        kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = (q @ kr.transpose(-1, -2)) * head_dim ** -0.5
+        if causal:
+            scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool, device="cuda").triu(1),
+                                        float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        scores = torch.cat([scores, s.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)], -1)
+        return torch.softmax(scores, -1)[..., :-1] @ vr, torch.logsumexp(scores.double(), -1)
+
+    fn = torch.compile(ours, fullgraph=True) if compiled else ours
+    if compiled:
+        torch._dynamo.reset()
+    results = {}
+    for label, f, cast in (("ours", fn, dtype), ("ref", definition, torch.float64), ("base", definition, dtype)):
+        leaves = [t.detach().to(cast).requires_grad_() for t in (q, k, v)] + [sinks.detach().to(
+            torch.float64 if cast == torch.float64 else torch.float32).requires_grad_()]
+        out, lse = f(*leaves)
+        grads = torch.autograd.grad(loss_of(out, lse if lse_weight is not None else None), leaves)
+        results[label] = dict(out=out, dq=grads[0], dk=grads[1], dv=grads[2], dsinks=grads[3])
+    assert forwards and all(forwards), forwards
+    assert backwards == [schedule == "stable"], backwards
+    visible = None if not causal else torch.ones(seq, seq, dtype=torch.bool, device="cuda").tril()
+    terms = term_magnitudes(q, k, v, do, sinks=sinks, visible=visible, mask=mask, grad_lse=lse_weight)
+    for name in ("out", "dq", "dk", "dv", "dsinks"):
+        assert_close_to_ref(name, results["ours"][name], results["ref"][name], results["base"][name],
+                            terms=terms.get(name))
+    if mask is not None:
+        assert (results["ours"]["out"][-1] == 0).all() and (results["ours"]["dq"][-1] == 0).all()

@@ -78,6 +78,56 @@ def test_opcheck_backward(sample, device):
         torch.library.opcheck(torch.ops.flash_inductor.attention_backward_reference.default, (*common, mask_grad))
 
 
+@pytest.mark.parametrize("sample", [pytest.param(SAMPLES[n], id=n) for n in
+                                    ("plain", "bool_mask", "causal_lower_right_dead_rows", "gqa_causal")])
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_with_sinks(sample, device):
+    """The ops' optional ``sinks`` (last, default None): forward, backward and the sinks' gradient op,
+    with and without requires_grad (the forward's autograd returns d sinks)."""
+    dtype = _dtype_for(device)
+    heads_q = sample[1]
+    defaults = (-1, -1, None, 0, 0, 0.0)  # window, block layout, soft cap: the arguments before sinks
+    for requires_grad in (False, True):
+        args = _forward_args(sample, dtype, device, requires_grad)
+        sinks = randn((heads_q,), torch.float32, device, 9).requires_grad_(requires_grad)
+        torch.library.opcheck(torch.ops.flash_inductor.attention_forward.default, (*args, "stable", *defaults, sinks))
+    args = _forward_args(sample, dtype, device, False)
+    sinks = randn((heads_q,), torch.float32, device, 9)
+    torch.library.opcheck(torch.ops.flash_inductor.attention_forward_reference.default, (*args, *defaults, sinks))
+    q, k, v, mask, seed, p, is_causal, offset, scale = args
+    out, lse = torch.ops.flash_inductor.attention_forward(q, k, v, mask, seed, p, is_causal, offset, scale, "stable",
+                                                          *defaults, sinks)
+    dout = randn(out.shape, dtype, device, 5)
+    for grad_lse in (None, randn(lse.shape, torch.float32, device, 6)):
+        common = (dout, q, k, v, mask, out, lse, grad_lse, seed, p, is_causal, offset, scale)
+        torch.library.opcheck(torch.ops.flash_inductor.attention_backward.default,
+                              (*common, "stable", False, *defaults, sinks))
+        torch.library.opcheck(torch.ops.flash_inductor.attention_sinks_backward.default,
+                              (dout, out, lse, grad_lse, sinks))
+
+
+def test_sinks_gradient_of_the_op_matches_autograd_through_the_definition():
+    """d sinks from the forward op's autograd (attention_sinks_backward) equals autograd through
+    the definition (a sink column in the softmax) in fp64, with a gradient on the LSE too and rows
+    that see no key."""
+    q, k, v = make_qkv(1, 2, 2, 11, 7, 8, 8, torch.float64, "cpu", seed=1)
+    sinks = randn((2,), torch.float64, "cpu", 2).requires_grad_()
+    weight = randn((1, 2, 11), torch.float64, "cpu", 3)
+    dout = randn((1, 2, 11, 8), torch.float64, "cpu", 4)
+    # Lower-right causal with L > S: the first 4 rows see no key.
+    out, lse = torch.ops.flash_inductor.attention_forward(q, k, v, None, None, 0.0, True, -4, 0.5, "stable",
+                                                          -1, -1, None, 0, 0, 0.0, sinks)
+    (ours,) = torch.autograd.grad((out * dout).sum() + (lse * weight).sum(), sinks)
+    s = (q @ k.transpose(-1, -2)) * 0.5
+    s = s.masked_fill(torch.ones(11, 7, dtype=torch.bool).triu(-4 + 1), float("-inf"))
+    s = torch.cat([s, sinks[None, :, None, None].expand(1, 2, 11, 1)], -1)
+    ref_out = torch.softmax(s, -1)[..., :-1] @ v
+    (ref,) = torch.autograd.grad((ref_out * dout).sum() + (torch.logsumexp(s, -1) * weight).sum(), sinks)
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse[0, :, :4], sinks.detach()[:, None].expand(2, 4), rtol=0, atol=0)
+    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-12)
+
+
 # ------------------------------------------------------------------------------------------
 # torch.compile
 # ------------------------------------------------------------------------------------------
