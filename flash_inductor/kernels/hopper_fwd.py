@@ -47,6 +47,16 @@ Constexpr switches that say what is computed:
                 whole CTA blocks and key tiles, so a listed tile is computed everywhere and the
                 select needs only the band and S, by position, as a dense tile does. A block with no
                 listed tile runs one tile with S taken as 0 (all masked: output 0, LSE -inf).
+  VARLEN        packed sequences (FlashAttention's varlen, ``launch/packed.py``): Q, K, V and O are
+                (1, H, total, E) views and sequence b's rows and keys are [CU_Q[b], CU_Q[b + 1]) and
+                [CU_K[b], CU_K[b + 1]); a CTA computes one query block of one sequence as if the
+                sequence were the whole problem (``FwdProblem.for_sequence``: its L, S, causal_offset
+                and window_lower, the band moved to its bottom-right diagonal under diag_shift). Its
+                loads start at the sequence's first row (TMA coordinates cu + row): rows and keys
+                past its end belong to the next sequence and are masked as keys past S are, and O
+                (and its residual) are stored row by row with a mask rather than by TMA, whose box
+                would write the next sequence's rows. The grid covers the packed rows
+                (``PackedRows``), so only each sequence's own tiles run.
 
 Switches that change the numerics (the rounding; within the schedule's contract):
   EXACT_DELTA   the integer max, the rounded sum, and the residual and row constants above.
@@ -110,7 +120,7 @@ from triton.language.core import base_value
 
 from .grid_order import ordered_cell
 from .hopper_fwd_state import FwdBuffers, FwdConfig, FwdDescs, FwdProblem, allocate
-from .hopper_pipeline import Scalar, TileLists, field
+from .hopper_pipeline import PackedRows, Scalar, TileLists, field
 
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -154,6 +164,10 @@ class FwdScheduler:
                 item = next_item
             # The consumers stop at an item past the last.
             self.hand_item(item, it)
+        elif cfg.VARLEN:
+            start_m, seq, h = _sequence_block(cfg, prob, WARPS=1)
+            if start_m < seq.L:
+                _load_block(cfg, seq, descs, self.bufs, self, start_m, 0, h, 0, 0)
         else:
             start_m, b, h = _block_coords(cfg, prob)
             _load_block(cfg, prob, descs, self.bufs, self, start_m, b, h, 0, 0)
@@ -176,6 +190,10 @@ class FwdScheduler:
                 it += 1
                 item = self.take_item(it)
             tma.store_wait(pendings=0)  # the last block's stores
+        elif cfg.VARLEN:
+            start_m, seq, h = _sequence_block(cfg, prob, WARPS=4)
+            if start_m < seq.L:
+                _consume_block(cfg, seq, descs, self.bufs, self, start_m, 0, h, 0, 0, CONSUMER=CONSUMER)
         else:
             start_m, b, h = _block_coords(cfg, prob)
             _consume_block(cfg, prob, descs, self.bufs, self, start_m, b, h, 0, 0, CONSUMER=CONSUMER)
@@ -228,11 +246,22 @@ class FwdScheduler:
             return gl.num_programs(1)
 
     @gluon.jit
-    def store_o(self, descs, out32, out, b, h, row0, CONSUMER: gl.constexpr):
+    def store_o(self, descs, prob, out32, out, b, h, row0, CONSUMER: gl.constexpr):
         """O (and under EXACT_DELTA its residual) through a shared tile and TMA stores, which clip
         rows >= L. Grid: Q's tile (its last wgmma has retired), each store waited for. PERSISTENT:
         O's own tile; the previous block's stores must have read it first, and this block's are
         waited for by the next."""
+        cfg = self.cfg
+        if cfg.VARLEN:
+            # Row by row: the sequence's last block would otherwise write the next one's rows.
+            _store_sequence_rows(cfg, prob, prob.OUT, out, h, row0)
+            if cfg.EXACT_DELTA:
+                _store_sequence_rows(cfg, prob, prob.RESID, (out32 - out.to(gl.float32)).to(cfg.dtype), h, row0)
+        else:
+            self.store_o_tiles(descs, out32, out, b, h, row0, CONSUMER=CONSUMER)
+
+    @gluon.jit
+    def store_o_tiles(self, descs, out32, out, b, h, row0, CONSUMER: gl.constexpr):
         cfg = self.cfg
         if cfg.PERSISTENT:
             stage = self.bufs.o_smem.index(CONSUMER)
@@ -346,6 +375,62 @@ def _item_coords(cfg, prob, item, blocks, BH):
 
 
 @gluon.jit
+def _sequence_block(cfg, prob, WARPS: gl.constexpr):
+    """VARLEN: (first query row within its sequence, the sequence's ``FwdProblem``, head) of this
+    CTA. Axis 0 holds the packed rows' virtual blocks (``PackedRows``), walked with the heads in
+    the order ``swizzle_heads`` sets; under causal masking from the last, so that each sequence's
+    longest blocks start first. A slot past its sequence's blocks gets a first row >= its L, and
+    the caller skips it. WARPS: the calling partition's warps."""
+    blocks = gl.num_programs(0)
+    v, h = ordered_cell(gl.program_id(1) * blocks + gl.program_id(0), blocks, gl.num_programs(1), prob.swizzle_heads)
+    if cfg.IS_CAUSAL:
+        v = blocks - 1 - v
+    b, pid_m = prob.packed.block(v, prob.packed.CU_Q, BLOCK=cfg.ROWS, WARPS=WARPS)
+    return pid_m * cfg.ROWS, prob.for_sequence(b), h
+
+
+@gluon.jit
+def _q_row(cfg, prob, row):
+    """The descriptor's row of query row ``row`` (of the sequence, under VARLEN)."""
+    if cfg.VARLEN:
+        return prob.q_start + row
+    else:
+        return row
+
+
+@gluon.jit
+def _k_row(cfg, prob, key):
+    """The descriptor's row of key ``key`` (of the sequence, under VARLEN)."""
+    if cfg.VARLEN:
+        return prob.k_start + key
+    else:
+        return key
+
+
+@gluon.jit
+def _row_stat_offsets(cfg, prob, sched, b, h, row_ids):
+    """(offsets of rows ``row_ids`` in the LSE's (B, H, L) plane, the plane's size): under VARLEN
+    the (H, total_q) plane of the packed rows."""
+    if cfg.VARLEN:
+        return h.to(gl.int64) * prob.total_q + prob.q_start + row_ids, gl.to_tensor(prob.H).to(gl.int64) * prob.total_q
+    else:
+        return (b * prob.H + h).to(gl.int64) * prob.L + row_ids, sched.heads().to(gl.int64) * prob.L
+
+
+@gluon.jit
+def _store_sequence_rows(cfg, prob, BASE, x, h, row0):
+    """Rows [row0, row0 + BLOCK_M) of ``x`` (BLOCK_M, E) into head h of the packed (total_q, H, E)
+    tensor at BASE, those past the sequence's L left alone (VARLEN), 16 bytes a thread."""
+    HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [4, 1], [1, 0])
+    vals = gl.convert_layout(x, layout)
+    rows = row0 + gl.arange(0, cfg.BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    offs = ((prob.q_start + gl.expand_dims(rows, 1)).to(gl.int64) * prob.H + h) * HEAD_DIM + gl.expand_dims(cols, 0)
+    gl.store(BASE + offs, vals, mask=gl.expand_dims(rows < prob.L, 1))
+
+
+@gluon.jit
 def _hopper_fwd_loader(sched, descs):
     """One warp: Q once per consumer, then K/V tiles into the ring as slots free up; under
     PERSISTENT, item after item, each handed to the consumers before its loads."""
@@ -359,8 +444,8 @@ def _load_block(cfg, prob, descs, bufs, sched, start_m, b, h, it, base):
     for c in gl.static_range(cfg.NUM_CONSUMERS):
         sched.wait_q_free(it, c=c)
         mbarrier.expect(bufs.q_ready.index(c), descs.q.block_type.nbytes)
-        tma.async_copy_global_to_shared(descs.q, [b, h, start_m + c * cfg.BLOCK_M, 0], bufs.q_ready.index(c),
-                                        bufs.q_smem.index(c))
+        tma.async_copy_global_to_shared(descs.q, [b, h, _q_row(cfg, prob, start_m + c * cfg.BLOCK_M), 0],
+                                        bufs.q_ready.index(c), bufs.q_smem.index(c))
     lo, n_tiles, _, _ = _tile_range(cfg, prob, start_m, prob.S, ROWS=cfg.ROWS)
     if cfg.HAS_BLOCK_SPARSITY:
         n_tiles, tiles, _ = _listed_range(cfg, prob, b, h, start_m, prob.S)
@@ -372,7 +457,7 @@ def _load_block(cfg, prob, descs, bufs, sched, start_m, b, h, it, base):
     # its ring index base + t.
     for t in range(n_tiles):
         slot = kv.slot(base + t)
-        key0 = _key_tile(lo, t, tiles, HAS_BLOCK_SPARSITY=cfg.HAS_BLOCK_SPARSITY) * cfg.BLOCK_N
+        key0 = _k_row(cfg, prob, _key_tile(lo, t, tiles, HAS_BLOCK_SPARSITY=cfg.HAS_BLOCK_SPARSITY) * cfg.BLOCK_N)
         empty_phase = kv.free_phase(base + t)
         kv.wait_free(slot, empty_phase)
         mbarrier.expect(kv.ready.index(slot), descs.k.block_type.nbytes)
@@ -696,7 +781,7 @@ def _epilogue(cfg, prob, descs, sched, rows, accs, m_i, l_i, b, h, row0, CONSUME
     lse2 = m_i + log2_l
     lse = gl.where(empty_row, float("-inf"), lse2 * LN2)
     row_ids = rows.row_ids
-    row_off = (b * prob.H + h).to(gl.int64) * prob.L + row_ids
+    row_off, plane = _row_stat_offsets(cfg, prob, sched, b, h, row_ids)
     gl.store(prob.LSE + row_off, lse, mask=row_ids < prob.L)
     if cfg.EXACT_DELTA:
         # Any integer c serves the backward (module docstring); c - m_i is taken as fp32 gives
@@ -704,10 +789,9 @@ def _epilogue(cfg, prob, descs, sched, rows, accs, m_i, l_i, b, h, row0, CONSUME
         m_safe = gl.where(empty_row, 0.0, m_i)
         pivot = m_safe + gl.floor(gl.log2(l_rnd_safe))
         norm = gl.exp2(pivot - m_safe) / l_rnd_safe
-        plane = sched.heads().to(gl.int64) * prob.L
         gl.store(prob.ROW_CONSTS + row_off, gl.where(empty_row, float("inf"), pivot), mask=row_ids < prob.L)
         gl.store(prob.ROW_CONSTS + plane + row_off, gl.where(empty_row, 0.0, norm), mask=row_ids < prob.L)
-    sched.store_o(descs, out32, out, b, h, row0, CONSUMER=CONSUMER)
+    sched.store_o(descs, prob, out32, out, b, h, row0, CONSUMER=CONSUMER)
 
 
 @gluon.jit
@@ -719,7 +803,9 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KE
                      WINDOW_LEFT: gl.constexpr, PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr,
                      HAS_KEY_BIAS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      LOADER_REGS: gl.constexpr, SKIP_MASKED_TILES: gl.constexpr = False,
-                     PERSISTENT: gl.constexpr = False, HAS_BLOCK_SPARSITY: gl.constexpr = False):
+                     PERSISTENT: gl.constexpr = False, HAS_BLOCK_SPARSITY: gl.constexpr = False,
+                     VARLEN: gl.constexpr = False, OUT=None, RESID=None, CU_Q=None, CU_K=None, n_seq=None,
+                     diag_shift=None):
     """Grid (cdiv(L, BLOCK_M * NUM_CONSUMERS), B * H), walked in the order ``swizzle_heads`` sets;
     under PERSISTENT (at most one CTA per SM, 1-D) each CTA takes the block of its own index, then
     claims the next ones from WORK_COUNTER (int32, zero at launch) in that order, so the longest
@@ -730,17 +816,26 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KE
     KEY_BIAS is (B, H, S) fp32, contiguous (glossary); otherwise it is not read. BH = B·H. Under
     HAS_BLOCK_SPARSITY, TILE_LISTS is int32 (B or 1, H or 1, blocks, list_stride), one row a query
     block: its tile count, then its key tiles (``launch.block_tiles.gluon_tile_lists``), the first two
-    dims ``stride_lb`` and ``stride_lh`` apart (0 where the layout broadcasts); else not read."""
+    dims ``stride_lb`` and ``stride_lh`` apart (0 where the layout broadcasts); else not read.
+    Under VARLEN the tensors are packed (glossary): descriptors over (1, H, total, E) views, L and S
+    the packed totals, grid (total_q // ROWS + n_seq, H) (``PackedRows``), OUT and RESID (the
+    latter under EXACT_DELTA) O and its residual as contiguous (total_q, H, E) tensors, which
+    ``o_desc``/``r_desc`` describe too but are not stored through; LSE (H, total_q), ROW_CONSTS
+    (2, H, total_q); CU_Q, CU_K, n_seq and diag_shift as ``PackedRows`` takes them. Otherwise those
+    six are None and not read."""
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "two or three consumer warpgroups")
+    gl.static_assert(not (VARLEN and (PERSISTENT or HAS_BLOCK_SPARSITY or HAS_KEY_BIAS)),
+                     "VARLEN launches on the grid, without a block-sparse layout or a key mask")
     cfg = FwdConfig(q_desc, k_desc, NUM_STAGES=NUM_STAGES, NUM_CONSUMERS=NUM_CONSUMERS, IS_CAUSAL=IS_CAUSAL,
                     WINDOW_LEFT=WINDOW_LEFT, PINGPONG=PINGPONG, EXACT_DELTA=EXACT_DELTA, HAS_KEY_BIAS=HAS_KEY_BIAS,
                     SKIP_MASKED_TILES=SKIP_MASKED_TILES, PERSISTENT=PERSISTENT,
-                    HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY)
+                    HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY, VARLEN=VARLEN)
     gl.static_assert((cfg.HEAD_DIM == HEAD_DIM) & (cfg.BLOCK_M == BLOCK_M) & (cfg.BLOCK_N == BLOCK_N),
                      "HEAD_DIM, BLOCK_M and BLOCK_N are the descriptors' boxes")
     qk_scale = qk_scale.to(gl.float32)
     prob = FwdProblem(L, S, H, BH, GROUP, causal_offset, window_lower, qk_scale, swizzle_heads, LSE, ROW_CONSTS,
-                      KEY_BIAS, WORK_COUNTER, TileLists(TILE_LISTS, stride_lb, stride_lh, list_stride))
+                      KEY_BIAS, WORK_COUNTER, TileLists(TILE_LISTS, stride_lb, stride_lh, list_stride),
+                      PackedRows(CU_Q, CU_K, n_seq, diag_shift), OUT, RESID)
     bufs = allocate(cfg, q_desc, k_desc, v_desc, o_desc)
     sched = FwdScheduler(cfg, prob, bufs)
     descs = FwdDescs(q_desc, k_desc, v_desc, o_desc, r_desc)

@@ -9,7 +9,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import _aggregate as aggregate
 
-from .hopper_pipeline import MaybeSmem, Ring, Scalar, TileLists, field
+from .hopper_pipeline import MaybeSmem, PackedRows, Ring, Scalar, TileLists, field
 
 
 @gluon.constexpr_function
@@ -36,6 +36,7 @@ class FwdConfig:
     SKIP_MASKED_TILES: gl.constexpr
     PERSISTENT: gl.constexpr
     HAS_BLOCK_SPARSITY: gl.constexpr
+    VARLEN: gl.constexpr
     dtype: gl.constexpr
     s_layout: gl.constexpr    # S = Q·Kᵀ, (BLOCK_M, BLOCK_N)
     o_layout: gl.constexpr    # acc, (BLOCK_M, HEAD_DIM)
@@ -46,7 +47,7 @@ class FwdConfig:
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                 HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT, HAS_BLOCK_SPARSITY):
+                 HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT, HAS_BLOCK_SPARSITY, VARLEN=False):
         self.HEAD_DIM = gl.constexpr(q_desc.block_type.shape[3])
         self.BLOCK_M = gl.constexpr(q_desc.block_type.shape[2])
         self.BLOCK_N = gl.constexpr(k_desc.block_type.shape[2])
@@ -61,6 +62,7 @@ class FwdConfig:
         self.SKIP_MASKED_TILES = gl.constexpr(SKIP_MASKED_TILES)
         self.PERSISTENT = gl.constexpr(PERSISTENT)
         self.HAS_BLOCK_SPARSITY = gl.constexpr(HAS_BLOCK_SPARSITY)
+        self.VARLEN = gl.constexpr(VARLEN)
         self.dtype = gl.constexpr(q_desc.dtype)
         s_layout = _wgmma_layout(self.BLOCK_N.value)
         o_layout = _wgmma_layout(self.HEAD_DIM.value)
@@ -74,7 +76,12 @@ class FwdConfig:
 
 @aggregate
 class FwdProblem:
-    """The call's sizes, scalars and pointers (the entry point's docstring): every partition's view."""
+    """The call's sizes, scalars and pointers (the entry point's docstring): every partition's view.
+    Under VARLEN, one sequence's (``for_sequence``): L, S and the band's offsets are its own,
+    ``q_start``/``k_start`` its first packed row and key, ``total_q`` the packed rows (the LSE's
+    row stride); ``OUT``/``RESID`` O and its residual as (total_q, H, E) pointers, which the
+    epilogue stores to row by row (a TMA box would write into the next sequence's rows).
+    A dense launch holds None and 0 there, never read."""
     L: Scalar
     S: Scalar
     H: Scalar
@@ -89,10 +96,16 @@ class FwdProblem:
     KEY_BIAS: gl.tensor
     WORK_COUNTER: gl.tensor
     lists: TileLists
+    packed: PackedRows
+    OUT: Scalar
+    RESID: Scalar
+    q_start: Scalar
+    k_start: Scalar
+    total_q: Scalar
 
     @gluon.constexpr_function
     def __init__(self, L, S, H, BH, GROUP, causal_offset, window_lower, qk_scale, swizzle_heads, LSE, ROW_CONSTS,
-                 KEY_BIAS, WORK_COUNTER, lists):
+                 KEY_BIAS, WORK_COUNTER, lists, packed, OUT=None, RESID=None, q_start=0, k_start=0, total_q=0):
         self.L = field(L)
         self.S = field(S)
         self.H = field(H)
@@ -107,6 +120,21 @@ class FwdProblem:
         self.KEY_BIAS = field(KEY_BIAS)
         self.WORK_COUNTER = field(WORK_COUNTER)
         self.lists = field(lists)
+        self.packed = field(packed)
+        self.OUT = field(OUT)
+        self.RESID = field(RESID)
+        self.q_start = field(q_start)
+        self.k_start = field(k_start)
+        self.total_q = field(total_q)
+
+    @gluon.jit
+    def for_sequence(self, b):
+        """Sequence b's problem (VARLEN): this one's, with its lengths, band and first rows."""
+        q_start, k_start, seq_q, seq_k, causal_offset, window_lower = self.packed.sequence(
+            b, self.L, self.S, self.causal_offset, self.window_lower)
+        return FwdProblem(seq_q, seq_k, self.H, self.BH, self.GROUP, causal_offset, window_lower, self.qk_scale,
+                          self.swizzle_heads, self.LSE, self.ROW_CONSTS, self.KEY_BIAS, self.WORK_COUNTER, self.lists,
+                          self.packed, self.OUT, self.RESID, q_start, k_start, self.L)
 
 
 @aggregate

@@ -104,3 +104,60 @@ class TileLists:
     def row(self, b, h, start, BLOCK: gl.constexpr):
         """The list of the block that starts at row/key ``start`` (blocks of BLOCK), head h of batch b."""
         return self.base + b.to(gl.int64) * self.stride_lb + h * self.stride_lh + (start // BLOCK) * self.list_stride
+
+
+@aggregate
+class PackedRows:
+    """Packed sequences (VARLEN; ``launch/packed.py``): ``CU_Q``/``CU_K`` int32 (n_seq + 1,) offsets,
+    sequence b's rows ``[CU_Q[b], CU_Q[b + 1])`` of the packed (1, H, total, E) tensors and its keys
+    ``[CU_K[b], CU_K[b + 1])``; ``diag_shift`` 1 moves the band to each sequence's bottom-right
+    diagonal (FlashAttention's), 0 keeps the top-left one. None in a dense launch (never read).
+
+    Blocks (FA3's varlen scheduler, without its prefix sums): sequence b owns the virtual blocks
+    [v_b, v_{b+1}) of grid axis 0, v_b = CU[b] // BLOCK + b. Since v_{b+1} - v_b >= cdiv(len_b, BLOCK),
+    each of its blocks has a slot, and at most one slot a sequence is idle: the grid is
+    total // BLOCK + n_seq blocks, rather than n_seq · cdiv(longest, BLOCK) with most of them empty
+    where lengths vary. v_b needs only CU[b], so a CTA finds its sequence by counting the v_b <= v,
+    a vector compare over the offsets, no search and no table."""
+    CU_Q: Scalar
+    CU_K: Scalar
+    n_seq: Scalar
+    diag_shift: Scalar
+
+    @gluon.constexpr_function
+    def __init__(self, CU_Q, CU_K, n_seq, diag_shift):
+        self.CU_Q = field(CU_Q)
+        self.CU_K = field(CU_K)
+        self.n_seq = field(n_seq)
+        self.diag_shift = field(diag_shift)
+
+    @gluon.jit
+    def block(self, v, CU, BLOCK: gl.constexpr, WARPS: gl.constexpr):
+        """(sequence, block index within it) of virtual block v over offsets CU (``CU_Q`` in the
+        forward, ``CU_K`` in the backward; class docstring). A slot past its sequence's blocks (or
+        past the last sequence) gets a block index whose start lies at or past the length."""
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        CHUNK: gl.constexpr = 32 * WARPS
+        count = gl.to_tensor(0)
+        for c0 in range(1, self.n_seq + 1, CHUNK):
+            idx = c0 + gl.arange(0, CHUNK, layout=layout)
+            inside = idx <= self.n_seq
+            starts = gl.load(CU + idx, mask=inside, other=0)
+            count += gl.sum(gl.where(inside & (starts // BLOCK + idx <= v), 1, 0), 0)
+        seq = gl.minimum(count, self.n_seq - 1)
+        return seq, v - (gl.load(CU + seq) // BLOCK + seq)
+
+    @gluon.jit
+    def sequence(self, b, total_q, total_k, causal_offset, window_lower):
+        """Sequence b: (q_start, k_start, L, S, causal_offset, window_lower), the band's offsets
+        moved from the diagonal j = i to this sequence's (``diag_shift``). Offsets are clamped to
+        the packed lengths, so malformed ones (which the Python entry points refuse) cannot address
+        outside the tensors."""
+        q_start = gl.minimum(gl.maximum(gl.load(self.CU_Q + b), 0), total_q)
+        k_start = gl.minimum(gl.maximum(gl.load(self.CU_K + b), 0), total_k)
+        q_stop = gl.minimum(gl.maximum(gl.load(self.CU_Q + b + 1), q_start), total_q)
+        k_stop = gl.minimum(gl.maximum(gl.load(self.CU_K + b + 1), k_start), total_k)
+        seq_q = q_stop - q_start
+        seq_k = k_stop - k_start
+        shift = (seq_k - seq_q) * self.diag_shift
+        return q_start, k_start, seq_q, seq_k, causal_offset + shift, window_lower + shift

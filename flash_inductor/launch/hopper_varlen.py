@@ -1,0 +1,116 @@
+"""Launchers for packed sequences (varlen) on the Gluon Hopper kernels: ``VARLEN`` launches of
+kernels/hopper_fwd.py and kernels/hopper_bwd.py over the packed tensors, one CTA per (query block
+or key block, sequence, head), each sequence its own attention problem (``launch/packed.py``;
+``ops/varlen.py`` defines the semantics).
+
+The tensors arrive as the Triton varlen launchers take them: (1, H, total, E) views of packed
+(total, H, E) tensors, ``PackedSequences`` with the int32 offsets on the device. The grid covers
+the packed rows (``kernels/hopper_pipeline.PackedRows``: total // block + n_seq blocks a head), so
+only each sequence's own tiles are computed, and no mask is materialised. O, its residual, dK and
+dV are stored row by row with a mask (a TMA box would write into the next sequence's rows); dQ's
+reduce-adds may cover rows of the next sequence, to which they add exact zeros (those rows' P is 0).
+
+What they take: whatever ``varlen_unsupported_reason`` leaves: the dense Hopper kernels' dtypes,
+head dims and schedules, causal or not (per sequence, bottom-right or top-left aligned), sliding
+windows, GQA; no dropout, soft cap, key mask or block-sparse layout. The tile configs are the
+built-in ones (the tuning tables are keyed by dense lengths), launched on the grid, never
+persistent, with the GQA group unsplit (the grid has a row per sequence and head already).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..tuning.configs import sm_count
+from ..tuning.hopper_configs import HopperBackwardConfig, HopperForwardConfig, default_backward_config, width_supported
+from ..tuning.hopper_configs import default_forward_config
+from . import common
+from .band import band_lower, causal_side
+from .common import LOG2E, cdiv
+from .hopper import hopper_forward_unsupported_reason, tma_descriptor, tma_unsupported_reason
+from .hopper_bwd import hopper_backward_unsupported_reason
+from .packed import PackedSequences
+from .visibility import Visibility
+
+
+def varlen_unsupported_reason(query, key, value, dropout_p: float, scale: float | None, schedule, *, softcap: float,
+                              backward: bool) -> str | None:
+    """None if the Gluon kernels take this packed call ((1, H, total, E) views), else why not (for
+    the logs). ``backward``: the backward kernel's limits too."""
+    if softcap:
+        return "a soft cap (the Hopper kernels do not take one yet)"
+    if backward:
+        reason = hopper_backward_unsupported_reason(query, key, value, None, dropout_p, scale, schedule)
+    else:
+        reason = hopper_forward_unsupported_reason(query, key, value, None, dropout_p, scale, schedule)
+    if reason is not None:
+        return reason
+    return tma_unsupported_reason(query, key, value)
+
+
+def _checked(packed: PackedSequences, query, key) -> int:
+    if query.shape[0] != 1 or key.shape[0] != 1:
+        raise ValueError("hopper varlen launch: the packed tensors go in as (1, H, total, E) views")
+    if packed.cu_seqlens_q.dtype != torch.int32 or packed.cu_seqlens_k.dtype != torch.int32:
+        raise ValueError("hopper varlen launch: cu_seqlens_q/cu_seqlens_k must be int32 (PackedSequences)")
+    return packed.count
+
+
+def _packed_like(t: torch.Tensor, dtype=None) -> torch.Tensor:
+    """A fresh contiguous (total, H, E) tensor seen as ``t``'s (1, H, total, E) view."""
+    return torch.empty((t.shape[2], t.shape[1], t.shape[3]), dtype=dtype or t.dtype,
+                       device=t.device).transpose(0, 1).unsqueeze(0)
+
+
+def hopper_varlen_forward(query, key, value, packed: PackedSequences, *, scale: float | None = None,
+                          visibility: Visibility, config: HopperForwardConfig | None = None,
+                          exact_delta: bool = False) -> tuple:
+    """Packed attention forward on the Gluon kernel (VARLEN). ``query`` (1, Hq, total_q, E),
+    ``key``/``value`` (1, Hkv, total_k, E) views of packed tensors; ``visibility`` relative to each
+    sequence's diagonal (``PackedSequences.band``). Returns (out (1, Hq, total_q, E), a view of a
+    contiguous (total_q, Hq, E) tensor, lse (1, Hq, total_q) fp32 natural log), and with
+    ``exact_delta`` the residual (as out) and the row constants (2, 1, Hq, total_q), as
+    ``hopper_attention_forward`` returns them. Call only where ``varlen_unsupported_reason`` is None."""
+    from ..kernels.hopper_fwd import _attn_fwd_hopper
+
+    n_seq = _checked(packed, query, key)
+    _, heads_q, total_q, head_dim = query.shape
+    heads_kv, total_k = key.shape[1], key.shape[2]
+    if scale is None:
+        scale = head_dim ** -0.5
+    band = packed.band(visibility)
+    is_causal, causal_offset = causal_side(band)
+    cfg = config or default_forward_config(head_dim, is_causal, exact_delta=exact_delta)
+    # The grid's blocks each hold one sequence's rows: never persistent.
+    cfg = dataclasses.replace(cfg, persistent=False)
+    out = _packed_like(query)
+    lse = torch.empty((1, heads_q, total_q), dtype=torch.float32, device=query.device)
+    if exact_delta:
+        resid = _packed_like(query)
+        row_consts = torch.empty((2, 1, heads_q, total_q), dtype=torch.float32, device=query.device)
+    else:
+        resid, row_consts = out, lse  # not touched
+    if total_q == 0 or n_seq == 0:
+        return (out, lse, resid, row_consts) if exact_delta else (out, lse)
+    rows = cfg.block_m * cfg.num_consumers
+    grid = (total_q // rows + n_seq, heads_q)
+    o_desc = tma_descriptor(out, cfg.block_m)  # the kernel's box sizes; O is stored row by row
+    cu_q, cu_k, diag_shift = packed.kernel_args()
+    common.launcher(_attn_fwd_hopper)[grid](
+        tma_descriptor(query, cfg.block_m), tma_descriptor(key, cfg.block_n), tma_descriptor(value, cfg.block_n),
+        o_desc, o_desc, lse, row_consts, lse,  # lse as KEY_BIAS: not read
+        total_q, total_k, heads_q, heads_q // heads_kv, causal_offset, band_lower(band), scale * LOG2E,
+        max(1, min(cfg.swizzle_heads, heads_q)), lse, heads_q,  # lse as WORK_COUNTER: not touched
+        lse, 0, 0, 0,  # no tile lists
+        OUT=out, RESID=resid if exact_delta else None, CU_Q=cu_q, CU_K=cu_k, n_seq=n_seq, diag_shift=diag_shift,
+        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+        NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal, WINDOW_LEFT=band.lower is not None,
+        PINGPONG=cfg.pingpong, EXACT_DELTA=exact_delta, HAS_KEY_BIAS=False,
+        SKIP_MASKED_TILES=cfg.skip_masked_tiles, PERSISTENT=False, HAS_BLOCK_SPARSITY=False, VARLEN=True,
+        CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, num_warps=4, maxnreg=cfg.maxnreg,
+    )
+    if exact_delta:
+        return out, lse, resid, row_consts
+    return out, lse
