@@ -43,6 +43,17 @@ Constexpr switches that say what is computed:
               band and S, by position, as a dense pair does. A key block with nothing listed keeps
               dK = dV = 0.
 
+  VARLEN      packed sequences (FlashAttention's varlen, ``launch/packed.py``): Q, K, V, dO and the
+              gradients are (1, H, total, E) views, sequence b's rows and keys [CU_Q[b], CU_Q[b + 1])
+              and [CU_K[b], CU_K[b + 1]); a CTA computes one key block of one sequence as if the
+              sequence were the whole problem (``BwdProblem.for_sequence``: its L, S and band, moved
+              to its bottom-right diagonal under diag_shift), its loads at the sequence's first row
+              and key. Rows and keys past the sequence's end belong to the next one and are masked
+              as rows past L and keys past S are, so dQ's reduce-adds add exact zeros to the rows
+              of the next sequence a box covers; dK and dV are stored row by row with a mask (a TMA
+              box would write the next sequence's keys). The grid covers the packed keys
+              (``PackedRows``), so only each sequence's own tiles run.
+
 Switches that change the numerics (the rounding or the order of sums; within the schedule's contract):
   EXACT_DELTA the `stable` schedule's exact Δ in one pass (docs/hopper_backward.md), from a
               forward run with its own EXACT_DELTA:
@@ -126,8 +137,8 @@ from triton.language.core import _aggregate as aggregate
 from triton.language.core import base_value
 
 from .grid_order import swizzled_cta
-from .hopper_bwd_tile import ConsumerKeys, _consumer_tile
-from .hopper_pipeline import MaybeSmem, Ring, Scalar, TileLists, field
+from .hopper_bwd_tile import ConsumerKeys, _consumer_tile, _q_row
+from .hopper_pipeline import MaybeSmem, PackedRows, Ring, Scalar, TileLists, field
 
 KEYS_PER_CONSUMER = gl.constexpr(64)
 NUM_CONSUMERS = gl.constexpr(2)
@@ -160,6 +171,7 @@ class BwdConfig:
     HAS_BLOCK_SPARSITY: gl.constexpr
     EVEN_L: gl.constexpr
     PAIRED_TILES: gl.constexpr
+    VARLEN: gl.constexpr
     dtype: gl.constexpr
     DQ_COLS: gl.constexpr     # dQ's columns per consumer: E / 2 under DQ_SPLIT, else E
     s_layout: gl.constexpr    # Sᵀ and dPᵀ: (64 keys) x (BLOCK_M query rows)
@@ -171,7 +183,7 @@ class BwdConfig:
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, DQ_SPLIT, DQ_TMA, EXACT_DELTA, HAS_KEY_BIAS,
-                 ROW_STATS_TMA, DKDV_PARTIALS, CENTRE_KEYS, HAS_BLOCK_SPARSITY, EVEN_L, PAIRED_TILES):
+                 ROW_STATS_TMA, DKDV_PARTIALS, CENTRE_KEYS, HAS_BLOCK_SPARSITY, EVEN_L, PAIRED_TILES, VARLEN=False):
         self.HEAD_DIM = gl.constexpr(q_desc.block_type.shape[3])
         self.BLOCK_M = gl.constexpr(q_desc.block_type.shape[2])
         self.KC = gl.constexpr(k_desc.block_type.shape[2])
@@ -189,6 +201,7 @@ class BwdConfig:
         self.HAS_BLOCK_SPARSITY = field(HAS_BLOCK_SPARSITY)
         self.EVEN_L = field(EVEN_L)
         self.PAIRED_TILES = field(PAIRED_TILES)
+        self.VARLEN = field(VARLEN)
         self.dtype = gl.constexpr(q_desc.dtype)
         E = self.HEAD_DIM.value
         self.DQ_COLS = gl.constexpr(E // NUM_CONSUMERS.value if DQ_SPLIT else E)
@@ -224,10 +237,17 @@ class BwdProblem:
     MEAN_KEY: gl.tensor
     DKDV_PART: gl.tensor
     lists: TileLists
+    packed: PackedRows
+    DK: Scalar
+    DV: Scalar
+    q_start: Scalar
+    k_start: Scalar
+    total_q: Scalar
 
     @gluon.constexpr_function
     def __init__(self, L, S, H_KV, GROUP, group_split, stride_stats, causal_offset, window_lower, qk_scale, sm_scale,
-                 swizzle_heads, LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART, lists):
+                 swizzle_heads, LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART, lists, packed, DK=None,
+                 DV=None, q_start=0, k_start=0, total_q=0):
         self.L = field(L)
         self.S = field(S)
         self.H_KV = field(H_KV)
@@ -247,6 +267,22 @@ class BwdProblem:
         self.MEAN_KEY = field(MEAN_KEY)
         self.DKDV_PART = field(DKDV_PART)
         self.lists = field(lists)
+        self.packed = field(packed)
+        self.DK = field(DK)
+        self.DV = field(DV)
+        self.q_start = field(q_start)
+        self.k_start = field(k_start)
+        self.total_q = field(total_q)
+
+    @gluon.jit
+    def for_sequence(self, b):
+        """Sequence b's problem (VARLEN): this one's, with its lengths, band and first rows."""
+        q_start, k_start, seq_q, seq_k, causal_offset, window_lower = self.packed.sequence(
+            b, self.L, self.S, self.causal_offset, self.window_lower)
+        return BwdProblem(seq_q, seq_k, self.H_KV, self.GROUP, self.group_split, self.stride_stats, causal_offset,
+                          window_lower, self.qk_scale, self.sm_scale, self.swizzle_heads, self.LSE, self.DELTA,
+                          self.DQ_ACCUM, self.DS_UP, self.KEY_BIAS, self.MEAN_KEY, self.DKDV_PART, self.lists,
+                          self.packed, self.DK, self.DV, q_start, k_start, self.L)
 
 
 @aggregate
@@ -428,16 +464,46 @@ def _cta_coords(cfg, prob):
 
 
 @gluon.jit
+def _sequence_cta(cfg, prob, WARPS: gl.constexpr):
+    """VARLEN: (first key within its sequence, the sequence's ``BwdProblem``, KV head) of this CTA.
+    Axis 0 holds the packed keys' virtual blocks (``PackedRows``), axis 1 the KV heads, walked in
+    the order ``swizzle_heads`` sets. A slot past its sequence's blocks gets a first key >= its S,
+    and the caller skips it. WARPS: the calling partition's warps."""
+    pid_n, h_kv, _blocks = swizzled_cta(prob.swizzle_heads)
+    b, blk = prob.packed.block(pid_n, prob.packed.CU_K, BLOCK=cfg.BLOCK_N, WARPS=WARPS)
+    return blk * cfg.BLOCK_N, prob.for_sequence(b), h_kv
+
+
+@gluon.jit
+def _k_row(cfg, prob, key):
+    """The descriptors' row of key ``key`` (of the sequence, under VARLEN)."""
+    if cfg.VARLEN:
+        return prob.k_start + key
+    else:
+        return key
+
+
+@gluon.jit
 def _hopper_bwd_loader(cfg, prob, descs, bufs):
     """One warp: each consumer's K and V once, then Q and dO tiles (with their LSE and Δ rows
     under ROW_STATS_TMA) into the ring."""
-    n0, b, h_kv, part, heads = _cta_coords(cfg, prob)
+    if cfg.VARLEN:
+        n0, seq, h_kv = _sequence_cta(cfg, prob, WARPS=1)
+        if n0 < seq.S:
+            _load_walk(cfg, seq, descs, bufs, n0, 0, h_kv, 0, prob.GROUP)
+    else:
+        n0, b, h_kv, part, heads = _cta_coords(cfg, prob)
+        _load_walk(cfg, prob, descs, bufs, n0, b, h_kv, part, heads)
+
+
+@gluon.jit
+def _load_walk(cfg, prob, descs, bufs, n0, b, h_kv, part, heads):
+    """The loader's work for key block n0 of (batch b, KV head h_kv), part ``part`` of its group."""
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.expect(bufs.kv_ready.index(c), descs.k.block_type.nbytes + descs.v.block_type.nbytes)
-        tma.async_copy_global_to_shared(descs.k, [b, h_kv, n0 + c * KEYS_PER_CONSUMER, 0], bufs.kv_ready.index(c),
-                                        _rows4d(bufs.k_smem, c))
-        tma.async_copy_global_to_shared(descs.v, [b, h_kv, n0 + c * KEYS_PER_CONSUMER, 0], bufs.kv_ready.index(c),
-                                        _rows4d(bufs.v_smem, c))
+        key0 = _k_row(cfg, prob, n0 + c * KEYS_PER_CONSUMER)
+        tma.async_copy_global_to_shared(descs.k, [b, h_kv, key0, 0], bufs.kv_ready.index(c), _rows4d(bufs.k_smem, c))
+        tma.async_copy_global_to_shared(descs.v, [b, h_kv, key0, 0], bufs.kv_ready.index(c), _rows4d(bufs.v_smem, c))
     first, n_m = _q_tiles(cfg, prob, n0)
     h0 = h_kv * prob.GROUP + part * heads
     n_pairs, walk = _walk_start(cfg, prob, b, h0, heads, n0, n_m)
@@ -446,6 +512,7 @@ def _hopper_bwd_loader(cfg, prob, descs, bufs):
         slot = ring.slot(t)
         ring.wait_free_at(slot, t)
         h, m, walk = _walk_step(cfg, prob, walk, first, h0, b, n0)
+        m = _q_row(cfg, prob, m)  # the descriptors' row
         if cfg.ROW_STATS_TMA:
             # Rows past L come back as TMA's zeros; the consumers replace them anyway.
             bh = b * prob.H_KV * prob.GROUP + h
@@ -470,7 +537,18 @@ def _hopper_bwd_loader(cfg, prob, descs, bufs):
 def _hopper_bwd_consumer(cfg, prob, descs, bufs, CONSUMER: gl.constexpr):
     """One warpgroup: its 64 keys of the CTA's block against every (query head, query tile) pair of
     the walk; dK and dV accumulated in registers and stored at the end."""
-    n0, b, h_kv, part, heads = _cta_coords(cfg, prob)
+    if cfg.VARLEN:
+        n0, seq, h_kv = _sequence_cta(cfg, prob, WARPS=4)
+        if n0 < seq.S:
+            _consume_walk(cfg, seq, descs, bufs, n0, 0, h_kv, 0, prob.GROUP, CONSUMER=CONSUMER)
+    else:
+        n0, b, h_kv, part, heads = _cta_coords(cfg, prob)
+        _consume_walk(cfg, prob, descs, bufs, n0, b, h_kv, part, heads, CONSUMER=CONSUMER)
+
+
+@gluon.jit
+def _consume_walk(cfg, prob, descs, bufs, n0, b, h_kv, part, heads, CONSUMER: gl.constexpr):
+    """The consumer's work for key block n0 of (batch b, KV head h_kv), part ``part`` of its group."""
     k0 = n0 + CONSUMER * cfg.KC
     key_ids = k0 + gl.arange(0, cfg.KC, layout=cfg.key_layout)
     first, n_m = _q_tiles(cfg, prob, n0)
@@ -560,7 +638,13 @@ def _store_dkdv(cfg, prob, descs, bufs, keys, dk, dv, part, b, h_kv, CONSUMER: g
     """This consumer's dK (times the softmax scale) and dV."""
     grad_scale = keys.grad_scale
     k0 = keys.k0
-    if cfg.DKDV_PARTIALS:
+    if cfg.VARLEN:
+        # Row by row: the sequence's last block would otherwise write the next one's keys.
+        _store_sequence_keys(cfg, prob, prob.DV, dv, h_kv, k0)
+        _store_sequence_keys(cfg, prob, prob.DK, dk * grad_scale, h_kv, k0)
+        # The last dQ reduce-add still reads this consumer's shared tile: let it finish before exit.
+        tma.store_wait(pendings=0)
+    elif cfg.DKDV_PARTIALS:
         # This part's sums, fp32, straight from the accumulators: the launcher adds the parts.
         # The last dQ reduce-add still reads this consumer's shared tile: let it finish before the
         # CTA exits (the TMA-store branch below waits the same way).
@@ -579,6 +663,20 @@ def _store_dkdv(cfg, prob, descs, bufs, keys, dk, dv, part, b, h_kv, CONSUMER: g
         fence_async_shared()
         tma.async_copy_shared_to_global(descs.dk, [b, h_kv, k0, 0], _rows4d(bufs.v_smem, CONSUMER))
         tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _store_sequence_keys(cfg, prob, BASE, acc, h_kv, k0):
+    """Keys [k0, k0 + 64) of ``acc`` (fp32, the accumulator's layout) in the input dtype into KV head
+    h_kv of the packed (total_k, H_KV, E) tensor at BASE, those past the sequence's S left alone
+    (VARLEN), 16 bytes a thread."""
+    HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [4, 1], [1, 0])
+    vals = gl.convert_layout(acc.to(cfg.dtype), layout)
+    keys = k0 + gl.arange(0, cfg.KC, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    offs = ((prob.k_start + gl.expand_dims(keys, 1)).to(gl.int64) * prob.H_KV + h_kv) * HEAD_DIM + gl.expand_dims(cols, 0)
+    gl.store(BASE + offs, vals, mask=gl.expand_dims(keys < prob.S, 1))
 
 
 @gluon.jit
@@ -623,7 +721,8 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                      HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr, DKDV_PARTIALS: gl.constexpr,
                      CENTRE_KEYS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                      HAS_BLOCK_SPARSITY: gl.constexpr = False, EVEN_L: gl.constexpr = False,
-                     PAIRED_TILES: gl.constexpr = False):
+                     PAIRED_TILES: gl.constexpr = False, VARLEN: gl.constexpr = False, DK=None, DV=None, CU_Q=None,
+                     CU_K=None, n_seq=None, diag_shift=None):
     """Grid (cdiv(S, BLOCK_N), B * H_KV * group_split), walked in the order ``swizzle_heads`` sets.
     Descriptors are 4-D over (B, H, L or S, E): Q and dO boxes (1, 1, BLOCK_M, E); K, V, dK, dV
     boxes (1, 1, 64, E). DQ_ACCUM is (B, Hq, L, E) fp32
@@ -639,11 +738,18 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     (B·H_KV, E) fp32, contiguous (k̂); otherwise it is not read. Under HAS_BLOCK_SPARSITY, TILE_LISTS
     is int32 (B or 1, Hq or 1, key blocks, list_stride), one row a key block: its query tile count,
     then its query tiles (``launch.block_tiles.gluon_tile_lists``), the first two dims ``stride_lb``
-    and ``stride_lh`` apart (0 where the layout broadcasts); else not read."""
+    and ``stride_lh`` apart (0 where the layout broadcasts); else not read.
+    Under VARLEN the tensors are packed (glossary): descriptors over (1, H, total, E) views, L and S
+    the packed totals, grid (total_k // BLOCK_N + n_seq, H_KV) (``PackedRows``), DQ_ACCUM and the
+    planes over the packed rows (B = 1), DK and DV the gradients as contiguous (total_k, H_KV, E)
+    tensors (the dK/dV descriptors are not stored through); CU_Q, CU_K, n_seq and diag_shift as
+    ``PackedRows`` takes them. Otherwise those six are None and not read."""
+    gl.static_assert(not (VARLEN and (DKDV_PARTIALS or HAS_BLOCK_SPARSITY or HAS_KEY_BIAS or EVEN_L)),
+                     "VARLEN launches unsplit, without a block-sparse layout, a key mask or EVEN_L")
     cfg = BwdConfig(q_desc, k_desc, NUM_STAGES=NUM_STAGES, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
                     DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA, EXACT_DELTA=EXACT_DELTA, HAS_KEY_BIAS=HAS_KEY_BIAS,
                     ROW_STATS_TMA=ROW_STATS_TMA, DKDV_PARTIALS=DKDV_PARTIALS, CENTRE_KEYS=CENTRE_KEYS,
-                    HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY, EVEN_L=EVEN_L, PAIRED_TILES=PAIRED_TILES)
+                    HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY, EVEN_L=EVEN_L, PAIRED_TILES=PAIRED_TILES, VARLEN=VARLEN)
     gl.static_assert(BLOCK_N == NUM_CONSUMERS * KEYS_PER_CONSUMER, "BLOCK_N is 64 keys per consumer")
     gl.static_assert((cfg.HEAD_DIM == HEAD_DIM) & (cfg.BLOCK_M == BLOCK_M) & (cfg.BLOCK_N == BLOCK_N),
                      "HEAD_DIM and BLOCK_M are Q's box, BLOCK_N two of K's")
@@ -651,7 +757,8 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     sm_scale = sm_scale.to(gl.float32)
     prob = BwdProblem(L, S, H_KV, GROUP, group_split, stride_stats, causal_offset, window_lower, qk_scale, sm_scale,
                       swizzle_heads, LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART,
-                      TileLists(TILE_LISTS, stride_lb, stride_lh, list_stride))
+                      TileLists(TILE_LISTS, stride_lb, stride_lh, list_stride), PackedRows(CU_Q, CU_K, n_seq, diag_shift),
+                      DK, DV)
     descs = BwdDescs(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc)
     bufs = _allocate(cfg, descs)
     gl.warp_specialize([

@@ -123,7 +123,9 @@ def _consumer_tile(cfg, prob, descs, bufs, keys, t, h, m, dv, dk, st_tok, next_t
         tma.store_wait(pendings=0)
         dq_tile.reshape([cfg.BLOCK_M, cfg.DQ_COLS]).store(dq)
         fence_async_shared()
-        async_reduce_add_shared_to_global(descs.dq, [keys.b, h, m, keys.dq_col0], dq_tile)
+        # Under VARLEN the box may cover the next sequence's first rows, whose P here is 0: it adds
+        # exact zeros there.
+        async_reduce_add_shared_to_global(descs.dq, [keys.b, h, _q_row(cfg, prob, m), keys.dq_col0], dq_tile)
     else:
         dq_rows = m + keys.dq_rows0
         dq_ptrs = (prob.DQ_ACCUM + (row_base + gl.expand_dims(dq_rows, 1)) * cfg.HEAD_DIM
@@ -133,14 +135,34 @@ def _consumer_tile(cfg, prob, descs, bufs, keys, t, h, m, dv, dk, st_tok, next_t
 
 
 @gluon.jit
+def _q_row(cfg, prob, row):
+    """The descriptors' row of query row ``row`` (of the sequence, under VARLEN)."""
+    if cfg.VARLEN:
+        return prob.q_start + row
+    else:
+        return row
+
+
+@gluon.jit
+def _row_bases(cfg, prob, b, H_Q, h):
+    """(first element row of query head h in the (B, Hq, L, E) dQ accumulator, its first entry in
+    the row-statistic planes): under VARLEN the sequence's first row in the packed (1, Hq, total_q)
+    ones."""
+    if cfg.VARLEN:
+        return (h.to(gl.int64) * prob.total_q + prob.q_start,
+                h.to(gl.int64) * prob.stride_stats + prob.q_start)
+    else:
+        return (b * H_Q + h).to(gl.int64) * prob.L, (b * H_Q + h).to(gl.int64) * prob.stride_stats
+
+
+@gluon.jit
 def _tile_p(cfg, prob, bufs, keys, slot, phase, h, m, st_tok, ST_ISSUED: gl.constexpr):
     """Sᵀ and dPᵀ of the tile issued, and Pᵀ (fp32 and as the dV GEMM's A operand) while dPᵀ
     runs. Returns (pt, pt_op, dPᵀ's token, Δ, the Q and dO tiles, the dQ rows' base, Sᵀ's token)."""
     BLOCK_M: gl.constexpr = cfg.BLOCK_M
     b = keys.b
     key_ids = keys.key_ids
-    row_base = (b * keys.H_Q + h).to(gl.int64) * prob.L
-    stats_base = (b * keys.H_Q + h).to(gl.int64) * prob.stride_stats
+    row_base, stats_base = _row_bases(cfg, prob, b, keys.H_Q, h)
     q_ids = m + gl.arange(0, BLOCK_M, layout=cfg.col_layout)
     q_in = q_ids < prob.L
     if not cfg.ROW_STATS_TMA:

@@ -114,3 +114,61 @@ def hopper_varlen_forward(query, key, value, packed: PackedSequences, *, scale: 
     if exact_delta:
         return out, lse, resid, row_consts
     return out, lse
+
+
+def hopper_varlen_backward(grad_out, query, key, value, out, lse, grad_lse, packed: PackedSequences, *,
+                           scale: float | None = None, visibility: Visibility,
+                           config: HopperBackwardConfig | None = None) -> tuple:
+    """Gradients (dq, dk, dv) of packed attention on the Gluon kernel (VARLEN), `fast`'s schedule
+    (Δ = rowsum(dO∘O) - dLSE from the preprocess, dS cast to the input dtype). Tensors as
+    ``hopper_varlen_forward`` takes and returns them: (1, H, total, E) views, ``lse`` (1, Hq,
+    total_q) fp32 natural log, ``grad_lse`` like it or None. Returns (1, H, total, E) views of
+    contiguous (total, H, E) gradients. Call only where ``varlen_unsupported_reason`` (backward)
+    is None."""
+    from ..kernels.gluon_tma import HAS_TMA_REDUCE
+    from ..kernels.hopper_bwd import _attn_bwd_hopper
+    from .backward import launch_preprocess
+    from .hopper_bwd import row_stats_descriptor, row_stats_planes
+
+    n_seq = _checked(packed, query, key)
+    _, heads_q, total_q, head_dim = query.shape
+    heads_kv, total_k = key.shape[1], key.shape[2]
+    if scale is None:
+        scale = head_dim ** -0.5
+    cfg = config or default_backward_config(head_dim, visibility.is_causal)
+    if not width_supported(cfg, head_dim):
+        raise ValueError(f"hopper_varlen_backward: HopperBackwardConfig(paired_tiles=True) needs head dim 64; "
+                         f"use paired_tiles=False at head dim {head_dim}")
+    dk, dv = _packed_like(key), _packed_like(value)
+    if total_q == 0 or total_k == 0 or n_seq == 0:
+        return torch.zeros_like(query), dk.zero_(), dv.zero_()
+    delta = torch.empty((1, heads_q, total_q), dtype=torch.float32, device=query.device)
+    if grad_lse is not None:
+        grad_lse = grad_lse.to(torch.float32).contiguous()
+    launch_preprocess(out, grad_out, grad_lse, value, delta, delta, head_dim, head_dim, 64, False)
+    lse = lse.to(torch.float32).contiguous()
+    dq_accum = torch.zeros((1, heads_q, total_q, head_dim), dtype=torch.float32, device=query.device)
+    dq_tma = cfg.dq_tma and HAS_TMA_REDUCE
+    dq_cols = head_dim // 2 if cfg.dq_split else head_dim
+    band = packed.band(visibility)
+    is_causal, causal_offset = causal_side(band)
+    lse_plane, delta_plane = row_stats_planes((lse, delta), heads_q, total_q)
+    grid = (total_k // cfg.block_n + n_seq, heads_kv)
+    swizzle = max(1, min(cfg.swizzle_heads or 1, heads_kv))
+    cu_q, cu_k, diag_shift = packed.kernel_args()
+    common.launcher(_attn_bwd_hopper)[grid](
+        tma_descriptor(query, cfg.block_m), tma_descriptor(key, 64), tma_descriptor(value, 64),
+        tma_descriptor(grad_out, cfg.block_m), tma_descriptor(dk, 64), tma_descriptor(dv, 64),
+        tma_descriptor(dq_accum, cfg.block_m, dq_cols), row_stats_descriptor(lse_plane, cfg.block_m),
+        row_stats_descriptor(delta_plane, cfg.block_m), lse_plane, delta_plane, dq_accum, lse, lse, lse,
+        lse,  # lse as DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART: not read
+        total_q, total_k, heads_kv, heads_q // heads_kv, 1, lse_plane.stride(0), causal_offset, band_lower(band),
+        scale * LOG2E, scale, swizzle, lse, 0, 0, 0,  # no tile lists
+        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+        IS_CAUSAL=is_causal, WINDOW_LEFT=band.lower is not None, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma,
+        EXACT_DELTA=False, HAS_KEY_BIAS=False, ROW_STATS_TMA=cfg.row_stats_tma, DKDV_PARTIALS=False,
+        CENTRE_KEYS=False, HAS_BLOCK_SPARSITY=False, EVEN_L=False, PAIRED_TILES=cfg.paired_tiles, VARLEN=True,
+        DK=dk, DV=dv, CU_Q=cu_q, CU_K=cu_k, n_seq=n_seq, diag_shift=diag_shift,
+        CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, num_warps=4, maxnreg=cfg.maxnreg,
+    )
+    return dq_accum.to(query.dtype), dk, dv
