@@ -137,8 +137,9 @@ from triton.language.core import _aggregate as aggregate
 from triton.language.core import base_value
 
 from .grid_order import swizzled_cta
-from .hopper_bwd_tile import ConsumerKeys, _consumer_tile, _q_row
-from .hopper_pipeline import MaybeSmem, PackedRows, Ring, Scalar, TileLists, field
+from .hopper_bwd_tile import ConsumerKeys, _consumer_tile
+from .hopper_packed import PackedRows, backward_block, k_row, q_row, store_packed_rows
+from .hopper_pipeline import MaybeSmem, Ring, Scalar, TileLists, field
 
 KEYS_PER_CONSUMER = gl.constexpr(64)
 NUM_CONSUMERS = gl.constexpr(2)
@@ -464,31 +465,11 @@ def _cta_coords(cfg, prob):
 
 
 @gluon.jit
-def _sequence_cta(cfg, prob, WARPS: gl.constexpr):
-    """VARLEN: (first key within its sequence, the sequence's ``BwdProblem``, KV head) of this CTA.
-    Axis 0 holds the packed keys' virtual blocks (``PackedRows``), axis 1 the KV heads, walked in
-    the order ``swizzle_heads`` sets. A slot past its sequence's blocks gets a first key >= its S,
-    and the caller skips it. WARPS: the calling partition's warps."""
-    pid_n, h_kv, _blocks = swizzled_cta(prob.swizzle_heads)
-    b, blk = prob.packed.block(pid_n, prob.packed.CU_K, BLOCK=cfg.BLOCK_N, WARPS=WARPS)
-    return blk * cfg.BLOCK_N, prob.for_sequence(b), h_kv
-
-
-@gluon.jit
-def _k_row(cfg, prob, key):
-    """The descriptors' row of key ``key`` (of the sequence, under VARLEN)."""
-    if cfg.VARLEN:
-        return prob.k_start + key
-    else:
-        return key
-
-
-@gluon.jit
 def _hopper_bwd_loader(cfg, prob, descs, bufs):
     """One warp: each consumer's K and V once, then Q and dO tiles (with their LSE and Δ rows
     under ROW_STATS_TMA) into the ring."""
     if cfg.VARLEN:
-        n0, seq, h_kv = _sequence_cta(cfg, prob, WARPS=1)
+        n0, seq, h_kv = backward_block(cfg, prob, WARPS=1)
         if n0 < seq.S:
             _load_walk(cfg, seq, descs, bufs, n0, 0, h_kv, 0, prob.GROUP)
     else:
@@ -501,7 +482,7 @@ def _load_walk(cfg, prob, descs, bufs, n0, b, h_kv, part, heads):
     """The loader's work for key block n0 of (batch b, KV head h_kv), part ``part`` of its group."""
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.expect(bufs.kv_ready.index(c), descs.k.block_type.nbytes + descs.v.block_type.nbytes)
-        key0 = _k_row(cfg, prob, n0 + c * KEYS_PER_CONSUMER)
+        key0 = k_row(cfg, prob, n0 + c * KEYS_PER_CONSUMER)
         tma.async_copy_global_to_shared(descs.k, [b, h_kv, key0, 0], bufs.kv_ready.index(c), _rows4d(bufs.k_smem, c))
         tma.async_copy_global_to_shared(descs.v, [b, h_kv, key0, 0], bufs.kv_ready.index(c), _rows4d(bufs.v_smem, c))
     first, n_m = _q_tiles(cfg, prob, n0)
@@ -512,7 +493,7 @@ def _load_walk(cfg, prob, descs, bufs, n0, b, h_kv, part, heads):
         slot = ring.slot(t)
         ring.wait_free_at(slot, t)
         h, m, walk = _walk_step(cfg, prob, walk, first, h0, b, n0)
-        m = _q_row(cfg, prob, m)  # the descriptors' row
+        m = q_row(cfg, prob, m)  # the descriptors' row
         if cfg.ROW_STATS_TMA:
             # Rows past L come back as TMA's zeros; the consumers replace them anyway.
             bh = b * prob.H_KV * prob.GROUP + h
@@ -538,7 +519,7 @@ def _hopper_bwd_consumer(cfg, prob, descs, bufs, CONSUMER: gl.constexpr):
     """One warpgroup: its 64 keys of the CTA's block against every (query head, query tile) pair of
     the walk; dK and dV accumulated in registers and stored at the end."""
     if cfg.VARLEN:
-        n0, seq, h_kv = _sequence_cta(cfg, prob, WARPS=4)
+        n0, seq, h_kv = backward_block(cfg, prob, WARPS=4)
         if n0 < seq.S:
             _consume_walk(cfg, seq, descs, bufs, n0, 0, h_kv, 0, prob.GROUP, CONSUMER=CONSUMER)
     else:
@@ -640,8 +621,10 @@ def _store_dkdv(cfg, prob, descs, bufs, keys, dk, dv, part, b, h_kv, CONSUMER: g
     k0 = keys.k0
     if cfg.VARLEN:
         # Row by row: the sequence's last block would otherwise write the next one's keys.
-        _store_sequence_keys(cfg, prob, prob.DV, dv, h_kv, k0)
-        _store_sequence_keys(cfg, prob, prob.DK, dk * grad_scale, h_kv, k0)
+        store_packed_rows(prob.DV, dv.to(cfg.dtype), prob.k_start, k0, prob.S, prob.H_KV, h_kv, ROWS=cfg.KC,
+                          HEAD_DIM=cfg.HEAD_DIM)
+        store_packed_rows(prob.DK, (dk * grad_scale).to(cfg.dtype), prob.k_start, k0, prob.S, prob.H_KV, h_kv,
+                          ROWS=cfg.KC, HEAD_DIM=cfg.HEAD_DIM)
         # The last dQ reduce-add still reads this consumer's shared tile: let it finish before exit.
         tma.store_wait(pendings=0)
     elif cfg.DKDV_PARTIALS:
@@ -663,20 +646,6 @@ def _store_dkdv(cfg, prob, descs, bufs, keys, dk, dv, part, b, h_kv, CONSUMER: g
         fence_async_shared()
         tma.async_copy_shared_to_global(descs.dk, [b, h_kv, k0, 0], _rows4d(bufs.v_smem, CONSUMER))
         tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def _store_sequence_keys(cfg, prob, BASE, acc, h_kv, k0):
-    """Keys [k0, k0 + 64) of ``acc`` (fp32, the accumulator's layout) in the input dtype into KV head
-    h_kv of the packed (total_k, H_KV, E) tensor at BASE, those past the sequence's S left alone
-    (VARLEN), 16 bytes a thread."""
-    HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [4, 1], [1, 0])
-    vals = gl.convert_layout(acc.to(cfg.dtype), layout)
-    keys = k0 + gl.arange(0, cfg.KC, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    offs = ((prob.k_start + gl.expand_dims(keys, 1)).to(gl.int64) * prob.H_KV + h_kv) * HEAD_DIM + gl.expand_dims(cols, 0)
-    gl.store(BASE + offs, vals, mask=gl.expand_dims(keys < prob.S, 1))
 
 
 @gluon.jit

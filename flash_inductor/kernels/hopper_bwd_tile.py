@@ -16,6 +16,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.language.core import _aggregate as aggregate
 
 from .gluon_tma import async_reduce_add_shared_to_global
+from .hopper_packed import q_row
 from .hopper_pipeline import MaybeSmem, Scalar, field
 
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -125,22 +126,13 @@ def _consumer_tile(cfg, prob, descs, bufs, keys, t, h, m, dv, dk, st_tok, next_t
         fence_async_shared()
         # Under VARLEN the box may cover the next sequence's first rows, whose P here is 0: it adds
         # exact zeros there.
-        async_reduce_add_shared_to_global(descs.dq, [keys.b, h, _q_row(cfg, prob, m), keys.dq_col0], dq_tile)
+        async_reduce_add_shared_to_global(descs.dq, [keys.b, h, q_row(cfg, prob, m), keys.dq_col0], dq_tile)
     else:
         dq_rows = m + keys.dq_rows0
         dq_ptrs = (prob.DQ_ACCUM + (row_base + gl.expand_dims(dq_rows, 1)) * cfg.HEAD_DIM
                    + gl.expand_dims(keys.dq_cols, 0))
         gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(dq_rows < prob.L, 1), sem="relaxed")
     return dv, dk, st_tok
-
-
-@gluon.jit
-def _q_row(cfg, prob, row):
-    """The descriptors' row of query row ``row`` (of the sequence, under VARLEN)."""
-    if cfg.VARLEN:
-        return prob.q_start + row
-    else:
-        return row
 
 
 @gluon.jit

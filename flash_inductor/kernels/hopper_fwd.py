@@ -120,7 +120,8 @@ from triton.language.core import base_value
 
 from .grid_order import ordered_cell
 from .hopper_fwd_state import FwdBuffers, FwdConfig, FwdDescs, FwdProblem, allocate
-from .hopper_pipeline import PackedRows, Scalar, TileLists, field
+from .hopper_packed import PackedRows, forward_block, k_row, q_row, row_stat_offsets, store_packed_rows
+from .hopper_pipeline import Scalar, TileLists, field
 
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -165,7 +166,7 @@ class FwdScheduler:
             # The consumers stop at an item past the last.
             self.hand_item(item, it)
         elif cfg.VARLEN:
-            start_m, seq, h = _sequence_block(cfg, prob, WARPS=1)
+            start_m, seq, h = forward_block(cfg, prob, WARPS=1)
             if start_m < seq.L:
                 _load_block(cfg, seq, descs, self.bufs, self, start_m, 0, h, 0, 0)
         else:
@@ -191,7 +192,7 @@ class FwdScheduler:
                 item = self.take_item(it)
             tma.store_wait(pendings=0)  # the last block's stores
         elif cfg.VARLEN:
-            start_m, seq, h = _sequence_block(cfg, prob, WARPS=4)
+            start_m, seq, h = forward_block(cfg, prob, WARPS=4)
             if start_m < seq.L:
                 _consume_block(cfg, seq, descs, self.bufs, self, start_m, 0, h, 0, 0, CONSUMER=CONSUMER)
         else:
@@ -254,9 +255,11 @@ class FwdScheduler:
         cfg = self.cfg
         if cfg.VARLEN:
             # Row by row: the sequence's last block would otherwise write the next one's rows.
-            _store_sequence_rows(cfg, prob, prob.OUT, out, h, row0)
+            store_packed_rows(prob.OUT, out, prob.q_start, row0, prob.L, prob.H, h, ROWS=cfg.BLOCK_M,
+                              HEAD_DIM=cfg.HEAD_DIM)
             if cfg.EXACT_DELTA:
-                _store_sequence_rows(cfg, prob, prob.RESID, (out32 - out.to(gl.float32)).to(cfg.dtype), h, row0)
+                store_packed_rows(prob.RESID, (out32 - out.to(gl.float32)).to(cfg.dtype), prob.q_start, row0, prob.L,
+                                  prob.H, h, ROWS=cfg.BLOCK_M, HEAD_DIM=cfg.HEAD_DIM)
         else:
             self.store_o_tiles(descs, out32, out, b, h, row0, CONSUMER=CONSUMER)
 
@@ -375,62 +378,6 @@ def _item_coords(cfg, prob, item, blocks, BH):
 
 
 @gluon.jit
-def _sequence_block(cfg, prob, WARPS: gl.constexpr):
-    """VARLEN: (first query row within its sequence, the sequence's ``FwdProblem``, head) of this
-    CTA. Axis 0 holds the packed rows' virtual blocks (``PackedRows``), walked with the heads in
-    the order ``swizzle_heads`` sets; under causal masking from the last, so that each sequence's
-    longest blocks start first. A slot past its sequence's blocks gets a first row >= its L, and
-    the caller skips it. WARPS: the calling partition's warps."""
-    blocks = gl.num_programs(0)
-    v, h = ordered_cell(gl.program_id(1) * blocks + gl.program_id(0), blocks, gl.num_programs(1), prob.swizzle_heads)
-    if cfg.IS_CAUSAL:
-        v = blocks - 1 - v
-    b, pid_m = prob.packed.block(v, prob.packed.CU_Q, BLOCK=cfg.ROWS, WARPS=WARPS)
-    return pid_m * cfg.ROWS, prob.for_sequence(b), h
-
-
-@gluon.jit
-def _q_row(cfg, prob, row):
-    """The descriptor's row of query row ``row`` (of the sequence, under VARLEN)."""
-    if cfg.VARLEN:
-        return prob.q_start + row
-    else:
-        return row
-
-
-@gluon.jit
-def _k_row(cfg, prob, key):
-    """The descriptor's row of key ``key`` (of the sequence, under VARLEN)."""
-    if cfg.VARLEN:
-        return prob.k_start + key
-    else:
-        return key
-
-
-@gluon.jit
-def _row_stat_offsets(cfg, prob, sched, b, h, row_ids):
-    """(offsets of rows ``row_ids`` in the LSE's (B, H, L) plane, the plane's size): under VARLEN
-    the (H, total_q) plane of the packed rows."""
-    if cfg.VARLEN:
-        return h.to(gl.int64) * prob.total_q + prob.q_start + row_ids, gl.to_tensor(prob.H).to(gl.int64) * prob.total_q
-    else:
-        return (b * prob.H + h).to(gl.int64) * prob.L + row_ids, sched.heads().to(gl.int64) * prob.L
-
-
-@gluon.jit
-def _store_sequence_rows(cfg, prob, BASE, x, h, row0):
-    """Rows [row0, row0 + BLOCK_M) of ``x`` (BLOCK_M, E) into head h of the packed (total_q, H, E)
-    tensor at BASE, those past the sequence's L left alone (VARLEN), 16 bytes a thread."""
-    HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [4, 1], [1, 0])
-    vals = gl.convert_layout(x, layout)
-    rows = row0 + gl.arange(0, cfg.BLOCK_M, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    offs = ((prob.q_start + gl.expand_dims(rows, 1)).to(gl.int64) * prob.H + h) * HEAD_DIM + gl.expand_dims(cols, 0)
-    gl.store(BASE + offs, vals, mask=gl.expand_dims(rows < prob.L, 1))
-
-
-@gluon.jit
 def _hopper_fwd_loader(sched, descs):
     """One warp: Q once per consumer, then K/V tiles into the ring as slots free up; under
     PERSISTENT, item after item, each handed to the consumers before its loads."""
@@ -444,7 +391,7 @@ def _load_block(cfg, prob, descs, bufs, sched, start_m, b, h, it, base):
     for c in gl.static_range(cfg.NUM_CONSUMERS):
         sched.wait_q_free(it, c=c)
         mbarrier.expect(bufs.q_ready.index(c), descs.q.block_type.nbytes)
-        tma.async_copy_global_to_shared(descs.q, [b, h, _q_row(cfg, prob, start_m + c * cfg.BLOCK_M), 0],
+        tma.async_copy_global_to_shared(descs.q, [b, h, q_row(cfg, prob, start_m + c * cfg.BLOCK_M), 0],
                                         bufs.q_ready.index(c), bufs.q_smem.index(c))
     lo, n_tiles, _, _ = _tile_range(cfg, prob, start_m, prob.S, ROWS=cfg.ROWS)
     if cfg.HAS_BLOCK_SPARSITY:
@@ -457,7 +404,7 @@ def _load_block(cfg, prob, descs, bufs, sched, start_m, b, h, it, base):
     # its ring index base + t.
     for t in range(n_tiles):
         slot = kv.slot(base + t)
-        key0 = _k_row(cfg, prob, _key_tile(lo, t, tiles, HAS_BLOCK_SPARSITY=cfg.HAS_BLOCK_SPARSITY) * cfg.BLOCK_N)
+        key0 = k_row(cfg, prob, _key_tile(lo, t, tiles, HAS_BLOCK_SPARSITY=cfg.HAS_BLOCK_SPARSITY) * cfg.BLOCK_N)
         empty_phase = kv.free_phase(base + t)
         kv.wait_free(slot, empty_phase)
         mbarrier.expect(kv.ready.index(slot), descs.k.block_type.nbytes)
@@ -781,7 +728,7 @@ def _epilogue(cfg, prob, descs, sched, rows, accs, m_i, l_i, b, h, row0, CONSUME
     lse2 = m_i + log2_l
     lse = gl.where(empty_row, float("-inf"), lse2 * LN2)
     row_ids = rows.row_ids
-    row_off, plane = _row_stat_offsets(cfg, prob, sched, b, h, row_ids)
+    row_off, plane = row_stat_offsets(cfg, prob, sched, b, h, row_ids)
     gl.store(prob.LSE + row_off, lse, mask=row_ids < prob.L)
     if cfg.EXACT_DELTA:
         # Any integer c serves the backward (module docstring); c - m_i is taken as fp32 gives

@@ -9,7 +9,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import _aggregate as aggregate
 
-from .hopper_pipeline import MaybeSmem, PackedRows, Ring, Scalar, TileLists, field
+from .hopper_packed import PackedRows
+from .hopper_pipeline import MaybeSmem, Ring, Scalar, TileLists, field
 
 
 @gluon.constexpr_function
