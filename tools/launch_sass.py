@@ -289,8 +289,9 @@ def gluon_varlen(dtype, head_dim, kind, *, passes=("forward", "backward"), exact
         hopper_varlen.hopper_varlen_forward(q, k, v, packed, scale=head_dim**-0.5, visibility=vis, exact_delta=exact)
     if "backward" in passes:
         out, lse = q, torch.zeros((1, 2 * group, seq))
-        hopper_varlen.hopper_varlen_backward(do, q, k, v, out, lse, None, packed, scale=head_dim**-0.5,
-                                             visibility=vis)
+        extra = dict(exact_delta=(torch.zeros_like(out), torch.zeros((2, 1, 2 * group, seq)))) if exact else {}
+        hopper_varlen.hopper_varlen_backward(do, q, k, v, out, lse, lse if exact else None, packed,
+                                             scale=head_dim**-0.5, visibility=vis, **extra)
 
 
 def triton_pass(dtype, head_dim, kind, schedule, passes=("forward", "backward"), *, configs=None, seq=SEQ,
@@ -378,6 +379,8 @@ def hand_picked_cases() -> list[Case]:
                                passes=("forward",), exact=True))
             cases.append(_case(f"gluon_varlen_bwd/{dt}/e{e}/causal/gqa", gluon_varlen, dtype, e, "causal",
                                passes=("backward",), group=4))
+            cases.append(_case(f"gluon_varlen_bwd_exact/{dt}/e{e}/causal", gluon_varlen, dtype, e, "causal",
+                               passes=("backward",), exact=True, group=2))
         cases.append(_case(f"gluon_bwd_exact/{dt}/e64/key/paired", gluon_backward, dtype, 64, "key", exact=True,
                            config=HopperBackwardConfig(paired_tiles=True)))
         cases.append(_case(f"gluon_bwd_exact/{dt}/e64/key_additive", gluon_backward, dtype, 64, "key_additive",

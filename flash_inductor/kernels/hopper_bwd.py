@@ -726,7 +726,8 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     sm_scale = sm_scale.to(gl.float32)
     prob = BwdProblem(L, S, H_KV, GROUP, group_split, stride_stats, causal_offset, window_lower, qk_scale, sm_scale,
                       swizzle_heads, LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART,
-                      TileLists(TILE_LISTS, stride_lb, stride_lh, list_stride), PackedRows(CU_Q, CU_K, n_seq, diag_shift),
+                      TileLists(TILE_LISTS, stride_lb, stride_lh, list_stride),
+                      PackedRows(CU_Q, CU_K, n_seq, diag_shift),
                       DK, DV)
     descs = BwdDescs(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc)
     bufs = _allocate(cfg, descs)

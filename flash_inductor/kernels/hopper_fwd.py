@@ -120,7 +120,7 @@ from triton.language.core import base_value
 
 from .grid_order import ordered_cell
 from .hopper_fwd_state import FwdBuffers, FwdConfig, FwdDescs, FwdProblem, allocate
-from .hopper_packed import PackedRows, forward_block, k_row, q_row, row_stat_offsets, store_packed_rows
+from .hopper_packed import PackedRows, forward_block, k_row, q_row, store_packed_rows
 from .hopper_pipeline import Scalar, TileLists, field
 
 LN2 = gl.constexpr(0.6931471805599453)
@@ -261,30 +261,25 @@ class FwdScheduler:
                 store_packed_rows(prob.RESID, (out32 - out.to(gl.float32)).to(cfg.dtype), prob.q_start, row0, prob.L,
                                   prob.H, h, ROWS=cfg.BLOCK_M, HEAD_DIM=cfg.HEAD_DIM)
         else:
-            self.store_o_tiles(descs, out32, out, b, h, row0, CONSUMER=CONSUMER)
-
-    @gluon.jit
-    def store_o_tiles(self, descs, out32, out, b, h, row0, CONSUMER: gl.constexpr):
-        cfg = self.cfg
-        if cfg.PERSISTENT:
-            stage = self.bufs.o_smem.index(CONSUMER)
-            tma.store_wait(pendings=0)
-        else:
-            stage = self.bufs.q_smem.index(CONSUMER)
-        o_tile = stage.reshape([cfg.BLOCK_M, cfg.HEAD_DIM])
-        o_tile.store(out)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(descs.o, [b, h, row0, 0], stage)
-        if not cfg.PERSISTENT:
-            tma.store_wait(pendings=0)
-        if cfg.EXACT_DELTA:
             if cfg.PERSISTENT:
+                stage = self.bufs.o_smem.index(CONSUMER)
                 tma.store_wait(pendings=0)
-            o_tile.store((out32 - out.to(gl.float32)).to(cfg.dtype))
+            else:
+                stage = self.bufs.q_smem.index(CONSUMER)
+            o_tile = stage.reshape([cfg.BLOCK_M, cfg.HEAD_DIM])
+            o_tile.store(out)
             fence_async_shared()
-            tma.async_copy_shared_to_global(descs.r, [b, h, row0, 0], stage)
+            tma.async_copy_shared_to_global(descs.o, [b, h, row0, 0], stage)
             if not cfg.PERSISTENT:
                 tma.store_wait(pendings=0)
+            if cfg.EXACT_DELTA:
+                if cfg.PERSISTENT:
+                    tma.store_wait(pendings=0)
+                o_tile.store((out32 - out.to(gl.float32)).to(cfg.dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(descs.r, [b, h, row0, 0], stage)
+                if not cfg.PERSISTENT:
+                    tma.store_wait(pendings=0)
 
 
 @aggregate
@@ -728,7 +723,10 @@ def _epilogue(cfg, prob, descs, sched, rows, accs, m_i, l_i, b, h, row0, CONSUME
     lse2 = m_i + log2_l
     lse = gl.where(empty_row, float("-inf"), lse2 * LN2)
     row_ids = rows.row_ids
-    row_off, plane = row_stat_offsets(cfg, prob, sched, b, h, row_ids)
+    if cfg.VARLEN:
+        row_off = h.to(gl.int64) * prob.total_q + prob.q_start + row_ids  # the packed rows' (H, total_q) planes
+    else:
+        row_off = (b * prob.H + h).to(gl.int64) * prob.L + row_ids
     gl.store(prob.LSE + row_off, lse, mask=row_ids < prob.L)
     if cfg.EXACT_DELTA:
         # Any integer c serves the backward (module docstring); c - m_i is taken as fp32 gives
@@ -736,6 +734,10 @@ def _epilogue(cfg, prob, descs, sched, rows, accs, m_i, l_i, b, h, row0, CONSUME
         m_safe = gl.where(empty_row, 0.0, m_i)
         pivot = m_safe + gl.floor(gl.log2(l_rnd_safe))
         norm = gl.exp2(pivot - m_safe) / l_rnd_safe
+        if cfg.VARLEN:
+            plane = gl.to_tensor(prob.H).to(gl.int64) * prob.total_q
+        else:
+            plane = sched.heads().to(gl.int64) * prob.L
         gl.store(prob.ROW_CONSTS + row_off, gl.where(empty_row, float("inf"), pivot), mask=row_ids < prob.L)
         gl.store(prob.ROW_CONSTS + plane + row_off, gl.where(empty_row, 0.0, norm), mask=row_ids < prob.L)
     sched.store_o(descs, prob, out32, out, b, h, row0, CONSUMER=CONSUMER)

@@ -125,13 +125,3 @@ def backward_block(cfg, prob, WARPS: gl.constexpr):
     pid_n, h_kv, _blocks = swizzled_cta(prob.swizzle_heads)
     b, blk = prob.packed.block(pid_n, prob.packed.CU_K, BLOCK=cfg.BLOCK_N, WARPS=WARPS)
     return blk * cfg.BLOCK_N, prob.for_sequence(b), h_kv
-
-
-@gluon.jit
-def row_stat_offsets(cfg, prob, sched, b, h, row_ids):
-    """(offsets of rows ``row_ids`` in the LSE's (B, H, L) plane, the plane's size): under VARLEN
-    the (H, total_q) plane of the packed rows."""
-    if cfg.VARLEN:
-        return h.to(gl.int64) * prob.total_q + prob.q_start + row_ids, gl.to_tensor(prob.H).to(gl.int64) * prob.total_q
-    else:
-        return (b * prob.H + h).to(gl.int64) * prob.L + row_ids, sched.heads().to(gl.int64) * prob.L

@@ -29,7 +29,7 @@ from ..tuning.hopper_configs import default_forward_config
 from . import common
 from .band import band_lower, causal_side
 from .common import LOG2E, cdiv
-from .hopper import hopper_forward_unsupported_reason, tma_descriptor, tma_unsupported_reason
+from .hopper import hopper_forward_unsupported_reason, tma_descriptor
 from .hopper_bwd import hopper_backward_unsupported_reason
 from .packed import PackedSequences
 from .visibility import Visibility
@@ -38,16 +38,15 @@ from .visibility import Visibility
 def varlen_unsupported_reason(query, key, value, dropout_p: float, scale: float | None, schedule, *, softcap: float,
                               backward: bool) -> str | None:
     """None if the Gluon kernels take this packed call ((1, H, total, E) views), else why not (for
-    the logs). ``backward``: the backward kernel's limits too."""
+    the logs). ``backward``: the backward kernel's limits too. Static properties only: the caller
+    copies tensors TMA cannot address (``tma_addressable``)."""
     if softcap:
         return "a soft cap (the Hopper kernels do not take one yet)"
     if backward:
         reason = hopper_backward_unsupported_reason(query, key, value, None, dropout_p, scale, schedule)
     else:
         reason = hopper_forward_unsupported_reason(query, key, value, None, dropout_p, scale, schedule)
-    if reason is not None:
-        return reason
-    return tma_unsupported_reason(query, key, value)
+    return reason
 
 
 def _checked(packed: PackedSequences, query, key) -> int:
@@ -118,17 +117,21 @@ def hopper_varlen_forward(query, key, value, packed: PackedSequences, *, scale: 
 
 def hopper_varlen_backward(grad_out, query, key, value, out, lse, grad_lse, packed: PackedSequences, *,
                            scale: float | None = None, visibility: Visibility,
-                           config: HopperBackwardConfig | None = None) -> tuple:
-    """Gradients (dq, dk, dv) of packed attention on the Gluon kernel (VARLEN), `fast`'s schedule
-    (Δ = rowsum(dO∘O) - dLSE from the preprocess, dS cast to the input dtype). Tensors as
-    ``hopper_varlen_forward`` takes and returns them: (1, H, total, E) views, ``lse`` (1, Hq,
-    total_q) fp32 natural log, ``grad_lse`` like it or None. Returns (1, H, total, E) views of
-    contiguous (total, H, E) gradients. Call only where ``varlen_unsupported_reason`` (backward)
-    is None."""
+                           config: HopperBackwardConfig | None = None,
+                           exact_delta: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple:
+    """Gradients (dq, dk, dv) of packed attention on the Gluon kernel (VARLEN): `fast`'s schedule
+    (Δ = rowsum(dO∘O) - dLSE from the preprocess, dS cast to the input dtype), or with
+    ``exact_delta`` (the residual and row constants ``hopper_varlen_forward(exact_delta=True)``
+    returned) `stable`'s one-pass backward, with the exact Δ and dQ over the centred keys, as
+    ``launch.hopper_bwd.hopper_attention_backward`` runs it (k̂ over the whole pack, per KV head).
+    Tensors as ``hopper_varlen_forward`` takes and returns them: (1, H, total, E) views, ``lse``
+    (1, Hq, total_q) fp32 natural log, ``grad_lse`` like it or None. Returns (1, H, total, E)
+    views of contiguous (total, H, E) gradients, dq's a plain (1, Hq, total_q, E) tensor. Call only
+    where ``varlen_unsupported_reason`` (backward) is None."""
     from ..kernels.gluon_tma import HAS_TMA_REDUCE
     from ..kernels.hopper_bwd import _attn_bwd_hopper
     from .backward import launch_preprocess
-    from .hopper_bwd import row_stats_descriptor, row_stats_planes
+    from .hopper_bwd import exact_delta_inputs, key_moments, row_stats_descriptor, row_stats_planes
 
     n_seq = _checked(packed, query, key)
     _, heads_q, total_q, head_dim = query.shape
@@ -136,16 +139,26 @@ def hopper_varlen_backward(grad_out, query, key, value, out, lse, grad_lse, pack
     if scale is None:
         scale = head_dim ** -0.5
     cfg = config or default_backward_config(head_dim, visibility.is_causal)
+    if exact_delta is not None and not cfg.dq_split and head_dim > 64:
+        cfg = dataclasses.replace(cfg, dq_split=True)  # K̃ beside K fits only with the split (launch/hopper_bwd.py)
     if not width_supported(cfg, head_dim):
         raise ValueError(f"hopper_varlen_backward: HopperBackwardConfig(paired_tiles=True) needs head dim 64; "
                          f"use paired_tiles=False at head dim {head_dim}")
     dk, dv = _packed_like(key), _packed_like(value)
     if total_q == 0 or total_k == 0 or n_seq == 0:
         return torch.zeros_like(query), dk.zero_(), dv.zero_()
-    delta = torch.empty((1, heads_q, total_q), dtype=torch.float32, device=query.device)
-    if grad_lse is not None:
-        grad_lse = grad_lse.to(torch.float32).contiguous()
-    launch_preprocess(out, grad_out, grad_lse, value, delta, delta, head_dim, head_dim, 64, False)
+    if exact_delta is not None:
+        # dO', the pivots (read where the LSE is otherwise), Δ' and fp16's ds_up; the same launch
+        # finishes k̂ from the moments.
+        moments = key_moments(key)
+        grad_out, lse, delta, ds_up = exact_delta_inputs(grad_out, value, out, grad_lse, *exact_delta, moments)
+        mean_key = moments.mean_key
+    else:
+        delta = torch.empty((1, heads_q, total_q), dtype=torch.float32, device=query.device)
+        if grad_lse is not None:
+            grad_lse = grad_lse.to(torch.float32).contiguous()
+        launch_preprocess(out, grad_out, grad_lse, value, delta, delta, head_dim, head_dim, 64, False)
+        ds_up = mean_key = None
     lse = lse.to(torch.float32).contiguous()
     dq_accum = torch.zeros((1, heads_q, total_q, head_dim), dtype=torch.float32, device=query.device)
     dq_tma = cfg.dq_tma and HAS_TMA_REDUCE
@@ -160,15 +173,23 @@ def hopper_varlen_backward(grad_out, query, key, value, out, lse, grad_lse, pack
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, 64), tma_descriptor(value, 64),
         tma_descriptor(grad_out, cfg.block_m), tma_descriptor(dk, 64), tma_descriptor(dv, 64),
         tma_descriptor(dq_accum, cfg.block_m, dq_cols), row_stats_descriptor(lse_plane, cfg.block_m),
-        row_stats_descriptor(delta_plane, cfg.block_m), lse_plane, delta_plane, dq_accum, lse, lse, lse,
-        lse,  # lse as DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART: not read
+        row_stats_descriptor(delta_plane, cfg.block_m), lse_plane, delta_plane, dq_accum,
+        ds_up if ds_up is not None else lse, lse, mean_key if mean_key is not None else lse,
+        lse,  # lse: not read (as KEY_BIAS and DKDV_PART always, as DS_UP and MEAN_KEY under `fast`)
         total_q, total_k, heads_kv, heads_q // heads_kv, 1, lse_plane.stride(0), causal_offset, band_lower(band),
         scale * LOG2E, scale, swizzle, lse, 0, 0, 0,  # no tile lists
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         IS_CAUSAL=is_causal, WINDOW_LEFT=band.lower is not None, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma,
-        EXACT_DELTA=False, HAS_KEY_BIAS=False, ROW_STATS_TMA=cfg.row_stats_tma, DKDV_PARTIALS=False,
-        CENTRE_KEYS=False, HAS_BLOCK_SPARSITY=False, EVEN_L=False, PAIRED_TILES=cfg.paired_tiles, VARLEN=True,
+        EXACT_DELTA=exact_delta is not None, HAS_KEY_BIAS=False, ROW_STATS_TMA=cfg.row_stats_tma,
+        DKDV_PARTIALS=False, CENTRE_KEYS=mean_key is not None, HAS_BLOCK_SPARSITY=False, EVEN_L=False,
+        PAIRED_TILES=cfg.paired_tiles, VARLEN=True,
         DK=dk, DV=dv, CU_Q=cu_q, CU_K=cu_k, n_seq=n_seq, diag_shift=diag_shift,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, num_warps=4, maxnreg=cfg.maxnreg,
     )
+    if mean_key is not None and grad_lse is not None:
+        from .hopper_bwd import dq_with_mean_key
+
+        # dS·K = dS·K̃ + rowsum(dS)·k̂: the second term back, from dLSE (0 for a row with no key).
+        weight = torch.where(lse == float("inf"), 0.0, scale * grad_lse.to(torch.float32))
+        return dq_with_mean_key(dq_accum, mean_key, weight, query.dtype), dk, dv
     return dq_accum.to(query.dtype), dk, dv

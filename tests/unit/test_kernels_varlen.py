@@ -164,24 +164,31 @@ def _gluon_calls(monkeypatch):
 
 
 def _run_op(q, k, v, lengths_q, lengths_k, *, causal, lower_right=True, window=(-1, -1), schedule="fast"):
-    """The varlen op with autograd: (out, lse)."""
+    """The varlen op with autograd: (out, lse). `stable`: the one-pass ops (ops/varlen_one_pass.py),
+    as flash_attention_varlen takes them on an sm_90 GPU."""
     import flash_inductor.ops.varlen  # noqa: F401 -- registers the op
+    from flash_inductor.ops.varlen_one_pass import attention_varlen_one_pass
 
     cu_q, cu_k = _cu(lengths_q, q.device), _cu(lengths_k, q.device)
+    if schedule == "stable":
+        return attention_varlen_one_pass(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal, lower_right,
+                                         q.shape[-1] ** -0.5, window[0], window[1])
     return torch.ops.flash_inductor.attention_varlen_forward(
         q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), None, 0.0, causal, lower_right, q.shape[-1] ** -0.5,
         schedule, window[0], window[1])
 
 
 @needs_hopper
+@pytest.mark.parametrize("schedule", ("fast", "stable"))
 @pytest.mark.parametrize("lower_right", (True, False), ids=("bottom_right", "top_left"))
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
-def test_gluon_packed_matches_each_sequence_in_fp64(monkeypatch, dtype, head_dim, causal, lower_right):
-    """Forward, LSE and every gradient of a pack on the Gluon kernels (both passes taken there)
-    against each sequence alone in fp64, within the tolerance rule against PyTorch's same-dtype
-    error; the empty sequence's keys get zero gradients."""
+def test_gluon_packed_matches_each_sequence_in_fp64(monkeypatch, dtype, head_dim, causal, lower_right, schedule):
+    """Forward, LSE and every gradient of a pack on the Gluon kernels (both passes taken there;
+    `stable` through the one-pass ops, with the exact Δ and the centred keys) against each sequence
+    alone in fp64, within the tolerance rule against PyTorch's same-dtype error; the empty
+    sequence's keys get zero gradients."""
     if not causal and not lower_right:
         pytest.skip("the alignment matters only under causal masking")
     calls = _gluon_calls(monkeypatch)
@@ -191,7 +198,8 @@ def test_gluon_packed_matches_each_sequence_in_fp64(monkeypatch, dtype, head_dim
     k = randn((total_k, heads_kv, head_dim), dtype, "cuda", seed=2).requires_grad_()
     v = randn((total_k, heads_kv, head_dim), dtype, "cuda", seed=3).requires_grad_()
     dout = randn((total_q, heads_q, head_dim), dtype, "cuda", seed=4)
-    out, lse = _run_op(q, k, v, GLUON_LENGTHS_Q, GLUON_LENGTHS_K, causal=causal, lower_right=lower_right)
+    out, lse = _run_op(q, k, v, GLUON_LENGTHS_Q, GLUON_LENGTHS_K, causal=causal, lower_right=lower_right,
+                       schedule=schedule)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     assert calls == {"forward": 1, "backward": 1}
 
@@ -263,9 +271,12 @@ def test_gluon_packed_gqa_and_windows(monkeypatch, head_dim):
 
 @needs_hopper
 def test_gluon_packed_routing(monkeypatch):
-    """flash_attention_varlen on an sm_90 GPU: `fast` runs both passes on the Gluon kernels; the
-    default `stable` runs the Gluon forward and the Triton backward (its exact Δ needs the one-pass
-    forward's residual); fp32 and dropout stay on the Triton kernels."""
+    """flash_attention_varlen on an sm_90 GPU: `fast` and the default `stable` (through the one-pass
+    ops) run both passes on the Gluon kernels, also where the gradient is a broadcast (stride 0,
+    copied for TMA); fp32 and dropout stay on the Triton kernels; `stable` with the one-pass
+    routing off runs the Gluon forward and the Triton backward."""
+    from flash_inductor.launch import hopper_bwd
+
     import flash_inductor
 
     calls = _gluon_calls(monkeypatch)
@@ -277,10 +288,26 @@ def test_gluon_packed_routing(monkeypatch):
     assert calls == {"forward": 1, "backward": 1}
     out = flash_inductor.flash_attention_varlen(q, k, v, cu, cu, 130, 130, causal=True)
     torch.autograd.grad(out.sum(), (q, k, v))
-    assert calls == {"forward": 2, "backward": 1}
+    assert calls == {"forward": 2, "backward": 2}
     flash_inductor.flash_attention_varlen(q.float(), k.float(), v.float(), cu, cu, 130, 130, causal=True)
     flash_inductor.flash_attention_varlen(q, k, v, cu, cu, 130, 130, causal=True, dropout_p=0.1)
-    assert calls == {"forward": 2, "backward": 1}
+    assert calls == {"forward": 2, "backward": 2}
+    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", False)
+    out = flash_inductor.flash_attention_varlen(q, k, v, cu, cu, 130, 130, causal=True)
+    torch.autograd.grad(out.sum(), (q, k, v))
+    assert calls == {"forward": 3, "backward": 2}
+
+
+@needs_hopper
+def test_gluon_packed_ops_opcheck():
+    """torch.library.opcheck over the one-pass varlen ops (schema, fake kernels, autograd registration)."""
+    import flash_inductor.ops.varlen_one_pass  # noqa: F401 -- registers the ops
+
+    lengths = [3, 70]
+    cu = _cu(lengths, "cuda")
+    q, k, v = (randn((73, 2, 64), torch.bfloat16, "cuda", seed=s).requires_grad_() for s in (1, 2, 3))
+    torch.library.opcheck(torch.ops.flash_inductor.attention_varlen_forward_one_pass,
+                          (q, k, v, cu, cu, 70, 70, True, True, 0.125))
 
 
 @needs_hopper
