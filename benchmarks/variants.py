@@ -10,8 +10,8 @@ drawn (seeded) log-uniformly from 128 to 8k, causal within each document, forwar
 contenders see the same pack:
 
 * ``ours``: ``flash_attention_varlen`` (cu_seqlens; each document its own problem, no mask), the
-  default schedule (`stable`: on an H100/H200 the Gluon forward, the Triton backward), and
-  ``ours-fast`` the `fast` schedule (both passes on the Gluon kernels);
+  default schedule (`stable`: on an H100/H200 the Gluon kernels' one-pass exact-Δ path,
+  ``ops/varlen_one_pass.py``), and ``ours-fast`` the `fast` schedule (the Gluon kernels too);
 * ``flex``: ``torch.compile``d FlexAttention with a document-causal ``mask_mod`` and its
   ``BlockMask`` (built once per cell, untimed), the usual way to run packed batches with it;
 * ``sdpa-nested``: SDPA on a nested jagged tensor (FlashAttention-2/cuDNN varlen underneath).
