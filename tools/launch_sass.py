@@ -432,7 +432,7 @@ def triton_matrix() -> list[Case]:
 # A launcher/kernel mismatch anywhere shows here: each Gluon kernel (forward plain and exact-Δ, backward
 # `fast` and one-pass) and each Triton launch path once, fp16 and bf16 both.
 CI_CASES = ("gluon_fwd/bf16/e64/causal", "gluon_bwd_exact/fp16/e128/window", "triton/stable/fp16/e64/sparse",
-            "decode/bf16/e64/causal")
+            "decode/bf16/e64/causal", "gluon_varlen_fwd_exact/bf16/e128/causal", "gluon_varlen_bwd_exact/fp16/e64/causal")
 
 
 def table_cases() -> list[Case]:
