@@ -24,8 +24,12 @@ contenders see the same pack:
 Part ``overhead``: B·L = 32k tokens, heads·E = 2048, causal, forward and forward+backward, ours
 plain against ours with ``sinks=``, with ``softcap=50``, and with both; the ratio is variant/plain.
 
-Part ``hf_step``: an HF Llama training step on a 16k pack, packed ``position_ids`` against the
-pack's dense block-diagonal mask (``run_hf_step``).
+Part ``hf_step``: an HF Llama training step on a 16k pack (``use_cache=False``, as training runs):
+packed ``position_ids`` (no mask built: varlen from the mask function's record), the same with
+``"sdpa"``'s mask function (transformers' L x L packed mask, checked per layer), and the pack's
+dense block-diagonal mask (``run_hf_step``). ``--smoke`` runs this part once on a tiny Llama on the
+CPU (no timing worth reading): it checks the three steps run and agree, and that the packed one
+hands attention no mask.
 
 Every step runs for ``--heat-ms`` before it is timed (``benchmarks/common.heat``), then
 ``do_bench``'s median. The JSON and a plot go to ``--out``.
@@ -181,11 +185,55 @@ def run_overhead(args, dtype, records, deadline):
         release_memory()
 
 
+def hf_steps(model, pack, lengths, device):
+    """The HF step's contenders on one pack, each a closure doing forward+backward, and the mask
+    function each needs registered under ``"inductor_stable"`` while it runs. ``use_cache=False``:
+    a cache makes transformers skip its packing detection (and the packed mask) altogether."""
+    from transformers.masking_utils import sdpa_mask
+
+    from flash_inductor.transformers_masks import attention_mask_function
+
+    ids = torch.randint(0, model.config.vocab_size, (1, pack), device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+    block_diagonal = ((doc[:, None] == doc[None, :]).tril())[None, None]
+
+    def step(**extra):
+        return lambda: model(input_ids=ids, position_ids=positions, labels=ids, use_cache=False,
+                             **extra).loss.backward()
+
+    return {
+        "packed-position-ids": (step(), attention_mask_function),
+        "packed-hf-mask": (step(), sdpa_mask),
+        "dense-block-diagonal": (step(attention_mask=block_diagonal), attention_mask_function),
+    }
+
+
+def _with_mask_function(mask_function, make_step):
+    """``make_step``'s step, run with ``mask_function`` registered for ``"inductor_stable"``."""
+    from transformers import AttentionMaskInterface
+
+    from flash_inductor.transformers_masks import attention_mask_function
+
+    def make():
+        inner = make_step()
+
+        def run():
+            AttentionMaskInterface.register("inductor_stable", mask_function)
+            try:
+                return inner()
+            finally:
+                AttentionMaskInterface.register("inductor_stable", attention_mask_function)
+        return run
+    return make
+
+
 def run_hf_step(args, dtype, records, deadline):
     """An HF Llama training step (forward+backward, 4 layers, E 128, GQA 4:1) on a packed batch under
     ``attn_implementation="inductor_stable"``: the sequences given as packed ``position_ids`` (what
-    ``DataCollatorWithFlattening`` gives; varlen underneath) against the same step given the pack's
-    dense block-diagonal 4-D mask (every score computed, the mask read)."""
+    ``DataCollatorWithFlattening`` gives; no mask built, varlen underneath), the same with the mask
+    transformers builds for ``"sdpa"`` (the L x L packed mask, checked per layer), and the pack's dense
+    block-diagonal 4-D mask (every score computed, the mask read)."""
     import transformers
 
     import flash_inductor.transformers  # noqa: F401  (registers inductor_stable)
@@ -196,21 +244,51 @@ def run_hf_step(args, dtype, records, deadline):
     model = transformers.LlamaForCausalLM(config).to(args.device, dtype)
     for pack in progress([p for p in args.packs if p <= 16384], "hf_step"):
         lengths = document_lengths(pack, seed=pack)
-        ids = torch.randint(0, config.vocab_size, (1, pack), device=args.device)
-        positions = torch.cat([torch.arange(n, device=args.device) for n in lengths])[None]
-        doc = torch.repeat_interleave(torch.arange(len(lengths), device=args.device),
-                                      torch.tensor(lengths, device=args.device))
-        block_diagonal = ((doc[:, None] == doc[None, :]).tril())[None, None]
-        steps = {
-            "packed-position-ids": lambda: model(input_ids=ids, position_ids=positions, labels=ids).loss.backward(),
-            "dense-block-diagonal": lambda: model(input_ids=ids, position_ids=positions, attention_mask=block_diagonal,
-                                                  labels=ids).loss.backward(),
-        }
-        for name, step in steps.items():
+        for name, (step, mask_function) in hf_steps(model, pack, lengths, args.device).items():
             cell = dict(part="hf_step", pack=pack, documents=len(lengths), provider=name, dtype=args.dtype)
-            _measure(records, cell, lambda: step, args, deadline, f"hf_step {pack} {name}")
+            _measure(records, cell, _with_mask_function(mask_function, lambda: step), args, deadline,
+                     f"hf_step {pack} {name}")
             model.zero_grad(set_to_none=True)
             release_memory()
+
+
+def smoke_hf_step(pack: int = 192) -> list[str]:
+    """``--smoke``: the HF step's contenders once each on a tiny fp32 Llama on the CPU. Checks that each
+    runs, that the three losses and gradients agree, and that the packed step hands attention no mask;
+    returns one line per contender (wall time of that one run, not a measurement)."""
+    import transformers
+
+    import flash_inductor.transformers as fit
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=128, attn_implementation="inductor_stable")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    lengths = document_lengths(pack, seed=pack, low=16, high=96)
+    masks, real = [], fit.attention_forward
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        masks.append(attention_mask is None)
+        return real(module, query, key, value, attention_mask, **kwargs)
+
+    transformers.AttentionInterface.register("inductor_stable", spy)
+    lines, grads = [], {}
+    try:
+        for name, (step, mask_function) in hf_steps(model, pack, lengths, "cpu").items():
+            masks.clear()
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            _with_mask_function(mask_function, lambda: step)()()
+            grads[name] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+            lines.append(f"hf_step smoke {pack} ({len(lengths)} documents) {name}: ran in "
+                         f"{1e3 * (time.perf_counter() - start):.0f} ms, attention masks None: {masks}")
+            if name == "packed-position-ids" and not all(masks):
+                raise AssertionError(f"the packed step handed attention a mask: {masks}")
+    finally:
+        transformers.AttentionInterface.register("inductor_stable", real)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, grads["packed-position-ids"], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    return lines
 
 
 def ratios(records) -> list[str]:
@@ -228,11 +306,10 @@ def ratios(records) -> list[str]:
                                  f"{other['provider']:<16} ours {other['ms'] / r['ms']:.2f}x  "
                                  f"({r['ms']:.2f} vs {other['ms']:.2f} ms)")
         if r["part"] == "hf_step" and r["provider"] == "packed-position-ids":
-            dense = [o for o in ok if o["part"] == "hf_step" and o["provider"] == "dense-block-diagonal"
-                     and o["pack"] == r["pack"]]
-            if dense:
-                lines.append(f"hf_step {r['pack']:>6} packed {dense[0]['ms'] / r['ms']:.2f}x the dense block-diagonal "
-                             f"step ({r['ms']:.1f} vs {dense[0]['ms']:.1f} ms)")
+            for other in ok:
+                if other["part"] == "hf_step" and other["provider"] != r["provider"] and other["pack"] == r["pack"]:
+                    lines.append(f"hf_step {r['pack']:>6} packed {other['ms'] / r['ms']:.2f}x the {other['provider']} "
+                                 f"step ({r['ms']:.1f} vs {other['ms']:.1f} ms)")
         if r["part"] == "overhead" and r["variant"] != "plain":
             plain = [o for o in ok if o["part"] == "overhead" and o["variant"] == "plain" and
                      (o["seq"], o["head_dim"], o["mode"]) == (r["seq"], r["head_dim"], r["mode"])]
@@ -281,7 +358,7 @@ def plot(records, path, title=""):
     middle.set_title("sinks and soft-capping, causal")
     steps = {r["provider"]: r["ms"] for r in ok if r["part"] == "hf_step"}
     if steps:
-        right.bar(list(steps), list(steps.values()), color=["tab:purple", "tab:gray"][:len(steps)])
+        right.bar(list(steps), list(steps.values()), color=["tab:purple", "tab:olive", "tab:gray"][:len(steps)])
         right.set_ylabel("ms per step")
         right.tick_params(axis="x", labelsize=7, rotation=30)
     right.set_title("HF Llama step, 16k pack")
@@ -305,7 +382,14 @@ def main(argv=None):
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=os.path.join("benchmarks", "results"))
     p.add_argument("--tag", default="variants")
+    p.add_argument("--smoke", action="store_true",
+                   help="run the hf_step part once on a tiny Llama on the CPU (a check that it runs, not a timing)")
     args = p.parse_args(argv)
+    if args.smoke:
+        if args.part not in ("hf_step", "all"):
+            p.error("--smoke covers the hf_step part only")
+        print("\n".join(smoke_hf_step()))
+        return 0
     try:
         args.head_dims = [int(x) for x in args.head_dims.split(",")]
         args.packs = [int(x) for x in args.packs.split(",")]

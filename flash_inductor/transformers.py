@@ -5,10 +5,11 @@
 
 transformers selects a model's attention by name through ``AttentionInterface`` (the function
 that computes attention) and ``AttentionMaskInterface`` (the function that builds the mask it
-receives). :func:`register` adds :func:`attention_forward` under the name and reuses the mask
-function of ``"sdpa"``, whose contract is ours too: a boolean ``(B, 1, L, S)`` mask (True =
-attend), or None where ``is_causal=True`` alone says it, so the common causal case never
-materialises a mask.
+receives). :func:`register` adds :func:`attention_forward` under the name and
+:func:`flash_inductor.transformers_masks.attention_mask_function` as its mask function: the mask
+of ``"sdpa"`` (a boolean ``(B, 1, L, S)`` mask, True = attend, or None where ``is_causal=True``
+alone says it), except on a packed batch, where it builds no mask at all and records the packing
+for the attention function to run varlen from.
 
 **The name has no "flash" in it.** transformers treats every implementation name containing
 "flash" as a FlashAttention build (``is_flash_attention_requested``): it hands such a name
@@ -27,7 +28,11 @@ What each HF feature becomes (:data:`KWARG_ROLES` lists every keyword argument a
 * packed sequences: ``cu_seq_lens_q/k`` with ``max_length_q/k`` (``DataCollatorWithFlattening``'s
   ``return_flash_attn_kwargs``, vision towers), or ``position_ids`` that restart inside a row, run
   :func:`flash_inductor.flash_attention_varlen`, one problem per sequence (causal per sequence,
-  the window as FlashAttention's); where HF also built a mask, it must be exactly the packed causal
+  the window as FlashAttention's). On a padding-free packed batch without a cache the mask
+  function builds no ``L x L`` mask: the attention function takes the sequences and the window
+  from its record (``transformers_masks.recorded_packing``), which holds for models that pass
+  attention neither ``position_ids`` nor ``sliding_window``. Where HF did build a mask (padding,
+  a cache, chunked or overlaid masks, ``torch.compile``), it must be exactly the packed causal
   (or sliding) pattern, else the op runs densely on the mask restricted to each sequence;
 * GQA (fewer key/value heads): ``enable_gqa=True``, K and V are indexed per group, never repeated;
 * ``dropout`` (HF passes it only in training) and ``scaling``: the op's ``dropout_p`` and ``scale``;
@@ -55,6 +60,7 @@ import torch
 from torch import Tensor
 
 from .api import flash_attention
+from .transformers_masks import SkippedPacking, attention_mask_function, packing_recorded, recorded_packing
 from .varlen import flash_attention_varlen
 
 NAME = "inductor_stable"
@@ -120,11 +126,10 @@ def register(name: str = NAME) -> str:
     transformers treats as FlashAttention or as a Hub kernel raises ``ValueError``.
     """
     from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
 
     _check_name(name)
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, attention_mask_function)
     _REGISTERED.add(name)
     _refuse_legacy_name()
     return name
@@ -285,7 +290,20 @@ def attention_forward(
     q_len, kv_len = query.shape[2], key.shape[2]
     layer_causal = _causal(module, is_causal)
     attentions = _attentions_requested(kwargs)
-    documents = _documents(query, key, kwargs)
+    skipped = None
+    if attention_mask is None and layer_causal and q_len == kv_len > 1:
+        skipped = _skipped_packing(module, query, sliding_window)
+    if skipped is None:
+        documents = _documents(query, key, kwargs)
+    else:
+        # The mask function left this layer's packed mask unbuilt: its record, not the keywords
+        # (which may lack position_ids or sliding_window), says the sequences and the window.
+        documents, sliding_window = skipped
+        given = _documents(query, key, kwargs) if kwargs.get("cu_seq_lens_q") is not None else None
+        if given is not None and not (torch.equal(given.cu_q, documents.cu_q)
+                                      and torch.equal(given.cu_k, documents.cu_k)):
+            attention_mask = _packed_mask(documents, True, sliding_window)  # both hold: the mask, within each
+            documents = given
     # Packed sequences run varlen when the mask (if any), restricted to each sequence, is exactly
     # their causal (or sliding) pattern; the restricted mask itself is built only where it is read.
     on_varlen = documents is not None and (attention_mask is None or documents.is_packed_pattern(
@@ -342,6 +360,37 @@ def attention_forward(
         softcap=softcap, sinks=sinks,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _skipped_packing(module, query: Tensor, sliding_window) -> Optional[tuple["_Documents", Optional[int]]]:
+    """The sequences and the window of a packed mask the mask function left unbuilt, or None."""
+    if torch.compiler.is_compiling():
+        # A compiled model builds its masks (the mask function records nothing while compiling). Layers
+        # compiled one by one under an eager model may see a record: reading it breaks the graph.
+        return _skipped_packing_eagerly(module, query, sliding_window) if packing_recorded() else None
+    return _skipped_packing_eagerly(module, query, sliding_window)
+
+
+@torch.compiler.disable
+def _skipped_packing_eagerly(module, query: Tensor, sliding_window):
+    skipped = recorded_packing(module, query.shape[0], query.shape[2], query.device)
+    if skipped is None:
+        return None
+    return _recorded_documents(skipped), skipped.window_for(module, sliding_window)
+
+
+def _recorded_documents(skipped: SkippedPacking) -> "_Documents":
+    """The sequences of HF's per-row ids, built once per record (every layer shares it)."""
+    documents = skipped.cache.get("documents")
+    if documents is None:
+        ids = skipped.ids
+        starts = torch.ones_like(ids, dtype=torch.bool)
+        starts[:, 1:] = ids.diff(dim=-1) != 0
+        flat = starts.reshape(-1)
+        cu = torch.cat([flat.nonzero().view(-1), flat.new_tensor([flat.numel()], dtype=torch.int64)]).to(torch.int32)
+        documents = _Documents(cu, cu, None, None, ids=flat.cumsum(0).view(ids.shape))
+        skipped.cache["documents"] = documents
+    return documents
 
 
 def _sinks(s_aux: Optional[Tensor], sinks: Optional[Tensor], query: Tensor) -> Optional[Tensor]:

@@ -10,14 +10,44 @@ must touch, in every lane its mask enables, bytes inside one of the tensors pass
 It wraps two private parts of ``triton.runtime.interpreter`` (how a launch copies its tensor
 arguments to the host, and the builder's masked load/store); if a Triton release renames them,
 ``checked_addresses`` raises rather than check nothing.
+
+On a GPU the same tests run under NVIDIA's compute-sanitizer instead (``bash tools/gpu/steps.sh
+memcheck``), which watches every address of every kernel, Gluon ones included. That step sets
+``FLASH_INDUCTOR_MEMCHECK=1``; without it ``watched_addresses`` has nothing watching on a GPU, so
+the tests skip there (``ADDRESS_WATCH``) rather than pass unchecked. The step first runs a canary
+load past a tensor's end and fails unless the sanitizer reports it, so a sanitizer that watches
+nothing cannot pass the tests either.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
+import torch
+
+MEMCHECK_ENV = "FLASH_INDUCTOR_MEMCHECK"
+
+
+def under_memcheck() -> bool:
+    """Whether tools/gpu/steps.sh's memcheck step runs this process under compute-sanitizer."""
+    return os.environ.get(MEMCHECK_ENV) == "1"
+
+
+def _gpu_tests() -> bool:
+    from helpers import ON_CUDA
+
+    return ON_CUDA
+
+
+# The address tests' marker: they run on CPU (the interpreter's check) and on a GPU under the
+# sanitizer, and skip on a GPU without one, naming the step that runs them.
+ADDRESS_WATCH = pytest.mark.skipif(_gpu_tests() and not under_memcheck(),
+                                   reason="on a GPU the address checks run under compute-sanitizer: "
+                                          "bash tools/gpu/steps.sh memcheck")
 
 
 class OutOfBoundsAccess(AssertionError):
@@ -103,3 +133,25 @@ def checked_addresses():
     finally:
         executor._init_args_hst = original_init
         builder.create_masked_load, builder.create_masked_store = original_load, original_store
+
+
+@contextlib.contextmanager
+def watched_addresses(device):
+    """``checked_addresses`` on CPU. On a GPU (under the memcheck step) compute-sanitizer checks the
+    addresses; the block counts the kernel launches it ran (``accesses``: a test can assert kernels
+    ran, not a fallback) and synchronises at its end, so a fault surfaces in the test that made it."""
+    if torch.device(device).type != "cuda":
+        with checked_addresses() as state:
+            yield state
+        return
+    from flash_inductor.launch import common
+
+    state = _LaunchState(kernel="(compute-sanitizer)")
+
+    def counted(kernel):
+        state.accesses += 1
+        return kernel
+
+    with common.launches_replaced(counted):
+        yield state
+    torch.cuda.synchronize()

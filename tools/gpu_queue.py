@@ -52,6 +52,8 @@ class Item:
 ITEMS = (
     *(Item(f"suite-{i}of3", f"SHARD={i}/3 SKIP_BENCH=1 SUITE_SECONDS=$LIMIT bash tools/gpu/suite.sh", 480,
            f"the GPU test suite, shard {i} of 3") for i in (1, 2, 3)),
+    Item("memcheck", "MEMCHECK_SECONDS=$((LIMIT - 60)) bash tools/gpu/steps.sh memcheck", 480,
+         "the address tests under compute-sanitizer (the suite skips them on a GPU)"),
     Item("grid", "BUDGET=$LIMIT bash tools/gpu/steps.sh grid", 540,
          "the speed grid against cuDNN, FA2 and Flex (README, Performance)"),
     Item("e2e", "python3 -m benchmarks.e2e_models --time-budget $((LIMIT - 30)) --out $OUT", 540,

@@ -220,18 +220,19 @@ def _key_mask(kind: str, seq: int, dtype, heads: int = 2):
     return None
 
 
-def gluon_forward(dtype, head_dim, kind, *, exact=False, config=None, seq=SEQ, schedule=None):
+def gluon_forward(dtype, head_dim, kind, *, exact=False, config=None, seq=SEQ, schedule=None, softcap=0.0):
     from flash_inductor.launch import hopper
 
     q, k, v = _tensors(dtype, head_dim, seq, 3)
+    extra = dict(softcap=softcap) if softcap else {}
     hopper.hopper_attention_forward(q, k, v, scale=head_dim**-0.5, visibility=_visibility(kind, seq),
                                     attn_mask=_key_mask(kind, seq, dtype), config=config, exact_delta=exact,
-                                    schedule=schedule or ("stable" if exact else "fast"))
+                                    schedule=schedule or ("stable" if exact else "fast"), **extra)
 
 
-def gluon_backward(dtype, head_dim, kind, *, exact=False, config=None, seq=SEQ, grad_lse=False, group=1):
+def gluon_backward(dtype, head_dim, kind, *, exact=False, config=None, seq=SEQ, grad_lse=False, group=1, softcap=0.0):
     """`fast`'s backward, or (``exact``) `stable`'s one-pass backward as ops/one_pass.py calls it;
-    ``group`` query heads per KV head (2 KV heads)."""
+    ``group`` query heads per KV head (2 KV heads); ``softcap`` > 0 a soft cap."""
     import torch
 
     from flash_inductor.launch import hopper_bwd
@@ -240,16 +241,19 @@ def gluon_backward(dtype, head_dim, kind, *, exact=False, config=None, seq=SEQ, 
     k, v = _tensors(dtype, head_dim, seq, 2)
     lse = torch.zeros((1, 2 * group, seq))
     extra = {}
-    if exact:
+    if exact:  # as ops/one_pass.py calls it: centred keys, but for a soft cap
         extra = dict(exact_delta=(torch.zeros_like(out), torch.zeros((2, 1, 2 * group, seq))),
-                     mean_key=hopper_bwd.key_moments(k))
+                     mean_key=None if softcap else hopper_bwd.key_moments(k))
+    if softcap:
+        extra["softcap"] = softcap
     hopper_bwd.hopper_attention_backward(do, q, k, v, out, lse, lse if grad_lse else None, scale=head_dim**-0.5,
                                          visibility=_visibility(kind, seq),
                                          attn_mask=_key_mask(kind, seq, dtype, 2 * group), config=config, schedule="stable" if exact else "fast", **extra)
 
 
-def one_pass(dtype, head_dim, kind, seq=SEQ):
-    """The one-pass ops themselves (``flash_inductor::attention_{forward,backward}_one_pass``)."""
+def one_pass(dtype, head_dim, kind, seq=SEQ, softcap=0.0):
+    """The one-pass ops themselves (``flash_inductor::attention_{forward,backward}_one_pass``);
+    ``softcap`` > 0 passes a soft cap."""
     import torch
 
     import flash_inductor.ops.one_pass  # noqa: F401 -- registers the ops
@@ -259,9 +263,11 @@ def one_pass(dtype, head_dim, kind, seq=SEQ):
     mask = _key_mask(kind, seq, dtype)
     window = vis.window or (-1, -1)
     ops = torch.ops.flash_inductor
-    out, lse, resid, rows = ops.attention_forward_one_pass(q, k, v, vis.is_causal, 0, head_dim**-0.5, *window, mask)
+    capped = dict(softcap=softcap) if softcap else {}
+    out, lse, resid, rows = ops.attention_forward_one_pass(q, k, v, vis.is_causal, 0, head_dim**-0.5, *window, mask,
+                                                           **capped)
     ops.attention_backward_one_pass(do, q, k, v, out, lse, lse, resid, rows, vis.is_causal, 0, head_dim**-0.5,
-                                    *window, mask)
+                                    *window, mask, **capped)
 
 
 def _packing(seq):
@@ -381,6 +387,12 @@ def hand_picked_cases() -> list[Case]:
                                passes=("backward",), group=4))
             cases.append(_case(f"gluon_varlen_bwd_exact/{dt}/e{e}/causal", gluon_varlen, dtype, e, "causal",
                                passes=("backward",), exact=True, group=2))
+            for kind in ("none", "causal"):  # the soft cap (SOFTCAP) on every Gluon path
+                for path, fn, exact in (("gluon_fwd", gluon_forward, False), ("gluon_fwd_exact", gluon_forward, True),
+                                        ("gluon_bwd", gluon_backward, False), ("gluon_bwd_exact", gluon_backward, True)):
+                    cases.append(_case(f"softcap/{path}/{dt}/e{e}/{kind}", fn, dtype, e, kind, exact=exact,
+                                       softcap=30.0))
+            cases.append(_case(f"softcap/one_pass/{dt}/e{e}/causal", one_pass, dtype, e, "causal", softcap=30.0))
         cases.append(_case(f"gluon_bwd_exact/{dt}/e64/key/paired", gluon_backward, dtype, 64, "key", exact=True,
                            config=HopperBackwardConfig(paired_tiles=True)))
         cases.append(_case(f"gluon_bwd_exact/{dt}/e64/key_additive", gluon_backward, dtype, 64, "key_additive",

@@ -53,6 +53,14 @@ Constexpr switches that say what is computed:
               of the next sequence a box covers; dK and dV are stored row by row with a mask (a TMA
               box would write the next sequence's keys). The grid covers the packed keys
               (``PackedRows``), so only each sequence's own tiles run.
+  SOFTCAP     FlashAttention-2's soft cap, as the forward's SOFTCAP (kernels/gluon_softcap.py): the
+              tile's Sᵀ becomes tᵀ = tanh(st·tanh_scale) before the mask, Pᵀ = exp2(tᵀ·softcap_log2
+              - lse2) (the forward's very formula, so under EXACT_DELTA P̃ rounds as the forward's),
+              and dSᵀ takes the slope gᵀ = 1 - tᵀ², kept from before the mask (finite everywhere), on
+              its way to the dK and dQ GEMMs: dUᵀ = dSᵀ∘gᵀ, the gradient of u = scale·q·k. Δ, P and
+              dV are unchanged (kernels/attn_bwd.py, "Soft cap"). Under EXACT_DELTA the row sums of
+              dS are still dLSE, but those of dU are not, so the launcher does not centre the keys
+              (CENTRE_KEYS off: its add-back is dLSE·k̂).
 
 Switches that change the numerics (the rounding or the order of sums; within the schedule's contract):
   EXACT_DELTA the `stable` schedule's exact Δ in one pass (docs/hopper_backward.md), from a
@@ -172,6 +180,7 @@ class BwdConfig:
     HAS_BLOCK_SPARSITY: gl.constexpr
     EVEN_L: gl.constexpr
     PAIRED_TILES: gl.constexpr
+    SOFTCAP: gl.constexpr
     VARLEN: gl.constexpr
     dtype: gl.constexpr
     DQ_COLS: gl.constexpr     # dQ's columns per consumer: E / 2 under DQ_SPLIT, else E
@@ -184,7 +193,8 @@ class BwdConfig:
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, DQ_SPLIT, DQ_TMA, EXACT_DELTA, HAS_KEY_BIAS,
-                 ROW_STATS_TMA, DKDV_PARTIALS, CENTRE_KEYS, HAS_BLOCK_SPARSITY, EVEN_L, PAIRED_TILES, VARLEN=False):
+                 ROW_STATS_TMA, DKDV_PARTIALS, CENTRE_KEYS, HAS_BLOCK_SPARSITY, EVEN_L, PAIRED_TILES, SOFTCAP=False,
+                 VARLEN=False):
         self.HEAD_DIM = gl.constexpr(q_desc.block_type.shape[3])
         self.BLOCK_M = gl.constexpr(q_desc.block_type.shape[2])
         self.KC = gl.constexpr(k_desc.block_type.shape[2])
@@ -202,6 +212,7 @@ class BwdConfig:
         self.HAS_BLOCK_SPARSITY = field(HAS_BLOCK_SPARSITY)
         self.EVEN_L = field(EVEN_L)
         self.PAIRED_TILES = field(PAIRED_TILES)
+        self.SOFTCAP = field(SOFTCAP)
         self.VARLEN = field(VARLEN)
         self.dtype = gl.constexpr(q_desc.dtype)
         E = self.HEAD_DIM.value
@@ -218,7 +229,8 @@ class BwdConfig:
 
 @aggregate
 class BwdProblem:
-    """The call's sizes, scalars and pointers (the entry point's docstring)."""
+    """The call's sizes, scalars and pointers (the entry point's docstring); ``softcap_log2`` and
+    ``tanh_scale``, the soft cap's fp32 factors (SOFTCAP), as the forward's ``FwdProblem`` has them."""
     L: Scalar
     S: Scalar
     H_KV: Scalar
@@ -238,6 +250,8 @@ class BwdProblem:
     MEAN_KEY: gl.tensor
     DKDV_PART: gl.tensor
     lists: TileLists
+    softcap_log2: Scalar
+    tanh_scale: Scalar
     packed: PackedRows
     DK: Scalar
     DV: Scalar
@@ -247,8 +261,8 @@ class BwdProblem:
 
     @gluon.constexpr_function
     def __init__(self, L, S, H_KV, GROUP, group_split, stride_stats, causal_offset, window_lower, qk_scale, sm_scale,
-                 swizzle_heads, LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART, lists, packed, DK=None,
-                 DV=None, q_start=0, k_start=0, total_q=0):
+                 swizzle_heads, LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART, lists, softcap_log2,
+                 tanh_scale, packed, DK=None, DV=None, q_start=0, k_start=0, total_q=0):
         self.L = field(L)
         self.S = field(S)
         self.H_KV = field(H_KV)
@@ -268,6 +282,8 @@ class BwdProblem:
         self.MEAN_KEY = field(MEAN_KEY)
         self.DKDV_PART = field(DKDV_PART)
         self.lists = field(lists)
+        self.softcap_log2 = field(softcap_log2)
+        self.tanh_scale = field(tanh_scale)
         self.packed = field(packed)
         self.DK = field(DK)
         self.DV = field(DV)
@@ -283,7 +299,7 @@ class BwdProblem:
         return BwdProblem(seq_q, seq_k, self.H_KV, self.GROUP, self.group_split, self.stride_stats, causal_offset,
                           window_lower, self.qk_scale, self.sm_scale, self.swizzle_heads, self.LSE, self.DELTA,
                           self.DQ_ACCUM, self.DS_UP, self.KEY_BIAS, self.MEAN_KEY, self.DKDV_PART, self.lists,
-                          self.packed, self.DK, self.DV, q_start, k_start, self.L)
+                          self.softcap_log2, self.tanh_scale, self.packed, self.DK, self.DV, q_start, k_start, self.L)
 
 
 @aggregate
@@ -679,63 +695,60 @@ def _store_partial(cfg, prob, acc, which, part, b, h_kv, k0):
 
 
 @gluon.jit
-def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
-                     LSE, DELTA, DQ_ACCUM,
-                     DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART, L, S, H_KV, GROUP, group_split, stride_stats, causal_offset,
-                     window_lower, qk_scale, sm_scale, swizzle_heads, TILE_LISTS, stride_lb, stride_lh, list_stride,
-                     HEAD_DIM: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-                     DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, EXACT_DELTA: gl.constexpr,
-                     HAS_KEY_BIAS: gl.constexpr, ROW_STATS_TMA: gl.constexpr, DKDV_PARTIALS: gl.constexpr,
-                     CENTRE_KEYS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                     HAS_BLOCK_SPARSITY: gl.constexpr = False, EVEN_L: gl.constexpr = False,
-                     PAIRED_TILES: gl.constexpr = False, VARLEN: gl.constexpr = False, DK=None, DV=None, CU_Q=None,
-                     CU_K=None, n_seq=None, diag_shift=None):
+def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc, args,
+                     switches: gl.constexpr):
     """Grid (cdiv(S, BLOCK_N), B * H_KV * group_split), walked in the order ``swizzle_heads`` sets.
     Descriptors are 4-D over (B, H, L or S, E): Q and dO boxes (1, 1, BLOCK_M, E); K, V, dK, dV
-    boxes (1, 1, 64, E). DQ_ACCUM is (B, Hq, L, E) fp32
-    zeros, contiguous, and ``dq_desc`` describes it with box (1, 1, BLOCK_M, E or E / 2 under
-    DQ_SPLIT) (used only under DQ_TMA); LSE (natural log) and DELTA are (B·Hq, L) fp32 planes whose rows
-    are ``stride_stats`` apart.
-    Under EXACT_DELTA, LSE is the forward's pivot plane and DS_UP one fp32 power of two (glossary);
-    otherwise DS_UP is not read. Under HAS_KEY_BIAS, KEY_BIAS is (B, Hq, S) fp32, contiguous.
-    ``lse_desc``/``delta_desc`` are 2-D descriptors over those planes, box (1, BLOCK_M), read only
-    under ROW_STATS_TMA (which then does not read the LSE/DELTA pointers). Under DKDV_PARTIALS,
-    DKDV_PART is (2, group_split, B, H_KV, S, E) fp32 and the dK/dV descriptors are not used;
-    otherwise group_split is 1 and DKDV_PART is not touched. Under CENTRE_KEYS, MEAN_KEY is
-    (B·H_KV, E) fp32, contiguous (k̂); otherwise it is not read. Under HAS_BLOCK_SPARSITY, TILE_LISTS
+    boxes (1, 1, 64, E); ``dq_desc`` describes DQ_ACCUM with box (1, 1, BLOCK_M, E or E / 2 under
+    DQ_SPLIT) (used only under DQ_TMA); ``lse_desc``/``delta_desc`` are 2-D descriptors over the LSE and
+    DELTA planes, box (1, BLOCK_M), read only under ROW_STATS_TMA (which then does not read the
+    LSE/DELTA pointers).
+    ``args`` (``hopper_args.BwdArgs``): DQ_ACCUM is (B, Hq, L, E) fp32 zeros, contiguous; LSE (natural
+    log) and DELTA are (B·Hq, L) fp32 planes whose rows are ``stride_stats`` apart. Under EXACT_DELTA,
+    LSE is the forward's pivot plane and DS_UP one fp32 power of two (glossary); otherwise DS_UP is not
+    read. Under HAS_KEY_BIAS, KEY_BIAS is (B, Hq, S) fp32, contiguous. Under DKDV_PARTIALS, DKDV_PART is
+    (2, group_split, B, H_KV, S, E) fp32 and the dK/dV descriptors are not used; otherwise group_split
+    is 1 and DKDV_PART is not touched. Under CENTRE_KEYS, MEAN_KEY is (B·H_KV, E) fp32, contiguous
+    (k̂); otherwise it is not read. Under HAS_BLOCK_SPARSITY, ``lists`` (``hopper_args.TileListArgs``)
     is int32 (B or 1, Hq or 1, key blocks, list_stride), one row a key block: its query tile count,
-    then its query tiles (``launch.block_tiles.gluon_tile_lists``), the first two dims ``stride_lb``
-    and ``stride_lh`` apart (0 where the layout broadcasts); else not read.
-    Under VARLEN the tensors are packed (glossary): descriptors over (1, H, total, E) views, L and S
-    the packed totals, grid (total_k // BLOCK_N + n_seq, H_KV) (``PackedRows``), DQ_ACCUM and the
-    planes over the packed rows (B = 1), DK and DV the gradients as contiguous (total_k, H_KV, E)
-    tensors (the dK/dV descriptors are not stored through); CU_Q, CU_K, n_seq and diag_shift as
-    ``PackedRows`` takes them. Otherwise those six are None and not read."""
-    gl.static_assert(not (VARLEN and (DKDV_PARTIALS or HAS_BLOCK_SPARSITY or HAS_KEY_BIAS or EVEN_L)),
+    then its query tiles (``launch.block_tiles.gluon_tile_lists``); else not read. Under SOFTCAP,
+    ``softcap_log2`` = c·log2 e and ``tanh_scale`` = scale / c (fp32; qk_scale is then not read), as
+    the forward takes them; otherwise neither is read. Under VARLEN the tensors are packed
+    (glossary): descriptors over (1, H, total, E) views, L and S the packed totals, grid
+    (total_k // BLOCK_N + n_seq, H_KV) (``PackedRows``), DQ_ACCUM and the planes over the packed rows
+    (B = 1), DK and DV the gradients as contiguous (total_k, H_KV, E) tensors (the dK/dV descriptors
+    are not stored through); CU_Q, CU_K, n_seq and diag_shift as ``PackedRows`` takes them. Otherwise
+    those six are None and not read.
+    ``switches`` (``hopper_args.BwdSwitches``): the glossary's constexprs."""
+    gl.static_assert(not (switches.VARLEN and (switches.DKDV_PARTIALS or switches.HAS_BLOCK_SPARSITY
+                                               or switches.HAS_KEY_BIAS or switches.EVEN_L)),
                      "VARLEN launches unsplit, without a block-sparse layout, a key mask or EVEN_L")
-    cfg = BwdConfig(q_desc, k_desc, NUM_STAGES=NUM_STAGES, IS_CAUSAL=IS_CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
-                    DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA, EXACT_DELTA=EXACT_DELTA, HAS_KEY_BIAS=HAS_KEY_BIAS,
-                    ROW_STATS_TMA=ROW_STATS_TMA, DKDV_PARTIALS=DKDV_PARTIALS, CENTRE_KEYS=CENTRE_KEYS,
-                    HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY, EVEN_L=EVEN_L, PAIRED_TILES=PAIRED_TILES, VARLEN=VARLEN)
-    gl.static_assert(BLOCK_N == NUM_CONSUMERS * KEYS_PER_CONSUMER, "BLOCK_N is 64 keys per consumer")
-    gl.static_assert((cfg.HEAD_DIM == HEAD_DIM) & (cfg.BLOCK_M == BLOCK_M) & (cfg.BLOCK_N == BLOCK_N),
-                     "HEAD_DIM and BLOCK_M are Q's box, BLOCK_N two of K's")
-    qk_scale = qk_scale.to(gl.float32)
-    sm_scale = sm_scale.to(gl.float32)
-    prob = BwdProblem(L, S, H_KV, GROUP, group_split, stride_stats, causal_offset, window_lower, qk_scale, sm_scale,
-                      swizzle_heads, LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART,
-                      TileLists(TILE_LISTS, stride_lb, stride_lh, list_stride),
-                      PackedRows(CU_Q, CU_K, n_seq, diag_shift),
-                      DK, DV)
+    cfg = BwdConfig(q_desc, k_desc, NUM_STAGES=switches.NUM_STAGES, IS_CAUSAL=switches.IS_CAUSAL,
+                    WINDOW_LEFT=switches.WINDOW_LEFT, DQ_SPLIT=switches.DQ_SPLIT, DQ_TMA=switches.DQ_TMA,
+                    EXACT_DELTA=switches.EXACT_DELTA, HAS_KEY_BIAS=switches.HAS_KEY_BIAS,
+                    ROW_STATS_TMA=switches.ROW_STATS_TMA, DKDV_PARTIALS=switches.DKDV_PARTIALS,
+                    CENTRE_KEYS=switches.CENTRE_KEYS, HAS_BLOCK_SPARSITY=switches.HAS_BLOCK_SPARSITY,
+                    EVEN_L=switches.EVEN_L, PAIRED_TILES=switches.PAIRED_TILES, SOFTCAP=switches.SOFTCAP,
+                    VARLEN=switches.VARLEN)
+    gl.static_assert(switches.BLOCK_N == NUM_CONSUMERS * KEYS_PER_CONSUMER, "BLOCK_N is 64 keys per consumer")
+    gl.static_assert((cfg.HEAD_DIM == switches.HEAD_DIM) & (cfg.BLOCK_M == switches.BLOCK_M)
+                     & (cfg.BLOCK_N == switches.BLOCK_N), "HEAD_DIM and BLOCK_M are Q's box, BLOCK_N two of K's")
+    qk_scale = args.qk_scale.to(gl.float32)
+    sm_scale = args.sm_scale.to(gl.float32)
+    lists = args.lists
+    prob = BwdProblem(args.L, args.S, args.H_KV, args.GROUP, args.group_split, args.stride_stats, args.causal_offset,
+                      args.window_lower, qk_scale, sm_scale, args.swizzle_heads, args.LSE, args.DELTA, args.DQ_ACCUM,
+                      args.DS_UP, args.KEY_BIAS, args.MEAN_KEY, args.DKDV_PART,
+                      TileLists(lists.base, lists.stride_lb, lists.stride_lh, lists.list_stride),
+                      args.softcap_log2, args.tanh_scale, PackedRows(args.CU_Q, args.CU_K, args.n_seq, args.diag_shift),
+                      args.DK, args.DV)
     descs = BwdDescs(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc)
     bufs = _allocate(cfg, descs)
     gl.warp_specialize([
         (_hopper_bwd_consumer, (cfg, prob, descs, bufs, 0)),
         (_hopper_bwd_consumer, (cfg, prob, descs, bufs, 1)),
         (_hopper_bwd_loader, (cfg, prob, descs, bufs)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    ], [4, 1], [switches.CONSUMER_REGS, switches.LOADER_REGS])
 
 
 @gluon.jit

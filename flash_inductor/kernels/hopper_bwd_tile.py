@@ -15,6 +15,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.core import _aggregate as aggregate
 
+from .gluon_softcap import softcap_slope, softcap_tanh
 from .gluon_tma import async_reduce_add_shared_to_global
 from .hopper_packed import q_row
 from .hopper_pipeline import MaybeSmem, Scalar, field
@@ -150,7 +151,9 @@ def _row_bases(cfg, prob, b, H_Q, h):
 @gluon.jit
 def _tile_p(cfg, prob, bufs, keys, slot, phase, h, m, st_tok, ST_ISSUED: gl.constexpr):
     """Sᵀ and dPᵀ of the tile issued, and Pᵀ (fp32 and as the dV GEMM's A operand) while dPᵀ
-    runs. Returns (pt, pt_op, dPᵀ's token, Δ, the Q and dO tiles, the dQ rows' base, Sᵀ's token)."""
+    runs. Returns (pt, pt_op, dPᵀ's token, Δ, the Q and dO tiles, the dQ rows' base, Sᵀ's token).
+    Under SOFTCAP the fp32 pt is Pᵀ∘gᵀ, the slope taken in, so that dSᵀ comes out as dUᵀ = dSᵀ∘gᵀ
+    with no second fp32 tile live across the dV GEMM."""
     BLOCK_M: gl.constexpr = cfg.BLOCK_M
     b = keys.b
     key_ids = keys.key_ids
@@ -179,14 +182,24 @@ def _tile_p(cfg, prob, bufs, keys, slot, phase, h, m, st_tok, ST_ISSUED: gl.cons
         delta_raw = bufs.delta_smem.index(slot).reshape([BLOCK_M]).load(cfg.col_layout)
     lse2, delta = _row_stats(lse_raw, delta_raw, q_in, EXACT_DELTA=cfg.EXACT_DELTA, EVEN_L=cfg.EVEN_L)
     st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
+    if cfg.SOFTCAP:
+        # tᵀ before the mask, as the forward takes it, and its slope while every score is finite.
+        st = softcap_tanh(st * prob.tanh_scale)
+        slope = softcap_slope(st)
+        qk_scale = prob.softcap_log2
+    else:
+        qk_scale = prob.qk_scale
     st = _mask_scores(cfg, prob, st, key_ids, q_ids, keys.k0, m)
     if cfg.HAS_KEY_BIAS:
-        pt = gl.exp2((st * prob.qk_scale + gl.expand_dims(key_bias, 1)) - gl.expand_dims(lse2, 0))
+        pt = gl.exp2((st * qk_scale + gl.expand_dims(key_bias, 1)) - gl.expand_dims(lse2, 0))
     else:
-        pt = gl.exp2(st * prob.qk_scale - gl.expand_dims(lse2, 0))
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
     if cfg.EXACT_DELTA:
         pt = _rounded(pt, dtype=cfg.dtype)  # P̃, as the forward rounded it; dS takes the same values
     pt_op = gl.convert_layout(pt.to(cfg.dtype), cfg.a_layout)
+    if cfg.SOFTCAP:
+        # dUᵀ = Pᵀ∘gᵀ∘(dPᵀ - Δ): g <= 1, so fp16's bound on |dS| (EXACT_DELTA's ds_up) holds for it.
+        pt = pt * slope
     return pt, pt_op, dpt_tok, delta, q_tile, do_tile, row_base, st_tok
 
 

@@ -41,6 +41,11 @@ Constexpr switches that say what is computed:
   HAS_KEY_BIAS  a key mask, one value per key (``launch.hopper.key_bias``): KEY_BIAS is (B, H, S)
                 fp32 in base 2 (0 to attend, -inf to hide, an additive mask times log2 e), added
                 to each tile's scaled scores; a mask that varies along the queries never gets here.
+  SOFTCAP       FlashAttention-2's soft cap: the score is c·tanh(scale·q·k / c), in fp32, before the
+                mask (``kernels/gluon_softcap.py``, the Triton kernels' tanh and its error bound). The
+                score step takes t = tanh(s·tanh_scale), tanh_scale = scale / c, selects on t, and
+                uses softcap_log2 = c·log2(e) where qk_scale stands otherwise (t·softcap_log2 are
+                the scores in base 2): two MUFU ops more per score (ex2, rcp).
   HAS_BLOCK_SPARSITY a block-sparse layout (``launch/block_tiles.py``): each block walks the key tiles
                 listed for it, TILE_LISTS[b, h, block] = (count, tile, tile, ...) in ascending order,
                 rather than a contiguous range. The launcher takes only layouts whose blocks hold
@@ -118,6 +123,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.language.core import _aggregate as aggregate
 from triton.language.core import base_value
 
+from .gluon_softcap import softcap_tanh
 from .grid_order import ordered_cell
 from .hopper_fwd_state import FwdBuffers, FwdConfig, FwdDescs, FwdProblem, allocate
 from .hopper_packed import PackedRows, forward_block, k_row, q_row, store_packed_rows
@@ -416,8 +422,14 @@ def _softmax_step(cfg, prob, rows, s, m_i, l_i, bias, j):
     """Fold key tile j's unscaled scores into (m_i, l_i); returns (p, alpha, m_i, l_i), p in fp32.
     Under EXACT_DELTA p is already rounded to ``dtype`` (the rounded P's row sum is a wgmma
     against a ones tile beside P·V, ``_pv_issue``); l_i is the fp32 P's sum either way.
-    ``bias``: the tile's key bias (base 2) under HAS_KEY_BIAS, else None."""
-    qk_scale = prob.qk_scale
+    ``bias``: the tile's key bias (base 2) under HAS_KEY_BIAS, else None. Under SOFTCAP the tile's
+    values become t = tanh(s·scale / c) before the select (a hidden score must stay -inf, which tanh
+    would bring back to -1), and c·log2(e) takes qk_scale's place: the scores in base 2 are t·c·log2 e."""
+    if cfg.SOFTCAP:
+        s = softcap_tanh(s * prob.tanh_scale)
+        qk_scale = prob.softcap_log2
+    else:
+        qk_scale = prob.qk_scale
     needs_select = j >= rows.n_full
     if cfg.WINDOW_LEFT:
         needs_select = needs_select | (j < rows.lo_full)
@@ -438,8 +450,8 @@ def _softmax_step(cfg, prob, rows, s, m_i, l_i, bias, j):
         s = s * qk_scale + gl.expand_dims(bias, 0)
         tile_max = gl.max(s, 1)
     else:
-        # Max on the unscaled scores, scaled once: exact for qk_scale > 0 (x -> fl(c·x) is
-        # monotonic), and exp2's argument below is then a single FFMA per score.
+        # Max on the unscaled scores (under SOFTCAP on t), scaled once: exact for qk_scale > 0
+        # (x -> fl(c·x) is monotonic), and exp2's argument below is then a single FFMA per score.
         tile_max = gl.max(s, 1) * qk_scale
     if cfg.EXACT_DELTA:
         tile_max = gl.ceil(tile_max)  # -inf stays -inf
@@ -744,53 +756,53 @@ def _epilogue(cfg, prob, descs, sched, rows, accs, m_i, l_i, b, h, row0, CONSUME
 
 
 @gluon.jit
-def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, LSE, ROW_CONSTS, KEY_BIAS,
-                     L, S, H, GROUP, causal_offset, window_lower, qk_scale, swizzle_heads, WORK_COUNTER, BH,
-                     TILE_LISTS, stride_lb, stride_lh, list_stride,
-                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                     WINDOW_LEFT: gl.constexpr, PINGPONG: gl.constexpr, EXACT_DELTA: gl.constexpr,
-                     HAS_KEY_BIAS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     LOADER_REGS: gl.constexpr, SKIP_MASKED_TILES: gl.constexpr = False,
-                     PERSISTENT: gl.constexpr = False, HAS_BLOCK_SPARSITY: gl.constexpr = False,
-                     VARLEN: gl.constexpr = False, OUT=None, RESID=None, CU_Q=None, CU_K=None, n_seq=None,
-                     diag_shift=None):
+def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, args, switches: gl.constexpr):
     """Grid (cdiv(L, BLOCK_M * NUM_CONSUMERS), B * H), walked in the order ``swizzle_heads`` sets;
     under PERSISTENT (at most one CTA per SM, 1-D) each CTA takes the block of its own index, then
     claims the next ones from WORK_COUNTER (int32, zero at launch) in that order, so the longest
     blocks start first wherever they land, and a block's loads overlap the previous one's epilogue.
     Q/K/V/O descriptors are 4-D over (B, H, L or S, E) with boxes (1, 1, rows, E), so TMA clips
     and zero-fills per head. Under EXACT_DELTA ``r_desc`` describes O's residual (as O) and
-    ROW_CONSTS is (2, B, H, L) fp32 (pivot, g); otherwise neither is touched. Under HAS_KEY_BIAS,
-    KEY_BIAS is (B, H, S) fp32, contiguous (glossary); otherwise it is not read. BH = B·H. Under
-    HAS_BLOCK_SPARSITY, TILE_LISTS is int32 (B or 1, H or 1, blocks, list_stride), one row a query
-    block: its tile count, then its key tiles (``launch.block_tiles.gluon_tile_lists``), the first two
-    dims ``stride_lb`` and ``stride_lh`` apart (0 where the layout broadcasts); else not read.
-    Under VARLEN the tensors are packed (glossary): descriptors over (1, H, total, E) views, L and S
-    the packed totals, grid (total_q // ROWS + n_seq, H) (``PackedRows``), OUT and RESID (the
-    latter under EXACT_DELTA) O and its residual as contiguous (total_q, H, E) tensors, which
-    ``o_desc``/``r_desc`` describe too but are not stored through; LSE (H, total_q), ROW_CONSTS
-    (2, H, total_q); CU_Q, CU_K, n_seq and diag_shift as ``PackedRows`` takes them. Otherwise those
-    six are None and not read."""
-    gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "two or three consumer warpgroups")
-    gl.static_assert(not (VARLEN and (PERSISTENT or HAS_BLOCK_SPARSITY or HAS_KEY_BIAS)),
+    ROW_CONSTS is (2, B, H, L) fp32 (pivot, g); otherwise neither is touched.
+    ``args`` (``hopper_args.FwdArgs``): LSE (B, H, L) fp32; under HAS_KEY_BIAS, KEY_BIAS is (B, H, S)
+    fp32, contiguous (glossary), otherwise it is not read; BH = B·H; under HAS_BLOCK_SPARSITY,
+    ``lists`` (``hopper_args.TileListArgs``) is int32 (B or 1, H or 1, blocks, list_stride), one row a
+    query block: its tile count, then its key tiles (``launch.block_tiles.gluon_tile_lists``), else not
+    read; under SOFTCAP, ``softcap_log2`` = c·log2 e and ``tanh_scale`` = scale / c (fp32; qk_scale is
+    then not read), otherwise neither is. Under VARLEN the tensors are packed (glossary): descriptors
+    over (1, H, total, E) views, L and S the packed totals, grid (total_q // ROWS + n_seq, H)
+    (``PackedRows``), OUT and RESID (the latter under EXACT_DELTA) O and its residual as contiguous
+    (total_q, H, E) tensors, which ``o_desc``/``r_desc`` describe too but are not stored through; LSE
+    (H, total_q), ROW_CONSTS (2, H, total_q); CU_Q, CU_K, n_seq and diag_shift as ``PackedRows`` takes
+    them. Otherwise those six are None and not read. ``switches`` (``hopper_args.FwdSwitches``): the
+    glossary's constexprs."""
+    gl.static_assert(switches.NUM_CONSUMERS == 2 or switches.NUM_CONSUMERS == 3, "two or three consumer warpgroups")
+    gl.static_assert(not (switches.VARLEN and (switches.PERSISTENT or switches.HAS_BLOCK_SPARSITY
+                                               or switches.HAS_KEY_BIAS)),
                      "VARLEN launches on the grid, without a block-sparse layout or a key mask")
-    cfg = FwdConfig(q_desc, k_desc, NUM_STAGES=NUM_STAGES, NUM_CONSUMERS=NUM_CONSUMERS, IS_CAUSAL=IS_CAUSAL,
-                    WINDOW_LEFT=WINDOW_LEFT, PINGPONG=PINGPONG, EXACT_DELTA=EXACT_DELTA, HAS_KEY_BIAS=HAS_KEY_BIAS,
-                    SKIP_MASKED_TILES=SKIP_MASKED_TILES, PERSISTENT=PERSISTENT,
-                    HAS_BLOCK_SPARSITY=HAS_BLOCK_SPARSITY, VARLEN=VARLEN)
-    gl.static_assert((cfg.HEAD_DIM == HEAD_DIM) & (cfg.BLOCK_M == BLOCK_M) & (cfg.BLOCK_N == BLOCK_N),
-                     "HEAD_DIM, BLOCK_M and BLOCK_N are the descriptors' boxes")
-    qk_scale = qk_scale.to(gl.float32)
-    prob = FwdProblem(L, S, H, BH, GROUP, causal_offset, window_lower, qk_scale, swizzle_heads, LSE, ROW_CONSTS,
-                      KEY_BIAS, WORK_COUNTER, TileLists(TILE_LISTS, stride_lb, stride_lh, list_stride),
-                      PackedRows(CU_Q, CU_K, n_seq, diag_shift), OUT, RESID)
+    cfg = FwdConfig(q_desc, k_desc, NUM_STAGES=switches.NUM_STAGES, NUM_CONSUMERS=switches.NUM_CONSUMERS,
+                    IS_CAUSAL=switches.IS_CAUSAL, WINDOW_LEFT=switches.WINDOW_LEFT, PINGPONG=switches.PINGPONG,
+                    EXACT_DELTA=switches.EXACT_DELTA, HAS_KEY_BIAS=switches.HAS_KEY_BIAS,
+                    SKIP_MASKED_TILES=switches.SKIP_MASKED_TILES, PERSISTENT=switches.PERSISTENT,
+                    HAS_BLOCK_SPARSITY=switches.HAS_BLOCK_SPARSITY, SOFTCAP=switches.SOFTCAP,
+                    VARLEN=switches.VARLEN)
+    gl.static_assert((cfg.HEAD_DIM == switches.HEAD_DIM) & (cfg.BLOCK_M == switches.BLOCK_M)
+                     & (cfg.BLOCK_N == switches.BLOCK_N), "HEAD_DIM, BLOCK_M and BLOCK_N are the descriptors' boxes")
+    qk_scale = args.qk_scale.to(gl.float32)
+    lists = args.lists
+    prob = FwdProblem(args.L, args.S, args.H, args.BH, args.GROUP, args.causal_offset, args.window_lower, qk_scale,
+                      args.swizzle_heads, args.LSE, args.ROW_CONSTS, args.KEY_BIAS, args.WORK_COUNTER,
+                      TileLists(lists.base, lists.stride_lb, lists.stride_lh, lists.list_stride),
+                      args.softcap_log2, args.tanh_scale, PackedRows(args.CU_Q, args.CU_K, args.n_seq, args.diag_shift),
+                      args.OUT, args.RESID)
     bufs = allocate(cfg, q_desc, k_desc, v_desc, o_desc)
     sched = FwdScheduler(cfg, prob, bufs)
     descs = FwdDescs(q_desc, k_desc, v_desc, o_desc, r_desc)
     # The default partition is consumer 0; every partition takes the scheduler (config, problem,
     # buffers) and the descriptors.
-    if NUM_CONSUMERS == 2:
+    CONSUMER_REGS: gl.constexpr = switches.CONSUMER_REGS
+    LOADER_REGS: gl.constexpr = switches.LOADER_REGS
+    if switches.NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_hopper_fwd_consumer, (sched, descs, 0)),
             (_hopper_fwd_consumer, (sched, descs, 1)),

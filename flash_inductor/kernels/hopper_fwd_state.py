@@ -37,6 +37,7 @@ class FwdConfig:
     SKIP_MASKED_TILES: gl.constexpr
     PERSISTENT: gl.constexpr
     HAS_BLOCK_SPARSITY: gl.constexpr
+    SOFTCAP: gl.constexpr
     VARLEN: gl.constexpr
     dtype: gl.constexpr
     s_layout: gl.constexpr    # S = Q·Kᵀ, (BLOCK_M, BLOCK_N)
@@ -48,7 +49,7 @@ class FwdConfig:
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                 HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT, HAS_BLOCK_SPARSITY, VARLEN=False):
+                 HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT, HAS_BLOCK_SPARSITY, SOFTCAP=False, VARLEN=False):
         self.HEAD_DIM = gl.constexpr(q_desc.block_type.shape[3])
         self.BLOCK_M = gl.constexpr(q_desc.block_type.shape[2])
         self.BLOCK_N = gl.constexpr(k_desc.block_type.shape[2])
@@ -63,6 +64,7 @@ class FwdConfig:
         self.SKIP_MASKED_TILES = gl.constexpr(SKIP_MASKED_TILES)
         self.PERSISTENT = gl.constexpr(PERSISTENT)
         self.HAS_BLOCK_SPARSITY = gl.constexpr(HAS_BLOCK_SPARSITY)
+        self.SOFTCAP = gl.constexpr(SOFTCAP)
         self.VARLEN = gl.constexpr(VARLEN)
         self.dtype = gl.constexpr(q_desc.dtype)
         s_layout = _wgmma_layout(self.BLOCK_N.value)
@@ -78,6 +80,7 @@ class FwdConfig:
 @aggregate
 class FwdProblem:
     """The call's sizes, scalars and pointers (the entry point's docstring): every partition's view.
+    ``softcap_log2`` (c·log2 e) and ``tanh_scale`` (scale / c): the soft cap's fp32 factors (SOFTCAP).
     Under VARLEN, one sequence's (``for_sequence``): L, S and the band's offsets are its own,
     ``q_start``/``k_start`` its first packed row and key, ``total_q`` the packed rows (the LSE's
     row stride); ``OUT``/``RESID`` O and its residual as (total_q, H, E) pointers, which the
@@ -97,6 +100,8 @@ class FwdProblem:
     KEY_BIAS: gl.tensor
     WORK_COUNTER: gl.tensor
     lists: TileLists
+    softcap_log2: Scalar
+    tanh_scale: Scalar
     packed: PackedRows
     OUT: Scalar
     RESID: Scalar
@@ -106,7 +111,8 @@ class FwdProblem:
 
     @gluon.constexpr_function
     def __init__(self, L, S, H, BH, GROUP, causal_offset, window_lower, qk_scale, swizzle_heads, LSE, ROW_CONSTS,
-                 KEY_BIAS, WORK_COUNTER, lists, packed, OUT=None, RESID=None, q_start=0, k_start=0, total_q=0):
+                 KEY_BIAS, WORK_COUNTER, lists, softcap_log2, tanh_scale, packed, OUT=None, RESID=None, q_start=0,
+                 k_start=0, total_q=0):
         self.L = field(L)
         self.S = field(S)
         self.H = field(H)
@@ -121,6 +127,8 @@ class FwdProblem:
         self.KEY_BIAS = field(KEY_BIAS)
         self.WORK_COUNTER = field(WORK_COUNTER)
         self.lists = field(lists)
+        self.softcap_log2 = field(softcap_log2)
+        self.tanh_scale = field(tanh_scale)
         self.packed = field(packed)
         self.OUT = field(OUT)
         self.RESID = field(RESID)
@@ -135,7 +143,8 @@ class FwdProblem:
             b, self.L, self.S, self.causal_offset, self.window_lower)
         return FwdProblem(seq_q, seq_k, self.H, self.BH, self.GROUP, causal_offset, window_lower, self.qk_scale,
                           self.swizzle_heads, self.LSE, self.ROW_CONSTS, self.KEY_BIAS, self.WORK_COUNTER, self.lists,
-                          self.packed, self.OUT, self.RESID, q_start, k_start, self.L)
+                          self.softcap_log2, self.tanh_scale, self.packed, self.OUT, self.RESID, q_start, k_start,
+                          self.L)
 
 
 @aggregate

@@ -266,7 +266,8 @@ def _default_layout(box: tuple, dtype: torch.dtype):
 def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                              scale: float | None = None, visibility: Visibility = NO_MASKING,
                              attn_mask: torch.Tensor | None = None, config: HopperForwardConfig | None = None,
-                             exact_delta: bool = False, schedule: str | PrecisionSchedule | None = None) -> tuple:
+                             exact_delta: bool = False, schedule: str | PrecisionSchedule | None = None,
+                             softcap: float = 0.0) -> tuple:
     """Attention forward on the Gluon Hopper kernel. ``query`` (B, Hq, L, E), ``key``/``value``
     (B, Hkv, S, E) with Hq a multiple of Hkv. Key j is visible to query i where ``visibility``
     (``launch.visibility``: the causal side, a sliding window, a block-sparse layout whose blocks
@@ -276,14 +277,15 @@ def hopper_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     Returns (out (B, Hq, L, E) in the input dtype, lse (B, Hq, L) fp32, natural log). With
     ``exact_delta`` (the `stable` schedule's one-pass backward, docs/hopper_backward.md) also
     O's rounding residual (as out) and the backward's row constants (2, B, Hq, L) fp32 (pivot,
-    normaliser), which ``launch.hopper_bwd`` takes as its ``exact_delta`` pair. Call only where
-    ``hopper_forward_supported`` says so.
+    normaliser), which ``launch.hopper_bwd`` takes as its ``exact_delta`` pair. ``softcap`` > 0:
+    FlashAttention-2's soft cap, each scaled score s becoming ``softcap * tanh(s / softcap)`` before
+    the mask (the kernel's SOFTCAP). Call only where ``hopper_forward_supported`` says so.
 
     ``config`` None: the tuning table's entry for the call's bucket (``schedule``'s), else the
     built-in config. A table's config that fails to launch (a table written for another part, or
     by hand) warns once and runs the built-in config: a table never fails a call."""
     def launch(cfg):
-        return _forward(query, key, value, scale, visibility, attn_mask, cfg, exact_delta)
+        return _forward(query, key, value, scale, visibility, attn_mask, cfg, exact_delta, softcap)
 
     if config is not None:
         return launch(config)
@@ -318,13 +320,25 @@ def _warn_tuned_once(kernel: str, config, reason: str) -> None:
                   "GPU to replace the entry.", stacklevel=4)
 
 
-def _forward(query, key, value, scale, visibility: Visibility, attn_mask, config, exact_delta):
+def softcap_arguments(softcap: float, scale: float, caller: str) -> tuple[bool, float, float]:
+    """The Gluon kernels' soft cap: (SOFTCAP, softcap_log2 = c·log2 e, tanh_scale = scale / c), the
+    factors rounded once from fp64 (kernels/gluon_softcap.py); 1.0 where there is no cap (not read)."""
+    if not (softcap >= 0.0 and softcap < float("inf")):
+        raise ValueError(f"{caller}: softcap={softcap!r}; pass 0 (no cap) or a finite cap c > 0")
+    if not softcap:
+        return False, 1.0, 1.0
+    return True, softcap * LOG2E, scale / softcap
+
+
+def _forward(query, key, value, scale, visibility: Visibility, attn_mask, config, exact_delta, softcap=0.0):
+    from ..kernels.hopper_args import FwdArgs, FwdSwitches, TileListArgs
     from ..kernels.hopper_fwd import _attn_fwd_hopper
 
     batch, heads_q, seq_q, head_dim = query.shape
     heads_kv, seq_k = key.shape[1], key.shape[2]
     if scale is None:
         scale = head_dim ** -0.5
+    has_cap, softcap_log2, tanh_scale = softcap_arguments(softcap, scale, "hopper_attention_forward")
     # The kernel sees the band: its upper side as the causal arguments, its lower side as
     # WINDOW_LEFT and window_lower (as the Triton forward does).
     band = visibility.band(seq_q, seq_k)
@@ -353,17 +367,21 @@ def _forward(query, key, value, scale, visibility: Visibility, attn_mask, config
         work_counter = lse  # not touched
     if block_layout is None:
         lists = (lse, 0, 0, 0)  # not read
-    common.launcher(_attn_fwd_hopper)[grid](
-        tma_descriptor(query, cfg.block_m), tma_descriptor(key, cfg.block_n), tma_descriptor(value, cfg.block_n),
-        o_desc, tma_descriptor(resid, cfg.block_m) if exact_delta else o_desc, lse, row_consts, bias,
-        seq_q, seq_k, heads_q, heads_q // heads_kv, causal_offset, band_lower(band), scale * LOG2E,
-        max(1, min(cfg.swizzle_heads, batch * heads_q)), work_counter, batch * heads_q, *lists,
+    args = FwdArgs(
+        LSE=lse, ROW_CONSTS=row_consts, KEY_BIAS=bias, L=seq_q, S=seq_k, H=heads_q, GROUP=heads_q // heads_kv,
+        causal_offset=causal_offset, window_lower=band_lower(band), qk_scale=scale * LOG2E,
+        swizzle_heads=max(1, min(cfg.swizzle_heads, batch * heads_q)), WORK_COUNTER=work_counter,
+        BH=batch * heads_q, lists=TileListArgs(*lists), softcap_log2=softcap_log2, tanh_scale=tanh_scale)
+    switches = FwdSwitches(
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal, WINDOW_LEFT=band.lower is not None,
         PINGPONG=cfg.pingpong, EXACT_DELTA=exact_delta, HAS_KEY_BIAS=attn_mask is not None,
-        SKIP_MASKED_TILES=cfg.skip_masked_tiles and block_layout is None, PERSISTENT=persistent,
-        HAS_BLOCK_SPARSITY=block_layout is not None,
         CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
+        SKIP_MASKED_TILES=cfg.skip_masked_tiles and block_layout is None, PERSISTENT=persistent,
+        HAS_BLOCK_SPARSITY=block_layout is not None, SOFTCAP=has_cap)
+    common.launcher(_attn_fwd_hopper)[grid](
+        tma_descriptor(query, cfg.block_m), tma_descriptor(key, cfg.block_n), tma_descriptor(value, cfg.block_n),
+        o_desc, tma_descriptor(resid, cfg.block_m) if exact_delta else o_desc, args, switches=switches,
         # The entry cap fills the register file; setmaxnreg then moves the loader's registers to
         # the consumers (2 consumers: 168 -> 240/240/24; 3: 128 -> 160/160/160/24).
         num_warps=4, maxnreg=cfg.maxnreg,

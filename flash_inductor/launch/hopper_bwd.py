@@ -39,8 +39,8 @@ from .band import band_lower, causal_side
 from .block_tiles import checked_gluon_layout, gluon_tile_lists
 from .common import LOG2E, cdiv
 from .visibility import NO_MASKING, Visibility
-from .hopper import (NOT_HOPPER, gluon_descriptor, hopper_forward_unsupported_reason, key_bias, tma_descriptor,
-                     tma_unsupported_reason, run_selected)
+from .hopper import (NOT_HOPPER, gluon_descriptor, hopper_forward_unsupported_reason, key_bias, softcap_arguments,
+                     tma_descriptor, tma_unsupported_reason, run_selected)
 
 log = logging.getLogger("flash_inductor")
 # The built-in config (the tuning table's entries take precedence per bucket).
@@ -173,7 +173,7 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
                               delta: torch.Tensor | None = None,
                               exact_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
                               mean_key: torch.Tensor | KeyMoments | None = None,
-                              schedule: str | PrecisionSchedule | None = None,
+                              schedule: str | PrecisionSchedule | None = None, softcap: float = 0.0,
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on the Gluon Hopper kernel: `fast`'s, or with
     ``exact_delta`` `stable`'s.
@@ -188,8 +188,9 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     then `stable`'s, with the exact Δ. ``mean_key`` (B, Hkv, E) fp32, k̂ of ops/one_pass.py
     (``key_mean``): dQ's GEMM takes the centred keys K̃ = K − k̂, which the kernel forms in shared
     memory (CENTRE_KEYS), and dq gets scale·dLSE·k̂ back. With ``exact_delta``, ``mean_key`` may be
-    ``key_moments(key)`` instead, which the exact-Δ preprocess's launch finishes.
-    Call only where
+    ``key_moments(key)`` instead, which the exact-Δ preprocess's launch finishes. ``softcap`` > 0:
+    the forward's soft cap (kernels/hopper_bwd.py, SOFTCAP); it takes no ``mean_key`` (a capped
+    row's dU does not sum to dLSE, the centred dQ's add-back). Call only where
     ``hopper_backward_unsupported_reason`` and ``tma_unsupported_reason`` (on query, key, value,
     grad_out) say so.
 
@@ -198,7 +199,7 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     launch warns once and runs the built-in one, as the forward does."""
     launch = functools.partial(_backward, grad_out, query, key, value, out, lse, grad_lse, scale=scale,
                                visibility=visibility, attn_mask=attn_mask, delta=delta, exact_delta=exact_delta,
-                               mean_key=mean_key)
+                               mean_key=mean_key, softcap=softcap)
     if config is not None:
         return launch(config=config)
     if schedule is None:
@@ -209,8 +210,9 @@ def hopper_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
 
 
 def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, visibility: Visibility, attn_mask, config,
-              delta, exact_delta, mean_key):
+              delta, exact_delta, mean_key, softcap=0.0):
     from ..kernels.gluon_tma import HAS_TMA_REDUCE
+    from ..kernels.hopper_args import BwdArgs, BwdSwitches, TileListArgs
     from ..kernels.hopper_bwd import _attn_bwd_hopper
     from .backward import launch_preprocess
 
@@ -219,6 +221,10 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, visibil
     if scale is None:
         scale = head_dim ** -0.5
     cfg = config or default_config(head_dim, visibility.is_causal)
+    has_cap, softcap_log2, tanh_scale = softcap_arguments(softcap, scale, "hopper_attention_backward")
+    if softcap and mean_key is not None:
+        raise ValueError("hopper_attention_backward: mean_key (the centred dQ) with a softcap: a capped row's dU does "
+                         "not sum to dLSE, the centred dQ's add-back; pass mean_key=None")
     if mean_key is not None and not cfg.dq_split and head_dim > 64:
         raise ValueError("hopper_attention_backward: mean_key (the centred dQ) with HopperBackwardConfig(dq_split=False) "
                          f"needs more than Hopper's 227 KiB of shared memory a CTA at head dim {head_dim}; use "
@@ -274,20 +280,24 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, *, scale, visibil
                  if parts > 1 else lse)  # lse: not read
     block_layout = visibility.block_layout()
     lists = _key_block_lists(block_layout, query, key, band, cfg) if block_layout is not None else (lse, 0, 0, 0)
+    args = BwdArgs(
+        LSE=lse_plane, DELTA=delta_plane, DQ_ACCUM=dq_accum, DS_UP=ds_up, KEY_BIAS=bias,
+        MEAN_KEY=mean_key.contiguous() if mean_key is not None else lse, DKDV_PART=dkdv_part,  # lse: not read
+        L=seq_q, S=seq_k, H_KV=heads_kv, GROUP=group, group_split=parts, stride_stats=lse_plane.stride(0),
+        causal_offset=band_upper, window_lower=band_lower(band), qk_scale=scale * LOG2E, sm_scale=scale,
+        swizzle_heads=swizzle, lists=TileListArgs(*lists), softcap_log2=softcap_log2, tanh_scale=tanh_scale)
+    switches = BwdSwitches(
+        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+        IS_CAUSAL=band_is_causal, WINDOW_LEFT=band.lower is not None, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma,
+        EXACT_DELTA=exact_delta is not None, HAS_KEY_BIAS=attn_mask is not None, ROW_STATS_TMA=cfg.row_stats_tma,
+        DKDV_PARTIALS=parts > 1, CENTRE_KEYS=mean_key is not None, CONSUMER_REGS=cfg.consumer_regs,
+        LOADER_REGS=cfg.loader_regs, HAS_BLOCK_SPARSITY=block_layout is not None,
+        EVEN_L=seq_q % cfg.block_m == 0, PAIRED_TILES=cfg.paired_tiles, SOFTCAP=has_cap)
     common.launcher(_attn_bwd_hopper)[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, 64), tma_descriptor(value, 64),
         tma_descriptor(grad_out, cfg.block_m), tma_descriptor(dk, 64), tma_descriptor(dv, 64),
         tma_descriptor(dq_accum, cfg.block_m, dq_cols), row_stats_descriptor(lse_plane, cfg.block_m),
-        row_stats_descriptor(delta_plane, cfg.block_m), lse_plane, delta_plane, dq_accum, ds_up, bias,
-        mean_key.contiguous() if mean_key is not None else lse, dkdv_part,  # lse: not read
-        seq_q, seq_k, heads_kv, group, parts, lse_plane.stride(0), band_upper, band_lower(band),
-        scale * LOG2E, scale, swizzle, *lists,
-        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-        IS_CAUSAL=band_is_causal, WINDOW_LEFT=band.lower is not None, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma,
-        EXACT_DELTA=exact_delta is not None, HAS_KEY_BIAS=attn_mask is not None, ROW_STATS_TMA=cfg.row_stats_tma,
-        DKDV_PARTIALS=parts > 1, CENTRE_KEYS=mean_key is not None, HAS_BLOCK_SPARSITY=block_layout is not None,
-        EVEN_L=seq_q % cfg.block_m == 0, PAIRED_TILES=cfg.paired_tiles,
-        CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
+        row_stats_descriptor(delta_plane, cfg.block_m), args, switches=switches,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
     if parts > 1:

@@ -72,6 +72,7 @@ def hopper_varlen_forward(query, key, value, packed: PackedSequences, *, scale: 
     contiguous (total_q, Hq, E) tensor, lse (1, Hq, total_q) fp32 natural log), and with
     ``exact_delta`` the residual (as out) and the row constants (2, 1, Hq, total_q), as
     ``hopper_attention_forward`` returns them. Call only where ``varlen_unsupported_reason`` is None."""
+    from ..kernels.hopper_args import FwdArgs, FwdSwitches, TileListArgs
     from ..kernels.hopper_fwd import _attn_fwd_hopper
 
     n_seq = _checked(packed, query, key)
@@ -97,19 +98,21 @@ def hopper_varlen_forward(query, key, value, packed: PackedSequences, *, scale: 
     grid = (total_q // rows + n_seq, heads_q)
     o_desc = tma_descriptor(out, cfg.block_m)  # the kernel's box sizes; O is stored row by row
     cu_q, cu_k, diag_shift = packed.kernel_args()
-    common.launcher(_attn_fwd_hopper)[grid](
-        tma_descriptor(query, cfg.block_m), tma_descriptor(key, cfg.block_n), tma_descriptor(value, cfg.block_n),
-        o_desc, o_desc, lse, row_consts, lse,  # lse as KEY_BIAS: not read
-        total_q, total_k, heads_q, heads_q // heads_kv, causal_offset, band_lower(band), scale * LOG2E,
-        max(1, min(cfg.swizzle_heads, heads_q)), lse, heads_q,  # lse as WORK_COUNTER: not touched
-        lse, 0, 0, 0,  # no tile lists
-        OUT=out, RESID=resid if exact_delta else None, CU_Q=cu_q, CU_K=cu_k, n_seq=n_seq, diag_shift=diag_shift,
+    args = FwdArgs(
+        LSE=lse, ROW_CONSTS=row_consts, KEY_BIAS=lse, L=total_q, S=total_k, H=heads_q,  # lse as KEY_BIAS: not read
+        GROUP=heads_q // heads_kv, causal_offset=causal_offset, window_lower=band_lower(band), qk_scale=scale * LOG2E,
+        swizzle_heads=max(1, min(cfg.swizzle_heads, heads_q)), WORK_COUNTER=lse, BH=heads_q,  # not touched
+        lists=TileListArgs(lse, 0, 0, 0), softcap_log2=1.0, tanh_scale=1.0,  # no tile lists, no cap: not read
+        OUT=out, RESID=resid if exact_delta else None, CU_Q=cu_q, CU_K=cu_k, n_seq=n_seq, diag_shift=diag_shift)
+    switches = FwdSwitches(
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         NUM_CONSUMERS=cfg.num_consumers, IS_CAUSAL=is_causal, WINDOW_LEFT=band.lower is not None,
-        PINGPONG=cfg.pingpong, EXACT_DELTA=exact_delta, HAS_KEY_BIAS=False,
-        SKIP_MASKED_TILES=cfg.skip_masked_tiles, PERSISTENT=False, HAS_BLOCK_SPARSITY=False, VARLEN=True,
-        CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, num_warps=4, maxnreg=cfg.maxnreg,
-    )
+        PINGPONG=cfg.pingpong, EXACT_DELTA=exact_delta, HAS_KEY_BIAS=False, CONSUMER_REGS=cfg.consumer_regs,
+        LOADER_REGS=cfg.loader_regs, SKIP_MASKED_TILES=cfg.skip_masked_tiles, PERSISTENT=False,
+        HAS_BLOCK_SPARSITY=False, SOFTCAP=False, VARLEN=True)
+    common.launcher(_attn_fwd_hopper)[grid](
+        tma_descriptor(query, cfg.block_m), tma_descriptor(key, cfg.block_n), tma_descriptor(value, cfg.block_n),
+        o_desc, o_desc, args, switches=switches, num_warps=4, maxnreg=cfg.maxnreg)
     if exact_delta:
         return out, lse, resid, row_consts
     return out, lse
@@ -129,6 +132,7 @@ def hopper_varlen_backward(grad_out, query, key, value, out, lse, grad_lse, pack
     views of contiguous (total, H, E) gradients, dq's a plain (1, Hq, total_q, E) tensor. Call only
     where ``varlen_unsupported_reason`` (backward) is None."""
     from ..kernels.gluon_tma import HAS_TMA_REDUCE
+    from ..kernels.hopper_args import BwdArgs, BwdSwitches, TileListArgs
     from ..kernels.hopper_bwd import _attn_bwd_hopper
     from .backward import launch_preprocess
     from .hopper_bwd import exact_delta_inputs, key_moments, row_stats_descriptor, row_stats_planes
@@ -169,23 +173,26 @@ def hopper_varlen_backward(grad_out, query, key, value, out, lse, grad_lse, pack
     grid = (total_k // cfg.block_n + n_seq, heads_kv)
     swizzle = max(1, min(cfg.swizzle_heads or 1, heads_kv))
     cu_q, cu_k, diag_shift = packed.kernel_args()
+    args = BwdArgs(
+        LSE=lse_plane, DELTA=delta_plane, DQ_ACCUM=dq_accum, DS_UP=ds_up if ds_up is not None else lse, KEY_BIAS=lse,
+        MEAN_KEY=mean_key if mean_key is not None else lse, DKDV_PART=lse,  # lse: not read
+        L=total_q, S=total_k, H_KV=heads_kv, GROUP=heads_q // heads_kv, group_split=1,
+        stride_stats=lse_plane.stride(0), causal_offset=causal_offset, window_lower=band_lower(band),
+        qk_scale=scale * LOG2E, sm_scale=scale, swizzle_heads=swizzle, lists=TileListArgs(lse, 0, 0, 0),
+        softcap_log2=1.0, tanh_scale=1.0,  # no tile lists, no cap: not read
+        DK=dk, DV=dv, CU_Q=cu_q, CU_K=cu_k, n_seq=n_seq, diag_shift=diag_shift)
+    switches = BwdSwitches(
+        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+        IS_CAUSAL=is_causal, WINDOW_LEFT=band.lower is not None, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma,
+        EXACT_DELTA=exact_delta is not None, HAS_KEY_BIAS=False, ROW_STATS_TMA=cfg.row_stats_tma,
+        DKDV_PARTIALS=False, CENTRE_KEYS=mean_key is not None, CONSUMER_REGS=cfg.consumer_regs,
+        LOADER_REGS=cfg.loader_regs, HAS_BLOCK_SPARSITY=False, EVEN_L=False, PAIRED_TILES=cfg.paired_tiles,
+        SOFTCAP=False, VARLEN=True)
     common.launcher(_attn_bwd_hopper)[grid](
         tma_descriptor(query, cfg.block_m), tma_descriptor(key, 64), tma_descriptor(value, 64),
         tma_descriptor(grad_out, cfg.block_m), tma_descriptor(dk, 64), tma_descriptor(dv, 64),
         tma_descriptor(dq_accum, cfg.block_m, dq_cols), row_stats_descriptor(lse_plane, cfg.block_m),
-        row_stats_descriptor(delta_plane, cfg.block_m), lse_plane, delta_plane, dq_accum,
-        ds_up if ds_up is not None else lse, lse, mean_key if mean_key is not None else lse,
-        lse,  # lse: not read (as KEY_BIAS and DKDV_PART always, as DS_UP and MEAN_KEY under `fast`)
-        total_q, total_k, heads_kv, heads_q // heads_kv, 1, lse_plane.stride(0), causal_offset, band_lower(band),
-        scale * LOG2E, scale, swizzle, lse, 0, 0, 0,  # no tile lists
-        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-        IS_CAUSAL=is_causal, WINDOW_LEFT=band.lower is not None, DQ_SPLIT=cfg.dq_split, DQ_TMA=dq_tma,
-        EXACT_DELTA=exact_delta is not None, HAS_KEY_BIAS=False, ROW_STATS_TMA=cfg.row_stats_tma,
-        DKDV_PARTIALS=False, CENTRE_KEYS=mean_key is not None, HAS_BLOCK_SPARSITY=False, EVEN_L=False,
-        PAIRED_TILES=cfg.paired_tiles, VARLEN=True,
-        DK=dk, DV=dv, CU_Q=cu_q, CU_K=cu_k, n_seq=n_seq, diag_shift=diag_shift,
-        CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, num_warps=4, maxnreg=cfg.maxnreg,
-    )
+        row_stats_descriptor(delta_plane, cfg.block_m), args, switches=switches, num_warps=4, maxnreg=cfg.maxnreg)
     if mean_key is not None and grad_lse is not None:
         from .hopper_bwd import dq_with_mean_key
 

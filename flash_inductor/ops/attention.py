@@ -18,8 +18,10 @@ neighbours. Opaque calls also pick their kernels from the real strides and lengt
   -> (dq, dk, dv, dmask)``
 
 ``softcap`` > 0 is FlashAttention-2's logit soft-capping (``softcap * tanh(s / softcap)`` on the
-scaled scores, before the mask). The Triton kernels take it; the Gluon Hopper and the decode
-kernels do not yet, so a soft-capped CUDA call runs the Triton kernels. Attention sinks need no op argument: ``flash_inductor.api`` folds them into the output
+scaled scores, before the mask). The Triton and the Gluon Hopper kernels take it (on every schedule
+those serve, the one-pass `stable` path included); the split-KV decode kernels do not, so a
+soft-capped call with few query rows skips them. Attention sinks need no op argument:
+``flash_inductor.api`` folds them into the output
 and the LSE (``flash_inductor.sinks``), whose gradient the backward already takes.
 
 ``window_left`` / ``window_right`` are the sliding window of ``flash_attention(window=...)``
@@ -61,7 +63,7 @@ from ..launch.block_tiles import check_block_layout
 from ..launch.visibility import Visibility
 from ..schedules import PrecisionSchedule, get_schedule
 from .functorch import transform_function, under_transform
-from .one_pass import attention_one_pass, mask_keyword, one_pass_applies
+from .one_pass import attention_one_pass, mask_keyword, one_pass_applies, softcap_keyword
 from .reference import reference_backward, reference_forward
 
 # --------------------------------------------------------------------------------------
@@ -105,8 +107,6 @@ def _reference_layout(block_map: Optional[Tensor], block_q: int, block_k: int) -
     return block_map, block_q, block_k
 
 
-# Why a soft-capped call runs the Triton kernels (logged as the other reasons are).
-SOFTCAP_ON_TRITON = "soft cap (the Gluon Hopper and decode kernels have none)"
 
 
 # --------------------------------------------------------------------------------------
@@ -131,20 +131,16 @@ def describe_call(query: Tensor, key: Tensor, value: Tensor, dropout_p: float, i
 def _forward_on_hopper(query: Tensor, key: Tensor, value: Tensor, call: AttentionCall, *,
                        attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     return hopper.hopper_attention_forward(query, key, value, scale=call.scale, visibility=call.visibility,
-                                           attn_mask=attn_mask, schedule=call.schedule)
+                                           attn_mask=attn_mask, schedule=call.schedule, **softcap_keyword(call.softcap))
 
 
 def _kernel_forward(query, key, value, attn_mask, rng_seed, call: AttentionCall, *, hopper_call=_forward_on_hopper):
     """The CUDA forward: the split-KV decode kernels for a few query rows against long keys, else
     the Gluon Hopper kernel where it applies, else the Triton kernels. ``hopper_call`` runs the
     Hopper kernel (a test may stand in for it). Block-sparse calls skip the decode kernels, which
-    read every key of the band; soft-capped calls run the Triton kernels, the only ones with a cap."""
+    read every key of the band, and so do soft-capped ones, which have no cap there."""
     triton_options = dict(visibility=call.visibility, softcap=call.softcap)
-    if call.softcap:
-        hopper.log_triton_forward(SOFTCAP_ON_TRITON)
-        return launch.attention_forward(query, key, value, attn_mask, rng_seed, call.dropout_p, call.scale,
-                                        call.schedule, **triton_options)
-    if call.visibility.block_map is None:
+    if call.visibility.block_map is None and not call.softcap:
         decoded = decode.decode_forward_or_none(query, key, value, attn_mask, call.dropout_p, call.scale,
                                                 call.schedule, visibility=call.visibility)
         if decoded is not None:
@@ -165,7 +161,7 @@ def _backward_on_hopper(grad_out: Tensor, query: Tensor, key: Tensor, value: Ten
                         attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=call.scale,
                                                 visibility=call.visibility, attn_mask=attn_mask,
-                                                schedule=call.schedule)
+                                                schedule=call.schedule, **softcap_keyword(call.softcap))
 
 
 def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed, call: AttentionCall,
@@ -180,7 +176,6 @@ def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse,
                                                             block_sizes=call.block_sizes)
               or hopper_bwd.backward_tma_unsupported_reason(grad_out, query, key, value)
               or (hopper.MASK_NEEDS_GRAD if compute_mask_grad else None)
-              or (SOFTCAP_ON_TRITON if call.softcap else None)
               or (hopper_bwd.NO_RESIDUAL if call.schedule.exact_delta else None))
     if reason is None:
         dq, dk, dv = hopper_call(grad_out, query, key, value, out, lse, grad_lse, call, **mask_keyword(attn_mask))
@@ -445,14 +440,13 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
     # A name is resolved once here for the checks and launches below (flash_inductor.api passes the
     # schedule it resolved; the registered op takes the name).
     schedule = get_schedule(schedule)
-    # The one-pass path is the Hopper kernels', which have no soft cap.
-    if not softcap and needs_autograd and one_pass_applies(query, key, value, attn_mask, dropout_p, scale, schedule,
+    if needs_autograd and one_pass_applies(query, key, value, attn_mask, dropout_p, scale, schedule,
                                            window=(window_left, window_right),
                                            block_sizes=None if block_map is None else (block_q, block_k)):
         return attention_one_pass(query, key, value, is_causal, causal_offset, scale, window_left, window_right,
                                   fast_path=eager_fast_path_applies(query, key, value, attn_mask, block_map),
                                   needs_autograd=True, attn_mask=attn_mask, block_map=block_map, block_q=block_q,
-                                  block_k=block_k)
+                                  block_k=block_k, softcap=softcap)
     if eager_fast_path_applies(query, key, value, attn_mask, rng_seed, block_map):
         if not _needs_autograd(query, key, value, attn_mask):
             # Inference: the launch alone. autograd.Function.apply would record nothing here and

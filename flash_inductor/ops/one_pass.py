@@ -13,11 +13,15 @@ needs more tensors from the forward to the backward than ``attention_forward`` r
 its own pair of ops:
 
 * ``flash_inductor::attention_forward_one_pass(q, k, v, is_causal, causal_offset, scale,
-  window_left=-1, window_right=-1, attn_mask=None, block_map=None, block_q=0, block_k=0)
+  window_left=-1, window_right=-1, attn_mask=None, block_map=None, block_q=0, block_k=0, softcap=0.0)
   -> (out, lse, residual, row_constants)``
 * ``flash_inductor::attention_backward_one_pass(dout, q, k, v, out, lse, dlse?, residual,
   row_constants, is_causal, causal_offset, scale, window_left=-1, window_right=-1,
-  attn_mask=None, block_map=None, block_q=0, block_k=0) -> (dq, dk, dv)``
+  attn_mask=None, block_map=None, block_q=0, block_k=0, softcap=0.0) -> (dq, dk, dv)``
+
+``softcap`` > 0 is FlashAttention-2's soft cap, as ``flash_inductor::attention_forward`` takes it
+(kernels/hopper_fwd.py, SOFTCAP). Under a cap the backward's dQ GEMM takes K itself, not K̃: a
+capped row's dU = dS∘(1 − t²) does not sum to dLSE, which the centred dQ's add-back needs.
 
 ``attn_mask`` is a key mask (``launch.hopper.key_mask_unsupported_reason``: one row for every
 query, as padding masks are), bool or additive, which neither needs nor gets a gradient.
@@ -89,7 +93,7 @@ def _addressable(*tensors: Tensor) -> list[Tensor]:
 
 
 def _forward(query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask=None,
-             block_map=None, block_q=0, block_k=0):
+             block_map=None, block_q=0, block_k=0, softcap=0.0):
     batch, heads, seq_q, head_dim = query.shape
     if seq_q == 0 or key.shape[2] == 0 or batch * heads == 0:
         out = query.new_zeros(query.shape)
@@ -100,7 +104,7 @@ def _forward(query, key, value, is_causal, causal_offset, scale, window_left, wi
     visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=(window_left, window_right),
                             block_map=block_map, block_q=block_q, block_k=block_k)
     return hopper.hopper_attention_forward(query, key, value, scale=scale, visibility=visibility, exact_delta=True,
-                                           schedule="stable", **mask_keyword(attn_mask))
+                                           schedule="stable", **softcap_keyword(softcap), **mask_keyword(attn_mask))
 
 
 def mask_keyword(attn_mask: Optional[Tensor]) -> dict:
@@ -109,29 +113,37 @@ def mask_keyword(attn_mask: Optional[Tensor]) -> dict:
     return {} if attn_mask is None else {"attn_mask": attn_mask}
 
 
+def softcap_keyword(softcap: float) -> dict:
+    """A Hopper launcher call's soft cap as a keyword, left out when there is none (as
+    ``mask_keyword``: a stand-in launcher without caps keeps its signature)."""
+    return {"softcap": softcap} if softcap else {}
+
+
 def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, is_causal, causal_offset,
-              scale, window_left, window_right, attn_mask=None, block_map=None, block_q=0, block_k=0):
+              scale, window_left, window_right, attn_mask=None, block_map=None, block_q=0, block_k=0, softcap=0.0):
     visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=(window_left, window_right),
                             block_map=block_map, block_q=block_q, block_k=block_k)
     if torch.are_deterministic_algorithms_enabled() or query.shape[2] == 0 or key.shape[2] == 0:
         # The Triton `stable` backward re-derives the exact Δ from out and lse in a fixed order.
         dq, dk, dv, _ = launch.attention_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, None,
-                                                  0.0, scale, "stable", False, visibility=visibility)
+                                                  0.0, scale, "stable", False, visibility=visibility,
+                                                  softcap=softcap)
         return dq, dk, dv
     grad_out, query, key, value = _addressable(grad_out, query, key, value)
     return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
                                                 visibility=visibility, exact_delta=(resid, row_consts),
-                                                mean_key=key_moments(key), schedule="stable",
-                                                **mask_keyword(attn_mask))
+                                                mean_key=None if softcap else key_moments(key), schedule="stable",
+                                                **softcap_keyword(softcap), **mask_keyword(attn_mask))
 
 
 @torch.library.custom_op("flash_inductor::attention_forward_one_pass", mutates_args=())
 def attention_forward_one_pass(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, causal_offset: int,
                                scale: float, window_left: int = -1, window_right: int = -1,
                                attn_mask: Optional[Tensor] = None, block_map: Optional[Tensor] = None,
-                               block_q: int = 0, block_k: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                               block_q: int = 0, block_k: int = 0,
+                               softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _forward(query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask,
-                    block_map, block_q, block_k)
+                    block_map, block_q, block_k, softcap)
 
 
 @torch.library.custom_op("flash_inductor::attention_backward_one_pass", mutates_args=())
@@ -139,9 +151,11 @@ def attention_backward_one_pass(grad_out: Tensor, query: Tensor, key: Tensor, va
                                 grad_lse: Optional[Tensor], resid: Tensor, row_consts: Tensor, is_causal: bool,
                                 causal_offset: int, scale: float, window_left: int = -1, window_right: int = -1,
                                 attn_mask: Optional[Tensor] = None, block_map: Optional[Tensor] = None,
-                                block_q: int = 0, block_k: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+                                block_q: int = 0, block_k: int = 0,
+                                softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, is_causal,
-                           causal_offset, scale, window_left, window_right, attn_mask, block_map, block_q, block_k)
+                           causal_offset, scale, window_left, window_right, attn_mask, block_map, block_q, block_k,
+                           softcap)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
@@ -158,18 +172,19 @@ def _backward_fake(grad_out, query, key, value, *_rest):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
-# window_left, window_right, attn_mask, block_map, block_q, block_k: a caller may leave them out
-_OPTIONAL_DEFAULTS = (-1, -1, None, None, 0, 0)
+# window_left, window_right, attn_mask, block_map, block_q, block_k, softcap: a caller may leave them out
+_OPTIONAL_DEFAULTS = (-1, -1, None, None, 0, 0, 0.0)
 
 
 def _setup_context(ctx, inputs, output):
     query, key, value, is_causal, causal_offset, scale, *optional = inputs
-    window_left, window_right, attn_mask, block_map, block_q, block_k = (*optional,
-                                                                         *_OPTIONAL_DEFAULTS[len(optional):])
+    window_left, window_right, attn_mask, block_map, block_q, block_k, softcap = (
+        *optional, *_OPTIONAL_DEFAULTS[len(optional):])
     out, lse, resid, row_consts = output
     ctx.save_for_backward(query, key, value, out, lse, resid, row_consts, attn_mask, block_map)
     ctx.options = (is_causal, causal_offset, scale, window_left, window_right)
     ctx.block_sizes = (block_q, block_k)
+    ctx.softcap = softcap
     ctx.input_count = len(inputs)
     ctx.set_materialize_grads(False)  # as ops/attention.py: an unused lse gets no zeros launched
 
@@ -181,7 +196,7 @@ def _run_backward(ctx, grad_out, grad_lse, backward_call):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = backward_call(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, *ctx.options,
-                               attn_mask, block_map, *ctx.block_sizes)
+                               attn_mask, block_map, *ctx.block_sizes, ctx.softcap)
     return (dq, dk, dv) + (None,) * (ctx.input_count - 3)
 
 
@@ -214,9 +229,9 @@ class _EagerOnePass(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask,
-                block_map, block_q, block_k):
+                block_map, block_q, block_k, softcap):
         args = (query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask, block_map,
-                block_q, block_k)
+                block_q, block_k, softcap)
         output = _forward(*args)
         _setup_context(ctx, args, output)
         ctx.mark_non_differentiable(*output[2:])
@@ -232,12 +247,13 @@ class _EagerOnePass(torch.autograd.Function):
 def attention_one_pass(query, key, value, is_causal: bool, causal_offset: int, scale: float, window_left: int,
                        window_right: int, *, fast_path: bool, needs_autograd: bool,
                        attn_mask: Optional[Tensor] = None, block_map: Optional[Tensor] = None, block_q: int = 0,
-                       block_k: int = 0) -> tuple[Tensor, Tensor]:
+                       block_k: int = 0, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """(out, lse) of the one-pass path: the launches directly where ``fast_path`` (a plain eager
     call), else the registered op. ``attn_mask``: a key mask (module docstring), or None;
-    ``block_map``: a block-sparse layout of ``block_q`` x ``block_k`` blocks, or None."""
+    ``block_map``: a block-sparse layout of ``block_q`` x ``block_k`` blocks, or None; ``softcap``: 0 or
+    the soft cap c > 0."""
     args = (query, key, value, is_causal, causal_offset, scale, window_left, window_right, attn_mask, block_map,
-            block_q, block_k)
+            block_q, block_k, softcap)
     if fast_path:
         if not needs_autograd:
             return _forward(*args)[:2]
@@ -247,4 +263,5 @@ def attention_one_pass(query, key, value, is_causal: bool, causal_offset: int, s
     return torch.ops.flash_inductor.attention_forward_one_pass(*args)[:2]
 
 
-__all__ = ["attention_forward_one_pass", "attention_backward_one_pass", "attention_one_pass", "one_pass_applies"]
+__all__ = ["attention_forward_one_pass", "attention_backward_one_pass", "attention_one_pass", "one_pass_applies",
+           "softcap_keyword"]

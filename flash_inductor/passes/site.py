@@ -20,7 +20,6 @@ import torch.fx as fx
 from ..api import attention
 from ..varlen import packed_attention
 from ..launch import decode, hopper, hopper_bwd
-from ..ops.attention import SOFTCAP_ON_TRITON
 from .guard import check_replacement, checked_insertion, describe_error
 
 log = logging.getLogger("flash_inductor")
@@ -193,13 +192,12 @@ def _forward_kernel(site: AttentionSite, schedule: Optional[str]) -> Optional[st
     query, key, value = (example_value(node) for node in (site.query, site.key, site.value))
     if query is None or key is None or value is None or not query.is_cuda:
         return None
-    if site.softcap is not None:
-        return f"forward on Triton: {SOFTCAP_ON_TRITON}"
     mask = example_value(site.attn_mask) if site.attn_mask is not None else None
     try:
         if mask is not None and site.key_mask:
             mask = mask[_FIRST_QUERY_ROW]  # as rewrite_site cuts it
-        if query.dim() == 4 and key.dim() == 4 and \
+        # The decode kernels have no soft cap: a capped site skips them, as the op does.
+        if site.softcap is None and query.dim() == 4 and key.dim() == 4 and \
                 decode.decode_unsupported_reason(query, key, mask, site.dropout_p or 0.0, schedule) is None:
             return "forward on the split-KV decode kernels"
         window = tuple(site.window) if has_window(site.window) else None

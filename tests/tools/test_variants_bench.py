@@ -18,6 +18,7 @@ def test_document_lengths_fill_the_pack_within_bounds(total):
     (["--head-dims", "96"], "--head-dims takes"),
     (["--packs", "abc"], "comma-separated integers"),
     (["--seqs", "64"], "at least 128"),
+    (["--part", "packed", "--smoke"], "--smoke covers the hf_step part only"),
 ])
 def test_bad_arguments_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -36,6 +37,7 @@ def test_ratios_pair_each_contender_with_ours():
         dict(part="overhead", seq=4096, head_dim=64, mode="fwd", variant="sinks", status="ok", ms=1.04),
         dict(part="hf_step", pack=16384, provider="packed-position-ids", status="ok", ms=10.0),
         dict(part="hf_step", pack=16384, provider="dense-block-diagonal", status="ok", ms=15.0),
+        dict(part="hf_step", pack=16384, provider="packed-hf-mask", status="ok", ms=13.0),
     ]
     lines = variants.ratios(records)
     assert any("flex" in line and "ours 1.50x" in line for line in lines)
@@ -44,4 +46,16 @@ def test_ratios_pair_each_contender_with_ours():
     assert len(nested) == 1 and "ours-noncausal" in nested[0] and "ours 1.25x" in nested[0]
     assert not any("flex" in line and "noncausal" in line for line in lines)
     assert any("sinks" in line and "1.040x plain" in line for line in lines)
-    assert any("hf_step" in line and "1.50x" in line for line in lines)
+    assert any("hf_step" in line and "1.50x the dense-block-diagonal" in line for line in lines)
+    assert any("hf_step" in line and "1.30x the packed-hf-mask" in line for line in lines)
+
+
+def test_hf_step_smoke_runs_on_cpu(capsys):
+    """--smoke: the HF step's three contenders once on a tiny Llama on the CPU; the packed one hands
+    attention no mask, the other two a mask, and all three agree (checked inside)."""
+    pytest.importorskip("transformers")
+    assert variants.main(["--part", "hf_step", "--smoke"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    assert "packed-position-ids" in lines[0] and "False" not in lines[0]
+    assert all("True" not in line for line in lines[1:])

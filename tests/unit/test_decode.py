@@ -13,6 +13,7 @@ from typing import Optional
 
 import pytest
 import torch
+from bounds_check import ADDRESS_WATCH, watched_addresses
 
 from flash_inductor import launch
 from flash_inductor.launch import decode
@@ -21,7 +22,6 @@ from flash_inductor.tuning.buckets import Bucket
 from flash_inductor.tuning.configs import decode_split_count, select_decode_config
 from flash_inductor.tuning.kernel_config import KernelConfig
 from helpers import (
-    ON_CUDA,
     assert_close_to_ref,
     assert_dead_rows_exact,
     launch_visibility,
@@ -291,18 +291,16 @@ def test_the_table_decode_entry_is_used(monkeypatch, device):
 
 
 # ------------------------------------------------------------------------------------------
-# Addresses (interpreter only: on a GPU, compute-sanitizer)
+# Addresses (the interpreter's check on CPU, compute-sanitizer on a GPU: tests/bounds_check.py)
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(ON_CUDA, reason="checks interpreted kernels; on a GPU, use compute-sanitizer")
+@ADDRESS_WATCH
 @pytest.mark.parametrize("config", [None, KernelConfig(64, 64, 4, 1)], ids=["interpreter", "wide"])
 @pytest.mark.parametrize("case", [pytest.param(CASES[n], id=n) for n in (
     "L16-gqa8-cache_bool", "L4-gqa8-cache_causal", "L4-mha-float", "L4-gqa4-dead_rows")])
 def test_decode_kernels_touch_only_their_tensors(case, config, device):
-    from bounds_check import checked_addresses
-
-    with checked_addresses() as state:
+    with watched_addresses(device) as state:
         check_decode(case, torch.float16, device, config=config)
     assert state.violations == [] and state.accesses > 0
 

@@ -466,3 +466,63 @@ def test_the_op_dispatches_to_the_hopper_call_it_is_given(monkeypatch):
     ops_attention._kernel_backward(do, q, k, v, None, q, lse, None, None,
                                    describe(q, k, v, 0.0, True, 0, 0.125, "fast", 4, 0), False, hopper_call=hopper_call)
     assert seen[2] == ("hopper", (True, 0, 0.125, "fast", 4, 0))
+
+
+def test_soft_capped_calls_take_the_hopper_calls(monkeypatch):
+    """Runs anywhere: a soft-capped call whose static checks pass goes to the Hopper forward and
+    backward entries (not the Triton launchers), with its cap in the call record they get."""
+    from flash_inductor.launch import hopper, hopper_bwd
+    from flash_inductor.ops import attention as ops_attention
+
+    q, k, v, do = (torch.randn(1, 2, 8, 64) for _ in range(4))
+    lse = torch.zeros(1, 2, 8)
+    seen = []
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a soft-capped call reached the Triton launcher")
+    monkeypatch.setattr(ops_attention.launch, "attention_forward", refuse)
+    monkeypatch.setattr(ops_attention.launch, "attention_backward", refuse)
+    monkeypatch.setattr(hopper, "hopper_forward_unsupported_reason", lambda *a, **kw: None)
+    monkeypatch.setattr(hopper, "tma_unsupported_reason", lambda *a, **kw: None)
+    monkeypatch.setattr(hopper_bwd, "hopper_backward_unsupported_reason", lambda *a, **kw: None)
+    monkeypatch.setattr(hopper_bwd, "backward_tma_unsupported_reason", lambda *a, **kw: None)
+    call = ops_attention.describe_call(q, k, v, 0.0, True, 0, 0.125, "fast", softcap=2.5)
+    out, _ = ops_attention._kernel_forward(q, k, v, None, None, call,
+                                           hopper_call=lambda *a, **kw: seen.append(("fwd", a[3].softcap)) or (q, lse))
+    ops_attention._kernel_backward(do, q, k, v, None, out, lse, None, None, call, False,
+                                   hopper_call=lambda *a, **kw: seen.append(("bwd", a[7].softcap)) or (q, k, v))
+    assert seen == [("fwd", 2.5), ("bwd", 2.5)]
+
+
+@needs_hopper
+@pytest.mark.parametrize("schedule", ("fast", "stable"))
+@pytest.mark.parametrize("is_causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
+def test_soft_capped_forward_and_backward_on_hopper(monkeypatch, dtype, head_dim, is_causal, schedule):
+    """flash_attention(softcap=c) runs the Gluon forward and backward (`stable` through the one-pass
+    ops), with out and the gradients inside the tolerance rule against the fp64 definition
+    (tests/variant_refs.py), the baseline being that formula in the input dtype. Logits reach about
+    three times the cap, so most tanh saturate and the slope matters; odd lengths exercise the masks."""
+    from flash_inductor import flash_attention
+    from flash_inductor.launch import hopper
+    from variant_refs import variant_reference
+
+    forwards = spy_on(monkeypatch, hopper, "hopper_attention_forward")
+    backwards = _count_hopper_backwards(monkeypatch)
+    cap, seq = 8.0, 333
+    q, k, v, do = _inputs(dtype, head_dim, 2, 4, 2, seq, seq, seed=3)
+    q = (q * 3).detach().requires_grad_(True)
+    k, v = (t.detach().requires_grad_(True) for t in (k, v))
+    out = flash_attention(q, k, v, is_causal=is_causal, enable_gqa=True, softcap=cap, schedule=schedule)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    assert forwards == [is_causal] and backwards == [is_causal]
+    visible = _visible(seq, seq, is_causal, 0)
+
+    def reference(precision):
+        leaves = [t.detach().to(precision).requires_grad_(True) for t in (q, k, v)]
+        o = variant_reference(*leaves, softcap=cap, visible=visible)
+        return (o, *torch.autograd.grad(o, leaves, do.to(precision)))
+    refs, bases = reference(torch.float64), reference(dtype)
+    for name, ours, ref, base in zip(("out", "dq", "dk", "dv"), (out, *grads), refs, bases):
+        assert_close_to_ref(name, ours, ref, base)

@@ -1,4 +1,5 @@
-"""Every kernel load and store stays inside the launch's tensors (interpreter only).
+"""Every kernel load and store stays inside the launch's tensors (the interpreter's check on CPU,
+compute-sanitizer on a GPU: tests/bounds_check.py).
 
 tests/unit/test_kernels.py checks the results; a load past a tensor's end whose value is masked out
 later leaves the results right under the interpreter and faults on a GPU (or reads a neighbour's
@@ -13,17 +14,14 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from bounds_check import checked_addresses
+from bounds_check import ADDRESS_WATCH, checked_addresses, watched_addresses
 from helpers import ON_CUDA
 from unit.test_kernels import DROPOUT, FEATURES, SHAPES, run_case
 
 from flash_inductor import launch
 from flash_inductor.tuning.configs import AttentionConfigs, KernelConfig
 
-pytestmark = [
-    pytest.mark.launches_kernels,
-    pytest.mark.skipif(ON_CUDA, reason="checks interpreted kernels; on a GPU, use compute-sanitizer"),
-]
+pytestmark = [pytest.mark.launches_kernels, ADDRESS_WATCH]
 
 
 @triton.jit
@@ -35,6 +33,7 @@ def _copy(src, dst, n, BLOCK: tl.constexpr, MASKED: tl.constexpr):
         tl.store(dst + offs, tl.load(src + offs))
 
 
+@pytest.mark.skipif(ON_CUDA, reason="the interpreter's check; on a GPU the memcheck step's canary checks the sanitizer")
 def test_the_check_catches_a_load_past_the_end_and_passes_masked_lanes():
     src = torch.randn(8)
     dst = torch.zeros(16)
@@ -69,11 +68,11 @@ _CASES = {
 @pytest.mark.parametrize("case", [pytest.param(c, id=n) for n, c in _CASES.items()])
 @pytest.mark.parametrize("schedule,dtype", [("stable", torch.float16), ("fast", torch.float32)],
                          ids=["stable-fp16", "fast-fp32"])
-def test_kernels_touch_only_their_tensors(case, schedule, dtype, tiles, monkeypatch):
+def test_kernels_touch_only_their_tensors(case, schedule, dtype, tiles, monkeypatch, device):
     if tiles == "wide":
         monkeypatch.setattr(launch.common, "launch_configs", lambda *args, **kwargs: _WIDE)
-    with checked_addresses() as state:
-        ours, _ = run_case(case, dtype, "cpu", schedule)
+    with watched_addresses(device) as state:
+        ours, _ = run_case(case, dtype, device, schedule)
     assert state.violations == []
     assert state.accesses > 0
     assert all(torch.isfinite(ours[name].float()).all() for name in ("dq", "dk", "dv"))

@@ -20,6 +20,7 @@ from typing import Optional
 import pytest
 import torch
 import torch.nn.functional as F
+from bounds_check import ADDRESS_WATCH, watched_addresses
 
 import flash_inductor
 from flash_inductor import launch
@@ -536,21 +537,20 @@ _BOUNDS_CASES = ("causal_sliding", "asymmetric_long_q", "left_only", "with_causa
 
 
 @pytest.mark.launches_kernels
-@pytest.mark.skipif(ON_CUDA, reason="checks interpreted kernels; on a GPU, use compute-sanitizer")
+@ADDRESS_WATCH
 @pytest.mark.parametrize("tiles", ["interpreter", "wide"])
 @pytest.mark.parametrize("name", _BOUNDS_CASES)
-def test_window_kernels_touch_only_their_tensors(name, tiles, monkeypatch):
+def test_window_kernels_touch_only_their_tensors(name, tiles, monkeypatch, device):
     """Every address the window's loops load from or store to lies inside the launch's tensors
     (tests/bounds_check.py): a skipped range computed past an edge would read out of bounds on a GPU."""
-    from bounds_check import checked_addresses
     from flash_inductor.tuning.configs import AttentionConfigs, KernelConfig
 
     if tiles == "wide":
         wide = AttentionConfigs(forward=KernelConfig(32, 64, 4, 1), backward_dkdv=KernelConfig(32, 64, 4, 1),
                                 backward_dq=KernelConfig(32, 64, 4, 1))
         monkeypatch.setattr(launch.common, "launch_configs", lambda *args, **kwargs: wide)
-    with checked_addresses() as state:
-        ours, *_ = run_window_case(CASES[name], torch.float16, "cpu")
+    with watched_addresses(device) as state:
+        ours, *_ = run_window_case(CASES[name], torch.float16, device)
     assert state.violations == []
     assert state.accesses > 0
     assert all(torch.isfinite(ours[n].float()).all() for n in ("out", "dq", "dk", "dv"))

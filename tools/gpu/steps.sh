@@ -13,6 +13,9 @@
 #   sparse_tests    windows, block sparsity, decode, HF generation, the table's edges (gpu_tests_sparse.xml)
 #   variants_tests  soft-capping, sinks and packed sequences, with the dense kernel tests their
 #                   switches share (SUITE_SECONDS, 330; variants_tests.xml)
+#   memcheck        the address tests (tests/bounds_check.py: every Triton and Gluon kernel load and store
+#                   inside the launch's tensors) under compute-sanitizer, after a canary overrun that it
+#                   must report (memcheck_canary.py); MEMCHECK_SECONDS (420); memcheck.log
 #   switch_tests    TESTS (default: the Gluon forward, one-pass and window tests) with a module switch
 #                   on, SWITCH=module.NAME=value (tools/pytest_switch.py), e.g.
 #                   SWITCH=launch.hopper_bwd.ONE_PASS_STABLE=0
@@ -59,6 +62,25 @@ run_step() {
         tests/unit/test_kernels.py tests/unit/test_window.py \
         -k "test_variants or test_kernels_softcap or features or shapes or window_kernels" --durations=15 \
         --junitxml "$OUT/variants_tests.xml" 2>&1 | tail -30 ;;
+    memcheck)
+      local sanitizer=(compute-sanitizer --tool memcheck --error-exitcode 97 --print-limit 20)
+      command -v compute-sanitizer >/dev/null || sanitizer[0]=/usr/local/cuda/bin/compute-sanitizer
+      # One cudaMalloc a tensor, so an overrun leaves its allocation rather than landing in the
+      # caching allocator's block.
+      export PYTORCH_NO_CUDA_MEMORY_CACHING=1
+      "${sanitizer[@]}" python3 tools/gpu/memcheck_canary.py > "$OUT/memcheck_canary.log" 2>&1
+      local canary=$?
+      if [ $canary -ne 97 ]; then
+        echo "memcheck: the sanitizer did not report the canary's overrun (exit $canary): nothing would be checked"
+        tail -5 "$OUT/memcheck_canary.log"; unset PYTORCH_NO_CUDA_MEMORY_CACHING; return 1
+      fi
+      echo "memcheck: the canary's overrun was reported ($(grep -c 'Invalid __global__' "$OUT/memcheck_canary.log") errors)"
+      FLASH_INDUCTOR_MEMCHECK=1 bounded "${MEMCHECK_SECONDS:-420}" "${sanitizer[@]}" python3 -m pytest \
+        tests/unit/test_kernel_bounds.py tests/unit/test_decode.py tests/unit/test_window.py -k touch_only \
+        -q -p no:cacheprovider -p no:xdist --junitxml "$OUT/memcheck_tests.xml" > "$OUT/memcheck.log" 2>&1
+      echo "memcheck: exit status $? (97: the sanitizer reported an access)"
+      grep -m 20 "Invalid\|passed\|failed\|error" "$OUT/memcheck.log"
+      unset PYTORCH_NO_CUDA_MEMORY_CACHING ;;
     switch_tests)
       [ -n "${SWITCH:-}" ] || { echo "switch_tests: set SWITCH=module.NAME=value" >&2; return 2; }
       FLASH_INDUCTOR_SWITCHES=$SWITCH pytest_gpu 220 -p tools.pytest_switch \
