@@ -47,13 +47,6 @@ log = logging.getLogger("flash_inductor")
 default_config = default_backward_config
 # `stable` runs this kernel only from the one-pass forward, whose residual it needs (ops/one_pass.py).
 NO_RESIDUAL = "the exact Δ needs the one-pass forward's residual (ops/one_pass.py)"
-# Whether `stable` calls take the one-pass exact-Δ path (ops/one_pass.py). Measured on the H200
-# (bf16, docs/hopper_backward.md): forward+backward 0.80-0.88x cuDNN, against 0.70-0.79x with the
-# Triton `stable` backward it replaces; the stability requirement holds on the cases `fast`'s Δ
-# fails (tests/unit/test_one_pass.py). Off, `stable` keeps the Triton backward (the A/B's other side).
-ONE_PASS_STABLE = True
-ONE_PASS_OFF = ("schedule 'stable' with launch.hopper_bwd.ONE_PASS_STABLE off (its exact Δ needs the one-pass "
-                "forward's residual; docs/hopper_backward.md)")
 # dQ is summed across key blocks by TMA reduce-adds, whose order varies from run to run; the
 # Triton backward sums each dq row in one program, in a fixed order.
 # `fast`'s backward recomputes P from the LSE in natural log; a row masked entirely at the additive
@@ -107,20 +100,8 @@ def hopper_backward_unsupported_reason(query, key, value, attn_mask=None, dropou
                                        is_causal: bool = True, window=None,
                                        block_sizes: tuple[int, int] | None = None) -> str | None:
     """None if the Hopper backward takes this call as far as its static properties go, else why
-    not (for the logs). Safe on fake tensors. `stable` calls take it only while
-    ``ONE_PASS_STABLE`` routes them to the one-pass ops."""
-    sched = get_schedule(schedule)
-    if sched.exact_delta and not sched.ds_in_fp32 and not ONE_PASS_STABLE:
-        return ONE_PASS_OFF
-    return _backward_support_reason(query, key, value, attn_mask, dropout_p, scale, schedule, is_causal=is_causal,
-                                    window=window, block_sizes=block_sizes)
-
-
-def _backward_support_reason(query, key, value, attn_mask=None, dropout_p: float = 0.0,
-                             scale: float | None = None, schedule: str | None = None, *,
-                             is_causal: bool = True, window=None,
-                             block_sizes: tuple[int, int] | None = None) -> str | None:
-    """The kernel's own limits, whatever routes `stable`."""
+    not (for the logs). Safe on fake tensors. `stable` calls take it through the one-pass ops
+    (ops/one_pass.py), which form its exact Δ."""
     reason = hopper_forward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
                                                window=window, block_sizes=block_sizes)
     if reason is not None:
@@ -140,12 +121,11 @@ def one_pass_unsupported_reason(query, key, value, attn_mask=None, dropout_p: fl
                                 window=None, block_sizes: tuple[int, int] | None = None) -> str | None:
     """None if a call could run `stable`'s exact Δ on the Hopper kernels in one pass
     (ops/one_pass.py): the schedule forms the exact Δ and both Hopper kernels take the call.
-    Static properties only (safe on fake tensors); lengths by their hints. Whether calls are
-    routed there is ``ONE_PASS_STABLE``'s."""
+    Static properties only (safe on fake tensors); lengths by their hints."""
     if not get_schedule(schedule).exact_delta:
         return f"schedule {get_schedule(schedule).name!r} (no exact Δ to form)"
-    reason = _backward_support_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
-                                      window=window, block_sizes=block_sizes)
+    reason = hopper_backward_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
+                                                window=window, block_sizes=block_sizes)
     if reason is not None:
         return reason
     if 0 in (length_hint(query.shape[2]), length_hint(key.shape[2])):
@@ -160,9 +140,8 @@ def backward_tma_unsupported_reason(grad_out, query, key, value) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def log_triton_backward(reason: str) -> None:
-    """Say once per reason, at INFO, why a backward on a Hopper GPU runs the Triton kernels. The
-    default schedule's reason while its one-pass path is off is left out: every `stable` call has it."""
-    if reason not in NOT_HOPPER and reason != ONE_PASS_OFF:
+    """Say once per reason, at INFO, why a backward on a Hopper GPU runs the Triton kernels."""
+    if reason not in NOT_HOPPER:
         log.info("flash_inductor: backward on the Triton kernels, not the Hopper (Gluon) one: %s", reason)
 
 

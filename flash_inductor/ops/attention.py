@@ -431,8 +431,8 @@ def attention_forward_eager(query, key, value, attn_mask, rng_seed, dropout_p, i
                             schedule, window_left=-1, window_right=-1, block_map=None, block_q=0,
                             block_k=0, softcap=0.0) -> tuple[Tensor, Tensor]:
     """``torch.ops.flash_inductor.attention_forward`` with the same arguments, without the
-    dispatcher where :func:`eager_fast_path_applies`. While ``launch.hopper_bwd.ONE_PASS_STABLE``
-    routes them, `stable` calls that the Hopper kernels take go to the one-pass ops instead
+    dispatcher where :func:`eager_fast_path_applies`. `stable` calls that the Hopper kernels take go
+    to the one-pass ops instead
     (ops/one_pass.py), which return the same (out, lse) up to rounding, when a backward may follow:
     without one, the residual and the centred keys they save would buy nothing, and the plain
     forward is 12-17 % faster (docs/hopper_backward.md)."""

@@ -31,9 +31,8 @@ query, as padding masks are), bool or additive, which neither needs nor gets a g
 
 ``attention_forward_eager`` (ops/attention.py) routes a call here when :func:`one_pass_applies`
 says so, from static properties alone (safe on fake tensors), so a traced graph holds these ops
-exactly where they will run; ``launch.hopper_bwd.ONE_PASS_STABLE`` switches the routing (on: it
-is measured faster than the Triton `stable` backward and meets the stability requirement,
-docs/hopper_backward.md). Inputs TMA cannot address
+exactly where they will run (measured faster than the Triton `stable` backward, and meeting the
+stability requirement: docs/hopper_backward.md). Inputs TMA cannot address
 are copied first. Under ``torch.use_deterministic_algorithms(True)`` the backward runs the Triton
 `stable` kernels, which take the same out and lse.
 """
@@ -53,10 +52,7 @@ from .functorch import transform_function, under_transform
 
 def one_pass_applies(query, key, value, attn_mask, dropout_p: float, scale: float, schedule: str,
                      window=None, block_sizes: tuple[int, int] | None = None) -> bool:
-    """Whether a call takes this path: ``launch.hopper_bwd.ONE_PASS_STABLE`` routes `stable` here
-    and ``one_pass_unsupported_reason`` finds nothing against the call."""
-    if not hopper_bwd.ONE_PASS_STABLE:
-        return False
+    """Whether a call takes this path: ``one_pass_unsupported_reason`` finds nothing against it."""
     return hopper_bwd.one_pass_unsupported_reason(query, key, value, attn_mask, dropout_p, scale, schedule,
                                                   window=window, block_sizes=block_sizes) is None
 

@@ -412,10 +412,8 @@ def test_the_static_choice_on_a_mocked_hopper(monkeypatch):
     assert reason(q64, kv64, kv64, None, 0.0, None, "fast", is_causal=False) is None
     # `stable` takes it only through the one-pass ops (ops/one_pass.py), at every head dim once
     # they are routed; `accurate` keeps Triton.
-    assert hopper_bwd.ONE_PASS_STABLE
     assert reason(q64, kv64, kv64, None, 0.0, None, "stable", is_causal=False) is None
-    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", False)
-    assert reason(q, kv, kv, None, 0.0, None, "stable") == hopper_bwd.ONE_PASS_OFF
+    assert reason(q, kv, kv, None, 0.0, None, "stable") is None
     assert "schedule 'accurate'" in reason(q, kv, kv, None, 0.0, None, "accurate")
     assert "mask" in reason(q, kv, kv, t(2, 8, 64, 64, dtype=torch.bool), 0.0, None, "fast")
     assert "dropout" in reason(q, kv, kv, None, 0.1, None, "fast")

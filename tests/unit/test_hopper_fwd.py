@@ -321,11 +321,6 @@ def test_explain_names_the_forward_kernel_on_a_mocked_hopper(monkeypatch):
     windowed = AttentionSite("sdpa", q, q, k, v, is_causal=True, window=(15, 0))
     assert describe_rewrite(windowed, "fast").endswith(both)
     assert describe_rewrite(windowed, "stable").endswith(both)
-    # With the one-pass path switched off, `stable` keeps its Triton backward.
-    from flash_inductor.launch import hopper_bwd
-    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", False)
-    assert describe_rewrite(site, "stable").endswith("forward on the Hopper (Gluon) kernel")
-    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", True)
     masked = AttentionSite("sdpa", q, q, k, v, attn_mask=node("m", 2, 8, 64, 64, dtype=torch.bool))
     assert "forward on Triton: an attention mask" in describe_rewrite(masked, "stable")
     on_cpu = AttentionSite("sdpa", q, node("qc", 2, 8, 64, 128, cuda=False), k, v)

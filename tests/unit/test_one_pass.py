@@ -32,17 +32,14 @@ DTYPES = (torch.bfloat16, torch.float16)
 # ------------------------------------------------------------------------------ which calls
 
 def test_stable_unmasked_calls_take_the_one_pass_path(monkeypatch):
-    from flash_inductor.launch import hopper_bwd
     from flash_inductor.launch.hopper_bwd import NO_RESIDUAL, one_pass_unsupported_reason
     from flash_inductor.ops.one_pass import one_pass_applies
 
     t = mock_hopper(monkeypatch)
     q = t(2, 8, 256, 128)
-    # Routed while the switch is on (the default); the support check itself does not depend on it.
-    assert hopper_bwd.ONE_PASS_STABLE and one_pass_applies(q, q, q, None, 0.0, 0.1, "stable")
-    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", False)
-    assert not one_pass_applies(q, q, q, None, 0.0, 0.1, "stable")
+    assert one_pass_applies(q, q, q, None, 0.0, 0.1, "stable")
     assert one_pass_unsupported_reason(q, q, q, None, 0.0, 0.1, "stable") is None
+    assert not one_pass_applies(q, q, q, None, 0.0, 0.1, "fast")
     q, k = t(2, 8, 256, 128), t(2, 2, 256, 128)
     assert one_pass_unsupported_reason(q, k, k, None, 0.0, 0.1, "stable") is None
     assert one_pass_unsupported_reason(t(1, 4, 100, 64), t(1, 4, 300, 64), t(1, 4, 300, 64), None, 0.0, 0.1,
@@ -410,12 +407,10 @@ def test_flash_attention_runs_key_masks_on_the_hopper_kernels(monkeypatch, sched
 def test_stability_cases_meet_the_requirement(monkeypatch, dtype, case):
     """The suite's requirement (||ours - ref|| <= 2 best anchor + floor) on the two cases that
     `fast`'s Δ fails, with this path as the default schedule."""
-    from flash_inductor.launch import hopper_bwd
     from flash_inductor.stability import cases as suite_cases
     from flash_inductor.stability import runner
     from flash_inductor.stability.anchors import implementations
 
-    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", True)
     sizes = suite_cases.QUICK
     chosen = [c for c in suite_cases.all_cases(sizes) if c.name == case]
     impls = implementations(["ours:stable", "ours:fast", "sdpa:math", "sdpa:flash", "sdpa:efficient"])
@@ -431,7 +426,6 @@ def test_flash_attention_routes_stable_through_the_one_pass_ops(monkeypatch):
     import flash_inductor
     from flash_inductor.launch import hopper_bwd
 
-    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", True)
     calls = []
     real = hopper_bwd.hopper_attention_backward
 
@@ -526,9 +520,8 @@ def test_inference_runs_the_plain_hopper_forward(monkeypatch, compiled):
     centring: the Gluon forward runs without EXACT_DELTA, eagerly and compiled, and its output
     matches fp64 as the one-pass forward's does."""
     import flash_inductor
-    from flash_inductor.launch import hopper, hopper_bwd
+    from flash_inductor.launch import hopper
 
-    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", True)
     exact = []
     real = hopper.hopper_attention_forward
 
@@ -556,9 +549,7 @@ def test_inference_runs_the_plain_hopper_forward(monkeypatch, compiled):
 @needs_hopper
 def test_deterministic_mode_keeps_the_triton_backward(monkeypatch):
     import flash_inductor
-    from flash_inductor.launch import hopper_bwd
 
-    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", True)
     q, k, v = (torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
     torch.use_deterministic_algorithms(True)
     try:

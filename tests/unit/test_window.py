@@ -422,9 +422,6 @@ def test_hopper_kernels_take_a_window(monkeypatch):
         # `stable` through the one-pass ops (ops/one_pass.py), which take windows too.
         assert hopper_bwd.hopper_backward_unsupported_reason(q, kv, kv, None, 0.0, None, "stable", is_causal=True,
                                                              window=window) is None
-    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", False)
-    assert hopper_bwd.hopper_backward_unsupported_reason(q, kv, kv, None, 0.0, None, "stable",
-                                                         window=(127, 0)) == hopper_bwd.ONE_PASS_OFF
 
 
 def test_the_op_hands_the_window_to_the_hopper_forward(monkeypatch):

@@ -18,7 +18,7 @@
 #                   must report (memcheck_canary.py); MEMCHECK_SECONDS (420); memcheck.log
 #   switch_tests    TESTS (default: the Gluon forward, one-pass and window tests) with a module switch
 #                   on, SWITCH=module.NAME=value (tools/pytest_switch.py), e.g.
-#                   SWITCH=launch.hopper_bwd.ONE_PASS_STABLE=0
+#                   SWITCH=launch.hopper.BLOCK_SPARSE_PERSISTENT=0
 # Benchmarks:
 #   grid            the full speed grid: bf16/fp16 x E 64/128/256 x causal or not x seq 512..32k x fwd and
 #                   fwd+bwd; ours, ours-fast, FA2, cuDNN and Flex, heated, 14 compile workers, on the shipped
