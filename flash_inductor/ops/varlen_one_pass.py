@@ -34,9 +34,10 @@ from ..launch.visibility import Visibility
 
 
 def varlen_one_pass_applies(query, key, value, dropout_p: float, scale: float, schedule: str, softcap: float) -> bool:
-    """Whether a packed call ((total, H, E) tensors) takes this path: ``launch.hopper_bwd.ONE_PASS_STABLE``
-    routes `stable` here and neither kernel finds anything against the call. Static properties only."""
-    if not hopper_bwd.ONE_PASS_STABLE or softcap or not query.is_cuda:
+    """Whether a packed call ((total, H, E) tensors) takes this path: a `stable` call neither kernel
+    finds anything against (``launch.hopper_bwd.one_pass_unsupported_reason``), without a soft cap
+    (the packed launchers take none yet). Static properties only."""
+    if softcap or not query.is_cuda:
         return False
     views = [packed_view(t) for t in (query, key, value)]
     return hopper_bwd.one_pass_unsupported_reason(*views, None, dropout_p, scale, schedule) is None
