@@ -9,12 +9,15 @@ Part ``packed``: packs of ``--packs`` tokens (16k and 64k) filled with documents
 drawn (seeded) log-uniformly from 128 to 8k, causal within each document, forward+backward. The
 contenders see the same pack:
 
-* ``ours``: ``flash_attention_varlen`` (cu_seqlens; each document its own problem, no mask);
+* ``ours``: ``flash_attention_varlen`` (cu_seqlens; each document its own problem, no mask), the
+  default schedule (`stable`: on an H100/H200 the Gluon kernels' one-pass exact-Δ path,
+  ``ops/varlen_one_pass.py``), and ``ours-fast`` the `fast` schedule (the Gluon kernels too);
 * ``flex``: ``torch.compile``d FlexAttention with a document-causal ``mask_mod`` and its
   ``BlockMask`` (built once per cell, untimed), the usual way to run packed batches with it;
 * ``sdpa-nested``: SDPA on a nested jagged tensor (FlashAttention-2/cuDNN varlen underneath).
   It has no ``is_causal`` for nested inputs, so it runs the same documents without the causal
-  mask, at twice the causal work: its time is reported, and the ratio against it is left out.
+  mask; ``ours-noncausal`` and ``ours-fast-noncausal`` run that too, and the ratio is theirs
+  against it (the causal ones are compared with flex and the dense mask only);
 * ``ours-dense-mask`` (16k only): ours with the pack's dense block-diagonal bool mask, what a
   padding-free batch costs when its structure is given as a mask.
 
@@ -45,6 +48,8 @@ from benchmarks.common import (DTYPES, bench_ms, compiled_flex, environment, fir
                                release_memory, write_record)
 
 E_CHOICES = (64, 128)
+# Ours on the pack, through flash_attention_varlen: the default schedule and `fast`, causal and not.
+OURS_PACKED = ("ours", "ours-fast", "ours-noncausal", "ours-fast-noncausal")
 
 
 def document_lengths(total: int, seed: int, low: int = 128, high: int = 8192) -> list[int]:
@@ -73,9 +78,12 @@ def packed_step(provider, lengths, q, k, v, dout, cu):
     import flash_inductor
 
     longest = max(lengths)
-    if provider == "ours":
+    if provider in OURS_PACKED:
+        causal, schedule = "noncausal" not in provider, "fast" if "-fast" in provider else None
+
         def attend():
-            return flash_inductor.flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=True)
+            return flash_inductor.flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal,
+                                                         schedule=schedule)
     elif provider == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
         doc = torch.repeat_interleave(torch.arange(len(lengths), device=q.device),
@@ -152,10 +160,10 @@ def run_packed(args, dtype, records, deadline):
     for pack, head_dim in progress(cells, "packed"):
         lengths = document_lengths(pack, seed=pack)
         q, k, v, dout, cu = _packed_inputs(lengths, 2048 // head_dim, head_dim, dtype, args.device)
-        providers = ["ours", "flex", "sdpa-nested"] + (["ours-dense-mask"] if pack <= 16384 else [])
+        providers = [*OURS_PACKED, "flex", "sdpa-nested"] + (["ours-dense-mask"] if pack <= 16384 else [])
         for provider in providers:
             cell = dict(part="packed", pack=pack, head_dim=head_dim, documents=len(lengths), provider=provider,
-                        causal=provider != "sdpa-nested", dtype=args.dtype)
+                        causal=provider != "sdpa-nested" and "noncausal" not in provider, dtype=args.dtype)
             _measure(records, cell, lambda: packed_step(provider, lengths, q, k, v, dout, cu), args, deadline,
                      f"packed {pack} E{head_dim} {provider}")
             release_memory()
@@ -284,19 +292,19 @@ def smoke_hf_step(pack: int = 192) -> list[str]:
 
 
 def ratios(records) -> list[str]:
-    """One line per cell: ours against each contender (contender ms / ours ms, > 1 = ours faster),
-    and each variant's time over plain."""
+    """One line per cell: ours against each contender of the same masking (contender ms / ours ms,
+    > 1 = ours faster: causal against flex and the dense mask, not causal against SDPA on nested
+    tensors), and each variant's time over plain."""
     ok = [r for r in records if r["status"] == "ok"]
     lines = []
     for r in ok:
-        if r["part"] == "packed" and r["provider"] == "ours":
+        if r["part"] == "packed" and r["provider"] in OURS_PACKED:
             for other in ok:
-                if other["part"] == "packed" and other["provider"] not in ("ours",) and \
-                        (other["pack"], other["head_dim"]) == (r["pack"], r["head_dim"]):
-                    note = "" if other["causal"] else " (not causal: no ratio, its work is twice ours)"
-                    ratio = "" if note else f"  ours {other['ms'] / r['ms']:.2f}x"
-                    lines.append(f"packed {r['pack']:>6} E{r['head_dim']:<3} vs {other['provider']:<16}"
-                                 f"{ratio}{note}  ({r['ms']:.2f} vs {other['ms']:.2f} ms)")
+                if other["part"] == "packed" and other["provider"] not in OURS_PACKED and \
+                        (other["pack"], other["head_dim"], other["causal"]) == (r["pack"], r["head_dim"], r["causal"]):
+                    lines.append(f"packed {r['pack']:>6} E{r['head_dim']:<3} {r['provider']:<19} vs "
+                                 f"{other['provider']:<16} ours {other['ms'] / r['ms']:.2f}x  "
+                                 f"({r['ms']:.2f} vs {other['ms']:.2f} ms)")
         if r["part"] == "hf_step" and r["provider"] == "packed-position-ids":
             for other in ok:
                 if other["part"] == "hf_step" and other["provider"] != r["provider"] and other["pack"] == r["pack"]:
@@ -321,15 +329,19 @@ def plot(records, path, title=""):
     overhead = [r for r in ok if r["part"] == "overhead" and r["variant"] != "plain"]
     fig = Figure(figsize=(17, max(5.0, 0.26 * len(overhead) + 1.5)))
     left, middle, right = fig.subplots(1, 3, gridspec_kw=dict(width_ratios=(1.2, 1.6, 0.6)))
-    ours = {(r["pack"], r["head_dim"]): r["ms"] for r in ok if r["part"] == "packed" and r["provider"] == "ours"}
-    for provider, color in (("flex", "tab:blue"), ("ours-dense-mask", "tab:green")):
-        pts = [(f"{r['pack'] // 1024}k E{r['head_dim']}\n{provider}", r["ms"] / ours[(r["pack"], r["head_dim"])])
+    for mine, provider, color in (("ours", "flex", "tab:blue"), ("ours-fast", "flex", "tab:cyan"),
+                                  ("ours", "ours-dense-mask", "tab:green"),
+                                  ("ours-noncausal", "sdpa-nested", "tab:red"),
+                                  ("ours-fast-noncausal", "sdpa-nested", "tab:pink")):
+        ours = {(r["pack"], r["head_dim"]): r["ms"] for r in ok if r["part"] == "packed" and r["provider"] == mine}
+        pts = [(f"{r['pack'] // 1024}k E{r['head_dim']}\n{mine}/{provider}", r["ms"] / ours[(r["pack"], r["head_dim"])])
                for r in ok if r["part"] == "packed" and r["provider"] == provider and (r["pack"], r["head_dim"]) in ours]
         if pts:
-            left.bar([x for x, _ in pts], [y for _, y in pts], color=color, label=provider)
+            left.bar([x for x, _ in pts], [y for _, y in pts], color=color, label=f"{mine} / {provider}")
     left.axhline(1.0, color="gray", linestyle="--")
     left.set_ylabel("contender ms / ours ms (> 1: ours faster)")
-    left.set_title("packed, causal, fwd+bwd")
+    left.legend(fontsize=6)
+    left.set_title("packed, fwd+bwd (flex: causal; SDPA-NJT: not)")
     left.tick_params(axis="x", labelsize=7, rotation=60)
     labels, values = [], []
     for r in overhead:

@@ -21,6 +21,7 @@ from .monitoring import ops as _monitor_ops  # registers the recording ops
 from .ops import attention as _attention_ops  # noqa: F401  (registers the dense ops the varlen ops call)
 from .ops import varlen as _varlen_ops
 from .ops.sinks import fold_sinks
+from .ops.varlen_one_pass import attention_varlen_one_pass, varlen_one_pass_applies
 from .launch.band import NO_WINDOW
 from .schedules import get_schedule
 from .variant_args import check_sinks, resolve_dropout, resolve_softcap
@@ -116,9 +117,14 @@ def packed_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         query, key, value = _monitor_ops.watch_inputs(query, key, value, monitor_site)
     elif eager_monitor_site is not None:
         query, key, value = _monitor_eager.watch_gradients(query, key, value, eager_monitor_site)
-    out, lse = torch.ops.flash_inductor.attention_varlen_forward(
-        query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rng_seed, float(dropout_p),
-        is_causal, causal_lower_right, scale, precision.name, window[0], window[1], softcap)
+    if varlen_one_pass_applies(query, key, value, dropout_p, scale, precision.name, softcap):
+        # `stable` on the Gluon Hopper kernels: the exact Δ in a one-pass backward (ops/varlen_one_pass.py).
+        out, lse = attention_varlen_one_pass(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                             max_seqlen_k, is_causal, causal_lower_right, scale, window[0], window[1])
+    else:
+        out, lse = torch.ops.flash_inductor.attention_varlen_forward(
+            query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rng_seed, float(dropout_p),
+            is_causal, causal_lower_right, scale, precision.name, window[0], window[1], softcap)
     if sinks is not None:
         # As api.attention: the monitor keeps the keys' LSE (a row that sees no key stays fully masked).
         out, _ = fold_sinks(out, lse.transpose(0, 1), sinks, with_lse=False)

@@ -277,6 +277,36 @@ def one_pass(dtype, head_dim, kind, seq=SEQ, softcap=0.0):
                                     *window, mask, **capped)
 
 
+def _packing(seq):
+    """Three sequences packed along ``seq`` rows: a tile multiple, a ragged one, one token."""
+    import torch
+
+    from flash_inductor.launch.packed import PackedSequences
+
+    offsets = torch.tensor([0, 128, seq - 1, seq], dtype=torch.int32)
+    return PackedSequences(offsets, offsets, seq - 129, seq - 129)
+
+
+def gluon_varlen(dtype, head_dim, kind, *, passes=("forward", "backward"), exact=False, group=1, seq=SEQ):
+    """The Gluon varlen launchers (``launch/hopper_varlen.py``) on a pack of three sequences;
+    ``group`` query heads per KV head (2 KV heads)."""
+    import torch
+
+    from flash_inductor.launch import hopper_varlen
+
+    q, do = _tensors(dtype, head_dim, seq, 2, heads=2 * group)
+    k, v = _tensors(dtype, head_dim, seq, 2)
+    packed = _packing(seq)
+    vis = _visibility(kind, seq)
+    if "forward" in passes:
+        hopper_varlen.hopper_varlen_forward(q, k, v, packed, scale=head_dim**-0.5, visibility=vis, exact_delta=exact)
+    if "backward" in passes:
+        out, lse = q, torch.zeros((1, 2 * group, seq))
+        extra = dict(exact_delta=(torch.zeros_like(out), torch.zeros((2, 1, 2 * group, seq)))) if exact else {}
+        hopper_varlen.hopper_varlen_backward(do, q, k, v, out, lse, lse if exact else None, packed,
+                                             scale=head_dim**-0.5, visibility=vis, **extra)
+
+
 def triton_pass(dtype, head_dim, kind, schedule, passes=("forward", "backward"), *, configs=None, seq=SEQ,
                 mask=None, softcap=0.0, dropout_p=0.0, head_dim_v=None, packed=False, sinks=False):
     """The Triton launchers at Hopper's heuristic configs, or ``configs``. ``mask``: None, "bool" or
@@ -358,6 +388,17 @@ def hand_picked_cases() -> list[Case]:
             cases.append(_case(f"gluon_bwd_exact/{dt}/e{e}/key/split2", gluon_backward, dtype, e, "key", exact=True,
                                config=HopperBackwardConfig(group_split=2), group=2))
             cases.append(_case(f"one_pass/{dt}/e{e}/causal", one_pass, dtype, e, "causal"))
+            for kind in ("none", "causal", "window"):
+                cases.append(_case(f"gluon_varlen_fwd/{dt}/e{e}/{kind}", gluon_varlen, dtype, e, kind,
+                                   passes=("forward",)))
+                cases.append(_case(f"gluon_varlen_bwd/{dt}/e{e}/{kind}", gluon_varlen, dtype, e, kind,
+                                   passes=("backward",)))
+            cases.append(_case(f"gluon_varlen_fwd_exact/{dt}/e{e}/causal", gluon_varlen, dtype, e, "causal",
+                               passes=("forward",), exact=True))
+            cases.append(_case(f"gluon_varlen_bwd/{dt}/e{e}/causal/gqa", gluon_varlen, dtype, e, "causal",
+                               passes=("backward",), group=4))
+            cases.append(_case(f"gluon_varlen_bwd_exact/{dt}/e{e}/causal", gluon_varlen, dtype, e, "causal",
+                               passes=("backward",), exact=True, group=2))
             for kind in ("none", "causal"):  # the soft cap (SOFTCAP) on every Gluon path
                 for path, fn, exact in (("gluon_fwd", gluon_forward, False), ("gluon_fwd_exact", gluon_forward, True),
                                         ("gluon_bwd", gluon_backward, False), ("gluon_bwd_exact", gluon_backward, True)):
@@ -424,7 +465,8 @@ def triton_matrix() -> list[Case]:
 # A launcher/kernel mismatch anywhere shows here: each Gluon kernel (forward plain and exact-Δ, backward
 # `fast` and one-pass) and each Triton launch path once, fp16 and bf16 both.
 CI_CASES = ("gluon_fwd/bf16/e64/causal", "gluon_bwd_exact/fp16/e128/window", "triton/stable/fp16/e64/sparse",
-            "decode/bf16/e64/causal", "gluon_fwd_exact_sinks/bf16/e128/key", "triton/stable/fp16/e64/causal/sinks")
+            "decode/bf16/e64/causal", "gluon_fwd_exact_sinks/bf16/e128/key", "gluon_varlen_fwd_exact/bf16/e128/causal",
+            "gluon_varlen_bwd_exact/fp16/e64/causal")
 
 
 def table_cases() -> list[Case]:

@@ -43,6 +43,16 @@ Constexpr switches that say what is computed:
               band and S, by position, as a dense pair does. A key block with nothing listed keeps
               dK = dV = 0.
 
+  VARLEN      packed sequences (FlashAttention's varlen, ``launch/packed.py``): Q, K, V, dO and the
+              gradients are (1, H, total, E) views, sequence b's rows and keys [CU_Q[b], CU_Q[b + 1])
+              and [CU_K[b], CU_K[b + 1]); a CTA computes one key block of one sequence as if the
+              sequence were the whole problem (``BwdProblem.for_sequence``: its L, S and band, moved
+              to its bottom-right diagonal under diag_shift), its loads at the sequence's first row
+              and key. Rows and keys past the sequence's end belong to the next one and are masked
+              as rows past L and keys past S are, so dQ's reduce-adds add exact zeros to the rows
+              of the next sequence a box covers; dK and dV are stored row by row with a mask (a TMA
+              box would write the next sequence's keys). The grid covers the packed keys
+              (``PackedRows``), so only each sequence's own tiles run.
   SOFTCAP     FlashAttention-2's soft cap, as the forward's SOFTCAP (kernels/gluon_softcap.py): the
               tile's Sᵀ becomes tᵀ = tanh(st·tanh_scale) before the mask, Pᵀ = exp2(tᵀ·softcap_log2
               - lse2) (the forward's very formula, so under EXACT_DELTA P̃ rounds as the forward's),
@@ -136,6 +146,7 @@ from triton.language.core import base_value
 
 from .grid_order import swizzled_cta
 from .hopper_bwd_tile import ConsumerKeys, _consumer_tile
+from .hopper_packed import PackedRows, backward_block, k_row, q_row, store_packed_rows
 from .hopper_pipeline import MaybeSmem, Ring, Scalar, TileLists, field
 
 KEYS_PER_CONSUMER = gl.constexpr(64)
@@ -170,6 +181,7 @@ class BwdConfig:
     EVEN_L: gl.constexpr
     PAIRED_TILES: gl.constexpr
     SOFTCAP: gl.constexpr
+    VARLEN: gl.constexpr
     dtype: gl.constexpr
     DQ_COLS: gl.constexpr     # dQ's columns per consumer: E / 2 under DQ_SPLIT, else E
     s_layout: gl.constexpr    # Sᵀ and dPᵀ: (64 keys) x (BLOCK_M query rows)
@@ -181,7 +193,8 @@ class BwdConfig:
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, NUM_STAGES, IS_CAUSAL, WINDOW_LEFT, DQ_SPLIT, DQ_TMA, EXACT_DELTA, HAS_KEY_BIAS,
-                 ROW_STATS_TMA, DKDV_PARTIALS, CENTRE_KEYS, HAS_BLOCK_SPARSITY, EVEN_L, PAIRED_TILES, SOFTCAP=False):
+                 ROW_STATS_TMA, DKDV_PARTIALS, CENTRE_KEYS, HAS_BLOCK_SPARSITY, EVEN_L, PAIRED_TILES, SOFTCAP=False,
+                 VARLEN=False):
         self.HEAD_DIM = gl.constexpr(q_desc.block_type.shape[3])
         self.BLOCK_M = gl.constexpr(q_desc.block_type.shape[2])
         self.KC = gl.constexpr(k_desc.block_type.shape[2])
@@ -200,6 +213,7 @@ class BwdConfig:
         self.EVEN_L = field(EVEN_L)
         self.PAIRED_TILES = field(PAIRED_TILES)
         self.SOFTCAP = field(SOFTCAP)
+        self.VARLEN = field(VARLEN)
         self.dtype = gl.constexpr(q_desc.dtype)
         E = self.HEAD_DIM.value
         self.DQ_COLS = gl.constexpr(E // NUM_CONSUMERS.value if DQ_SPLIT else E)
@@ -238,11 +252,17 @@ class BwdProblem:
     lists: TileLists
     softcap_log2: Scalar
     tanh_scale: Scalar
+    packed: PackedRows
+    DK: Scalar
+    DV: Scalar
+    q_start: Scalar
+    k_start: Scalar
+    total_q: Scalar
 
     @gluon.constexpr_function
     def __init__(self, L, S, H_KV, GROUP, group_split, stride_stats, causal_offset, window_lower, qk_scale, sm_scale,
                  swizzle_heads, LSE, DELTA, DQ_ACCUM, DS_UP, KEY_BIAS, MEAN_KEY, DKDV_PART, lists, softcap_log2,
-                 tanh_scale):
+                 tanh_scale, packed, DK=None, DV=None, q_start=0, k_start=0, total_q=0):
         self.L = field(L)
         self.S = field(S)
         self.H_KV = field(H_KV)
@@ -264,6 +284,22 @@ class BwdProblem:
         self.lists = field(lists)
         self.softcap_log2 = field(softcap_log2)
         self.tanh_scale = field(tanh_scale)
+        self.packed = field(packed)
+        self.DK = field(DK)
+        self.DV = field(DV)
+        self.q_start = field(q_start)
+        self.k_start = field(k_start)
+        self.total_q = field(total_q)
+
+    @gluon.jit
+    def for_sequence(self, b):
+        """Sequence b's problem (VARLEN): this one's, with its lengths, band and first rows."""
+        q_start, k_start, seq_q, seq_k, causal_offset, window_lower = self.packed.sequence(
+            b, self.L, self.S, self.causal_offset, self.window_lower)
+        return BwdProblem(seq_q, seq_k, self.H_KV, self.GROUP, self.group_split, self.stride_stats, causal_offset,
+                          window_lower, self.qk_scale, self.sm_scale, self.swizzle_heads, self.LSE, self.DELTA,
+                          self.DQ_ACCUM, self.DS_UP, self.KEY_BIAS, self.MEAN_KEY, self.DKDV_PART, self.lists,
+                          self.softcap_log2, self.tanh_scale, self.packed, self.DK, self.DV, q_start, k_start, self.L)
 
 
 @aggregate
@@ -448,13 +484,23 @@ def _cta_coords(cfg, prob):
 def _hopper_bwd_loader(cfg, prob, descs, bufs):
     """One warp: each consumer's K and V once, then Q and dO tiles (with their LSE and Δ rows
     under ROW_STATS_TMA) into the ring."""
-    n0, b, h_kv, part, heads = _cta_coords(cfg, prob)
+    if cfg.VARLEN:
+        n0, seq, h_kv = backward_block(cfg, prob, WARPS=1)
+        if n0 < seq.S:
+            _load_walk(cfg, seq, descs, bufs, n0, 0, h_kv, 0, prob.GROUP)
+    else:
+        n0, b, h_kv, part, heads = _cta_coords(cfg, prob)
+        _load_walk(cfg, prob, descs, bufs, n0, b, h_kv, part, heads)
+
+
+@gluon.jit
+def _load_walk(cfg, prob, descs, bufs, n0, b, h_kv, part, heads):
+    """The loader's work for key block n0 of (batch b, KV head h_kv), part ``part`` of its group."""
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.expect(bufs.kv_ready.index(c), descs.k.block_type.nbytes + descs.v.block_type.nbytes)
-        tma.async_copy_global_to_shared(descs.k, [b, h_kv, n0 + c * KEYS_PER_CONSUMER, 0], bufs.kv_ready.index(c),
-                                        _rows4d(bufs.k_smem, c))
-        tma.async_copy_global_to_shared(descs.v, [b, h_kv, n0 + c * KEYS_PER_CONSUMER, 0], bufs.kv_ready.index(c),
-                                        _rows4d(bufs.v_smem, c))
+        key0 = k_row(cfg, prob, n0 + c * KEYS_PER_CONSUMER)
+        tma.async_copy_global_to_shared(descs.k, [b, h_kv, key0, 0], bufs.kv_ready.index(c), _rows4d(bufs.k_smem, c))
+        tma.async_copy_global_to_shared(descs.v, [b, h_kv, key0, 0], bufs.kv_ready.index(c), _rows4d(bufs.v_smem, c))
     first, n_m = _q_tiles(cfg, prob, n0)
     h0 = h_kv * prob.GROUP + part * heads
     n_pairs, walk = _walk_start(cfg, prob, b, h0, heads, n0, n_m)
@@ -463,6 +509,7 @@ def _hopper_bwd_loader(cfg, prob, descs, bufs):
         slot = ring.slot(t)
         ring.wait_free_at(slot, t)
         h, m, walk = _walk_step(cfg, prob, walk, first, h0, b, n0)
+        m = q_row(cfg, prob, m)  # the descriptors' row
         if cfg.ROW_STATS_TMA:
             # Rows past L come back as TMA's zeros; the consumers replace them anyway.
             bh = b * prob.H_KV * prob.GROUP + h
@@ -487,7 +534,18 @@ def _hopper_bwd_loader(cfg, prob, descs, bufs):
 def _hopper_bwd_consumer(cfg, prob, descs, bufs, CONSUMER: gl.constexpr):
     """One warpgroup: its 64 keys of the CTA's block against every (query head, query tile) pair of
     the walk; dK and dV accumulated in registers and stored at the end."""
-    n0, b, h_kv, part, heads = _cta_coords(cfg, prob)
+    if cfg.VARLEN:
+        n0, seq, h_kv = backward_block(cfg, prob, WARPS=4)
+        if n0 < seq.S:
+            _consume_walk(cfg, seq, descs, bufs, n0, 0, h_kv, 0, prob.GROUP, CONSUMER=CONSUMER)
+    else:
+        n0, b, h_kv, part, heads = _cta_coords(cfg, prob)
+        _consume_walk(cfg, prob, descs, bufs, n0, b, h_kv, part, heads, CONSUMER=CONSUMER)
+
+
+@gluon.jit
+def _consume_walk(cfg, prob, descs, bufs, n0, b, h_kv, part, heads, CONSUMER: gl.constexpr):
+    """The consumer's work for key block n0 of (batch b, KV head h_kv), part ``part`` of its group."""
     k0 = n0 + CONSUMER * cfg.KC
     key_ids = k0 + gl.arange(0, cfg.KC, layout=cfg.key_layout)
     first, n_m = _q_tiles(cfg, prob, n0)
@@ -577,7 +635,15 @@ def _store_dkdv(cfg, prob, descs, bufs, keys, dk, dv, part, b, h_kv, CONSUMER: g
     """This consumer's dK (times the softmax scale) and dV."""
     grad_scale = keys.grad_scale
     k0 = keys.k0
-    if cfg.DKDV_PARTIALS:
+    if cfg.VARLEN:
+        # Row by row: the sequence's last block would otherwise write the next one's keys.
+        store_packed_rows(prob.DV, dv.to(cfg.dtype), prob.k_start, k0, prob.S, prob.H_KV, h_kv, ROWS=cfg.KC,
+                          HEAD_DIM=cfg.HEAD_DIM)
+        store_packed_rows(prob.DK, (dk * grad_scale).to(cfg.dtype), prob.k_start, k0, prob.S, prob.H_KV, h_kv,
+                          ROWS=cfg.KC, HEAD_DIM=cfg.HEAD_DIM)
+        # The last dQ reduce-add still reads this consumer's shared tile: let it finish before exit.
+        tma.store_wait(pendings=0)
+    elif cfg.DKDV_PARTIALS:
         # This part's sums, fp32, straight from the accumulators: the launcher adds the parts.
         # The last dQ reduce-add still reads this consumer's shared tile: let it finish before the
         # CTA exits (the TMA-store branch below waits the same way).
@@ -647,14 +713,23 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     is int32 (B or 1, Hq or 1, key blocks, list_stride), one row a key block: its query tile count,
     then its query tiles (``launch.block_tiles.gluon_tile_lists``); else not read. Under SOFTCAP,
     ``softcap_log2`` = c·log2 e and ``tanh_scale`` = scale / c (fp32; qk_scale is then not read), as
-    the forward takes them; otherwise neither is read.
+    the forward takes them; otherwise neither is read. Under VARLEN the tensors are packed
+    (glossary): descriptors over (1, H, total, E) views, L and S the packed totals, grid
+    (total_k // BLOCK_N + n_seq, H_KV) (``PackedRows``), DQ_ACCUM and the planes over the packed rows
+    (B = 1), DK and DV the gradients as contiguous (total_k, H_KV, E) tensors (the dK/dV descriptors
+    are not stored through); CU_Q, CU_K, n_seq and diag_shift as ``PackedRows`` takes them. Otherwise
+    those six are None and not read.
     ``switches`` (``hopper_args.BwdSwitches``): the glossary's constexprs."""
+    gl.static_assert(not (switches.VARLEN and (switches.DKDV_PARTIALS or switches.HAS_BLOCK_SPARSITY
+                                               or switches.HAS_KEY_BIAS or switches.EVEN_L)),
+                     "VARLEN launches unsplit, without a block-sparse layout, a key mask or EVEN_L")
     cfg = BwdConfig(q_desc, k_desc, NUM_STAGES=switches.NUM_STAGES, IS_CAUSAL=switches.IS_CAUSAL,
                     WINDOW_LEFT=switches.WINDOW_LEFT, DQ_SPLIT=switches.DQ_SPLIT, DQ_TMA=switches.DQ_TMA,
                     EXACT_DELTA=switches.EXACT_DELTA, HAS_KEY_BIAS=switches.HAS_KEY_BIAS,
                     ROW_STATS_TMA=switches.ROW_STATS_TMA, DKDV_PARTIALS=switches.DKDV_PARTIALS,
                     CENTRE_KEYS=switches.CENTRE_KEYS, HAS_BLOCK_SPARSITY=switches.HAS_BLOCK_SPARSITY,
-                    EVEN_L=switches.EVEN_L, PAIRED_TILES=switches.PAIRED_TILES, SOFTCAP=switches.SOFTCAP)
+                    EVEN_L=switches.EVEN_L, PAIRED_TILES=switches.PAIRED_TILES, SOFTCAP=switches.SOFTCAP,
+                    VARLEN=switches.VARLEN)
     gl.static_assert(switches.BLOCK_N == NUM_CONSUMERS * KEYS_PER_CONSUMER, "BLOCK_N is 64 keys per consumer")
     gl.static_assert((cfg.HEAD_DIM == switches.HEAD_DIM) & (cfg.BLOCK_M == switches.BLOCK_M)
                      & (cfg.BLOCK_N == switches.BLOCK_N), "HEAD_DIM and BLOCK_M are Q's box, BLOCK_N two of K's")
@@ -665,7 +740,8 @@ def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                       args.window_lower, qk_scale, sm_scale, args.swizzle_heads, args.LSE, args.DELTA, args.DQ_ACCUM,
                       args.DS_UP, args.KEY_BIAS, args.MEAN_KEY, args.DKDV_PART,
                       TileLists(lists.base, lists.stride_lb, lists.stride_lh, lists.list_stride),
-                      args.softcap_log2, args.tanh_scale)
+                      args.softcap_log2, args.tanh_scale, PackedRows(args.CU_Q, args.CU_K, args.n_seq, args.diag_shift),
+                      args.DK, args.DV)
     descs = BwdDescs(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc)
     bufs = _allocate(cfg, descs)
     gl.warp_specialize([

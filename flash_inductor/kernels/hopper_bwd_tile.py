@@ -17,6 +17,7 @@ from triton.language.core import _aggregate as aggregate
 
 from .gluon_softcap import softcap_slope, softcap_tanh
 from .gluon_tma import async_reduce_add_shared_to_global
+from .hopper_packed import q_row
 from .hopper_pipeline import MaybeSmem, Scalar, field
 
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -124,13 +125,27 @@ def _consumer_tile(cfg, prob, descs, bufs, keys, t, h, m, dv, dk, st_tok, next_t
         tma.store_wait(pendings=0)
         dq_tile.reshape([cfg.BLOCK_M, cfg.DQ_COLS]).store(dq)
         fence_async_shared()
-        async_reduce_add_shared_to_global(descs.dq, [keys.b, h, m, keys.dq_col0], dq_tile)
+        # Under VARLEN the box may cover the next sequence's first rows, whose P here is 0: it adds
+        # exact zeros there.
+        async_reduce_add_shared_to_global(descs.dq, [keys.b, h, q_row(cfg, prob, m), keys.dq_col0], dq_tile)
     else:
         dq_rows = m + keys.dq_rows0
         dq_ptrs = (prob.DQ_ACCUM + (row_base + gl.expand_dims(dq_rows, 1)) * cfg.HEAD_DIM
                    + gl.expand_dims(keys.dq_cols, 0))
         gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(dq_rows < prob.L, 1), sem="relaxed")
     return dv, dk, st_tok
+
+
+@gluon.jit
+def _row_bases(cfg, prob, b, H_Q, h):
+    """(first element row of query head h in the (B, Hq, L, E) dQ accumulator, its first entry in
+    the row-statistic planes): under VARLEN the sequence's first row in the packed (1, Hq, total_q)
+    ones."""
+    if cfg.VARLEN:
+        return (h.to(gl.int64) * prob.total_q + prob.q_start,
+                h.to(gl.int64) * prob.stride_stats + prob.q_start)
+    else:
+        return (b * H_Q + h).to(gl.int64) * prob.L, (b * H_Q + h).to(gl.int64) * prob.stride_stats
 
 
 @gluon.jit
@@ -142,8 +157,7 @@ def _tile_p(cfg, prob, bufs, keys, slot, phase, h, m, st_tok, ST_ISSUED: gl.cons
     BLOCK_M: gl.constexpr = cfg.BLOCK_M
     b = keys.b
     key_ids = keys.key_ids
-    row_base = (b * keys.H_Q + h).to(gl.int64) * prob.L
-    stats_base = (b * keys.H_Q + h).to(gl.int64) * prob.stride_stats
+    row_base, stats_base = _row_bases(cfg, prob, b, keys.H_Q, h)
     q_ids = m + gl.arange(0, BLOCK_M, layout=cfg.col_layout)
     q_in = q_ids < prob.L
     if not cfg.ROW_STATS_TMA:

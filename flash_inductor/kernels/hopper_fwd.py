@@ -52,6 +52,16 @@ Constexpr switches that say what is computed:
                 whole CTA blocks and key tiles, so a listed tile is computed everywhere and the
                 select needs only the band and S, by position, as a dense tile does. A block with no
                 listed tile runs one tile with S taken as 0 (all masked: output 0, LSE -inf).
+  VARLEN        packed sequences (FlashAttention's varlen, ``launch/packed.py``): Q, K, V and O are
+                (1, H, total, E) views and sequence b's rows and keys are [CU_Q[b], CU_Q[b + 1]) and
+                [CU_K[b], CU_K[b + 1]); a CTA computes one query block of one sequence as if the
+                sequence were the whole problem (``FwdProblem.for_sequence``: its L, S, causal_offset
+                and window_lower, the band moved to its bottom-right diagonal under diag_shift). Its
+                loads start at the sequence's first row (TMA coordinates cu + row): rows and keys
+                past its end belong to the next sequence and are masked as keys past S are, and O
+                (and its residual) are stored row by row with a mask rather than by TMA, whose box
+                would write the next sequence's rows. The grid covers the packed rows
+                (``PackedRows``), so only each sequence's own tiles run.
 
   HAS_SINKS     attention sinks (ops/sinks.py): SINKS[h], head h's logit in natural log, joins every
                 row's denominator and nothing else. The epilogue puts exp2(sink·log2 e - m) beside
@@ -124,6 +134,7 @@ from triton.language.core import base_value
 from .gluon_softcap import softcap_tanh
 from .grid_order import ordered_cell
 from .hopper_fwd_state import FwdBuffers, FwdConfig, FwdDescs, FwdProblem, allocate
+from .hopper_packed import PackedRows, forward_block, k_row, q_row, store_packed_rows
 from .hopper_pipeline import Scalar, TileLists, field
 
 LN2 = gl.constexpr(0.6931471805599453)
@@ -168,6 +179,10 @@ class FwdScheduler:
                 item = next_item
             # The consumers stop at an item past the last.
             self.hand_item(item, it)
+        elif cfg.VARLEN:
+            start_m, seq, h = forward_block(cfg, prob, WARPS=1)
+            if start_m < seq.L:
+                _load_block(cfg, seq, descs, self.bufs, self, start_m, 0, h, 0, 0)
         else:
             start_m, b, h = _block_coords(cfg, prob)
             _load_block(cfg, prob, descs, self.bufs, self, start_m, b, h, 0, 0)
@@ -190,6 +205,10 @@ class FwdScheduler:
                 it += 1
                 item = self.take_item(it)
             tma.store_wait(pendings=0)  # the last block's stores
+        elif cfg.VARLEN:
+            start_m, seq, h = forward_block(cfg, prob, WARPS=4)
+            if start_m < seq.L:
+                _consume_block(cfg, seq, descs, self.bufs, self, start_m, 0, h, 0, 0, CONSUMER=CONSUMER)
         else:
             start_m, b, h = _block_coords(cfg, prob)
             _consume_block(cfg, prob, descs, self.bufs, self, start_m, b, h, 0, 0, CONSUMER=CONSUMER)
@@ -242,31 +261,39 @@ class FwdScheduler:
             return gl.num_programs(1)
 
     @gluon.jit
-    def store_o(self, descs, out32, out, b, h, row0, CONSUMER: gl.constexpr):
+    def store_o(self, descs, prob, out32, out, b, h, row0, CONSUMER: gl.constexpr):
         """O (and under EXACT_DELTA its residual) through a shared tile and TMA stores, which clip
         rows >= L. Grid: Q's tile (its last wgmma has retired), each store waited for. PERSISTENT:
         O's own tile; the previous block's stores must have read it first, and this block's are
         waited for by the next."""
         cfg = self.cfg
-        if cfg.PERSISTENT:
-            stage = self.bufs.o_smem.index(CONSUMER)
-            tma.store_wait(pendings=0)
+        if cfg.VARLEN:
+            # Row by row: the sequence's last block would otherwise write the next one's rows.
+            store_packed_rows(prob.OUT, out, prob.q_start, row0, prob.L, prob.H, h, ROWS=cfg.BLOCK_M,
+                              HEAD_DIM=cfg.HEAD_DIM)
+            if cfg.EXACT_DELTA:
+                store_packed_rows(prob.RESID, (out32 - out.to(gl.float32)).to(cfg.dtype), prob.q_start, row0, prob.L,
+                                  prob.H, h, ROWS=cfg.BLOCK_M, HEAD_DIM=cfg.HEAD_DIM)
         else:
-            stage = self.bufs.q_smem.index(CONSUMER)
-        o_tile = stage.reshape([cfg.BLOCK_M, cfg.HEAD_DIM])
-        o_tile.store(out)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(descs.o, [b, h, row0, 0], stage)
-        if not cfg.PERSISTENT:
-            tma.store_wait(pendings=0)
-        if cfg.EXACT_DELTA:
             if cfg.PERSISTENT:
+                stage = self.bufs.o_smem.index(CONSUMER)
                 tma.store_wait(pendings=0)
-            o_tile.store((out32 - out.to(gl.float32)).to(cfg.dtype))
+            else:
+                stage = self.bufs.q_smem.index(CONSUMER)
+            o_tile = stage.reshape([cfg.BLOCK_M, cfg.HEAD_DIM])
+            o_tile.store(out)
             fence_async_shared()
-            tma.async_copy_shared_to_global(descs.r, [b, h, row0, 0], stage)
+            tma.async_copy_shared_to_global(descs.o, [b, h, row0, 0], stage)
             if not cfg.PERSISTENT:
                 tma.store_wait(pendings=0)
+            if cfg.EXACT_DELTA:
+                if cfg.PERSISTENT:
+                    tma.store_wait(pendings=0)
+                o_tile.store((out32 - out.to(gl.float32)).to(cfg.dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(descs.r, [b, h, row0, 0], stage)
+                if not cfg.PERSISTENT:
+                    tma.store_wait(pendings=0)
 
 
 @aggregate
@@ -373,8 +400,8 @@ def _load_block(cfg, prob, descs, bufs, sched, start_m, b, h, it, base):
     for c in gl.static_range(cfg.NUM_CONSUMERS):
         sched.wait_q_free(it, c=c)
         mbarrier.expect(bufs.q_ready.index(c), descs.q.block_type.nbytes)
-        tma.async_copy_global_to_shared(descs.q, [b, h, start_m + c * cfg.BLOCK_M, 0], bufs.q_ready.index(c),
-                                        bufs.q_smem.index(c))
+        tma.async_copy_global_to_shared(descs.q, [b, h, q_row(cfg, prob, start_m + c * cfg.BLOCK_M), 0],
+                                        bufs.q_ready.index(c), bufs.q_smem.index(c))
     lo, n_tiles, _, _ = _tile_range(cfg, prob, start_m, prob.S, ROWS=cfg.ROWS)
     if cfg.HAS_BLOCK_SPARSITY:
         n_tiles, tiles, _ = _listed_range(cfg, prob, b, h, start_m, prob.S)
@@ -386,7 +413,7 @@ def _load_block(cfg, prob, descs, bufs, sched, start_m, b, h, it, base):
     # its ring index base + t.
     for t in range(n_tiles):
         slot = kv.slot(base + t)
-        key0 = _key_tile(lo, t, tiles, HAS_BLOCK_SPARSITY=cfg.HAS_BLOCK_SPARSITY) * cfg.BLOCK_N
+        key0 = k_row(cfg, prob, _key_tile(lo, t, tiles, HAS_BLOCK_SPARSITY=cfg.HAS_BLOCK_SPARSITY) * cfg.BLOCK_N)
         empty_phase = kv.free_phase(base + t)
         kv.wait_free(slot, empty_phase)
         mbarrier.expect(kv.ready.index(slot), descs.k.block_type.nbytes)
@@ -725,7 +752,10 @@ def _epilogue(cfg, prob, descs, sched, rows, accs, m_i, l_i, b, h, row0, CONSUME
         lse2 = m_i + log2_l
         lse = gl.where(empty_row, float("-inf"), lse2 * LN2)
     row_ids = rows.row_ids
-    row_off = (b * prob.H + h).to(gl.int64) * prob.L + row_ids
+    if cfg.VARLEN:
+        row_off = h.to(gl.int64) * prob.total_q + prob.q_start + row_ids  # the packed rows' (H, total_q) planes
+    else:
+        row_off = (b * prob.H + h).to(gl.int64) * prob.L + row_ids
     gl.store(prob.LSE + row_off, lse, mask=row_ids < prob.L)
     if cfg.EXACT_DELTA:
         # Any integer c serves the backward (module docstring); c - m_i is taken as fp32 gives
@@ -738,10 +768,13 @@ def _epilogue(cfg, prob, descs, sched, rows, accs, m_i, l_i, b, h, row0, CONSUME
             norm = gl.exp2(pivot - m_safe) * (keys_share / l_rnd_tot)
         else:
             norm = gl.exp2(pivot - m_safe) / l_rnd_safe
-        plane = sched.heads().to(gl.int64) * prob.L
+        if cfg.VARLEN:
+            plane = gl.to_tensor(prob.H).to(gl.int64) * prob.total_q
+        else:
+            plane = sched.heads().to(gl.int64) * prob.L
         gl.store(prob.ROW_CONSTS + row_off, gl.where(empty_row, float("inf"), pivot), mask=row_ids < prob.L)
         gl.store(prob.ROW_CONSTS + plane + row_off, gl.where(empty_row, 0.0, norm), mask=row_ids < prob.L)
-    sched.store_o(descs, out32, out, b, h, row0, CONSUMER=CONSUMER)
+    sched.store_o(descs, prob, out32, out, b, h, row0, CONSUMER=CONSUMER)
 
 
 @gluon.jit
@@ -784,14 +817,23 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, args, switches: gl.
     read; under SOFTCAP, ``softcap_log2`` = c·log2 e and ``tanh_scale`` = scale / c (fp32; qk_scale is
     then not read), otherwise neither is; under HAS_SINKS, SINKS is (H,) fp32, each query head's sink
     logit in natural log, else None (a constexpr then, so the launch's parameters are those of a
-    kernel without it). ``switches`` (``hopper_args.FwdSwitches``): the glossary's constexprs."""
+    kernel without it). Under VARLEN the tensors are packed (glossary): descriptors
+    over (1, H, total, E) views, L and S the packed totals, grid (total_q // ROWS + n_seq, H)
+    (``PackedRows``), OUT and RESID (the latter under EXACT_DELTA) O and its residual as contiguous
+    (total_q, H, E) tensors, which ``o_desc``/``r_desc`` describe too but are not stored through; LSE
+    (H, total_q), ROW_CONSTS (2, H, total_q); CU_Q, CU_K, n_seq and diag_shift as ``PackedRows`` takes
+    them. Otherwise those six are None and not read. ``switches`` (``hopper_args.FwdSwitches``): the
+    glossary's constexprs."""
     gl.static_assert(switches.NUM_CONSUMERS == 2 or switches.NUM_CONSUMERS == 3, "two or three consumer warpgroups")
+    gl.static_assert(not (switches.VARLEN and (switches.PERSISTENT or switches.HAS_BLOCK_SPARSITY
+                                               or switches.HAS_KEY_BIAS)),
+                     "VARLEN launches on the grid, without a block-sparse layout or a key mask")
     cfg = FwdConfig(q_desc, k_desc, NUM_STAGES=switches.NUM_STAGES, NUM_CONSUMERS=switches.NUM_CONSUMERS,
                     IS_CAUSAL=switches.IS_CAUSAL, WINDOW_LEFT=switches.WINDOW_LEFT, PINGPONG=switches.PINGPONG,
                     EXACT_DELTA=switches.EXACT_DELTA, HAS_KEY_BIAS=switches.HAS_KEY_BIAS,
                     SKIP_MASKED_TILES=switches.SKIP_MASKED_TILES, PERSISTENT=switches.PERSISTENT,
                     HAS_BLOCK_SPARSITY=switches.HAS_BLOCK_SPARSITY, SOFTCAP=switches.SOFTCAP,
-                    HAS_SINKS=switches.HAS_SINKS)
+                    HAS_SINKS=switches.HAS_SINKS, VARLEN=switches.VARLEN)
     gl.static_assert((cfg.HEAD_DIM == switches.HEAD_DIM) & (cfg.BLOCK_M == switches.BLOCK_M)
                      & (cfg.BLOCK_N == switches.BLOCK_N), "HEAD_DIM, BLOCK_M and BLOCK_N are the descriptors' boxes")
     qk_scale = args.qk_scale.to(gl.float32)
@@ -799,7 +841,8 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, r_desc, args, switches: gl.
     prob = FwdProblem(args.L, args.S, args.H, args.BH, args.GROUP, args.causal_offset, args.window_lower, qk_scale,
                       args.swizzle_heads, args.LSE, args.ROW_CONSTS, args.KEY_BIAS, args.WORK_COUNTER,
                       TileLists(lists.base, lists.stride_lb, lists.stride_lh, lists.list_stride),
-                      args.softcap_log2, args.tanh_scale, args.SINKS)
+                      args.softcap_log2, args.tanh_scale, args.SINKS,
+                      PackedRows(args.CU_Q, args.CU_K, args.n_seq, args.diag_shift), args.OUT, args.RESID)
     bufs = allocate(cfg, q_desc, k_desc, v_desc, o_desc)
     sched = FwdScheduler(cfg, prob, bufs)
     descs = FwdDescs(q_desc, k_desc, v_desc, o_desc, r_desc)

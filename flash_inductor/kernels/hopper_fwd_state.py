@@ -9,6 +9,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import _aggregate as aggregate
 
+from .hopper_packed import PackedRows
 from .hopper_pipeline import MaybeSmem, Ring, Scalar, TileLists, field
 
 
@@ -38,6 +39,7 @@ class FwdConfig:
     HAS_BLOCK_SPARSITY: gl.constexpr
     SOFTCAP: gl.constexpr
     HAS_SINKS: gl.constexpr
+    VARLEN: gl.constexpr
     dtype: gl.constexpr
     s_layout: gl.constexpr    # S = Q·Kᵀ, (BLOCK_M, BLOCK_N)
     o_layout: gl.constexpr    # acc, (BLOCK_M, HEAD_DIM)
@@ -48,7 +50,8 @@ class FwdConfig:
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, WINDOW_LEFT, PINGPONG, EXACT_DELTA,
-                 HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT, HAS_BLOCK_SPARSITY, SOFTCAP=False, HAS_SINKS=False):
+                 HAS_KEY_BIAS, SKIP_MASKED_TILES, PERSISTENT, HAS_BLOCK_SPARSITY, SOFTCAP=False, HAS_SINKS=False,
+                 VARLEN=False):
         self.HEAD_DIM = gl.constexpr(q_desc.block_type.shape[3])
         self.BLOCK_M = gl.constexpr(q_desc.block_type.shape[2])
         self.BLOCK_N = gl.constexpr(k_desc.block_type.shape[2])
@@ -65,6 +68,7 @@ class FwdConfig:
         self.HAS_BLOCK_SPARSITY = gl.constexpr(HAS_BLOCK_SPARSITY)
         self.SOFTCAP = gl.constexpr(SOFTCAP)
         self.HAS_SINKS = gl.constexpr(HAS_SINKS)
+        self.VARLEN = gl.constexpr(VARLEN)
         self.dtype = gl.constexpr(q_desc.dtype)
         s_layout = _wgmma_layout(self.BLOCK_N.value)
         o_layout = _wgmma_layout(self.HEAD_DIM.value)
@@ -79,7 +83,12 @@ class FwdConfig:
 @aggregate
 class FwdProblem:
     """The call's sizes, scalars and pointers (the entry point's docstring): every partition's view.
-    ``softcap_log2`` (c·log2 e) and ``tanh_scale`` (scale / c): the soft cap's fp32 factors (SOFTCAP)."""
+    ``softcap_log2`` (c·log2 e) and ``tanh_scale`` (scale / c): the soft cap's fp32 factors (SOFTCAP).
+    Under VARLEN, one sequence's (``for_sequence``): L, S and the band's offsets are its own,
+    ``q_start``/``k_start`` its first packed row and key, ``total_q`` the packed rows (the LSE's
+    row stride); ``OUT``/``RESID`` O and its residual as (total_q, H, E) pointers, which the
+    epilogue stores to row by row (a TMA box would write into the next sequence's rows).
+    A dense launch holds None and 0 there, never read."""
     L: Scalar
     S: Scalar
     H: Scalar
@@ -97,10 +106,17 @@ class FwdProblem:
     softcap_log2: Scalar
     tanh_scale: Scalar
     SINKS: Scalar  # (H,) fp32 under HAS_SINKS, else None
+    packed: PackedRows
+    OUT: Scalar
+    RESID: Scalar
+    q_start: Scalar
+    k_start: Scalar
+    total_q: Scalar
 
     @gluon.constexpr_function
     def __init__(self, L, S, H, BH, GROUP, causal_offset, window_lower, qk_scale, swizzle_heads, LSE, ROW_CONSTS,
-                 KEY_BIAS, WORK_COUNTER, lists, softcap_log2, tanh_scale, SINKS=None):
+                 KEY_BIAS, WORK_COUNTER, lists, softcap_log2, tanh_scale, SINKS, packed, OUT=None, RESID=None,
+                 q_start=0, k_start=0, total_q=0):
         self.L = field(L)
         self.S = field(S)
         self.H = field(H)
@@ -118,6 +134,22 @@ class FwdProblem:
         self.softcap_log2 = field(softcap_log2)
         self.tanh_scale = field(tanh_scale)
         self.SINKS = field(SINKS)
+        self.packed = field(packed)
+        self.OUT = field(OUT)
+        self.RESID = field(RESID)
+        self.q_start = field(q_start)
+        self.k_start = field(k_start)
+        self.total_q = field(total_q)
+
+    @gluon.jit
+    def for_sequence(self, b):
+        """Sequence b's problem (VARLEN): this one's, with its lengths, band and first rows."""
+        q_start, k_start, seq_q, seq_k, causal_offset, window_lower = self.packed.sequence(
+            b, self.L, self.S, self.causal_offset, self.window_lower)
+        return FwdProblem(seq_q, seq_k, self.H, self.BH, self.GROUP, causal_offset, window_lower, self.qk_scale,
+                          self.swizzle_heads, self.LSE, self.ROW_CONSTS, self.KEY_BIAS, self.WORK_COUNTER, self.lists,
+                          self.softcap_log2, self.tanh_scale, self.SINKS, self.packed, self.OUT, self.RESID, q_start,
+                          k_start, self.L)
 
 
 @aggregate

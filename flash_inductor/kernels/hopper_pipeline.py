@@ -104,3 +104,4 @@ class TileLists:
     def row(self, b, h, start, BLOCK: gl.constexpr):
         """The list of the block that starts at row/key ``start`` (blocks of BLOCK), head h of batch b."""
         return self.base + b.to(gl.int64) * self.stride_lb + h * self.stride_lh + (start // BLOCK) * self.list_stride
+

@@ -411,6 +411,16 @@ def _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts, momen
     return do_scaled, pivot, delta, ds_up
 
 
+def exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts, moments: KeyMoments | None = None):
+    """``_exact_delta_inputs`` for the other Hopper launchers (launch/hopper_varlen.py)."""
+    return _exact_delta_inputs(grad_out, value, out, grad_lse, resid, row_consts, moments)
+
+
+def dq_with_mean_key(dq_accum, mean_key, weight, dtype):
+    """``_dq_with_mean_key`` for the other Hopper launchers (launch/hopper_varlen.py)."""
+    return _dq_with_mean_key(dq_accum, mean_key, weight, dtype)
+
+
 def _ds_stats_buffer(programs: int, device) -> torch.Tensor:
     """The preprocess's (3, programs) fp32 partial maxima, uninitialised: every program writes its
     column (zeros where it has no maximum), so no fill launch runs."""

@@ -6,10 +6,13 @@ Inputs are packed as FlashAttention's varlen functions take them: query ``(total
 ``(total_q, Hq, Ev)`` and lse ``(Hq, total_q)`` (FlashAttention's varlen LSE layout), natural log.
 
 Each sequence is its own attention problem: no key of another sequence is ever visited and no
-mask exists. On CUDA the Triton kernels run every sequence in one launch per pass (``VARLEN``:
-a program column per (sequence, head), ``launch/packed.py``), reading ``cu_seqlens`` on the
-device; elsewhere (CPU, float64, what the kernels do not take) each sequence runs the dense op's
-reference path on a strided view, its bounds read on the host. Causal masking is per sequence,
+mask exists. On an sm_90 GPU the Gluon Hopper kernels run every sequence in one launch per pass
+where they take the call (``launch/hopper_varlen.py``: bf16/fp16, E 64/128, no dropout or soft
+cap; the backward under `fast`, whose Δ needs no forward residual: `stable` packs reach the Gluon
+backward through ``ops/varlen_one_pass.py``), else, with the reason logged, the Triton kernels do
+(``VARLEN``: a program column per (sequence, head), ``launch/packed.py``), both reading
+``cu_seqlens`` on the device; elsewhere (CPU, float64, what the kernels do not take) each sequence
+runs the dense op's reference path on a strided view, its bounds read on the host. Causal masking is per sequence,
 aligned at the bottom right (``causal_lower_right``, FlashAttention's) or the top left (SDPA's, for
 nested tensors); the window, the soft cap, GQA, dropout and the schedule are the dense op's.
 Sequence b draws its dropout from ``seed + b`` with the counters of a one-sequence call, so both
@@ -27,7 +30,9 @@ import torch
 from torch import Tensor
 
 from .. import launch
+from ..launch import hopper, hopper_bwd, hopper_varlen
 from ..launch.packed import PackedSequences
+from .varlen_one_pass import addressable
 from ..launch.visibility import Visibility
 from ..schedules import get_schedule
 
@@ -76,6 +81,21 @@ def _on_kernels(query: Tensor, key: Tensor, value: Tensor, schedule: str) -> boo
         _packed_view(query), _packed_view(key), _packed_view(value))
 
 
+def _gluon_reason(query, key, value, dropout_p: float, scale: float, schedule: str, softcap: float, *,
+                  backward: bool) -> Optional[str]:
+    """None if the Gluon Hopper kernels take the whole pack (``launch/hopper_varlen.py``; tensors
+    TMA cannot address are copied), else why not. The backward here needs `fast`'s Δ: `stable`'s
+    exact Δ needs the one-pass forward's residual, which only ``ops/varlen_one_pass.py`` carries."""
+    views = (_packed_view(query), _packed_view(key), _packed_view(value))
+    reason = hopper_varlen.varlen_unsupported_reason(*views, dropout_p, scale, schedule, softcap=softcap,
+                                                     backward=backward)
+    if reason is None and backward and get_schedule(schedule).exact_delta:
+        reason = hopper_bwd.NO_RESIDUAL
+    if reason is None and (query.shape[0] == 0 or key.shape[0] == 0):
+        reason = "an empty pack"
+    return reason
+
+
 def _packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal_lower_right) -> PackedSequences:
     return PackedSequences(cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), max_seqlen_q, max_seqlen_k,
                            lower_right=causal_lower_right)
@@ -93,6 +113,17 @@ def attention_varlen_forward(
     rng_seed: Optional[Tensor], dropout_p: float, is_causal: bool, causal_lower_right: bool, scale: float,
     schedule: str, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
+    on_cuda = query.is_cuda
+    reason = _gluon_reason(query, key, value, dropout_p, scale, schedule, softcap, backward=False) if on_cuda else None
+    if on_cuda and reason is None:
+        query, key, value = (addressable(t) for t in (query, key, value))
+        out, lse = hopper_varlen.hopper_varlen_forward(
+            _packed_view(query), _packed_view(key), _packed_view(value),
+            _packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal_lower_right), scale=scale,
+            visibility=_visibility(is_causal, window_left, window_right))
+        return out[0].transpose(0, 1), lse[0]  # (total_q, Hq, Ev) contiguous, (Hq, total_q)
+    if on_cuda:
+        hopper.log_triton_forward(reason)
     if _on_kernels(query, key, value, schedule):
         out, lse = launch.attention_forward(
             _packed_view(query), _packed_view(key), _packed_view(value), None, rng_seed, dropout_p, scale, schedule,
@@ -123,6 +154,19 @@ def attention_varlen_backward(
     rng_seed: Optional[Tensor], dropout_p: float, is_causal: bool, causal_lower_right: bool, scale: float,
     schedule: str, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    on_cuda = query.is_cuda
+    reason = _gluon_reason(query, key, value, dropout_p, scale, schedule, softcap, backward=True) if on_cuda else None
+    if on_cuda and reason is None:
+        grad_out, query, key, value = (addressable(t) for t in (grad_out, query, key, value))
+        dq, dk, dv = hopper_varlen.hopper_varlen_backward(
+            _packed_view(grad_out), _packed_view(query), _packed_view(key), _packed_view(value), _packed_view(out),
+            lse.unsqueeze(0), None if grad_lse is None else grad_lse.unsqueeze(0),
+            _packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal_lower_right), scale=scale,
+            visibility=_visibility(is_causal, window_left, window_right))
+        # dk and dv are views of contiguous packed tensors already; dq is cast from the fp32 sum.
+        return tuple(g[0].transpose(0, 1).contiguous() for g in (dq, dk, dv))
+    if on_cuda:
+        hopper_bwd.log_triton_backward(reason)
     if _on_kernels(query, key, value, schedule):
         dq, dk, dv, _ = launch.attention_backward(
             _packed_view(grad_out), _packed_view(query), _packed_view(key), _packed_view(value), None,

@@ -4,7 +4,7 @@ The tool runs the launchers on CPU tensors, records each launch at ``launch.comm
 compiles it as the GPU launch would be (Triton's own argument binding, Gluon's AST source, the
 wheel's ptxas), so a launcher whose arguments no longer match its kernel fails here rather than on
 a GPU. The small form compiles one case per kernel family (Gluon forward, one-pass backward, a
-block-sparse Triton forward and backward, decode), fp16 and bf16; the full form (--tools-full) every
+block-sparse Triton forward and backward, decode, the Gluon packed forward and backward), fp16 and bf16; the full form (--tools-full) every
 hand-picked case and every entry of the shipped tuning tables. The compiles run in a child process:
 under TRITON_INTERPRET (the CPU suite's) the kernels are interpreted functions, which do not compile."""
 
