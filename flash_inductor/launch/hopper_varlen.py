@@ -83,8 +83,10 @@ def hopper_varlen_forward(query, key, value, packed: PackedSequences, *, scale: 
     band = packed.band(visibility)
     is_causal, causal_offset = causal_side(band)
     cfg = config or default_forward_config(head_dim, is_causal, exact_delta=exact_delta)
-    # The grid's blocks each hold one sequence's rows: never persistent.
-    cfg = dataclasses.replace(cfg, persistent=False)
+    # The grid's blocks each hold one sequence's rows: never persistent. Two consumers: the E 64
+    # built-in three-consumer (192-row) config faulted on the H100 with an illegal instruction in
+    # its first GPU run (2026-12-07; tests/unit/test_kernels_varlen.py, E 64 only), not yet found.
+    cfg = dataclasses.replace(cfg, persistent=False, num_consumers=2)
     out = _packed_like(query)
     lse = torch.empty((1, heads_q, total_q), dtype=torch.float32, device=query.device)
     if exact_delta:

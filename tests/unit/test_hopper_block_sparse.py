@@ -224,6 +224,8 @@ def _spy_on_gluon(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [pytest.param(c, id=n) for n, c in CASES.items()])
 def test_gluon_block_sparse_against_fp64(case, dtype, head_dim, schedule, monkeypatch):
+    from flash_inductor.launch import hopper
+
     calls = _spy_on_gluon(monkeypatch)
     q, k, v, dout, block_map, key_mask = _inputs(case, dtype, head_dim)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -580,7 +580,6 @@ def test_sinks_on_the_hopper_kernels_match_fp64(monkeypatch, dtype, head_dim, sc
     from flash_inductor.ops.one_pass import attention_one_pass  # noqa: F401 -- the path under test
     from variant_refs import term_magnitudes
 
-    monkeypatch.setattr(hopper_bwd, "ONE_PASS_STABLE", True)
     forwards, backwards = [], []
     real_fwd, real_bwd = hopper.hopper_attention_forward, hopper_bwd.hopper_attention_backward
     monkeypatch.setattr(hopper, "hopper_attention_forward",
