@@ -42,9 +42,12 @@ class PackedRows:
     def block(self, v, CU, BLOCK: gl.constexpr, WARPS: gl.constexpr):
         """(sequence, block index within it) of virtual block v over offsets CU (``CU_Q`` in the
         forward, ``CU_K`` in the backward; class docstring). A slot past its sequence's blocks (or
-        past the last sequence) gets a block index whose start lies at or past the length."""
+        past the last sequence) gets a block index whose start lies at or past the length. The
+        offsets go 32 at a time, each warp holding all 32 (the layout spans WARPS · 32 lanes, so
+        the chunk is replicated per warp): the count is a warp shuffle reduction, with no shared
+        memory or barrier, which a warp-specialised partition must not need."""
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-        CHUNK: gl.constexpr = 32 * WARPS
+        CHUNK: gl.constexpr = 32
         count = gl.to_tensor(0)
         for c0 in range(1, self.n_seq + 1, CHUNK):
             idx = c0 + gl.arange(0, CHUNK, layout=layout)
@@ -92,13 +95,14 @@ def k_row(cfg, prob, key):
 def store_packed_rows(BASE, x, first, row0, n_rows, heads, h, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Rows [row0, row0 + ROWS) of ``x`` (ROWS, E), of a sequence whose rows start at packed row
     ``first``, into head h of the packed (total, heads, E) tensor at BASE in its dtype, rows at or
-    past ``n_rows`` left alone (they are the next sequence's), 16 bytes a thread over 4 warps."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [4, 1], [1, 0])
-    vals = gl.convert_layout(x, layout)
-    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    past ``n_rows`` left alone (they are the next sequence's). Stored from ``x``'s own (wgmma
+    accumulator) layout: a convert_layout to a coalescing one would take a shared-memory scratch
+    tile (16 KiB, which put the E 128 exact-Δ backward over Hopper's 227 KiB) and a barrier across
+    the warpgroup."""
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, x.type.layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, x.type.layout))
     offs = ((first + gl.expand_dims(rows, 1)).to(gl.int64) * heads + h) * HEAD_DIM + gl.expand_dims(cols, 0)
-    gl.store(BASE + offs, vals, mask=gl.expand_dims(rows < n_rows, 1))
+    gl.store(BASE + offs, x, mask=gl.expand_dims(rows < n_rows, 1))
 
 
 @gluon.jit
