@@ -36,8 +36,9 @@ from .visibility import Visibility
 
 
 # The kernels compile for sm_90a, but their first GPU run (H100, 2026-12-07) faulted with an illegal
-# instruction at E 64 and 128 and overran shared memory at E 128 (246872 of 232448 bytes), so no call
-# is routed here until they pass tests/unit/test_kernels_varlen.py's Gluon tests on a GPU.
+# instruction at E 64 and 128 and overran shared memory at E 128 (246872 of 232448 bytes; 230920
+# since, kernels/hopper_packed.py), so no call is routed here until they pass
+# tests/unit/test_kernels_varlen.py's Gluon tests on a GPU (remove their skip marker to run them).
 NOT_YET_ON_A_GPU = ("the Gluon packed-sequence kernels have not passed their GPU tests (an illegal instruction "
                     "on the H100); the Triton kernels run packs")
 
