@@ -92,6 +92,13 @@ def pending(items, outcomes: dict[str, Outcome], retry_failed: bool) -> list[Ite
     return [item for item in items if outcomes.get(item.name) is None or outcomes[item.name].state not in finished]
 
 
+def _default_sigint() -> None:
+    """In the item's process before it starts: SIGINT back to its default. An ignored SIGINT is
+    inherited (a parent under nohup, a pytest-xdist worker), and a shell cannot trap a signal that
+    was ignored on entry, so the item would run on past its limit until the SIGKILL 30 s later."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_item(item: Item, out: pathlib.Path, log) -> Outcome:
     """Runs one item under its limit; SIGINT (then SIGKILL 30 s later) to its process group at the limit."""
     folder = out / item.name
@@ -99,7 +106,7 @@ def run_item(item: Item, out: pathlib.Path, log) -> Outcome:
     env = dict(os.environ, OUT=str(folder), LIMIT=str(item.cost))
     start = time.monotonic()
     process = subprocess.Popen(["bash", "-c", item.command], env=env, stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=_default_sigint)
     try:
         rc = process.wait(timeout=item.cost + MARGIN)
         cut = rc in (124, 130, 137)  # timeout(1)'s codes and SIGINT's: an inner limit stopped it

@@ -4,6 +4,7 @@ outcomes (done, failed, partial at a limit), resuming from the state a call retu
 from __future__ import annotations
 
 import json
+import signal
 import tarfile
 
 import pytest
@@ -44,7 +45,13 @@ def test_the_budget_stops_the_queue_before_an_item_that_does_not_fit(tmp_path):
 def test_an_item_past_its_limit_is_interrupted_and_partial(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_queue, "MARGIN", 1)
     items = _items(("slow", "trap 'exit 5' INT; sleep 30 & wait", 1), ("inner_timeout", "exit 124", 5))
-    _, outcomes, _ = _run(tmp_path, items)
+    # Run as from a parent that ignores SIGINT (nohup's children, a pytest-xdist worker): the item
+    # must still get it, not inherit the ignore (which a shell cannot trap) and wait for SIGKILL.
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _, outcomes, _ = _run(tmp_path, items)
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     assert outcomes["slow"].state == "partial" and outcomes["slow"].seconds < 20
     assert outcomes["inner_timeout"].state == "partial"
 
