@@ -69,7 +69,7 @@ from ..launch.block_tiles import check_block_layout
 from ..launch.visibility import Visibility
 from ..schedules import PrecisionSchedule, get_schedule
 from .functorch import transform_function, under_transform
-from .one_pass import attention_one_pass, mask_keyword, one_pass_applies, softcap_keyword
+from .one_pass import attention_one_pass, mask_keyword, one_pass_applies, sinks_keyword, softcap_keyword
 from .reference import reference_backward, reference_forward
 from .sinks import attention_sinks_backward, fold_sinks, sinks_backward_reference
 
@@ -146,11 +146,6 @@ def _forward_on_hopper(query: Tensor, key: Tensor, value: Tensor, call: Attentio
                                            **softcap_keyword(call.softcap))
 
 
-def _sinks_keyword(sinks: Optional[Tensor]) -> dict:
-    """A launcher call's sinks as a keyword, left out when there are none (as ``mask_keyword``)."""
-    return {} if sinks is None else {"sinks": sinks}
-
-
 def _folded(result, sinks: Optional[Tensor]):
     """(out, lse) of a path without sinks in its kernels, with the sinks folded in (ops/sinks.py)."""
     return result if sinks is None else fold_sinks(*result, sinks)
@@ -166,7 +161,7 @@ def _kernel_forward(query, key, value, attn_mask, rng_seed, call: AttentionCall,
     # The `fp8` kernel has no sinks: they are folded in after it, as after the decode kernels.
     fold_after = sinks if call.schedule.fp8_forward else None
     triton_options = dict(visibility=call.visibility, softcap=call.softcap,
-                          **_sinks_keyword(None if fold_after is not None else sinks))
+                          **sinks_keyword(None if fold_after is not None else sinks))
     if call.visibility.block_map is None and not call.softcap:
         decoded = decode.decode_forward_or_none(query, key, value, attn_mask, call.dropout_p, call.scale,
                                                 call.schedule, visibility=call.visibility)
@@ -177,7 +172,7 @@ def _kernel_forward(query, key, value, attn_mask, rng_seed, call: AttentionCall,
                                                        block_sizes=call.block_sizes)
               or hopper.tma_unsupported_reason(query, key, value))
     if reason is None:
-        return hopper_call(query, key, value, call, **mask_keyword(attn_mask), **_sinks_keyword(sinks))
+        return hopper_call(query, key, value, call, **mask_keyword(attn_mask), **sinks_keyword(sinks))
     hopper.log_triton_forward(reason)
     return _folded(launch.attention_forward(query, key, value, attn_mask, rng_seed, call.dropout_p, call.scale,
                                             call.schedule, **triton_options), fold_after)
@@ -212,7 +207,7 @@ def _kernel_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse,
     hopper_bwd.log_triton_backward(reason)
     return launch.attention_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed,
                                      call.dropout_p, call.scale, call.schedule, compute_mask_grad,
-                                     visibility=call.visibility, softcap=call.softcap, **_sinks_keyword(sinks))
+                                     visibility=call.visibility, softcap=call.softcap, **sinks_keyword(sinks))
 
 
 # --------------------------------------------------------------------------------------
@@ -357,7 +352,7 @@ def _run_backward(ctx, grad_out, grad_lse, backward_call, sinks_call=None):
     dq, dk, dv, dmask = backward_call(
         grad_out, query, key, value, attn_mask, out, lse, grad_lse, rng_seed,
         dropout_p, is_causal, causal_offset, scale, schedule, compute_mask_grad, *ctx.window,
-        block_map=block_map, block_q=block_q, block_k=block_k, softcap=ctx.softcap, **_sinks_keyword(sinks),
+        block_map=block_map, block_q=block_q, block_k=block_k, softcap=ctx.softcap, **sinks_keyword(sinks),
     )
     grads = [dq, dk, dv, (dmask if compute_mask_grad else None)] + [None] * (n_inputs - 4)
     if sinks is not None and ctx.needs_input_grad[_SINKS_INPUT]:

@@ -109,7 +109,7 @@ def _forward(query, key, value, is_causal, causal_offset, scale, window_left, wi
                             block_map=block_map, block_q=block_q, block_k=block_k)
     return hopper.hopper_attention_forward(query, key, value, scale=scale, visibility=visibility, exact_delta=True,
                                            schedule="stable", **softcap_keyword(softcap), **mask_keyword(attn_mask),
-                                           **({} if sinks is None else {"sinks": sinks}))
+                                           **sinks_keyword(sinks))
 
 
 def mask_keyword(attn_mask: Optional[Tensor]) -> dict:
@@ -124,6 +124,12 @@ def softcap_keyword(softcap: float) -> dict:
     return {"softcap": softcap} if softcap else {}
 
 
+def sinks_keyword(sinks: Optional[Tensor]) -> dict:
+    """A launcher call's sinks as a keyword, left out when there are none (as ``mask_keyword``).
+    ops/attention.py's calls use it too."""
+    return {} if sinks is None else {"sinks": sinks}
+
+
 def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts, is_causal, causal_offset,
               scale, window_left, window_right, attn_mask=None, block_map=None, block_q=0, block_k=0, softcap=0.0, sinks=None):
     visibility = Visibility(is_causal=is_causal, causal_offset=causal_offset, window=(window_left, window_right),
@@ -132,14 +138,14 @@ def _backward(grad_out, query, key, value, out, lse, grad_lse, resid, row_consts
         # The Triton `stable` backward re-derives the exact Δ from out and lse in a fixed order.
         dq, dk, dv, _ = launch.attention_backward(grad_out, query, key, value, attn_mask, out, lse, grad_lse, None,
                                                   0.0, scale, "stable", False, visibility=visibility,
-                                                  softcap=softcap, **({} if sinks is None else {"sinks": sinks}))
+                                                  softcap=softcap, **sinks_keyword(sinks))
         return dq, dk, dv
     grad_out, query, key, value = _addressable(grad_out, query, key, value)
     return hopper_bwd.hopper_attention_backward(grad_out, query, key, value, out, lse, grad_lse, scale=scale,
                                                 visibility=visibility, exact_delta=(resid, row_consts),
                                                 mean_key=None if softcap else key_moments(key), schedule="stable",
                                                 **softcap_keyword(softcap), **mask_keyword(attn_mask),
-                                                **({} if sinks is None else {"sinks": sinks}))
+                                                **sinks_keyword(sinks))
 
 
 @torch.library.custom_op("flash_inductor::attention_forward_one_pass", mutates_args=())
@@ -280,4 +286,4 @@ def attention_one_pass(query, key, value, is_causal: bool, causal_offset: int, s
 
 
 __all__ = ["attention_forward_one_pass", "attention_backward_one_pass", "attention_one_pass", "one_pass_applies",
-           "softcap_keyword"]
+           "sinks_keyword", "softcap_keyword"]
