@@ -11,9 +11,9 @@ launchers skip the family's entries until it is re-tuned, which costs GPU time f
 
 This tool proves that nothing changed and re-keys the entries: for every family whose identity
 differs between the kernels at ``--since`` and this checkout's, it compiles both versions for
-sm_90 on this machine (tools/ptx_digest.py: the launchers' real constexprs, no GPU needed) for
-each case (head dim x mask x dtype x schedule) and compares the PTX of every kernel of the
-family. Entries that recorded the old identity get the new one only when every digest matches;
+sm_90 on this machine (``tools/launch_sass.py --grid``: the launchers' real constexprs, no GPU
+needed) for each case (head dim x mask x dtype x schedule) and compares the PTX digests of every
+kernel of the family. Entries that recorded the old identity get the new one only when every digest matches;
 otherwise the tool names the kernels whose code changed, and those buckets need a re-tune.
 
 ``--family F --reason "..."`` re-keys family F's entries without compiling, and records the reason
@@ -55,7 +55,7 @@ def tree_with_kernels_of(rev: str, into: pathlib.Path, whole_package: bool = Fal
     shutil.copytree(ROOT / "flash_inductor", into / "flash_inductor",
                     ignore=shutil.ignore_patterns("__pycache__", "tables"))
     (into / "tools").mkdir()
-    for name in ("__init__.py", "ptx_digest.py", "smem_check.py", "launch_sass.py"):
+    for name in ("__init__.py", "launch_sass.py"):
         shutil.copy(ROOT / "tools" / name, into / "tools" / name)
     replaced = "flash_inductor" if whole_package else "flash_inductor/kernels"
     shutil.rmtree(into / replaced)
@@ -79,9 +79,12 @@ def identities_in(tree: pathlib.Path) -> dict[str, str]:
 
 
 def digests_in(tree: pathlib.Path, options: list[str]) -> dict[str, dict[str, str]]:
+    """{case: {kernel: PTX digest}} of ``launch_sass --grid`` in ``tree``, at L = S = 512."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        _python(tree, "-m", "tools.ptx_digest", "--out", out.name, *options)
-        return json.loads(pathlib.Path(out.name).read_text())
+        _python(tree, "-m", "tools.launch_sass", "--grid", "--seq", "512", "--write", out.name, *options)
+        results = json.loads(pathlib.Path(out.name).read_text())
+    return {case: {key.split(":", 1)[1]: kernel["ptx"] for key, kernel in result["kernels"].items()}
+            for case, result in results.items()}
 
 
 def changed_kernels(before: dict, after: dict, kernels: set[str]) -> list[str]:

@@ -9,10 +9,10 @@ registers, spills and shared memory, measured on any machine (no GPU).
 A user's first call of a new variant waits for ptxas, which is single-threaded and slow on kernels
 whose working set does not fit the registers: compiled for sm_90, the fp32 tiles other GPUs run
 keep 32 registers a thread at E 128 and spill 6-19 KB, and their dK/dV pass takes 30-41 s to
-compile (docs/performance.md, "fp32 tiles"). As ``tools/smem_check.py`` does, this runs the
+compile (docs/performance.md, "fp32 tiles"). As ``tools/launch_sass.py --grid`` does, this runs the
 launchers (``launch.attention_forward`` / ``attention_backward``, and the decode launcher) on CPU
-tensors with the configs a Hopper launch would use, and in place of each launch compiles the
-kernel for sm_90 (the real argument specialisation and constexprs). Per distinct kernel it
+tensors with the configs a Hopper launch would use, and compiles each launch for sm_90 (the real
+argument specialisation and constexprs). Per distinct kernel it
 reports the compile's wall time, and from the cubin (Triton's bundled ``cuobjdump
 --dump-resource-usage``) the registers and stack bytes a thread (stack > 0 is spilling), plus
 Triton's shared memory. A kernel two cases share is compiled, and counted, once.
@@ -29,10 +29,12 @@ import concurrent.futures
 import dataclasses
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
+
+from tools.launch_sass import (DTYPE_NAMES, GRID_MASKS, add_grid_arguments, compiled_launches, cubin_tool, grid_cells,
+                               heuristic, heuristic_configs, refuse_interpreter)
 
 _RESOURCES = re.compile(r"Function\s+(\S+):\s*REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)")
 ROLES = ("forward", "backward_dkdv", "backward_dq", "decode")
@@ -97,14 +99,7 @@ def hot_loop(cubin: bytes, role: str | None, kwargs: dict, num_warps: int) -> di
 
 def resource_usage(cubin: bytes) -> tuple[int, int]:
     """(registers, stack bytes) a thread of the cubin's kernel, from the bundled cuobjdump."""
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([tool, "--dump-resource-usage", f.name], check=True, capture_output=True,
-                              text=True).stdout
+    text = cubin_tool("cuobjdump", ["--dump-resource-usage"], cubin)
     match = _RESOURCES.search(text)
     if match is None:
         raise RuntimeError(f"cuobjdump printed no resource line:\n{text}")
@@ -148,40 +143,34 @@ def survey_case(case: Case, cache_dir: str, decode: bool, seq: int, with_loops: 
     """Compile every kernel one case's launches start; kernels already in ``cache_dir`` (compiled by an
     earlier case) are left out."""
     os.environ["TRITON_CACHE_DIR"] = cache_dir
-    from flash_inductor.tuning.configs import cuda_heuristic_configs
-    from tools.smem_check import DTYPES, compiling_launches, run_launches
+    import torch
 
-    dtype = DTYPES[case.dtype]
-    config_kind = {"window": "causal", "window_bool": "bool"}.get(case.mask_kind, case.mask_kind)
-    configs = cuda_heuristic_configs(case.tiles_of, dtype.itemsize, case.head_dim, case.head_dim, case.schedule,
-                                     config_kind)
+    dtype = getattr(torch, DTYPE_NAMES[case.dtype])
+    kind, mask = GRID_MASKS[case.mask_kind]
+    configs = heuristic_configs(dtype, case.head_dim, kind, case.schedule, mask, capability=case.tiles_of)
     if case.overrides:
         configs = dataclasses.replace(configs, **dict(case.overrides))
     rows: list[Compiled] = []
-
-    def observe(name, compiled, seconds, grid, kwargs):
+    for launch, compiled, seconds in compiled_launches(
+            lambda: heuristic(dtype, case.head_dim, case.mask_kind, case.schedule, seq=seq, configs=configs,
+                              dropout_p=case.dropout_p, decode_too=decode)):
         # A kernel found in the cache took well under a second and counts in the case that built it.
         try:  # created atomically: of two workers that compiled one kernel, one reports it
             os.close(os.open(os.path.join(cache_dir, f".surveyed_{compiled.hash}"), os.O_CREAT | os.O_EXCL))
         except FileExistsError:
-            return
+            continue
+        name, kwargs = launch.kernel.fn.__name__, launch.kwargs
         registers, stack = resource_usage(compiled.asm["cubin"])
         loop = (hot_loop(compiled.asm["cubin"], KERNEL_ROLE.get(name), kwargs, compiled.metadata.num_warps)
                 if with_loops else None)
         rows.append(Compiled(case.label(), name, tile_label(kwargs, compiled), round(seconds, 2), registers, stack,
                              compiled.metadata.shared, loop))
-
-    with compiling_launches([], observe=observe):
-        run_launches(case.head_dim, case.mask_kind, case.dtype, case.schedule, seq, configs,
-                     dropout_p=case.dropout_p, decode=decode)
     return rows
 
 
 def main(argv=None) -> int:
-    from tools.smem_check import add_case_arguments, cases
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_case_arguments(p, head_dims="64,128", masks="none,causal", schedules="stable")
+    add_grid_arguments(p, head_dims="64,128", masks="none,causal", schedules="stable")
     p.add_argument("--dropout", default="0", help="comma list of dropout probabilities (0: none)")
     for role in ROLES:
         p.add_argument(f"--{role.replace('_', '-')}", type=parse_tile, default=None, metavar="TILE",
@@ -209,10 +198,9 @@ def main(argv=None) -> int:
         tiles_of = []
     if not tiles_of or any(len(cap) != 2 for cap in tiles_of):
         p.error(f"--tiles-of: a comma list of capabilities like 9.0,8.0, got {args.tiles_of!r}")
+    refuse_interpreter(p)
     todo = [Case(e, mask, dtype, schedule, drop, overrides, cap)
-            for cap in tiles_of
-            for e, mask, dtype, schedule in cases(p, args, "interpreted kernels are not compiled")
-            for drop in dropouts]
+            for cap in tiles_of for e, mask, dtype, schedule in grid_cells(p, args) for drop in dropouts]
 
     from benchmarks.common import environment, module_command, progress, write_record
 

@@ -8,6 +8,8 @@
     python -m tools.launch_sass --tables --compare before.json     # identical / DIFFERENT per case
     python -m tools.launch_sass --tables --cases table/gluon_,gluon,one_pass     # the Gluon kernels' cases only
     python -m tools.launch_sass --cases gluon_bwd --verbose        # name prefixes pick cases; registers, spills
+    python -m tools.launch_sass --grid                     # Hopper's heuristic launches, E 64/128/256 x masks x ...: 15-25 min
+    python -m tools.launch_sass --grid --head-dims 256 --masks bool,window_bool --schedules stable
 
 Each case calls a launcher (``launch.attention_forward`` / ``attention_backward``, the decode launcher,
 ``launch.hopper.hopper_attention_forward``, ``launch.hopper_bwd.hopper_attention_backward``, the one-pass
@@ -21,6 +23,22 @@ the SASS with addresses, encodings and comments stripped; ``--write`` stores the
 which changed (exit 1 on a failure or a difference). Table entries are compiled with the entry's own
 config, passed explicitly (a lookup would skip an entry whose kernel hash an edit made stale).
 Without TRITON_INTERPRET (interpreted kernels are not compiled).
+
+A launch that needs more shared memory than Hopper's opt-in limit (``footprint.OPTIN_SMEM_BYTES``)
+fails its case: shared memory is fixed when a kernel is lowered, before any GPU is involved. A
+backward change was once re-tuned before the GPU tests found that one launch (E=256 dQ pass with a
+bool mask, a heuristic config: mask kinds other than none/causal are not tuned) needed 336 KiB
+against 227 KiB. ``--grid`` compiles such launches: a forward, a backward and the decode forward at
+its widest tile, at Hopper's heuristic configs (``cuda_heuristic_configs`` for 9.0), over head dims x
+mask kinds x dtypes x schedules; about 10 s a case on 2 cores. tools/compile_survey.py and
+tools/sass_mix.py study the same launches.
+
+Each launch also gets a digest of its PTX without comments, header lines and debug information
+(source lines and paths), which moving a function in its file does not change: a tuning table entry
+carries its kernel family's source hash, so any edit of a kernel file makes the family's entries
+stale, even for variants whose compiled code it does not touch; where the PTX is unchanged the
+entries may be re-stamped rather than re-tuned (tools/carry_table_entries.py compares ``--grid``
+runs of two trees).
 """
 
 from __future__ import annotations
@@ -46,6 +64,7 @@ TABLES = pathlib.Path(__file__).resolve().parents[1] / "flash_inductor" / "tunin
 # (tools/wgmma_overlap_probe.py, run in a compile-only Triton environment).
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 SEQ = 384  # a multiple of every tile (the even paths); the `ragged` cases take 333
+GRID_SEQ = 300  # not a multiple of any tile, so every masked edge path is compiled
 TABLE_SEQ_CAP = 1024  # past a tile multiple a table entry's length changes nothing compiled, only memory
 
 
@@ -110,9 +129,21 @@ def captured_launches(run: Callable[[], None]) -> list[Launch]:
     return launches
 
 
-def compile_launch(launch: Launch):
-    """The CompiledKernel this launch would start on sm_90a (call inside ``hopper_target``)."""
-    return launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.kwargs)
+def compiled_launches(run: Callable[[], None]) -> list[tuple[Launch, object, float]]:
+    """(launch, CompiledKernel, compile seconds) for each launch ``run`` makes, compiled for sm_90a as
+    the launch would be."""
+    launches, compiled = captured_launches(run), []
+    with hopper_target():
+        for launch in launches:
+            start = time.perf_counter()
+            kernel = launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.kwargs)
+            compiled.append((launch, kernel, time.perf_counter() - start))
+    return compiled
+
+
+def refuse_interpreter(p: argparse.ArgumentParser) -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        p.error("unset TRITON_INTERPRET: interpreted kernels are not compiled")
 
 
 def _nvidia_tool(name: str) -> str:
@@ -121,18 +152,25 @@ def _nvidia_tool(name: str) -> str:
     return os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", name)
 
 
-def sass_of(compiled) -> str:
+def cubin_tool(name: str, options: list[str], cubin: bytes) -> str:
+    """What the Triton wheel's ``name`` (cuobjdump, nvdisasm) prints for ``cubin``."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
+        f.write(cubin)
     try:
-        return subprocess.run([_nvidia_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+        return subprocess.run([_nvidia_tool(name), *options, f.name], capture_output=True, text=True,
                               check=True).stdout
     finally:
         os.unlink(f.name)
 
 
+def sass_of(compiled) -> str:
+    return cubin_tool("cuobjdump", ["-sass"], compiled.asm["cubin"])
+
+
 # An instruction line of cuobjdump: /*0a30*/  @P0 BRA `(.L_x_12) ;  /* 0x000... */
 _INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
+# PTX header lines, and the debug anchors: line directives and the `$L__tmpN:` labels they point at.
+_PTX_HEADER = re.compile(r"^\s*(//|\.version|\.target|\.address_size|\.loc\b|\.file\b|\$L__tmp\d+:)")
 
 
 def normalised_sass(sass: str) -> str:
@@ -142,6 +180,16 @@ def normalised_sass(sass: str) -> str:
 
 def sass_digest(compiled) -> str:
     return hashlib.sha256(normalised_sass(sass_of(compiled)).encode()).hexdigest()[:16]
+
+
+def ptx_digest(ptx: str) -> str:
+    """A hash of the code alone: the debug sections (DWARF, which encode source lines and paths),
+    the line directives and their labels are dropped, so moving a function in the file changes
+    nothing."""
+    code = ptx.split("\t.section\t.debug", 1)[0]
+    body = "\n".join(line.split("//")[0].rstrip() for line in code.splitlines()
+                     if line.strip() and not _PTX_HEADER.match(line))
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
 def ptxas_usage(ptx: str) -> dict:
@@ -159,20 +207,23 @@ def ptxas_usage(ptx: str) -> dict:
 
 
 def run_case(case: Case, verbose: bool = False, dump: str | None = None) -> dict:
-    """{"status": "pass"|"fail", "kernels": {"<i>:<kernel>": {"sass": digest, "shared": bytes}}, "error"?};
-    ``dump``: a folder for each launch's ttgir, ptx and sass."""
+    """{"status": "pass"|"fail", "kernels": {"<i>:<kernel>": {"sass": digest, "ptx": digest, "shared": bytes}},
+    "error"?}; ``dump``: a folder for each launch's ttgir, ptx and sass."""
+    from flash_inductor.tuning.footprint import OPTIN_SMEM_BYTES
+
     result: dict = {"status": "pass", "kernels": {}}
     try:
-        launches = captured_launches(case.run)
-        with hopper_target():
-            for i, launch in enumerate(launches):
-                compiled = compile_launch(launch)
-                entry = dict(sass=sass_digest(compiled), shared=compiled.metadata.shared)
-                if verbose:
-                    entry.update(ptxas_usage(compiled.asm["ptx"]))
-                result["kernels"][f"{i}:{launch.kernel.fn.__name__}"] = entry
-                if dump:
-                    _dump(compiled, pathlib.Path(dump) / f"{case.name.replace('/', '_')}.{i}_{launch.kernel.fn.__name__}")
+        for i, (launch, compiled, _) in enumerate(compiled_launches(case.run)):
+            name, shared = f"{i}:{launch.kernel.fn.__name__}", compiled.metadata.shared
+            entry = dict(sass=sass_digest(compiled), ptx=ptx_digest(compiled.asm["ptx"]), shared=shared)
+            if verbose:
+                entry.update(ptxas_usage(compiled.asm["ptx"]))
+            result["kernels"][name] = entry
+            if dump:
+                _dump(compiled, pathlib.Path(dump) / f"{case.name.replace('/', '_')}.{name.replace(':', '_')}")
+            if shared > OPTIN_SMEM_BYTES[(9, 0)]:
+                raise RuntimeError(f"{name} needs {shared} bytes of shared memory, over sm_90's "
+                                   f"{OPTIN_SMEM_BYTES[(9, 0)]}")
     except Exception as error:  # noqa: BLE001 -- every case reports, not just the first failure
         result.update(status="fail", error=f"{type(error).__name__}: {str(error).strip()[-800:]}")
     return result
@@ -307,22 +358,28 @@ def gluon_varlen(dtype, head_dim, kind, *, passes=("forward", "backward"), exact
                                              scale=head_dim**-0.5, visibility=vis, **extra)
 
 
+def heuristic_configs(dtype, head_dim, kind, schedule, mask=None, head_dim_v=None, capability=(9, 0)):
+    """The configs ``capability``'s heuristic gives a launch of ``kind`` with ``mask``: a window takes
+    the causal bucket's, a dense mask its own (compiled for sm_90 whatever ``capability``)."""
+    from flash_inductor.tuning.configs import cuda_heuristic_configs
+
+    mask_kind = mask or ("causal" if kind in ("causal", "window") else "none")
+    return cuda_heuristic_configs(capability, dtype.itemsize, head_dim, head_dim_v or head_dim, schedule, mask_kind)
+
+
 def triton_pass(dtype, head_dim, kind, schedule, passes=("forward", "backward"), *, configs=None, seq=SEQ,
-                mask=None, softcap=0.0, dropout_p=0.0, head_dim_v=None, packed=False, sinks=False):
+                mask=None, mask_grad=None, softcap=0.0, dropout_p=0.0, head_dim_v=None, packed=False, sinks=False):
     """The Triton launchers at Hopper's heuristic configs, or ``configs``. ``mask``: None, "bool" or
-    "float" (a dense (B, H, L, S) mask, whose gradient the backward then writes); ``packed``: two
-    sequences packed along the rows (varlen); ``sinks``: a sink logit per head (HAS_SINKS), and the
-    sinks' gradient launch."""
+    "float" (a dense (B, H, L, S) mask, whose gradient the backward then writes unless ``mask_grad``
+    is False); ``packed``: two sequences packed along the rows (varlen); ``sinks``: a sink logit per
+    head (HAS_SINKS), and the sinks' gradient launch."""
     import torch
 
     from flash_inductor import launch
     from flash_inductor.launch.packed import PackedSequences
-    from flash_inductor.tuning.configs import cuda_heuristic_configs
 
     head_dim_v = head_dim_v or head_dim
-    if configs is None:
-        mask_kind = mask or ("causal" if kind in ("causal", "window") else "none")
-        configs = cuda_heuristic_configs((9, 0), dtype.itemsize, head_dim, head_dim_v, schedule, mask_kind)
+    configs = configs or heuristic_configs(dtype, head_dim, kind, schedule, mask, head_dim_v)
     q, k, do = _tensors(dtype, head_dim, seq, 3)
     v, out = _tensors(dtype, head_dim_v, seq, 2)
     lse = torch.zeros((1, 2, seq))
@@ -342,24 +399,47 @@ def triton_pass(dtype, head_dim, kind, schedule, passes=("forward", "backward"),
         launch.attention_forward(q, k, v, attn_mask, seed, dropout_p, head_dim**-0.5, schedule, **options)
     if "backward" in passes:
         launch.attention_backward(do, q, k, v, attn_mask, out, lse, None, seed, dropout_p, head_dim**-0.5, schedule,
-                                  mask == "float", **options)
+                                  mask == "float" if mask_grad is None else mask_grad, **options)
         if sinks:
             launch.sinks_backward(do, out, lse, None, options["sinks"])
 
 
-def decode(dtype, head_dim, kind, schedule="stable", seq=1024, num_splits=2):
-    """The split-KV decode forward: 4 query rows of a group of 8 heads; ``kind`` "bool" or "float" a mask."""
+def decode(dtype, head_dim, kind, schedule="stable", seq=1024, num_splits=2, *, rows=4, mask=None, config=None):
+    """The split-KV decode forward: ``rows`` query rows of a group of 8 heads; ``kind`` "bool" or
+    "float" a mask, else as ``_visibility`` (``mask``: a mask beside it)."""
     import torch
 
     from flash_inductor.launch.decode import decode_attention_forward
-    from flash_inductor.launch.visibility import Visibility
 
-    q = _tensors(dtype, head_dim, 4, 1, heads=8)[0]
+    q = _tensors(dtype, head_dim, rows, 1, heads=8)[0]
     k, v = _tensors(dtype, head_dim, seq, 2, heads=1)
-    mask = {"bool": (torch.arange(seq) > 5).expand(1, 8, 4, seq),
-            "float": torch.zeros((1, 8, 4, seq), dtype=dtype)}.get(kind)
-    vis = Visibility(is_causal=kind == "causal", causal_offset=seq - 4)
-    decode_attention_forward(q, k, v, mask, head_dim**-0.5, schedule, visibility=vis, num_splits=num_splits)
+    keys = torch.arange(seq) > 5
+    # ``mask`` (heuristic's) is a key padding mask as a user passes it, (B, 1, 1, S): its batch stride is S.
+    dense = {"bool": (keys.reshape(1, 1, 1, seq) if mask else keys).expand(1, 8, rows, seq),
+             "float": torch.zeros((1, 8, rows, seq), dtype=dtype)}.get(mask or kind)
+    vis = dataclasses.replace(_visibility(kind, seq), causal_offset=seq - rows)
+    decode_attention_forward(q, k, v, dense, head_dim**-0.5, schedule, visibility=vis, num_splits=num_splits,
+                             config=config)
+
+
+# --grid's mask kinds: the launch kind and dense mask each stands for (a causal sliding window, and a
+# two-sided one over a bool mask).
+GRID_MASKS = {"none": ("none", None), "causal": ("causal", None), "bool": ("none", "bool"),
+              "float": ("none", "float"), "window": ("window", None), "window_bool": ("window2", "bool")}
+
+
+def heuristic(dtype, head_dim, mask_kind, schedule, *, seq=GRID_SEQ, configs=None, dropout_p=0.0, decode_too=True):
+    """A forward and a backward (the mask without a gradient) at Hopper's heuristic configs, or
+    ``configs``, and (``decode_too``) the decode forward at its widest tile: 16 query rows of a
+    group of 8 heads, 128 packed rows, the config's row cap per program. ``mask_kind``: a GRID_MASKS key."""
+    from flash_inductor.launch.decode import DECODE_MAX_QUERY_ROWS
+
+    kind, mask = GRID_MASKS[mask_kind]
+    configs = configs or heuristic_configs(dtype, head_dim, kind, schedule, mask)
+    triton_pass(dtype, head_dim, kind, schedule, configs=configs, seq=seq, mask=mask, mask_grad=False,
+                dropout_p=dropout_p)
+    if decode_too:
+        decode(dtype, head_dim, kind, schedule, seq, rows=DECODE_MAX_QUERY_ROWS, mask=mask, config=configs.decode)
 
 
 def _case(name, fn, *args, **kwargs) -> Case:
@@ -501,13 +581,42 @@ def table_cases() -> list[Case]:
     return cases
 
 
+def add_grid_arguments(p: argparse.ArgumentParser, *, head_dims: str = "64,128,256",
+                       masks: str = "none,causal,bool,float", schedules: str = "stable,fast,accurate") -> None:
+    """The options that pick ``heuristic``'s cases: comma lists of head dims, mask kinds, dtypes and schedules."""
+    p.add_argument("--head-dims", default=head_dims)
+    p.add_argument("--masks", default=masks, help=f"comma list of {','.join(GRID_MASKS)}")
+    p.add_argument("--dtypes", default="bf16,fp16")
+    p.add_argument("--schedules", default=schedules)
+
+
+def grid_cells(p: argparse.ArgumentParser, args) -> list[tuple[int, str, str, str]]:
+    """(head dim, mask kind, dtype, schedule) for every combination ``args`` names."""
+    for option, names, known in (("--dtypes", args.dtypes, DTYPE_NAMES), ("--masks", args.masks, GRID_MASKS)):
+        unknown = sorted(set(names.split(",")) - set(known))
+        if unknown:
+            p.error(f"{option}: {unknown} not among {sorted(known)}")
+    return list(itertools.product([int(e) for e in args.head_dims.split(",")], args.masks.split(","),
+                                  args.dtypes.split(","), args.schedules.split(",")))
+
+
+def grid_cases(p: argparse.ArgumentParser, args) -> list[Case]:
+    """--grid: ``heuristic`` per cell, named grid/<schedule>/<dtype>/e<E>/<mask>."""
+    import torch
+
+    return [_case(f"grid/{schedule}/{dt}/e{e}/{mask}", heuristic, getattr(torch, DTYPE_NAMES[dt]), e, mask, schedule,
+                  seq=args.seq) for e, mask, dt, schedule in grid_cells(p, args)]
+
+
 # ------------------------------------------------------------------------------------------
 # Digest files
 # ------------------------------------------------------------------------------------------
 
 
 def compare(results: dict, before: dict) -> list[tuple[str, str]]:
-    """(verdict, case) per case: identical, DIFFERENT (a kernel's SASS, or the launches), FAIL, NEW."""
+    """(verdict, case) per case: identical, "same PTX" (the SASS differs, as it may where only the
+    line information moved), DIFFERENT (a kernel's code, or the launches), FAIL, NEW."""
+    digests = lambda r, key: {k: v.get(key) for k, v in r["kernels"].items()}  # noqa: E731
     verdicts = []
     for name, result in results.items():
         old = before.get(name)
@@ -515,10 +624,11 @@ def compare(results: dict, before: dict) -> list[tuple[str, str]]:
             verdict = "FAIL"
         elif old is None or old.get("status") != "pass":
             verdict = "NEW"
-        else:
-            same = {k: v["sass"] for k, v in result["kernels"].items()} == {k: v["sass"]
-                                                                          for k, v in old["kernels"].items()}
-            verdict = "identical" if same else "DIFFERENT"
+        elif digests(result, "sass") == digests(old, "sass"):
+            verdict = "identical"
+        else:  # a file written before the PTX digests has None for each
+            same_ptx = digests(result, "ptx") == digests(old, "ptx") and None not in digests(old, "ptx").values()
+            verdict = "same PTX" if same_ptx else "DIFFERENT"
         verdicts.append((verdict, name))
     return verdicts
 
@@ -528,14 +638,18 @@ def main(argv=None) -> int:
     p.add_argument("--ci", action="store_true", help="only the fast subset CI runs (CI_CASES)")
     p.add_argument("--tables", action="store_true", help="also every entry of the shipped tuning tables")
     p.add_argument("--cases", default="", help="comma list of prefixes: run the cases whose names start with one")
-    p.add_argument("--write", help="store the results (per case: status, per launch SASS digest and shared bytes)")
+    p.add_argument("--write", help="store the results (per case: status, per launch SASS and PTX digests and "
+                                   "shared bytes)")
     p.add_argument("--compare", help="an earlier --write file: identical / DIFFERENT per case")
     p.add_argument("--verbose", action="store_true", help="also registers, spills and ptxas's notes per launch")
     p.add_argument("--dump", help="a folder for each launch's ttgir, ptx and sass")
+    p.add_argument("--grid", action="store_true", help="the heuristic launches over the options below (heuristic()) "
+                                                       "in place of the hand-picked cases")
+    add_grid_arguments(p)
+    p.add_argument("--seq", type=int, default=GRID_SEQ, help="--grid's L = S")
     args = p.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        p.error("unset TRITON_INTERPRET: interpreted kernels are not compiled")
-    cases = hand_picked_cases() + (table_cases() if args.tables else [])
+    refuse_interpreter(p)
+    cases = (grid_cases(p, args) if args.grid else hand_picked_cases()) + (table_cases() if args.tables else [])
     if args.ci:
         cases = [c for c in cases if c.name in CI_CASES]
     if args.cases:
@@ -545,7 +659,8 @@ def main(argv=None) -> int:
         t0 = time.time()
         results[case.name] = result = run_case(case, args.verbose, args.dump)
         detail = result.get("error") or " ".join(
-            f"{k}={v['sass']}" + (f"(regs {v['regs']}, spills {v['spill_stores']})" if args.verbose else "")
+            f"{k}={v['sass']}/{v['shared'] // 1024}KiB" + (f"(regs {v['regs']}, spills {v['spill_stores']})"
+                                                            if args.verbose else "")
             for k, v in result["kernels"].items())
         print(f"[{i}/{len(cases)}] {result['status'].upper()} {case.name} ({time.time() - t0:.0f} s): {detail}",
               flush=True)

@@ -7,8 +7,8 @@ At E = 64 the backward passes are bound by the work done per score (exp2 on the 
 adds and multiplies, conversions), not by the tensor cores (docs/performance.md), so
 the count of those instructions in a pass's inner loop predicts what a kernel change costs before
 any GPU time is spent: it found that a branch inside the dQ loop made the compiler evaluate both
-sides (two exp2 per score). Each launch our launchers would start (as in tools/smem_check.py) is
-compiled, disassembled with Triton's bundled nvdisasm, and each loop (a branch back to an earlier
+sides (two exp2 per score). Each launch our launchers would start (tools/launch_sass.py's
+``heuristic``) is compiled, disassembled with Triton's bundled nvdisasm, and each loop (a branch back to an earlier
 label) that issues matrix instructions is listed, longest first, with its most frequent opcodes;
 each kernel's line says whether they are wgmma or mma.sync and how many local loads and stores
 (register spills) it has.
@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
+import dataclasses
 import re
-import subprocess
 import sys
-import tempfile
 
-from tools.smem_check import DTYPES, check
+from tools.launch_sass import (DTYPE_NAMES, compiled_launches, cubin_tool, heuristic, heuristic_configs,
+                               refuse_interpreter)
 
 _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);")
 _LABEL = re.compile(r"\s*\.(L_x_\d+):")
@@ -34,13 +33,7 @@ _BRANCH_TARGET = re.compile(r"\bBRA\b.*?\.?(L_x_\d+)")
 
 
 def disassemble(cubin: bytes) -> str:
-    import triton
-
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([nvdisasm, "-c", f.name], check=True, capture_output=True, text=True).stdout
+    return cubin_tool("nvdisasm", ["-c"], cubin)
 
 
 def loops(sass: str) -> tuple[list[str], list[tuple[int, int]]]:
@@ -85,12 +78,12 @@ def _config(text):
 
 
 def main(argv=None) -> int:
-    from flash_inductor.tuning.configs import cuda_heuristic_configs
+    import torch
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--seq", type=int, default=4096, help="a multiple of the tiles, or not (masked edges)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="bf16")
     p.add_argument("--schedule", default="fast")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--forward", help="BLOCK_M,BLOCK_N,warps,stages (default: Hopper's heuristic)")
@@ -98,18 +91,17 @@ def main(argv=None) -> int:
     p.add_argument("--dq", help="the dQ pass's config, as --forward")
     p.add_argument("--top", type=int, default=14, help="opcodes shown per loop")
     args = p.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        p.error("unset TRITON_INTERPRET: interpreted kernels are not compiled")
-    heuristic = cuda_heuristic_configs((9, 0), DTYPES[args.dtype].itemsize, args.head_dim, args.head_dim,
-                                       args.schedule, "causal" if args.causal else "none")
-    configs = heuristic.__class__(forward=_config(args.forward) or heuristic.forward,
-                                  backward_dkdv=_config(args.dkdv) or heuristic.backward_dkdv,
-                                  backward_dq=_config(args.dq) or heuristic.backward_dq)
+    refuse_interpreter(p)
+    dtype, mask_kind = getattr(torch, DTYPE_NAMES[args.dtype]), "causal" if args.causal else "none"
+    configs = heuristic_configs(dtype, args.head_dim, mask_kind, args.schedule)
+    configs = dataclasses.replace(configs, forward=_config(args.forward) or configs.forward,
+                                  backward_dkdv=_config(args.dkdv) or configs.backward_dkdv,
+                                  backward_dq=_config(args.dq) or configs.backward_dq)
     print(f"{args.dtype} E={args.head_dim} L={args.seq} {args.schedule}{' causal' if args.causal else ''}: "
           f"forward {configs.forward.label()}, dK/dV {configs.backward_dkdv.label()}, dQ {configs.backward_dq.label()}")
-    compiled_by_name: dict = {}
-    check(args.head_dim, "causal" if args.causal else "none", args.dtype, args.schedule, args.seq, configs,
-          compiled_by_name)
+    compiled_by_name = {launch.kernel.fn.__name__: compiled for launch, compiled, _ in compiled_launches(
+        lambda: heuristic(dtype, args.head_dim, mask_kind, args.schedule, seq=args.seq, configs=configs,
+                          decode_too=False))}
     for name, compiled in compiled_by_name.items():
         instructions, bodies = loops(disassemble(compiled.asm["cubin"]))
         mma_bodies = [(a, b) for a, b in bodies if mma_kind(instructions[a:b + 1])]

@@ -8,7 +8,7 @@ import torch
 from ..tuning.kernel_config import AttentionConfigs, padded_head_dim
 from ..schedules import STABLE, get_schedule
 # The launch wrapper and the config lookup are read off the module at every launch, so that tools
-# and tests can swap them (tools/smem_check.py compiles for sm_90 instead of launching; the
+# and tests can swap them (tools/launch_sass.py compiles for sm_90 instead of launching; the
 # bounds tests force wide tiles; tests spy on launches).
 from . import common
 from .band import band_lower, causal_side

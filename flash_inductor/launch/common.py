@@ -95,7 +95,7 @@ def launches_replaced(replacement):
     """Within the block (this thread or task only), ``launcher(kernel)`` returns
     ``replacement(kernel)``, which is indexed with the grid and called with the launch's arguments
     as the kernel would be. For tools that compile or record launches instead of running them
-    (``tools/launch_sass.py``, ``tools/smem_check.py``) and tests that spy on launches."""
+    (``tools/launch_sass.py``) and tests that spy on launches."""
     token = _LAUNCH_REPLACEMENT.set(replacement)
     try:
         yield

@@ -315,7 +315,7 @@ def decode_split_count(slots: int, programs: int, seq_k: int, max_splits: int = 
 
 
 # The decode kernel's heuristic tiles take 72 KiB (16 packed rows) to 112 KiB (64) of shared memory at
-# E 128, 16-bit (Triton 3.6, sm_90: tools/smem_check.py), so two programs or more share an SM of
+# E 128, 16-bit (Triton 3.6, sm_90: tools/launch_sass.py --grid), so two programs or more share an SM of
 # Hopper's 227 KiB: a decode launch has room for twice the SMs.
 DECODE_PROGRAMS_PER_SM = 2
 

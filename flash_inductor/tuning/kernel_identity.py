@@ -28,7 +28,7 @@ None fields on every version, so fields a newer Python adds (``type_params``) ch
 
 Not covered: what the launchers pass (``launch/`` choosing a constexpr's value). A launcher
 change that makes the kernels compile differently for a bucket calls for a re-tune of it, as a
-kernel change would; tools/ptx_digest.py shows which variants it touched.
+kernel change would; the PTX digests of tools/launch_sass.py show which variants it touched.
 
 An edit that changes the tree but not the compiled code (a renamed local) does change the
 identity; ``tools/carry_table_entries.py`` re-keys entries across such an edit after proving,

@@ -136,7 +136,7 @@ def _triton_kernels(module: str) -> set[str]:
 def test_the_package_has_modules_to_check():
     # A path mistake would make every check below pass on an empty graph.
     assert f"{PACKAGE}.api" in MODULES and len(MODULES) > 20
-    assert "benchmarks.bench_attention" in MODULES and "tools.smem_check" in MODULES
+    assert "benchmarks.bench_attention" in MODULES and "tools.launch_sass" in MODULES
 
 
 def test_imports_have_no_cycles():
