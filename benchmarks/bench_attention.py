@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import precompile
-from benchmarks.common import (DTYPES, GPTBlock, attention_flops, bench_ms, call_recorded, dynamo_limits,
-                               environment, first_line, flash_inductor_backend, heat, is_fatal, make_attention,
-                               make_inputs, make_step, module_command, no_donated_buffers, output_stem,
-                               peak_bytes_above_live, progress, release_memory, tflops)
+from benchmarks.common import (DTYPES, GPTBlock, append_records, attention_flops, bench_ms, call_recorded,
+                               dynamo_limits, environment, first_line, flash_inductor_backend, heat, is_fatal,
+                               make_attention, make_inputs, make_step, module_command, no_donated_buffers,
+                               output_stem, peak_bytes_above_live, progress, release_memory, tflops)
 from benchmarks.gpu_telemetry import GpuTelemetry
 from benchmarks.kernel_time import gpu_busy
 from benchmarks.plot_results import (MODES, PROVIDERS as ALL_PROVIDERS, format_extras, format_table,
@@ -269,8 +269,6 @@ def run_all(args, partial_path=None, clock=time.monotonic, telemetry=None):
             if (p, c["dtype"], c["head_dim"], c["causal"], c["seq"], c["mode"]) not in done]
     if done:
         print(f"--resume: {len(done)} cells already measured, {len(grid)} to run", file=sys.stderr)
-    if partial_path:
-        os.makedirs(os.path.dirname(partial_path) or ".", exist_ok=True)
     deadline = None if args.time_budget is None else clock() + args.time_budget
     if args.precompile > 0 and grid:
         items = precompile.plan(grid, lambda case: cell_shape(case, args.tokens))
@@ -284,9 +282,7 @@ def run_all(args, partial_path=None, clock=time.monotonic, telemetry=None):
                                         error="--time-budget spent", **case))
                     continue
                 records.append(run_case(case, provider, args, telemetry=telemetry))
-                if partial_path:
-                    with open(partial_path, "a") as f:
-                        f.write(json.dumps(records[-1]) + "\n")
+                append_records(partial_path, records[-1:])
                 if is_fatal(records[-1]):
                     print(f"\nstopping: {records[-1]['error']}; results so far are written", file=sys.stderr)
                     return records

@@ -321,6 +321,15 @@ def write_record(out_dir, prefix, env, payload, tag=None, device=None) -> str:
     return path
 
 
+def append_records(path, records):
+    """Append ``records`` to ``path`` (a <stem>.partial.jsonl) as JSON lines, as they are measured: a
+    run killed from outside (a device call's time limit) still leaves what it measured. No path: nothing."""
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+
+
 # ----------------------------------------------------------------------------- progress
 
 def progress(items, desc, total=None):

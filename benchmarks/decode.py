@@ -426,10 +426,7 @@ def main(argv=None, compile_fn=None) -> list[dict]:
                 continue
             cell = run_cell(batch, seq_k, seq_q, args)
             records.extend(cell)
-            if partial is not None:
-                os.makedirs(args.out, exist_ok=True)
-                with open(partial, "a") as f:
-                    f.writelines(json.dumps(r) + "\n" for r in cell)
+            common.append_records(partial, cell)
     rows = summarise(records)
     print(format_table(rows))
     title = (f"{env.get('gpu') or args.device}, torch {env['torch']}, {args.dtype}, Hq {args.heads_q} Hkv "

@@ -405,8 +405,6 @@ def main(argv=None, compile_fn=compile_with) -> list[dict]:
         env["precompile"] = summary
         print(precompile.describe(summary), flush=True)
     records = []
-    # Each cell's records land here as they are measured: a run killed from outside (a device
-    # call's time limit) still leaves what it measured.
     partial = None if args.no_write else common.output_stem(args.out, env, args.tag, "e2e_models", args.device) \
         + ".partial.jsonl"
     with common.dynamo_limits():
@@ -417,10 +415,7 @@ def main(argv=None, compile_fn=compile_with) -> list[dict]:
                 continue
             cell_records = run_cell(name, spec, seq, attn, task, args, compile_fn)
             records.extend(cell_records)
-            if partial is not None:
-                os.makedirs(args.out, exist_ok=True)
-                with open(partial, "a") as f:
-                    f.writelines(json.dumps(r) + "\n" for r in cell_records)
+            common.append_records(partial, cell_records)
     rows = summarise([r for r in records if "contender" in r])
     print(markdown_table(rows))
     if not args.no_write:

@@ -54,9 +54,9 @@ import torch.nn.functional as F
 from flash_inductor.text_table import text_table
 from benchmarks import block_sparse_attention as block_sparse
 from benchmarks.kernel_time import gpu_busy
-from benchmarks.common import (DTYPES, MODE_FLOP_FACTOR, bench_ms, call_recorded, compiled_flex, dynamo_limits, environment,
-                               heat, is_fatal, module_command, no_donated_buffers, output_stem, progress,
-                               release_memory, tflops)
+from benchmarks.common import (DTYPES, MODE_FLOP_FACTOR, append_records, bench_ms, call_recorded, compiled_flex,
+                               dynamo_limits, environment, heat, is_fatal, module_command, no_donated_buffers,
+                               output_stem, progress, release_memory, tflops)
 
 MODES = ("fwd", "fwd_bwd")
 HIDDEN = 2048  # heads * head_dim, as in shared/ANCHORS.md
@@ -289,8 +289,6 @@ def run_all(args, partial_path=None, clock=time.monotonic, device=None):
     part = PARTS[args.part]
     device = device or args.device
     grid = [(cell, provider) for cell in part.cells(args) for provider in args.providers]
-    if partial_path:
-        os.makedirs(os.path.dirname(partial_path) or ".", exist_ok=True)
     deadline = None if args.time_budget is None else clock() + args.time_budget
     records = []
     with dynamo_limits(), no_donated_buffers():
@@ -299,9 +297,7 @@ def run_all(args, partial_path=None, clock=time.monotonic, device=None):
                 records.append(dict(cell, provider=provider, status="skipped", error="--time-budget spent"))
                 continue
             records.append(run_cell(part, cell, provider, args, device))
-            if partial_path:
-                with open(partial_path, "a") as f:
-                    f.write(json.dumps(records[-1]) + "\n")
+            append_records(partial_path, records[-1:])
             if is_fatal(records[-1]):
                 print(f"\nstopping: {records[-1]['error']}; results so far are written", file=sys.stderr)
                 break

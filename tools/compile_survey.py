@@ -5,6 +5,7 @@ registers, spills and shared memory, measured on any machine (no GPU).
     python -m tools.compile_survey --dtypes bf16,fp16 --head-dims 40,80,96,160 --dropout 0,0.1 --workers 2
     python -m tools.compile_survey ... --backward-dkdv 16x64/w8/s1 --loops   # a candidate tile
     python -m tools.compile_survey ... --tiles-of 9.0,8.0 --out benchmarks/results   # against other GPUs' tiles
+    python -m tools.compile_survey --dtypes bf16 --head-dims 64 --schedules fast --seq 4096 --mix   # loops' opcodes
 
 A user's first call of a new variant waits for ptxas, which is single-threaded and slow on kernels
 whose working set does not fit the registers: compiled for sm_90, the fp32 tiles other GPUs run
@@ -17,6 +18,16 @@ reports the compile's wall time, and from the cubin (Triton's bundled ``cuobjdum
 --dump-resource-usage``) the registers and stack bytes a thread (stack > 0 is spilling), plus
 Triton's shared memory. A kernel two cases share is compiled, and counted, once.
 
+``--mix``: at E = 64 the backward passes are bound by the work done per score (exp2 on the MUFU
+pipe, fp32 adds and multiplies, conversions), not by the tensor cores (docs/performance.md), so the
+count of those instructions in a pass's inner loop predicts what a kernel change costs before any
+GPU time is spent: it found that a branch inside the dQ loop made the compiler evaluate both sides
+(two exp2 per score). Each kernel is disassembled with Triton's bundled nvdisasm, and each loop (a
+branch back to an earlier label) that issues matrix instructions is listed, longest first, with its
+most frequent opcodes; each kernel's line says whether they are wgmma or mma.sync and how many
+local loads and stores (register spills) it has. Counts are per thread per iteration: a BLOCK_M x
+BLOCK_N tile over 32 * num_warps threads.
+
 The Gluon Hopper kernels (bf16/fp16 at E 64/128) are not launched here: ``tools/launch_sass.py``
 compiles those (and these). Times are this machine's (ptxas of the installed
 Triton, one process a case); compare within a run. Without TRITON_INTERPRET.
@@ -25,6 +36,7 @@ Triton, one process a case); compare within a run. Without TRITON_INTERPRET.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import dataclasses
 import os
@@ -37,6 +49,9 @@ from tools.launch_sass import (DTYPE_NAMES, GRID_MASKS, add_grid_arguments, comp
                                heuristic, heuristic_configs, refuse_interpreter)
 
 _RESOURCES = re.compile(r"Function\s+(\S+):\s*REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)")
+_INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);")
+_LABEL = re.compile(r"\s*\.(L_x_\d+):")
+_BRANCH_TARGET = re.compile(r"\bBRA\b.*?\.?(L_x_\d+)")
 ROLES = ("forward", "backward_dkdv", "backward_dq", "decode")
 # The role of each main kernel, for the work its loop does an iteration (``hot_loop``).
 KERNEL_ROLE = {"_attn_fwd": "forward", "_attn_bwd_dkdv": "backward_dkdv", "_attn_bwd_dq": "backward_dq",
@@ -65,8 +80,9 @@ class Compiled:
     stack_bytes: int
     shared_bytes: int
     loop: dict | None = None
+    mix: dict | None = None  # --mix: ``matrix_loops``
 
-    def row(self) -> str:
+    def row(self, top: int = 14) -> str:
         spill = f"{self.stack_bytes} B stack" if self.stack_bytes else "no spill"
         text = (f"{self.case:34s} {self.kernel:24s} {self.tile:13s} {self.seconds:6.1f} s  "
                 f"{self.registers:3d} regs  {spill:14s} {self.shared_bytes / 1024:5.0f} KiB")
@@ -75,14 +91,71 @@ class Compiled:
             per_fma = f", {loop['instructions'] / loop['ideal_ffma']:.2f} instr/FMA" if loop.get("ideal_ffma") else ""
             text += (f"  loop {loop['instructions']}: FFMA {loop['FFMA']}, LDS {loop['LDS']}, "
                      f"LDL+STL {loop['LDL'] + loop['STL']}{per_fma}")
+        if self.mix:
+            # mma.sync on sm_90 runs well below wgmma's rate; the E = 256 dK/dV pass (a 32-key block)
+            # once compiled to it unnoticed while the count covered wgmma loops only.
+            mix = self.mix
+            text += (f"\n  {mix['instructions']} instructions, {len(mix['loops'])} MMA loops "
+                     f"({mix['mma'] or 'no MMA'}), {mix['LDL']} LDL / {mix['STL']} STL")
+            for loop in mix["loops"]:
+                text += f"\n  loop of {loop['length']}: " + ", ".join(
+                    f"{op} {n}" for op, n in list(loop["opcodes"].items())[:top])
         return text
 
 
-def hot_loop(cubin: bytes, role: str | None, kwargs: dict, num_warps: int) -> dict | None:
-    """The loop of the cubin with the most FFMA (else matrix instructions), counted as in
-    tools/sass_mix.py; None if the kernel has no loop."""
-    from tools.sass_mix import disassemble, loops, opcode_counts
+def disassemble(cubin: bytes) -> str:
+    return cubin_tool("nvdisasm", ["-c"], cubin)
 
+
+def loops(sass: str) -> tuple[list[str], list[tuple[int, int]]]:
+    """(instructions, [(first, last) index of each loop body]) of a disassembly."""
+    label_at, instructions = {}, []
+    for line in sass.splitlines():
+        label = _LABEL.match(line)
+        if label:
+            label_at[label.group(1)] = len(instructions)
+            continue
+        instruction = _INSTRUCTION.match(line)
+        if instruction:
+            instructions.append(instruction.group(1))
+    bodies = []
+    for i, instruction in enumerate(instructions):
+        target = _BRANCH_TARGET.search(instruction)
+        if target and label_at.get(target.group(1), i + 1) <= i:
+            bodies.append((label_at[target.group(1)], i))
+    return instructions, bodies
+
+
+def mma_kind(instructions: list[str]) -> str:
+    """Which matrix instructions a stretch of SASS issues: "wgmma" (HGMMA, Hopper's warpgroup MMA),
+    "mma.sync" (HMMA: a dot whose M side is under wgmma's 64 rows, or a pre-Hopper target), both,
+    or "" for none."""
+    kinds = [name for name, op in (("wgmma", "HGMMA"), ("mma.sync", "HMMA")) if any(op in s for s in instructions)]
+    return "+".join(kinds)
+
+
+def opcode_counts(instructions: list[str]) -> collections.Counter:
+    counts = collections.Counter()
+    for instruction in instructions:
+        instruction = re.sub(r"^@!?U?P\w+\s+", "", instruction)  # predicate guard
+        counts[instruction.split()[0].split(".")[0]] += 1
+    return counts
+
+
+def matrix_loops(cubin: bytes) -> dict:
+    """--mix: the kernel's instruction count, ``mma_kind``, local loads and stores (register spills),
+    and each loop that issues matrix instructions, longest first, with its opcode counts."""
+    instructions, bodies = loops(disassemble(cubin))
+    counts = opcode_counts(instructions)
+    mma_bodies = sorted(((a, b) for a, b in bodies if mma_kind(instructions[a:b + 1])), key=lambda ab: ab[0] - ab[1])
+    return dict(instructions=len(instructions), mma=mma_kind(instructions), LDL=counts["LDL"], STL=counts["STL"],
+                loops=[dict(length=b - a + 1, opcodes=dict(opcode_counts(instructions[a:b + 1]).most_common()))
+                       for a, b in mma_bodies])
+
+
+def hot_loop(cubin: bytes, role: str | None, kwargs: dict, num_warps: int) -> dict | None:
+    """The loop of the cubin with the most FFMA (else matrix instructions), counted as --mix counts;
+    None if the kernel has no loop."""
     instructions, bodies = loops(disassemble(cubin))
     if not bodies:
         return None
@@ -139,7 +212,8 @@ class Case:
         return f"{self.dtype} E{self.head_dim} {self.mask_kind} {self.schedule}{drop}{tiles}"
 
 
-def survey_case(case: Case, cache_dir: str, decode: bool, seq: int, with_loops: bool = False) -> list[Compiled]:
+def survey_case(case: Case, cache_dir: str, decode: bool, seq: int, with_loops: bool = False,
+                with_mix: bool = False) -> list[Compiled]:
     """Compile every kernel one case's launches start; kernels already in ``cache_dir`` (compiled by an
     earlier case) are left out."""
     os.environ["TRITON_CACHE_DIR"] = cache_dir
@@ -163,8 +237,9 @@ def survey_case(case: Case, cache_dir: str, decode: bool, seq: int, with_loops: 
         registers, stack = resource_usage(compiled.asm["cubin"])
         loop = (hot_loop(compiled.asm["cubin"], KERNEL_ROLE.get(name), kwargs, compiled.metadata.num_warps)
                 if with_loops else None)
+        mix = matrix_loops(compiled.asm["cubin"]) if with_mix else None
         rows.append(Compiled(case.label(), name, tile_label(kwargs, compiled), round(seconds, 2), registers, stack,
-                             compiled.metadata.shared, loop))
+                             compiled.metadata.shared, loop, mix))
     return rows
 
 
@@ -182,6 +257,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=300, help="L = S of the launches (not a multiple of any tile)")
     p.add_argument("--workers", type=int, default=1, help="cases compiled at once (ptxas is single-threaded)")
     p.add_argument("--loops", action="store_true", help="count each kernel's hottest loop (Compiled's docstring)")
+    p.add_argument("--mix", action="store_true", help="list each kernel's matrix loops with their opcodes")
+    p.add_argument("--top", type=int, default=14, help="opcodes shown per loop with --mix")
     p.add_argument("--out", default=None, help="a folder for compile_survey_cpu_<date>[_<tag>].json")
     p.add_argument("--tag", default=None)
     args = p.parse_args(argv)
@@ -208,12 +285,12 @@ def main(argv=None) -> int:
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="compile_survey_") as cache_dir:
         with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
-            futures = [pool.submit(survey_case, case, cache_dir, not args.no_decode, args.seq, args.loops)
+            futures = [pool.submit(survey_case, case, cache_dir, not args.no_decode, args.seq, args.loops, args.mix)
                        for case in todo]
             for future in progress(concurrent.futures.as_completed(futures), "cases", total=len(futures)):
                 for row in future.result():
                     rows.append(row)
-                    print(row.row(), flush=True)
+                    print(row.row(args.top), flush=True)
     rows.sort(key=lambda r: -r.seconds)
     total = sum(r.seconds for r in rows)
     spilling = [r for r in rows if r.stack_bytes]

@@ -30,8 +30,8 @@ backward change was once re-tuned before the GPU tests found that one launch (E=
 bool mask, a heuristic config: mask kinds other than none/causal are not tuned) needed 336 KiB
 against 227 KiB. ``--grid`` compiles such launches: a forward, a backward and the decode forward at
 its widest tile, at Hopper's heuristic configs (``cuda_heuristic_configs`` for 9.0), over head dims x
-mask kinds x dtypes x schedules; about 10 s a case on 2 cores. tools/compile_survey.py and
-tools/sass_mix.py study the same launches.
+mask kinds x dtypes x schedules; about 10 s a case on 2 cores. tools/compile_survey.py studies the
+same launches.
 
 Each launch also gets a digest of its PTX without comments, header lines and debug information
 (source lines and paths), which moving a function in its file does not change: a tuning table entry

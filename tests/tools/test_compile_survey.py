@@ -6,7 +6,12 @@ the CUDA cores, one FFMA per multiply-add, so a loop's local loads and stores (s
 against its FFMA say how far it is from issue-bound. The tiles the heuristic gave Hopper until
 2026-12-04 made 1.8 local accesses per FFMA at E 128 (and ptxas took 30-41 s on the dK/dV pass);
 the small form checks one launch, the full form (-m tools_full) widths 64/128/256, every mask kind
-and dropout, and the decode split at each width and mask."""
+and dropout, and the decode split at each width and mask.
+
+--mix: the backward's inner loops spend one exp2 per score. At E = 64 the backward passes are bound
+by per-score ALU work, and exp2 runs on the slowest pipe (MUFU, 16 per cycle per SM against 128 fp32
+adds). A 64x64 tile over 4 warps is 32 scores per thread, so every loop that issues the pass's MMAs
+must hold exactly 32 MUFU. (A branch inside the loop once made the compiler evaluate both sides: 64.)"""
 
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ FORMS = small_and_full(("128", "causal", "0"), ("64,128,256", "none,causal,bool,
 MAIN_KERNELS = ("_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq")
 DECODE_KERNEL = "_attn_decode_split"  # no dropout: one per width and mask
 LOCAL_PER_FFMA = 0.1
+ONE_EXP2_PER_SCORE = ["_attn_bwd_dkdv", "_attn_bwd_dq"]
 # A guard against a hung compile, not a speed check: the full form took over 15 minutes on 2 cores
 # shared with other work (2026-12-07), so it gets 40.
 TIMEOUT_S = {"small": 900, "full": 2400}
@@ -72,3 +78,31 @@ def test_tile_overrides_are_what_compiles(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "tools.compile_survey", "--backward-dq", "16x32"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "BLOCK_MxBLOCK_N" in bad.stderr
+
+
+@pytest.fixture(scope="module")
+def mix_rows(tmp_path_factory) -> list[dict]:
+    return survey(tmp_path_factory.mktemp("mix"), "--mix", "--dtypes", "bf16", "--head-dims", "64", "--masks", "none",
+                  "--schedules", "fast", "--seq", "4096", "--no-decode", "--backward-dkdv", "64x64/w4/s2",
+                  "--backward-dq", "64x64/w4/s2")
+
+
+@pytest.mark.parametrize("kernel", ONE_EXP2_PER_SCORE)
+def test_backward_loops_take_one_exp2_per_score(mix_rows, kernel):
+    (row,) = [r for r in mix_rows if r["kernel"] == kernel]
+    assert row["mix"]["loops"], row
+    for loop in row["mix"]["loops"]:
+        assert loop["opcodes"].get("MUFU") == 32, loop
+
+
+def test_mma_kind_tells_wgmma_from_mma_sync():
+    """The kernel line names the matrix instructions: a dot whose M side is under wgmma's 64 rows
+    compiles to mma.sync (HMMA) on sm_90, as the E = 256 dK/dV pass's 32-key block does."""
+    from tools.compile_survey import mma_kind
+
+    wgmma = "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24, gsb0"
+    sync = "HMMA.16816.F32.BF16 R4, R8, R12, R4"
+    assert mma_kind([wgmma, "FADD R1, R2, R3"]) == "wgmma"
+    assert mma_kind([sync]) == "mma.sync"
+    assert mma_kind([wgmma, sync]) == "wgmma+mma.sync"
+    assert mma_kind(["MUFU.EX2 R1, R2"]) == ""
