@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -118,41 +119,22 @@ def _cache_counters() -> dict:
             for section in ("aot_autograd", "inductor") if section in counters}
 
 
-def _cache_bypass_log() -> list:
-    """Collect why the compile caches were bypassed: torch logs the reason at INFO/DEBUG."""
-    import logging
-
-    reasons: list = []
-
-    class _Collect(logging.Handler):
-        def emit(self, record):
-            message = record.getMessage()
-            if message.startswith("Bypass"):
-                reasons.append(message[:300])
-
-    for name in ("torch._functorch._aot_autograd.autograd_cache", "torch._inductor.codecache"):
-        logger = logging.getLogger(name)
-        logger.setLevel(logging.DEBUG)
-        logger.addHandler(_Collect())
-    return reasons
-
-
-def _compile_ahead_log() -> list:
-    """Collect what our backend logs about compiling ahead (how many kernel variants, the worker's
-    pid), so a record says whether a worker ran."""
-    import logging
+def _collected_log(loggers: tuple[str, ...], level: int, keep) -> list:
+    """The messages (first 300 characters) that ``loggers`` log at ``level`` or above for which
+    ``keep(message)`` holds, collected from now on."""
 
     messages: list = []
 
     class _Collect(logging.Handler):
         def emit(self, record):
             message = record.getMessage()
-            if "ahead" in message:
+            if keep(message):
                 messages.append(message[:300])
 
-    logger = logging.getLogger("flash_inductor")
-    logger.setLevel(logging.INFO)
-    logger.addHandler(_Collect())
+    for name in loggers:
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        logger.addHandler(_Collect())
     return messages
 
 
@@ -168,8 +150,12 @@ def _attention_shapes(spec: e2e_models.ModelSpec, seq: int, batch: int, device, 
 def run_child(args) -> dict:
     """One measurement in this (fresh) process; the caches are the environment's."""
     events = _triton_compile_log()
-    bypass_log = _cache_bypass_log()
-    compile_ahead_log = _compile_ahead_log()
+    # Why the compile caches were bypassed: torch logs the reason at INFO/DEBUG.
+    bypass_log = _collected_log(("torch._functorch._aot_autograd.autograd_cache", "torch._inductor.codecache"),
+                                logging.DEBUG, lambda message: message.startswith("Bypass"))
+    # What our backend logs about compiling ahead (how many kernel variants, the worker's pid), so a
+    # record says whether a worker ran.
+    compile_ahead_log = _collected_log(("flash_inductor",), logging.INFO, lambda message: "ahead" in message)
     spec = (e2e_models.TINY_MODELS if args.tiny else e2e_models.MODELS)[args.model]
     dtype = common.DTYPES[args.dtype]
     batch = e2e_models.batch_for(spec, args.seq, args.tokens)
