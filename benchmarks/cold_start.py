@@ -122,7 +122,6 @@ def _cache_counters() -> dict:
 def _collected_log(loggers: tuple[str, ...], level: int, keep) -> list:
     """The messages (first 300 characters) that ``loggers`` log at ``level`` or above for which
     ``keep(message)`` holds, collected from now on."""
-
     messages: list = []
 
     class _Collect(logging.Handler):

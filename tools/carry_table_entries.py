@@ -156,11 +156,14 @@ def main(argv=None) -> int:
             moved_in_all += len(moved)
             print(f"{family}: same PTX in every case; {len(moved)} entries {old[family]} -> {new[family]}")
     if moved_in_all and not args.dry_run:
-        table = cache.TuningTable(gpu=data["gpu"], entries=data["entries"], schema=data["schema"],
-                                  meta=data.get("meta", {}))
-        cache.atomic_write_text(args.table, cache.table_text(table))
-        print(f"wrote {args.table}")
+        _write_table(args.table, data, data.get("meta", {}))
     return 0
+
+
+def _write_table(path: pathlib.Path, data: dict, meta: dict) -> None:
+    table = cache.TuningTable(gpu=data["gpu"], entries=data["entries"], schema=data["schema"], meta=meta)
+    cache.atomic_write_text(path, cache.table_text(table))
+    print(f"wrote {path}")
 
 
 def _carry_by_reason(args, data: dict, new: dict) -> int:
@@ -179,9 +182,7 @@ def _carry_by_reason(args, data: dict, new: dict) -> int:
         meta = dict(data.get("meta", {}))
         note = f"carried without a compile ({', '.join(args.family)}): {args.reason}"
         meta["tuned"] = f"{meta['tuned']} {note}" if meta.get("tuned") else note
-        table = cache.TuningTable(gpu=data["gpu"], entries=data["entries"], schema=data["schema"], meta=meta)
-        cache.atomic_write_text(args.table, cache.table_text(table))
-        print(f"wrote {args.table}")
+        _write_table(args.table, data, meta)
     return 0
 
 
