@@ -18,6 +18,14 @@ def test_readme_and_performance_notes_stay_short():
     assert (ROOT / "docs" / "performance.md").stat().st_size <= 30_000, "docs/performance.md is over 30 KB"
 
 
+def test_the_lab_stays_small():
+    """benchmarks/ and tools/ hold what users run and what produces the results the docs cite
+    (CONTRIBUTING.md): one-off probes leave the tree, and git keeps them."""
+    lines = sum(len((ROOT / path).read_bytes().splitlines()) for path in _tracked("benchmarks", "tools")
+                if not path.startswith("benchmarks/results/") and (ROOT / path).exists())
+    assert lines <= 8_000, f"benchmarks/ + tools/ hold {lines} lines (at most 8,000): retire probes, share helpers"
+
+
 def test_results_are_few_and_each_is_cited():
     files = sorted(p.name for p in RESULTS.iterdir() if p.is_file() and p.name != "README.md")
     assert len(files) <= 40, f"benchmarks/results holds {len(files)} files (at most 40): replace superseded runs"
