@@ -52,6 +52,10 @@ class Item:
 ITEMS = (
     *(Item(f"suite-{i}of3", f"SHARD={i}/3 SKIP_BENCH=1 SUITE_SECONDS=$LIMIT bash tools/gpu/suite.sh", 480,
            f"the GPU test suite, shard {i} of 3") for i in (1, 2, 3)),
+    Item("varlen-trial", "VARLEN_SECONDS=$((LIMIT - 40)) bash tools/gpu/steps.sh varlen_trial", 240,
+         "the held Gluon packed-sequence tests (launch/hopper_varlen.NOT_YET_ON_A_GPU), sanitizer on a fault"),
+    Item("stability-variants", "PARTS=variants PART_SECONDS=$((LIMIT - 80)) bash tools/gpu/steps.sh stability", 280,
+         "the adversarial suite's soft-cap, sinks and packed cases (README, Stability; docs/variants.md)"),
     Item("memcheck", "MEMCHECK_SECONDS=$((LIMIT - 60)) bash tools/gpu/steps.sh memcheck", 480,
          "the address tests under compute-sanitizer (the suite skips them on a GPU)"),
     Item("grid", "BUDGET=$LIMIT bash tools/gpu/steps.sh grid", 540,

@@ -13,6 +13,9 @@
 #   sparse_tests    windows, block sparsity, decode, HF generation, the table's edges (gpu_tests_sparse.xml)
 #   variants_tests  soft-capping, sinks and packed sequences, with the dense kernel tests their
 #                   switches share (SUITE_SECONDS, 330; variants_tests.xml)
+#   varlen_trial    the Gluon packed-sequence tests that wait for a GPU pass (tests/unit/test_kernels_varlen.py,
+#                   FLASH_INDUCTOR_GLUON_VARLEN_TRIAL=1), then, if one failed, compute-sanitizer on the first
+#                   failure (varlen_trial.xml, varlen_sanitizer.log); VARLEN_SECONDS (200)
 #   memcheck        the address tests (tests/bounds_check.py: every Triton and Gluon kernel load and store
 #                   inside the launch's tensors) under compute-sanitizer, after a canary overrun that it
 #                   must report (memcheck_canary.py); MEMCHECK_SECONDS (420); memcheck.log
@@ -35,8 +38,9 @@
 #                   (graphs: both under mode="reduce-overhead", the host's launch time out of the step)
 #   cold            Llama E 64's cold first step with compile-ahead on, off, on, from empty caches (~3 min)
 # Stability (README, Stability; $OUT/stability_results.tgz holds the files of both):
-#   stability       the adversarial suite in four parts, merged into one report (~10 min: PARTS="logits
-#                   scale" then PARTS="masks long" in two calls; PART_SECONDS, 200)
+#   stability       the adversarial suite in five parts, merged into one report (~13 min: PARTS="logits
+#                   scale" then PARTS="masks long variants" in two calls; variants: soft cap, sinks and
+#                   packed sequences; PART_SECONDS, 200)
 #   train           the fp16 training run through an overflow (TRAIN_SECONDS, 240)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -62,6 +66,21 @@ run_step() {
         tests/unit/test_kernels.py tests/unit/test_window.py \
         -k "test_variants or test_kernels_softcap or features or shapes or window_kernels" --durations=15 \
         --junitxml "$OUT/variants_tests.xml" 2>&1 | tail -30 ;;
+    varlen_trial)
+      FLASH_INDUCTOR_GLUON_VARLEN_TRIAL=1 pytest_gpu "${VARLEN_SECONDS:-200}" tests/unit/test_kernels_varlen.py -k gluon \
+        -rf --junitxml "$OUT/varlen_trial.xml" > "$OUT/varlen_trial.log" 2>&1
+      local status=$?
+      tail -15 "$OUT/varlen_trial.log"
+      local first
+      first=$(grep -o '^FAILED [^ ]*' "$OUT/varlen_trial.log" | head -1 | cut -d' ' -f2)
+      if [ -n "$first" ]; then
+        # Where the kernel faults: the sanitizer names the kernel and the SASS offset.
+        FLASH_INDUCTOR_GLUON_VARLEN_TRIAL=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 bounded 150 compute-sanitizer \
+          --show-backtrace device --print-limit 4 python3 -m pytest "$first" -q -p no:cacheprovider \
+          > "$OUT/varlen_sanitizer.log" 2>&1
+        grep -m 8 -i "error\|illegal\|at 0x\|in _attn" "$OUT/varlen_sanitizer.log"
+      fi
+      return $status ;;
     memcheck)
       local sanitizer=(compute-sanitizer --tool memcheck --error-exitcode 97 --print-limit 20)
       command -v compute-sanitizer >/dev/null || sanitizer[0]=/usr/local/cuda/bin/compute-sanitizer
@@ -129,9 +148,10 @@ run_step() {
           --contenders "$contender" --child-timeout 90 --tag "cold-$contender-$(date +%s)" --out "$OUT" 2>&1 | tail -3
       done ;;
     stability)
-      declare -A cases=([logits]="qk_,near_tied" [scale]="scale,large" [masks]="left,dead,finfo" [long]="long_")
+      declare -A cases=([logits]="qk_,near_tied" [scale]="scale,large" [masks]="left,dead,finfo" [long]="long_"
+                        [variants]="softcap_,sinks_,packed_")
       mkdir -p "$STABILITY"
-      for part in ${PARTS:-logits scale masks long}; do
+      for part in ${PARTS:-logits scale masks long variants}; do
         echo "--- stability part $part"
         # The suite's own budget stops it starting new cases (and still writes what it measured); the
         # hard timeout, a minute later, only catches a case that hangs.
