@@ -3,6 +3,7 @@
 
     python -m benchmarks.plot_results benchmarks/results/bench_nvidia-h200_20261202_grid.json
     python -m benchmarks.plot_results A.json B.json --out benchmarks/results/bench_..._grid   # merge runs
+    python -m benchmarks.plot_results --ab BEFORE.json AFTER.json --out ab   # two trees' runs, after/before
 
 Several files (a grid split over GPUs or calls) are merged into one record set: for the same cell
 and provider a measured record beats a skipped or failed one, and a later file beats an earlier.
@@ -270,9 +271,49 @@ def merge_headers(headers):
     return out
 
 
+def ab_ratios(before, after):
+    """after/before time per (provider, cell) for two runs of the same grid (two trees, one device
+    call: ``tools/gpu/steps.sh ab``): {provider: {"median", "min", "max", "cells", "by_cell"}}. The
+    anchors' ratios (cuDNN, Flex: the same code on both sides) are the run's drift, against which
+    ours' is read."""
+    times = [{_record_key(r): r["ms"] for r in run if r["section"] == "attention" and r["status"] == "ok"}
+             for run in (before, after)]
+    out = {}
+    for key in sorted(times[0].keys() & times[1].keys(), key=str):
+        entry = out.setdefault(key[1], {"by_cell": {}})
+        entry["by_cell"]["/".join(map(str, key[2:]))] = times[1][key] / times[0][key]
+    for entry in out.values():
+        ratios = list(entry["by_cell"].values())
+        entry.update(median=statistics.median(ratios), min=min(ratios), max=max(ratios), cells=len(ratios))
+    return out
+
+
+def _write_ab(paths, stem):
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    if runs[0]["header"].get("gpu") != runs[1]["header"].get("gpu"):
+        raise SystemExit("--ab: the two runs come from different GPUs; an A/B needs one device call")
+    ratios = ab_ratios(runs[0]["results"], runs[1]["results"])
+    if not ratios:
+        raise SystemExit("--ab: the two runs share no measured cell")
+    rows = [[provider, f"{r['median']:.3f}", f"{r['min']:.3f}", f"{r['max']:.3f}", r["cells"]]
+            for provider, r in ratios.items()]
+    print("\n".join(text_table(rows, header=["provider", "after/before median", "min", "max", "cells"], align="<>",
+                               rule="columns")))
+    with open(stem + ".json", "w") as f:
+        json.dump({"before": runs[0]["header"], "after": runs[1]["header"], "after_over_before": ratios}, f,
+                  indent=1)
+    print("wrote", stem + ".json")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Print (and plot) bench_attention.py results; merge several runs.")
     p.add_argument("results", nargs="+", help="bench_*.json files; several are merged")
+    p.add_argument("--ab", action="store_true",
+                   help="two files, BEFORE AFTER (the same grid from two trees): after/before time per provider "
+                        "and cell, into --out STEM.json")
     p.add_argument("--out", default=None,
                    help="stem for the merged .json and .png (default: the single input's own stem)")
     p.add_argument("--summary", default=None, metavar="PROVIDERS",
@@ -280,6 +321,10 @@ def main(argv=None):
                         "ours,ours-fast), and write nothing")
     p.add_argument("--min-seq", type=int, default=0, help="with --summary: only cells with seq >= this")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.ab:
+        if len(args.results) != 2 or not args.out:
+            p.error("--ab takes two files, BEFORE AFTER, and --out STEM")
+        return _write_ab(args.results, args.out)
     if len(args.results) > 1 and not args.out and not args.summary:
         p.error("merging several files needs --out STEM")
     loaded = []

@@ -63,6 +63,8 @@ ITEMS = (
     Item("e2e", "python3 -m benchmarks.e2e_models --time-budget $((LIMIT - 30)) --out $OUT", 540,
          "real models: plain torch.compile against flash_inductor (README, End to end)"),
     Item("variants", "bash tools/gpu/steps.sh variants", 260, "packed, sinks and soft-cap speed (docs/variants.md)"),
+    Item("refactor-ab", "REV=bbc7e6a BUDGET=$((LIMIT - 40)) bash tools/gpu/steps.sh ab", 440,
+         "the Gluon kernels before issue 60's refactor (bbc7e6a) against this tree, the 4k/16k grid"),
     Item("cold", "bash tools/gpu/steps.sh cold", 320, "the cold start of a Llama step"),
 )
 

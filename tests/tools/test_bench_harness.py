@@ -150,6 +150,29 @@ def test_plot_results_merges_files_from_one_gpu_and_refuses_two(plots, tmp_path,
         plots.main([str(a), str(c), "--out", str(tmp_path / "bad")])
 
 
+def test_ab_gives_after_over_before_per_provider_and_cell(plots, tmp_path, capsys):
+    header = dict(gpu="NVIDIA H100 80GB HBM3")
+    timed = lambda provider, ms, seq=4096: dict(_rec(provider, 1.0, seq=seq), ms=ms)  # noqa: E731
+    before = [timed("ours", 2.0), timed("ours", 4.0, seq=16384), timed("cudnn", 2.0), _rec("flex", None, status="skipped")]
+    after = [timed("ours", 1.9), timed("ours", 4.4, seq=16384), timed("cudnn", 2.02), timed("flex", 3.0)]
+    ratios = plots.ab_ratios(before, after)
+    assert set(ratios) == {"ours", "cudnn"}  # a cell measured on one side only has no ratio
+    assert ratios["ours"]["cells"] == 2 and ratios["ours"]["min"] == pytest.approx(0.95)
+    assert ratios["ours"]["max"] == pytest.approx(1.1) and ratios["ours"]["median"] == pytest.approx(1.025)
+    assert ratios["ours"]["by_cell"]["bf16/128/False/16384/fwd"] == pytest.approx(1.1)
+    a, b, other = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    a.write_text(json.dumps(dict(header=header, results=before)))
+    b.write_text(json.dumps(dict(header=header, results=after)))
+    other.write_text(json.dumps(dict(header=dict(gpu="NVIDIA H200"), results=after)))
+    plots.main(["--ab", str(a), str(b), "--out", str(tmp_path / "ab")])
+    written = json.loads((tmp_path / "ab.json").read_text())
+    assert written["after_over_before"]["cudnn"]["median"] == pytest.approx(1.01)
+    assert "ours" in capsys.readouterr().out
+    for bad in ([str(a), str(other), "--out", str(tmp_path / "x")], [str(a), str(b)], [str(a), "--out", "x"]):
+        with pytest.raises(SystemExit):
+            plots.main(["--ab", *bad])
+
+
 @pytest.fixture(scope="module")
 def telemetry_module():
     return _load("gpu_telemetry")

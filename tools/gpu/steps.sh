@@ -33,6 +33,11 @@
 #   window, block_sparse, window_kernels   docs/sparse_attention.md (window_kernels: w 256 with kernel time)
 #   decode, generate                       docs/decode.md: L 1 and 4 against every backend; HF generate
 #   variants        benchmarks.variants, docs/variants.md (BENCH_SECONDS, 200; HEAT_MS, 200)
+#   ab              the same bench_attention grid from the package as at REV (git archive) and from this tree,
+#                   one after the other in this call, then after/before per provider and cell
+#                   (plot_results --ab: ab_<REV>.json; cuDNN and Flex give the run's drift). BUDGET (400),
+#                   AB_ARGS (default: bf16/fp16, E 64/128, causal both, 4k and 16k, fwd and fwd_bwd, ours,
+#                   ours-fast, cudnn, flex)
 #   eager           HF Llama trained eagerly against "sdpa" (benchmarks.debug_overhead)
 #   llama_b1, llama_b1_graphs   HF Llama E 64/128 trained at B 1, 4k, against plain torch.compile
 #                   (graphs: both under mode="reduce-overhead", the host's launch time out of the step)
@@ -133,6 +138,23 @@ run_step() {
     variants)
       bounded "${BENCH_SECONDS:-200}" python3 -m benchmarks.variants --out "$OUT" \
         --time-budget "$(( ${BENCH_SECONDS:-200} - 30 ))" --heat-ms "${HEAT_MS:-200}" 2>&1 | tail -40 ;;
+    ab)
+      [ -n "${REV:-}" ] || { echo "ab: REV=<commit> names the tree to compare with" >&2; return 2; }
+      local before=/tmp/ab_before half=$(( ${BUDGET:-400} / 2 ))
+      # The old package beside this tree's benchmarks; each side runs from its own tree, since
+      # `python -m` puts the working directory ahead of PYTHONPATH.
+      rm -rf "$before" && mkdir -p "$before" && git archive "$REV" flash_inductor | tar -x -C "$before" || return 1
+      cp -r benchmarks "$before"/
+      local args=(${AB_ARGS:---dtypes bf16,fp16 --head-dims 64,128 --causal both --seqs 4096,16384 --modes fwd,fwd_bwd
+                  --providers ours,ours-fast,cudnn,flex --rep 30 --warmup 10 --heat-ms 300})
+      for side in before after; do
+        local tree=$PWD
+        [ "$side" = before ] && tree=$before
+        (cd "$tree" && PYTHONPATH=$tree:/tmp/site bounded "$half" python3 -m benchmarks.bench_attention "${args[@]}" \
+          --no-plot --out "$OUT/ab_$side" --tag "ab-$side" --time-budget $((half - 30)) 2>&1 | tail -4)
+      done
+      python3 -m benchmarks.plot_results --ab "$OUT"/ab_before/bench_*.json "$OUT"/ab_after/bench_*.json \
+        --out "$OUT/ab_$REV" ;;
     eager)
       bounded 150 python3 -m benchmarks.debug_overhead --no-debug --steps 10 --hf-heat 3 --hf-profile 24 \
         --out "$OUT" 2>&1 | grep -v '^ *"\(name\|calls\|ms\)"' | tail -12 ;;
