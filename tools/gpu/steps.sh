@@ -84,6 +84,9 @@ run_step() {
           --show-backtrace device --print-limit 4 python3 -m pytest "$first" -q -p no:cacheprovider \
           > "$OUT/varlen_sanitizer.log" 2>&1
         grep -m 8 -i "error\|illegal\|at 0x\|in _attn" "$OUT/varlen_sanitizer.log"
+        # The sanitizer's offsets read against this Triton's SASS, not a CPU recompile's.
+        find "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" -name '_attn_*_hopper.cubin' -mmin -30 2>/dev/null |
+          tar -czf "$OUT/varlen_cubins.tgz" -T - 2>/dev/null
       fi
       return $status ;;
     memcheck)
