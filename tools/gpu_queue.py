@@ -52,7 +52,7 @@ class Item:
 ITEMS = (
     *(Item(f"suite-{i}of3", f"SHARD={i}/3 SKIP_BENCH=1 SUITE_SECONDS=$LIMIT bash tools/gpu/suite.sh", 480,
            f"the GPU test suite, shard {i} of 3") for i in (1, 2, 3)),
-    Item("varlen-trial", "VARLEN_SECONDS=$((LIMIT - 40)) bash tools/gpu/steps.sh varlen_trial", 240,
+    Item("varlen-trial", "VARLEN_SECONDS=$((LIMIT - 160)) bash tools/gpu/steps.sh varlen_trial", 360,
          "the held Gluon packed-sequence tests (launch/hopper_varlen.NOT_YET_ON_A_GPU), sanitizer on a fault"),
     Item("stability-variants", "PARTS=variants PART_SECONDS=$((LIMIT - 80)) bash tools/gpu/steps.sh stability", 280,
          "the adversarial suite's soft-cap, sinks and packed cases (README, Stability; docs/variants.md)"),
