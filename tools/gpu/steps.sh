@@ -144,6 +144,7 @@ run_step() {
     ab)
       [ -n "${REV:-}" ] || { echo "ab: REV=<commit> names the tree to compare with" >&2; return 2; }
       local before=/tmp/ab_before half=$(( ${BUDGET:-400} / 2 ))
+      OUT=$(cd "$OUT" && pwd)  # the sides run from other folders
       # The old package beside this tree's benchmarks; each side runs from its own tree, since
       # `python -m` puts the working directory ahead of PYTHONPATH.
       rm -rf "$before" && mkdir -p "$before" && git archive "$REV" flash_inductor | tar -x -C "$before" || return 1
