@@ -32,11 +32,13 @@ CPU (no timing worth reading): it checks the three steps run and agree, and that
 hands attention no mask.
 
 Every step runs for ``--heat-ms`` before it is timed (``benchmarks/common.heat``), then
-``do_bench``'s median. The JSON and a plot go to ``--out``.
+``do_bench``'s median. The JSON and a plot go to ``--out``; a part run alone keeps the other parts'
+records of the same day's file for the same GPU (parts run in separate device calls make one file).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -44,8 +46,8 @@ import time
 
 import torch
 
-from benchmarks.common import (DTYPES, bench_ms, compiled_flex, environment, first_line, heat, module_command, progress,
-                               release_memory, write_record)
+from benchmarks.common import (DTYPES, bench_ms, compiled_flex, environment, first_line, heat, module_command,
+                               output_stem, progress, release_memory, write_record)
 
 E_CHOICES = (64, 128)
 # Ours on the pack, through flash_attention_varlen: the default schedule and `fast`, causal and not.
@@ -291,6 +293,29 @@ def smoke_hf_step(pack: int = 192) -> list[str]:
     return lines
 
 
+def with_earlier_parts(path: str, records: list, env: dict) -> tuple[list, dict]:
+    """This run's records, and the records of the parts it did not run from the same day's file of
+    the same GPU (``path``), so that parts run in separate device calls make one file; and
+    {"kept_parts": {part: the earlier run's command and commit}} when any were kept."""
+    if not os.path.exists(path):
+        return records, {}
+    try:
+        with open(path) as f:
+            earlier = json.load(f)
+        if earlier["header"].get("gpu") != env.get("gpu"):
+            return records, {}
+        ran = {r["part"] for r in records}
+        kept = [r for r in earlier["records"] if r["part"] not in ran]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        print(f"not merging {path} ({first_line(error)})", file=sys.stderr)
+        return records, {}
+    if kept:
+        print(f"kept {len(kept)} records of parts this run did not measure from {path}")
+    source = {key: earlier["header"].get(key) for key in ("command", "git_commit", "date")}
+    return records + kept, ({"kept_parts": {part: source for part in sorted({r["part"] for r in kept})}}
+                            if kept else {})
+
+
 def ratios(records) -> list[str]:
     """One line per cell: ours against each contender of the same masking (contender ms / ours ms,
     > 1 = ours faster: causal against flex and the dense mask, not causal against SDPA on nested
@@ -410,7 +435,8 @@ def main(argv=None):
         if args.part in (part, "all"):
             run(args, dtype, records, deadline)
     env = environment(module_command("benchmarks.variants", argv))
-    path = write_record(args.out, "variants", env, dict(records=records, ratios=ratios(records)), tag=None)
+    records, kept = with_earlier_parts(output_stem(args.out, env, None, "variants") + ".json", records, env)
+    path = write_record(args.out, "variants", env, dict(records=records, ratios=ratios(records), **kept), tag=None)
     print("\n".join(ratios(records)))
     try:
         plot(records, path[:-5] + ".png", f"{env['gpu']}  torch {env['torch']}")

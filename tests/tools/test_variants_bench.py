@@ -59,3 +59,25 @@ def test_hf_step_smoke_runs_on_cpu(capsys):
     assert len(lines) == 3
     assert "packed-position-ids" in lines[0] and "False" not in lines[0]
     assert all("True" not in line for line in lines[1:])
+
+
+def test_a_part_run_alone_keeps_the_other_parts_of_the_days_file(tmp_path):
+    import json
+
+    earlier = dict(header=dict(gpu="NVIDIA H100 80GB HBM3", command="variants --part all", git_commit="abc",
+                               date="2026-12-07T10:00:00"),
+                   records=[dict(part="packed", provider="ours", ms=2.0), dict(part="overhead", variant="plain", ms=1.0)])
+    path = tmp_path / "variants_x.json"
+    path.write_text(json.dumps(earlier))
+    env = dict(gpu="NVIDIA H100 80GB HBM3")
+    new = [dict(part="overhead", variant="plain", ms=0.9)]
+    records, kept = variants.with_earlier_parts(str(path), new, env)
+    # The part re-run replaces its records; the part not run stays, with where it came from.
+    assert records == new + [earlier["records"][0]]
+    assert kept == {"kept_parts": {"packed": dict(command="variants --part all", git_commit="abc",
+                                                  date="2026-12-07T10:00:00")}}
+    # Another GPU's file, no file, or an unreadable one: this run's records alone.
+    assert variants.with_earlier_parts(str(path), new, dict(gpu="NVIDIA H200")) == (new, {})
+    assert variants.with_earlier_parts(str(tmp_path / "none.json"), new, env) == (new, {})
+    (tmp_path / "bad.json").write_text("{")
+    assert variants.with_earlier_parts(str(tmp_path / "bad.json"), new, env) == (new, {})
