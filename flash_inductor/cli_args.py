@@ -80,13 +80,19 @@ class RenamedOption(argparse.Action):
 
 
 def run(main: Callable[..., int], argv=None, prog: Optional[str] = None) -> int:
-    """``main(argv)``, with a :class:`UsageError` printed as one line on stderr and code 2."""
+    """``main(argv)``, with a :class:`UsageError` printed as one line on stderr and code 2, and a
+    reader that stopped early (``| head``) ending the output quietly, as other command-line tools do."""
     try:
         return main(argv)
     except UsageError as error:
         prefix = f"{invoked_as(prog)}: " if prog else ""
         print(f"{prefix}error: {error}", file=sys.stderr)
         return USAGE_EXIT_CODE
+    except BrokenPipeError:
+        # Python would report the pipe again when it flushes stdout at exit: point stdout at
+        # nothing first. 141 is a shell's code for a process ended by SIGPIPE.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 # ------------------------------------------------------------------------------------------

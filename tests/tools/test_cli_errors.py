@@ -175,3 +175,21 @@ def test_an_unexpected_error_keeps_its_traceback(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     result = json.loads(done.stdout.strip().splitlines()[-1])[0]
     assert result["code"] == 1 and "Traceback" in result["stderr"] and "a bug" in result["stderr"]
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """`... | head`: the reader closes the pipe; the command ends quietly (code 141, as SIGPIPE's),
+    where Python would print a BrokenPipeError traceback."""
+    program = ("from flash_inductor import cli_args\n"
+               "def main(argv):\n"
+               "    for i in range(200_000):\n"
+               "        print('line', i)\n"
+               "    return 0\n"
+               "raise SystemExit(cli_args.run(main, []))\n")
+    process = subprocess.Popen([sys.executable, "-c", program], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "line 0\n"
+    process.stdout.close()
+    stderr = process.stderr.read()
+    assert process.wait(timeout=60) == 141
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
