@@ -54,6 +54,9 @@ ITEMS = (
            f"the GPU test suite, shard {i} of 3") for i in (1, 2, 3)),
     Item("varlen-trial", "VARLEN_SECONDS=$((LIMIT - 160)) bash tools/gpu/steps.sh varlen_trial", 360,
          "the held Gluon packed-sequence tests (launch/hopper_varlen.NOT_YET_ON_A_GPU), sanitizer on a fault"),
+    Item("softcap-spills", "REV=softcap-spills SUITE_SECONDS=$((LIMIT - 20)) TESTS='tests/unit/test_kernels_softcap.py "
+         "tests/unit/test_hopper_bwd.py -k softcap' bash tools/gpu/steps.sh rev_tests", 240,
+         "branch softcap-spills (the Gluon backward's soft cap with fewer spills): its GPU tests, before a merge"),
     Item("stability-variants", "PARTS=variants PART_SECONDS=$((LIMIT - 80)) bash tools/gpu/steps.sh stability", 280,
          "the adversarial suite's soft-cap, sinks and packed cases (README, Stability; docs/variants.md)"),
     Item("memcheck", "MEMCHECK_SECONDS=$((LIMIT - 60)) bash tools/gpu/steps.sh memcheck", 480,

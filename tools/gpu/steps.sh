@@ -16,6 +16,8 @@
 #   varlen_trial    the Gluon packed-sequence tests that wait for a GPU pass (tests/unit/test_kernels_varlen.py,
 #                   FLASH_INDUCTOR_GLUON_VARLEN_TRIAL=1), then, if one failed, compute-sanitizer on the first
 #                   failure (varlen_trial.xml, varlen_sanitizer.log); VARLEN_SECONDS (200)
+#   rev_tests       TESTS (pytest arguments) on the tree as at REV (a branch or commit: git archive), for a
+#                   kernel change kept off main until its GPU tests pass; SUITE_SECONDS (300); rev_tests.xml
 #   memcheck        the address tests (tests/bounds_check.py: every Triton and Gluon kernel load and store
 #                   inside the launch's tensors) under compute-sanitizer, after a canary overrun that it
 #                   must report (memcheck_canary.py); MEMCHECK_SECONDS (420); memcheck.log
@@ -108,6 +110,14 @@ run_step() {
       echo "memcheck: exit status $? (97: the sanitizer reported an access)"
       grep -m 20 "Invalid\|passed\|failed\|error" "$OUT/memcheck.log"
       unset PYTORCH_NO_CUDA_MEMORY_CACHING ;;
+    rev_tests)
+      [ -n "${REV:-}" ] && [ -n "${TESTS:-}" ] || { echo "rev_tests: set REV=<branch or commit> and TESTS" >&2; return 2; }
+      local tree=/tmp/rev_tree junit
+      junit=$(cd "$OUT" && pwd)/rev_tests.xml
+      rm -rf "$tree" && mkdir -p "$tree" && git archive "$REV" | tar -x -C "$tree" || return 1
+      # From that tree, so that `import flash_inductor` and the tests' helpers are REV's.
+      (cd "$tree" && PYTHONPATH=$tree:/tmp/site pytest_gpu "${SUITE_SECONDS:-300}" $TESTS --junitxml "$junit" 2>&1 |
+        tail -15) ;;
     switch_tests)
       [ -n "${SWITCH:-}" ] || { echo "switch_tests: set SWITCH=module.NAME=value" >&2; return 2; }
       FLASH_INDUCTOR_SWITCHES=$SWITCH pytest_gpu 220 -p tools.pytest_switch \
