@@ -54,6 +54,9 @@ ITEMS = (
            f"the GPU test suite, shard {i} of 3") for i in (1, 2, 3)),
     Item("varlen-trial", "VARLEN_SECONDS=$((LIMIT - 160)) bash tools/gpu/steps.sh varlen_trial", 360,
          "the held Gluon packed-sequence tests (launch/hopper_varlen.NOT_YET_ON_A_GPU), sanitizer on a fault"),
+    Item("varlen-host-table", "FLASH_INDUCTOR_GLUON_VARLEN_TRIAL=1 REV=varlen-host-table SUITE_SECONDS=$((LIMIT - 20)) "
+         "TESTS='tests/unit/test_kernels_varlen.py -k gluon' bash tools/gpu/steps.sh rev_tests", 240,
+         "branch varlen-host-table (each block's sequence from a host-built table): the held Gluon packed tests"),
     Item("softcap-spills", "REV=softcap-spills SUITE_SECONDS=$((LIMIT - 20)) TESTS='tests/unit/test_kernels_softcap.py "
          "tests/unit/test_hopper_bwd.py -k softcap' bash tools/gpu/steps.sh rev_tests", 240,
          "branch softcap-spills (the Gluon backward's soft cap with fewer spills): its GPU tests, before a merge"),
