@@ -3,6 +3,7 @@
 # on PYTHONPATH, so `python3 -m benchmarks...` and pytest import this checkout.
 OUT=${OUT:-/tmp/flash_inductor_out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: steps that run from another tree (ab, rev_tests) write here too
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=${TQDM_MININTERVAL:-10}  # a log, not a terminal: fewer bar updates
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

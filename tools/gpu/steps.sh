@@ -58,6 +58,8 @@ W=${WORKERS:-14}
 STABILITY=$OUT/stability_results
 bounded() { local seconds=$1; shift; timeout -s INT -k 20 "$seconds" "$@"; }
 pytest_gpu() { bounded "$1" python3 -m pytest "${@:2}" -q -n "$W" --dist worksteal -p no:cacheprovider; }
+# tree_at REV DIR [PATH...]: a fresh DIR holding REV's files (or only PATHs of them), from git archive.
+tree_at() { rm -rf "$2" && mkdir -p "$2" && git archive "$1" "${@:3}" | tar -x -C "$2"; }
 
 run_step() {
   case $1 in
@@ -112,11 +114,10 @@ run_step() {
       unset PYTORCH_NO_CUDA_MEMORY_CACHING ;;
     rev_tests)
       [ -n "${REV:-}" ] && [ -n "${TESTS:-}" ] || { echo "rev_tests: set REV=<branch or commit> and TESTS" >&2; return 2; }
-      local tree=/tmp/rev_tree junit
-      junit=$(cd "$OUT" && pwd)/rev_tests.xml
-      rm -rf "$tree" && mkdir -p "$tree" && git archive "$REV" | tar -x -C "$tree" || return 1
+      local tree=/tmp/rev_tree
+      tree_at "$REV" "$tree" || return 1
       # From that tree, so that `import flash_inductor` and the tests' helpers are REV's.
-      (cd "$tree" && PYTHONPATH=$tree:/tmp/site pytest_gpu "${SUITE_SECONDS:-300}" $TESTS --junitxml "$junit" 2>&1 |
+      (cd "$tree" && PYTHONPATH=$tree:/tmp/site pytest_gpu "${SUITE_SECONDS:-300}" $TESTS --junitxml "$OUT/rev_tests.xml" 2>&1 |
         tail -15) ;;
     switch_tests)
       [ -n "${SWITCH:-}" ] || { echo "switch_tests: set SWITCH=module.NAME=value" >&2; return 2; }
@@ -154,10 +155,9 @@ run_step() {
     ab)
       [ -n "${REV:-}" ] || { echo "ab: REV=<commit> names the tree to compare with" >&2; return 2; }
       local before=/tmp/ab_before half=$(( ${BUDGET:-400} / 2 ))
-      OUT=$(cd "$OUT" && pwd)  # the sides run from other folders
       # The old package beside this tree's benchmarks; each side runs from its own tree, since
       # `python -m` puts the working directory ahead of PYTHONPATH.
-      rm -rf "$before" && mkdir -p "$before" && git archive "$REV" flash_inductor | tar -x -C "$before" || return 1
+      tree_at "$REV" "$before" flash_inductor || return 1
       cp -r benchmarks "$before"/
       local args=(${AB_ARGS:---dtypes bf16,fp16 --head-dims 64,128 --causal both --seqs 4096,16384 --modes fwd,fwd_bwd
                   --providers ours,ours-fast,cudnn,flex --rep 30 --warmup 10 --heat-ms 300})
