@@ -346,3 +346,17 @@ def _plain_progress(items, desc):
     for i, item in enumerate(items, 1):
         print(f"[{desc} {i}/{len(items)}] {item}", file=sys.stderr, flush=True)
         yield item
+
+
+def graph_ms(graph, calls, replays=20):
+    """Milliseconds per call of a captured graph of ``calls`` calls (median of five timings)."""
+    samples = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / (replays * calls))
+    return sorted(samples)[len(samples) // 2]

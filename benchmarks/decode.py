@@ -135,27 +135,13 @@ def capture(call, input_sets):
     return graph
 
 
-def graph_ms(graph, calls, replays=20):
-    """Milliseconds per call of a captured graph of ``calls`` calls (median of five timings)."""
-    samples = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) / (replays * calls))
-    return sorted(samples)[len(samples) // 2]
-
-
 def time_call(call, input_sets, args, device):
     if torch.device(device).type != "cuda":  # CPU runs test the harness
         return _wall_ms(lambda: call(*input_sets[0]), args.rep_steps)
     if args.timing == "graph":
         graph = capture(call, input_sets)
         common.heat(graph.replay, args.heat_ms)
-        return graph_ms(graph, len(input_sets))
+        return common.graph_ms(graph, len(input_sets))
     step = lambda: call(*input_sets[0])  # noqa: E731
     common.heat(step, args.heat_ms)
     return common.bench_ms(step, args.warmup, args.rep)

@@ -43,7 +43,7 @@ import torch
 
 from flash_inductor.text_table import text_table
 from benchmarks.common import (DTYPES, add_cell_args, add_output_args, environment, make_attention, make_inputs,
-                               make_step, module_command, write_record)
+                               make_step, module_command, write_record, graph_ms)
 
 # cudagraph last: a capture that fails can leave the stream unusable for what follows.
 KINDS = ("do_bench", "fresh_inputs", "plain_loop", "cudagraph")
@@ -74,9 +74,9 @@ def _cpu_ms(fn, repeats: int = 5) -> float:
     return (time.perf_counter() - start) / repeats * 1e3
 
 
-def _graph_ms(attend, inputs, mode: str, calls: int = 20, replays: int = 10) -> float:
-    """Milliseconds per call, replayed from one CUDA graph of ``calls`` calls. The step is built
-    and captured on one side stream: autograd runs each backward op on its forward's stream, so a
+def _captured_step_ms(attend, inputs, mode: str, calls: int = 20, replays: int = 10) -> float:
+    """Milliseconds per call, replayed from one CUDA graph of ``calls`` calls (``graph_ms``). The step
+    is built and captured on one side stream: autograd runs each backward op on its forward's stream, so a
     kept graph (``bwd``) whose forward ran elsewhere cannot be captured. An H200 run failed that
     way under ``triton.testing.do_bench_cudagraph``, which captures on a stream of its
     own, after this script had built the step on the default one."""
@@ -90,13 +90,7 @@ def _graph_ms(attend, inputs, mode: str, calls: int = 20, replays: int = 10) -> 
             for _ in range(calls):
                 call()
         graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (replays * calls)
+    return graph_ms(graph, calls, replays)
 
 
 def _sample(kind: str, attend, inputs, args, dtype) -> float:
@@ -106,7 +100,7 @@ def _sample(kind: str, attend, inputs, args, dtype) -> float:
     on_cuda = args.device.startswith("cuda")
     with torch.no_grad() if args.mode == "fwd" else contextlib.nullcontext():
         if on_cuda and kind == "cudagraph":
-            return _graph_ms(attend, inputs, args.mode)
+            return _captured_step_ms(attend, inputs, args.mode)
         call = make_step(attend, args.mode, *inputs)  # make_inputs returns q, k, v and a dout
         if not on_cuda:
             return _cpu_ms(call)

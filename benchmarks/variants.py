@@ -22,7 +22,8 @@ contenders see the same pack:
   padding-free batch costs when its structure is given as a mask.
 
 Part ``overhead``: B·L = 32k tokens, heads·E = 2048, causal, forward and forward+backward, ours
-plain against ours with ``sinks=``, with ``softcap=50``, and with both; the ratio is variant/plain.
+plain against ours with ``sinks=``, with ``softcap=50``, and with both (ratio variant/plain), and, for
+scale, Flex with that cap as a ``score_mod`` against Flex without it.
 
 Part ``hf_step``: an HF Llama training step on a 16k pack (``use_cache=False``, as training runs):
 packed ``position_ids`` (no mask built: varlen from the mask function's record), the same with
@@ -38,6 +39,7 @@ records of the same day's file for the same GPU (parts run in separate device ca
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -126,10 +128,15 @@ def packed_step(provider, lengths, q, k, v, dout, cu):
 def overhead_step(variant, q, k, v, dout, sinks, mode):
     import flash_inductor
 
-    extra = dict(sinks=sinks if "sinks" in variant else None, softcap=50.0 if "softcap" in variant else None)
-
-    def attend():
-        return flash_inductor.flash_attention(q, k, v, is_causal=True, **extra)
+    cap = 50.0 if "softcap" in variant else None
+    if variant.startswith("flex"):  # FlexAttention's own cost of the cap (a score_mod), for scale
+        from torch.nn.attention.flex_attention import create_block_mask
+        causal = create_block_mask(lambda b, h, i, j: i >= j, None, None, q.shape[2], q.shape[2], device=q.device)
+        score_mod = (lambda s, b, h, i, j: cap * torch.tanh(s / cap)) if cap else None
+        attend = functools.partial(compiled_flex(), q, k, v, score_mod=score_mod, block_mask=causal)
+    else:
+        attend = functools.partial(flash_inductor.flash_attention, q, k, v, is_causal=True, softcap=cap,
+                                   sinks=sinks if "sinks" in variant else None)
     if mode == "fwd":
         return attend
     return lambda: torch.autograd.grad(attend(), (q, k, v), dout)
@@ -179,7 +186,7 @@ def run_overhead(args, dtype, records, deadline):
                    for _ in range(3))
         dout = torch.randn_like(q)
         sinks = torch.randn(heads, device=args.device, dtype=torch.float32, requires_grad=True)
-        for variant in ("plain", "sinks", "softcap", "sinks+softcap"):
+        for variant in ("plain", "sinks", "softcap", "sinks+softcap", "flex", "flex+softcap"):
             cell = dict(part="overhead", seq=seq, batch=batch, head_dim=head_dim, mode=mode, variant=variant,
                         dtype=args.dtype)
             _measure(records, cell, lambda: overhead_step(variant, q, k, v, dout, sinks, mode), args, deadline,
@@ -335,13 +342,18 @@ def ratios(records) -> list[str]:
                 if other["part"] == "hf_step" and other["provider"] != r["provider"] and other["pack"] == r["pack"]:
                     lines.append(f"hf_step {r['pack']:>6} packed {other['ms'] / r['ms']:.2f}x the {other['provider']} "
                                  f"step ({r['ms']:.1f} vs {other['ms']:.1f} ms)")
-        if r["part"] == "overhead" and r["variant"] != "plain":
-            plain = [o for o in ok if o["part"] == "overhead" and o["variant"] == "plain" and
-                     (o["seq"], o["head_dim"], o["mode"]) == (r["seq"], r["head_dim"], r["mode"])]
-            if plain:
-                lines.append(f"overhead L{r['seq']:<6} E{r['head_dim']:<3} {r['mode']:<7} {r['variant']:<14}"
-                             f" {r['ms'] / plain[0]['ms']:.3f}x plain")
+        if r["part"] == "overhead" and r["variant"] not in ("plain", "flex") and _plain_ms(ok, r):
+            lines.append(f"overhead L{r['seq']:<6} E{r['head_dim']:<3} {r['mode']:<7} {r['variant']:<14}"
+                         f" {r['ms'] / _plain_ms(ok, r):.3f}x {'flex' if r['variant'].startswith('flex') else 'plain'}")
     return lines
+
+
+def _plain_ms(ok, r):
+    """The baseline's time beside an overhead record, or None: ours' plain causal kernel, or, for
+    Flex's soft cap, Flex without it."""
+    base = "flex" if r["variant"].startswith("flex") else "plain"
+    return next((o["ms"] for o in ok if o["part"] == "overhead" and o["variant"] == base and
+                 (o["seq"], o["head_dim"], o["mode"]) == (r["seq"], r["head_dim"], r["mode"])), None)
 
 
 def plot(records, path, title=""):
@@ -351,7 +363,7 @@ def plot(records, path, title=""):
     from matplotlib.figure import Figure
 
     ok = [r for r in records if r["status"] == "ok"]
-    overhead = [r for r in ok if r["part"] == "overhead" and r["variant"] != "plain"]
+    overhead = [r for r in ok if r["part"] == "overhead" and r["variant"] not in ("plain", "flex") and _plain_ms(ok, r)]
     fig = Figure(figsize=(17, max(5.0, 0.26 * len(overhead) + 1.5)))
     left, middle, right = fig.subplots(1, 3, gridspec_kw=dict(width_ratios=(1.2, 1.6, 0.6)))
     for mine, provider, color in (("ours", "flex", "tab:blue"), ("ours-fast", "flex", "tab:cyan"),
@@ -368,13 +380,8 @@ def plot(records, path, title=""):
     left.legend(fontsize=6)
     left.set_title("packed, fwd+bwd (flex: causal; SDPA-NJT: not)")
     left.tick_params(axis="x", labelsize=7, rotation=60)
-    labels, values = [], []
-    for r in overhead:
-        plain = [o["ms"] for o in ok if o["part"] == "overhead" and o["variant"] == "plain"
-                 and (o["seq"], o["head_dim"], o["mode"]) == (r["seq"], r["head_dim"], r["mode"])]
-        if plain:
-            labels.append(f"{r['seq'] // 1024}k E{r['head_dim']} {r['mode']} {r['variant']}")
-            values.append(r["ms"] / plain[0])
+    labels = [f"{r['seq'] // 1024}k E{r['head_dim']} {r['mode']} {r['variant']}" for r in overhead]
+    values = [r["ms"] / _plain_ms(ok, r) for r in overhead]
     middle.barh(labels, values, color="tab:orange")
     middle.axvline(1.0, color="gray", linestyle="--")
     middle.axvline(1.05, color="red", linestyle=":")

@@ -27,7 +27,7 @@ def test_bad_arguments_are_one_line_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_ratios_pair_each_contender_with_ours():
+def test_ratios_pair_each_contender_with_ours(tmp_path):
     records = [
         dict(part="packed", pack=16384, head_dim=64, provider="ours", causal=True, status="ok", ms=2.0),
         dict(part="packed", pack=16384, head_dim=64, provider="flex", causal=True, status="ok", ms=3.0),
@@ -35,6 +35,8 @@ def test_ratios_pair_each_contender_with_ours():
         dict(part="packed", pack=16384, head_dim=64, provider="ours-noncausal", causal=False, status="ok", ms=4.0),
         dict(part="overhead", seq=4096, head_dim=64, mode="fwd", variant="plain", status="ok", ms=1.0),
         dict(part="overhead", seq=4096, head_dim=64, mode="fwd", variant="sinks", status="ok", ms=1.04),
+        dict(part="overhead", seq=4096, head_dim=64, mode="fwd", variant="flex", status="ok", ms=2.0),
+        dict(part="overhead", seq=4096, head_dim=64, mode="fwd", variant="flex+softcap", status="ok", ms=2.6),
         dict(part="hf_step", pack=16384, provider="packed-position-ids", status="ok", ms=10.0),
         dict(part="hf_step", pack=16384, provider="dense-block-diagonal", status="ok", ms=15.0),
         dict(part="hf_step", pack=16384, provider="packed-hf-mask", status="ok", ms=13.0),
@@ -46,8 +48,14 @@ def test_ratios_pair_each_contender_with_ours():
     assert len(nested) == 1 and "ours-noncausal" in nested[0] and "ours 1.25x" in nested[0]
     assert not any("flex" in line and "noncausal" in line for line in lines)
     assert any("sinks" in line and "1.040x plain" in line for line in lines)
+    # Flex's cap is measured against Flex without it, never against our plain kernel.
+    capped_flex = [line for line in lines if "flex+softcap" in line]
+    assert len(capped_flex) == 1 and "1.300x flex" in capped_flex[0]
+    assert not any(line.split()[4] == "flex" for line in lines if line.startswith("overhead"))
     assert any("hf_step" in line and "1.50x the dense-block-diagonal" in line for line in lines)
     assert any("hf_step" in line and "1.30x the packed-hf-mask" in line for line in lines)
+    pytest.importorskip("matplotlib")
+    assert variants.plot(records, tmp_path / "variants.png").stat().st_size > 0
 
 
 def test_hf_step_smoke_runs_on_cpu(capsys):
