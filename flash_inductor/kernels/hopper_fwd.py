@@ -401,8 +401,8 @@ def _load_block(cfg, prob, descs, bufs, sched, start_m, b, h, it, base):
     for c in gl.static_range(cfg.NUM_CONSUMERS):
         sched.wait_q_free(it, c=c)
         mbarrier.expect(bufs.q_ready.index(c), descs.q.block_type.nbytes)
-        tma_load(descs.q, [b, h, q_row(cfg, prob, start_m + c * cfg.BLOCK_M), 0],
-                                        bufs.q_ready.index(c), bufs.q_smem.index(c))
+        tma_load(descs.q, [b, h, q_row(cfg, prob, start_m + c * cfg.BLOCK_M), 0], bufs.q_ready.index(c),
+                 bufs.q_smem.index(c))
     lo, n_tiles, _, _ = _tile_range(cfg, prob, start_m, prob.S, ROWS=cfg.ROWS)
     if cfg.HAS_BLOCK_SPARSITY:
         n_tiles, tiles, _ = _listed_range(cfg, prob, b, h, start_m, prob.S)
