@@ -144,6 +144,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.language.core import _aggregate as aggregate
 from triton.language.core import base_value
 
+from .gluon_tma import tma_load, tma_store
 from .grid_order import swizzled_cta
 from .hopper_bwd_tile import ConsumerKeys, _consumer_tile
 from .hopper_packed import PackedRows, backward_block, k_row, q_row, store_packed_rows
@@ -499,8 +500,8 @@ def _load_walk(cfg, prob, descs, bufs, n0, b, h_kv, part, heads):
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.expect(bufs.kv_ready.index(c), descs.k.block_type.nbytes + descs.v.block_type.nbytes)
         key0 = k_row(cfg, prob, n0 + c * KEYS_PER_CONSUMER)
-        tma.async_copy_global_to_shared(descs.k, [b, h_kv, key0, 0], bufs.kv_ready.index(c), _rows4d(bufs.k_smem, c))
-        tma.async_copy_global_to_shared(descs.v, [b, h_kv, key0, 0], bufs.kv_ready.index(c), _rows4d(bufs.v_smem, c))
+        tma_load(descs.k, [b, h_kv, key0, 0], bufs.kv_ready.index(c), _rows4d(bufs.k_smem, c))
+        tma_load(descs.v, [b, h_kv, key0, 0], bufs.kv_ready.index(c), _rows4d(bufs.v_smem, c))
     first, n_m = _q_tiles(cfg, prob, n0)
     h0 = h_kv * prob.GROUP + part * heads
     n_pairs, walk = _walk_start(cfg, prob, b, h0, heads, n0, n_m)
@@ -515,19 +516,19 @@ def _load_walk(cfg, prob, descs, bufs, n0, b, h_kv, part, heads):
             bh = b * prob.H_KV * prob.GROUP + h
             q_ready = ring.ready.index(slot)
             mbarrier.expect(q_ready, descs.q.block_type.nbytes + descs.lse.block_type.nbytes)
-            tma.async_copy_global_to_shared(descs.q, [b, h, m, 0], q_ready, bufs.q_smem.index(slot))
-            tma.async_copy_global_to_shared(descs.lse, [bh, m], q_ready, bufs.lse_smem.index(slot))
+            tma_load(descs.q, [b, h, m, 0], q_ready, bufs.q_smem.index(slot))
+            tma_load(descs.lse, [bh, m], q_ready, bufs.lse_smem.index(slot))
             do_ready = bufs.do_ready.index(slot)
             mbarrier.expect(do_ready, descs.do.block_type.nbytes + descs.delta.block_type.nbytes)
-            tma.async_copy_global_to_shared(descs.do, [b, h, m, 0], do_ready, bufs.do_smem.index(slot))
-            tma.async_copy_global_to_shared(descs.delta, [bh, m], do_ready, bufs.delta_smem.index(slot))
+            tma_load(descs.do, [b, h, m, 0], do_ready, bufs.do_smem.index(slot))
+            tma_load(descs.delta, [bh, m], do_ready, bufs.delta_smem.index(slot))
         else:
             q_ready = ring.ready.index(slot)
             mbarrier.expect(q_ready, descs.q.block_type.nbytes)
-            tma.async_copy_global_to_shared(descs.q, [b, h, m, 0], q_ready, bufs.q_smem.index(slot))
+            tma_load(descs.q, [b, h, m, 0], q_ready, bufs.q_smem.index(slot))
             do_ready = bufs.do_ready.index(slot)
             mbarrier.expect(do_ready, descs.do.block_type.nbytes)
-            tma.async_copy_global_to_shared(descs.do, [b, h, m, 0], do_ready, bufs.do_smem.index(slot))
+            tma_load(descs.do, [b, h, m, 0], do_ready, bufs.do_smem.index(slot))
 
 
 @gluon.jit
@@ -656,11 +657,11 @@ def _store_dkdv(cfg, prob, descs, bufs, keys, dk, dv, part, b, h_kv, CONSUMER: g
         # half, so dK goes through the V tile after dV has left.
         keys.v_tile.store(dv.to(cfg.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(descs.dv, [b, h_kv, k0, 0], _rows4d(bufs.v_smem, CONSUMER))
+        tma_store(descs.dv, [b, h_kv, k0, 0], _rows4d(bufs.v_smem, CONSUMER))
         tma.store_wait(pendings=0)
         keys.v_tile.store((dk * grad_scale).to(cfg.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(descs.dk, [b, h_kv, k0, 0], _rows4d(bufs.v_smem, CONSUMER))
+        tma_store(descs.dk, [b, h_kv, k0, 0], _rows4d(bufs.v_smem, CONSUMER))
         tma.store_wait(pendings=0)
 
 

@@ -132,6 +132,7 @@ from triton.language.core import _aggregate as aggregate
 from triton.language.core import base_value
 
 from .gluon_softcap import softcap_tanh
+from .gluon_tma import tma_load, tma_store
 from .grid_order import ordered_cell
 from .hopper_fwd_state import FwdBuffers, FwdConfig, FwdDescs, FwdProblem, allocate
 from .hopper_packed import PackedRows, forward_block, k_row, q_row, store_packed_rows
@@ -283,7 +284,7 @@ class FwdScheduler:
             o_tile = stage.reshape([cfg.BLOCK_M, cfg.HEAD_DIM])
             o_tile.store(out)
             fence_async_shared()
-            tma.async_copy_shared_to_global(descs.o, [b, h, row0, 0], stage)
+            tma_store(descs.o, [b, h, row0, 0], stage)
             if not cfg.PERSISTENT:
                 tma.store_wait(pendings=0)
             if cfg.EXACT_DELTA:
@@ -291,7 +292,7 @@ class FwdScheduler:
                     tma.store_wait(pendings=0)
                 o_tile.store((out32 - out.to(gl.float32)).to(cfg.dtype))
                 fence_async_shared()
-                tma.async_copy_shared_to_global(descs.r, [b, h, row0, 0], stage)
+                tma_store(descs.r, [b, h, row0, 0], stage)
                 if not cfg.PERSISTENT:
                     tma.store_wait(pendings=0)
 
@@ -400,8 +401,8 @@ def _load_block(cfg, prob, descs, bufs, sched, start_m, b, h, it, base):
     for c in gl.static_range(cfg.NUM_CONSUMERS):
         sched.wait_q_free(it, c=c)
         mbarrier.expect(bufs.q_ready.index(c), descs.q.block_type.nbytes)
-        tma.async_copy_global_to_shared(descs.q, [b, h, q_row(cfg, prob, start_m + c * cfg.BLOCK_M), 0],
-                                        bufs.q_ready.index(c), bufs.q_smem.index(c))
+        tma_load(descs.q, [b, h, q_row(cfg, prob, start_m + c * cfg.BLOCK_M), 0], bufs.q_ready.index(c),
+                 bufs.q_smem.index(c))
     lo, n_tiles, _, _ = _tile_range(cfg, prob, start_m, prob.S, ROWS=cfg.ROWS)
     if cfg.HAS_BLOCK_SPARSITY:
         n_tiles, tiles, _ = _listed_range(cfg, prob, b, h, start_m, prob.S)
@@ -417,11 +418,11 @@ def _load_block(cfg, prob, descs, bufs, sched, start_m, b, h, it, base):
         empty_phase = kv.free_phase(base + t)
         kv.wait_free(slot, empty_phase)
         mbarrier.expect(kv.ready.index(slot), descs.k.block_type.nbytes)
-        tma.async_copy_global_to_shared(descs.k, [b, h_kv, key0, 0], kv.ready.index(slot), bufs.k_smem.index(slot))
+        tma_load(descs.k, [b, h_kv, key0, 0], kv.ready.index(slot), bufs.k_smem.index(slot))
         # V has its own barriers so Q·Kᵀ can start before V lands.
         vv.wait_free(slot, empty_phase)
         mbarrier.expect(vv.ready.index(slot), descs.v.block_type.nbytes)
-        tma.async_copy_global_to_shared(descs.v, [b, h_kv, key0, 0], vv.ready.index(slot), bufs.v_smem.index(slot))
+        tma_load(descs.v, [b, h_kv, key0, 0], vv.ready.index(slot), bufs.v_smem.index(slot))
     return n_tiles
 
 

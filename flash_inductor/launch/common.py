@@ -82,12 +82,29 @@ _LAUNCH_REPLACEMENT: contextvars.ContextVar = contextvars.ContextVar("flash_indu
 
 
 def launcher(kernel):
-    """The callable a launcher indexes with its grid: the Triton (or Gluon) kernel itself, or inside
-    ``launches_replaced`` whatever its replacement makes of the kernel. Every launch path goes
-    through here, so one seam sees every launch. The ops that call the launchers are opaque to
-    ``torch.compile``, so every launch is a plain Triton launch, eager or compiled."""
+    """What a launcher indexes with its grid and calls: the Triton (or Gluon) kernel itself, or inside
+    ``launches_replaced`` whatever its replacement makes of the kernel, launched with FMA contraction
+    stated (``FusedLaunch``). Every launch path goes through here, so one seam sees every launch. The
+    ops that call the launchers are opaque to ``torch.compile``, so every launch is a plain Triton
+    launch, eager or compiled."""
     replacement = _LAUNCH_REPLACEMENT.get()
-    return kernel if replacement is None else replacement(kernel)
+    return FusedLaunch(kernel if replacement is None else replacement(kernel))
+
+
+class FusedLaunch:
+    """``kernel[grid](...)`` with ``enable_fp_fusion=True`` among the launch options. The kernels were
+    written, tested and tuned with multiply-adds contracted to FMAs (the one-pass backward's dS is one
+    FFMA a score), which is Triton's default through 3.9; Triton 3.9 warns at the first launch without
+    the option that 3.10 turns the default off. Stating it keeps the compiled code the same on every
+    Triton (on 3.6-3.9 it is the default's very code: ``tools/launch_sass.py --compare``)."""
+
+    __slots__ = ("kernel",)
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return functools.partial(self.kernel[grid], enable_fp_fusion=True)
 
 
 @contextlib.contextmanager

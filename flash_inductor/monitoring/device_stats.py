@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..launch import interpreter_enabled, triton_available
+from ..launch.common import launcher
 from .stats import FIELDS, LSE_MASKED_BELOW
 
 # The kernels write the record by position.
@@ -68,8 +69,8 @@ def _block_counts(t: Tensor, copy: Optional[Tensor] = None) -> Tensor:
     if t.numel() == 0:
         return counts.zero_()
     # Without a copy nothing is stored through dst, so any valid pointer does.
-    _kernels()._count_nonfinite[(blocks,)](t, t if copy is None else copy, t.numel(), counts,
-                                           BLOCK=COUNT_BLOCK, COPY=copy is not None, num_warps=4)
+    launcher(_kernels()._count_nonfinite)[(blocks,)](t, t if copy is None else copy, t.numel(), counts,
+                                                     BLOCK=COUNT_BLOCK, COPY=copy is not None, num_warps=4)
     return counts
 
 
@@ -88,13 +89,13 @@ def _forward(out: Tensor, lse: Tensor, seq_k: int, copy: Optional[Tensor]) -> Te
         partials[3].fill_(float("inf"))
         partials[4].fill_(float("-inf"))
     else:
-        _kernels()._forward_partials[(max(n_count_blocks, n_lse_blocks),)](
+        launcher(_kernels()._forward_partials)[(max(n_count_blocks, n_lse_blocks),)](
             out, out if copy is None else copy, out.numel(), counts, n_count_blocks,
             lse, n_rows, partials, n_lse_blocks,
             COUNT_BLOCK=COUNT_BLOCK, LSE_BLOCK=LSE_BLOCK, COPY=copy is not None, num_warps=4)
     record = torch.empty(len(FIELDS), dtype=torch.float64, device=lse.device)
-    _kernels()._forward_record[(1,)](partials, n_lse_blocks, n_rows, counts, n_count_blocks, record,
-                                     math.log(max(int(seq_k), 1)), BLOCK=REDUCE_BLOCK, num_warps=4)
+    launcher(_kernels()._forward_record)[(1,)](partials, n_lse_blocks, n_rows, counts, n_count_blocks, record,
+                                               math.log(max(int(seq_k), 1)), BLOCK=REDUCE_BLOCK, num_warps=4)
     return record
 
 
@@ -114,9 +115,9 @@ def _backward(counts: list[Tensor], device: torch.device) -> Tensor:
     their non-finite counts."""
     record = torch.empty(len(FIELDS), dtype=torch.float64, device=device)
     dq_counts, dk_counts, dv_counts = counts
-    _kernels()._backward_record[(1,)](dq_counts, dq_counts.numel(), dk_counts, dk_counts.numel(),
-                                      dv_counts, dv_counts.numel(),
-                                      record, len(FIELDS), BLOCK=REDUCE_BLOCK, num_warps=4)
+    launcher(_kernels()._backward_record)[(1,)](dq_counts, dq_counts.numel(), dk_counts, dk_counts.numel(),
+                                                dv_counts, dv_counts.numel(),
+                                                record, len(FIELDS), BLOCK=REDUCE_BLOCK, num_warps=4)
     return record
 
 

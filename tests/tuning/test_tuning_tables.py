@@ -236,7 +236,7 @@ def test_shipped_tables_read_with_this_schema_and_these_kernels():
 
 
 # The torch releases we support and the Triton each brings.
-TORCH_TRITON = [("2.11.0", "3.6.0"), ("2.13.0", "3.7.1"), ("2.14.0", "3.8.0")]
+TORCH_TRITON = [("2.11.0", "3.6.0"), ("2.13.0", "3.7.1"), ("2.14.0", "3.8.0"), ("2.15.0", "3.9.0")]
 
 
 @pytest.mark.parametrize("torch_version, triton_version", TORCH_TRITON, ids=[t for t, _ in TORCH_TRITON])

@@ -13,10 +13,19 @@ from helpers import DEVICE
 
 
 def test_the_launcher_is_the_kernel_itself():
-    """No torch wrapper (wrap_triton's higher-order op) between a launcher and its kernel."""
+    """No torch wrapper (wrap_triton's higher-order op) between a launcher and its kernel: it indexes
+    the kernel itself, and calls what that gives with FMA contraction stated."""
     from flash_inductor.kernels.attn_fwd import _attn_fwd
 
-    assert common.launcher(_attn_fwd) is _attn_fwd
+    assert common.launcher(_attn_fwd).kernel is _attn_fwd
+    calls = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **options: calls.append((grid, args, options))
+
+    common.launcher(Kernel())[(3, 1)]("x", num_warps=4)
+    assert calls == [((3, 1), ("x",), {"num_warps": 4, "enable_fp_fusion": True})]
 
 
 def _compiled_graph_targets(fn, *args):
@@ -51,8 +60,8 @@ def test_a_replaced_launcher_sees_every_launch_in_its_block_only():
     from flash_inductor.kernels.attn_fwd import _attn_fwd
 
     with common.launches_replaced(lambda kernel: ("replaced", kernel)):
-        assert common.launcher(_attn_fwd) == ("replaced", _attn_fwd)
-    assert common.launcher(_attn_fwd) is _attn_fwd
+        assert common.launcher(_attn_fwd).kernel == ("replaced", _attn_fwd)
+    assert common.launcher(_attn_fwd).kernel is _attn_fwd
 
 
 class _CountingSchedules(dict):
