@@ -95,8 +95,9 @@ class FusedLaunch:
     """``kernel[grid](...)`` with ``enable_fp_fusion=True`` among the launch options. The kernels were
     written, tested and tuned with multiply-adds contracted to FMAs (the one-pass backward's dS is one
     FFMA a score), which is Triton's default through 3.9; Triton 3.9 warns at the first launch without
-    the option that 3.10 turns the default off. Stating it keeps the compiled code the same on every
-    Triton (on 3.6-3.9 it is the default's very code: ``tools/launch_sass.py --compare``)."""
+    the option that 3.10 turns the default off. Stating it keeps contraction on whatever Triton's default;
+    where the default is on, the code is the default's (Triton 3.7: SASS identical, ``tools/launch_sass.py
+    --compare``)."""
 
     __slots__ = ("kernel",)
 
